@@ -1,0 +1,33 @@
+"""`python -m ragtrain experiment=NAME [key=value ...]`: compose, validate and resolve on the driver, then run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from ragtrain.config import ConfigError, register_configs, to_typed
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point."""
+    try:
+        typed = to_typed(cfg)  # resolves interpolations and runs every range check before any work
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from ragtrain.pipeline import prepare_output_dir, run
+
+    out = prepare_output_dir(typed.output_dir)  # an unwritable folder fails before any work
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(typed)))
+    run(typed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Connect to Ray (local or RAY_ADDRESS) and refuse resource requests the cluster can never satisfy."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ragtrain.config import ResourcesConfig
+
+
+class InfeasibleResourcesError(RuntimeError):
+    """A request no node (or not the whole cluster) can satisfy: fail in seconds instead of pending forever."""
+
+
+def init_ray(res: ResourcesConfig) -> None:
+    """Connect to $RAY_ADDRESS if set, else start a local Ray with resources.num_cpus logical CPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
+    else:
+        ray.init(num_cpus=res.num_cpus, runtime_env={"env_vars": env}, include_dashboard=False)
+
+
+def node_capacities() -> list[dict[str, float]]:
+    """Total resources of each alive node."""
+    import ray
+
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+def check_feasible(what: str, bundle: dict[str, float], count: int, nodes: Optional[list[dict[str, float]]] = None) -> None:
+    """Raise if `count` bundles of `bundle` can never be placed on the cluster's nodes (first-fit packing)."""
+    nodes = node_capacities() if nodes is None else nodes
+    bundle = {k: float(v) for k, v in bundle.items() if v}
+    free = [dict(n) for n in nodes]
+    placed = 0
+    for _ in range(count):
+        for n in free:
+            if all(n.get(k, 0.0) >= v - 1e-9 for k, v in bundle.items()):
+                for k, v in bundle.items():
+                    n[k] -= v
+                placed += 1
+                break
+        else:
+            break
+    if placed < count:
+        have = [{k: v for k, v in n.items() if not k.startswith(("node:", "memory", "object_store"))} for n in nodes]
+        raise InfeasibleResourcesError(
+            f"{what}: asked for {count} x {bundle}, but the cluster can place only {placed} "
+            f"(nodes: {have}). Lower the request in conf/resources or add nodes with those resources."
+        )
+
+
+def check_config(res: ResourcesConfig) -> None:
+    """Check the trainer group and the index pool each fit the cluster on their own (they run in turn)."""
+    t, p = res.trainer, res.pool
+    check_feasible(
+        "resources.trainer",
+        {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {}), **t.resources},
+        t.num_workers,
+    )
+    check_feasible("resources.pool", {"CPU": p.cpus_per_actor, **p.resources}, p.num_actors)

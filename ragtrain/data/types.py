@@ -1,0 +1,60 @@
+"""Core data types shared by every retrieval dataset loader.
+
+These are deliberately plain dataclasses (no torch / ray / numpy) so that every
+other part of ragtrain -- retriever training, index building, evaluation -- can
+depend on them without pulling in heavy imports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+__all__ = ["DataError", "Passage", "RetrievalData"]
+
+
+class DataError(ValueError):
+    """Bad dataset input; message names the file (and line) and the reason."""
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One retrievable passage (a BEIR corpus entry)."""
+
+    id: str
+    title: str
+    text: str
+
+    def full_text(self) -> str:
+        """Return the text to embed: ``title + " " + text``, stripped (BEIR/MTEB convention)."""
+        # Stripping makes an empty title yield exactly the text, not a leading space,
+        # which would otherwise change tokenisation for title-less corpora.
+        return (self.title + " " + self.text).strip()
+
+
+@dataclass
+class RetrievalData:
+    """A loaded retrieval dataset: corpus, queries, training pairs and the evaluated split."""
+
+    name: str
+    corpus: dict[str, Passage]  # doc id -> passage, in file order
+    queries: dict[str, str]  # query id -> text (all queries in the file)
+    train_qrels: dict[str, dict[str, int]]  # qid -> {docid: grade}; train minus dev queries
+    eval_qrels: dict[str, dict[str, int]]  # qrels of the evaluated split (``split``)
+    split: str  # name of the evaluated split
+    answers: dict[str, str] = field(default_factory=dict)  # qid -> short answer (synthetic KB)
+
+    def fingerprint(self) -> str:
+        """Return a sha256 hex digest over the corpus (ids, titles, texts, in corpus order)."""
+        # Each field is length-prefixed, so no choice of text can make two different
+        # corpora serialise to the same byte stream (plain separators could be forged
+        # by a passage containing the separator). Corpus order is part of the hash on
+        # purpose: index row numbers depend on it, so a reordered corpus is a new index.
+        h = hashlib.sha256()
+        h.update(len(self.corpus).to_bytes(8, "big"))
+        for passage in self.corpus.values():
+            for value in (passage.id, passage.title, passage.text):
+                raw = value.encode("utf-8")
+                h.update(len(raw).to_bytes(8, "big"))
+                h.update(raw)
+        return h.hexdigest()

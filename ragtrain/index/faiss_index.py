@@ -1,0 +1,154 @@
+"""FAISS index from any `index_factory` string (inner product), saved with JSON metadata and checked on load."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import faiss
+import numpy as np
+
+INDEX_FILE = "index.faiss"
+META_FILE = "index_meta.json"
+IDS_FILE = "doc_ids.txt"
+METRIC = "inner_product"  # unit-norm vectors: inner product == cosine
+
+
+class IndexMismatchError(ValueError):
+    """A saved index does not match what the caller expects (dim, metric or corpus)."""
+
+
+@dataclass
+class IndexMeta:
+    factory: str
+    dim: int
+    metric: str
+    ntotal: int
+    corpus_fingerprint: str
+    encoder: str  # which encoder produced the vectors: model name + checkpoint / step
+    encoder_step: int
+    precision: str
+    version: int = 0  # bumped by each rebuild during training
+    build_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class DenseIndex:
+    """A FAISS index plus the doc ids of its rows and its metadata."""
+
+    def __init__(self, index: faiss.Index, doc_ids: list[str], meta: IndexMeta):
+        self.index, self.doc_ids, self.meta = index, doc_ids, meta
+
+    def set_search_params(self, nprobe: int = 16, ef_search: int = 128) -> None:
+        """Apply search-time knobs where the index type has them (IVF nprobe, HNSW efSearch)."""
+        ps = faiss.ParameterSpace()
+        for name, value in (("nprobe", nprobe), ("efSearch", ef_search)):
+            try:
+                ps.set_index_parameter(self.index, name, value)
+            except RuntimeError:
+                pass  # this index type has no such parameter (e.g. Flat has neither): nothing to set
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k (scores, row positions) for each query row; positions are -1 where fewer than k exist."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        if q.ndim != 2 or q.shape[1] != self.meta.dim:
+            raise IndexMismatchError(f"query vectors have shape {q.shape}, index dim is {self.meta.dim}")
+        return self.index.search(q, min(k, self.index.ntotal))
+
+    def save(self, folder: str | Path) -> Path:
+        """Write index.faiss, doc_ids.txt and index_meta.json into `folder`."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        faiss.write_index(self.index, str(folder / INDEX_FILE))
+        (folder / IDS_FILE).write_text("\n".join(self.doc_ids) + "\n", encoding="utf-8")
+        (folder / META_FILE).write_text(json.dumps(asdict(self.meta), indent=2, sort_keys=True))
+        return folder
+
+
+def build_index(
+    vectors: np.ndarray,
+    doc_ids: Sequence[str],
+    factory: str,
+    corpus_fingerprint: str,
+    encoder: str,
+    encoder_step: int = 0,
+    precision: str = "fp32",
+    seed: int = 0,
+) -> DenseIndex:
+    """Build an inner-product index from `factory`, training it first when the type needs it."""
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    if x.ndim != 2 or x.shape[0] != len(doc_ids):
+        raise ValueError(f"vectors shape {x.shape} does not match {len(doc_ids)} doc ids")
+    start = time.perf_counter()
+    try:
+        index = faiss.index_factory(x.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:
+        raise ValueError(
+            f"index.factory={factory!r} is not a valid faiss index_factory string for dim {x.shape[1]} "
+            f"(e.g. Flat, IVF64,Flat, HNSW32, IVF64,PQ16 — PQ's M must divide the dim): {str(e).strip().splitlines()[-1]}"
+        ) from None
+    if not index.is_trained:
+        ivf = faiss.try_extract_index_ivf(index)
+        if ivf is not None and ivf.nlist > x.shape[0]:
+            raise ValueError(
+                f"index.factory={factory!r} asks for {ivf.nlist} IVF lists but the corpus has only {x.shape[0]} "
+                "vectors: use fewer lists (faiss recommends >= 39 training vectors per list)"
+            )
+        faiss.cvar.rand_seed = seed  # k-means initialisation is random: make it reproducible
+        if ivf is not None:
+            ivf.cp.seed = seed
+        index.train(x)
+    index.add(x)
+    meta = IndexMeta(
+        factory=factory,
+        dim=int(x.shape[1]),
+        metric=METRIC,
+        ntotal=int(index.ntotal),
+        corpus_fingerprint=corpus_fingerprint,
+        encoder=encoder,
+        encoder_step=encoder_step,
+        precision=precision,
+        build_seconds=time.perf_counter() - start,
+    )
+    return DenseIndex(index, list(doc_ids), meta)
+
+
+def load_index(
+    folder: str | Path,
+    expect_dim: Optional[int] = None,
+    expect_corpus: Optional[str] = None,
+    expect_metric: str = METRIC,
+) -> DenseIndex:
+    """Load an index saved by `DenseIndex.save`, failing clearly if it does not match what the caller needs."""
+    folder = Path(folder)
+    meta_path = folder / META_FILE
+    for p in (folder / INDEX_FILE, meta_path, folder / IDS_FILE):
+        if not p.exists():
+            raise FileNotFoundError(f"{p} is missing: {folder} is not a saved ragtrain index")
+    try:
+        meta = IndexMeta(**json.loads(meta_path.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise IndexMismatchError(f"{meta_path}: unreadable index metadata ({e})") from None
+    if meta.metric != expect_metric:
+        raise IndexMismatchError(f"{meta_path}: index metric is {meta.metric!r}, expected {expect_metric!r}")
+    if expect_dim is not None and meta.dim != expect_dim:
+        raise IndexMismatchError(
+            f"{meta_path}: index dim is {meta.dim} but the encoder produces {expect_dim}-dim vectors "
+            f"(index built by {meta.encoder!r})"
+        )
+    if expect_corpus is not None and meta.corpus_fingerprint != expect_corpus:
+        raise IndexMismatchError(
+            f"{meta_path}: index was built from a different corpus (fingerprint {meta.corpus_fingerprint[:12]}…, "
+            f"this corpus is {expect_corpus[:12]}…): rebuild the index"
+        )
+    index = faiss.read_index(str(folder / INDEX_FILE))
+    doc_ids = (folder / IDS_FILE).read_text(encoding="utf-8").splitlines()
+    if index.ntotal != meta.ntotal or len(doc_ids) != meta.ntotal or index.d != meta.dim:
+        raise IndexMismatchError(
+            f"{folder}: files disagree (index ntotal={index.ntotal} d={index.d}, {len(doc_ids)} ids, "
+            f"metadata ntotal={meta.ntotal} dim={meta.dim}): the index folder is corrupt"
+        )
+    return DenseIndex(index, doc_ids, meta)

@@ -1,0 +1,110 @@
+"""A pool of CPU Ray actors that encode corpus shards with an encoder snapshot from the object store."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+import torch
+
+from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
+
+
+@ray.remote
+class EncoderActor:
+    """Holds one encoder replica; loads new weights only when the snapshot version changes."""
+
+    def __init__(self, retriever: RetrieverConfig, num_threads: int):
+        from ragtrain.retriever.encoder import build_encoder, load_tokenizer
+
+        # Ray sets OMP_NUM_THREADS from num_cpus, but torch may already have read it: set intra-op threads here.
+        torch.set_num_threads(max(1, num_threads))
+        self.cfg = retriever
+        self.model = build_encoder(retriever).eval()
+        self.tokenizer = load_tokenizer(retriever)
+        self.version = None
+
+    def set_weights(self, version: Any, weights: dict[str, torch.Tensor]) -> None:
+        """Load a snapshot (Ray resolves the ObjectRef argument: each actor fetches it once)."""
+        self.model.load_state_dict(weights, strict=True)
+        self.model.eval()
+        self.version = version
+
+    def encode(
+        self, shard_id: int, texts: Sequence[str], max_length: int, batch_size: int, precision: str
+    ) -> tuple[int, Any, np.ndarray]:
+        """Embed one shard (length-sorted batches inside); returns (shard id, weights version, [n, dim] fp32)."""
+        from ragtrain.retriever.encoder import encode_texts
+
+        vecs = encode_texts(self.model, self.tokenizer, texts, max_length, batch_size, Precision(precision))
+        return shard_id, self.version, vecs.numpy()
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (placement tests)."""
+        return ray.get_runtime_context().get_node_id()
+
+
+def make_shards(texts: Sequence[str], shard_size: int) -> list[list[int]]:
+    """Split corpus positions into shards of similar text length (sorted globally), so padding stays small."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
+    return [order[i : i + shard_size] for i in range(0, len(order), shard_size)]
+
+
+class EncoderPool:
+    """N `EncoderActor`s sized by resources.pool; `encode` fans shards out and gathers vectors in corpus order."""
+
+    def __init__(self, retriever: RetrieverConfig, pool: PoolResources):
+        self.actors = [
+            EncoderActor.options(num_cpus=pool.cpus_per_actor, resources=dict(pool.resources) or None).remote(
+                retriever, int(pool.cpus_per_actor)
+            )
+            for _ in range(pool.num_actors)
+        ]
+        self._version: Any = None
+
+    def set_weights(self, version: Any, weights_ref: "ray.ObjectRef") -> None:
+        """Send a weights snapshot to every actor through the object store (one put, N gets)."""
+        ray.get([a.set_weights.remote(version, weights_ref) for a in self.actors])
+        self._version = version
+
+    def encode(
+        self, texts: Sequence[str], max_length: int, index: IndexConfig, progress: bool = True, desc: str = "encode"
+    ) -> tuple[np.ndarray, dict]:
+        """Embed all texts (truncated to max_length) with the current snapshot: ([N, dim] fp32 in input order, stats)."""
+        from ray.util import ActorPool
+        from tqdm import tqdm
+
+        if self._version is None:
+            raise RuntimeError("EncoderPool.encode called before set_weights")
+        shards = make_shards(texts, index.shard_size)
+        start = time.perf_counter()
+        out: np.ndarray | None = None
+        pool = ActorPool(self.actors)
+        work = [(sid, [texts[i] for i in shard]) for sid, shard in enumerate(shards)]
+        bar = tqdm(total=len(texts), desc=desc, unit="doc", disable=not progress, mininterval=2.0)
+        for sid, version, vecs in pool.map_unordered(
+            lambda a, w: a.encode.remote(w[0], w[1], max_length, index.batch_size, index.precision.value), work
+        ):
+            if version != self._version:  # an actor that missed a snapshot would silently mix encoders
+                raise RuntimeError(f"shard {sid} was encoded with weights {version}, expected {self._version}")
+            if out is None:
+                out = np.empty((len(texts), vecs.shape[1]), dtype=np.float32)
+            out[shards[sid]] = vecs
+            bar.update(len(shards[sid]))
+        bar.close()
+        seconds = time.perf_counter() - start
+        stats = {"docs": len(texts), "seconds": seconds, "docs_per_s": len(texts) / max(seconds, 1e-9)}
+        assert out is not None
+        return out, stats
+
+    def node_ids(self) -> list[str]:
+        """Node id of each actor."""
+        return ray.get([a.node_id.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        """Kill the actors (their CPUs return to the cluster)."""
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []

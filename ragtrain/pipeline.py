@@ -1,0 +1,176 @@
+"""run(cfg): load data -> (zero-shot index + eval) -> retriever training -> index build + eval -> MLflow summary."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ragtrain.config import Config, DataConfig, DataSource, to_flat_dict
+from ragtrain.data import RetrievalData, load_beir, make_synthetic
+from ragtrain.eval.retrieval import evaluate, run_from_scores
+
+
+def load_data(cfg: DataConfig) -> RetrievalData:
+    """The configured dataset: the built-in synthetic KB or a BEIR-format folder."""
+    if cfg.source == DataSource.synthetic:
+        return make_synthetic(num_entities=cfg.num_entities, seed=cfg.seed, split=cfg.split)
+    assert cfg.root is not None  # checked by DataConfig
+    return load_beir(cfg.root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed)
+
+
+def prepare_output_dir(path: str) -> Path:
+    """Create the run's output folder, failing early (before any work) if it cannot be written."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(f"output_dir={str(out)!r} is not writable ({e.strerror}): choose another output_dir") from None
+    return out
+
+
+class Retrieval:
+    """Builds indexes with the actor pool and evaluates them on the configured split."""
+
+    def __init__(self, cfg: Config, data: RetrievalData, pool):
+        self.cfg, self.data, self.pool = cfg, data, pool
+        self.doc_ids = list(data.corpus)
+        self.passages = [p.full_text() for p in data.corpus.values()]
+        self.fingerprint = data.fingerprint()
+
+    def build(self, tag: str, weights: dict[str, torch.Tensor], encoder_name: str, step: int):
+        """Encode the corpus with `weights` on the pool and build the FAISS index (returns index, stats)."""
+        import ray
+
+        from ragtrain.index.faiss_index import build_index
+
+        self.pool.set_weights(tag, ray.put(weights))
+        vecs, stats = self.pool.encode(
+            self.passages, self.cfg.retriever.passage_max_length, self.cfg.index, desc=f"{tag}: encode corpus"
+        )
+        idx = self.cfg.index
+        index = build_index(vecs, self.doc_ids, idx.factory, self.fingerprint, encoder_name, step, idx.precision.value, self.cfg.seed)
+        index.set_search_params(idx.nprobe, idx.ef_search)
+        stats["index_build_seconds"] = index.meta.build_seconds
+        return index, stats
+
+    def search(self, index, qids: list[str], k: int) -> dict[str, list[str]]:
+        """Encode queries with the pool's current weights and retrieve the top-k doc ids for each."""
+        texts = [self.data.queries[q] for q in qids]
+        qv, _ = self.pool.encode(texts, self.cfg.retriever.query_max_length, self.cfg.index, progress=False)
+        _, rows = index.search(qv, k)
+        return run_from_scores(qids, self.doc_ids, rows)
+
+    def evaluate(self, index) -> dict[str, float]:
+        """Retrieval metrics of `index` on the evaluated split."""
+        qids = sorted(self.data.eval_qrels)
+        return evaluate(self.search(index, qids, self.cfg.index.top_k), self.data.eval_qrels)
+
+    def mine_negatives(self, index) -> dict[str, list[int]]:
+        """Hard-negative candidates for each training query: top ranks minus the skipped ones minus gold."""
+        t = self.cfg.retriever.train
+        qids = sorted(self.data.train_qrels)
+        run = self.search(index, qids, t.hard_negative_depth)
+        pos = {d: i for i, d in enumerate(self.doc_ids)}
+        out = {}
+        for q in qids:
+            gold = {d for d, g in self.data.train_qrels[q].items() if g > 0}
+            out[q] = [pos[d] for d in run[q][t.hard_negative_skip_top :] if d not in gold]
+        return out
+
+
+def summary_table(results: dict[str, dict[str, float]]) -> str:
+    """Metrics side by side per phase (zero-shot, trained), with the change."""
+    from tabulate import tabulate
+
+    phases = list(results)
+    keys = [k for k in next(iter(results.values())) if "@" in k]
+    rows = []
+    for k in keys:
+        row = [k] + [results[p].get(k, float("nan")) for p in phases]
+        if len(phases) >= 2:
+            row.append(row[-1] - row[1])
+        rows.append(row)
+    headers = ["metric"] + phases + (["change"] if len(phases) >= 2 else [])
+    return tabulate(rows, headers=headers, floatfmt=".4f")
+
+
+def run(cfg: Config) -> dict[str, dict[str, float]]:
+    """Run the configured stages end to end; returns {phase: metrics}."""
+    from ragtrain.cluster.resources import check_config, init_ray
+    from ragtrain.index.pool import EncoderPool
+    from ragtrain.retriever.batching import TrainData, build_examples
+    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.retriever.train import fit_retriever, save_weights
+    from ragtrain.track.mlflow import RunLogger
+
+    out = prepare_output_dir(cfg.output_dir)
+    data = load_data(cfg.data)  # bad data fails here, before Ray or MLflow start
+    print(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
+          f"{len(data.eval_qrels)} {data.split} queries")
+    init_ray(cfg.resources)
+    check_config(cfg.resources)  # infeasible requests fail in seconds, not as a pending hang
+
+    logger = RunLogger(cfg.logger, run_name=cfg.experiment_name)
+    status = "FAILED"
+    try:
+        logger.log_params(to_flat_dict(cfg))
+        logger.log_artifact(out / "config.yaml") if (out / "config.yaml").exists() else None
+        torch.manual_seed(cfg.seed)  # the tiny encoder's init; pretrained weights ignore it
+        encoder = build_encoder(cfg.retriever)
+        weights = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
+        encoder_name, step = f"{cfg.retriever.model}@init", 0
+        del encoder
+
+        pool = EncoderPool(cfg.retriever, cfg.resources.pool)
+        retrieval = Retrieval(cfg, data, pool)
+        results: dict[str, dict[str, float]] = {}
+        needs_negatives = "retriever" in cfg.stages and cfg.retriever.train.hard_negatives > 0
+        negatives: Optional[dict[str, list[int]]] = None
+        if cfg.zeroshot_eval or needs_negatives:
+            index, stats = retrieval.build("zeroshot", weights, encoder_name, step)
+            results["zeroshot"] = {**retrieval.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
+            logger.log_metrics({f"zeroshot/{k}": v for k, v in results["zeroshot"].items()}, step=0)
+            if needs_negatives:
+                negatives = retrieval.mine_negatives(index)
+
+        if "retriever" in cfg.stages:
+            pos = {d: i for i, d in enumerate(retrieval.doc_ids)}
+            examples = build_examples(data.queries, data.train_qrels, pos, negatives)
+            fit = fit_retriever(cfg, TrainData(retrieval.passages, examples), weights, logger.sink())
+            weights, step = fit.weights, fit.steps
+            (out / "encoder").mkdir(exist_ok=True)
+            save_weights_path = save_weights(weights, out / "encoder")
+            encoder_name = f"{cfg.retriever.model}@{save_weights_path}"
+            print(f"[retriever] {fit.steps} steps in {fit.seconds:.1f}s; weights: {save_weights_path}")
+            logger.log_metrics({"train/seconds": fit.seconds, "train/steps": fit.steps}, step=step)
+
+        if "index" in cfg.stages:
+            index, stats = retrieval.build("final", weights, encoder_name, step)
+            results["trained" if "retriever" in cfg.stages else "final"] = {
+                **retrieval.evaluate(index),
+                "encode_docs_per_s": stats["docs_per_s"],
+            }
+            index.save(out / "index")
+            logger.log_json(asdict(index.meta), "index_meta.json")
+
+        pool.shutdown()
+        (out / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+        logger.log_artifact(out / "metrics.json")
+        for phase, m in results.items():
+            logger.log_metrics({f"{phase}/{k}": v for k, v in m.items()}, step=step)
+        print(f"\n== {cfg.experiment_name}: {data.name} split={data.split} index={cfg.index.factory} ==")
+        print(summary_table(results))
+        print(f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else ""))
+        status = "FINISHED"
+        return results
+    finally:
+        logger.end(status)
+

