@@ -39,11 +39,28 @@ def prepare_output_dir(path: str) -> Path:
 class Retrieval:
     """Builds indexes with the actor pool and evaluates them on the configured split."""
 
-    def __init__(self, cfg: Config, data: RetrievalData, pool):
-        self.cfg, self.data, self.pool = cfg, data, pool
+    def __init__(self, cfg: Config, data: RetrievalData):
+        self.cfg, self.data = cfg, data
+        self._pool = None
         self.doc_ids = list(data.corpus)
         self.passages = [p.full_text() for p in data.corpus.values()]
         self.fingerprint = data.fingerprint()
+
+    @property
+    def pool(self):
+        """The encoder actor pool, started on first use."""
+        from ragtrain.index.pool import EncoderPool
+
+    
+        if self._pool is None:
+            self._pool = EncoderPool(self.cfg.retriever, self.cfg.resources.pool)
+        return self._pool
+
+    def release(self) -> None:
+        """Stop the pool so its CPUs go back to the cluster (the trainer needs them on a small machine)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def build(self, tag: str, weights: dict[str, torch.Tensor], encoder_name: str, step: int):
         """Encode the corpus with `weights` on the pool and build the FAISS index (returns index, stats)."""
@@ -105,7 +122,6 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
 def run(cfg: Config) -> dict[str, dict[str, float]]:
     """Run the configured stages end to end; returns {phase: metrics}."""
     from ragtrain.cluster.resources import check_config, init_ray
-    from ragtrain.index.pool import EncoderPool
     from ragtrain.retriever.batching import TrainData, build_examples
     from ragtrain.retriever.encoder import build_encoder
     from ragtrain.retriever.train import fit_retriever, save_weights
@@ -129,8 +145,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
         encoder_name, step = f"{cfg.retriever.model}@init", 0
         del encoder
 
-        pool = EncoderPool(cfg.retriever, cfg.resources.pool)
-        retrieval = Retrieval(cfg, data, pool)
+        retrieval = Retrieval(cfg, data)
         results: dict[str, dict[str, float]] = {}
         needs_negatives = "retriever" in cfg.stages and cfg.retriever.train.hard_negatives > 0
         negatives: Optional[dict[str, list[int]]] = None
@@ -143,6 +158,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
 
         if "retriever" in cfg.stages:
             pos = {d: i for i, d in enumerate(retrieval.doc_ids)}
+            retrieval.release()  # trainer and pool take turns on the CPUs (issue: isolation + live refresh)
             examples = build_examples(data.queries, data.train_qrels, pos, negatives)
             fit = fit_retriever(cfg, TrainData(retrieval.passages, examples), weights, logger.sink())
             weights, step = fit.weights, fit.steps
@@ -161,7 +177,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
             index.save(out / "index")
             logger.log_json(asdict(index.meta), "index_meta.json")
 
-        pool.shutdown()
+        retrieval.release()
         (out / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
         logger.log_artifact(out / "metrics.json")
         for phase, m in results.items():

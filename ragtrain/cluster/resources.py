@@ -22,7 +22,7 @@ def init_ray(res: ResourcesConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
     else:
-        ray.init(num_cpus=res.num_cpus, runtime_env={"env_vars": env}, include_dashboard=False)
+        ray.init(num_cpus=res.num_cpus, runtime_env={"env_vars": env})
 
 
 def node_capacities() -> list[dict[str, float]]:

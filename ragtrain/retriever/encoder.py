@@ -53,7 +53,12 @@ def build_backbone(cfg: RetrieverConfig) -> nn.Module:
             max_position_embeddings=512,
         )
         return BertModel(bert_cfg, add_pooling_layer=False)
-    return AutoModel.from_pretrained(resolve_model_path(cfg.model))
+    model = AutoModel.from_pretrained(resolve_model_path(cfg.model))
+    # BERT-style checkpoints carry a [CLS] pooler we never use: drop it, or DDP waits forever for its gradients
+    # (and the index would hash weights that don't affect the vectors).
+    if getattr(model, "pooler", None) is not None:
+        model.pooler = None
+    return model
 
 
 class BiEncoder(nn.Module):

@@ -20,9 +20,15 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     """Concatenate `t` from all ranks in rank order; backward sums the gradients to each owner."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
+    import warnings
+
     from torch.distributed.nn.functional import all_gather
 
-    return torch.cat(all_gather(t), dim=0)
+    with warnings.catch_warnings():
+        # Deprecated in favour of a private functional-collectives API; this public one is still the documented
+        # autograd all_gather (backward = reduce-scatter SUM), which is exactly the semantics we need.
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.cat(all_gather(t), dim=0)
 
 
 def gather_no_grad(t: torch.Tensor) -> torch.Tensor:

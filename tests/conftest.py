@@ -1,0 +1,54 @@
+"""Shared fixtures: one real local Ray cluster per test session, configs composed the way users compose them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Keep Ray on 127.0.0.1 (not the machine's interface address); must be set before Ray starts.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+SCIFACT = REPO.parent / "shared" / "data" / "scifact"
+RAY_CPUS = 4  # logical CPUs: light tasks may exceed the 2 physical cores
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A real local Ray cluster, started once for the whole test session."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=RAY_CPUS, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
+
+
+def compose(overrides: list[str] | None = None):
+    """Compose conf/config.yaml with overrides exactly as `python -m ragtrain` does (returns the DictConfig)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from ragtrain.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides or [])
+
+
+def tiny_overrides(tmp_path: Path) -> list[str]:
+    """Shrink any experiment for CPU tests: tiny encoder, small KB, a few steps, outputs and MLflow in tmp_path."""
+    return [
+        "retriever=tiny",
+        "data.num_entities=24",
+        "retriever.train.max_steps=4",
+        "retriever.train.batch_size=4",
+        "resources.num_cpus=4",
+        f"output_dir={tmp_path / 'out'}",
+        f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ]
