@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ragtrain.config import ConfigError, register_configs, to_typed
 
@@ -22,10 +22,8 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    from ragtrain.pipeline import prepare_output_dir, run
+    from ragtrain.pipeline import run
 
-    out = prepare_output_dir(typed.output_dir)  # an unwritable folder fails before any work
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(typed)))
     run(typed)
 
 

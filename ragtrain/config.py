@@ -189,14 +189,14 @@ class Config:
     experiment_name: str = "default"
     # retriever = train the bi-encoder; index = build the index with the final encoder and evaluate it
     stages: list[str] = field(default_factory=lambda: ["retriever", "index"])
-    zeroshot_eval: bool = True  # build + evaluate an index with the untrained encoder first
+    zeroshot_eval: bool = True  # with the retriever stage: also build + evaluate an index of the untrained encoder
     output_dir: str = "outputs/default"
     seed: int = 0
 
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]
         _check(not bad, "stages", f"has unknown stage(s) {bad}; valid choices: {list(STAGES)}", self.stages)
-        _check(bool(self.stages) or self.zeroshot_eval, "stages", "is empty and zeroshot_eval is false: nothing to do", self.stages)
+        _check(bool(self.stages), "stages", f"is empty: nothing to do; valid choices: {list(STAGES)}", self.stages)
 
 
 def register_configs() -> None:

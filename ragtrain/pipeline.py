@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from ragtrain.config import Config, DataConfig, DataSource, to_flat_dict
 from ragtrain.data import RetrievalData, load_beir, make_synthetic
@@ -127,7 +128,8 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
     from ragtrain.retriever.train import fit_retriever, save_weights
     from ragtrain.track.mlflow import RunLogger
 
-    out = prepare_output_dir(cfg.output_dir)
+    out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
     data = load_data(cfg.data)  # bad data fails here, before Ray or MLflow start
     print(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
           f"{len(data.eval_qrels)} {data.split} queries")
@@ -138,7 +140,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
     status = "FAILED"
     try:
         logger.log_params(to_flat_dict(cfg))
-        logger.log_artifact(out / "config.yaml") if (out / "config.yaml").exists() else None
+        logger.log_artifact(out / "config.yaml")
         torch.manual_seed(cfg.seed)  # the tiny encoder's init; pretrained weights ignore it
         encoder = build_encoder(cfg.retriever)
         weights = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
@@ -147,9 +149,10 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
 
         retrieval = Retrieval(cfg, data)
         results: dict[str, dict[str, float]] = {}
-        needs_negatives = "retriever" in cfg.stages and cfg.retriever.train.hard_negatives > 0
+        train = "retriever" in cfg.stages
+        needs_negatives = train and cfg.retriever.train.hard_negatives > 0
         negatives: Optional[dict[str, list[int]]] = None
-        if cfg.zeroshot_eval or needs_negatives:
+        if train and (cfg.zeroshot_eval or needs_negatives):
             index, stats = retrieval.build("zeroshot", weights, encoder_name, step)
             results["zeroshot"] = {**retrieval.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
             logger.log_metrics({f"zeroshot/{k}": v for k, v in results["zeroshot"].items()}, step=0)
@@ -170,7 +173,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
 
         if "index" in cfg.stages:
             index, stats = retrieval.build("final", weights, encoder_name, step)
-            results["trained" if "retriever" in cfg.stages else "final"] = {
+            results["trained" if train else "zeroshot"] = {
                 **retrieval.evaluate(index),
                 "encode_docs_per_s": stats["docs_per_s"],
             }

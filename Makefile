@@ -1,0 +1,41 @@
+# ragtrain: `make quickstart` and `make test` are the two set-up commands (README). Both create .venv on demand.
+PYTHON ?= python3.11
+VENV ?= .venv
+# torch is chosen deliberately, before the project, so pip never resolves a multi-GB CUDA build on a CPU box:
+#   CPU (default): torch==2.13.0 (a CPU wheel on these machines' disk; elsewhere add TORCH_INDEX below)
+#   CPU elsewhere: make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#   GPU:           make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128 EXTRAS=dev,gpu
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+EXTRAS ?= dev
+PY := $(VENV)/bin/python
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup quickstart test test-slow bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+quickstart: setup
+	$(PY) -m ragtrain experiment=quickstart
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+bench: setup
+	$(PY) benchmarks/pool_throughput.py
+	$(PY) benchmarks/train_throughput.py
+
+clean:
+	rm -rf outputs mlruns .pytest_cache

@@ -1,0 +1,333 @@
+"""Tests for the FAISS index wrapper: factories, recall vs exact search, save/load checks, errors, determinism."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+
+from ragtrain.index.faiss_index import (
+    IDS_FILE,
+    INDEX_FILE,
+    META_FILE,
+    METRIC,
+    DenseIndex,
+    IndexMismatchError,
+    build_index,
+    load_index,
+)
+
+N, DIM, NQ, K = 2000, 32, 200, 10
+FINGERPRINT = "corpusfp-aaaaaaaaaaaaaaaaaaaa"
+OTHER_FINGERPRINT = "othercorpus-bbbbbbbbbbbbbbbb"
+
+# build_index sets `faiss.cvar.rand_seed`, which faiss (1.15) does not have: every factory that needs training
+# (IVF, PQ) dies with AttributeError before training. Remove this marker once build_index is fixed; any other
+# failure of the marked tests (e.g. low recall) is reported as a real failure because of `raises=`.
+TRAINING_SEED_BUG = pytest.mark.xfail(
+    raises=AttributeError,
+    strict=True,
+    reason="build_index: faiss.cvar.rand_seed does not exist in faiss 1.15 (AttributeError for IVF/PQ factories)",
+)
+
+
+def _unit(rng: np.random.Generator, n: int, dim: int = DIM) -> np.ndarray:
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> tuple[np.ndarray, list[str], np.ndarray]:
+    rng = np.random.default_rng(1234)
+    return _unit(rng, N), [f"doc-{i:05d}" for i in range(N)], _unit(rng, NQ)
+
+
+@pytest.fixture(scope="module")
+def exact(corpus) -> np.ndarray:
+    """Exact top-K row positions by brute-force inner product (numpy)."""
+    x, _, q = corpus
+    return np.argsort(-(q @ x.T), axis=1, kind="stable")[:, :K]
+
+
+def _build(corpus, factory: str, **kw) -> DenseIndex:
+    x, ids, _ = corpus
+    return build_index(x, ids, factory, FINGERPRINT, "tiny@step0", **kw)
+
+
+def _recall(found: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.mean([len(set(f) & set(t)) / len(t) for f, t in zip(found, truth)]))
+
+
+# ---------------------------------------------------------------------------------------------------- building
+
+
+def test_flat_search_equals_numpy_inner_product(corpus, exact) -> None:
+    x, ids, q = corpus
+    idx = _build(corpus, "Flat")
+    scores, pos = idx.search(q, K)
+    assert pos.shape == scores.shape == (NQ, K)
+    np.testing.assert_array_equal(pos, exact)
+    np.testing.assert_allclose(scores, np.take_along_axis(q @ x.T, exact, axis=1), rtol=0, atol=1e-5)
+    # Scores come back best first.
+    assert np.all(np.diff(scores, axis=1) <= 1e-6)
+    # Row positions map to the doc ids given at build time.
+    assert [idx.doc_ids[p] for p in pos[0]] == [ids[p] for p in exact[0]]
+
+
+@pytest.mark.parametrize(
+    "factory, trained_type",
+    [
+        ("Flat", faiss.IndexFlat),
+        pytest.param("IVF16,Flat", faiss.IndexIVFFlat, marks=TRAINING_SEED_BUG),
+        ("HNSW16", faiss.IndexHNSWFlat),
+        pytest.param("IVF16,PQ8", faiss.IndexIVFPQ, marks=TRAINING_SEED_BUG),
+        pytest.param("PQ8", faiss.IndexPQ, marks=TRAINING_SEED_BUG),
+    ],
+)
+def test_build_metadata_and_training(corpus, factory: str, trained_type: type) -> None:
+    x, ids, _ = corpus
+    idx = build_index(x, ids, factory, FINGERPRINT, "tiny@step7", encoder_step=7, precision="bf16", seed=3)
+    assert isinstance(idx.index, trained_type)
+    assert idx.index.is_trained
+    assert idx.index.ntotal == N
+    assert idx.index.metric_type == faiss.METRIC_INNER_PRODUCT
+    assert idx.doc_ids == ids and idx.doc_ids is not ids  # a copy: later edits of the caller's list don't leak in
+    m = idx.meta
+    assert (m.factory, m.dim, m.metric, m.ntotal) == (factory, DIM, METRIC, N)
+    assert (m.corpus_fingerprint, m.encoder, m.encoder_step, m.precision) == (FINGERPRINT, "tiny@step7", 7, "bf16")
+    assert m.version == 0 and m.extra == {}
+    assert m.build_seconds >= 0
+
+
+def test_untrained_factories_really_need_training() -> None:
+    """Guards the test above: IVF and PQ start untrained, so `is_trained` after build means build_index trained them."""
+    for factory in ("IVF16,Flat", "IVF16,PQ8", "PQ8"):
+        assert not faiss.index_factory(DIM, factory, faiss.METRIC_INNER_PRODUCT).is_trained, factory
+
+
+@pytest.mark.parametrize(
+    "factory, floor",
+    [
+        pytest.param("IVF16,Flat", 0.9, marks=TRAINING_SEED_BUG),
+        ("HNSW16", 0.9),
+        pytest.param("IVF16,PQ8", 0.5, marks=TRAINING_SEED_BUG),
+        pytest.param("PQ8", 0.5, marks=TRAINING_SEED_BUG),
+    ],
+)
+def test_approximate_recall_vs_flat(corpus, exact, factory: str, floor: float) -> None:
+    _, _, q = corpus
+    flat_pos = _build(corpus, "Flat").search(q, K)[1]
+    np.testing.assert_array_equal(flat_pos, exact)
+    idx = _build(corpus, factory)
+    idx.set_search_params(nprobe=16, ef_search=128)
+    recall = _recall(idx.search(q, K)[1], flat_pos)
+    assert recall >= floor, f"{factory}: recall@{K} {recall:.3f} < {floor}"
+
+
+def test_set_search_params_sets_hnsw_ef_and_ignores_missing_knobs(corpus) -> None:
+    hnsw = _build(corpus, "HNSW16")
+    hnsw.set_search_params(nprobe=3, ef_search=77)  # HNSW has no nprobe: silently skipped
+    assert hnsw.index.hnsw.efSearch == 77
+    _build(corpus, "Flat").set_search_params(nprobe=16, ef_search=128)  # Flat has neither: no error
+
+
+@TRAINING_SEED_BUG
+def test_set_search_params_sets_ivf_nprobe(corpus, exact) -> None:
+    _, _, q = corpus
+    idx = _build(corpus, "IVF16,Flat")
+    idx.set_search_params(nprobe=1)
+    assert faiss.extract_index_ivf(idx.index).nprobe == 1
+    low = _recall(idx.search(q, K)[1], exact)
+    idx.set_search_params(nprobe=16)
+    assert faiss.extract_index_ivf(idx.index).nprobe == 16
+    high = _recall(idx.search(q, K)[1], exact)
+    assert low < high == pytest.approx(1.0)  # 16 of 16 lists probed: exhaustive
+
+
+@TRAINING_SEED_BUG
+def test_ivf_build_is_deterministic_for_a_seed(corpus) -> None:
+    _, _, q = corpus
+    results = []
+    for _ in range(2):
+        idx = _build(corpus, "IVF16,PQ8", seed=11)
+        idx.set_search_params(nprobe=4)
+        results.append(idx.search(q, K))
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+
+
+def test_search_clamps_k_to_ntotal(corpus) -> None:
+    x, ids, q = corpus
+    small = build_index(x[:5], ids[:5], "Flat", FINGERPRINT, "enc")
+    scores, pos = small.search(q[:3], 50)
+    assert pos.shape == (3, 5)
+    assert sorted(pos[0].tolist()) == [0, 1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+def test_invalid_factory_names_the_config_key(corpus) -> None:
+    with pytest.raises(ValueError, match=r"index\.factory") as e:
+        _build(corpus, "Foo12")
+    assert "Foo12" in str(e.value)
+
+
+def test_pq_m_not_dividing_dim_is_a_clear_value_error(corpus) -> None:
+    with pytest.raises(ValueError, match=r"index\.factory='PQ7'"):
+        _build(corpus, "PQ7")
+
+
+def test_too_many_ivf_lists_names_the_list_count(corpus) -> None:
+    with pytest.raises(ValueError, match=r"index\.factory") as e:
+        _build(corpus, "IVF4096,Flat")
+    assert "4096" in str(e.value) and str(N) in str(e.value)
+
+
+def test_vectors_and_ids_must_agree(corpus) -> None:
+    x, ids, _ = corpus
+    with pytest.raises(ValueError, match="doc ids"):
+        build_index(x, ids[:-1], "Flat", FINGERPRINT, "enc")
+
+
+@pytest.mark.parametrize("shape", [(3, DIM + 1), (3, DIM - 1), (DIM,)])
+def test_query_with_wrong_dim_raises_mismatch(corpus, shape) -> None:
+    idx = _build(corpus, "Flat")
+    with pytest.raises(IndexMismatchError, match=f"index dim is {DIM}"):
+        idx.search(np.ones(shape, dtype=np.float32), K)
+
+
+# ---------------------------------------------------------------------------------------------------- save / load
+
+
+@pytest.fixture
+def saved(corpus, tmp_path: Path) -> tuple[DenseIndex, Path]:
+    idx = _build(corpus, "HNSW16")
+    idx.meta.version = 4
+    folder = idx.save(tmp_path / "idx")
+    return idx, folder
+
+
+def test_save_writes_the_three_files(saved) -> None:
+    idx, folder = saved
+    assert {p.name for p in folder.iterdir()} == {INDEX_FILE, META_FILE, IDS_FILE}
+    meta = json.loads((folder / META_FILE).read_text())
+    assert meta["dim"] == DIM and meta["ntotal"] == N and meta["metric"] == METRIC and meta["version"] == 4
+    assert (folder / IDS_FILE).read_text(encoding="utf-8").splitlines() == idx.doc_ids
+
+
+@pytest.mark.parametrize("factory", ["Flat", "HNSW16", pytest.param("IVF16,PQ8", marks=TRAINING_SEED_BUG)])
+def test_round_trip_gives_identical_results(corpus, tmp_path: Path, factory: str) -> None:
+    _, _, q = corpus
+    idx = _build(corpus, factory)
+    idx.set_search_params(nprobe=4, ef_search=64)
+    before = idx.search(q, K)
+    loaded = load_index(idx.save(tmp_path / "idx"), expect_dim=DIM, expect_corpus=FINGERPRINT)
+    loaded.set_search_params(nprobe=4, ef_search=64)
+    after = loaded.search(q, K)
+    np.testing.assert_array_equal(before[1], after[1])
+    np.testing.assert_array_equal(before[0], after[0])
+    assert loaded.doc_ids == idx.doc_ids
+    assert loaded.meta == idx.meta
+
+
+def test_load_wrong_dim(saved) -> None:
+    _, folder = saved
+    with pytest.raises(IndexMismatchError) as e:
+        load_index(folder, expect_dim=384)
+    msg = str(e.value)
+    assert str(folder / META_FILE) in msg and str(DIM) in msg and "384" in msg
+
+
+def test_load_wrong_corpus(saved) -> None:
+    _, folder = saved
+    with pytest.raises(IndexMismatchError) as e:
+        load_index(folder, expect_corpus=OTHER_FINGERPRINT)
+    msg = str(e.value)
+    # The message abbreviates fingerprints to their first 12 characters.
+    assert str(folder / META_FILE) in msg and FINGERPRINT[:12] in msg and OTHER_FINGERPRINT[:12] in msg
+
+
+def test_load_wrong_metric(saved) -> None:
+    _, folder = saved
+    with pytest.raises(IndexMismatchError) as e:
+        load_index(folder, expect_metric="l2")
+    msg = str(e.value)
+    assert str(folder / META_FILE) in msg and repr(METRIC) in msg and "'l2'" in msg
+
+
+def test_load_matching_expectations_succeeds(saved) -> None:
+    idx, folder = saved
+    loaded = load_index(folder, expect_dim=DIM, expect_corpus=FINGERPRINT, expect_metric=METRIC)
+    assert loaded.meta.version == 4 and loaded.index.ntotal == N
+
+
+@pytest.mark.parametrize("missing", [INDEX_FILE, META_FILE, IDS_FILE])
+def test_missing_file_raises_file_not_found(saved, missing: str) -> None:
+    _, folder = saved
+    (folder / missing).unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        load_index(folder)
+    assert str(folder / missing) in str(e.value)
+
+
+def test_missing_folder_raises_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_index(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"factory": "HNSW16", "dim": 32',  # truncated JSON
+        "",  # empty file
+        "[1, 2, 3]",  # valid JSON, not an object
+        '{"factory": "HNSW16"}',  # missing fields
+    ],
+)
+def test_corrupted_meta_raises_clearly(saved, content: str) -> None:
+    _, folder = saved
+    (folder / META_FILE).write_text(content)
+    with pytest.raises(IndexMismatchError, match="unreadable index metadata") as e:
+        load_index(folder)
+    assert str(folder / META_FILE) in str(e.value)
+
+
+def test_meta_with_unknown_field_raises_clearly(saved) -> None:
+    _, folder = saved
+    meta = json.loads((folder / META_FILE).read_text())
+    meta["surprise"] = 1
+    (folder / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(IndexMismatchError, match="unreadable index metadata"):
+        load_index(folder)
+
+
+def test_doc_ids_with_a_line_removed_is_corrupt(saved) -> None:
+    _, folder = saved
+    lines = (folder / IDS_FILE).read_text(encoding="utf-8").splitlines()
+    del lines[17]
+    (folder / IDS_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(IndexMismatchError, match="corrupt") as e:
+        load_index(folder)
+    assert f"{N - 1} ids" in str(e.value) and f"ntotal={N}" in str(e.value)
+
+
+def test_meta_ntotal_disagreeing_with_index_is_corrupt(saved) -> None:
+    _, folder = saved
+    meta = json.loads((folder / META_FILE).read_text())
+    meta["ntotal"] = N + 1
+    (folder / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(IndexMismatchError, match="corrupt"):
+        load_index(folder)
+
+
+def test_index_file_swapped_for_other_dim_is_corrupt(saved, corpus) -> None:
+    _, folder = saved
+    x, ids, _ = corpus
+    other = build_index(np.ascontiguousarray(x[:, :16]), ids, "Flat", FINGERPRINT, "enc")
+    faiss.write_index(other.index, str(folder / INDEX_FILE))
+    with pytest.raises(IndexMismatchError, match="corrupt"):
+        load_index(folder)

@@ -1,0 +1,126 @@
+"""The retriever loss does not depend on the worker count: 2 gloo workers x B == 1 worker x 2B (loss and grads)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ragtrain.config import RetrieverConfig, TinyEncoderConfig
+from ragtrain.retriever.encoder import build_encoder
+from ragtrain.retriever.loss import contrastive_loss
+from ragtrain.retriever.train import QPEncoder
+
+B, H, VOCAB = 4, 2, 1000  # per-worker batch, hard negatives per query
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _texts(n: int, gen: torch.Generator, max_len: int = 12) -> list[torch.Tensor]:
+    return [torch.randint(5, VOCAB, (int(torch.randint(3, max_len, (1,), generator=gen)),), generator=gen) for _ in range(n)]
+
+
+def _pad(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pad to the longest sequence of THIS batch (so 1 and 2 workers pad differently, as in real training)."""
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def global_batch():
+    """2B queries, their positives (id i) and H negatives each (ids 1000 + ...); query 0 has a second gold
+    passage that is the positive of query B + 1, i.e. it lives on the OTHER worker: it must be masked, not a negative."""
+    gen = torch.Generator().manual_seed(1)
+    n = 2 * B
+    q, pos, neg = _texts(n, gen), _texts(n, gen, 20), _texts(n * H, gen, 20)
+    gold = [[i] for i in range(n)]
+    gold[0].append(B + 1)
+    neg_ids = [1000 + j for j in range(n * H)]
+    return q, pos, neg, gold, neg_ids
+
+
+def _step(rank: int, world: int, port: int, out: str) -> None:
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    cfg = RetrieverConfig(model="tiny", tiny=TinyEncoderConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64))
+    model = QPEncoder(build_encoder(cfg))
+    encoder = model.encoder
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    q, pos, neg, gold, neg_ids = global_batch()
+    b = len(q) // world
+    sl = slice(rank * b, (rank + 1) * b)
+    mine_neg = slice(rank * b * H, (rank + 1) * b * H)
+    p_ids = list(range(len(q)))[sl] + neg_ids[mine_neg]
+    golds = gold[sl]
+    gmax = max(len(g) for g in gold)
+    q_gold = torch.tensor([g + [-1] * (gmax - len(g)) for g in golds])
+    q_emb, p_emb = model(_pad(q[sl]), _pad(pos[sl] + neg[mine_neg]))
+    loss = contrastive_loss(q_emb, p_emb, 0.05, q_gold, torch.tensor(p_ids))
+    loss.backward()  # DDP averages the gradients across workers here
+    global_loss = loss.detach().clone()
+    if world > 1:
+        dist.all_reduce(global_loss)
+        global_loss /= world
+    if rank == 0:
+        grads = {k: p.grad.clone() for k, p in encoder.named_parameters() if p.grad is not None}
+        torch.save({"loss": global_loss, "grads": grads}, out)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _run(world: int, tmp: Path) -> dict:
+    out = str(tmp / f"w{world}.pt")
+    if world == 1:
+        _step(0, 1, 0, out)
+    else:
+        mp.spawn(_step, args=(world, _free_port(), out), nprocs=world, join=True)
+    return torch.load(out, weights_only=True)
+
+
+def test_two_workers_equal_one_worker_with_double_batch(tmp_path: Path) -> None:
+    one, two = _run(1, tmp_path), _run(2, tmp_path)
+    torch.testing.assert_close(two["loss"], one["loss"], atol=1e-5, rtol=0)
+    assert set(one["grads"]) == set(two["grads"]) and len(one["grads"]) > 10
+    for k in one["grads"]:
+        torch.testing.assert_close(two["grads"][k], one["grads"][k], atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+    # The comparison is not vacuous: the gradients are far from zero.
+    assert max(g.abs().max().item() for g in one["grads"].values()) > 1e-3
+
+
+def test_gold_masking_changes_loss() -> None:
+    """A second gold passage in the batch is masked, not scored as a negative."""
+    torch.manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(2, 8), dim=-1)
+    p = torch.nn.functional.normalize(torch.randn(2, 8), dim=-1)
+    q_gold = torch.tensor([[0, 1], [1, -1]])
+    masked = contrastive_loss(q, p, 0.1, q_gold, torch.tensor([0, 1]))
+    plain = contrastive_loss(q, p, 0.1)
+    # Query 0 sees only its positive after masking: loss term 0 exactly; query 1 is unchanged.
+    s = q @ p.T / 0.1
+    expected = (0 + torch.nn.functional.cross_entropy(s[1:], torch.tensor([1]))) / 2
+    torch.testing.assert_close(masked, expected)
+    assert not torch.isclose(masked, plain)
+
+
+@pytest.mark.parametrize("temperature", [0.05, 1.0])
+def test_loss_matches_cross_entropy_definition(temperature: float) -> None:
+    torch.manual_seed(0)
+    q, p = torch.randn(3, 5), torch.randn(6, 5)
+    s = q @ p.T / temperature
+    expected = -torch.log_softmax(s, dim=1)[torch.arange(3), torch.arange(3)].mean()
+    torch.testing.assert_close(contrastive_loss(q, p, temperature), expected)

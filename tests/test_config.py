@@ -1,0 +1,97 @@
+"""Every experiment composes the way users compose it; bad keys and values fail before work, naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from ragtrain.config import Config, ConfigError, to_flat_dict, to_typed
+from tests.conftest import CONF_DIR, REPO, compose
+
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+def test_experiments_exist() -> None:
+    assert {"quickstart", "scifact_zeroshot", "scifact_finetune"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(name: str, tmp_path: Path) -> None:
+    cfg = compose([f"experiment={name}", f"output_dir={tmp_path}"])
+    typed = to_typed(cfg)
+    assert isinstance(typed, Config)
+    assert typed.experiment_name == name
+    flat = to_flat_dict(typed)
+    assert flat["retriever.train.batch_size"] == str(typed.retriever.train.batch_size)
+
+
+def test_experiment_file_starts_with_global_package() -> None:
+    for p in (CONF_DIR / "experiment").glob("*.yaml"):
+        assert p.read_text().startswith("# @package _global_"), p
+
+
+def test_command_line_group_override_beats_experiment(tmp_path: Path) -> None:
+    typed = to_typed(compose(["experiment=quickstart", "retriever=tiny", f"output_dir={tmp_path}"]))
+    assert typed.retriever.model == "tiny"
+
+
+def test_unknown_key_fails() -> None:
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["retriever.train.batch_sise=4"])
+    assert "batch_sise" in str(e.value) + str(e.value.__cause__)
+
+
+def test_wrong_type_fails() -> None:
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["retriever.train.batch_size=big"])
+    assert "batch_size" in str(e.value) + str(e.value.__cause__)
+
+
+def test_bad_enum_lists_choices() -> None:
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["index.precision=fp8"])
+    msg = str(e.value) + str(e.value.__cause__)
+    assert "fp32" in msg and "bf16" in msg
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("retriever.train.batch_size=0", "retriever.train.batch_size"),
+        ("retriever.train.lr=-1", "retriever.train.lr"),
+        ("retriever.temperature=0", "retriever.temperature"),
+        ("resources.trainer.num_workers=0", "resources.trainer.num_workers"),
+        ("index.top_k=0", "index.top_k"),
+        ("stages=[retriever,bogus]", "stages"),
+        ("data.source=beir", "data.root"),
+    ],
+)
+def test_out_of_range_values_name_the_key(override: str, key: str, tmp_path: Path) -> None:
+    cfg = compose([override, f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as e:
+        to_typed(cfg)
+    assert key in str(e.value)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ragtrain", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_unknown_group_option_lists_choices() -> None:
+    r = _cli("experiment=nope")
+    assert r.returncode != 0
+    assert "quickstart" in r.stderr and "nope" in r.stderr
+
+
+def test_cli_bad_value_fails_before_work(tmp_path: Path) -> None:
+    r = _cli("retriever.train.batch_size=0", f"output_dir={tmp_path}/out")
+    assert r.returncode == 2
+    assert "retriever.train.batch_size must be > 0" in r.stderr
+    assert not (tmp_path / "out").exists()  # nothing started

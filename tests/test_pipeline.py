@@ -1,0 +1,77 @@
+"""End to end on a real local Ray cluster, real FAISS and a real MLflow SQLite store read back through MLflow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from ragtrain.config import to_typed
+from ragtrain.data import make_synthetic
+from ragtrain.index.faiss_index import load_index
+from ragtrain.pipeline import run
+from tests.conftest import compose, tiny_overrides
+
+METRICS = ["ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100"]
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(ray_session, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quickstart")
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp), "logger.experiment_name=qs-test"]))
+    return cfg, run(cfg), tmp
+
+
+def test_results_have_both_phases(quickstart_run) -> None:
+    cfg, results, _ = quickstart_run
+    assert set(results) == {"zeroshot", "trained"}
+    for phase in results.values():
+        for m in METRICS:
+            assert 0.0 <= phase[m] <= 1.0
+        assert phase["encode_docs_per_s"] > 0
+
+
+def test_outputs_written(quickstart_run) -> None:
+    cfg, results, _ = quickstart_run
+    out = Path(cfg.output_dir)
+    saved = json.loads((out / "metrics.json").read_text())
+    assert set(saved) == set(results)
+    for phase in results:
+        assert saved[phase] == pytest.approx(results[phase])
+    assert "batch_size: 4" in (out / "config.yaml").read_text()
+    assert (out / "encoder" / "encoder.safetensors").exists()
+    data = make_synthetic(num_entities=cfg.data.num_entities, seed=cfg.data.seed)
+    index = load_index(out / "index", expect_dim=cfg.retriever.tiny.hidden_size, expect_corpus=data.fingerprint())
+    assert index.index.ntotal == len(data.corpus)
+    assert index.meta.encoder_step == cfg.retriever.train.max_steps
+
+
+def test_mlflow_run_read_back(quickstart_run) -> None:
+    cfg, results, tmp = quickstart_run
+    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("qs-test")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    r = runs[0]
+    assert r.info.status == "FINISHED"
+    assert r.data.params["retriever.train.batch_size"] == "4"
+    assert r.data.params["retriever.model"] == "tiny"
+    assert r.data.params["data.source"] == "synthetic"
+    for phase in ("zeroshot", "trained"):
+        assert r.data.metrics[f"{phase}/ndcg_at_10"] == pytest.approx(results[phase]["ndcg@10"])
+    # Per-step training metrics, logged by rank 0 only (one point per logged step, no duplicates).
+    loss = client.get_metric_history(r.info.run_id, "train/loss")
+    assert [m.step for m in loss] == [4]
+    assert client.get_metric_history(r.info.run_id, "train/samples_per_s")[0].value > 0
+    artifacts = {a.path for a in client.list_artifacts(r.info.run_id)}
+    assert {"config.yaml", "metrics.json", "index_meta.json"} <= artifacts
+
+
+def test_unwritable_output_dir_fails_before_work(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), f"output_dir={blocker}/sub"]))
+    with pytest.raises(PermissionError, match="output_dir"):
+        run(cfg)
