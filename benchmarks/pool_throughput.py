@@ -95,6 +95,11 @@ def main() -> int:
     n_tokens_note = f"{len(texts)} docs from {data_name}, mean {statistics.mean(len(t) for t in texts):.0f} chars"
     print(f"[data] {n_tokens_note}")
 
+    load_start = os.getloadavg()[0]
+    if load_start > (os.cpu_count() or 1):
+        print(f"WARNING: 1-min load average {load_start:.1f} > {os.cpu_count()} CPUs: other work is running, "
+              "figures will be noisy (the ratio of alternated medians is the robust number)")
+
     import numpy as np
     import ray
     import torch
@@ -169,7 +174,7 @@ def main() -> int:
         pool_s = time.perf_counter() - t
         pool_rates.append(len(texts) / pool_s)
         print(f"[rep {rep + 1}/{args.reps}] sentence-transformers {st_rates[-1]:7.1f} docs/s ({st_s:.1f}s) | "
-              f"EncoderPool {pool_rates[-1]:7.1f} docs/s ({pool_s:.1f}s) | set_weights {set_s * 1e3:.0f} ms")
+              f"EncoderPool {pool_rates[-1]:7.1f} docs/s ({pool_s:.1f}s) | set_weights {set_s * 1e3:.0f} ms | load avg {os.getloadavg()[0]:.1f}")
 
     pool.shutdown()
     ray.shutdown()
@@ -220,6 +225,7 @@ def main() -> int:
         "startup_s": {"ray_init": ray_start_s, "actors": actor_start_s},
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                  "ray": ray.__version__},
+        "loadavg_1min": {"start": load_start, "end": os.getloadavg()[0]},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     out = Path(args.out)

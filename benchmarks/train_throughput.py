@@ -183,6 +183,11 @@ def main() -> int:
         print(f"SKIP: SciFact not found at {args.scifact_root} (use --data synthetic for the synthetic KB)")
         return 0
 
+    load_start = os.getloadavg()[0]
+    if load_start > (os.cpu_count() or 1):
+        print(f"WARNING: 1-min load average {load_start:.1f} > {os.cpu_count()} CPUs: other work is running, "
+              "figures will be noisy (the ratio of alternated medians is the robust number)")
+
     import torch
 
     from ragtrain.config import RetrieverConfig
@@ -200,7 +205,8 @@ def main() -> int:
         print(f"[rep {rep + 1}] ragtrain {rag[-1]['samples_per_s']:.2f} samples/s", flush=True)
         print(f"\n--- rep {rep + 1}/{args.reps}: torchrun baseline ---", flush=True)
         base.append(run_torchrun(args, rep))
-        print(f"[rep {rep + 1}] torchrun {base[-1]['samples_per_s']:.2f} samples/s", flush=True)
+        print(f"[rep {rep + 1}] torchrun {base[-1]['samples_per_s']:.2f} samples/s "
+              f"(load avg {os.getloadavg()[0]:.1f})", flush=True)
 
     rag_med = statistics.median(r["samples_per_s"] for r in rag)
     rag_inloop_med = statistics.median(r["inloop_samples_per_s"] for r in rag)
@@ -246,6 +252,7 @@ def main() -> int:
         "torchrun": {"median_samples_per_s": base_med, "runs": base},
         "ratio_ragtrain_over_torchrun": ratio,
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "loadavg_1min": {"start": load_start, "end": os.getloadavg()[0]},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     out = Path(args.out)

@@ -138,6 +138,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
 
     logger = RunLogger(cfg.logger, run_name=cfg.experiment_name)
     status = "FAILED"
+    cleanup: list = []
     try:
         logger.log_params(to_flat_dict(cfg))
         logger.log_artifact(out / "config.yaml")
@@ -148,6 +149,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
         del encoder
 
         retrieval = Retrieval(cfg, data)
+        cleanup.append(retrieval.release)
         results: dict[str, dict[str, float]] = {}
         train = "retriever" in cfg.stages
         needs_negatives = train and cfg.retriever.train.hard_negatives > 0
@@ -155,11 +157,10 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
         if train and (cfg.zeroshot_eval or needs_negatives):
             index, stats = retrieval.build("zeroshot", weights, encoder_name, step)
             results["zeroshot"] = {**retrieval.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
-            logger.log_metrics({f"zeroshot/{k}": v for k, v in results["zeroshot"].items()}, step=0)
             if needs_negatives:
                 negatives = retrieval.mine_negatives(index)
 
-        if "retriever" in cfg.stages:
+        if train:
             pos = {d: i for i, d in enumerate(retrieval.doc_ids)}
             retrieval.release()  # trainer and pool take turns on the CPUs (issue: isolation + live refresh)
             examples = build_examples(data.queries, data.train_qrels, pos, negatives)
@@ -172,24 +173,26 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
             logger.log_metrics({"train/seconds": fit.seconds, "train/steps": fit.steps}, step=step)
 
         if "index" in cfg.stages:
-            index, stats = retrieval.build("final", weights, encoder_name, step)
-            results["trained" if train else "zeroshot"] = {
+            phase = "trained" if train else "zeroshot"
+            index, stats = retrieval.build(phase, weights, encoder_name, step)
+            results[phase] = {
                 **retrieval.evaluate(index),
                 "encode_docs_per_s": stats["docs_per_s"],
             }
             index.save(out / "index")
             logger.log_json(asdict(index.meta), "index_meta.json")
 
-        retrieval.release()
         (out / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
         logger.log_artifact(out / "metrics.json")
-        for phase, m in results.items():
-            logger.log_metrics({f"{phase}/{k}": v for k, v in m.items()}, step=step)
+        for phase, m in results.items():  # zero-shot at step 0, the trained encoder at its last step
+            logger.log_metrics({f"{phase}/{k}": v for k, v in m.items()}, step=0 if phase == "zeroshot" else step)
         print(f"\n== {cfg.experiment_name}: {data.name} split={data.split} index={cfg.index.factory} ==")
         print(summary_table(results))
         print(f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else ""))
         status = "FINISHED"
         return results
     finally:
+        for fn in cleanup:
+            fn()
         logger.end(status)
 
