@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ragtrain.retriever.batching import TrainData, build_examples, local_batch, steps_per_epoch
+from ragtrain.retriever.batching import TrainData, build_examples, global_batch_indices, local_batch, steps_per_epoch
 
 
 def _data(n: int = 40) -> TrainData:
@@ -41,8 +41,9 @@ def test_negatives_never_gold() -> None:
 def test_epochs_cover_every_example_once() -> None:
     data = _data()
     spe = steps_per_epoch(len(data.examples), 5)
-    seen = [q for s in range(spe) for q in local_batch(data, 5, s, 0, 0, 1, 0)[0]]
+    seen = [int(i) for s in range(spe) for i in global_batch_indices(len(data.examples), 5, s, 0)]
     assert len(seen) == len(set(seen)) == spe * 5
+    assert list(global_batch_indices(len(data.examples), 5, spe, 0)) != seen[:5]  # a new permutation per epoch
 
 
 def test_too_few_examples_is_a_clear_error() -> None:
