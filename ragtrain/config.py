@@ -176,6 +176,48 @@ class LoggerConfig:
     run_name: Optional[str] = None
 
 
+SYNC_STRATEGIES = ("ddp", "local_sgd", "compressed", "gossip")
+COMPRESSIONS = ("fp16", "bf16", "powersgd", "topk")
+GOSSIP_TOPOLOGIES = ("ring", "random")
+
+
+@dataclass
+class SyncConfig:
+    """How workers' encoder replicas stay consistent (ragtrain/sync). Each strategy reads its own fields."""
+
+    strategy: str = "ddp"
+    period: int = 1  # local_sgd / gossip: steps between averaging rounds
+    warmup_steps: int = 0  # local_sgd: gradient all-reduce (DDP) for this many steps first
+    adaptive: bool = False  # local_sgd: shrink/grow the period with the measured parameter divergence
+    target_divergence: float = 1e-3  # adaptive: aim for this relative parameter divergence at sync time
+    max_period: int = 64  # adaptive: upper bound of the period
+    compression: str = "powersgd"  # compressed: fp16 | bf16 | powersgd | topk
+    rank: int = 4  # powersgd: matrix approximation rank
+    start_iter: int = 10  # powersgd: plain all-reduce before this step (>= 2 with error feedback)
+    error_feedback: bool = True  # powersgd / topk
+    ratio: float = 0.01  # topk: fraction of gradient entries sent
+    topology: str = "ring"  # gossip: ring | random (seeded pairing per round)
+    mixing: float = 0.5  # gossip: weight of the neighbours' mean
+    probe_passages: int = 64  # drift metrics: fixed probe set (passages, and as many queries)
+    eval_every: int = 0  # drift metrics every N steps (0 = only at the end)
+
+    def __post_init__(self) -> None:
+        k = "sync."
+        _check(self.strategy in SYNC_STRATEGIES, k + "strategy", f"must be one of {list(SYNC_STRATEGIES)}", self.strategy)
+        _check(self.period > 0, k + "period", "must be > 0", self.period)
+        _check(self.warmup_steps >= 0, k + "warmup_steps", "must be >= 0", self.warmup_steps)
+        _check(self.max_period >= self.period, k + "max_period", f"must be >= sync.period ({self.period})", self.max_period)
+        _check(self.target_divergence > 0, k + "target_divergence", "must be > 0", self.target_divergence)
+        _check(self.compression in COMPRESSIONS, k + "compression", f"must be one of {list(COMPRESSIONS)}", self.compression)
+        _check(self.rank > 0, k + "rank", "must be > 0", self.rank)
+        _check(self.start_iter >= 0, k + "start_iter", "must be >= 0", self.start_iter)
+        _check(0 < self.ratio <= 1, k + "ratio", "must be in (0, 1]", self.ratio)
+        _check(self.topology in GOSSIP_TOPOLOGIES, k + "topology", f"must be one of {list(GOSSIP_TOPOLOGIES)}", self.topology)
+        _check(0 < self.mixing <= 1, k + "mixing", "must be in (0, 1]", self.mixing)
+        _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
+        _check(self.eval_every >= 0, k + "eval_every", "must be >= 0", self.eval_every)
+
+
 STAGES = ("retriever", "index")
 
 
@@ -186,6 +228,7 @@ class Config:
     index: IndexConfig = field(default_factory=IndexConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     experiment_name: str = "default"
     # retriever = train the bi-encoder; index = build the index with the final encoder and evaluate it
     stages: list[str] = field(default_factory=lambda: ["retriever", "index"])

@@ -24,6 +24,12 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
 
     from torch.distributed.nn.functional import all_gather
 
+    from ragtrain.sync.comm import STATS, all_gather_bytes
+
+    # Forward all-gather + backward reduce-scatter (gloo: all-to-all) each move (W - 1) chunks per worker;
+    # both are counted here because every training forward is followed by its backward.
+    chunk = t.numel() * t.element_size()
+    STATS.add("embeddings", 2 * all_gather_bytes(chunk, dist.get_world_size()))
     with warnings.catch_warnings():
         # Deprecated in favour of a private functional-collectives API; this public one is still the documented
         # autograd all_gather (backward = reduce-scatter SUM), which is exactly the semantics we need.
@@ -35,7 +41,10 @@ def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
     """Concatenate a (non-differentiable) tensor from all ranks in rank order."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
+    from ragtrain.sync.comm import STATS, all_gather_bytes
+
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    STATS.add("embeddings", all_gather_bytes(t.numel() * t.element_size(), dist.get_world_size()))
     dist.all_gather(parts, t)
     return torch.cat(parts, dim=0)
 

@@ -22,6 +22,9 @@ from ragtrain.config import Config
 from ragtrain.retriever.batching import TrainData, local_batch, steps_per_epoch
 from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, load_tokenizer, tokenize
 from ragtrain.retriever.loss import contrastive_loss
+from ragtrain.sync.base import build_sync
+from ragtrain.sync.comm import STATS
+from ragtrain.sync.metrics import drift_metrics
 from ragtrain.track.mlflow import MetricSink
 
 WEIGHTS_FILE = "encoder.safetensors"
@@ -69,6 +72,15 @@ def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+def probe_inputs(data: TrainData, cfg: Config, tokenizer, device: torch.device) -> tuple[dict, dict]:
+    """The fixed drift probe set: the first sync.probe_passages training queries and their positive passages."""
+    n = min(cfg.sync.probe_passages, len(data.examples))
+    exs = data.examples[:n]
+    q = tokenize(tokenizer, [e.query for e in exs], cfg.retriever.query_max_length)
+    p = tokenize(tokenizer, [data.passages[e.positive] for e in exs], cfg.retriever.passage_max_length)
+    return {k: v.to(device) for k, v in q.items()}, {k: v.to(device) for k, v in p.items()}
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """One Ray Train worker: build the replica, train for the configured steps, report the final checkpoint."""
     import ray
@@ -88,11 +100,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     encoder.to(device).train()
     tokenizer = load_tokenizer(cfg.retriever)
 
-    model: nn.Module = QPEncoder(encoder)
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    strategy = build_sync(cfg.sync)
+    model = strategy.wrap(QPEncoder(encoder), device)  # DDP + comm hook, or the bare module (local steps)
+    params = [p for p in encoder.parameters()]
+    STATS.reset()
+    probe_q, probe_p = probe_inputs(data, cfg, tokenizer, device)
 
     steps = total_steps(cfg, len(data.examples))
     global_batch = t.batch_size * world
@@ -105,6 +117,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     sink: Optional[MetricSink] = config.get("sink") if rank == 0 else None
 
     window_t, window_n, window_loss = time.perf_counter(), 0, 0.0
+    last_bytes, last_comm_s = 0, 0.0
     for step in range(steps):
         queries, pids, golds = local_batch(data, global_batch, step, t.seed, rank, world, t.hard_negatives)
         q = {k: v.to(device) for k, v in tokenize(tokenizer, queries, cfg.retriever.query_max_length).items()}
@@ -121,6 +134,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             torch.nn.utils.clip_grad_norm_(encoder.parameters(), t.grad_clip)
         optim.step()
         sched.step()
+        strategy.after_step(params, step)
 
         window_n += global_batch
         window_loss += loss.item()  # a sync point, but we need the number for logging anyway
@@ -131,23 +145,38 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 lt = torch.tensor([window_loss], device=device)
                 torch.distributed.all_reduce(lt)
                 window_loss = lt.item() / world
+            comm_bytes, comm_s = STATS.total_bytes(), STATS.total_seconds()
             metrics = {
                 "train/loss": window_loss / n_steps,
                 "train/samples_per_s": window_n / elapsed,
                 "train/lr": sched.get_last_lr()[0],
+                "comm/bytes_per_step": (comm_bytes - last_bytes) / n_steps,
+                "comm/time_share": (comm_s - last_comm_s) / elapsed,
+                **strategy.state(),
             }
-            if rank == 0:
-                print(f"[retriever] step {step + 1}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-                if sink is not None:
-                    sink.log(metrics, step + 1)
+            last_bytes, last_comm_s = comm_bytes, comm_s
+            _emit(metrics, step + 1, steps, rank, sink)
             window_t, window_n, window_loss = time.perf_counter(), 0, 0.0
+        if (cfg.sync.eval_every and (step + 1) % cfg.sync.eval_every == 0) or step + 1 == steps:
+            t0 = time.perf_counter()  # every worker takes part (collectives); kept out of the throughput window
+            _emit(drift_metrics(encoder, params, probe_q, probe_p), step + 1, steps, rank, sink)
+            window_t += time.perf_counter() - t0
 
+    strategy.consensus(params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed
     with tempfile.TemporaryDirectory() as d:
         ckpt = None
         if rank == 0:
             save_weights(encoder.state_dict(), d)
             ckpt = ray.train.Checkpoint.from_directory(d)
         ray.train.report({"step": steps}, checkpoint=ckpt)
+
+
+def _emit(metrics: dict[str, float], step: int, steps: int, rank: int, sink: Optional[MetricSink]) -> None:
+    """Rank 0 prints and logs; other ranks stay silent (one process logs)."""
+    if rank == 0:
+        print(f"[retriever] step {step}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        if sink is not None:
+            sink.log(metrics, step)
 
 
 @dataclass

@@ -1,0 +1,94 @@
+"""The small Protocol every sync strategy implements, and the explicit registry that selects one."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ragtrain.config import SyncConfig
+
+
+class SyncStrategy(Protocol):
+    """How one worker's replica stays consistent with the others'."""
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """Return the module to call forward on (e.g. DDP with a comm hook, or the model itself)."""
+        ...
+
+    def after_step(self, params: list[nn.Parameter], step: int) -> None:
+        """Called after every optimizer step (0-based `step`): periodic averaging, gossip, ..."""
+        ...
+
+    def consensus(self, params: list[nn.Parameter]) -> None:
+        """Make every replica equal to the consensus model (end of training): a no-op when already equal."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """Strategy-specific figures to log (e.g. the current averaging period)."""
+        ...
+
+
+def world_size() -> int:
+    """Workers in the default process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def flat_params(params: list[nn.Parameter]) -> torch.Tensor:
+    """All parameters as one detached fp32 vector (a copy)."""
+    return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
+def set_flat_params(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Write a flat vector back into the parameters, in place."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p).to(p.dtype))
+            offset += n
+
+
+def average_params(params: list[nn.Parameter], category: str = "params") -> float:
+    """All-reduce the parameters to their mean (counted); returns the replicas' mean relative divergence before."""
+    from ragtrain.sync.comm import STATS, all_reduce_bytes
+
+    w = world_size()
+    if w == 1:
+        return 0.0
+    flat = flat_params(params)
+    mean = flat.clone()
+    with STATS.timed(category, all_reduce_bytes(mean.numel() * mean.element_size(), w)):
+        dist.all_reduce(mean)
+    mean /= w
+    div = torch.tensor([((flat - mean).norm() / mean.norm().clamp(min=1e-12)).item()])
+    dist.all_reduce(div)  # measurement traffic (8 bytes): every worker must agree on the divergence
+    set_flat_params(params, mean)
+    return div.item() / w
+
+
+def ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """Wrap in DistributedDataParallel (buffers are constants here, so they are not re-broadcast each step)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Newer torch renamed the flag; either way buffers are synced once at construction, never per step.
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    flag = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **{flag: False})
+
+
+def build_sync(cfg: SyncConfig) -> SyncStrategy:
+    """The strategy named by sync.strategy (an explicit dict: no registry magic)."""
+    from ragtrain.sync.compressed import CompressedSync
+    from ragtrain.sync.ddp import DDPSync
+    from ragtrain.sync.gossip import GossipSync
+    from ragtrain.sync.local_sgd import LocalSGDSync
+
+    strategies = {"ddp": DDPSync, "local_sgd": LocalSGDSync, "compressed": CompressedSync, "gossip": GossipSync}
+    if cfg.strategy not in strategies:
+        raise ValueError(f"sync.strategy={cfg.strategy!r} is unknown; valid choices: {sorted(strategies)}")
+    return strategies[cfg.strategy](cfg)

@@ -1,0 +1,133 @@
+"""`compressed`: DDP with a gradient-compression comm hook — fp16 / bf16 casts, PowerSGD, or top-k + error feedback.
+
+fp16/bf16 and PowerSGD are torch's own hooks (torch.distributed.algorithms.ddp_comm_hooks); bytes are counted
+around them: the cast halves the payload; PowerSGD all-reduces the rank-r factors P (n x r) and Q (m x r) of each
+compressed matrix plus the uncompressed vectors, which its state tallies as `total_numel_after_compression`.
+Top-k is written here: each worker adds its error-feedback residual, keeps the k = ratio * n largest-magnitude
+entries, all-gathers (values fp32, indices int32) and averages the sparse sum; what it did not send stays in
+its residual for the next step.
+"""
+
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ragtrain.config import SyncConfig
+from ragtrain.sync.base import ddp, world_size
+from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
+
+
+def _timed_future(fut: torch.futures.Future, category: str, nbytes_fn) -> torch.futures.Future:
+    start = time.perf_counter()
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        STATS.add(category, nbytes_fn(), time.perf_counter() - start)
+        return f.value()
+
+    return fut.then(done)
+
+
+class TopK:
+    """Top-k sparsification state: one error-feedback residual per DDP bucket."""
+
+    def __init__(self, ratio: float, error_feedback: bool):
+        self.ratio, self.error_feedback = ratio, error_feedback
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def hook(self, _: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        grad = bucket.buffer()
+        w = world_size()
+        res = self.residuals.get(bucket.index())
+        if self.error_feedback and res is not None and res.shape == grad.shape:
+            grad = grad + res
+        k = max(1, int(self.ratio * grad.numel()))
+        idx = grad.abs().topk(k, sorted=False).indices
+        vals = grad[idx]
+        if self.error_feedback:
+            residual = grad.clone()
+            residual[idx] = 0
+            self.residuals[bucket.index()] = residual
+        start = time.perf_counter()
+        all_vals = [torch.empty_like(vals) for _ in range(w)]
+        all_idx = [torch.empty_like(idx, dtype=torch.int32) for _ in range(w)]
+        dist.all_gather(all_vals, vals)
+        dist.all_gather(all_idx, idx.to(torch.int32))
+        STATS.add("grad", all_gather_bytes(k * (vals.element_size() + 4), w), time.perf_counter() - start)
+        out = torch.zeros_like(grad)
+        for v, i in zip(all_vals, all_idx):
+            out.index_add_(0, i.long(), v)
+        out /= w
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(out)
+        return fut
+
+
+class CompressedSync:
+    """DDP whose gradient all-reduce is compressed by the configured hook."""
+
+    def __init__(self, cfg: SyncConfig):
+        self.cfg = cfg
+        self.powersgd = None
+        self.topk = TopK(cfg.ratio, cfg.error_feedback)
+
+    def _cast_hook(self, dtype: torch.dtype):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        fn = default_hooks.fp16_compress_hook if dtype == torch.float16 else default_hooks.bf16_compress_hook
+
+        def hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            n = bucket.buffer().numel()
+            return _timed_future(fn(None, bucket), "grad", lambda: all_reduce_bytes(2 * n, world_size()))
+
+        return hook
+
+    def _powersgd_hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+        before = state.total_numel_after_compression
+        full = bucket.buffer().numel()
+        fut = powerSGD_hook(state, bucket)
+        # Before start_iter PowerSGD runs a plain all-reduce and does not tally it: count the full bucket then.
+        sent = state.total_numel_after_compression - before or full
+        return _timed_future(fut, "grad", lambda: all_reduce_bytes(4 * sent, world_size()))
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        if world_size() == 1:
+            return model
+        wrapped = ddp(model, device)
+        c = self.cfg.compression
+        if c == "fp16":
+            wrapped.register_comm_hook(None, self._cast_hook(torch.float16))
+        elif c == "bf16":
+            wrapped.register_comm_hook(None, self._cast_hook(torch.bfloat16))
+        elif c == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+            start = max(self.cfg.start_iter, 2) if self.cfg.error_feedback else self.cfg.start_iter
+            self.powersgd = PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=self.cfg.rank,
+                start_powerSGD_iter=start,
+                use_error_feedback=self.cfg.error_feedback,
+                warm_start=True,
+                random_seed=0,
+            )
+            wrapped.register_comm_hook(self.powersgd, self._powersgd_hook)
+        elif c == "topk":
+            wrapped.register_comm_hook(None, self.topk.hook)
+        else:
+            raise ValueError(f"sync.compression={c!r} is unknown; valid choices: fp16, bf16, powersgd, topk")
+        return wrapped
+
+    def after_step(self, params: list[nn.Parameter], step: int) -> None:
+        pass  # every worker applied the same decompressed gradient
+
+    def consensus(self, params: list[nn.Parameter]) -> None:
+        pass  # replicas stay identical: all apply the same (approximate) gradient
+
+    def state(self) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,51 @@
+"""`ddp`: gradient all-reduce every step (the strongly consistent baseline), bytes counted in a comm hook."""
+
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ragtrain.config import SyncConfig
+from ragtrain.sync.base import ddp, world_size
+from ragtrain.sync.comm import STATS, all_reduce_bytes
+
+
+def counting_allreduce_hook(category: str, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's allreduce_hook (mean of the bucket), plus bytes and in-flight time recorded under `category`."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    buf = bucket.buffer()
+    nbytes = all_reduce_bytes(buf.numel() * buf.element_size(), world_size())
+    start = time.perf_counter()
+
+    def done(fut: torch.futures.Future) -> torch.Tensor:
+        STATS.add(category, nbytes, time.perf_counter() - start)
+        return fut.value()
+
+    return allreduce_hook(None, bucket).then(done)
+
+
+class DDPSync:
+    """DistributedDataParallel with a counting all-reduce hook; replicas are identical after every step."""
+
+    def __init__(self, cfg: SyncConfig):
+        self.cfg = cfg
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        if world_size() == 1:
+            return model
+        wrapped = ddp(model, device)
+        wrapped.register_comm_hook("grad", counting_allreduce_hook)
+        return wrapped
+
+    def after_step(self, params: list[nn.Parameter], step: int) -> None:
+        pass  # gradients were averaged during backward
+
+    def consensus(self, params: list[nn.Parameter]) -> None:
+        pass  # replicas never diverge
+
+    def state(self) -> dict[str, Any]:
+        return {}

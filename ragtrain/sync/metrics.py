@@ -1,0 +1,76 @@
+"""Drift: how far the workers' replicas (and so their vectors) disagree. Every worker calls these together.
+
+Definitions (W replicas, probe set of N passages and Q queries fixed for the run):
+- `drift/param_divergence`: mean over replicas i of ||theta_i - theta_mean|| / ||theta_mean|| (flat parameters).
+- `drift/replica_cosine`: e_i(p) = replica i's embedding of probe passage p, e_mean(p) their mean; the mean over
+  passages and replicas of 1 - cos(e_i(p), e_mean(p)). 0 when all replicas agree.
+- `drift/replica_topk_jaccard`: each replica ranks the N probe passages for each probe query; the mean over
+  queries and replica pairs of |top10_i ∩ top10_j| / |top10_i ∪ top10_j|. 1 when all replicas agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ragtrain.sync.base import flat_params, world_size
+
+
+def param_divergence(params: list[nn.Parameter]) -> float:
+    """Mean relative L2 distance of the replicas' parameters from their mean."""
+    w = world_size()
+    if w == 1:
+        return 0.0
+    flat = flat_params(params)
+    mean = flat.clone()
+    dist.all_reduce(mean)
+    mean /= w
+    d = ((flat - mean).norm() / mean.norm().clamp(min=1e-12)).reshape(1)
+    dist.all_reduce(d)
+    return d.item() / w
+
+
+def replica_cosine(emb: torch.Tensor) -> float:
+    """Mean 1 - cos(replica embedding, mean embedding) over probe passages and replicas; emb: [N, d] local."""
+    w = world_size()
+    if w == 1:
+        return 0.0
+    mean = emb.clone()
+    dist.all_reduce(mean)
+    mean /= w
+    drift = (1 - F.cosine_similarity(emb, mean, dim=-1)).mean().reshape(1)
+    dist.all_reduce(drift)
+    return drift.item() / w
+
+
+def topk_jaccard(q: torch.Tensor, p: torch.Tensor, k: int = 10) -> float:
+    """Mean top-k overlap (Jaccard) between replicas' rankings of the probe passages for the probe queries."""
+    w = world_size()
+    if w == 1:
+        return 1.0
+    top = (q @ p.T).topk(min(k, p.shape[0]), dim=-1).indices.contiguous()  # [Q, k]
+    parts = [torch.empty_like(top) for _ in range(w)]
+    dist.all_gather(parts, top)
+    scores = []
+    for i in range(w):
+        for j in range(i + 1, w):
+            for a, b in zip(parts[i].tolist(), parts[j].tolist()):
+                sa, sb = set(a), set(b)
+                scores.append(len(sa & sb) / len(sa | sb))
+    return sum(scores) / len(scores)
+
+
+@torch.no_grad()
+def drift_metrics(encoder: nn.Module, params: list[nn.Parameter], probe_q: dict, probe_p: dict) -> dict[str, float]:
+    """All three drift figures for this step (probe inputs are tokenised batches on the right device)."""
+    was_training = encoder.training
+    encoder.eval()  # no dropout: measure the replicas, not the noise
+    q, p = encoder(**probe_q), encoder(**probe_p)
+    encoder.train(was_training)
+    return {
+        "drift/param_divergence": param_divergence(params),
+        "drift/replica_cosine": replica_cosine(p),
+        "drift/replica_topk_jaccard": topk_jaccard(q, p),
+    }

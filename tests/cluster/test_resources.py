@@ -1,0 +1,134 @@
+"""Tests for the feasibility checks: pure first-fit packing on given nodes, and fail-fast against the live cluster."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ragtrain.cluster.resources import InfeasibleResourcesError, check_config, check_feasible, node_capacities
+from ragtrain.config import PoolResources, ResourcesConfig, TrainerResources
+
+CPU_NODE = {"CPU": 4.0, "memory": 8e9, "object_store_memory": 2e9, "node:10.0.0.1": 1.0}
+
+
+# ---------------------------------------------------------------------------------------------------- pure
+
+
+def test_fits_on_one_node() -> None:
+    check_feasible("resources.pool", {"CPU": 1.0}, 4, nodes=[CPU_NODE])
+
+
+def test_fits_across_nodes() -> None:
+    check_feasible("resources.trainer", {"CPU": 2.0}, 3, nodes=[{"CPU": 4.0}, {"CPU": 2.0}])
+
+
+def test_fractional_cpus_pack() -> None:
+    check_feasible("resources.pool", {"CPU": 0.5}, 8, nodes=[{"CPU": 4.0}])
+    with pytest.raises(InfeasibleResourcesError):
+        check_feasible("resources.pool", {"CPU": 0.5}, 9, nodes=[{"CPU": 4.0}])
+
+
+def test_zero_valued_entries_are_ignored() -> None:
+    check_feasible("resources.trainer", {"CPU": 1.0, "GPU": 0.0, "index_node": 0}, 2, nodes=[{"CPU": 2.0}])
+
+
+def test_zero_count_is_always_feasible() -> None:
+    check_feasible("resources.pool", {"CPU": 64.0}, 0, nodes=[{"CPU": 1.0}])
+
+
+def test_total_suffices_but_no_node_is_big_enough() -> None:
+    """2 nodes x 1 CPU hold 2 CPUs in total, but a 2-CPU bundle fits on neither."""
+    with pytest.raises(InfeasibleResourcesError) as e:
+        check_feasible("resources.trainer", {"CPU": 2}, 1, nodes=[{"CPU": 1.0}, {"CPU": 1.0}])
+    msg = str(e.value)
+    assert msg.startswith("resources.trainer:")
+    assert "1 x {'CPU': 2.0}" in msg and "only 0" in msg
+    assert "[{'CPU': 1.0}, {'CPU': 1.0}]" in msg
+
+
+def test_count_exceeds_per_node_packing() -> None:
+    """3 bundles of 2 CPUs on 2 nodes x 3 CPUs: 6 CPUs in total, but only one bundle fits per node."""
+    with pytest.raises(InfeasibleResourcesError, match="only 2"):
+        check_feasible("resources.pool", {"CPU": 2.0}, 3, nodes=[{"CPU": 3.0}, {"CPU": 3.0}])
+
+
+def test_custom_resource_present() -> None:
+    nodes = [{"CPU": 4.0}, {"CPU": 2.0, "index_node": 1.0}]
+    check_feasible("resources.pool", {"CPU": 1.0, "index_node": 0.5}, 2, nodes=nodes)
+
+
+def test_custom_resource_missing() -> None:
+    with pytest.raises(InfeasibleResourcesError) as e:
+        check_feasible("resources.pool", {"CPU": 1.0, "index_node": 1.0}, 2, nodes=[CPU_NODE, {"CPU": 8.0}])
+    msg = str(e.value)
+    assert "resources.pool" in msg and "'index_node': 1.0" in msg and "2 x" in msg and "only 0" in msg
+    assert "{'CPU': 4.0}" in msg and "{'CPU': 8.0}" in msg
+
+
+def test_custom_resource_exhausted_on_the_labelled_node() -> None:
+    nodes = [{"CPU": 8.0}, {"CPU": 8.0, "index_node": 1.0}]
+    with pytest.raises(InfeasibleResourcesError, match="only 1"):
+        check_feasible("resources.pool", {"CPU": 1.0, "index_node": 1.0}, 2, nodes=nodes)
+
+
+def test_gpu_on_cpu_only_cluster() -> None:
+    with pytest.raises(InfeasibleResourcesError) as e:
+        check_feasible("resources.trainer", {"CPU": 1.0, "GPU": 1.0}, 2, nodes=[CPU_NODE, CPU_NODE])
+    msg = str(e.value)
+    assert "2 x {'CPU': 1.0, 'GPU': 1.0}" in msg and "only 0" in msg
+    # What exists is listed, without Ray's bookkeeping entries (memory, object store, node:<ip>).
+    assert "{'CPU': 4.0}" in msg
+    assert "memory" not in msg and "object_store" not in msg and "node:" not in msg
+
+
+def test_no_nodes() -> None:
+    with pytest.raises(InfeasibleResourcesError, match="only 0"):
+        check_feasible("resources.pool", {"CPU": 1.0}, 1, nodes=[])
+
+
+def test_given_nodes_are_not_modified() -> None:
+    nodes = [{"CPU": 2.0, "index_node": 1.0}]
+    check_feasible("resources.pool", {"CPU": 1.0, "index_node": 1.0}, 1, nodes=nodes)
+    assert nodes == [{"CPU": 2.0, "index_node": 1.0}]
+
+
+# ---------------------------------------------------------------------------------------------------- live cluster
+
+
+def test_node_capacities_of_the_local_cluster(ray_session) -> None:
+    nodes = node_capacities()
+    assert len(nodes) >= 1
+    assert sum(n.get("CPU", 0.0) for n in nodes) >= 4
+
+
+def test_check_config_default_fits(ray_session) -> None:
+    check_config(ResourcesConfig(trainer=TrainerResources(num_workers=2), pool=PoolResources(num_actors=2)))
+
+
+def test_check_config_gpu_fails_fast(ray_session) -> None:
+    if any(n.get("GPU", 0) for n in node_capacities()):
+        pytest.skip("the local cluster has GPUs")
+    res = ResourcesConfig(trainer=TrainerResources(num_workers=2, use_gpu=True))
+    start = time.monotonic()
+    with pytest.raises(InfeasibleResourcesError) as e:
+        check_config(res)
+    elapsed = time.monotonic() - start
+    assert elapsed < 5, f"check_config took {elapsed:.1f}s"
+    msg = str(e.value)
+    assert msg.startswith("resources.trainer:") and "'GPU': 1.0" in msg and "'CPU'" in msg
+
+
+def test_check_config_pool_too_big_fails_fast(ray_session) -> None:
+    cpus = max(n.get("CPU", 0.0) for n in node_capacities())
+    res = ResourcesConfig(pool=PoolResources(num_actors=1, cpus_per_actor=cpus + 1))
+    start = time.monotonic()
+    with pytest.raises(InfeasibleResourcesError, match=r"^resources\.pool:"):
+        check_config(res)
+    assert time.monotonic() - start < 5
+
+
+def test_check_config_custom_resource_missing(ray_session) -> None:
+    res = ResourcesConfig(pool=PoolResources(num_actors=1, resources={"index_node": 1.0}))
+    with pytest.raises(InfeasibleResourcesError, match="index_node"):
+        check_config(res)
