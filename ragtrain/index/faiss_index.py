@@ -56,6 +56,8 @@ class DenseIndex:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[1] != self.meta.dim:
             raise IndexMismatchError(f"query vectors have shape {q.shape}, index dim is {self.meta.dim}")
+        if k < 1 or self.index.ntotal == 0:
+            raise ValueError(f"search needs k >= 1 and a non-empty index (k={k}, ntotal={self.index.ntotal})")
         return self.index.search(q, min(k, self.index.ntotal))
 
     def save(self, folder: str | Path) -> Path:
@@ -97,10 +99,20 @@ def build_index(
                 f"index.factory={factory!r} asks for {ivf.nlist} IVF lists but the corpus has only {x.shape[0]} "
                 "vectors: use fewer lists (faiss recommends >= 39 training vectors per list)"
             )
-        faiss.cvar.rand_seed = seed  # k-means initialisation is random: make it reproducible
         if ivf is not None:
-            ivf.cp.seed = seed
-        index.train(x)
+            ivf.cp.seed = seed  # k-means initialisation is random: make it reproducible
+        inner = faiss.downcast_index(ivf if ivf is not None else index)
+        if hasattr(inner, "do_polysemous_training"):
+            inner.do_polysemous_training = False  # ~13 CPU-s per build for a search mode we never use
+        if hasattr(inner, "pq"):
+            inner.pq.cp.seed = seed
+        try:
+            index.train(x)
+        except RuntimeError as e:
+            raise ValueError(
+                f"index.factory={factory!r} could not be trained on {x.shape[0]} vectors: "
+                f"{str(e).strip().splitlines()[-1]} (use a smaller index type for a small corpus, e.g. Flat)"
+            ) from None
     index.add(x)
     meta = IndexMeta(
         factory=factory,
@@ -141,11 +153,11 @@ def load_index(
         )
     if expect_corpus is not None and meta.corpus_fingerprint != expect_corpus:
         raise IndexMismatchError(
-            f"{meta_path}: index was built from a different corpus (fingerprint {meta.corpus_fingerprint[:12]}…, "
-            f"this corpus is {expect_corpus[:12]}…): rebuild the index"
+            f"{meta_path}: index was built from a different corpus (fingerprint {meta.corpus_fingerprint}, "
+            f"this corpus is {expect_corpus}): rebuild the index"
         )
     index = faiss.read_index(str(folder / INDEX_FILE))
-    doc_ids = (folder / IDS_FILE).read_text(encoding="utf-8").splitlines()
+    doc_ids = (folder / IDS_FILE).read_text(encoding="utf-8").split("\n")[:-1]  # not splitlines: ids may hold \x85 etc.
     if index.ntotal != meta.ntotal or len(doc_ids) != meta.ntotal or index.d != meta.dim:
         raise IndexMismatchError(
             f"{folder}: files disagree (index ntotal={index.ntotal} d={index.d}, {len(doc_ids)} ids, "

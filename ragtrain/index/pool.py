@@ -28,6 +28,9 @@ class EncoderActor:
 
     def set_weights(self, version: Any, weights: dict[str, torch.Tensor]) -> None:
         """Load a snapshot (Ray resolves the ObjectRef argument: each actor fetches it once)."""
+        # A strict load that fails has already copied the matching tensors: forget the version first, so a failed
+        # load can never serve a silent mix of old and new weights (encode results are version-checked).
+        self.version = None
         self.model.load_state_dict(weights, strict=True)
         self.model.eval()
         self.version = version
@@ -76,27 +79,30 @@ class EncoderPool:
         from ray.util import ActorPool
         from tqdm import tqdm
 
+        if not self.actors:
+            raise RuntimeError("EncoderPool.encode called after shutdown")
         if self._version is None:
             raise RuntimeError("EncoderPool.encode called before set_weights")
+        if not texts:
+            raise ValueError("EncoderPool.encode called with no texts")
         shards = make_shards(texts, index.shard_size)
         start = time.perf_counter()
-        out: np.ndarray | None = None
+        out = np.empty((0, 0), dtype=np.float32)
         pool = ActorPool(self.actors)
         work = [(sid, [texts[i] for i in shard]) for sid, shard in enumerate(shards)]
         bar = tqdm(total=len(texts), desc=desc, unit="doc", disable=not progress, mininterval=2.0)
         for sid, version, vecs in pool.map_unordered(
-            lambda a, w: a.encode.remote(w[0], w[1], max_length, index.batch_size, index.precision.value), work
+            lambda a, w: a.encode.remote(w[0], w[1], max_length, index.batch_size, Precision(index.precision).value), work
         ):
             if version != self._version:  # an actor that missed a snapshot would silently mix encoders
                 raise RuntimeError(f"shard {sid} was encoded with weights {version}, expected {self._version}")
-            if out is None:
+            if out.size == 0:
                 out = np.empty((len(texts), vecs.shape[1]), dtype=np.float32)
             out[shards[sid]] = vecs
             bar.update(len(shards[sid]))
         bar.close()
         seconds = time.perf_counter() - start
         stats = {"docs": len(texts), "seconds": seconds, "docs_per_s": len(texts) / max(seconds, 1e-9)}
-        assert out is not None
         return out, stats
 
     def node_ids(self) -> list[str]:

@@ -29,14 +29,6 @@ BUILD_KW = dict(encoder="tiny@step7", encoder_step=7, precision="bf16", seed=3)
 FINGERPRINT = "corpusfp-aaaaaaaaaaaaaaaaaaaa"
 OTHER_FINGERPRINT = "othercorpus-bbbbbbbbbbbbbbbb"
 
-# build_index sets `faiss.cvar.rand_seed`, which faiss (1.15) does not have: every factory that needs training
-# (IVF, PQ) dies with AttributeError before training. Remove this marker once build_index is fixed; any other
-# failure of the marked tests (e.g. low recall) is reported as a real failure because of `raises=`.
-TRAINING_SEED_BUG = pytest.mark.xfail(
-    raises=AttributeError,
-    strict=True,
-    reason="build_index: faiss.cvar.rand_seed does not exist in faiss 1.15 (AttributeError for IVF/PQ factories)",
-)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,10 +100,10 @@ def test_flat_search_equals_numpy_inner_product(corpus, exact) -> None:
     "factory, trained_type",
     [
         ("Flat", faiss.IndexFlat),
-        pytest.param("IVF16,Flat", faiss.IndexIVFFlat, marks=TRAINING_SEED_BUG),
+        pytest.param("IVF16,Flat", faiss.IndexIVFFlat),
         ("HNSW16", faiss.IndexHNSWFlat),
-        pytest.param(IVFPQ, faiss.IndexIVFPQ, marks=TRAINING_SEED_BUG),
-        pytest.param(PQ, faiss.IndexPQ, marks=TRAINING_SEED_BUG),
+        pytest.param(IVFPQ, faiss.IndexIVFPQ),
+        pytest.param(PQ, faiss.IndexPQ),
     ],
 )
 def test_build_metadata_and_training(corpus, built, factory: str, trained_type: type) -> None:
@@ -138,10 +130,10 @@ def test_untrained_factories_really_need_training() -> None:
 @pytest.mark.parametrize(
     "factory, floor",
     [
-        pytest.param("IVF16,Flat", 0.9, marks=TRAINING_SEED_BUG),
+        pytest.param("IVF16,Flat", 0.9),
         ("HNSW16", 0.9),
-        pytest.param(IVFPQ, 0.5, marks=TRAINING_SEED_BUG),
-        pytest.param(PQ, 0.5, marks=TRAINING_SEED_BUG),
+        pytest.param(IVFPQ, 0.5),
+        pytest.param(PQ, 0.5),
     ],
 )
 def test_approximate_recall_vs_flat(corpus, exact, built, factory: str, floor: float) -> None:
@@ -161,7 +153,6 @@ def test_set_search_params_sets_hnsw_ef_and_ignores_missing_knobs(built) -> None
     built("Flat").set_search_params(nprobe=16, ef_search=128)  # Flat has neither: no error
 
 
-@TRAINING_SEED_BUG
 def test_set_search_params_sets_ivf_nprobe(corpus, exact, built) -> None:
     _, _, q = corpus
     idx = built("IVF16,Flat")
@@ -174,7 +165,6 @@ def test_set_search_params_sets_ivf_nprobe(corpus, exact, built) -> None:
     assert low < high == pytest.approx(1.0)  # 16 of 16 lists probed: exhaustive
 
 
-@TRAINING_SEED_BUG
 @pytest.mark.parametrize("factory", ["IVF16,Flat", IVFPQ])
 def test_ivf_build_is_deterministic_for_a_seed(corpus, factory: str) -> None:
     _, _, q = corpus
@@ -254,7 +244,7 @@ def test_save_writes_the_three_files(saved) -> None:
     assert (folder / IDS_FILE).read_text(encoding="utf-8").splitlines() == idx.doc_ids
 
 
-@pytest.mark.parametrize("factory", ["Flat", "HNSW16", pytest.param(IVFPQ, marks=TRAINING_SEED_BUG)])
+@pytest.mark.parametrize("factory", ["Flat", "HNSW16", pytest.param(IVFPQ)])
 def test_round_trip_gives_identical_results(corpus, built, tmp_path: Path, factory: str) -> None:
     _, _, q = corpus
     idx = built(factory)
@@ -372,7 +362,6 @@ def test_index_file_swapped_for_other_dim_is_corrupt(saved, corpus) -> None:
 
 
 @pytest.mark.slow
-@TRAINING_SEED_BUG
 @pytest.mark.parametrize("factory", ["IVF16,PQ8", "PQ8"])
 def test_literal_pq_factories_with_polysemous_training(corpus, exact, factory: str) -> None:
     """The exact factory strings users write (polysemous training on): trained, full, recall above the floor."""

@@ -159,11 +159,6 @@ def test_set_weights_with_missing_key_names_it(pool, ray_session, weights) -> No
         pool.set_weights(1, ray.put(weights))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="EncoderActor.set_weights: load_state_dict(strict=True) copies the matching tensors before raising, "
-    "so after a failed snapshot the actors serve a mix of old and new weights under the old version",
-)
 def test_failed_set_weights_does_not_change_the_served_weights(pool, ray_session, weights, texts) -> None:
     ray = ray_session
     index = IndexConfig(shard_size=SHARD)
