@@ -16,6 +16,9 @@ How
     timed with ``time.perf_counter`` around the encode call only; we report docs/s per repetition, the median of
     each side, and ratio = median(pool docs/s) / median(ST docs/s) (goal >= 0.95). The vectors of the last
     repetition of each side are compared row by row (max |a - b| and min cosine; they must agree: >= 0.9999).
+    On Linux the CPU seconds of each side are read too (this process for ST; the actors' /proc counters plus
+    this driver for the pool): docs per CPU-second is printed as a secondary, load-robust efficiency figure, and
+    the per-actor CPU seconds show how evenly ``make_shards`` spreads the work over the actors.
 
 Data
     Default: the first --docs SciFact passages in corpus order (``Passage.full_text()``), from
@@ -48,6 +51,37 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DEFAULT_SCIFACT = REPO.parent / "shared" / "data" / "scifact"
 RESULTS = HERE / "results"
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """user + system CPU seconds of a process (all its threads), from /proc (Linux); None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendant_pids(root: int, name: str) -> list[int]:
+    """PIDs of processes under `root` (this driver: its raylet, then the workers) whose cmdline contains `name`."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, stack = [], [root]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            stack.append(c)
+            try:
+                if name in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace"):
+                    out.append(c)
+            except OSError:
+                pass
+    return sorted(out)
 
 
 def load_texts(args) -> tuple[list[str], str] | None:
@@ -149,6 +183,13 @@ def main() -> int:
         vecs, _ = pool.encode(tx, args.max_length, index_cfg, progress=False)
         return vecs
 
+    from ragtrain.index.pool import make_shards
+
+    shards = make_shards(texts, index_cfg.shard_size)
+    tok_len = [len(x) for x in st.tokenizer(texts, truncation=True, max_length=args.max_length)["input_ids"]]
+    shard_tokens = [sum(tok_len[i] for i in sh) for sh in shards]
+    print(f"[shards] shard_size {index_cfg.shard_size}: {len(shards)} shard(s) of "
+          f"{[len(sh) for sh in shards]} docs, {shard_tokens} tokens (after truncation) for {args.actors} actor(s)")
     print(f"[setup] ray.init {ray_start_s:.1f}s, {args.actors} actor(s) x {args.cpus_per_actor:g} CPU up in "
           f"{actor_start_s:.1f}s (excluded)")
 
@@ -158,21 +199,38 @@ def main() -> int:
     st_encode(warm)
     pool_encode(warm)
 
+    actor_pids = descendant_pids(os.getpid(), "EncoderActor")
+    if len(actor_pids) != args.actors:
+        actor_pids = []  # could not identify our actors (not Linux?): no CPU-time figures for the pool
+
+    def pool_cpu() -> list[float] | None:
+        vals = [proc_cpu_seconds(p) for p in actor_pids]
+        return None if not vals or any(v is None for v in vals) else vals  # type: ignore[return-value]
+
     st_rates, pool_rates, put_times, set_times = [], [], [], []
+    st_cpu_rates, pool_cpu_rates, actor_cpu = [], [], []
     st_vecs = pool_vecs = None
     for rep in range(args.reps):
+        c = time.process_time()
         t = time.perf_counter()
         st_vecs = st_encode(texts)
         st_s = time.perf_counter() - t
+        st_cpu_rates.append(len(texts) / (time.process_time() - c))
         st_rates.append(len(texts) / st_s)
 
         put_s, set_s = send_weights(f"rep{rep}")  # not in the encode timing
         put_times.append(put_s)
         set_times.append(set_s)
+        a0, c = pool_cpu(), time.process_time()
         t = time.perf_counter()
         pool_vecs = pool_encode(texts)
         pool_s = time.perf_counter() - t
+        driver_cpu, a1 = time.process_time() - c, pool_cpu()
         pool_rates.append(len(texts) / pool_s)
+        if a0 is not None and a1 is not None:
+            per_actor = [y - x for x, y in zip(a0, a1)]
+            actor_cpu.append(per_actor)
+            pool_cpu_rates.append(len(texts) / (sum(per_actor) + driver_cpu))
         print(f"[rep {rep + 1}/{args.reps}] sentence-transformers {st_rates[-1]:7.1f} docs/s ({st_s:.1f}s) | "
               f"EncoderPool {pool_rates[-1]:7.1f} docs/s ({pool_s:.1f}s) | set_weights {set_s * 1e3:.0f} ms | load avg {os.getloadavg()[0]:.1f}")
 
@@ -203,6 +261,12 @@ def main() -> int:
     print(f"ratio pool/ST (medians): {ratio:.3f}  (goal >= 0.95: {'OK' if ratio >= 0.95 else 'BELOW'})")
     print(f"vectors: max |diff| = {max_abs:.2e}, min cosine = {min_cos:.6f}  "
           f"(goal >= 0.9999: {'OK' if min_cos >= 0.9999 else 'FAIL'})")
+    if pool_cpu_rates:
+        st_cpu_med, pool_cpu_med = statistics.median(st_cpu_rates), statistics.median(pool_cpu_rates)
+        print(f"CPU efficiency (docs per CPU-second; less sensitive to other load): ST {st_cpu_med:.2f}, "
+              f"pool {pool_cpu_med:.2f} (actors + driver), ratio {pool_cpu_med / st_cpu_med:.3f}")
+        print("actor CPU-seconds per rep (balance of the shards over the actors): "
+              + "; ".join("/".join(f"{x:.1f}" for x in r) for r in actor_cpu))
     print(f"weight transfer (excluded): ray.put median {statistics.median(put_times) * 1e3:.0f} ms, "
           f"set_weights median {statistics.median(set_times) * 1e3:.0f} ms")
 
@@ -213,6 +277,7 @@ def main() -> int:
         "max_length": args.max_length,
         "batch_size": args.batch_size,
         "shard_size": index_cfg.shard_size,
+        "shards": {"docs": [len(sh) for sh in shards], "tokens": shard_tokens},
         "precision": "fp32",
         "reps": args.reps,
         "pool": {"actors": args.actors, "cpus_per_actor": args.cpus_per_actor, "ray_num_cpus": args.ray_cpus,
@@ -220,6 +285,8 @@ def main() -> int:
         "sentence_transformers": {"torch_threads": args.st_threads, "docs_per_s": st_rates,
                                   "median_docs_per_s": st_med},
         "ratio_pool_over_st": ratio,
+        "cpu_efficiency_docs_per_cpu_s": {"st": st_cpu_rates, "pool": pool_cpu_rates,
+                                          "pool_actor_cpu_s": actor_cpu},
         "vectors": {"max_abs_diff": max_abs, "min_cosine": min_cos},
         "weight_transfer_s": {"ray_put": put_times, "set_weights": set_times},
         "startup_s": {"ray_init": ray_start_s, "actors": actor_start_s},

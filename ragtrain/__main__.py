@@ -8,7 +8,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from ragtrain.config import ConfigError, register_configs, to_typed
+from ragtrain.config import ConfigError, register_configs, sync_variants, to_typed
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
@@ -19,9 +19,15 @@ def main(cfg: DictConfig) -> None:
     """Hydra entry point."""
     try:
         typed = to_typed(cfg)  # resolves interpolations and runs every range check before any work
+        variants = sync_variants(cfg, CONF_DIR) if typed.compare.strategies else {}
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if variants:
+        from ragtrain.sync_compare import run_sync_compare
+
+        run_sync_compare(variants, typed.output_dir)
+        return
     from ragtrain.pipeline import run
 
     run(typed)

@@ -8,6 +8,7 @@ and `to_typed()` runs the range checks below before any work starts. Workers rec
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -222,6 +223,12 @@ STAGES = ("retriever", "index")
 
 
 @dataclass
+class CompareConfig:
+    # conf/sync options to run one after another on the same data (experiment=sync_compare); empty = one run
+    strategies: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
@@ -229,6 +236,7 @@ class Config:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     experiment_name: str = "default"
     # retriever = train the bi-encoder; index = build the index with the final encoder and evaluate it
     stages: list[str] = field(default_factory=lambda: ["retriever", "index"])
@@ -263,6 +271,26 @@ def to_typed(cfg: DictConfig) -> Config:
     if not isinstance(obj, Config):
         raise ConfigError(f"config root is {type(obj).__name__}, expected the ragtrain schema (conf/config.yaml defaults)")
     return obj
+
+
+def sync_variants(cfg: DictConfig, conf_dir: str) -> dict[str, Config]:
+    """One typed config per `compare.strategies` entry: conf/sync/<name>.yaml replaces the sync group."""
+    from pathlib import Path
+
+    out: dict[str, Config] = {}
+    choices = sorted(p.stem for p in Path(conf_dir, "sync").glob("*.yaml"))
+    for i, name in enumerate(cfg.compare.strategies):
+        path = Path(conf_dir, "sync", f"{name}.yaml")
+        if not path.exists():
+            raise ConfigError(f"compare.strategies has unknown sync option {name!r}; valid choices: {choices}")
+        variant = copy.deepcopy(cfg)
+        variant.sync = OmegaConf.merge(cfg.sync, OmegaConf.load(path))  # keeps e.g. sync.eval_every set by the experiment
+        variant.compare.strategies = []
+        variant.output_dir = str(Path(cfg.output_dir, name))
+        variant.logger.run_name = f"{cfg.experiment_name}/{name}"
+        variant.zeroshot_eval = bool(cfg.zeroshot_eval) and i == 0  # the zero-shot figure is the same for all
+        out[name] = to_typed(variant)
+    return out
 
 
 def to_flat_dict(cfg: Config) -> dict[str, str]:

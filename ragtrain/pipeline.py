@@ -108,8 +108,8 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
     """Metrics side by side per phase (zero-shot, trained), with the change."""
     from tabulate import tabulate
 
-    phases = list(results)
-    keys = [k for k in next(iter(results.values())) if "@" in k]
+    phases = [p for p in results if p != "train"]
+    keys = [k for k in results[phases[0]] if "@" in k]
     rows = []
     for k in keys:
         row = [k] + [results[p].get(k, float("nan")) for p in phases]
@@ -170,7 +170,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
             save_weights_path = save_weights(weights, out / "encoder")
             encoder_name = f"{cfg.retriever.model}@{save_weights_path}"
             print(f"[retriever] {fit.steps} steps in {fit.seconds:.1f}s; weights: {save_weights_path}")
-            logger.log_metrics({"train/seconds": fit.seconds, "train/steps": fit.steps}, step=step)
+            results["train"] = {"seconds": fit.seconds, "steps": fit.steps, **fit.metrics}
 
         if "index" in cfg.stages:
             phase = "trained" if train else "zeroshot"
@@ -185,9 +185,14 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
         (out / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
         logger.log_artifact(out / "metrics.json")
         for phase, m in results.items():  # zero-shot at step 0, the trained encoder at its last step
-            logger.log_metrics({f"{phase}/{k}": v for k, v in m.items()}, step=0 if phase == "zeroshot" else step)
+            prefix = "run/" if phase == "train" else f"{phase}/"  # run summary: run/train/samples_per_s, ...
+            logger.log_metrics({prefix + k: v for k, v in m.items()}, step=0 if phase == "zeroshot" else step)
         print(f"\n== {cfg.experiment_name}: {data.name} split={data.split} index={cfg.index.factory} ==")
         print(summary_table(results))
+        if "train" in results:
+            t = results["train"]
+            print(f"training: {t['steps']:.0f} steps, {t['train/samples_per_s']:.1f} samples/s, "
+                  f"{t['comm/bytes_per_step'] / 1e6:.2f} MB sent/step/worker, comm time share {t['comm/time_share']:.2f}")
         print(f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else ""))
         status = "FINISHED"
         return results

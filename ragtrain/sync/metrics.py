@@ -40,7 +40,7 @@ def replica_cosine(emb: torch.Tensor) -> float:
     mean = emb.clone()
     dist.all_reduce(mean)
     mean /= w
-    drift = (1 - F.cosine_similarity(emb, mean, dim=-1)).mean().reshape(1)
+    drift = (1 - F.cosine_similarity(emb, mean, dim=-1)).clamp(min=0).mean().reshape(1)  # no -1e-8 from rounding
     dist.all_reduce(drift)
     return drift.item() / w
 

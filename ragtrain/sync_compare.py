@@ -1,0 +1,39 @@
+"""experiment=sync_compare: run every configured sync strategy on the same data, then compare them side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from ragtrain.config import Config
+from ragtrain.pipeline import run
+from ragtrain.track.report import comparison_frame, write_comparison
+
+
+def run_sync_compare(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFrame:
+    """Train + index + evaluate once per strategy (one MLflow run each), then write the comparison table."""
+    rows = []
+    for name, cfg in variants.items():
+        print(f"\n######## sync strategy: {name} ########")
+        results = run(cfg)
+        rows.append({"strategy": name, **results["trained"], **results["train"]})
+    df = comparison_frame(rows)
+    first = next(iter(variants.values()))
+    files = write_comparison(df, out_dir, f"{first.experiment_name}: {first.data.source.value} split={first.data.split}")
+    _log_comparison(first, files)
+    print("\n" + df.to_markdown(index=False, floatfmt=".4g"))
+    print(f"comparison: {', '.join(str(f) for f in files)}")
+    return df
+
+
+def _log_comparison(cfg: Config, files: list[Path]) -> None:
+    """Attach the table and plot to a summary MLflow run next to the per-strategy runs."""
+    from dataclasses import replace
+
+    from ragtrain.track.mlflow import RunLogger
+
+    logger = RunLogger(replace(cfg.logger, run_name=f"{cfg.experiment_name}/comparison"), cfg.experiment_name)
+    for f in files:
+        logger.log_artifact(f)
+    logger.end("FINISHED")
