@@ -53,6 +53,16 @@ DEFAULT_SCIFACT = REPO.parent / "shared" / "data" / "scifact"
 RESULTS = HERE / "results"
 
 
+def start_local_ray(num_cpus: int) -> None:
+    """A private local Ray, as ragtrain.cluster.resources.init_ray starts it (same runtime env), but with
+    address="local": a plain ray.init() attaches to any `ray start` cluster already running on the machine
+    (and then refuses num_cpus), which would mix other people's work into the measurement."""
+    import ray
+
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env})
+
+
 def proc_cpu_seconds(pid: int) -> float | None:
     """user + system CPU seconds of a process (all its threads), from /proc (Linux); None elsewhere."""
     try:
@@ -139,8 +149,7 @@ def main() -> int:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from ragtrain.cluster.resources import init_ray
-    from ragtrain.config import IndexConfig, PoolResources, Precision, ResourcesConfig, RetrieverConfig
+    from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
     from ragtrain.index.pool import EncoderPool
     from ragtrain.retriever.encoder import build_encoder, minilm_path
 
@@ -160,9 +169,9 @@ def main() -> int:
         return st.encode(tx, batch_size=args.batch_size, normalize_embeddings=True, convert_to_numpy=True,
                          show_progress_bar=False)
 
-    # --- side B: ragtrain's pool (ray.init(num_cpus=2) through ragtrain's own init_ray)
+    # --- side B: ragtrain's pool on a private local Ray (ray.init(address="local", num_cpus=2))
     t0 = time.perf_counter()
-    init_ray(ResourcesConfig(num_cpus=args.ray_cpus))
+    start_local_ray(args.ray_cpus)
     ray_start_s = time.perf_counter() - t0
     pool_res = PoolResources(num_actors=args.actors, cpus_per_actor=args.cpus_per_actor)
     t0 = time.perf_counter()

@@ -100,7 +100,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     encoder.to(device).train()
     tokenizer = load_tokenizer(cfg.retriever)
 
-    strategy = build_sync(cfg.sync)
+    node_ids = [ray.get_runtime_context().get_node_id()]
+    if world > 1:  # every rank learns every rank's node (hierarchical sync groups by node)
+        node_ids = [None] * world
+        torch.distributed.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
+    strategy = build_sync(cfg.sync, node_ids)
     model = strategy.wrap(QPEncoder(encoder), device)  # DDP + comm hook, or the bare module (local steps)
     params = [p for p in encoder.parameters()]
     STATS.reset()
@@ -174,6 +178,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         "train/samples_per_s": steps * global_batch / loop_s,
         "comm/bytes_per_step": STATS.total_bytes() / steps,
         "comm/time_share": STATS.total_seconds() / loop_s,
+        **{f"comm/bytes_per_step/{k}": v / steps for k, v in STATS.bytes.items()},  # grad, params, embeddings, ...
+        **strategy.state(),
         **{f"{k}_mean": sum(d[k] for d in drift_history) / len(drift_history) for k in drift_history[0]},
     }
     strategy.consensus(params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed

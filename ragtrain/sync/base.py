@@ -81,14 +81,21 @@ def ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **{flag: False})
 
 
-def build_sync(cfg: SyncConfig) -> SyncStrategy:
-    """The strategy named by sync.strategy (an explicit dict: no registry magic)."""
+def build_sync(cfg: SyncConfig, node_ids: list[str] | None = None) -> SyncStrategy:
+    """The strategy named by sync.strategy (an explicit dict: no registry magic); node_ids[rank] = its node."""
     from ragtrain.sync.compressed import CompressedSync
     from ragtrain.sync.ddp import DDPSync
     from ragtrain.sync.gossip import GossipSync
+    from ragtrain.sync.hierarchical import HierarchicalSync
     from ragtrain.sync.local_sgd import LocalSGDSync
 
-    strategies = {"ddp": DDPSync, "local_sgd": LocalSGDSync, "compressed": CompressedSync, "gossip": GossipSync}
+    strategies = {
+        "ddp": DDPSync,
+        "local_sgd": LocalSGDSync,
+        "compressed": CompressedSync,
+        "gossip": GossipSync,
+        "hierarchical": lambda c: HierarchicalSync(c, node_ids),
+    }
     if cfg.strategy not in strategies:
         raise ValueError(f"sync.strategy={cfg.strategy!r} is unknown; valid choices: {sorted(strategies)}")
     return strategies[cfg.strategy](cfg)

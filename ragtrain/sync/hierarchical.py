@@ -1,0 +1,100 @@
+"""`hierarchical`: gradient all-reduce inside each node every step; across nodes only every `period` steps.
+
+Node membership comes from the caller (the Ray Train worker's node id, gathered from all ranks). Intra-node
+traffic rides the fast local links (shared memory / NVLink) every step; the slow inter-node links carry a
+parameter exchange every `period` steps: `inter_node: average` (global parameter mean; with identical replicas
+inside a node this is the mean over nodes) or `gossip` (mix with the same-local-rank worker of the neighbouring
+nodes on a ring of nodes). Bytes are counted separately as `grad_intra` and `params_inter`.
+"""
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ragtrain.config import SyncConfig
+from ragtrain.sync.base import average_params, ddp, flat_params, set_flat_params, world_size
+from ragtrain.sync.comm import STATS, all_reduce_bytes
+
+
+def node_groups(node_ids: list[str]) -> list[list[int]]:
+    """Ranks grouped by node, nodes ordered by their lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, node in enumerate(node_ids):
+        groups.setdefault(node, []).append(rank)
+    return list(groups.values())
+
+
+class HierarchicalSync:
+    """Intra-node DDP every step + inter-node averaging or gossip every `period` steps."""
+
+    def __init__(self, cfg: SyncConfig, node_ids: list[str] | None = None):
+        self.cfg = cfg
+        w = world_size()
+        self.groups = node_groups(node_ids or ["local"] * w)
+        rank = dist.get_rank() if w > 1 else 0
+        self.my_group = next(g for g in self.groups if rank in g)
+        self.local_rank = self.my_group.index(rank)
+        self.subgroup = None
+        if w > 1:
+            # Every rank must create every subgroup (collective call), in the same order.
+            self.subgroup, _ = dist.new_subgroups_by_enumeration(ranks_per_subgroup_list=self.groups)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.groups)
+
+    def _intra_hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        n = len(self.my_group)
+        if n == 1:
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut.set_result(buf)
+            return fut
+        start, nbytes = time.perf_counter(), all_reduce_bytes(buf.numel() * buf.element_size(), n)
+        buf.div_(n)
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            STATS.add("grad_intra", nbytes, time.perf_counter() - start)
+            return f.value()[0]
+
+        return dist.all_reduce(buf, group=self.subgroup, async_op=True).get_future().then(done)
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        if world_size() == 1:
+            return model
+        wrapped = ddp(model, device)
+        wrapped.register_comm_hook(None, self._intra_hook)
+        return wrapped
+
+    def _gossip_nodes(self, params: list[nn.Parameter]) -> None:
+        """Mix with the same-local-rank worker on the previous and next node of the node ring."""
+        me = self.groups.index(self.my_group)
+        peers = sorted({(me - 1) % self.num_nodes, (me + 1) % self.num_nodes} - {me})
+        peer_ranks = [self.groups[p][self.local_rank] for p in peers if self.local_rank < len(self.groups[p])]
+        if not peer_ranks:
+            return
+        flat = flat_params(params)
+        bufs = [torch.empty_like(flat) for _ in peer_ranks]
+        with STATS.timed("params_inter", flat.numel() * flat.element_size() * len(peer_ranks)):
+            reqs = [dist.isend(flat, p) for p in peer_ranks] + [dist.irecv(b, p) for b, p in zip(bufs, peer_ranks)]
+            for r in reqs:
+                r.wait()
+        m = self.cfg.mixing
+        set_flat_params(params, (1 - m) * flat + m * torch.stack(bufs).mean(0))
+
+    def after_step(self, params: list[nn.Parameter], step: int) -> None:
+        if self.num_nodes == 1 or (step + 1) % self.cfg.period:
+            return
+        if self.cfg.inter_node == "gossip":
+            self._gossip_nodes(params)
+        else:
+            average_params(params, category="params_inter")
+
+    def consensus(self, params: list[nn.Parameter]) -> None:
+        average_params(params, category="params_inter")
+
+    def state(self) -> dict[str, Any]:
+        return {"sync/nodes": self.num_nodes}

@@ -1,0 +1,69 @@
+"""Run by test_multinode.py in its own process: a real 2-node Ray cluster on 127.0.0.1 (separate raylets).
+
+Trains the tiny retriever with sync=hierarchical on 4 workers spread over both nodes, and places an encoder
+pool on the node labelled `index_node`; prints one JSON line with what it observed.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+
+def main(out_dir: str) -> None:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    labelled = cluster.add_node(num_cpus=2, resources={"index_node": 1})
+    ray.init(address=cluster.address)
+    try:
+        from ragtrain.config import Config, DataConfig, LoggerConfig, PoolResources, ResourcesConfig, RetrieverConfig
+        from ragtrain.config import RetrieverTrainConfig, SyncConfig, TrainerResources
+        from ragtrain.data import make_synthetic
+        from ragtrain.index.pool import EncoderPool
+        from ragtrain.retriever.batching import TrainData, build_examples
+        from ragtrain.retriever.encoder import build_encoder
+        from ragtrain.retriever.train import fit_retriever
+
+        cfg = Config(
+            data=DataConfig(num_entities=20),
+            retriever=RetrieverConfig(
+                model="tiny", query_max_length=16, passage_max_length=32,
+                train=RetrieverTrainConfig(batch_size=2, max_steps=4, log_every=2, lr=1e-3),
+            ),
+            resources=ResourcesConfig(
+                trainer=TrainerResources(num_workers=4, cpus_per_worker=1),
+                pool=PoolResources(num_actors=1, cpus_per_actor=1, resources={"index_node": 1}),
+            ),
+            logger=LoggerConfig(backend="none"),
+            sync=SyncConfig(strategy="hierarchical", period=2, inter_node="average"),
+            output_dir=out_dir,
+        )
+        data = make_synthetic(num_entities=20)
+        pos = {d: i for i, d in enumerate(data.corpus)}
+        train = TrainData([p.full_text() for p in data.corpus.values()], build_examples(data.queries, data.train_qrels, pos))
+        torch.manual_seed(0)
+        weights = build_encoder(cfg.retriever).state_dict()
+        fit = fit_retriever(cfg, train, weights, sink=None)
+        n_params = sum(v.numel() for v in weights.values())
+
+        pool = EncoderPool(cfg.retriever, cfg.resources.pool)
+        pool_nodes = pool.node_ids()
+        pool.shutdown()
+        print(json.dumps({
+            "metrics": fit.metrics,
+            "n_params": n_params,
+            "pool_nodes": pool_nodes,
+            "labelled_node": labelled.node_id,
+            "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
+        }))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
