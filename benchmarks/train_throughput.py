@@ -20,7 +20,9 @@ How
     sides (fit_retriever's total wall time is reported for context). Ray is started before each ragtrain
     repetition and shut down after it, so the torchrun runs see no Ray processes.
     Repetitions alternate ragtrain, torchrun, ragtrain, torchrun ... (--reps); we report each side's median
-    samples/s and ratio = median(ragtrain) / median(torchrun) (goal >= 0.95). The per-window mean losses of
+    samples/s and ratio = median(ragtrain) / median(torchrun) (goal >= 0.95). Also the CPU seconds of the rank-0
+    process per timed step (``time.process_time`` in the sink / at the stamps): a secondary figure, less
+    sensitive to other work on the machine. The per-window mean losses of
     both sides are printed too: same weights and batches, so they should be close (dropout is not seeded
     identically, so they are not bit-equal).
 
@@ -71,9 +73,9 @@ class FileSink:
     path: str
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        t = time.time()
+        t, cpu = time.time(), time.process_time()  # process_time: CPU seconds of this (rank-0 worker) process
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "time": t, "metrics": metrics}) + "\n")
+            f.write(json.dumps({"step": step, "time": t, "cpu": cpu, "metrics": metrics}) + "\n")
 
 
 @dataclass
@@ -91,10 +93,11 @@ class TimedMlflowSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         from ragtrain.track.mlflow import MetricSink
 
-        t = time.time()
+        t, cpu = time.time(), time.process_time()
         MetricSink(self.uri, self.run_id).log(metrics, step)
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "time": t, "log_s": time.time() - t, "metrics": metrics}) + "\n")
+            f.write(json.dumps({"step": step, "time": t, "cpu": cpu, "log_s": time.time() - t, "metrics": metrics})
+                    + "\n")
 
 
 def start_local_ray(num_cpus: int) -> None:
@@ -177,6 +180,7 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
     win_secs = [s / r["metrics"]["train/samples_per_s"] for s, r in zip(win_samples, after)]
     return {
         "samples_per_s": n / wall_s,
+        "rank0_cpu_s_per_step": (last["cpu"] - first["cpu"]) / (last["step"] - first["step"]),
         "measured_seconds": wall_s,
         "inloop_samples_per_s": sum(win_samples) / sum(win_secs),
         "fit_seconds_total": total_s,
@@ -290,6 +294,10 @@ def main() -> int:
     if args.sink == "mlflow":
         calls = [[f"{x:.3f}" for x in r["sink_log_seconds"]] for r in rag]
         print(f"MetricSink.log seconds per report (rank 0, in the training loop): {calls}")
+    rag_cpu = statistics.median(r["rank0_cpu_s_per_step"] for r in rag)
+    base_cpu = statistics.median(r["rank0_cpu_s_per_step"] for r in base)
+    print(f"rank-0 CPU seconds per step (medians; less sensitive to other load): ragtrain {rag_cpu:.3f}, "
+          f"torchrun {base_cpu:.3f}, efficiency ratio torchrun/ragtrain {base_cpu / rag_cpu:.3f}")
     lrows = [[w["step"]] + [f"{r['windows'][i]['loss']:.4f}" for r in rag] + [f"{r['windows'][i]['loss']:.4f}" for r in base]
              for i, w in enumerate(rag[0]["windows"])]
     print("window mean loss (sanity: same weights and batches; dropout is unseeded, so only roughly equal):")
@@ -313,6 +321,8 @@ def main() -> int:
         "ragtrain": {"median_samples_per_s": rag_med, "median_inloop_samples_per_s": rag_inloop_med, "runs": rag},
         "torchrun": {"median_samples_per_s": base_med, "runs": base},
         "ratio_ragtrain_over_torchrun": ratio,
+        "rank0_cpu_s_per_step": {"ragtrain": rag_cpu, "torchrun": base_cpu,
+                                 "ratio_torchrun_over_ragtrain": base_cpu / rag_cpu},
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "loadavg_1min": {"start": load_start, "end": os.getloadavg()[0]},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

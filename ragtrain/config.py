@@ -177,7 +177,7 @@ class LoggerConfig:
     run_name: Optional[str] = None
 
 
-SYNC_STRATEGIES = ("ddp", "local_sgd", "compressed", "gossip", "hierarchical")
+SYNC_STRATEGIES = ("ddp", "local_sgd", "compressed", "gossip", "hierarchical", "async_ps")
 INTER_NODE = ("average", "gossip")
 COMPRESSIONS = ("fp16", "bf16", "powersgd", "topk")
 GOSSIP_TOPOLOGIES = ("ring", "random")
@@ -200,6 +200,7 @@ class SyncConfig:
     ratio: float = 0.01  # topk: fraction of gradient entries sent
     topology: str = "ring"  # gossip: ring | random (seeded pairing per round)
     mixing: float = 0.5  # gossip: weight of the neighbours' mean
+    max_staleness: int = 2  # async_ps: an applied update has seen at most this many others' updates since its pull
     inter_node: str = "average"  # hierarchical: average | gossip across nodes every `period` steps
     probe_passages: int = 64  # drift metrics: fixed probe set (passages, and as many queries)
     eval_every: int = 0  # drift metrics every N steps (0 = only at the end)
@@ -217,6 +218,7 @@ class SyncConfig:
         _check(0 < self.ratio <= 1, k + "ratio", "must be in (0, 1]", self.ratio)
         _check(self.topology in GOSSIP_TOPOLOGIES, k + "topology", f"must be one of {list(GOSSIP_TOPOLOGIES)}", self.topology)
         _check(0 < self.mixing <= 1, k + "mixing", "must be in (0, 1]", self.mixing)
+        _check(self.max_staleness >= 0, k + "max_staleness", "must be >= 0", self.max_staleness)
         _check(self.inter_node in INTER_NODE, k + "inter_node", f"must be one of {list(INTER_NODE)}", self.inter_node)
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
         _check(self.eval_every >= 0, k + "eval_every", "must be >= 0", self.eval_every)

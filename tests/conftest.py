@@ -24,7 +24,9 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+        # PYTHONPATH: Ray workers must import functions defined in test modules (tests.sync.test_async_ps, ...).
+        env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+        ray.init(num_cpus=RAY_CPUS, runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()
 

@@ -55,6 +55,7 @@ def contrastive_loss(
     temperature: float,
     q_gold: torch.Tensor | None = None,
     p_ids: torch.Tensor | None = None,
+    gather: bool = True,
 ) -> torch.Tensor:
     """InfoNCE of local queries against the gathered passages of all workers (mean over local queries).
 
@@ -62,15 +63,16 @@ def contrastive_loss(
     query i at row i), then the H hard negatives of each query. q_gold: [B, G] corpus positions of each query's
     gold passages (padded with -1); p_ids: [B * (1 + H)] corpus positions of the local passages. With both given,
     any gathered passage that is gold for a query (other than its own positive) is masked out: a duplicate or
-    second gold passage in the batch is not a negative.
+    second gold passage in the batch is not a negative. gather=False scores against local passages only (for
+    strategies that must not synchronise workers every step, e.g. async_ps).
     """
     b = q.shape[0]
-    p_all = gather_with_grad(p)
+    p_all = gather_with_grad(p) if gather else p
     scores = q @ p_all.T / temperature  # [B, W * B * (1 + H)]
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = dist.get_rank() if gather and dist.is_available() and dist.is_initialized() else 0
     labels = torch.arange(b, device=q.device) + rank * p.shape[0]
     if q_gold is not None and p_ids is not None:
-        ids_all = gather_no_grad(p_ids)
+        ids_all = gather_no_grad(p_ids) if gather else p_ids
         is_gold = (q_gold.unsqueeze(-1) == ids_all.view(1, 1, -1)).any(dim=1)  # [B, W*B*(1+H)]
         is_gold[torch.arange(b, device=q.device), labels] = False
         scores = scores.masked_fill(is_gold, float("-inf"))

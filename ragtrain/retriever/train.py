@@ -133,7 +133,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         q_gold = torch.tensor([g + [-1] * (gmax - len(g)) for g in golds], device=device)
         with autocast(t.precision, device):
             q_emb, p_emb = model(q, p)
-        loss = contrastive_loss(q_emb, p_emb, cfg.retriever.temperature, q_gold, torch.tensor(pids, device=device))
+        loss = contrastive_loss(
+            q_emb, p_emb, cfg.retriever.temperature, q_gold, torch.tensor(pids, device=device), strategy.gather_negatives
+        )
         optim.zero_grad(set_to_none=True)
         loss.backward()
         if t.grad_clip > 0:

@@ -14,6 +14,8 @@ from ragtrain.config import SyncConfig
 class SyncStrategy(Protocol):
     """How one worker's replica stays consistent with the others'."""
 
+    gather_negatives: bool  # score local queries against every worker's passages (a per-step collective)
+
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         """Return the module to call forward on (e.g. DDP with a comm hook, or the model itself)."""
         ...
@@ -83,6 +85,7 @@ def ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
 def build_sync(cfg: SyncConfig, node_ids: list[str] | None = None) -> SyncStrategy:
     """The strategy named by sync.strategy (an explicit dict: no registry magic); node_ids[rank] = its node."""
+    from ragtrain.sync.async_ps import AsyncPSSync
     from ragtrain.sync.compressed import CompressedSync
     from ragtrain.sync.ddp import DDPSync
     from ragtrain.sync.gossip import GossipSync
@@ -95,6 +98,7 @@ def build_sync(cfg: SyncConfig, node_ids: list[str] | None = None) -> SyncStrate
         "compressed": CompressedSync,
         "gossip": GossipSync,
         "hierarchical": lambda c: HierarchicalSync(c, node_ids),
+        "async_ps": AsyncPSSync,
     }
     if cfg.strategy not in strategies:
         raise ValueError(f"sync.strategy={cfg.strategy!r} is unknown; valid choices: {sorted(strategies)}")

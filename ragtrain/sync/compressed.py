@@ -69,6 +69,8 @@ class TopK:
 class CompressedSync:
     """DDP whose gradient all-reduce is compressed by the configured hook."""
 
+    gather_negatives = True
+
     def __init__(self, cfg: SyncConfig):
         self.cfg = cfg
         self.powersgd = None

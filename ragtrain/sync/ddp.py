@@ -31,6 +31,8 @@ def counting_allreduce_hook(category: str, bucket: dist.GradBucket) -> torch.fut
 class DDPSync:
     """DistributedDataParallel with a counting all-reduce hook; replicas are identical after every step."""
 
+    gather_negatives = True
+
     def __init__(self, cfg: SyncConfig):
         self.cfg = cfg
 

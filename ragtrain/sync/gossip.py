@@ -36,6 +36,8 @@ def neighbours(rank: int, world: int, topology: str, round_: int, seed: int = 0)
 class GossipSync:
     """Neighbour averaging every `period` steps; no gradient all-reduce."""
 
+    gather_negatives = True
+
     def __init__(self, cfg: SyncConfig):
         self.cfg = cfg
         self.rounds = 0

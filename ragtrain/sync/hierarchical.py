@@ -30,6 +30,8 @@ def node_groups(node_ids: list[str]) -> list[list[int]]:
 class HierarchicalSync:
     """Intra-node DDP every step + inter-node averaging or gossip every `period` steps."""
 
+    gather_negatives = True
+
     def __init__(self, cfg: SyncConfig, node_ids: list[str] | None = None):
         self.cfg = cfg
         w = world_size()

@@ -28,6 +28,8 @@ from ragtrain.sync.ddp import counting_allreduce_hook
 class LocalSGDSync:
     """Periodic parameter averaging after an optional DDP warm-up."""
 
+    gather_negatives = True
+
     def __init__(self, cfg: SyncConfig):
         self.cfg = cfg
         self.period = cfg.period

@@ -1,0 +1,118 @@
+"""`async_ps`: an asynchronous parameter server as a Ray actor, with bounded staleness.
+
+Each worker steps its own replica, pushes the change (delta since its last push) to the server and keeps going:
+it waits only for the server's acknowledgement, never for the other workers. Staleness of a push = the number of
+OTHER workers' updates the server applied since this worker last pulled. The server refuses a push whose
+staleness would exceed `max_staleness` (counted as `rejected`; the worker then pulls and carries on), and a worker
+pulls fresh weights as soon as its staleness reaches the bound, so no applied update is ever staler than
+`max_staleness`. In-batch negatives stay on the worker: gathering them across workers would be a barrier.
+Bytes sent by a worker = its pushes (fp32 deltas).
+"""
+
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ragtrain.config import SyncConfig
+from ragtrain.sync.base import flat_params, set_flat_params, world_size
+from ragtrain.sync.comm import STATS
+
+
+@ray.remote(num_cpus=0)
+class ParameterServer:
+    """Holds the global parameters; applies pushes in arrival order."""
+
+    def __init__(self, params: np.ndarray, world: int, max_staleness: int):
+        self.params = params.copy()
+        self.version = 0
+        self.max_staleness = max_staleness
+        self.others_since_pull = [0] * world
+        self.applied_staleness: list[int] = []
+        self.rejected = 0
+
+    def push(self, rank: int, delta: np.ndarray) -> tuple[bool, int]:
+        """Apply `delta` unless too stale; returns (accepted, this worker's staleness after the push)."""
+        staleness = self.others_since_pull[rank]
+        if staleness > self.max_staleness:
+            self.rejected += 1
+            return False, staleness
+        self.params += delta
+        self.version += 1
+        self.applied_staleness.append(staleness)
+        for r in range(len(self.others_since_pull)):
+            if r != rank:
+                self.others_since_pull[r] += 1
+        return True, staleness
+
+    def pull(self, rank: int) -> np.ndarray:
+        """Fresh global parameters for `rank` (its staleness resets to 0)."""
+        self.others_since_pull[rank] = 0
+        return self.params
+
+    def stats(self) -> dict[str, float]:
+        """Server-side figures: versions applied, rejected pushes, the largest applied staleness."""
+        return {
+            "ps/version": self.version,
+            "ps/rejected": self.rejected,
+            "ps/max_applied_staleness": max(self.applied_staleness, default=0),
+            "ps/mean_applied_staleness": float(np.mean(self.applied_staleness)) if self.applied_staleness else 0.0,
+        }
+
+
+class AsyncPSSync:
+    """Workers push deltas to / pull weights from a ParameterServer actor; no collective in the training step."""
+
+    gather_negatives = False
+
+    def __init__(self, cfg: SyncConfig):
+        self.cfg = cfg
+        self.server = None
+        self.anchor: torch.Tensor | None = None
+        self.rank = dist.get_rank() if world_size() > 1 else 0
+        self.pulls = 0
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        # Rank 0 starts the server from the (identical) initial weights; the others look it up by name.
+        flat = flat_params(list(model.parameters()))
+        name = [f"ragtrain-ps-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
+        if self.rank == 0:
+            self.server = ParameterServer.options(name=name[0]).remote(flat.numpy(), world_size(), self.cfg.max_staleness)
+        if world_size() > 1:
+            dist.broadcast_object_list(name, src=0)
+            dist.barrier()  # the named actor exists before anyone looks it up
+            if self.rank != 0:
+                self.server = ray.get_actor(name[0])
+        self.anchor = flat
+        return model
+
+    def _pull(self, params: list[nn.Parameter]) -> None:
+        fresh = torch.from_numpy(np.array(ray.get(self.server.pull.remote(self.rank))))
+        set_flat_params(params, fresh)
+        self.anchor = fresh
+        self.pulls += 1
+
+    def after_step(self, params: list[nn.Parameter], step: int) -> None:
+        flat = flat_params(params)
+        delta = flat - self.anchor
+        start = time.perf_counter()
+        accepted, staleness = ray.get(self.server.push.remote(self.rank, delta.numpy()))
+        STATS.add("params", delta.numel() * delta.element_size(), time.perf_counter() - start)
+        self.anchor = flat
+        if not accepted or staleness + 1 > self.cfg.max_staleness:
+            self._pull(params)  # the next push could exceed the bound: refresh now
+
+    def consensus(self, params: list[nn.Parameter]) -> None:
+        if world_size() > 1:
+            dist.barrier()  # every push is in before anyone reads the final weights
+        self._pull(params)
+        if world_size() > 1:
+            dist.barrier()  # everyone has read them before rank 0 may stop the server
+
+    def state(self) -> dict[str, Any]:
+        return {"sync/pulls": self.pulls, **ray.get(self.server.stats.remote())}
