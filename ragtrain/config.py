@@ -177,7 +177,7 @@ class LoggerConfig:
     run_name: Optional[str] = None
 
 
-SYNC_STRATEGIES = ("ddp", "local_sgd", "compressed", "gossip", "hierarchical", "async_ps")
+SYNC_STRATEGIES = ("ddp", "local_sgd", "compressed", "gossip", "hierarchical", "async_ps", "vector_avg")
 INTER_NODE = ("average", "gossip")
 COMPRESSIONS = ("fp16", "bf16", "powersgd", "topk")
 GOSSIP_TOPOLOGIES = ("ring", "random")

@@ -43,6 +43,7 @@ class Retrieval:
     def __init__(self, cfg: Config, data: RetrievalData):
         self.cfg, self.data = cfg, data
         self._pool = None
+        self.snapshots: list[tuple[str, dict[str, torch.Tensor]]] = []
         self.doc_ids = list(data.corpus)
         self.passages = [p.full_text() for p in data.corpus.values()]
         self.fingerprint = data.fingerprint()
@@ -63,26 +64,41 @@ class Retrieval:
             self._pool.shutdown()
             self._pool = None
 
-    def build(self, tag: str, weights: dict[str, torch.Tensor], encoder_name: str, step: int):
-        """Encode the corpus with `weights` on the pool and build the FAISS index (returns index, stats)."""
-        import ray
+    def build(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str, step: int):
+        """Encode the corpus on the pool and build the FAISS index (returns index, stats).
 
+        One snapshot: its vectors. Several (sync=vector_avg: one per replica): every replica encodes every
+        passage and the index holds the re-normalised mean vector; queries are averaged the same way.
+        """
         from ragtrain.index.faiss_index import build_index
 
-        self.pool.set_weights(tag, ray.put(weights))
-        vecs, stats = self.pool.encode(
-            self.passages, self.cfg.retriever.passage_max_length, self.cfg.index, desc=f"{tag}: encode corpus"
-        )
+        self.snapshots = [(f"{tag}/{i}", w) for i, w in enumerate(snapshots)]
+        vecs, stats = self.encode(self.passages, self.cfg.retriever.passage_max_length, f"{tag}: encode corpus")
         idx = self.cfg.index
         index = build_index(vecs, self.doc_ids, idx.factory, self.fingerprint, encoder_name, step, idx.precision.value, self.cfg.seed)
         index.set_search_params(idx.nprobe, idx.ef_search)
         stats["index_build_seconds"] = index.meta.build_seconds
         return index, stats
 
+    def encode(self, texts: list[str], max_length: int, desc: str = "", progress: bool = True) -> tuple[np.ndarray, dict]:
+        """Vectors of `texts` under the current snapshots (their re-normalised mean when there are several)."""
+        import ray
+
+        total, stats = None, {}
+        for version, weights in self.snapshots:
+            if self.pool.version != version:
+                self.pool.set_weights(version, ray.put(weights))
+            vecs, stats = self.pool.encode(texts, max_length, self.cfg.index, progress=progress, desc=desc)
+            total = vecs if total is None else total + vecs
+        assert total is not None, "build() sets the snapshots first"
+        if len(self.snapshots) > 1:
+            total /= np.linalg.norm(total, axis=1, keepdims=True).clip(min=1e-12)
+        return total, stats
+
     def search(self, index, qids: list[str], k: int) -> dict[str, list[str]]:
-        """Encode queries with the pool's current weights and retrieve the top-k doc ids for each."""
+        """Encode queries like the index's passages and retrieve the top-k doc ids for each."""
         texts = [self.data.queries[q] for q in qids]
-        qv, _ = self.pool.encode(texts, self.cfg.retriever.query_max_length, self.cfg.index, progress=False)
+        qv, _ = self.encode(texts, self.cfg.retriever.query_max_length, progress=False)
         _, rows = index.search(qv, k)
         return run_from_scores(qids, self.doc_ids, rows)
 
@@ -102,6 +118,14 @@ class Retrieval:
             gold = {d for d, g in self.data.train_qrels[q].items() if g > 0}
             out[q] = [pos[d] for d in run[q][t.hard_negative_skip_top :] if d not in gold]
         return out
+
+
+def parameter_mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Element-wise mean of several replicas' weights (non-float entries are taken from the first)."""
+    return {
+        k: torch.stack([s[k] for s in states]).mean(0) if states[0][k].is_floating_point() else states[0][k]
+        for k in states[0]
+    }
 
 
 def summary_table(results: dict[str, dict[str, float]]) -> str:
@@ -155,7 +179,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
         needs_negatives = train and cfg.retriever.train.hard_negatives > 0
         negatives: Optional[dict[str, list[int]]] = None
         if train and (cfg.zeroshot_eval or needs_negatives):
-            index, stats = retrieval.build("zeroshot", weights, encoder_name, step)
+            index, stats = retrieval.build("zeroshot", [weights], encoder_name, step)
             results["zeroshot"] = {**retrieval.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
             if needs_negatives:
                 negatives = retrieval.mine_negatives(index)
@@ -167,6 +191,10 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
             fit = fit_retriever(cfg, TrainData(retrieval.passages, examples), weights, logger.sink())
             weights, step = fit.weights, fit.steps
             (out / "encoder").mkdir(exist_ok=True)
+            if fit.replicas:  # vector_avg: the saved encoder is the parameter mean; replicas go next to it
+                weights = parameter_mean(fit.replicas)
+                for r, state in enumerate(fit.replicas):
+                    save_weights(state, out / "encoder", name=f"replica_{r}")
             save_weights_path = save_weights(weights, out / "encoder")
             encoder_name = f"{cfg.retriever.model}@{save_weights_path}"
             print(f"[retriever] {fit.steps} steps in {fit.seconds:.1f}s; weights: {save_weights_path}")
@@ -174,11 +202,13 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
 
         if "index" in cfg.stages:
             phase = "trained" if train else "zeroshot"
-            index, stats = retrieval.build(phase, weights, encoder_name, step)
-            results[phase] = {
-                **retrieval.evaluate(index),
-                "encode_docs_per_s": stats["docs_per_s"],
-            }
+            replicas = fit.replicas if train else []
+            if replicas:  # vector_avg: first the parameter mean, for comparison; then the mean of the vectors
+                index, stats = retrieval.build("param_avg", [weights], encoder_name, step)
+                results["param_avg"] = {**retrieval.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
+            name = f"vector_avg of {len(replicas)} replicas in {out / 'encoder'}" if replicas else encoder_name
+            index, stats = retrieval.build(phase, replicas or [weights], name, step)
+            results[phase] = {**retrieval.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
             index.save(out / "index")
             logger.log_json(asdict(index.meta), "index_meta.json")
 

@@ -12,6 +12,9 @@ import torch
 from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
 
 
+SHARDS_PER_ACTOR = 8  # load balance: the pool hands out small shards as actors free up
+
+
 @ray.remote
 class EncoderActor:
     """Holds one encoder replica; loads new weights only when the snapshot version changes."""
@@ -49,10 +52,16 @@ class EncoderActor:
         return ray.get_runtime_context().get_node_id()
 
 
-def make_shards(texts: Sequence[str], shard_size: int) -> list[list[int]]:
-    """Split corpus positions into shards of similar text length (sorted globally), so padding stays small."""
+def make_shards(texts: Sequence[str], shard_size: int, min_shards: int = 1) -> list[list[int]]:
+    """Split corpus positions into shards of similar text length (sorted globally), so padding stays small.
+
+    Shards shrink until there are at least `min_shards`: with length-sorted shards the first ones are the
+    slowest, and only many small shards let the actor pool balance the load (one 512-doc shard per actor left
+    one actor idle half the time on 1,000 SciFact docs).
+    """
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
-    return [order[i : i + shard_size] for i in range(0, len(order), shard_size)]
+    size = max(1, min(shard_size, -(-len(order) // max(1, min_shards))))
+    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 class EncoderPool:
@@ -66,6 +75,11 @@ class EncoderPool:
             for _ in range(pool.num_actors)
         ]
         self._version: Any = None
+
+    @property
+    def version(self) -> Any:
+        """The snapshot version every actor holds (None before the first set_weights)."""
+        return self._version
 
     def set_weights(self, version: Any, weights_ref: "ray.ObjectRef") -> None:
         """Send a weights snapshot to every actor through the object store (one put, N gets)."""
@@ -85,7 +99,7 @@ class EncoderPool:
             raise RuntimeError("EncoderPool.encode called before set_weights")
         if not texts:
             raise ValueError("EncoderPool.encode called with no texts")
-        shards = make_shards(texts, index.shard_size)
+        shards = make_shards(texts, index.shard_size, min_shards=SHARDS_PER_ACTOR * len(self.actors))
         start = time.perf_counter()
         out = np.empty((0, 0), dtype=np.float32)
         pool = ActorPool(self.actors)

@@ -11,7 +11,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,7 +27,6 @@ from ragtrain.sync.comm import STATS
 from ragtrain.sync.metrics import drift_metrics
 from ragtrain.track.mlflow import MetricSink
 
-WEIGHTS_FILE = "encoder.safetensors"
 
 
 class QPEncoder(nn.Module):
@@ -53,20 +52,20 @@ def load_state(encoder: nn.Module, state: dict[str, torch.Tensor]) -> None:
     encoder.load_state_dict(state, strict=True)
 
 
-def save_weights(state: dict[str, torch.Tensor], folder: str | Path) -> Path:
-    """Save encoder weights as safetensors (no pickle) in `folder`."""
+def save_weights(state: dict[str, torch.Tensor], folder: str | Path, name: str = "encoder") -> Path:
+    """Save encoder weights as safetensors (no pickle) in `folder` as `<name>.safetensors`."""
     from safetensors.torch import save_file
 
-    path = Path(folder) / WEIGHTS_FILE
+    path = Path(folder) / f"{name}.safetensors"
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path))
     return path
 
 
-def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+def load_weights(folder: str | Path, name: str = "encoder") -> dict[str, torch.Tensor]:
     """Load weights saved by `save_weights`."""
     from safetensors.torch import load_file
 
-    path = Path(folder) / WEIGHTS_FILE
+    path = Path(folder) / f"{name}.safetensors"
     if not path.exists():
         raise FileNotFoundError(f"no encoder weights at {path} (expected a ragtrain retriever checkpoint)")
     return load_file(str(path))
@@ -185,10 +184,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         **{f"{k}_mean": sum(d[k] for d in drift_history) / len(drift_history) for k in drift_history[0]},
     }
     strategy.consensus(params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed
+    replicas = None
+    if strategy.keeps_replicas and world > 1:  # rank 0 collects every replica (vector averaging at index time)
+        replicas = [None] * world if rank == 0 else None
+        torch.distributed.gather_object({k: v.cpu() for k, v in encoder.state_dict().items()}, replicas, dst=0)
     with tempfile.TemporaryDirectory() as d:
         ckpt = None
         if rank == 0:
             save_weights(encoder.state_dict(), d)
+            for r, state in enumerate(replicas or []):
+                save_weights(state, d, name=f"replica_{r}")
             ckpt = ray.train.Checkpoint.from_directory(d)
         ray.train.report({"step": steps, **summary}, checkpoint=ckpt)
 
@@ -208,6 +213,7 @@ class FitResult:
     checkpoint_path: str
     steps: int
     seconds: float
+    replicas: list[dict[str, torch.Tensor]] = field(default_factory=list)  # vector_avg: every worker's replica
 
 
 def fit_retriever(
@@ -247,8 +253,9 @@ def fit_retriever(
         raise RuntimeError(f"retriever training finished without a checkpoint (error: {result.error})")
     with result.checkpoint.as_directory() as d:
         weights = load_weights(d)
+        replicas = [load_weights(d, p.stem) for p in sorted(Path(d).glob("replica_*.safetensors"))]
     metrics = {k: float(v) for k, v in result.metrics.items() if k != "step"}
-    return FitResult(weights, metrics, result.checkpoint.path, steps, time.perf_counter() - start)
+    return FitResult(weights, metrics, result.checkpoint.path, steps, time.perf_counter() - start, replicas)
 
 
 if __name__ == "__main__":  # pragma: no cover - the recipe runs through `python -m ragtrain`

@@ -69,6 +69,7 @@ class AsyncPSSync:
     """Workers push deltas to / pull weights from a ParameterServer actor; no collective in the training step."""
 
     gather_negatives = False
+    keeps_replicas = False
 
     def __init__(self, cfg: SyncConfig):
         self.cfg = cfg

@@ -15,6 +15,7 @@ class SyncStrategy(Protocol):
     """How one worker's replica stays consistent with the others'."""
 
     gather_negatives: bool  # score local queries against every worker's passages (a per-step collective)
+    keeps_replicas: bool  # training returns every replica (consensus formed later, e.g. on the vectors)
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         """Return the module to call forward on (e.g. DDP with a comm hook, or the model itself)."""
@@ -91,6 +92,7 @@ def build_sync(cfg: SyncConfig, node_ids: list[str] | None = None) -> SyncStrate
     from ragtrain.sync.gossip import GossipSync
     from ragtrain.sync.hierarchical import HierarchicalSync
     from ragtrain.sync.local_sgd import LocalSGDSync
+    from ragtrain.sync.vector_avg import VectorAvgSync
 
     strategies = {
         "ddp": DDPSync,
@@ -99,6 +101,7 @@ def build_sync(cfg: SyncConfig, node_ids: list[str] | None = None) -> SyncStrate
         "gossip": GossipSync,
         "hierarchical": lambda c: HierarchicalSync(c, node_ids),
         "async_ps": AsyncPSSync,
+        "vector_avg": VectorAvgSync,
     }
     if cfg.strategy not in strategies:
         raise ValueError(f"sync.strategy={cfg.strategy!r} is unknown; valid choices: {sorted(strategies)}")

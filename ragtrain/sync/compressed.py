@@ -70,6 +70,7 @@ class CompressedSync:
     """DDP whose gradient all-reduce is compressed by the configured hook."""
 
     gather_negatives = True
+    keeps_replicas = False
 
     def __init__(self, cfg: SyncConfig):
         self.cfg = cfg

@@ -32,6 +32,7 @@ class DDPSync:
     """DistributedDataParallel with a counting all-reduce hook; replicas are identical after every step."""
 
     gather_negatives = True
+    keeps_replicas = False
 
     def __init__(self, cfg: SyncConfig):
         self.cfg = cfg

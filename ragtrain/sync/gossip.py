@@ -37,6 +37,7 @@ class GossipSync:
     """Neighbour averaging every `period` steps; no gradient all-reduce."""
 
     gather_negatives = True
+    keeps_replicas = False
 
     def __init__(self, cfg: SyncConfig):
         self.cfg = cfg

@@ -31,6 +31,7 @@ class HierarchicalSync:
     """Intra-node DDP every step + inter-node averaging or gossip every `period` steps."""
 
     gather_negatives = True
+    keeps_replicas = False
 
     def __init__(self, cfg: SyncConfig, node_ids: list[str] | None = None):
         self.cfg = cfg

@@ -29,6 +29,7 @@ class LocalSGDSync:
     """Periodic parameter averaging after an optional DDP warm-up."""
 
     gather_negatives = True
+    keeps_replicas = False
 
     def __init__(self, cfg: SyncConfig):
         self.cfg = cfg

@@ -1,0 +1,36 @@
+"""`vector_avg`: keep the replicas apart while training and synchronise their VECTORS instead of their weights.
+
+Training: every worker steps its own replica (no gradient or parameter exchange; in-batch negatives are still
+gathered across workers). At index time every replica encodes the same passages (and queries) and the index is
+built from the re-normalised mean vector per passage — the "consensus vectors". The pipeline also evaluates the
+parameter-averaged model (`param_avg`) on the same split, so the two kinds of consensus compare side by side.
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ragtrain.config import SyncConfig
+
+
+class VectorAvgSync:
+    """Independent replicas; all of them are returned for vector averaging at index time."""
+
+    gather_negatives = True
+    keeps_replicas = True
+
+    def __init__(self, cfg: SyncConfig):
+        self.cfg = cfg
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        return model  # gradients stay local
+
+    def after_step(self, params: list[nn.Parameter], step: int) -> None:
+        pass
+
+    def consensus(self, params: list[nn.Parameter]) -> None:
+        pass  # the consensus is formed on the vectors, after training
+
+    def state(self) -> dict[str, Any]:
+        return {}
