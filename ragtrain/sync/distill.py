@@ -1,0 +1,87 @@
+"""`distill` (post hoc): train one student encoder to reproduce a reference encoder's embeddings.
+
+Every worker can then serve the same student, so queries and index agree by construction. The student may be
+smaller and may output fewer dimensions: the reference vectors are then projected onto their top principal
+directions (fitted on the anchor texts) and the student learns that projected space through a linear head.
+Loss: mean squared error between unit vectors, i.e. 2 - 2 cos(student(x), reference(x)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ragtrain.retriever.encoder import BiEncoder, tokenize
+
+
+class StudentEncoder(nn.Module):
+    """A bi-encoder followed by an optional linear head to `out_dim`, L2-normalised."""
+
+    def __init__(self, encoder: BiEncoder, out_dim: Optional[int] = None):
+        super().__init__()
+        self.encoder = encoder
+        self.head = nn.Linear(encoder.dim, out_dim, bias=False) if out_dim and out_dim != encoder.dim else None
+
+    @property
+    def dim(self) -> int:
+        return self.head.out_features if self.head is not None else self.encoder.dim
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.encoder(input_ids, attention_mask)
+        return F.normalize(self.head(x) if self.head is not None else x, dim=-1)
+
+
+@dataclass
+class Projection:
+    """Reference space -> the student's (possibly smaller) space: top principal directions, re-normalised."""
+
+    components: Optional[np.ndarray]  # [d_ref, d_out] or None (identity)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.components is None:
+            return x
+        y = x @ self.components
+        return y / np.clip(np.linalg.norm(y, axis=1, keepdims=True), 1e-12, None)
+
+
+def fit_projection(reference: np.ndarray, out_dim: int) -> Projection:
+    """PCA directions of the reference vectors (no centring: inner products are what retrieval uses)."""
+    if out_dim >= reference.shape[1]:
+        return Projection(None)
+    _, _, vt = np.linalg.svd(reference, full_matrices=False)
+    return Projection(vt[:out_dim].T.astype(np.float32))
+
+
+def distill(
+    student: StudentEncoder,
+    tokenizer,
+    texts: Sequence[str],
+    reference: np.ndarray,
+    max_length: int,
+    steps: int = 200,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> tuple[Projection, list[float]]:
+    """Fit `student` to the reference vectors of `texts`; returns the projection used and the loss curve."""
+    proj = fit_projection(reference, student.dim)
+    target = torch.from_numpy(proj(reference)).float()
+    opt = torch.optim.AdamW(student.parameters(), lr=lr)
+    rng = np.random.default_rng(seed)
+    losses = []
+    student.train()
+    for _ in range(steps):
+        idx = rng.choice(len(texts), size=min(batch_size, len(texts)), replace=False)
+        batch = tokenize(tokenizer, [texts[i] for i in idx], max_length)
+        loss = (student(**batch) - target[idx]).pow(2).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    student.eval()
+    return proj, losses

@@ -1,0 +1,38 @@
+"""Distillation: a student (same or smaller output dim) learns to reproduce a reference encoder's vectors."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from ragtrain.config import RetrieverConfig, TinyEncoderConfig
+from ragtrain.data import make_synthetic
+from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
+from ragtrain.sync.align import embedding_drift
+from ragtrain.sync.distill import StudentEncoder, distill
+
+
+@pytest.mark.parametrize("out_dim", [None, 16])
+def test_student_reproduces_reference(out_dim) -> None:
+    texts = [p.full_text() for p in make_synthetic(num_entities=60).corpus.values()]
+    train, held_out = texts[:240], texts[240:]
+    ref_cfg = RetrieverConfig(model="tiny", tiny=TinyEncoderConfig(hidden_size=32, num_layers=2, num_heads=2))
+    torch.manual_seed(0)
+    reference = build_encoder(ref_cfg)
+    tok = load_tokenizer(ref_cfg)
+    ref_train = encode_texts(reference, tok, train, 48).numpy()
+    ref_held = encode_texts(reference, tok, held_out, 48).numpy()
+
+    torch.manual_seed(1)  # a different init: the student starts far from the reference
+    student = StudentEncoder(build_encoder(ref_cfg), out_dim)
+    untrained = copy.deepcopy(student)
+    proj, losses = distill(student, tok, train, ref_train, 48, steps=150, lr=3e-3)
+    target = proj(ref_held)
+    before = embedding_drift(encode_texts(untrained, tok, held_out, 48).numpy(), target)
+    after = embedding_drift(encode_texts(student, tok, held_out, 48).numpy(), target)
+    assert student.dim == (out_dim or 32)
+    assert np.mean(losses[-10:]) < 0.25 * np.mean(losses[:10])
+    assert after < 0.25 * before and after < 0.05
