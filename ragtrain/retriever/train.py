@@ -105,7 +105,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         torch.distributed.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
     strategy = build_sync(cfg.sync, node_ids)
     model = strategy.wrap(QPEncoder(encoder), device)  # DDP + comm hook, or the bare module (local steps)
-    params = [p for p in encoder.parameters()]
+    params = list(encoder.parameters())
     STATS.reset()
     probe_q, probe_p = probe_inputs(data, cfg, tokenizer, device)
 
