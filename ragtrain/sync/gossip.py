@@ -33,6 +33,20 @@ def neighbours(rank: int, world: int, topology: str, round_: int, seed: int = 0)
     return [int(perm[peer])] if peer < world else []
 
 
+def mix_with_peers(params: list[nn.Parameter], peers: list[int], mixing: float, category: str) -> None:
+    """Send my flat parameters to each peer, receive theirs, and move `mixing` of the way to their mean."""
+    if not peers:
+        return
+    flat = flat_params(params)
+    bufs = [torch.empty_like(flat) for _ in peers]
+    with STATS.timed(category, flat.numel() * flat.element_size() * len(peers)):
+        # post every send and receive before waiting on any: no ordering deadlock between peers
+        reqs = [dist.isend(flat, p) for p in peers] + [dist.irecv(b, p) for b, p in zip(bufs, peers)]
+        for r in reqs:
+            r.wait()
+    set_flat_params(params, (1 - mixing) * flat + mixing * torch.stack(bufs).mean(0))
+
+
 class GossipSync:
     """Neighbour averaging every `period` steps; no gradient all-reduce."""
 
@@ -51,16 +65,7 @@ class GossipSync:
         w = world_size()
         peers = neighbours(dist.get_rank() if w > 1 else 0, w, self.cfg.topology, self.rounds)
         self.rounds += 1
-        if not peers:
-            return
-        flat = flat_params(params)
-        bufs = [torch.empty_like(flat) for _ in peers]
-        with STATS.timed("params", flat.numel() * flat.element_size() * len(peers)):
-            reqs = [dist.isend(flat, p) for p in peers] + [dist.irecv(b, p) for b, p in zip(bufs, peers)]
-            for r in reqs:
-                r.wait()
-        m = self.cfg.mixing
-        set_flat_params(params, (1 - m) * flat + m * torch.stack(bufs).mean(0))
+        mix_with_peers(params, peers, self.cfg.mixing, "params")
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         if (step + 1) % self.cfg.period == 0:

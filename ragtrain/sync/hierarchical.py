@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ragtrain.config import SyncConfig
-from ragtrain.sync.base import average_params, ddp, flat_params, set_flat_params, world_size
+from ragtrain.sync.base import average_params, ddp, world_size
 from ragtrain.sync.comm import STATS, all_reduce_bytes
+from ragtrain.sync.gossip import mix_with_peers, neighbours
 
 
 def node_groups(node_ids: list[str]) -> list[list[int]]:
@@ -74,19 +75,9 @@ class HierarchicalSync:
 
     def _gossip_nodes(self, params: list[nn.Parameter]) -> None:
         """Mix with the same-local-rank worker on the previous and next node of the node ring."""
-        me = self.groups.index(self.my_group)
-        peers = sorted({(me - 1) % self.num_nodes, (me + 1) % self.num_nodes} - {me})
-        peer_ranks = [self.groups[p][self.local_rank] for p in peers if self.local_rank < len(self.groups[p])]
-        if not peer_ranks:
-            return
-        flat = flat_params(params)
-        bufs = [torch.empty_like(flat) for _ in peer_ranks]
-        with STATS.timed("params_inter", flat.numel() * flat.element_size() * len(peer_ranks)):
-            reqs = [dist.isend(flat, p) for p in peer_ranks] + [dist.irecv(b, p) for b, p in zip(bufs, peer_ranks)]
-            for r in reqs:
-                r.wait()
-        m = self.cfg.mixing
-        set_flat_params(params, (1 - m) * flat + m * torch.stack(bufs).mean(0))
+        nodes = neighbours(self.groups.index(self.my_group), self.num_nodes, "ring", 0)
+        peers = [self.groups[n][self.local_rank] for n in nodes if self.local_rank < len(self.groups[n])]
+        mix_with_peers(params, peers, self.cfg.mixing, "params_inter")
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         if self.num_nodes == 1 or (step + 1) % self.cfg.period:

@@ -30,19 +30,21 @@ def _model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 8))
 
 
-def _train(rank: int, world: int, port: int, out: str, sync: dict, steps: int, lr: float, seed_per_rank: bool) -> None:
+def _train(
+    rank: int, world: int, port: int, out: str, sync: dict, steps: int, lr: float, seed_per_rank: bool, nodes: list | None
+) -> None:
     """Train a small MLP with the given strategy and SGD+momentum; rank 0 saves params, bytes and drift."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     STATS.reset()
     model = _model(rank if seed_per_rank else 0)
-    strategy = build_sync(SyncConfig(**sync))
+    strategy = build_sync(SyncConfig(**sync), nodes)
     wrapped = strategy.wrap(model, torch.device("cpu"))
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
-    bytes_per_step, divergences = [], []
+    bytes_per_step, divergences, by_category = [], [], []
     for step in range(steps):
         x, y = torch.randn(16, 64, generator=gen), torch.randn(16, 8, generator=gen)
         before = STATS.total_bytes()
@@ -52,16 +54,22 @@ def _train(rank: int, world: int, port: int, out: str, sync: dict, steps: int, l
         opt.step()
         strategy.after_step(params, step)
         bytes_per_step.append(STATS.total_bytes() - before)
+        by_category.append(dict(STATS.bytes))
         divergences.append(param_divergence(params))
     state = strategy.state()
     if rank == 0:
-        torch.save({"params": flat_params(params), "bytes": bytes_per_step, "div": divergences, "state": state}, out)
+        torch.save(
+            {"params": flat_params(params), "bytes": bytes_per_step, "div": divergences, "state": state, "cat": by_category},
+            out,
+        )
     dist.destroy_process_group()
 
 
-def run(tmp: Path, world: int, sync: dict, steps: int = 6, lr: float = 0.05, seed_per_rank: bool = False) -> dict:
+def run(
+    tmp: Path, world: int, sync: dict, steps: int = 6, lr: float = 0.05, seed_per_rank: bool = False, nodes=None
+) -> dict:
     out = str(tmp / f"{sync['strategy']}_{world}_{len(os.listdir(tmp))}.pt")
-    mp.spawn(_train, args=(world, _free_port(), out, sync, steps, lr, seed_per_rank), nprocs=world, join=True)
+    mp.spawn(_train, args=(world, _free_port(), out, sync, steps, lr, seed_per_rank, nodes), nprocs=world, join=True)
     return torch.load(out, weights_only=True)
 
 
@@ -111,6 +119,22 @@ def test_gossip_reaches_consensus_when_learning_stops(tmp_path: Path, world: int
 def test_gossip_bytes_are_point_to_point(tmp_path: Path) -> None:
     r = run(tmp_path, 3, {"strategy": "gossip", "topology": "ring", "period": 2})
     assert r["bytes"] == [0, 2 * 4 * N_PARAMS] * 3  # two ring neighbours, every second step
+
+
+@pytest.mark.parametrize("inter_node", ["average", "gossip"])
+def test_hierarchical_groups_by_node(tmp_path: Path, inter_node: str) -> None:
+    """4 workers on 2 (declared) nodes: 2-worker all-reduce inside a node every step, across nodes every 2nd."""
+    sync = {"strategy": "hierarchical", "period": 2, "inter_node": inter_node}
+    r = run(tmp_path, 4, sync, nodes=["a", "a", "b", "b"])
+    p = 4 * N_PARAMS
+    intra = [c.get("grad_intra", 0) for c in r["cat"]]
+    inter = [c.get("params_inter", 0) for c in r["cat"]]
+    assert intra == [all_reduce_bytes(p, 2) * (s + 1) for s in range(6)]
+    per_round = all_reduce_bytes(p, 4) if inter_node == "average" else p  # gossip: one peer node, one send
+    assert inter == [per_round * ((s + 1) // 2) for s in range(6)]
+    assert r["state"]["sync/nodes"] == 2
+    if inter_node == "average":
+        assert r["div"][1] < 1e-6  # right after an inter-node round every replica is equal
 
 
 def test_fp16_halves_bytes(tmp_path: Path) -> None:
