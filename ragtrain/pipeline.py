@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -161,6 +162,9 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
     check_config(cfg.resources)  # infeasible requests fail in seconds, not as a pending hang
 
     logger = RunLogger(cfg.logger, run_name=cfg.experiment_name)
+    if logger.enabled and os.environ.get("RAY_ADDRESS") and logger.uri.startswith(("sqlite:", "file:")):
+        print(f"warning: RAY_ADDRESS is set but MLflow logs to a local store ({logger.uri}); rank 0 may run on "
+              "another node: set logger.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server")
     status = "FAILED"
     cleanup: list = []
     try:

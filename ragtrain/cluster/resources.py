@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Optional
 
 from ragtrain.config import ResourcesConfig
@@ -20,7 +21,11 @@ def init_ray(res: ResourcesConfig) -> None:
         return
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
+        # Ship this checkout's ragtrain to the cluster's workers (third-party packages come from the image).
+        import ragtrain
+
+        pkg = str(Path(ragtrain.__file__).resolve().parent)
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env, "py_modules": [pkg]})
     else:
         ray.init(num_cpus=res.num_cpus, runtime_env={"env_vars": env})
 
