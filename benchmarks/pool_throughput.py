@@ -18,7 +18,9 @@ How
     repetition of each side are compared row by row (max |a - b| and min cosine; they must agree: >= 0.9999).
     On Linux the CPU seconds of each side are read too (this process for ST; the actors' /proc counters plus
     this driver for the pool): docs per CPU-second is printed as a secondary, load-robust efficiency figure, and
-    the per-actor CPU seconds show how evenly ``make_shards`` spreads the work over the actors.
+    the per-actor CPU seconds show how evenly the shards spread the work over the actors. The shards
+    ``EncoderPool.encode`` really used are recorded by wrapping ``ragtrain.index.pool.make_shards`` (observed
+    only, passed through unchanged) and printed with their post-truncation token counts.
 
 Data
     Default: the first --docs SciFact passages in corpus order (``Passage.full_text()``), from
@@ -126,7 +128,10 @@ def main() -> int:
     ap.add_argument("--st-threads", type=int, default=2, help="torch threads of the sentence-transformers process")
     ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--shard-size", type=int, default=None, help="IndexConfig.shard_size (default: ragtrain's)")
+    ap.add_argument("--shard-size", type=int, default=None,
+                    help="IndexConfig.shard_size (default: ragtrain's; the pool may still cut smaller shards)")
+    ap.add_argument("--shards-per-actor", type=int, default=None,
+                    help="experiment: override ragtrain.index.pool.SHARDS_PER_ACTOR in this process (default: keep)")
     ap.add_argument("--warmup-docs", type=int, default=64, help="texts encoded once per side before timing")
     ap.add_argument("--out", default=str(RESULTS / "pool_throughput.json"))
     args = ap.parse_args()
@@ -192,13 +197,23 @@ def main() -> int:
         vecs, _ = pool.encode(tx, args.max_length, index_cfg, progress=False)
         return vecs
 
-    from ragtrain.index.pool import make_shards
+    # Observe (not change) the shards EncoderPool.encode really uses: wrap the module-level make_shards it calls.
+    import ragtrain.index.pool as pool_module
 
-    shards = make_shards(texts, index_cfg.shard_size)
+    seen_shards: list[list[list[int]]] = []
+    _make_shards = pool_module.make_shards
+
+    def recording_make_shards(*a, **k):
+        shards = _make_shards(*a, **k)
+        seen_shards.append(shards)
+        return shards
+
+    pool_module.make_shards = recording_make_shards
+    if args.shards_per_actor is not None:  # experiment knob: override the pool's module constant in this process
+        if not hasattr(pool_module, "SHARDS_PER_ACTOR"):
+            raise SystemExit("--shards-per-actor: this ragtrain's EncoderPool has no SHARDS_PER_ACTOR")
+        pool_module.SHARDS_PER_ACTOR = args.shards_per_actor
     tok_len = [len(x) for x in st.tokenizer(texts, truncation=True, max_length=args.max_length)["input_ids"]]
-    shard_tokens = [sum(tok_len[i] for i in sh) for sh in shards]
-    print(f"[shards] shard_size {index_cfg.shard_size}: {len(shards)} shard(s) of "
-          f"{[len(sh) for sh in shards]} docs, {shard_tokens} tokens (after truncation) for {args.actors} actor(s)")
     print(f"[setup] ray.init {ray_start_s:.1f}s, {args.actors} actor(s) x {args.cpus_per_actor:g} CPU up in "
           f"{actor_start_s:.1f}s (excluded)")
 
@@ -245,6 +260,10 @@ def main() -> int:
 
     pool.shutdown()
     ray.shutdown()
+    pool_module.make_shards = _make_shards
+    shards = seen_shards[-1] if seen_shards else []
+    shard_docs = [len(sh) for sh in shards]
+    shard_tokens = [sum(tok_len[i] for i in sh) for sh in shards]
 
     a = np.asarray(st_vecs, dtype=np.float64)
     b = np.asarray(pool_vecs, dtype=np.float64)
@@ -268,6 +287,10 @@ def main() -> int:
     print(f"== encode throughput: {n_tokens_note}, max_length {args.max_length}, batch {args.batch_size}, fp32 ==")
     print(tabulate(rows, headers=headers))
     print(f"ratio pool/ST (medians): {ratio:.3f}  (goal >= 0.95: {'OK' if ratio >= 0.95 else 'BELOW'})")
+    if shards:
+        show = (lambda v: str(v) if len(v) <= 8 else f"{v[:4]} ... {v[-2:]}")
+        print(f"shards used by EncoderPool.encode: {len(shards)} for {args.actors} actor(s); docs {show(shard_docs)}; "
+              f"tokens after truncation {show(shard_tokens)}")
     print(f"vectors: max |diff| = {max_abs:.2e}, min cosine = {min_cos:.6f}  "
           f"(goal >= 0.9999: {'OK' if min_cos >= 0.9999 else 'FAIL'})")
     if pool_cpu_rates:
@@ -286,7 +309,8 @@ def main() -> int:
         "max_length": args.max_length,
         "batch_size": args.batch_size,
         "shard_size": index_cfg.shard_size,
-        "shards": {"docs": [len(sh) for sh in shards], "tokens": shard_tokens},
+        "shards_per_actor": getattr(pool_module, "SHARDS_PER_ACTOR", None),
+        "shards": {"count": len(shards), "docs": shard_docs, "tokens": shard_tokens},
         "precision": "fp32",
         "reps": args.reps,
         "pool": {"actors": args.actors, "cpus_per_actor": args.cpus_per_actor, "ray_num_cpus": args.ray_cpus,

@@ -202,6 +202,7 @@ class SyncConfig:
     mixing: float = 0.5  # gossip: weight of the neighbours' mean
     max_staleness: int = 2  # async_ps: an applied update has seen at most this many others' updates since its pull
     inter_node: str = "average"  # hierarchical: average | gossip across nodes every `period` steps
+    bucket_cap_mb: float = 25.0  # DDP gradient bucket size (strategies built on DDP)
     probe_passages: int = 64  # drift metrics: fixed probe set (passages, and as many queries)
     eval_every: int = 0  # drift metrics every N steps (0 = only at the end)
 
@@ -220,6 +221,7 @@ class SyncConfig:
         _check(0 < self.mixing <= 1, k + "mixing", "must be in (0, 1]", self.mixing)
         _check(self.max_staleness >= 0, k + "max_staleness", "must be >= 0", self.max_staleness)
         _check(self.inter_node in INTER_NODE, k + "inter_node", f"must be one of {list(INTER_NODE)}", self.inter_node)
+        _check(self.bucket_cap_mb > 0, k + "bucket_cap_mb", "must be > 0", self.bucket_cap_mb)
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
         _check(self.eval_every >= 0, k + "eval_every", "must be >= 0", self.eval_every)
 

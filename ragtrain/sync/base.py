@@ -72,7 +72,7 @@ def average_params(params: list[nn.Parameter], category: str = "params") -> floa
     return div.item() / w
 
 
-def ddp(model: nn.Module, device: torch.device) -> nn.Module:
+def ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0) -> nn.Module:
     """Wrap in DistributedDataParallel (buffers are constants here, so they are not re-broadcast each step)."""
     import inspect
 
@@ -81,7 +81,9 @@ def ddp(model: nn.Module, device: torch.device) -> nn.Module:
     # Newer torch renamed the flag; either way buffers are synced once at construction, never per step.
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     flag = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **{flag: False})
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb, **{flag: False}
+    )
 
 
 def build_sync(cfg: SyncConfig, node_ids: list[str] | None = None) -> SyncStrategy:

@@ -94,6 +94,11 @@ class CompressedSync:
         before = state.total_numel_after_compression
         full = bucket.buffer().numel()
         fut = powerSGD_hook(state, bucket)
+        if dist.get_backend() == "gloo":
+            # PowerSGD chains its all-reduces (vectors, then P, then Q) through future callbacks, which gloo runs
+            # on its own thread: they can interleave with the next bucket's collectives in a different order on
+            # each rank (a collective mismatch, seen with MiniLM's 4 buckets). Finish this bucket first.
+            fut.wait()
         # Before start_iter PowerSGD runs a plain all-reduce and does not tally it: count the full bucket then.
         sent = state.total_numel_after_compression - before or full
         return _timed_future(fut, "grad", lambda: all_reduce_bytes(4 * sent, world_size()))
@@ -101,7 +106,7 @@ class CompressedSync:
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         if world_size() == 1:
             return model
-        wrapped = ddp(model, device)
+        wrapped = ddp(model, device, self.cfg.bucket_cap_mb)
         c = self.cfg.compression
         if c == "fp16":
             wrapped.register_comm_hook(None, self._cast_hook(torch.float16))

@@ -69,7 +69,7 @@ class HierarchicalSync:
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         if world_size() == 1:
             return model
-        wrapped = ddp(model, device)
+        wrapped = ddp(model, device, self.cfg.bucket_cap_mb)
         wrapped.register_comm_hook(None, self._intra_hook)
         return wrapped
 
