@@ -74,6 +74,14 @@ def proc_cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def proc_nice(pid: int) -> int | None:
+    """The nice value of a process, from /proc (Linux); None elsewhere."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def descendant_pids(root: int, name: str) -> list[int]:
     """PIDs of processes under `root` (this driver: its raylet, then the workers) whose cmdline contains `name`."""
     children: dict[int, list[int]] = {}
@@ -133,8 +141,13 @@ def main() -> int:
     ap.add_argument("--shards-per-actor", type=int, default=None,
                     help="experiment: override ragtrain.index.pool.SHARDS_PER_ACTOR in this process (default: keep)")
     ap.add_argument("--warmup-docs", type=int, default=64, help="texts encoded once per side before timing")
+    ap.add_argument("--ray-worker-niceness", type=int, default=None,
+                    help="set RAY_worker_niceness for our Ray (Ray's default: workers run at nice 15, the baseline at "
+                         "nice 0; on a loaded machine pass 0 to compare like for like)")
     ap.add_argument("--out", default=str(RESULTS / "pool_throughput.json"))
     args = ap.parse_args()
+    if args.ray_worker_niceness is not None:
+        os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)  # read by the raylet at ray.init
 
     loaded = load_texts(args)
     if loaded is None:
@@ -226,6 +239,9 @@ def main() -> int:
     actor_pids = descendant_pids(os.getpid(), "EncoderActor")
     if len(actor_pids) != args.actors:
         actor_pids = []  # could not identify our actors (not Linux?): no CPU-time figures for the pool
+
+    actor_nice = [proc_nice(p) for p in actor_pids]
+    print(f"[setup] nice: this process (ST) {os.nice(0)}, pool actors {actor_nice}")
 
     def pool_cpu() -> list[float] | None:
         vals = [proc_cpu_seconds(p) for p in actor_pids]
@@ -321,6 +337,7 @@ def main() -> int:
         "cpu_efficiency_docs_per_cpu_s": {"st": st_cpu_rates, "pool": pool_cpu_rates,
                                           "pool_actor_cpu_s": actor_cpu},
         "vectors": {"max_abs_diff": max_abs, "min_cosine": min_cos},
+        "nice": {"st_process": os.nice(0), "pool_actors": actor_nice},
         "weight_transfer_s": {"ray_put": put_times, "set_weights": set_times},
         "startup_s": {"ray_init": ray_start_s, "actors": actor_start_s},
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,

@@ -75,7 +75,7 @@ class FileSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         t, cpu = time.time(), time.process_time()  # process_time: CPU seconds of this (rank-0 worker) process
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "time": t, "cpu": cpu, "metrics": metrics}) + "\n")
+            f.write(json.dumps({"step": step, "time": t, "cpu": cpu, "nice": os.nice(0), "metrics": metrics}) + "\n")
 
 
 @dataclass
@@ -96,8 +96,8 @@ class TimedMlflowSink:
         t, cpu = time.time(), time.process_time()
         MetricSink(self.uri, self.run_id).log(metrics, step)
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "time": t, "cpu": cpu, "log_s": time.time() - t, "metrics": metrics})
-                    + "\n")
+            f.write(json.dumps({"step": step, "time": t, "cpu": cpu, "nice": os.nice(0), "log_s": time.time() - t,
+                                "metrics": metrics}) + "\n")
 
 
 def start_local_ray(num_cpus: int) -> None:
@@ -181,6 +181,7 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
     return {
         "samples_per_s": n / wall_s,
         "rank0_cpu_s_per_step": (last["cpu"] - first["cpu"]) / (last["step"] - first["step"]),
+        "rank0_nice": last.get("nice"),
         "measured_seconds": wall_s,
         "inloop_samples_per_s": sum(win_samples) / sum(win_secs),
         "fit_seconds_total": total_s,
@@ -237,8 +238,13 @@ def main() -> int:
     ap.add_argument("--sink", choices=["file", "mlflow"], default="file",
                     help="ragtrain's metric sink: a file (no tracking cost) or ragtrain's MLflow MetricSink (SQLite)")
     ap.add_argument("--timeout", type=int, default=1800, help="per torchrun run (s)")
+    ap.add_argument("--ray-worker-niceness", type=int, default=None,
+                    help="set RAY_worker_niceness for our Ray (Ray's default: workers run at nice 15, the baseline at "
+                         "nice 0; on a loaded machine pass 0 to compare like for like)")
     ap.add_argument("--out", default=str(RESULTS / "train_throughput.json"))
     args = ap.parse_args()
+    if args.ray_worker_niceness is not None:
+        os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)  # read by the raylet at ray.init
 
     if args.data == "scifact" and not scifact_available(args.scifact_root):
         print(f"SKIP: SciFact not found at {args.scifact_root} (use --data synthetic for the synthetic KB)")
@@ -288,6 +294,7 @@ def main() -> int:
           f"q/p max len {args.query_max_length}/{args.passage_max_length}, {args.steps} timed steps ==")
     print(tabulate(rows, headers=headers))
     print(f"ratio ragtrain/torchrun (medians): {ratio:.3f}  (goal >= 0.95: {'OK' if ratio >= 0.95 else 'BELOW'})")
+    print(f"nice: ragtrain rank-0 worker {rag[0].get('rank0_nice')}, torchrun ranks {os.nice(0)} (inherited)")
     print(f"start-up + checkpoint (not timed): ragtrain fit_retriever total median "
           f"{statistics.median(r['fit_seconds_total'] for r in rag):.1f}s, torchrun process total median "
           f"{statistics.median(r['process_seconds_total'] for r in base):.1f}s")
