@@ -21,6 +21,9 @@ How
     the per-actor CPU seconds show how evenly the shards spread the work over the actors. The shards
     ``EncoderPool.encode`` really used are recorded by wrapping ``ragtrain.index.pool.make_shards`` (observed
     only, passed through unchanged) and printed with their post-truncation token counts.
+    Ray runs its workers at nice 15, and this process runs at nice 0. On a machine busy with other work, that
+    alone can sink the pool's wall-clock figure, so pass --ray-worker-niceness 0 to compare like for like.
+    The niceness of both sides is printed.
 
 Data
     Default: the first --docs SciFact passages in corpus order (``Passage.full_text()``), from

@@ -26,7 +26,7 @@ def ray_session():
     if not ray.is_initialized():
         # PYTHONPATH: Ray workers must import functions defined in test modules (tests.sync.test_async_ps, ...).
         env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
-        ray.init(num_cpus=RAY_CPUS, runtime_env={"env_vars": env})
+        ray.init(address="local", num_cpus=RAY_CPUS, runtime_env={"env_vars": env})  # never join another Ray
     yield ray
     ray.shutdown()
 

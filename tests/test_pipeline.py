@@ -26,8 +26,11 @@ def quickstart_run(ray_session, tmp_path_factory):
 
 def test_results_have_both_phases(quickstart_run) -> None:
     cfg, results, _ = quickstart_run
-    assert set(results) == {"zeroshot", "trained"}
-    for phase in results.values():
+    assert set(results) == {"zeroshot", "trained", "train"}
+    train = results["train"]
+    assert train["steps"] == cfg.retriever.train.max_steps and train["train/samples_per_s"] > 0
+    assert train["comm/bytes_per_step"] > 0 and train["drift/param_divergence_mean"] < 1e-6  # ddp: replicas equal
+    for phase in (results["zeroshot"], results["trained"]):
         for m in METRICS:
             assert 0.0 <= phase[m] <= 1.0
         assert phase["encode_docs_per_s"] > 0

@@ -27,7 +27,9 @@ def init_ray(res: ResourcesConfig) -> None:
         pkg = str(Path(ragtrain.__file__).resolve().parent)
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env, "py_modules": [pkg]})
     else:
-        ray.init(num_cpus=res.num_cpus, runtime_env={"env_vars": env})
+        # address="local": always start our own Ray; a bare ray.init() would join any other local cluster on the
+        # machine (found through /tmp/ray) and then refuse num_cpus.
+        ray.init(address="local", num_cpus=res.num_cpus, runtime_env={"env_vars": env})
 
 
 def node_capacities() -> list[dict[str, float]]:

@@ -118,6 +118,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         optim, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (steps - s) / max(1, steps - warmup))
     )
     sink: Optional[MetricSink] = config.get("sink") if rank == 0 else None
+    if sink is not None:
+        sink.warm_up()  # before step 0: rank 1 would otherwise wait ~2.5 s for rank 0 at the first collective
 
     window_t, window_n, window_loss = time.perf_counter(), 0, 0.0
     last_bytes, last_comm_s = 0, 0.0
