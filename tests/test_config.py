@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
 
 from ragtrain.config import Config, ConfigError, to_flat_dict, to_typed
 from tests.conftest import CONF_DIR, REPO, compose

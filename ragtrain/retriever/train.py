@@ -8,7 +8,6 @@ Worker side: `train_loop_per_worker` reads a resolved, typed config; it never se
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
