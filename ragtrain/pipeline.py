@@ -103,6 +103,11 @@ class Retrieval:
         _, rows = index.search(qv, k)
         return run_from_scores(qids, self.doc_ids, rows)
 
+    def build_and_evaluate(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str, step: int):
+        """`build`, then `evaluate` on the split; returns (index, metrics incl. the pool's encode docs/s)."""
+        index, stats = self.build(tag, snapshots, encoder_name, step)
+        return index, {**self.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
+
     def evaluate(self, index) -> dict[str, float]:
         """Retrieval metrics of `index` on the evaluated split."""
         qids = sorted(self.data.eval_qrels)
@@ -183,8 +188,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
         needs_negatives = train and cfg.retriever.train.hard_negatives > 0
         negatives: Optional[dict[str, list[int]]] = None
         if train and (cfg.zeroshot_eval or needs_negatives):
-            index, stats = retrieval.build("zeroshot", [weights], encoder_name, step)
-            results["zeroshot"] = {**retrieval.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
+            index, results["zeroshot"] = retrieval.build_and_evaluate("zeroshot", [weights], encoder_name, step)
             if needs_negatives:
                 negatives = retrieval.mine_negatives(index)
 
@@ -208,11 +212,9 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
             phase = "trained" if train else "zeroshot"
             replicas = fit.replicas if train else []
             if replicas:  # vector_avg: first the parameter mean, for comparison; then the mean of the vectors
-                index, stats = retrieval.build("param_avg", [weights], encoder_name, step)
-                results["param_avg"] = {**retrieval.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
+                _, results["param_avg"] = retrieval.build_and_evaluate("param_avg", [weights], encoder_name, step)
             name = f"vector_avg of {len(replicas)} replicas in {out / 'encoder'}" if replicas else encoder_name
-            index, stats = retrieval.build(phase, replicas or [weights], name, step)
-            results[phase] = {**retrieval.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
+            index, results[phase] = retrieval.build_and_evaluate(phase, replicas or [weights], name, step)
             index.save(out / "index")
             logger.log_json(asdict(index.meta), "index_meta.json")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -54,22 +55,34 @@ def set_flat_params(params: list[nn.Parameter], flat: torch.Tensor) -> None:
             offset += n
 
 
-def average_params(params: list[nn.Parameter], category: str = "params") -> float:
-    """All-reduce the parameters to their mean (counted); returns the replicas' mean relative divergence before."""
+def mean_and_divergence(params: list[nn.Parameter], count_as: str | None = None) -> tuple[torch.Tensor, float]:
+    """The replicas' flat parameter mean and their mean relative divergence ||theta_i - mean|| / ||mean||.
+
+    The mean's all-reduce is counted under `count_as` (None: measurement traffic, not counted).
+    """
     from ragtrain.sync.comm import STATS, all_reduce_bytes
 
     w = world_size()
-    if w == 1:
-        return 0.0
     flat = flat_params(params)
+    if w == 1:
+        return flat, 0.0
     mean = flat.clone()
-    with STATS.timed(category, all_reduce_bytes(mean.numel() * mean.element_size(), w)):
+    nbytes = all_reduce_bytes(mean.numel() * mean.element_size(), w)
+    with STATS.timed(count_as, nbytes) if count_as else nullcontext():
         dist.all_reduce(mean)
     mean /= w
-    div = torch.tensor([((flat - mean).norm() / mean.norm().clamp(min=1e-12)).item()])
-    dist.all_reduce(div)  # measurement traffic (8 bytes): every worker must agree on the divergence
+    div = ((flat - mean).norm() / mean.norm().clamp(min=1e-12)).reshape(1)
+    dist.all_reduce(div)  # measurement traffic (4 bytes): every worker must agree on the divergence
+    return mean, div.item() / w
+
+
+def average_params(params: list[nn.Parameter], category: str = "params") -> float:
+    """All-reduce the parameters to their mean (counted); returns the replicas' mean relative divergence before."""
+    if world_size() == 1:
+        return 0.0
+    mean, div = mean_and_divergence(params, count_as=category)
     set_flat_params(params, mean)
-    return div.item() / w
+    return div
 
 
 def ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0) -> nn.Module:

@@ -18,6 +18,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
+
 
 def all_reduce_bytes(payload: int, world: int) -> int:
     """Bytes one worker sends in a ring all-reduce of `payload` bytes."""
@@ -57,6 +59,17 @@ class CommStats:
     def reset(self) -> None:
         self.bytes.clear()
         self.seconds.clear()
+
+
+def counted_future(fut: torch.futures.Future, category: str, nbytes: int) -> torch.futures.Future:
+    """Record `nbytes` and the time until `fut` completes under `category`; the result is `fut`'s value."""
+    start = time.perf_counter()
+
+    def done(f: torch.futures.Future):
+        STATS.add(category, nbytes, time.perf_counter() - start)
+        return f.value()
+
+    return fut.then(done)
 
 
 # One per process: a Ray Train worker is one process, so this is "this worker's" traffic.

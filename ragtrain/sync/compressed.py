@@ -18,17 +18,7 @@ from torch import nn
 
 from ragtrain.config import SyncConfig
 from ragtrain.sync.base import ddp, world_size
-from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
-
-
-def _timed_future(fut: torch.futures.Future, category: str, nbytes_fn) -> torch.futures.Future:
-    start = time.perf_counter()
-
-    def done(f: torch.futures.Future) -> torch.Tensor:
-        STATS.add(category, nbytes_fn(), time.perf_counter() - start)
-        return f.value()
-
-    return fut.then(done)
+from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes, counted_future
 
 
 class TopK:
@@ -84,7 +74,7 @@ class CompressedSync:
 
         def hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             n = bucket.buffer().numel()
-            return _timed_future(fn(None, bucket), "grad", lambda: all_reduce_bytes(2 * n, world_size()))
+            return counted_future(fn(None, bucket), "grad", all_reduce_bytes(2 * n, world_size()))
 
         return hook
 
@@ -101,7 +91,7 @@ class CompressedSync:
             fut.wait()
         # Before start_iter PowerSGD runs a plain all-reduce and does not tally it: count the full bucket then.
         sent = state.total_numel_after_compression - before or full
-        return _timed_future(fut, "grad", lambda: all_reduce_bytes(4 * sent, world_size()))
+        return counted_future(fut, "grad", all_reduce_bytes(4 * sent, world_size()))
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         if world_size() == 1:

@@ -1,7 +1,6 @@
 """`ddp`: gradient all-reduce every step (the strongly consistent baseline), bytes counted in a comm hook."""
 
 
-import time
 from typing import Any
 
 import torch
@@ -10,7 +9,7 @@ from torch import nn
 
 from ragtrain.config import SyncConfig
 from ragtrain.sync.base import ddp, world_size
-from ragtrain.sync.comm import STATS, all_reduce_bytes
+from ragtrain.sync.comm import all_reduce_bytes, counted_future
 
 
 def counting_allreduce_hook(category: str, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -19,13 +18,7 @@ def counting_allreduce_hook(category: str, bucket: dist.GradBucket) -> torch.fut
 
     buf = bucket.buffer()
     nbytes = all_reduce_bytes(buf.numel() * buf.element_size(), world_size())
-    start = time.perf_counter()
-
-    def done(fut: torch.futures.Future) -> torch.Tensor:
-        STATS.add(category, nbytes, time.perf_counter() - start)
-        return fut.value()
-
-    return allreduce_hook(None, bucket).then(done)
+    return counted_future(allreduce_hook(None, bucket), category, nbytes)
 
 
 class DDPSync:

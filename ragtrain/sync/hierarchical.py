@@ -7,7 +7,6 @@ inside a node this is the mean over nodes) or `gossip` (mix with the same-local-
 nodes on a ring of nodes). Bytes are counted separately as `grad_intra` and `params_inter`.
 """
 
-import time
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ from torch import nn
 
 from ragtrain.config import SyncConfig
 from ragtrain.sync.base import average_params, ddp, world_size
-from ragtrain.sync.comm import STATS, all_reduce_bytes
+from ragtrain.sync.comm import all_reduce_bytes, counted_future
 from ragtrain.sync.gossip import mix_with_peers, neighbours
 
 
@@ -57,14 +56,10 @@ class HierarchicalSync:
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(buf)
             return fut
-        start, nbytes = time.perf_counter(), all_reduce_bytes(buf.numel() * buf.element_size(), n)
+        nbytes = all_reduce_bytes(buf.numel() * buf.element_size(), n)
         buf.div_(n)
-
-        def done(f: torch.futures.Future) -> torch.Tensor:
-            STATS.add("grad_intra", nbytes, time.perf_counter() - start)
-            return f.value()[0]
-
-        return dist.all_reduce(buf, group=self.subgroup, async_op=True).get_future().then(done)
+        fut = dist.all_reduce(buf, group=self.subgroup, async_op=True).get_future().then(lambda f: f.value()[0])
+        return counted_future(fut, "grad_intra", nbytes)
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         if world_size() == 1:

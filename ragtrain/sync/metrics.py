@@ -15,21 +15,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ragtrain.sync.base import flat_params, world_size
+from ragtrain.sync.base import mean_and_divergence, world_size
 
 
 def param_divergence(params: list[nn.Parameter]) -> float:
-    """Mean relative L2 distance of the replicas' parameters from their mean."""
-    w = world_size()
-    if w == 1:
-        return 0.0
-    flat = flat_params(params)
-    mean = flat.clone()
-    dist.all_reduce(mean)
-    mean /= w
-    d = ((flat - mean).norm() / mean.norm().clamp(min=1e-12)).reshape(1)
-    dist.all_reduce(d)
-    return d.item() / w
+    """Mean relative L2 distance of the replicas' parameters from their mean (measurement: not counted)."""
+    return mean_and_divergence(params)[1]
 
 
 def replica_cosine(emb: torch.Tensor) -> float:
