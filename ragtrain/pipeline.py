@@ -150,8 +150,15 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
     return tabulate(rows, headers=headers, floatfmt=".4f")
 
 
-def run(cfg: Config) -> dict[str, dict[str, float]]:
-    """Run the configured stages end to end; returns {phase: metrics}."""
+def run(
+    cfg: Config, *, train_callbacks: Optional[list] = None, report_intermediate: bool = False,
+    parent_run_id: Optional[str] = None,
+) -> dict[str, dict[str, float]]:
+    """Run the configured stages end to end; returns {phase: metrics}.
+
+    A Tune trial passes `train_callbacks` (TuneReportCallback), `report_intermediate=True` (ray.train.report at
+    every log window, so schedulers see learning curves) and its sweep's `parent_run_id` (MLflow child run).
+    """
     from ragtrain.cluster.resources import check_config, init_ray
     from ragtrain.retriever.batching import TrainData, build_examples
     from ragtrain.retriever.encoder import build_encoder
@@ -166,7 +173,7 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
     init_ray(cfg.resources)
     check_config(cfg.resources)  # infeasible requests fail in seconds, not as a pending hang
 
-    logger = RunLogger(cfg.logger, run_name=cfg.experiment_name)
+    logger = RunLogger(cfg.logger, run_name=cfg.experiment_name, parent_run_id=parent_run_id)
     if logger.enabled and os.environ.get("RAY_ADDRESS") and logger.uri.startswith(("sqlite:", "file:")):
         print(f"warning: RAY_ADDRESS is set but MLflow logs to a local store ({logger.uri}); rank 0 may run on "
               "another node: set logger.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server")
@@ -196,7 +203,10 @@ def run(cfg: Config) -> dict[str, dict[str, float]]:
             pos = {d: i for i, d in enumerate(retrieval.doc_ids)}
             retrieval.release()  # trainer and pool take turns on the CPUs (issue: isolation + live refresh)
             examples = build_examples(data.queries, data.train_qrels, pos, negatives)
-            fit = fit_retriever(cfg, TrainData(retrieval.passages, examples), weights, logger.sink())
+            fit = fit_retriever(
+                cfg, TrainData(retrieval.passages, examples), weights, logger.sink(),
+                callbacks=train_callbacks, report_intermediate=report_intermediate,
+            )
             weights, step = fit.weights, fit.steps
             (out / "encoder").mkdir(exist_ok=True)
             if fit.replicas:  # vector_avg: the saved encoder is the parameter mean; replicas go next to it

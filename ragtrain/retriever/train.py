@@ -165,6 +165,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             last_bytes, last_comm_s = comm_bytes, comm_s
             t0 = time.perf_counter()
             _emit(metrics, step + 1, steps, rank, sink)  # rank 0's MLflow round trip is not training time
+            if config.get("report_intermediate"):  # Tune trials: every rank reports (a barrier in Train V2)
+                ray.train.report({"step": step + 1, **metrics})
             measure_s += time.perf_counter() - t0
             window_t, window_n, window_loss = time.perf_counter(), 0, 0.0
         if (cfg.sync.eval_every and (step + 1) % cfg.sync.eval_every == 0) or step + 1 == steps:
@@ -218,7 +220,12 @@ class FitResult:
 
 
 def fit_retriever(
-    cfg: Config, data: TrainData, init_weights: dict[str, torch.Tensor], sink: Optional[MetricSink]
+    cfg: Config,
+    data: TrainData,
+    init_weights: dict[str, torch.Tensor],
+    sink: Optional[MetricSink],
+    callbacks: Optional[list] = None,
+    report_intermediate: bool = False,
 ) -> FitResult:
     """Driver: train the bi-encoder with a TorchTrainer sized by resources.trainer; return the final weights."""
     import ray
@@ -234,6 +241,7 @@ def fit_retriever(
             "data_ref": ray.put(data),
             "weights_ref": ray.put(init_weights),
             "sink": sink,
+            "report_intermediate": report_intermediate,
         },
         torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
@@ -245,6 +253,7 @@ def fit_retriever(
             name="retriever",
             storage_path=str(Path(cfg.output_dir, "ray").resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
+            callbacks=callbacks or None,
             worker_runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
         ),
     )

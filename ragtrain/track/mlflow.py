@@ -71,7 +71,9 @@ class MetricSink:
 class RunLogger:
     """Driver-side logger for one pipeline run; a no-op when logger.backend=none."""
 
-    def __init__(self, cfg: LoggerConfig, run_name: str, artifact_root: Optional[str] = None):
+    def __init__(
+        self, cfg: LoggerConfig, run_name: str, artifact_root: Optional[str] = None, parent_run_id: Optional[str] = None
+    ):
         self.enabled = LoggerBackend(cfg.backend) == LoggerBackend.mlflow
         self.run_id: Optional[str] = None
         self.uri = tracking_uri(cfg) if self.enabled else ""
@@ -89,7 +91,8 @@ class RunLogger:
             exp_id = self.client.create_experiment(cfg.experiment_name, artifact_location=artifact_root or loc)
         else:
             exp_id = exp.experiment_id
-        self.run_id = self.client.create_run(exp_id, run_name=cfg.run_name or run_name).info.run_id
+        tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else None  # a sweep's trial: a child run
+        self.run_id = self.client.create_run(exp_id, run_name=cfg.run_name or run_name, tags=tags).info.run_id
 
     def sink(self) -> Optional[MetricSink]:
         """A handle for rank 0 to log training metrics into this run."""
