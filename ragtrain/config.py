@@ -226,6 +226,33 @@ class SyncConfig:
         _check(self.eval_every >= 0, k + "eval_every", "must be >= 0", self.eval_every)
 
 
+@dataclass
+class RefreshConfig:
+    """Live index refresh during retriever training (ragtrain/index/refresh.py): the pool re-encodes the corpus
+    with a recent encoder snapshot while training steps; hard negatives come from the live index."""
+
+    enabled: bool = False
+    every_steps: int = 0  # refresh every N steps (0 = only when drift_threshold is exceeded)
+    drift_threshold: float = 0.0  # adaptive: refresh when index/drift_cosine exceeds this (0 = off)
+    check_every: int = 5  # steps between staleness measurements (and adaptive checks) on rank 0
+    probe_passages: int = 128  # staleness probe: passages (gold passages of the probe queries + seeded others)
+    probe_queries: int = 32  # staleness probe: training queries whose recall@10 is compared stale vs fresh
+
+    def __post_init__(self) -> None:
+        k = "refresh."
+        _check(self.every_steps >= 0, k + "every_steps", "must be >= 0", self.every_steps)
+        _check(self.drift_threshold >= 0, k + "drift_threshold", "must be >= 0", self.drift_threshold)
+        _check(
+            not self.enabled or self.every_steps > 0 or self.drift_threshold > 0,
+            k + "enabled",
+            "needs a schedule: set refresh.every_steps > 0 or refresh.drift_threshold > 0",
+            self.enabled,
+        )
+        _check(self.check_every > 0, k + "check_every", "must be > 0", self.check_every)
+        _check(self.probe_queries > 0, k + "probe_queries", "must be > 0", self.probe_queries)
+        _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
+
+
 STAGES = ("retriever", "index")
 
 
@@ -233,6 +260,50 @@ STAGES = ("retriever", "index")
 class CompareConfig:
     # conf/sync options to run one after another on the same data (experiment=sync_compare); empty = one run
     strategies: list[str] = field(default_factory=list)
+
+
+TUNE_SCHEDULERS = ("fifo", "asha")
+TUNE_SEARCHERS = ("random", "optuna")
+TUNE_TIME_ATTRS = ("step", "training_iteration")
+
+
+@dataclass
+class TuneConfig:
+    """A Ray Tune sweep (ragtrain/tune, conf/tune): search space over config keys, scheduler, searcher."""
+
+    # dotted config key (or `sync`: a conf/sync option name) -> {choice|grid|uniform|loguniform|randint: [...]}
+    space: dict[str, Any] = field(default_factory=dict)
+    metric: str = "trained/ndcg@10"  # searched for and used to pick the best trial (known when a trial ends)
+    mode: str = "max"
+    num_samples: int = 1  # samples of the space (each grid point is repeated num_samples times)
+    max_concurrent_trials: Optional[int] = None  # None: cluster CPUs // one trial's peak CPUs (trainer | pool)
+    trial_cpus: float = 0.0  # the trial's driver function only; its trainer workers and pool reserve their own
+    scheduler: str = "fifo"  # fifo | asha
+    searcher: str = "random"  # random | optuna
+    seed: Optional[int] = None  # searcher seed
+    asha_metric: str = "train/loss"  # asha: a metric every log window reports (retriever.train.log_every)
+    asha_mode: str = "min"
+    time_attr: str = "step"  # asha: step (training steps) | training_iteration (reports)
+    grace_period: int = 1
+    reduction_factor: float = 2.0
+    max_t: Optional[int] = None  # asha: None = no cap (a capped trial is stopped before its final evaluation)
+    report: bool = True  # write the comparison report (CSV + PNG) when the sweep ends
+
+    def __post_init__(self) -> None:
+        k = "tune."
+        _check(self.scheduler in TUNE_SCHEDULERS, k + "scheduler", f"must be one of {list(TUNE_SCHEDULERS)}", self.scheduler)
+        _check(self.searcher in TUNE_SEARCHERS, k + "searcher", f"must be one of {list(TUNE_SEARCHERS)}", self.searcher)
+        _check(self.mode in ("min", "max"), k + "mode", "must be one of ['min', 'max']", self.mode)
+        _check(self.asha_mode in ("min", "max"), k + "asha_mode", "must be one of ['min', 'max']", self.asha_mode)
+        _check(self.time_attr in TUNE_TIME_ATTRS, k + "time_attr", f"must be one of {list(TUNE_TIME_ATTRS)}", self.time_attr)
+        _check(bool(self.space), k + "space", "is empty: nothing to sweep", self.space)
+        _check(self.num_samples > 0, k + "num_samples", "must be > 0", self.num_samples)
+        mct = self.max_concurrent_trials
+        _check(mct is None or mct > 0, k + "max_concurrent_trials", "must be > 0 (or null: derived)", mct)
+        _check(self.trial_cpus >= 0, k + "trial_cpus", "must be >= 0", self.trial_cpus)
+        _check(self.grace_period > 0, k + "grace_period", "must be > 0", self.grace_period)
+        _check(self.reduction_factor > 1, k + "reduction_factor", "must be > 1", self.reduction_factor)
+        _check(self.max_t is None or self.max_t > self.grace_period, k + "max_t", "must be > tune.grace_period", self.max_t)
 
 
 @dataclass
@@ -244,12 +315,15 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    tune: Optional[TuneConfig] = None  # set (tune=NAME): run a Ray Tune sweep instead of one run
+    refresh: RefreshConfig = field(default_factory=RefreshConfig)
     experiment_name: str = "default"
     # retriever = train the bi-encoder; index = build the index with the final encoder and evaluate it
     stages: list[str] = field(default_factory=lambda: ["retriever", "index"])
     zeroshot_eval: bool = True  # with the retriever stage: also build + evaluate an index of the untrained encoder
     output_dir: str = "outputs/default"
     seed: int = 0
+    resume: bool = False  # tune: continue the interrupted sweep in output_dir (finished trials are kept)
 
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]

@@ -76,10 +76,47 @@ class Retrieval:
         self.snapshots = [(f"{tag}/{i}", w) for i, w in enumerate(snapshots)]
         vecs, stats = self.encode(self.passages, self.cfg.retriever.passage_max_length, f"{tag}: encode corpus")
         idx = self.cfg.index
+        self.vectors = vecs  # the live index service starts from these instead of encoding the corpus again
         index = build_index(vecs, self.doc_ids, idx.factory, self.fingerprint, encoder_name, step, idx.precision.value, self.cfg.seed)
         index.set_search_params(idx.nprobe, idx.ef_search)
         stats["index_build_seconds"] = index.meta.build_seconds
         return index, stats
+
+    def start_service(self, weights: dict[str, torch.Tensor]):
+        """Start the live index service on the pool (refresh.enabled) with version 0 = the last built index's
+        vectors, encoded with `weights`; returns (service actor, staleness probe)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ragtrain.index.refresh import IndexService, make_probe
+
+        r = self.cfg.refresh
+        qids = sorted(self.data.train_qrels)  # the order of TrainExample.qidx (build_examples)
+        pos = {d: i for i, d in enumerate(self.doc_ids)}
+        gold = [[pos[d] for d, g in sorted(self.data.train_qrels[q].items()) if g > 0] for q in qids]
+        queries = [self.data.queries[q] for q in qids]
+        probe = make_probe(gold, queries, len(self.doc_ids), r.probe_queries, r.probe_passages, self.cfg.seed)
+        # The service builds FAISS indexes: it lives in the pool's placement group (0 CPUs of its own, on the
+        # pool's node), so index work never takes the trainer's CPUs.
+        strategy = PlacementGroupSchedulingStrategy(self.pool.placement_group, placement_group_bundle_index=0)
+        service = IndexService.options(num_cpus=0, scheduling_strategy=strategy).remote(
+            self.cfg, self.pool, self.passages, self.doc_ids, self.fingerprint, queries, gold, probe
+        )
+        stats = ray.get(service.publish.remote(0, self.vectors, [ray.put(weights)]))
+        if not stats.get("ok"):
+            ray.kill(service)
+            raise RuntimeError(f"the live index service could not publish version 0: {stats}")
+        return service, probe
+
+    def stop_service(self, service) -> dict:
+        """Wait for a running refresh, collect the service's refresh history, and take the pool back."""
+        import ray
+
+        ray.get(service.close.remote())
+        report = ray.get(service.report.remote())
+        ray.kill(service)
+        self.pool.invalidate()  # the service loaded other snapshots into the actors
+        return report
 
     def encode(self, texts: list[str], max_length: int, desc: str = "", progress: bool = True) -> tuple[np.ndarray, dict]:
         """Vectors of `texts` under the current snapshots (their re-normalised mean when there are several)."""
@@ -171,7 +208,9 @@ def run(
     print(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
           f"{len(data.eval_qrels)} {data.split} queries")
     init_ray(cfg.resources)
-    check_config(cfg.resources)  # infeasible requests fail in seconds, not as a pending hang
+    # Infeasible requests fail in seconds, not as a pending hang; with live refresh the trainer and the pool run at
+    # the same time, so they must fit the cluster together.
+    check_config(cfg.resources, together="retriever" in cfg.stages and cfg.refresh.enabled)
 
     logger = RunLogger(cfg.logger, run_name=cfg.experiment_name, parent_run_id=parent_run_id)
     if logger.enabled and os.environ.get("RAY_ADDRESS") and logger.uri.startswith(("sqlite:", "file:")):
@@ -192,21 +231,33 @@ def run(
         cleanup.append(retrieval.release)
         results: dict[str, dict[str, float]] = {}
         train = "retriever" in cfg.stages
+        live = train and cfg.refresh.enabled  # the pool refreshes the index while training steps
         needs_negatives = train and cfg.retriever.train.hard_negatives > 0
         negatives: Optional[dict[str, list[int]]] = None
-        if train and (cfg.zeroshot_eval or needs_negatives):
+        if train and (cfg.zeroshot_eval or needs_negatives or live):
             index, results["zeroshot"] = retrieval.build_and_evaluate("zeroshot", [weights], encoder_name, step)
-            if needs_negatives:
+            if needs_negatives and not live:  # static negatives, mined once from the zero-shot index
                 negatives = retrieval.mine_negatives(index)
 
         if train:
             pos = {d: i for i, d in enumerate(retrieval.doc_ids)}
-            retrieval.release()  # trainer and pool take turns on the CPUs (issue: isolation + live refresh)
+            service = probe = None
+            if live:
+                service, probe = retrieval.start_service(weights)
+            else:
+                retrieval.release()  # without refresh the trainer and the pool take turns on the CPUs
             examples = build_examples(data.queries, data.train_qrels, pos, negatives)
-            fit = fit_retriever(
-                cfg, TrainData(retrieval.passages, examples), weights, logger.sink(),
-                callbacks=train_callbacks, report_intermediate=report_intermediate,
-            )
+            try:
+                fit = fit_retriever(
+                    cfg, TrainData(retrieval.passages, examples), weights, logger.sink(),
+                    callbacks=train_callbacks, report_intermediate=report_intermediate,
+                    index_service=service, probe=probe,
+                )
+            finally:
+                refresh_report = retrieval.stop_service(service) if service is not None else None
+            if refresh_report is not None:
+                (out / "refresh_history.json").write_text(json.dumps(refresh_report, indent=2))
+                logger.log_artifact(out / "refresh_history.json")
             weights, step = fit.weights, fit.steps
             (out / "encoder").mkdir(exist_ok=True)
             if fit.replicas:  # vector_avg: the saved encoder is the parameter mean; replicas go next to it

@@ -39,11 +39,21 @@ def node_capacities() -> list[dict[str, float]]:
     return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
 
 
-def check_feasible(what: str, bundle: dict[str, float], count: int, nodes: Optional[list[dict[str, float]]] = None) -> None:
-    """Raise if `count` bundles of `bundle` can never be placed on the cluster's nodes (first-fit packing)."""
+def check_feasible(
+    what: str,
+    bundle: dict[str, float],
+    count: int,
+    nodes: Optional[list[dict[str, float]]] = None,
+    free: Optional[list[dict[str, float]]] = None,
+) -> None:
+    """Raise if `count` bundles of `bundle` can never be placed on the cluster's nodes (first-fit packing).
+
+    `free` (per-node capacities left by earlier requests) is updated in place, so several groups that must run at
+    the same time can be checked one after another against what the previous ones leave.
+    """
     nodes = node_capacities() if nodes is None else nodes
     bundle = {k: float(v) for k, v in bundle.items() if v}
-    free = [dict(n) for n in nodes]
+    free = [dict(n) for n in nodes] if free is None else free
     placed = 0
     for _ in range(count):
         for n in free:
@@ -62,12 +72,18 @@ def check_feasible(what: str, bundle: dict[str, float], count: int, nodes: Optio
         )
 
 
-def check_config(res: ResourcesConfig) -> None:
-    """Check the trainer group and the index pool each fit the cluster on their own (they run in turn)."""
+def check_config(res: ResourcesConfig, together: bool = False, nodes: Optional[list[dict[str, float]]] = None) -> None:
+    """Check the trainer group and the index pool fit the cluster: each on its own when they take turns, or both
+    at once (`together`: live index refresh keeps the pool busy while the trainer runs)."""
     t, p = res.trainer, res.pool
+    nodes = node_capacities() if nodes is None else nodes
+    free = [dict(n) for n in nodes] if together else None
     check_feasible(
         "resources.trainer",
         {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {}), **t.resources},
         t.num_workers,
+        nodes,
+        free,
     )
-    check_feasible("resources.pool", {"CPU": p.cpus_per_actor, **p.resources}, p.num_actors)
+    what = "resources.pool (alongside resources.trainer: refresh.enabled runs both at once)" if together else "resources.pool"
+    check_feasible(what, {"CPU": p.cpus_per_actor, **p.resources}, p.num_actors, nodes, free)

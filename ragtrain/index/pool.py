@@ -64,15 +64,36 @@ def make_shards(texts: Sequence[str], shard_size: int, min_shards: int = 1) -> l
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
+PLACEMENT_TIMEOUT_S = 30.0
+
+
 class EncoderPool:
-    """N `EncoderActor`s sized by resources.pool; `encode` fans shards out and gathers vectors in corpus order."""
+    """N `EncoderActor`s sized by resources.pool; `encode` fans shards out and gathers vectors in corpus order.
+
+    The actors live in their own placement group (one bundle per actor, custom resources included), so the
+    CPUs they hold are reserved for index building and never handed to trainer or generator workers.
+    """
 
     def __init__(self, retriever: RetrieverConfig, pool: PoolResources):
-        self.actors = [
-            EncoderActor.options(num_cpus=pool.cpus_per_actor, resources=dict(pool.resources) or None).remote(
-                retriever, int(pool.cpus_per_actor)
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": float(pool.cpus_per_actor), **{k: float(v) for k, v in pool.resources.items()}}
+        self.placement_group = placement_group([bundle] * pool.num_actors, strategy="PACK")
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:  # feasible on paper (checked up front) but held by someone else: say so instead of hanging
+            remove_placement_group(self.placement_group)
+            raise TimeoutError(
+                f"resources.pool: {pool.num_actors} x {bundle} could not be reserved within {PLACEMENT_TIMEOUT_S:.0f} s "
+                f"(free now: {ray.available_resources()}); other work holds them"
             )
-            for _ in range(pool.num_actors)
+        self.actors = [
+            EncoderActor.options(
+                num_cpus=pool.cpus_per_actor,
+                resources=dict(pool.resources) or None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
+            ).remote(retriever, int(pool.cpus_per_actor))
+            for i in range(pool.num_actors)
         ]
         self._version: Any = None
 
@@ -83,8 +104,13 @@ class EncoderPool:
 
     def set_weights(self, version: Any, weights_ref: "ray.ObjectRef") -> None:
         """Send a weights snapshot to every actor through the object store (one put, N gets)."""
+        self._version = None  # a failed load leaves actors without a known snapshot: encode must refuse
         ray.get([a.set_weights.remote(version, weights_ref) for a in self.actors])
         self._version = version
+
+    def invalidate(self) -> None:
+        """Forget which snapshot the actors hold (another holder of this pool may have loaded new weights)."""
+        self._version = None
 
     def encode(
         self, texts: Sequence[str], max_length: int, index: IndexConfig, progress: bool = True, desc: str = "encode"
@@ -124,7 +150,12 @@ class EncoderPool:
         return ray.get([a.node_id.remote() for a in self.actors])
 
     def shutdown(self) -> None:
-        """Kill the actors (their CPUs return to the cluster)."""
+        """Kill the actors and release their placement group (the CPUs return to the cluster)."""
+        from ray.util.placement_group import remove_placement_group
+
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None

@@ -13,6 +13,7 @@ class TrainExample:
     positive: int  # corpus position of the gold passage
     gold: list[int]  # all gold passages of the query (masked as negatives)
     negatives: list[int] = field(default_factory=list)  # hard-negative candidates (corpus positions)
+    qidx: int = -1  # position of the query in sorted training query ids (row of a live index's negatives table)
 
 
 @dataclass
@@ -31,10 +32,10 @@ def build_examples(
 ) -> list[TrainExample]:
     """One example per (query, relevant passage) pair, in sorted query order (stable across runs)."""
     out = []
-    for qid in sorted(qrels):
+    for qidx, qid in enumerate(sorted(qrels)):
         gold = [doc_pos[d] for d, g in sorted(qrels[qid].items()) if g > 0]
         for pos in gold:
-            out.append(TrainExample(queries[qid], pos, gold, list((negatives or {}).get(qid, []))))
+            out.append(TrainExample(queries[qid], pos, gold, list((negatives or {}).get(qid, [])), qidx))
     return out
 
 
@@ -57,12 +58,21 @@ def global_batch_indices(num_examples: int, global_batch: int, step: int, seed: 
 
 
 def local_batch(
-    data: TrainData, global_batch: int, step: int, seed: int, rank: int, world_size: int, num_negatives: int
+    data: TrainData,
+    global_batch: int,
+    step: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    num_negatives: int,
+    live_negatives: list[list[int]] | None = None,
 ) -> tuple[list[str], list[int], list[list[int]]]:
     """This rank's slice of the global batch: query texts, passage positions (positives then negatives), golds.
 
     Negatives are sampled per example with an RNG keyed by (seed, step, example index), so the same global batch
-    gets the same negatives whatever the number of workers.
+    gets the same negatives whatever the number of workers. With `live_negatives` (a live index's candidates per
+    query, gold already removed) a query with too few candidates is topped up with random non-gold passages, so
+    every rank still sends the same number of passages.
     """
     idx = global_batch_indices(len(data.examples), global_batch, step, seed)
     b = global_batch // world_size
@@ -72,9 +82,15 @@ def local_batch(
     for i, ex in zip(mine, exs):
         if num_negatives == 0:
             continue
+        rng = np.random.default_rng([seed, step, int(i)])
         pool = ex.negatives or []
+        if live_negatives is not None:
+            pool = list(live_negatives[ex.qidx])
+            while len(pool) < num_negatives:  # rare: many gold passages in the top ranks
+                r = int(rng.integers(len(data.passages)))
+                if r not in ex.gold and r not in pool:
+                    pool.append(r)
         if len(pool) < num_negatives:
             raise ValueError(f"example {i} has {len(pool)} hard-negative candidates, needs {num_negatives}")
-        rng = np.random.default_rng([seed, step, int(i)])
         negs.extend(int(pool[j]) for j in rng.choice(len(pool), num_negatives, replace=False))
     return [e.query for e in exs], [e.positive for e in exs] + negs, [e.gold for e in exs]

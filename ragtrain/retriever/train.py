@@ -19,7 +19,8 @@ from torch import nn
 
 from ragtrain.config import Config
 from ragtrain.retriever.batching import TrainData, local_batch, steps_per_epoch
-from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, load_tokenizer, tokenize
+from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
+from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.sync.base import build_sync
 from ragtrain.sync.comm import STATS
@@ -120,12 +121,26 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if sink is not None:
         sink.warm_up()  # before step 0: rank 1 would otherwise wait ~2.5 s for rank 0 at the first collective
 
+    live: Optional[LiveIndexClient] = None
+    if config.get("index_service") is not None:  # refresh.enabled: hard negatives from the live index
+        live = LiveIndexClient(config["index_service"], cfg, rank)
+        probe: Probe = config["probe"]
+        probe_texts = [data.passages[r] for r in probe.rows]
+
+        def measure(stale):  # rank 0: the current encoder on the staleness probe
+            p_vec = encode_texts(encoder, tokenizer, probe_texts, cfg.retriever.passage_max_length, 32, t.precision, device)
+            q_vec = encode_texts(encoder, tokenizer, probe.queries, cfg.retriever.query_max_length, 32, t.precision, device)
+            return staleness(stale, p_vec.numpy(), q_vec.numpy(), probe.gold)
+
     window_t, window_n, window_loss = time.perf_counter(), 0, 0.0
     last_bytes, last_comm_s = 0, 0.0
     drift_history: list[dict[str, float]] = []
     loop_start, measure_s = time.perf_counter(), 0.0
     for step in range(steps):
-        queries, pids, golds = local_batch(data, global_batch, step, t.seed, rank, world, t.hard_negatives)
+        step_start = time.perf_counter()
+        queries, pids, golds = local_batch(
+            data, global_batch, step, t.seed, rank, world, t.hard_negatives, live.negatives() if live else None
+        )
         q = {k: v.to(device) for k, v in tokenize(tokenizer, queries, cfg.retriever.query_max_length).items()}
         p_texts = [data.passages[i] for i in pids]
         p = {k: v.to(device) for k, v in tokenize(tokenizer, p_texts, cfg.retriever.passage_max_length).items()}
@@ -143,6 +158,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         optim.step()
         sched.step()
         strategy.after_step(params, step)
+        if live is not None:
+            step_s = time.perf_counter() - step_start
+            t0 = time.perf_counter()
+            index_metrics = live.after_step(step + 1, encoder.state_dict, measure, step_s, global_batch)
+            if index_metrics:
+                _emit(index_metrics, step + 1, steps, rank, sink)
+            window_t += time.perf_counter() - t0  # staleness probes and snapshots are not training time
+            measure_s += time.perf_counter() - t0
 
         window_n += global_batch
         window_loss += loss.item()  # a sync point, but we need the number for logging anyway
@@ -178,6 +201,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             measure_s += time.perf_counter() - t0
 
     loop_s = time.perf_counter() - loop_start - measure_s
+    if live is not None and rank == 0:
+        live.drain()
     summary = {
         "train/samples_per_s": steps * global_batch / loop_s,
         "comm/bytes_per_step": STATS.total_bytes() / steps,
@@ -185,6 +210,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         **{f"comm/bytes_per_step/{k}": v / steps for k, v in STATS.bytes.items()},  # grad, params, embeddings, ...
         **strategy.state(),
         **{f"{k}_mean": sum(d[k] for d in drift_history) / len(drift_history) for k in drift_history[0]},
+        **(live.summary() if live is not None and rank == 0 else {}),
     }
     strategy.consensus(params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed
     replicas = None
@@ -226,6 +252,8 @@ def fit_retriever(
     sink: Optional[MetricSink],
     callbacks: Optional[list] = None,
     report_intermediate: bool = False,
+    index_service=None,
+    probe: Optional[Probe] = None,
 ) -> FitResult:
     """Driver: train the bi-encoder with a TorchTrainer sized by resources.trainer; return the final weights."""
     import ray
@@ -242,6 +270,8 @@ def fit_retriever(
             "weights_ref": ray.put(init_weights),
             "sink": sink,
             "report_intermediate": report_intermediate,
+            "index_service": index_service,
+            "probe": probe,
         },
         torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
         scaling_config=ScalingConfig(

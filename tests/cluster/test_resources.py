@@ -132,3 +132,14 @@ def test_check_config_custom_resource_missing(ray_session) -> None:
     res = ResourcesConfig(pool=PoolResources(num_actors=1, resources={"index_node": 1.0}))
     with pytest.raises(InfeasibleResourcesError, match="index_node"):
         check_config(res)
+
+
+def test_refresh_needs_trainer_and_pool_to_fit_together() -> None:
+    """laptop_shared (2 workers + 2 actors) takes turns on 2 CPUs; with live refresh both run at once."""
+    res = ResourcesConfig(trainer=TrainerResources(num_workers=2), pool=PoolResources(num_actors=2))
+    check_config(res, together=False, nodes=[{"CPU": 2.0}])
+    with pytest.raises(InfeasibleResourcesError, match="alongside resources.trainer") as e:
+        check_config(res, together=True, nodes=[{"CPU": 2.0}])
+    assert "only 0" in str(e.value)
+    isolated = ResourcesConfig(trainer=TrainerResources(num_workers=1), pool=PoolResources(num_actors=1))
+    check_config(isolated, together=True, nodes=[{"CPU": 2.0}])  # the laptop preset: 1 CPU each

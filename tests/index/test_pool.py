@@ -134,12 +134,33 @@ def test_bf16_close_to_fp32(pool, texts) -> None:
 
 
 def test_encode_before_set_weights_raises(ray_session) -> None:
-    # The actor asks for a resource no node has: it stays pending and never starts a worker process (cheap), while
     # encode must refuse to run without a snapshot before touching any actor.
-    p = EncoderPool(CFG, PoolResources(num_actors=1, cpus_per_actor=1, resources={"no_such_resource": 1}))
+    p = EncoderPool(CFG, PoolResources(num_actors=1, cpus_per_actor=0.5))
     try:
         with pytest.raises(RuntimeError, match="before set_weights"):
             p.encode(["a passage"], MAX_LENGTH, IndexConfig(shard_size=SHARD), progress=False)
+    finally:
+        p.shutdown()
+
+
+def test_pool_that_cannot_be_reserved_says_what_it_asked(ray_session, monkeypatch) -> None:
+    import ragtrain.index.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "PLACEMENT_TIMEOUT_S", 1.0)  # the real wait is 30 s
+    with pytest.raises(TimeoutError, match="no_such_resource") as e:
+        EncoderPool(CFG, PoolResources(num_actors=1, cpus_per_actor=1, resources={"no_such_resource": 1}))
+    assert "resources.pool" in str(e.value)
+    # the reservation was given back: the pool's CPUs are free again
+    assert ray_session.available_resources().get("CPU", 0) >= 1
+
+
+def test_pool_reserves_its_cpus_in_a_placement_group(ray_session) -> None:
+    before = ray_session.available_resources().get("CPU", 0)
+    p = EncoderPool(CFG, PoolResources(num_actors=2, cpus_per_actor=0.5))
+    try:
+        table = ray_session.util.placement_group_table(p.placement_group)
+        assert table["state"] == "CREATED" and len(table["bundles"]) == 2
+        assert ray_session.available_resources().get("CPU", 0) == pytest.approx(before - 1.0)
     finally:
         p.shutdown()
 
@@ -154,7 +175,9 @@ def test_set_weights_with_missing_key_names_it(pool, ray_session, weights) -> No
             pool.set_weights(2, ray.put(bad))
         assert isinstance(e.value, RuntimeError)  # RayTaskError(RuntimeError) from load_state_dict(strict=True)
         assert missing in str(e.value) and "Missing key" in str(e.value)
-        assert pool._version == 1  # the failed snapshot was not recorded
+        assert pool.version is None  # actors may hold a partial load: no snapshot is trusted until the next one
+        with pytest.raises(RuntimeError, match="before set_weights"):
+            pool.encode(["a passage"], MAX_LENGTH, IndexConfig(shard_size=SHARD), progress=False)
     finally:
         pool.set_weights(1, ray.put(weights))
 

@@ -1,0 +1,165 @@
+"""Live index refresh: versions swap in whole, a failed refresh keeps the old index, training never waits."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ragtrain.config import ConfigError, to_typed
+from ragtrain.index.faiss_index import build_index
+from ragtrain.index.refresh import make_probe, mine, staleness
+from ragtrain.retriever.batching import TrainData, build_examples, local_batch
+from tests.conftest import compose, tiny_overrides
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_mined_negatives_skip_gold_and_top_ranks() -> None:
+    rng = np.random.default_rng(0)
+    docs = _unit(rng.normal(size=(50, 8)))
+    index = build_index(docs, [f"d{i}" for i in range(50)], "Flat", "fp", "test")
+    gold = [[3, 7], [10], [0, 1, 2]]
+    qvecs = docs[[3, 10, 0]]  # each query sits on a gold passage: gold ranks first and must be removed
+    negs = mine(index, qvecs, gold, depth=12, skip_top=2)
+    _, rows = index.search(qvecs, 12)
+    for i, g in enumerate(gold):
+        assert not set(negs[i]) & set(g)
+        assert not set(negs[i]) & set(rows[i][:2].tolist())  # the false-negative guard
+        assert set(negs[i]) <= set(rows[i].tolist())
+
+
+def test_live_negatives_never_gold_and_same_count_per_rank() -> None:
+    n = 20
+    queries = {f"q{i:02d}": f"query {i}" for i in range(n)}
+    qrels = {f"q{i:02d}": {f"d{i}": 1, f"d{i + 1}": 1} for i in range(n)}
+    pos = {f"d{i}": i for i in range(n + 1)}
+    data = TrainData([f"passage {i}" for i in range(n + 1)], build_examples(queries, qrels, pos))
+    # a live table where some queries have too few candidates: topped up with random non-gold passages
+    live = [[(i + 5) % (n + 1)] if i % 2 else [(i + 5) % (n + 1), (i + 6) % (n + 1), (i + 7) % (n + 1)] for i in range(n)]
+    for step in range(8):
+        for rank in range(2):
+            _, pids, golds = local_batch(data, 8, step, 0, rank, 2, 2, live_negatives=live)
+            negs = pids[4:]
+            assert len(negs) == 8  # 4 queries x 2 negatives on every rank
+            for j, g in enumerate(golds):
+                assert not set(negs[2 * j : 2 * j + 2]) & set(g)
+
+
+def test_staleness_metrics() -> None:
+    rng = np.random.default_rng(1)
+    p = _unit(rng.normal(size=(30, 16)))
+    q = p[:10] + 0.01
+    gold = [[i] for i in range(10)]
+    same = staleness(p, p, q, gold)
+    assert same["index/drift_cosine"] == pytest.approx(0.0, abs=1e-6)
+    assert same["index/stale_vs_fresh_recall"] == 0.0 and same["index/fresh_recall@10"] == 1.0
+    stale = _unit(rng.normal(size=(30, 16)))  # an index from an unrelated encoder
+    m = staleness(stale, p, q, gold)
+    assert m["index/drift_cosine"] > 0.5
+    assert m["index/stale_vs_fresh_recall"] > 0.3
+
+
+def test_probe_holds_the_probe_queries_gold() -> None:
+    gold = [[0, 5], [9], [], [2]]
+    probe = make_probe(gold, ["a", "b", "c", "d"], corpus_size=40, num_queries=3, num_passages=10, seed=0)
+    assert len(probe.rows) == 10 and len(set(probe.rows)) == 10
+    assert probe.queries == ["a", "b", "c"]
+    for g, local in zip(gold, probe.gold):
+        assert [probe.rows[i] for i in local] == g
+
+
+def test_refresh_needs_a_schedule(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="refresh.enabled needs a schedule"):
+        to_typed(compose(["experiment=quickstart", f"output_dir={tmp_path}", "refresh.enabled=true"]))
+
+
+def _service(cfg, data):
+    from ragtrain.pipeline import Retrieval
+    from ragtrain.retriever.encoder import build_encoder
+
+    torch.manual_seed(0)
+    weights = build_encoder(cfg.retriever).state_dict()
+    retrieval = Retrieval(cfg, data)
+    retrieval.build("zeroshot", [weights], "tiny@init", 0)
+    service, probe = retrieval.start_service(weights)
+    return retrieval, service, probe, weights
+
+
+def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tmp_path) -> None:
+    import ray
+
+    from ragtrain.pipeline import load_data
+
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.train.hard_negatives=2",
+                            "refresh.enabled=true", "refresh.every_steps=2"]))
+    data = load_data(cfg.data)
+    retrieval, service, probe, weights = _service(cfg, data)
+    try:
+        v0 = ray.get(service.latest.remote())
+        assert v0.version == 0 and len(v0.negatives) == len(data.train_qrels)
+        new = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in weights.items()}
+        ok = ray.get(service.refresh.remote(5, [ray.put(new)]))
+        assert ok["ok"] and ok["version"] == 1
+        v1 = ray.get(service.latest.remote())
+        assert v1.step == 5 and not np.allclose(v1.probe_vectors, v0.probe_vectors)
+        # a snapshot that does not fit the encoder: the refresh fails, version 1 stays live and searchable
+        bad = {k: v for k, v in new.items() if not k.endswith("bias")}
+        failed = ray.get(service.refresh.remote(9, [ray.put(bad)]))
+        assert not failed["ok"] and "Missing key" in failed["error"]
+        assert ray.get(service.version.remote()) == 1
+        _, rows = ray.get(service.search.remote(v1.probe_vectors[:3], 5))
+        assert (rows >= 0).all()
+        # only one refresh at a time: a second call while one runs is skipped, not queued
+        first = service.refresh.remote(11, [ray.put(new)])
+        second = ray.get(service.refresh.remote(12, [ray.put(new)]))
+        assert ray.get(first)["ok"]
+        assert second.get("skipped") or second.get("ok")  # skipped unless the first had already finished
+        report = retrieval.stop_service(service)
+        assert len(report["failures"]) == 1
+    finally:
+        retrieval.release()
+
+
+def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None:
+    """A real run: versions increase during training, steps go on while a refresh runs, no stall."""
+    from mlflow.tracking import MlflowClient
+
+    from ragtrain.pipeline import run
+
+    overrides = [
+        "experiment=quickstart",
+        *tiny_overrides(tmp_path),
+        "resources=laptop",  # 1 trainer worker + 1 pool actor, each in its own placement group
+        "resources.num_cpus=4",
+        "data.num_entities=150",  # a corpus big enough that a refresh spans several training steps
+        "retriever.passage_max_length=128",
+        "retriever.train.max_steps=40",
+        "retriever.train.hard_negatives=2",
+        "refresh.enabled=true",
+        "refresh.every_steps=8",
+        "refresh.check_every=4",
+        "logger.experiment_name=refresh-test",
+    ]
+    cfg = to_typed(compose(overrides))
+    results = run(cfg)
+    t = results["train"]
+    assert t["index/refreshes"] >= 2 and t["index/final_version"] >= 2
+    assert t["index/refresh_failures"] == 0
+    assert t["index/steps_during_refresh"] >= 3  # training stepped while the pool re-encoded
+    # no stall: no step while a refresh ran took much longer than a normal step
+    assert t["index/max_step_s_refreshing"] < 4 * t["index/median_step_s_idle"] + 0.05
+    history = json.loads((tmp_path / "out" / "refresh_history.json").read_text())["history"]
+    assert [h["version"] for h in history] == list(range(len(history)))
+    assert results["trained"]["ndcg@10"] > results["zeroshot"]["ndcg@10"]
+    client = MlflowClient(cfg.logger.tracking_uri)
+    run_id = client.search_runs([client.get_experiment_by_name("refresh-test").experiment_id])[0].info.run_id
+    lag = client.get_metric_history(run_id, "index/lag_steps")
+    versions = [m.value for m in client.get_metric_history(run_id, "index/version")]
+    assert lag and versions == sorted(versions) and versions[-1] >= 2
+    for key in ("index/drift_cosine", "index/stale_vs_fresh_recall", "index/refresh_seconds"):
+        assert client.get_metric_history(run_id, key), key
