@@ -8,7 +8,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from ragtrain.config import ConfigError, register_configs, sync_variants, to_typed
+from ragtrain.config import ConfigError, override_variants, register_configs, sync_variants, to_typed
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
@@ -19,10 +19,26 @@ def main(cfg: DictConfig) -> None:
     """Hydra entry point."""
     try:
         typed = to_typed(cfg)  # resolves interpolations and runs every range check before any work
+        if typed.tune is not None:  # tune=NAME: a sweep; its space is checked here too, before Ray starts
+            from ragtrain.tune.sweep import plan_sweep
+
+            plan_sweep(typed, CONF_DIR)
         variants = sync_variants(cfg, CONF_DIR) if typed.compare.strategies else {}
+        if typed.compare.variants:  # named override sets, e.g. experiment=scifact_refresh
+            variants.update(override_variants(cfg))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if typed.tune is not None:
+        from ragtrain.cluster.resources import InfeasibleResourcesError
+        from ragtrain.tune.sweep import run_sweep
+
+        try:
+            run_sweep(typed, CONF_DIR)
+        except (ConfigError, InfeasibleResourcesError) as e:  # resume mismatches, a trial bigger than the cluster
+            print(f"sweep error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return
     if variants:
         from ragtrain.sync_compare import run_sync_compare
 

@@ -260,6 +260,8 @@ STAGES = ("retriever", "index")
 class CompareConfig:
     # conf/sync options to run one after another on the same data (experiment=sync_compare); empty = one run
     strategies: list[str] = field(default_factory=list)
+    # named variants, each a list of `key=value` overrides of this config (experiment=scifact_refresh)
+    variants: dict[str, list[str]] = field(default_factory=dict)
 
 
 TUNE_SCHEDULERS = ("fifo", "asha")
@@ -372,6 +374,38 @@ def sync_variants(cfg: DictConfig, conf_dir: str) -> dict[str, Config]:
         variant.zeroshot_eval = bool(cfg.zeroshot_eval) and i == 0  # the zero-shot figure is the same for all
         out[name] = to_typed(variant)
     return out
+
+
+def override_variants(cfg: DictConfig) -> dict[str, Config]:
+    """One typed config per `compare.variants` entry: its `key=value` overrides merged into the composed config."""
+    from pathlib import Path
+
+    out: dict[str, Config] = {}
+    for i, (name, overrides) in enumerate(cfg.compare.variants.items()):
+        variant = copy.deepcopy(cfg)
+        for item in overrides:
+            key, sep, value = str(item).partition("=")
+            if not sep:
+                raise ConfigError(f"compare.variants.{name} has {item!r}: each entry must be key=value")
+            if not _has_key(cfg, key):
+                raise ConfigError(f"compare.variants.{name} sets unknown config key {key!r}")
+            OmegaConf.update(variant, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=True)
+        variant.compare.variants = {}
+        variant.output_dir = str(Path(cfg.output_dir, name))
+        variant.logger.run_name = f"{cfg.experiment_name}/{name}"
+        variant.zeroshot_eval = bool(cfg.zeroshot_eval) and i == 0  # the zero-shot figure is the same for all
+        out[name] = to_typed(variant)
+    return out
+
+
+def _has_key(cfg: DictConfig, dotted: str) -> bool:
+    """Whether a dotted key exists in the config (its value may be None)."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def to_flat_dict(cfg: Config) -> dict[str, str]:

@@ -15,7 +15,7 @@ def run_sync_compare(variants: dict[str, Config], out_dir: str | Path) -> pd.Dat
     """Train + index + evaluate once per strategy (one MLflow run each), then write the comparison table."""
     rows = []
     for name, cfg in variants.items():
-        print(f"\n######## sync strategy: {name} ########")
+        print(f"\n######## variant: {name} ########")
         results = run(cfg)
         rows.append({"strategy": name, **results["trained"], **results["train"]})
     df = comparison_frame(rows)

@@ -94,3 +94,31 @@ def test_cli_bad_value_fails_before_work(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "retriever.train.batch_size must be > 0" in r.stderr
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_override_variants_apply_their_keys(tmp_path) -> None:
+    from ragtrain.config import override_variants
+
+    cfg = compose(["experiment=scifact_refresh", f"output_dir={tmp_path}"])
+    variants = override_variants(cfg)
+    assert list(variants) == ["in_batch", "stale_index", "live_refresh"]
+    assert variants["in_batch"].retriever.train.hard_negatives == 0
+    assert variants["stale_index"].retriever.train.hard_negatives == 1 and not variants["stale_index"].refresh.enabled
+    assert variants["live_refresh"].refresh.enabled and variants["live_refresh"].refresh.every_steps == 15
+    assert variants["live_refresh"].output_dir == str(tmp_path / "live_refresh")
+    assert [v.zeroshot_eval for v in variants.values()] == [True, False, False]
+
+
+@pytest.mark.parametrize(
+    "variant, message",
+    [("retriever.train.hard_negativs=1", "unknown config key 'retriever.train.hard_negativs'"),
+     ("refresh.enabled", "each entry must be key=value"),
+     ("refresh.every_steps=-1", "refresh.every_steps must be >= 0")],
+)
+def test_bad_override_variant_names_the_problem(tmp_path, variant, message) -> None:
+    from ragtrain.config import override_variants
+
+    cfg = compose(["experiment=scifact_refresh", f"output_dir={tmp_path}"])
+    cfg.compare.variants = {"bad": [variant]}
+    with pytest.raises(ConfigError, match=message):
+        override_variants(cfg)
