@@ -163,3 +163,24 @@ def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None
     assert lag and versions == sorted(versions) and versions[-1] >= 2
     for key in ("index/drift_cosine", "index/stale_vs_fresh_recall", "index/refresh_seconds"):
         assert client.get_metric_history(run_id, key), key
+
+
+@pytest.mark.parametrize("threshold", [1e-7, 0.9])
+def test_adaptive_refresh_follows_measured_drift(ray_session, tmp_path, threshold) -> None:
+    """refresh.drift_threshold: a refresh starts only at a staleness check whose drift exceeds the threshold."""
+    from ragtrain.pipeline import run
+
+    overrides = [
+        "experiment=quickstart", *tiny_overrides(tmp_path), "resources=laptop", "resources.num_cpus=4",
+        "retriever.train.max_steps=16", "retriever.train.hard_negatives=1", "retriever.train.lr=1e-3",
+        "refresh.enabled=true", "refresh.every_steps=0", f"refresh.drift_threshold={threshold}", "refresh.check_every=5",
+        "logger=none",
+    ]
+    results = run(to_typed(compose(overrides)))
+    history = json.loads((tmp_path / "out" / "refresh_history.json").read_text())["history"]
+    if threshold > 0.5:  # 16 small steps never move the tiny encoder's passage vectors that far
+        assert results["train"]["index/refreshes"] == 0 and len(history) == 1
+        return
+    assert results["train"]["index/refreshes"] >= 1
+    started = [h["step"] for h in history[1:]]  # version 0 is the zero-shot index (step 0)
+    assert started and all(s % 5 == 0 for s in started)  # only at checks, never on a step count
