@@ -78,12 +78,12 @@ def check_config(res: ResourcesConfig, together: bool = False, nodes: Optional[l
     t, p = res.trainer, res.pool
     nodes = node_capacities() if nodes is None else nodes
     free = [dict(n) for n in nodes] if together else None
-    check_feasible(
-        "resources.trainer",
-        {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {}), **t.resources},
-        t.num_workers,
-        nodes,
-        free,
-    )
-    what = "resources.pool (alongside resources.trainer: refresh.enabled runs both at once)" if together else "resources.pool"
-    check_feasible(what, {"CPU": p.cpus_per_actor, **p.resources}, p.num_actors, nodes, free)
+    pool_what = "resources.pool (alongside resources.trainer: refresh.enabled runs both at once)" if together else "resources.pool"
+    groups = [
+        ("resources.trainer", {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {}), **t.resources}, t.num_workers),
+        (pool_what, {"CPU": p.cpus_per_actor, **p.resources}, p.num_actors),
+    ]
+    # The group with more resource kinds (e.g. the pool's `index_node` label) is placed first: it can go to fewer
+    # nodes, and the pipeline also reserves it first (the zero-shot index is built before training starts).
+    for what, bundle, count in sorted(groups, key=lambda g: -len([v for v in g[1].values() if v])):
+        check_feasible(what, bundle, count, nodes, free)

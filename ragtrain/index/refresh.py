@@ -131,7 +131,8 @@ class IndexService:
             live = LiveVersion(version, step, negatives, vectors[self.probe.rows].copy(), time.perf_counter() - start)
             with self._swap:  # atomic: readers see the old version or the new one, never a mix
                 self.live, self.index = live, index
-            stats = {"ok": True, "version": version, "step": step, "seconds": live.build_seconds}
+            stats = {"ok": True, "version": version, "step": step, "seconds": live.build_seconds,
+                     "node": ray.get_runtime_context().get_node_id()}
             self.history.append(stats)
             return stats
         except Exception as e:  # keep serving the old version; the caller logs the failure

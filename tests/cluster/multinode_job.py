@@ -1,7 +1,8 @@
 """Run by test_multinode.py in its own process: a real 2-node Ray cluster on 127.0.0.1 (separate raylets).
 
 Trains the tiny retriever with sync=hierarchical on 4 workers spread over both nodes, and places an encoder
-pool on the node labelled `index_node`; prints one JSON line with what it observed.
+pool on the node labelled `index_node`; then runs the pipeline with live index refresh (2 trainer workers, the pool
+and its index service on the labelled node); prints one JSON line with what it observed.
 """
 
 import json
@@ -53,10 +54,29 @@ def main(out_dir: str) -> None:
         pool = EncoderPool(cfg.retriever, cfg.resources.pool)
         pool_nodes = pool.node_ids()
         pool.shutdown()
+
+        from dataclasses import replace
+
+        from ragtrain.config import RefreshConfig
+        from ragtrain.pipeline import run
+
+        live = replace(
+            cfg,
+            retriever=replace(cfg.retriever, train=replace(cfg.retriever.train, max_steps=12, hard_negatives=1,
+                                                           hard_negative_depth=8)),
+            resources=replace(cfg.resources, trainer=TrainerResources(num_workers=2, cpus_per_worker=1)),
+            sync=SyncConfig(),
+            refresh=RefreshConfig(enabled=True, every_steps=3, check_every=3, probe_passages=16, probe_queries=4),
+            output_dir=os.path.join(out_dir, "live"),
+        )
+        results = run(live)
+        history = json.load(open(os.path.join(out_dir, "live", "refresh_history.json")))["history"]
         print(json.dumps({
             "metrics": fit.metrics,
             "n_params": n_params,
             "pool_nodes": pool_nodes,
+            "refresh_nodes": sorted({h["node"] for h in history}),
+            "refreshes": results["train"]["index/refreshes"],
             "labelled_node": labelled.node_id,
             "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
         }))

@@ -26,6 +26,8 @@ def test_hierarchical_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> Non
     res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     assert len(res["nodes"]) == 2  # two raylets, distinct node ids
     assert res["pool_nodes"] == [res["labelled_node"]]  # the pool landed on the index_node-labelled node
+    # live refresh: every index version was built on the labelled node while training ran on the cluster
+    assert res["refresh_nodes"] == [res["labelled_node"]] and res["refreshes"] >= 1
     m, p = res["metrics"], 4 * res["n_params"]
     assert m["sync/nodes"] == 2  # 4 workers found 2 nodes (2 workers each)
     # every step: a 2-worker all-reduce inside the node; every 2nd step: a 4-worker all-reduce of parameters
