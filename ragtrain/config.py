@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from ragtrain.generator.config import GeneratorConfig
+
 
 class ConfigError(ValueError):
     """A config value is out of range; the message names the key and what is allowed."""
@@ -253,7 +255,34 @@ class RefreshConfig:
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
 
 
-STAGES = ("retriever", "index")
+@dataclass
+class CheckpointConfig:
+    """Retriever training checkpoints (ragtrain/retriever/checkpoint.py): everything needed to continue exactly."""
+
+    every_steps: int = 0  # 0 = only the final checkpoint
+    keep: int = 2  # checkpoints kept in the run's storage path
+
+    def __post_init__(self) -> None:
+        _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self.every_steps)
+        _check(self.keep > 0, "checkpoint.keep", "must be > 0", self.keep)
+
+
+@dataclass
+class FaultConfig:
+    """Worker-failure handling, and fault injection for testing it."""
+
+    max_failures: int = 0  # Ray Train restarts the worker group from the latest checkpoint up to this many times
+    kill_worker_at_step: int = 0  # > 0: rank `kill_rank` exits (os._exit) after this step, once per run
+    kill_rank: int = 0
+    kill_pool_actor_at_shard: int = -1  # >= 0: the pool actor that gets this shard dies before encoding it, once
+
+    def __post_init__(self) -> None:
+        _check(self.max_failures >= -1, "fault.max_failures", "must be >= 0 (or -1: unlimited)", self.max_failures)
+        _check(self.kill_worker_at_step >= 0, "fault.kill_worker_at_step", "must be >= 0", self.kill_worker_at_step)
+        _check(self.kill_rank >= 0, "fault.kill_rank", "must be >= 0", self.kill_rank)
+
+
+STAGES = ("retriever", "index", "generator")
 
 
 @dataclass
@@ -319,6 +348,9 @@ class Config:
     compare: CompareConfig = field(default_factory=CompareConfig)
     tune: Optional[TuneConfig] = None  # set (tune=NAME): run a Ray Tune sweep instead of one run
     refresh: RefreshConfig = field(default_factory=RefreshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     experiment_name: str = "default"
     # retriever = train the bi-encoder; index = build the index with the final encoder and evaluate it
     stages: list[str] = field(default_factory=lambda: ["retriever", "index"])

@@ -203,6 +203,9 @@ def run(
     from ragtrain.track.mlflow import RunLogger
 
     out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
+    if cfg.resume and not (out / "config.yaml").exists():
+        raise FileNotFoundError(f"resume=true but output_dir={str(out)!r} holds no earlier run (no config.yaml): "
+                                "point output_dir at the interrupted run's folder")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
     data = load_data(cfg.data)  # bad data fails here, before Ray or MLflow start
     print(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
@@ -212,14 +215,19 @@ def run(
     # the same time, so they must fit the cluster together.
     check_config(cfg.resources, together="retriever" in cfg.stages and cfg.refresh.enabled)
 
-    logger = RunLogger(cfg.logger, run_name=cfg.experiment_name, parent_run_id=parent_run_id)
+    run_file = out / "mlflow_run_id"  # resume=true continues this run's MLflow run
+    resume_id = run_file.read_text().strip() if cfg.resume and run_file.exists() else None
+    logger = RunLogger(cfg.logger, run_name=cfg.experiment_name, parent_run_id=parent_run_id, run_id=resume_id)
+    if logger.enabled:
+        run_file.write_text(logger.run_id or "")
     if logger.enabled and os.environ.get("RAY_ADDRESS") and logger.uri.startswith(("sqlite:", "file:")):
         print(f"warning: RAY_ADDRESS is set but MLflow logs to a local store ({logger.uri}); rank 0 may run on "
               "another node: set logger.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server")
     status = "FAILED"
     cleanup: list = []
     try:
-        logger.log_params(to_flat_dict(cfg))
+        if resume_id is None:  # a resumed run keeps the params it was started with
+            logger.log_params(to_flat_dict(cfg))
         logger.log_artifact(out / "config.yaml")
         torch.manual_seed(cfg.seed)  # the tiny encoder's init; pretrained weights ignore it
         encoder = build_encoder(cfg.retriever)
@@ -248,8 +256,11 @@ def run(
                 retrieval.release()  # without refresh the trainer and the pool take turns on the CPUs
             examples = build_examples(data.queries, data.train_qrels, pos, negatives)
             try:
+                sink = logger.sink()
+                if sink is not None and cfg.resume:
+                    sink.skip_logged = True  # steps before the interruption are already in the run
                 fit = fit_retriever(
-                    cfg, TrainData(retrieval.passages, examples), weights, logger.sink(),
+                    cfg, TrainData(retrieval.passages, examples), weights, sink, resume=cfg.resume,
                     callbacks=train_callbacks, report_intermediate=report_intermediate,
                     index_service=service, probe=probe,
                 )
@@ -283,7 +294,10 @@ def run(
         logger.log_artifact(out / "metrics.json")
         for phase, m in results.items():  # zero-shot at step 0, the trained encoder at its last step
             prefix = "run/" if phase == "train" else f"{phase}/"  # run summary: run/train/samples_per_s, ...
-            logger.log_metrics({prefix + k: v for k, v in m.items()}, step=0 if phase == "zeroshot" else step)
+            sink = logger.sink()
+            if sink is not None:
+                sink.skip_logged = cfg.resume  # a resumed run already holds the phases finished before
+                sink.log({prefix + k: v for k, v in m.items()}, step=0 if phase == "zeroshot" else step)
         print(f"\n== {cfg.experiment_name}: {data.name} split={data.split} index={cfg.index.factory} ==")
         print(summary_table(results))
         if "train" in results:

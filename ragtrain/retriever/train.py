@@ -7,10 +7,13 @@ Worker side: `train_loop_per_worker` reads a resolved, typed config; it never se
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +23,7 @@ from torch import nn
 from ragtrain.config import Config
 from ragtrain.retriever.batching import TrainData, local_batch, steps_per_epoch
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
+from ragtrain.retriever.checkpoint import latest_checkpoint, load_train_state, read_meta, save_train_state
 from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.sync.base import build_sync
@@ -118,6 +122,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         optim, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (steps - s) / max(1, steps - warmup))
     )
     sink: Optional[MetricSink] = config.get("sink") if rank == 0 else None
+    start_step = 0
+    resume = _restart_checkpoint(cfg, config["fit_id"], config.get("resume_from"))  # a worker-group restart (fault.max_failures) or resume=true
+    if resume is not None:
+        start_step, sync_state = load_train_state(resume, rank, world, encoder, optim, sched)
+        strategy.load_state_dict(sync_state)
+        if sink is not None:  # steps after the checkpoint are replayed: log each (key, step) once
+            sink = replace(sink, skip_logged=True)
+        if rank == 0:
+            print(f"[retriever] resumed at step {start_step} from {resume}")
     if sink is not None:
         sink.warm_up()  # before step 0: rank 1 would otherwise wait ~2.5 s for rank 0 at the first collective
 
@@ -136,7 +149,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     last_bytes, last_comm_s = 0, 0.0
     drift_history: list[dict[str, float]] = []
     loop_start, measure_s = time.perf_counter(), 0.0
-    for step in range(steps):
+    for step in range(start_step, steps):
         step_start = time.perf_counter()
         queries, pids, golds = local_batch(
             data, global_batch, step, t.seed, rank, world, t.hard_negatives, live.negatives() if live else None
@@ -199,15 +212,24 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             _emit(drift, step + 1, steps, rank, sink)
             window_t += time.perf_counter() - t0
             measure_s += time.perf_counter() - t0
+        if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0 and step + 1 < steps:
+            t0 = time.perf_counter()  # every rank writes its own part; Ray Train merges them into one folder
+            with tempfile.TemporaryDirectory() as d:
+                save_train_state(d, rank, world, step + 1, encoder, optim, sched, strategy.state_dict(), config["fit_id"])
+                ray.train.report({"step": step + 1}, checkpoint=ray.train.Checkpoint.from_directory(d))
+            window_t += time.perf_counter() - t0
+            measure_s += time.perf_counter() - t0
+        _maybe_inject_fault(cfg, rank, step + 1)
 
     loop_s = time.perf_counter() - loop_start - measure_s
+    ran = steps - start_step  # steps of this attempt (after a restart: since the checkpoint)
     if live is not None and rank == 0:
         live.drain()
     summary = {
-        "train/samples_per_s": steps * global_batch / loop_s,
-        "comm/bytes_per_step": STATS.total_bytes() / steps,
+        "train/samples_per_s": ran * global_batch / loop_s,
+        "comm/bytes_per_step": STATS.total_bytes() / ran,
         "comm/time_share": STATS.total_seconds() / loop_s,
-        **{f"comm/bytes_per_step/{k}": v / steps for k, v in STATS.bytes.items()},  # grad, params, embeddings, ...
+        **{f"comm/bytes_per_step/{k}": v / ran for k, v in STATS.bytes.items()},  # grad, params, embeddings, ...
         **strategy.state(),
         **{f"{k}_mean": sum(d[k] for d in drift_history) / len(drift_history) for k in drift_history[0]},
         **(live.summary() if live is not None and rank == 0 else {}),
@@ -223,8 +245,40 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             save_weights(encoder.state_dict(), d)
             for r, state in enumerate(replicas or []):
                 save_weights(state, d, name=f"replica_{r}")
+            # final: a resumed run that finds this checkpoint takes the trained weights instead of training again
+            Path(d, "meta.json").write_text(json.dumps({"step": steps, "world": world, "final": True, "summary": summary}))
             ckpt = ray.train.Checkpoint.from_directory(d)
         ray.train.report({"step": steps, **summary}, checkpoint=ckpt)
+
+
+def _restart_checkpoint(cfg: Config, fit_id: str, resume_from: Optional[str]) -> Optional[Path]:
+    """The checkpoint to continue from: the latest complete one this fit wrote, else the one the fit was started
+    from (resume=true). Ray Train's own registry can miss a checkpoint that was uploaded just before a worker died
+    (its controller had not polled the report yet), so the storage folder is scanned too."""
+    import ray.train
+
+    candidates = [Path(resume_from)] if resume_from else []
+    given = ray.train.get_checkpoint()
+    if given is not None:
+        candidates.append(Path(given.path))
+    mine = latest_checkpoint(Path(cfg.output_dir, "ray", "retriever").resolve(), fit_id=fit_id)
+    if mine is not None:
+        candidates.append(mine)
+    return max(candidates, key=lambda p: read_meta(p)["step"]) if candidates else None
+
+
+def _maybe_inject_fault(cfg: Config, rank: int, step: int) -> None:
+    """fault.kill_worker_at_step: this worker process dies (no cleanup, like a crash) once per run."""
+    f = cfg.fault
+    if not f.kill_worker_at_step or step != f.kill_worker_at_step or rank != f.kill_rank:
+        return
+    marker = Path(cfg.output_dir, "ray", f".fault_injected_rank{rank}_step{step}")
+    if marker.exists():  # the restarted worker passes this step again: it must not die twice
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("killed")
+    print(f"[fault] rank {rank} exits at step {step} (fault.kill_worker_at_step)", flush=True)
+    os._exit(1)
 
 
 def _emit(metrics: dict[str, float], step: int, steps: int, rank: int, sink: Optional[MetricSink]) -> None:
@@ -254,14 +308,24 @@ def fit_retriever(
     report_intermediate: bool = False,
     index_service=None,
     probe: Optional[Probe] = None,
+    resume: bool = False,
 ) -> FitResult:
     """Driver: train the bi-encoder with a TorchTrainer sized by resources.trainer; return the final weights."""
     import ray
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     r = cfg.resources.trainer
     steps = total_steps(cfg, len(data.examples))  # fails here, on the driver, if the data is too small
+    storage = Path(cfg.output_dir, "ray").resolve()
+    start_from = latest_checkpoint(storage / "retriever") if resume else None
+    if start_from is not None and json.loads((start_from / "meta.json").read_text()).get("final"):
+        meta = json.loads((start_from / "meta.json").read_text())  # training had finished: nothing to redo
+        print(f"[retriever] resume: training finished before ({start_from}); using its weights")
+        replicas = [load_weights(start_from, p.stem) for p in sorted(start_from.glob("replica_*.safetensors"))]
+        return FitResult(load_weights(start_from), meta["summary"], str(start_from), steps, 0.0, replicas)
+    if start_from is not None:
+        print(f"[retriever] resume from step {read_meta(start_from)['step']}: {start_from}")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -271,6 +335,8 @@ def fit_retriever(
             "sink": sink,
             "report_intermediate": report_intermediate,
             "index_service": index_service,
+            "fit_id": uuid.uuid4().hex,  # tags this fit's checkpoints (a restart scans storage for them)
+            "resume_from": str(start_from) if start_from is not None else None,  # resume=true: the run's latest
             "probe": probe,
         },
         torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
@@ -281,8 +347,9 @@ def fit_retriever(
         ),
         run_config=RunConfig(
             name="retriever",
-            storage_path=str(Path(cfg.output_dir, "ray").resolve()),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            storage_path=str(storage),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
             callbacks=callbacks or None,
             worker_runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
         ),

@@ -117,3 +117,9 @@ class AsyncPSSync:
 
     def state(self) -> dict[str, Any]:
         return {"sync/pulls": self.pulls, **ray.get(self.server.stats.remote())}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the server is rebuilt from rank 0's restored replica; updates in flight at the failure are lost
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

@@ -34,6 +34,14 @@ class SyncStrategy(Protocol):
         """Strategy-specific figures to log (e.g. the current averaging period)."""
         ...
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold to continue exactly (tensors and plain values only; after `wrap`)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output (called after `wrap`)."""
+        ...
+
 
 def world_size() -> int:
     """Workers in the default process group (1 without one)."""

@@ -129,3 +129,22 @@ class CompressedSync:
 
     def state(self) -> dict[str, Any]:
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Error-feedback residuals (top-k) and PowerSGD's memories and iteration: a restart continues exactly."""
+        out: dict[str, Any] = {"topk": dict(self.topk.residuals)}
+        if self.powersgd is not None:
+            s = self.powersgd
+            out["powersgd"] = {"iter": s.iter, "error": dict(s.error_dict), "p": dict(s.p_memory_dict),
+                               "q": dict(s.q_memory_dict), "numel_before": s.total_numel_before_compression,
+                               "numel_after": s.total_numel_after_compression}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.topk.residuals = dict(state.get("topk", {}))
+        if self.powersgd is not None and "powersgd" in state:  # wrap() has created PowerSGD's state
+            s, saved = self.powersgd, state["powersgd"]
+            s.iter = int(saved["iter"])
+            s.error_dict, s.p_memory_dict, s.q_memory_dict = dict(saved["error"]), dict(saved["p"]), dict(saved["q"])
+            s.total_numel_before_compression = int(saved["numel_before"])
+            s.total_numel_after_compression = int(saved["numel_after"])

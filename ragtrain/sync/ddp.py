@@ -45,3 +45,9 @@ class DDPSync:
 
     def state(self) -> dict[str, Any]:
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # nothing beyond the model and optimizer
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

@@ -76,3 +76,9 @@ class GossipSync:
 
     def state(self) -> dict[str, Any]:
         return {"sync/gossip_rounds": self.rounds}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rounds": self.rounds}  # the random topology's pairing is keyed by the round
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds = int(state.get("rounds", 0))

@@ -87,3 +87,9 @@ class HierarchicalSync:
 
     def state(self) -> dict[str, Any]:
         return {"sync/nodes": self.num_nodes}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # nothing beyond the model and optimizer
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

@@ -69,3 +69,11 @@ class LocalSGDSync:
 
     def state(self) -> dict[str, Any]:
         return {"sync/period": self.period, "sync/divergence_at_sync": self.last_divergence}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"period": self.period, "next_sync": self.next_sync, "steps_done": self.steps_done,
+                "last_divergence": self.last_divergence}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.period, self.next_sync = int(state["period"]), int(state["next_sync"])
+        self.steps_done, self.last_divergence = int(state["steps_done"]), float(state["last_divergence"])

@@ -35,6 +35,7 @@ def mlflow_key(name: str) -> str:
 
 
 _CLIENTS: dict = {}  # per process: MlflowClient by tracking URI
+_LAST_LOGGED: dict = {}  # per process: (uri, run id) -> {metric key: last step already in the run}
 
 
 @dataclass
@@ -43,6 +44,9 @@ class MetricSink:
 
     uri: str
     run_id: str
+    # Resumed runs: skip (key, step) pairs the run already holds, so a restart that replays steps after its
+    # checkpoint logs each step exactly once (the replayed values equal the logged ones: training is deterministic).
+    skip_logged: bool = False
 
     def client(self):  # -> MlflowClient
         """The process's client for this URI, created once (the first one imports mlflow and opens the store)."""
@@ -65,14 +69,25 @@ class MetricSink:
         ts = int(time.time() * 1000)
         # MLflow metric names may not contain '@': ndcg@10 is logged as ndcg_at_10.
         items = [Metric(mlflow_key(k), float(v), ts, step) for k, v in metrics.items()]
-        self.client().log_batch(self.run_id, metrics=items)
+        if self.skip_logged:
+            items = [m for m in items if step > self._last_logged(m.key)]
+        if items:
+            self.client().log_batch(self.run_id, metrics=items)
+
+    def _last_logged(self, key: str) -> int:
+        """The highest step the run holds for `key` (-1 if none); read once per key and process."""
+        cache = _LAST_LOGGED.setdefault((self.uri, self.run_id), {})
+        if key not in cache:
+            cache[key] = max((m.step for m in self.client().get_metric_history(self.run_id, key)), default=-1)
+        return cache[key]
 
 
 class RunLogger:
     """Driver-side logger for one pipeline run; a no-op when logger.backend=none."""
 
     def __init__(
-        self, cfg: LoggerConfig, run_name: str, artifact_root: Optional[str] = None, parent_run_id: Optional[str] = None
+        self, cfg: LoggerConfig, run_name: str, artifact_root: Optional[str] = None, parent_run_id: Optional[str] = None,
+        tags: Optional[dict[str, str]] = None, run_id: Optional[str] = None,
     ):
         self.enabled = LoggerBackend(cfg.backend) == LoggerBackend.mlflow
         self.run_id: Optional[str] = None
@@ -82,6 +97,10 @@ class RunLogger:
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(self.uri)
+        if run_id is not None:  # attach to an existing run (a resumed sweep's parent) and mark it running again
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+            return
         exp = self.client.get_experiment_by_name(cfg.experiment_name)
         if exp is None:
             # Pin artifacts next to the SQLite file; a server URI decides its own artifact store.
@@ -91,8 +110,16 @@ class RunLogger:
             exp_id = self.client.create_experiment(cfg.experiment_name, artifact_location=artifact_root or loc)
         else:
             exp_id = exp.experiment_id
-        tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else None  # a sweep's trial: a child run
-        self.run_id = self.client.create_run(exp_id, run_name=cfg.run_name or run_name, tags=tags).info.run_id
+        tags = dict(tags or {})
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id  # a sweep's trial: a child run
+        self.run_id = self.client.create_run(exp_id, run_name=cfg.run_name or run_name, tags=tags or None).info.run_id
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        """Set run tags (values as strings)."""
+        if self.enabled:
+            for k, v in tags.items():
+                self.client.set_tag(self.run_id, k, str(v))
 
     def sink(self) -> Optional[MetricSink]:
         """A handle for rank 0 to log training metrics into this run."""
@@ -136,3 +163,79 @@ class RunLogger:
         """Close the run (FINISHED or FAILED)."""
         if self.enabled and self.run_id:
             self.client.set_terminated(self.run_id, status)
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """The same store with relative file paths made absolute (Tune trials run in other working directories)."""
+    for scheme in ("sqlite:///", "file://"):
+        if uri.startswith(scheme):
+            path = uri[len(scheme) :]
+            if path and not path.startswith("/"):
+                return scheme + str(Path(path).resolve())
+            return uri
+    return uri  # servers (http, databricks, ...) need nothing
+
+
+@dataclass
+class RunRecord:
+    """What the comparison reads from one MLflow run."""
+
+    run_id: str
+    run_name: str
+    status: str
+    params: dict[str, str]
+    metrics: dict[str, float]  # latest value of each metric
+    tags: dict[str, str]
+
+
+def _record(run) -> RunRecord:
+    return RunRecord(
+        run.info.run_id, run.info.run_name or "", run.info.status, dict(run.data.params), dict(run.data.metrics),
+        dict(run.data.tags),
+    )
+
+
+def find_runs(uri: str, experiment: Optional[str] = None, parent_run_id: Optional[str] = None) -> list[RunRecord]:
+    """Runs of an experiment (by name) or the child runs of a parent run, oldest first."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    if parent_run_id:
+        try:
+            exp_id = client.get_run(parent_run_id).info.experiment_id
+        except Exception as e:  # mlflow raises MlflowException (RESOURCE_DOES_NOT_EXIST) for unknown ids
+            raise ValueError(f"no MLflow run {parent_run_id!r} in {uri} ({type(e).__name__})") from None
+        flt = f"tags.mlflow.parentRunId = '{parent_run_id}'"
+    else:
+        exp = client.get_experiment_by_name(experiment or "")
+        if exp is None:
+            names = sorted(e.name for e in client.search_experiments())
+            raise ValueError(f"no MLflow experiment {experiment!r} in {uri}; experiments there: {names}")
+        exp_id, flt = exp.experiment_id, ""
+    runs = client.search_runs([exp_id], filter_string=flt, max_results=5000, order_by=["attributes.start_time ASC"])
+    return [_record(r) for r in runs]
+
+
+def get_run(uri: str, run_id: str) -> RunRecord:
+    """One run's params, latest metrics and tags."""
+    from mlflow.tracking import MlflowClient
+
+    return _record(MlflowClient(uri).get_run(run_id))
+
+
+def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of every logged point of a metric, in step order."""
+    from mlflow.tracking import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def update_run(uri: str, run_id: str, tags: Optional[dict[str, Any]] = None, status: Optional[str] = None) -> None:
+    """Tag a run and optionally close it with `status` (e.g. KILLED for a trial Tune stopped)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    for k, v in (tags or {}).items():
+        client.set_tag(run_id, k, str(v))
+    if status:
+        client.set_terminated(run_id, status)
