@@ -57,6 +57,7 @@ class Retrieval:
     
         if self._pool is None:
             self._pool = EncoderPool(self.cfg.retriever, self.cfg.resources.pool)
+            self._pool.fault_shard = self.cfg.fault.kill_pool_actor_at_shard  # fault injection (tests)
         return self._pool
 
     def release(self) -> None:

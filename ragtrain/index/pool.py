@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Sequence
 
 import numpy as np
@@ -13,6 +14,7 @@ from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConf
 
 
 SHARDS_PER_ACTOR = 8  # load balance: the pool hands out small shards as actors free up
+MAX_SHARD_RETRIES = 3  # a shard whose actor dies goes to another actor, at most this many times
 
 
 @ray.remote
@@ -39,11 +41,15 @@ class EncoderActor:
         self.version = version
 
     def encode(
-        self, shard_id: int, texts: Sequence[str], max_length: int, batch_size: int, precision: str
+        self, shard_id: int, texts: Sequence[str], max_length: int, batch_size: int, precision: str, die: bool = False
     ) -> tuple[int, Any, np.ndarray]:
         """Embed one shard (length-sorted batches inside); returns (shard id, weights version, [n, dim] fp32)."""
         from ragtrain.retriever.encoder import encode_texts
 
+        if die:  # fault.kill_pool_actor_at_shard: the process dies as in a crash (no cleanup, no exception)
+            import os
+
+            os._exit(1)
         vecs = encode_texts(self.model, self.tokenizer, texts, max_length, batch_size, Precision(precision))
         return shard_id, self.version, vecs.numpy()
 
@@ -70,14 +76,20 @@ PLACEMENT_TIMEOUT_S = 30.0
 class EncoderPool:
     """N `EncoderActor`s sized by resources.pool; `encode` fans shards out and gathers vectors in corpus order.
 
+    Shards are handed out by hand rather than through `ray.util.ActorPool`, which gives up when an actor dies:
+    here the dead actor's shard goes back to the queue and a replacement actor starts in the same bundle.
+
     The actors live in their own placement group (one bundle per actor, custom resources included), so the
     CPUs they hold are reserved for index building and never handed to trainer or generator workers.
     """
 
     def __init__(self, retriever: RetrieverConfig, pool: PoolResources):
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self.retriever, self.resources = retriever, pool
+        self._weights_ref: Any = None  # the current snapshot: a replacement actor loads it
+        self.fault_shard = -1  # fault.kill_pool_actor_at_shard (once per pool)
+        self.retried_shards = 0
         bundle = {"CPU": float(pool.cpus_per_actor), **{k: float(v) for k, v in pool.resources.items()}}
         self.placement_group = placement_group([bundle] * pool.num_actors, strategy="PACK")
         ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
@@ -87,15 +99,26 @@ class EncoderPool:
                 f"resources.pool: {pool.num_actors} x {bundle} could not be reserved within {PLACEMENT_TIMEOUT_S:.0f} s "
                 f"(free now: {ray.available_resources()}); other work holds them"
             )
-        self.actors = [
-            EncoderActor.options(
-                num_cpus=pool.cpus_per_actor,
-                resources=dict(pool.resources) or None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
-            ).remote(retriever, int(pool.cpus_per_actor))
-            for i in range(pool.num_actors)
-        ]
+        self.actors = [self._start_actor(i) for i in range(pool.num_actors)]
         self._version: Any = None
+
+    def _start_actor(self, bundle_index: int):
+        """An encoder actor in bundle `bundle_index` of the pool's placement group."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return EncoderActor.options(
+            num_cpus=self.resources.cpus_per_actor,
+            resources=dict(self.resources.resources) or None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle_index),
+        ).remote(self.retriever, int(self.resources.cpus_per_actor))
+
+    def _replace(self, actor) -> Any:
+        """Start a replacement for a dead actor in its bundle, loaded with the current snapshot."""
+        i = self.actors.index(actor)
+        fresh = self._start_actor(i)
+        ray.get(fresh.set_weights.remote(self._version, self._weights_ref))
+        self.actors[i] = fresh
+        return fresh
 
     @property
     def version(self) -> Any:
@@ -106,7 +129,7 @@ class EncoderPool:
         """Send a weights snapshot to every actor through the object store (one put, N gets)."""
         self._version = None  # a failed load leaves actors without a known snapshot: encode must refuse
         ray.get([a.set_weights.remote(version, weights_ref) for a in self.actors])
-        self._version = version
+        self._version, self._weights_ref = version, weights_ref
 
     def invalidate(self) -> None:
         """Forget which snapshot the actors hold (another holder of this pool may have loaded new weights)."""
@@ -116,7 +139,6 @@ class EncoderPool:
         self, texts: Sequence[str], max_length: int, index: IndexConfig, progress: bool = True, desc: str = "encode"
     ) -> tuple[np.ndarray, dict]:
         """Embed all texts (truncated to max_length) with the current snapshot: ([N, dim] fp32 in input order, stats)."""
-        from ray.util import ActorPool
         from tqdm import tqdm
 
         if not self.actors:
@@ -128,21 +150,43 @@ class EncoderPool:
         shards = make_shards(texts, index.shard_size, min_shards=SHARDS_PER_ACTOR * len(self.actors))
         start = time.perf_counter()
         out = np.empty((0, 0), dtype=np.float32)
-        pool = ActorPool(self.actors)
-        work = [(sid, [texts[i] for i in shard]) for sid, shard in enumerate(shards)]
+        todo = deque(range(len(shards)))
+        idle = list(self.actors)
+        running: dict[Any, tuple[int, Any]] = {}  # ObjectRef -> (shard id, actor)
+        attempts = [0] * len(shards)
         bar = tqdm(total=len(texts), desc=desc, unit="doc", disable=not progress, mininterval=2.0)
-        for sid, version, vecs in pool.map_unordered(
-            lambda a, w: a.encode.remote(w[0], w[1], max_length, index.batch_size, Precision(index.precision).value), work
-        ):
+        while todo or running:
+            while todo and idle:  # hand shards to free actors as they free up (length-sorted: slowest first)
+                sid, actor = todo.popleft(), idle.pop()
+                die = sid == self.fault_shard
+                self.fault_shard = -1 if die else self.fault_shard
+                ref = actor.encode.remote(sid, [texts[i] for i in shards[sid]], max_length, index.batch_size,
+                                          Precision(index.precision).value, die)
+                running[ref] = (sid, actor)
+            [ref], _ = ray.wait(list(running), num_returns=1)
+            sid, actor = running.pop(ref)
+            try:
+                _, version, vecs = ray.get(ref)
+            except ray.exceptions.RayActorError as e:  # the actor died: its shard goes to another actor
+                attempts[sid] += 1
+                if attempts[sid] > MAX_SHARD_RETRIES:
+                    raise RuntimeError(f"shard {sid} failed {attempts[sid]} times (last: {e}); giving up") from None
+                print(f"[pool] an encoder actor died on shard {sid}; retrying it and starting a replacement")
+                self.retried_shards += 1
+                todo.appendleft(sid)
+                idle.append(self._replace(actor))
+                continue
             if version != self._version:  # an actor that missed a snapshot would silently mix encoders
                 raise RuntimeError(f"shard {sid} was encoded with weights {version}, expected {self._version}")
             if out.size == 0:
                 out = np.empty((len(texts), vecs.shape[1]), dtype=np.float32)
-            out[shards[sid]] = vecs
+            out[shards[sid]] = vecs  # each shard is written once: every text lands in exactly one row
             bar.update(len(shards[sid]))
+            idle.append(actor)
         bar.close()
         seconds = time.perf_counter() - start
-        stats = {"docs": len(texts), "seconds": seconds, "docs_per_s": len(texts) / max(seconds, 1e-9)}
+        stats = {"docs": len(texts), "seconds": seconds, "docs_per_s": len(texts) / max(seconds, 1e-9),
+                 "retried_shards": float(sum(attempts))}
         return out, stats
 
     def node_ids(self) -> list[str]:
