@@ -78,3 +78,9 @@ def test_unwritable_output_dir_fails_before_work(tmp_path: Path) -> None:
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), f"output_dir={blocker}/sub"]))
     with pytest.raises(PermissionError, match="output_dir"):
         run(cfg)
+
+
+def test_resume_without_an_earlier_run_names_the_folder(tmp_path) -> None:
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "resume=true"]))
+    with pytest.raises(FileNotFoundError, match="resume=true but output_dir=.* holds no earlier run"):
+        run(cfg)
