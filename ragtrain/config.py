@@ -134,9 +134,13 @@ class IndexConfig:
     top_k: int = 100  # depth retrieved for evaluation
     nprobe: int = 16  # IVF search parameter
     ef_search: int = 128  # HNSW search parameter
+    # > 0: after training, also map the zero-shot (stale) index onto the trained encoder's space with an
+    # orthogonal Procrustes map fitted on this many anchor passages (ragtrain/sync/align.py), and evaluate it
+    align_anchors: int = 0
 
     def __post_init__(self) -> None:
         _check(bool(self.factory.strip()), "index.factory", "must be a faiss index_factory string", self.factory)
+        _check(self.align_anchors >= 0, "index.align_anchors", "must be >= 0", self.align_anchors)
         for key in ("batch_size", "shard_size", "top_k", "nprobe", "ef_search"):
             _check(getattr(self, key) > 0, f"index.{key}", "must be > 0", getattr(self, key))
 

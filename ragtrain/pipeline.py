@@ -48,6 +48,7 @@ class Retrieval:
         self.doc_ids = list(data.corpus)
         self.passages = [p.full_text() for p in data.corpus.values()]
         self.fingerprint = data.fingerprint()
+        self.vectors: Optional[np.ndarray] = None  # the last build's passage vectors
 
     @property
     def pool(self):
@@ -146,6 +147,25 @@ class Retrieval:
         index, stats = self.build(tag, snapshots, encoder_name, step)
         return index, {**self.evaluate(index), "encode_docs_per_s": stats["docs_per_s"]}
 
+    def evaluate_stale(self, stale: np.ndarray, step: int) -> dict[str, dict[str, float]]:
+        """The stale (zero-shot) index searched with the trained query encoder, as is and after an orthogonal map
+        onto the trained space fitted on `index.align_anchors` anchor passages (call right after the trained
+        build: its vectors are the reference). Returns {"stale": ..., "stale_aligned": ...}."""
+        from ragtrain.index.faiss_index import build_index
+        from ragtrain.sync.align import embedding_drift, fit_alignment
+
+        fresh, idx = self.vectors, self.cfg.index
+        rows = np.random.default_rng(self.cfg.seed).permutation(len(fresh))[: idx.align_anchors]
+        # Only the anchors need the trained encoder's vectors; they are rows of the trained build here.
+        aligned = fit_alignment(stale[rows], fresh[rows], "orthogonal").apply(stale)
+        out = {}
+        for tag, vecs in (("stale", stale), ("stale_aligned", aligned)):
+            index = build_index(vecs, self.doc_ids, idx.factory, self.fingerprint, tag, step, idx.precision.value, self.cfg.seed)
+            index.set_search_params(idx.nprobe, idx.ef_search)
+            out[tag] = {**self.evaluate(index), "drift_vs_trained": embedding_drift(vecs, fresh),
+                        "anchors": float(len(rows))}
+        return out
+
     def evaluate(self, index) -> dict[str, float]:
         """Retrieval metrics of `index` on the evaluated split."""
         qids = sorted(self.data.eval_qrels)
@@ -173,18 +193,19 @@ def parameter_mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
 
 
 def summary_table(results: dict[str, dict[str, float]]) -> str:
-    """Metrics side by side per phase (zero-shot, trained), with the change."""
+    """Metrics side by side per phase (zero-shot, trained, ...), with trained - zero-shot."""
     from tabulate import tabulate
 
     phases = [p for p in results if p != "train"]
     keys = [k for k in results[phases[0]] if "@" in k]
+    change = "zeroshot" in results and "trained" in results
     rows = []
     for k in keys:
         row = [k] + [results[p].get(k, float("nan")) for p in phases]
-        if len(phases) >= 2:
-            row.append(row[-1] - row[1])
+        if change:
+            row.append(results["trained"].get(k, float("nan")) - results["zeroshot"].get(k, float("nan")))
         rows.append(row)
-    headers = ["metric"] + phases + (["change"] if len(phases) >= 2 else [])
+    headers = ["metric"] + phases + (["trained - zeroshot"] if change else [])
     return tabulate(rows, headers=headers, floatfmt=".4f")
 
 
@@ -247,6 +268,7 @@ def run(
             index, results["zeroshot"] = retrieval.build_and_evaluate("zeroshot", [weights], encoder_name, step)
             if needs_negatives and not live:  # static negatives, mined once from the zero-shot index
                 negatives = retrieval.mine_negatives(index)
+        stale = retrieval.vectors if train and cfg.index.align_anchors else None
 
         if train:
             pos = {d: i for i, d in enumerate(retrieval.doc_ids)}
@@ -288,6 +310,8 @@ def run(
                 _, results["param_avg"] = retrieval.build_and_evaluate("param_avg", [weights], encoder_name, step)
             name = f"vector_avg of {len(replicas)} replicas in {out / 'encoder'}" if replicas else encoder_name
             index, results[phase] = retrieval.build_and_evaluate(phase, replicas or [weights], name, step)
+            if stale is not None and not replicas:  # align the stale index instead of re-encoding it: how close?
+                results.update(retrieval.evaluate_stale(stale, step))
             index.save(out / "index")
             logger.log_json(asdict(index.meta), "index_meta.json")
 
