@@ -34,10 +34,12 @@ def main(cfg: DictConfig) -> None:
         from ragtrain.tune.sweep import run_sweep
 
         try:
-            run_sweep(typed, CONF_DIR)
+            result = run_sweep(typed, CONF_DIR)
         except (ConfigError, InfeasibleResourcesError) as e:  # resume mismatches, a trial bigger than the cluster
             print(f"sweep error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
+        if result.interrupted:  # Ctrl+C: state saved, continue with resume=true
+            raise SystemExit(130)
         return
     if variants:
         from ragtrain.sync_compare import run_sync_compare

@@ -32,30 +32,93 @@ def comparison_frame(rows: list[dict]) -> pd.DataFrame:
 
 def write_comparison(df: pd.DataFrame, out_dir: str | Path, title: str) -> list[Path]:
     """Write comparison.csv, comparison.md and comparison.png (nDCG@10 vs bytes/step, drift as marker size)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv, md, png = out / "comparison.csv", out / "comparison.md", out / "comparison.png"
     df.to_csv(csv, index=False)
     md.write_text(f"# {title}\n\n" + df.to_markdown(index=False, floatfmt=".4g") + "\n")
 
+    scatter_plot(
+        df, "comm/bytes_per_step", "ndcg@10", png, label="strategy", size="drift/replica_cosine_mean",
+        title=f"{title}\nmarker size: mean replica drift (1 - cos)", xlabel="bytes sent per step per worker (log)",
+        ylabel="nDCG@10", big=4000.0,
+    )
+    return [csv, md, png]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on workers or CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def marker_sizes(values: pd.Series, small: float = 40.0, big: float = 1200.0) -> pd.Series:
+    """Marker areas proportional to `values` (all `small` when nothing is positive)."""
+    v = pd.to_numeric(values, errors="coerce").fillna(0.0).clip(lower=0.0)
+    top = float(v.max()) if len(v) else 0.0
+    return small + big * v / top if top > 0 else pd.Series([small] * len(v), index=v.index)
+
+
+def scatter_plot(
+    df: pd.DataFrame, x: str, y: str, path: str | Path, *, label: str | None = None, color: str | None = None,
+    size: str | None = None, title: str = "", xlabel: str | None = None, ylabel: str | None = None, big: float = 1200.0,
+) -> Path:
+    """y vs x (log x when some x is positive), one colour per `color` value, marker area from `size`, annotated."""
+    plt = _pyplot()
+    d = df[pd.to_numeric(df[y], errors="coerce").notna()] if y in df else df.iloc[0:0]
+    sizes = marker_sizes(d[size], big=big) if size and size in d else pd.Series([40.0] * len(d), index=d.index)
+    xs = pd.to_numeric(d[x], errors="coerce") if x in d else pd.Series([float("nan")] * len(d), index=d.index)
+    log_x = bool((xs > 0).any())
+    xs = xs.clip(lower=1.0) if log_x else xs  # on a log axis, runs that sent nothing (vector_avg) sit at 1 byte
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    drift = df.get("drift/replica_cosine_mean", pd.Series([0.0] * len(df))).fillna(0.0)
-    size = 40 + 4000 * drift / max(float(drift.max()), 1e-12) if float(drift.max()) > 0 else pd.Series([40] * len(df))
-    x = df["comm/bytes_per_step"].clip(lower=1.0)
-    ax.scatter(x, df["ndcg@10"], s=size, alpha=0.6)
-    for (_, r), xi in zip(df.iterrows(), x):
-        ax.annotate(r["strategy"], (xi, r["ndcg@10"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes sent per step per worker (log)")
-    ax.set_ylabel("nDCG@10")
-    ax.set_title(f"{title}\nmarker size: mean replica drift (1 - cos)")
+    groups = d.groupby(d[color].astype(str), sort=True) if color and color in d else [(None, d)]
+    for name, g in groups:
+        ax.scatter(xs[g.index], g[y], s=sizes[g.index], alpha=0.6, label=name)
+    if label and label in d:
+        for i, r in d.iterrows():
+            ax.annotate(str(r[label]), (xs[i], r[y]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    if log_x:
+        ax.set_xscale("log")
+    if color and color in d:
+        legend = ax.legend(title=color, fontsize=8)
+        for handle in legend.legend_handles:  # one small marker per colour, not the first point's area
+            handle.set_sizes([40.0])
+    ax.set_xlabel(xlabel or x)
+    ax.set_ylabel(ylabel or y)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [csv, md, png]
+    return Path(path)
+
+
+def curves_plot(
+    curves: dict[str, list[tuple[int, float]]], path: str | Path, *, groups: dict[str, str] | None = None,
+    title: str = "", ylabel: str = "", xlabel: str = "step",
+) -> Path:
+    """One line per run (label -> [(step, value)]); runs of the same group share a colour."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = sorted(set((groups or {}).values()))
+    for label, points in curves.items():
+        if not points:
+            continue
+        g = (groups or {}).get(label)
+        c = palette[names.index(g) % len(palette)] if g in names else None
+        steps, values = zip(*points)
+        ax.plot(steps, values, marker="o", markersize=3, label=label, color=c)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    if curves:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,151 @@
+"""Typed config of the generator stage (`generator` group, conf/generator/*.yaml), with its range checks.
+
+Imported by ragtrain/config.py, so this module imports nothing heavy (no torch, no transformers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+
+def _check(ok: bool, key: str, msg: str, value: Any) -> None:
+    # ragtrain.config imports this module, so its ConfigError is imported at call time (it is loaded by then);
+    # raising that class lets to_typed() unwrap omegaconf's wrapper like for every other key.
+    if not ok:
+        from ragtrain.config import ConfigError
+
+        raise ConfigError(f"generator.{key} {msg}, got {value!r}")
+
+
+class Arch(str, Enum):
+    bert2bert = "bert2bert"  # transformers EncoderDecoderModel, both sides initialised from one BERT checkpoint
+    seq2seq = "seq2seq"  # AutoModelForSeq2SeqLM (T5-style)
+    causal = "causal"  # AutoModelForCausalLM (decoder-only): prompt + answer, loss on the answer only
+
+
+class GenPrecision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"  # autocast on CPU and GPU
+    fp16 = "fp16"  # autocast + GradScaler, GPU only
+
+
+class RetrievalMode(str, Enum):
+    service = "service"  # Ray actors hold the index + question encoder; workers call them (HF RAG's Ray pattern)
+    local = "local"  # every worker loads its own copy (small indexes: no actor round trips)
+
+
+EVAL_MODES = ("closed_book", "rag", "oracle")
+
+
+@dataclass
+class TinyGeneratorConfig:
+    """A small model built from a transformers config (tests; no download): T5 for seq2seq, GPT-2 for causal."""
+
+    d_model: int = 64
+    num_layers: int = 2  # per stack
+    num_heads: int = 2
+    d_ff: int = 128
+
+
+@dataclass
+class GeneratorTrainConfig:
+    batch_size: int = 16  # examples per worker per optimizer step; the global batch is batch_size * num_workers
+    grad_accum: int = 1  # micro-batches per optimizer step (batch_size is split into this many)
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    warmup_steps: int = 100
+    max_steps: int = 1000  # > 0: this many optimizer steps; 0: `epochs` over the training questions
+    epochs: float = 0.0
+    precision: GenPrecision = GenPrecision.fp32
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    checkpoint_every: int = 0  # ray.train.report a safetensors checkpoint every N steps (0 = only the final one)
+    log_every: int = 20
+    include_gold: bool = True  # the gold passage is always in a training prompt (replaces the lowest-ranked hit)
+    shuffle_passages: bool = True  # training prompts list passages in a seeded random order (no "copy rank 1")
+    num_workers: int = 0  # 0 = resources.trainer.num_workers
+    cpus_per_worker: float = 0.0  # 0 = resources.trainer.cpus_per_worker
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        k = "train."
+        _check(self.batch_size > 0, k + "batch_size", "must be > 0", self.batch_size)
+        _check(self.grad_accum > 0, k + "grad_accum", "must be > 0", self.grad_accum)
+        _check(self.batch_size % self.grad_accum == 0, k + "batch_size", f"must be divisible by grad_accum "
+               f"({self.grad_accum})", self.batch_size)
+        _check(self.lr > 0, k + "lr", "must be > 0", self.lr)
+        _check(self.warmup_steps >= 0, k + "warmup_steps", "must be >= 0", self.warmup_steps)
+        _check(self.max_steps >= 0, k + "max_steps", "must be >= 0", self.max_steps)
+        _check(self.max_steps > 0 or self.epochs > 0, k + "epochs", "must be > 0 (or set max_steps > 0)", self.epochs)
+        _check(self.grad_clip >= 0, k + "grad_clip", "must be >= 0", self.grad_clip)
+        _check(self.checkpoint_every >= 0, k + "checkpoint_every", "must be >= 0", self.checkpoint_every)
+        _check(self.log_every > 0, k + "log_every", "must be > 0", self.log_every)
+        _check(self.num_workers >= 0, k + "num_workers", "must be >= 0", self.num_workers)
+        _check(self.cpus_per_worker >= 0, k + "cpus_per_worker", "must be >= 0", self.cpus_per_worker)
+
+
+@dataclass
+class GeneratorRetrievalConfig:
+    mode: RetrievalMode = RetrievalMode.service
+    top_k: int = 3  # passages per RAG prompt
+    num_actors: int = 1  # service mode
+    cpus_per_actor: float = 0.0  # 0: the actors share the trainer's CPUs (lookups are light and cached per question)
+    index_dir: Optional[str] = None  # a saved index; default: the index built by this run (<output_dir>/index)
+    encoder_check: int = 8  # re-encode this many passages and compare with the index's vectors (0 = skip)
+
+    def __post_init__(self) -> None:
+        _check(self.top_k > 0, "retrieval.top_k", "must be > 0", self.top_k)
+        _check(self.num_actors > 0, "retrieval.num_actors", "must be > 0", self.num_actors)
+        _check(self.cpus_per_actor >= 0, "retrieval.cpus_per_actor", "must be >= 0", self.cpus_per_actor)
+        _check(self.encoder_check >= 0, "retrieval.encoder_check", "must be >= 0", self.encoder_check)
+
+
+@dataclass
+class GeneratorEvalConfig:
+    modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))
+    num_beams: int = 1  # 1 = greedy
+    max_new_tokens: int = 16
+    batch_size: int = 32
+    max_questions: int = 0  # evaluate the first N questions of the split (0 = all)
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in EVAL_MODES]
+        _check(not bad, "eval.modes", f"has unknown mode(s) {bad}; valid choices: {list(EVAL_MODES)}", self.modes)
+        _check(self.num_beams > 0, "eval.num_beams", "must be > 0", self.num_beams)
+        _check(self.max_new_tokens > 0, "eval.max_new_tokens", "must be > 0", self.max_new_tokens)
+        _check(self.batch_size > 0, "eval.batch_size", "must be > 0", self.batch_size)
+        _check(self.max_questions >= 0, "eval.max_questions", "must be >= 0", self.max_questions)
+
+
+@dataclass
+class GeneratorConfig:
+    arch: Arch = Arch.bert2bert
+    # bert2bert: "minilm" (shipped offline) or a BERT checkpoint path; seq2seq / causal: "tiny" (built from
+    # `tiny` with MiniLM's tokenizer) or a local path / name in the local HF cache (loaded offline).
+    model: str = "minilm"
+    tokenizer: Optional[str] = None  # default: the model's own ("minilm" for bert2bert=minilm and tiny)
+    tiny: TinyGeneratorConfig = field(default_factory=TinyGeneratorConfig)
+    encoder_layers: int = 0  # bert2bert: keep the first N layers of the checkpoint in the encoder (0 = all)
+    decoder_layers: int = 2  # bert2bert: the decoder is the checkpoint's first N layers + new cross-attention
+    tie_embeddings: bool = True  # bert2bert: decoder input/output embeddings = the encoder's word embeddings
+    dropout: Optional[float] = None  # override the model's dropout (0 for the DDP-equivalence tests)
+    max_source_length: int = 128
+    max_target_length: int = 16
+    passage_max_tokens: int = 0  # cut each passage to this many tokens before assembling (0 = no cut)
+    question_prefix: str = ""
+    passage_prefix: str = ""
+    answer_prefix: str = "answer:"  # causal only
+    include_title: bool = True
+    retrieval: GeneratorRetrievalConfig = field(default_factory=GeneratorRetrievalConfig)
+    train: GeneratorTrainConfig = field(default_factory=GeneratorTrainConfig)
+    eval: GeneratorEvalConfig = field(default_factory=GeneratorEvalConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model.strip()), "model", "must name a model", self.model)
+        _check(self.encoder_layers >= 0, "encoder_layers", "must be >= 0", self.encoder_layers)
+        _check(self.decoder_layers > 0, "decoder_layers", "must be > 0", self.decoder_layers)
+        _check(self.dropout is None or 0 <= self.dropout < 1, "dropout", "must be in [0, 1)", self.dropout)
+        _check(8 <= self.max_source_length <= 4096, "max_source_length", "must be in [8, 4096]", self.max_source_length)
+        _check(self.max_target_length > 1, "max_target_length", "must be > 1", self.max_target_length)
+        _check(self.passage_max_tokens >= 0, "passage_max_tokens", "must be >= 0", self.passage_max_tokens)

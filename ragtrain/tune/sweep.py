@@ -1,0 +1,340 @@
+"""Ray Tune sweeps: one trial = one pipeline run, fitted by a TorchTrainer inside the trial's driver function.
+
+`python -m ragtrain experiment=NAME tune=NAME` lands in `run_sweep`. Everything that can be wrong with the sweep
+(an unknown key or out-of-range value in `tune.space`, an unknown scheduler/searcher, a trial bigger than the
+cluster) fails before the first trial starts. MLflow: one parent run per sweep, one child run per trial (the
+pipeline's own run, with the trial's full config as params and its training curves); the best trial's config is
+written as a ready-to-run experiment; the comparison report (ragtrain.compare) closes the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+from omegaconf import OmegaConf
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from ragtrain.config import Config, ConfigError, to_flat_dict
+from ragtrain.tune import space as sp
+
+NAME = "sweep"  # the Tune experiment folder: <output_dir>/tune/sweep
+# Reported at every log window while training (what ASHA can act on); everything else (trained/..., run/...,
+# any later pipeline phase) is reported once, when the trial's pipeline ends.
+WINDOW_PREFIXES = ("train/", "comm/", "drift/", "sync/")
+DONE_KEY = "pipeline_done"  # in a trial's final result only: tells a finished trial from one a scheduler stopped
+# MLflow tags: on child runs (trial id, sync option, stopped by the scheduler) and on the parent (role=sweep)
+TRIAL_TAG, SYNC_TAG = "ragtrain.tune.trial_id", "ragtrain.sync"
+STOPPED_TAG, ROLE_TAG = "ragtrain.tune.stopped_early", "ragtrain.role"
+UNCAPPED_T = 10**6  # ASHA needs a max_t for its rungs; a trial reaching it would be stopped before its evaluation
+
+
+@dataclass
+class TrialContext:
+    """What every trial needs, shipped once through the object store (tune.with_parameters)."""
+
+    base: dict  # the resolved sweep config as plain data (tune = None): trials never see Hydra
+    sync_options: dict[str, dict]
+    keys: list[str]  # swept keys, in display order
+    out_dir: str  # absolute: Tune runs trials in other working directories
+    tracking_uri: str  # absolute, the parent's store
+    parent_run_id: Optional[str]
+    experiment_name: str
+
+
+@dataclass
+class SweepPlan:
+    """A validated sweep: the space, the trials' base config, and where everything goes."""
+
+    cfg: Config
+    params: list[sp.Param]
+    base: dict
+    sync_options: dict[str, dict]
+    out_dir: Path
+    tracking_uri: str
+
+    @property
+    def experiment_path(self) -> Path:
+        """Tune's experiment folder (what resume restores)."""
+        return self.out_dir / "tune" / NAME
+
+    def context(self, parent_run_id: Optional[str]) -> TrialContext:
+        """What the trials of this sweep receive."""
+        return TrialContext(self.base, self.sync_options, [p.key for p in self.params], str(self.out_dir),
+                            self.tracking_uri, parent_run_id, self.cfg.experiment_name)
+
+
+@dataclass
+class SweepResult:
+    parent_run_id: Optional[str]
+    experiment_path: Path
+    trials: pd.DataFrame  # one row per trial: id, status, stopped_early, swept values, metric
+    best: Optional[dict]  # {"trial_id", "values", "metric"} of the best finished trial
+    best_config: Optional[Path]
+    report: list[Path] = field(default_factory=list)
+    interrupted: bool = False
+
+
+def normalize_metric(name: str) -> str:
+    """Accept MLflow spelling (ndcg_at_10) for pipeline metric names (ndcg@10)."""
+    return name.replace("_at_", "@")
+
+
+def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
+    """Validate the sweep without starting anything: keys, values, metrics, scheduler/searcher combination."""
+    from ragtrain.track.mlflow import absolute_tracking_uri, tracking_uri
+
+    t = cfg.tune
+    if t is None:
+        raise ConfigError("tune is not set: choose a sweep with tune=NAME (conf/tune)")
+    if cfg.compare.strategies or getattr(cfg.compare, "variants", None):
+        raise ConfigError("tune and compare.strategies / compare.variants are exclusive: sweep the sync option with "
+                          "tune.space.sync instead")
+    metric = normalize_metric(t.metric)
+    if "/" not in metric or metric.startswith(WINDOW_PREFIXES):
+        raise ConfigError(f"tune.metric must be a final pipeline metric <phase>/<name> (e.g. trained/ndcg@10, "
+                          f"run/train/samples_per_s), not a training-window one {list(WINDOW_PREFIXES)}, got {t.metric!r}")
+    if t.scheduler == "asha" and not normalize_metric(t.asha_metric).startswith(WINDOW_PREFIXES):
+        raise ConfigError(f"tune.asha_metric must be reported at every log window (starting with "
+                          f"{list(WINDOW_PREFIXES)}, e.g. train/loss), got {t.asha_metric!r}")
+    if t.scheduler == "asha" and "retriever" not in cfg.stages:
+        raise ConfigError("tune.scheduler=asha needs the retriever stage (it stops trials on their training curves)")
+    params = sp.parse_space(t.space)
+    base = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    base.update(tune=None, resume=False)
+    opts = sp.sync_options(conf_dir)
+    sp.validate(params, base, opts, t.searcher)
+    uri = absolute_tracking_uri(tracking_uri(cfg.logger)) if cfg.logger.backend.value == "mlflow" else ""
+    return SweepPlan(cfg, params, base, opts, Path(cfg.output_dir).resolve(), uri)
+
+
+def trial_config(ctx: TrialContext, values: dict[str, Any], trial_id: str) -> Config:
+    """One trial's typed config: its own output folder and a child-run name that says what it tried."""
+    base = dict(ctx.base)
+    base["output_dir"] = str(Path(ctx.out_dir, "trials", trial_id))
+    label = sp.describe(values, ctx.keys)
+    base["logger"] = {**base["logger"], "tracking_uri": ctx.tracking_uri or None,
+                      "run_name": f"{ctx.experiment_name}/{trial_id} {label}".strip()}
+    return sp.apply(base, values, ctx.sync_options)
+
+
+def trial_need(cfg: Config) -> dict[str, float]:
+    """Peak resources of one trial: trainer and pool take turns, unless live index refresh runs both at once."""
+    t, p = cfg.resources.trainer, cfg.resources.pool
+    trainer = {"CPU": t.num_workers * t.cpus_per_worker, **{k: v * t.num_workers for k, v in t.resources.items()}}
+    if t.use_gpu:
+        trainer["GPU"] = float(t.num_workers)
+    pool = {"CPU": p.num_actors * p.cpus_per_actor, **{k: v * p.num_actors for k, v in p.resources.items()}}
+    refresh = getattr(cfg, "refresh", None)
+    together = "retriever" in cfg.stages and bool(refresh and refresh.enabled)
+    both = set(trainer) | set(pool)
+    if together:
+        return {k: trainer.get(k, 0.0) + pool.get(k, 0.0) for k in both}
+    return {k: max(trainer.get(k, 0.0), pool.get(k, 0.0)) for k in both}
+
+
+TOKEN_MEMORY = 1 << 20  # bytes: Tune refuses an all-zero request, so a CPU-free trial driver asks for 1 MiB
+
+
+def trial_request(cpus: float) -> dict[str, float]:
+    """The trial driver's own Tune request: `cpus` (default 0, so trials' trainers and pools pack exactly)."""
+    return {"CPU": cpus} if cpus > 0 else {"CPU": 0, "memory": TOKEN_MEMORY}
+
+
+def max_concurrency(need: dict[str, float], total: dict[str, float]) -> int:
+    """How many trials fit the cluster at once (at least 1: feasibility is checked separately)."""
+    fits = [math.floor(total.get(k, 0.0) / v + 1e-9) for k, v in need.items() if v > 0]
+    return max(1, min(fits)) if fits else 1
+
+
+def check_resources(plan: SweepPlan) -> int:
+    """Fail now if the biggest trial can never run here; return the number of trials to run at once."""
+    import ray
+
+    from ragtrain.cluster.resources import InfeasibleResourcesError, check_config, node_capacities
+
+    t = plan.cfg.tune
+    worst = sp.worst_case(plan.params, plan.base, plan.sync_options)
+    nodes = node_capacities()
+    refresh = getattr(worst, "refresh", None)
+    try:
+        check_config(worst.resources, together="retriever" in worst.stages and bool(refresh and refresh.enabled), nodes=nodes)
+        if t.trial_cpus > max(n.get("CPU", 0.0) for n in nodes):
+            raise InfeasibleResourcesError(f"tune.trial_cpus={t.trial_cpus} is more than any node has")
+    except InfeasibleResourcesError as e:
+        swept = [p.key for p in plan.params if p.key.startswith("resources.")]
+        which = f"the largest trial ({', '.join(swept)} at their maximum)" if swept else "every trial"
+        raise InfeasibleResourcesError(f"tune: {which} needs more than the cluster has: {e}") from None
+    need = trial_need(worst)
+    need["CPU"] = need.get("CPU", 0.0) + t.trial_cpus
+    fits = max_concurrency(need, ray.cluster_resources())
+    if t.max_concurrent_trials is None:
+        return fits
+    if t.max_concurrent_trials > fits:
+        print(f"warning: tune.max_concurrent_trials={t.max_concurrent_trials} but only {fits} trial(s) of {need} fit "
+              "the cluster now: the others wait for resources (fine when an autoscaler adds nodes)")
+    return t.max_concurrent_trials
+
+
+class LogWindowReport(TuneReportCallback):
+    """Forward every log window's metrics to Tune (what ASHA sees); the trial reports the final metrics itself."""
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        m = dict(metrics[0])
+        if "train/loss" not in m:  # the run summary with the checkpoint: known again, with more, when the trial ends
+            return
+        loss = m["train/loss"]
+        if not math.isfinite(loss):  # NaN compares False with everything: ASHA would never stop a diverged trial
+            m["train/loss"] = math.inf
+        super().after_report(run_context, [m], None)
+
+
+def final_metrics(results: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The pipeline's results as one flat Tune result (`trained/ndcg@10`, `run/comm/bytes_per_step`, ...)."""
+    out: dict[str, float] = {"step": int(results.get("train", {}).get("steps", 0)), DONE_KEY: 1}
+    for phase, m in results.items():
+        prefix = "run/" if phase == "train" else f"{phase}/"
+        out.update({prefix + k: float(v) for k, v in m.items()})
+    return out
+
+
+def run_trial(config: dict[str, Any], ctx: TrialContext) -> None:
+    """Tune trial (driver function): build the trial's config, run the pipeline, report its final metrics."""
+    from ray import tune
+
+    from ragtrain.pipeline import run
+
+    trial_id = tune.get_context().get_trial_id()
+    cfg = trial_config(ctx, {k: config[k] for k in ctx.keys}, trial_id)
+    shutil.rmtree(cfg.output_dir, ignore_errors=True)  # a trial restarted after an interruption starts clean
+    results = run(cfg, train_callbacks=[LogWindowReport()], report_intermediate=True, parent_run_id=ctx.parent_run_id)
+    tune.report(final_metrics(results))
+
+
+def trial_dirname(trial) -> str:
+    """Tune's folder for a trial: its id (stable across resume)."""
+    return trial.trial_id
+
+
+def _searcher(t, concurrency: int):
+    """The search algorithm, limited to `concurrency` running trials."""
+    from ray.tune.search import ConcurrencyLimiter
+
+    if t.searcher == "optuna":
+        from ragtrain.tune.searchers import FinalMetricOptunaSearch
+
+        optuna = FinalMetricOptunaSearch(metric=normalize_metric(t.metric), mode=t.mode, seed=t.seed)
+        return ConcurrencyLimiter(optuna, max_concurrent=concurrency)
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    # Tune ignores TuneConfig.max_concurrent_trials for a BasicVariantGenerator passed in: it takes its own.
+    return BasicVariantGenerator(random_state=t.seed, max_concurrent=concurrency)
+
+
+def _scheduler(t):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    if t.scheduler == "asha":
+        return ASHAScheduler(
+            time_attr=t.time_attr, metric=normalize_metric(t.asha_metric), mode=t.asha_mode,
+            max_t=t.max_t or UNCAPPED_T, grace_period=t.grace_period, reduction_factor=t.reduction_factor,
+        )
+    return FIFOScheduler()
+
+
+def _state_file(plan: SweepPlan) -> Path:
+    return plan.out_dir / "tune" / "sweep_state.json"
+
+
+def _start(plan: SweepPlan) -> Optional[str]:
+    """Check the output folder against `resume` and open (or re-open) the parent MLflow run."""
+    from ray import tune
+
+    from ragtrain.track.mlflow import RunLogger
+
+    cfg, state = plan.cfg, _state_file(plan)
+    exists = tune.Tuner.can_restore(str(plan.experiment_path))
+    flat = {k: v for k, v in to_flat_dict(cfg).items() if k not in ("resume", "output_dir")}
+    if cfg.resume:
+        if not exists or not state.exists():
+            raise ConfigError(f"resume=true but {plan.out_dir} holds no sweep to resume: pass output_dir=<the "
+                              "interrupted sweep's output_dir>")
+        saved = json.loads(state.read_text())
+        changed = sorted(k for k in set(flat) | set(saved["config"]) if flat.get(k) != saved["config"].get(k))
+        if changed:
+            raise ConfigError(f"resume=true with a different config than the interrupted sweep: {changed[:10]}")
+        parent = saved["parent_run_id"]
+        if parent:
+            RunLogger(replace(cfg.logger, tracking_uri=plan.tracking_uri or None), "", run_id=parent)  # RUNNING again
+        return parent
+    if exists:
+        raise ConfigError(f"output_dir {plan.out_dir} already holds a sweep: continue it with resume=true, or choose "
+                          "another output_dir")
+    parent = None
+    logger = RunLogger(replace(cfg.logger, tracking_uri=plan.tracking_uri or None), f"{cfg.experiment_name}/sweep",
+                       tags={ROLE_TAG: "sweep"})
+    if logger.enabled:
+        parent = logger.run_id
+        logger.log_params(to_flat_dict(cfg))
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"parent_run_id": parent, "config": flat}, indent=2))
+    return parent
+
+
+def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = None) -> SweepResult:
+    """Run (or with resume=true continue) the sweep `cfg.tune` over `cfg`; returns the trials and the best one.
+
+    `callbacks`: extra Tune callbacks for a new sweep (a resumed sweep keeps the ones it was started with).
+    """
+    from ray import tune
+
+    from ragtrain.cluster.resources import init_ray
+    from ragtrain.pipeline import prepare_output_dir
+    from ragtrain.tune.results import finish
+
+    plan = plan_sweep(cfg, conf_dir)  # ConfigError before anything starts
+    prepare_output_dir(str(plan.out_dir))
+    init_ray(cfg.resources)
+    concurrency = check_resources(plan)
+    parent = _start(plan)
+    t = cfg.tune
+    ctx = plan.context(parent)
+    trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx), trial_request(t.trial_cpus))
+    # Trials lack the sweep metric until they end and ASHA's metric in their last report: Tune's strict check
+    # (every result must carry every metric) does not fit a pipeline whose best figure comes last.
+    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    if cfg.resume:
+        from ragtrain.tune.results import close_orphans
+
+        close_orphans(plan.tracking_uri, parent)  # runs of trials cut off by the interruption: they start again
+        tuner = tune.Tuner.restore(str(plan.experiment_path), trainable=trainable, resume_unfinished=True)
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=sp.to_tune(plan.params),
+            tune_config=tune.TuneConfig(
+                search_alg=_searcher(t, concurrency), scheduler=_scheduler(t), num_samples=t.num_samples,
+                trial_dirname_creator=trial_dirname,
+            ),
+            run_config=tune.RunConfig(name=NAME, storage_path=str(plan.experiment_path.parent), callbacks=callbacks,
+                                      failure_config=tune.FailureConfig(max_failures=0)),
+        )
+    print(f"[tune] {len(plan.params)} swept key(s), up to {concurrency} trial(s) at once; "
+          f"parent run {parent}; Tune state: {plan.experiment_path}")
+    status = "FAILED"
+    try:
+        tuner.fit()
+        result = finish(plan, parent)
+        status = "KILLED" if result.interrupted else "FINISHED"
+        return result
+    finally:
+        if parent:
+            from ragtrain.track.mlflow import update_run
+
+            update_run(plan.tracking_uri, parent, status=status)
