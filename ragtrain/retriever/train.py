@@ -33,6 +33,11 @@ from ragtrain.track.mlflow import MetricSink
 
 
 
+# Train V2 patches print() in workers to go to its logger *and* (since Ray redirects stdout) to stdout: every
+# line would reach the driver twice. Rank 0's prints are our log, so plain print it is.
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+
+
 class QPEncoder(nn.Module):
     """Embeds queries and passages in ONE forward call, so DDP sees one forward per backward."""
 
@@ -351,7 +356,7 @@ def fit_retriever(
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
             callbacks=callbacks or None,
-            worker_runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+            worker_runtime_env={"env_vars": WORKER_ENV},
         ),
     )
     start = time.perf_counter()
