@@ -25,7 +25,8 @@ def ray_session():
 
     if not ray.is_initialized():
         # PYTHONPATH: Ray workers must import functions defined in test modules (tests.sync.test_async_ps, ...).
-        env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+        env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO),
+               "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}  # a loaded CI box starts workers slowly
         ray.init(address="local", num_cpus=RAY_CPUS, runtime_env={"env_vars": env})  # never join another Ray
     yield ray
     ray.shutdown()

@@ -19,7 +19,10 @@ def init_ray(res: ResourcesConfig) -> None:
 
     if ray.is_initialized():
         return
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           # Train V2 gives a worker group 60 s to start; on a loaded laptop importing torch + transformers in
+           # every worker can take longer, and the run would fail with WorkerGroupStartupTimeoutError.
+           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
     if os.environ.get("RAY_ADDRESS"):
         # Ship this checkout's ragtrain to the cluster's workers (third-party packages come from the image).
         import ragtrain
