@@ -196,7 +196,9 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
     """Metrics side by side per phase (zero-shot, trained, ...), with trained - zero-shot."""
     from tabulate import tabulate
 
-    phases = [p for p in results if p != "train"]
+    phases = [p for p in results if p != "train" and not p.startswith("gen_")]  # retrieval phases only
+    if not phases:
+        return "(no retrieval phases)"
     keys = [k for k in results[phases[0]] if "@" in k]
     change = "zeroshot" in results and "trained" in results
     rows = []
@@ -230,6 +232,10 @@ def run(
                                 "point output_dir at the interrupted run's folder")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
     data = load_data(cfg.data)  # bad data fails here, before Ray or MLflow start
+    if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training
+        from ragtrain.generator.stage import preflight
+
+        preflight(cfg, data, out)
     print(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
           f"{len(data.eval_qrels)} {data.split} queries")
     init_ray(cfg.resources)
@@ -303,6 +309,7 @@ def run(
             print(f"[retriever] {fit.steps} steps in {fit.seconds:.1f}s; weights: {save_weights_path}")
             results["train"] = {"seconds": fit.seconds, "steps": fit.steps, **fit.metrics}
 
+        index = None
         if "index" in cfg.stages:
             phase = "trained" if train else "zeroshot"
             replicas = fit.replicas if train else []
@@ -315,9 +322,17 @@ def run(
             index.save(out / "index")
             logger.log_json(asdict(index.meta), "index_meta.json")
 
+        if "generator" in cfg.stages:  # retrieves with this run's index, or the saved one (stages: [generator])
+            from ragtrain.generator.stage import run_generator_stage
+
+            built = index is not None
+            results.update(run_generator_stage(cfg, data, retrieval if built else None, index, out, logger))
+
         (out / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
         logger.log_artifact(out / "metrics.json")
         for phase, m in results.items():  # zero-shot at step 0, the trained encoder at its last step
+            if phase.startswith("gen_"):
+                continue  # the generator stage logged its own, at its own steps
             prefix = "run/" if phase == "train" else f"{phase}/"  # run summary: run/train/samples_per_s, ...
             sink = logger.sink()
             if sink is not None:

@@ -95,3 +95,24 @@ def test_stale_index_aligned_onto_the_trained_space(ray_session, tmp_path) -> No
     assert aligned["anchors"] == 64
     assert aligned["drift_vs_trained"] < stale["drift_vs_trained"]
     assert aligned["ndcg@10"] >= stale["ndcg@10"] - 0.02  # never much worse than not aligning at all
+
+
+def test_whole_rag_loop_through_the_pipeline(ray_session, tmp_path) -> None:
+    """retriever -> index -> generator in one `run`, composed like `experiment=rag_quickstart` (tiny models)."""
+    cfg = to_typed(compose(["experiment=rag_quickstart", *tiny_overrides(tmp_path), "generator=tiny_t5",
+                            "generator.train.max_steps=4", "generator.train.num_workers=1",
+                            "generator.train.cpus_per_worker=1", "generator.eval.max_new_tokens=4",
+                            "logger.experiment_name=rag-loop"]))
+    results = run(cfg)
+    assert {"train", "trained", "gen_closed_book", "gen_rag", "gen_oracle", "gen_train"} <= set(results)
+    client = MlflowClient(cfg.logger.tracking_uri)
+    r = client.search_runs([client.get_experiment_by_name("rag-loop").experiment_id])[0]
+    for key in ("trained/ndcg_at_10", "gen_rag/em", "gen_closed_book/f1", "gen_oracle/em"):
+        assert key in r.data.metrics, key
+    assert (Path(cfg.output_dir) / "generator" / "metrics.json").exists()
+
+
+def test_generator_alone_needs_a_saved_index(tmp_path) -> None:
+    cfg = to_typed(compose(["experiment=rag_quickstart", *tiny_overrides(tmp_path), "stages=[generator]"]))
+    with pytest.raises(FileNotFoundError, match="needs a retrieval index and there is none"):
+        run(cfg)

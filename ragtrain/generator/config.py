@@ -129,6 +129,9 @@ class GeneratorConfig:
     encoder_layers: int = 0  # bert2bert: keep the first N layers of the checkpoint in the encoder (0 = all)
     decoder_layers: int = 2  # bert2bert: the decoder is the checkpoint's first N layers + new cross-attention
     tie_embeddings: bool = True  # bert2bert: decoder input/output embeddings = the encoder's word embeddings
+    # bert2bert: the new cross-attention starts as a copy of the layer's pretrained self-attention ("self") or
+    # from a random init ("random", transformers' default)
+    cross_attention_init: str = "self"
     dropout: Optional[float] = None  # override the model's dropout (0 for the DDP-equivalence tests)
     max_source_length: int = 128
     max_target_length: int = 16
@@ -145,6 +148,8 @@ class GeneratorConfig:
         _check(bool(self.model.strip()), "model", "must name a model", self.model)
         _check(self.encoder_layers >= 0, "encoder_layers", "must be >= 0", self.encoder_layers)
         _check(self.decoder_layers > 0, "decoder_layers", "must be > 0", self.decoder_layers)
+        _check(self.cross_attention_init in ("self", "random"), "cross_attention_init", "must be one of ['self', "
+               "'random']", self.cross_attention_init)
         _check(self.dropout is None or 0 <= self.dropout < 1, "dropout", "must be in [0, 1)", self.dropout)
         _check(8 <= self.max_source_length <= 4096, "max_source_length", "must be in [8, 4096]", self.max_source_length)
         _check(self.max_target_length > 1, "max_target_length", "must be > 1", self.max_target_length)

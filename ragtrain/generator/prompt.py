@@ -1,0 +1,99 @@
+"""Prompt = question + passages, built on token ids so truncation can never cut the question.
+
+Layout (one string per piece, tokenised separately and concatenated; `[X]` = the tokenizer's special token,
+left out when the tokenizer has none — e.g. T5 has no [CLS] and no [SEP]):
+
+    [CLS] {question_prefix} question [SEP] {passage_prefix} passage_1 [SEP] ... {passage_prefix} passage_k [SEP]
+    + for causal LMs: {answer_prefix}                  (the answer tokens + EOS follow as the target)
+
+`passage_i` is `"{title}: {text}"` (or `text` without titles), cut to `passage_max_tokens`. Passages are added
+in the given order until the source budget (`max_source_length`) is spent; the passage that crosses the budget
+is cut to the tokens left (dropped if fewer than MIN_PASSAGE_TOKENS are left) and later ones are dropped. The
+question is never cut: a question that alone exceeds the budget is an error, not a silently shortened prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+MIN_PASSAGE_TOKENS = 4  # a passage stub shorter than this carries no fact, only noise
+
+
+class PromptTooLongError(ValueError):
+    """The question (plus the template's fixed tokens) does not fit in the source budget."""
+
+
+@dataclass(frozen=True)
+class Template:
+    question_prefix: str = ""  # e.g. "question:" for T5-style models; BERT2BERT uses the [SEP] layout alone
+    passage_prefix: str = ""  # e.g. "context:"
+    answer_prefix: str = "answer:"  # causal LMs only: generation starts after it
+    include_title: bool = True  # passage text = "{title}: {text}"
+
+
+def passage_text(title: str, text: str, include_title: bool) -> str:
+    """The text of one passage as it appears in the prompt."""
+    return f"{title}: {text}" if include_title and title else text
+
+
+class PromptBuilder:
+    """Token-level prompt assembly for one tokenizer (passage token ids are cached by text)."""
+
+    def __init__(
+        self, tokenizer, max_source_length: int, passage_max_tokens: int, template: Template, causal: bool = False
+    ):
+        self.tok, self.max_len, self.template, self.causal = tokenizer, max_source_length, template, causal
+        self.passage_max = passage_max_tokens if passage_max_tokens > 0 else max_source_length
+        # Specials are taken from the tokenizer: BERT-style [CLS]/[SEP]; T5 has only EOS (used as the end marker).
+        self.start = [tokenizer.cls_token_id] if tokenizer.cls_token_id is not None else []
+        sep = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else None
+        self.sep = [sep] if sep is not None else []
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else sep
+        # Seq2seq sources end with EOS (T5 is trained that way) unless the [SEP] after each piece already ends it.
+        self.end = [] if self.sep or causal or eos is None else [eos]
+        self.eos = eos
+        self.q_prefix = self._ids(template.question_prefix)
+        self.p_prefix = self._ids(template.passage_prefix)
+        self.a_prefix = self._ids(template.answer_prefix) if causal else []
+        self._cache: dict[str, list[int]] = {}
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def passage_ids(self, text: str) -> list[int]:
+        """Token ids of one passage, cut to passage_max_tokens (cached: the corpus repeats across epochs)."""
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = self._ids(text)[: self.passage_max]
+            self._cache[text] = ids
+        return ids
+
+    def source(self, question: str, passages: Sequence[str] = ()) -> list[int]:
+        """Source token ids: the whole question, then as many passages as fit in max_source_length."""
+        head = self.start + self.q_prefix + self._ids(question) + self.sep
+        tail = self.end + self.a_prefix  # fixed tokens after the passages
+        if len(head) + len(tail) > self.max_len:
+            raise PromptTooLongError(
+                f"the question takes {len(head) + len(tail)} tokens with the template's fixed tokens, more than "
+                f"generator.max_source_length={self.max_len}: raise max_source_length (questions are never cut): "
+                f"{question[:80]!r}"
+            )
+        ids = list(head)
+        for text in passages:
+            left = self.max_len - len(ids) - len(tail)
+            piece = self.p_prefix + self.passage_ids(text)
+            need = len(piece) + len(self.sep)
+            if need <= left:
+                ids += piece + self.sep
+                continue
+            if left - len(self.sep) >= MIN_PASSAGE_TOKENS:  # the last passage that fits only in part is cut
+                ids += piece[: left - len(self.sep)] + self.sep
+            break
+        return ids + tail
+
+    def target(self, answer: str, max_target_length: int) -> list[int]:
+        """Target token ids: the answer then EOS (the decoder learns to stop)."""
+        ids = self._ids(answer)[: max(1, max_target_length - 1)]
+        return ids + ([self.eos] if self.eos is not None else [])
+

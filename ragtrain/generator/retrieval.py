@@ -1,0 +1,226 @@
+"""Retrieval for the generator: the FAISS index + the question encoder, as a Ray actor service or per-worker copy.
+
+The service follows the pattern of HF RAG's Ray retriever (`RagRayDistributedRetriever`): a few Ray actors hold
+the index, and every training worker sends them its questions, so N workers do not each load the index. With
+`generator.retrieval.mode=local` every worker loads its own copy instead (no actor round trips; fine for small
+indexes). The index is frozen while the generator trains, so a client caches results per question: later epochs
+never ask again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import ray
+import torch
+
+from ragtrain.config import Config, Precision, RetrieverConfig
+from ragtrain.generator.config import RetrievalMode
+
+
+@dataclass
+class IndexPayload:
+    """Everything a searcher needs, picklable (the FAISS index travels as its serialised bytes)."""
+
+    index_bytes: np.ndarray
+    doc_ids: list[str]
+    retriever: RetrieverConfig
+    weights: list[dict[str, torch.Tensor]]  # encoder snapshot(s); several = vector_avg (mean of query vectors)
+    precision: Precision = Precision.fp32  # query-encoding precision (as the index pool encoded passages)
+    nprobe: int = 16
+    ef_search: int = 128
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_index(cls, index, cfg: Config, weights: list[dict[str, torch.Tensor]]) -> "IndexPayload":
+        """Package a DenseIndex with the encoder snapshot(s) that built it."""
+        import faiss
+        from dataclasses import asdict
+
+        return cls(faiss.serialize_index(index.index), list(index.doc_ids), cfg.retriever, weights,
+                   cfg.index.precision, cfg.index.nprobe, cfg.index.ef_search, asdict(index.meta))
+
+
+class Searcher:
+    """In-process retrieval: encode questions with the snapshot(s), search the index, return doc ids."""
+
+    def __init__(self, payload: IndexPayload, num_threads: int = 0):
+        import faiss
+
+        from ragtrain.retriever.encoder import build_encoder, load_tokenizer
+
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        self.p = payload
+        self.index = faiss.deserialize_index(payload.index_bytes)
+        ps = faiss.ParameterSpace()
+        for name, value in (("nprobe", payload.nprobe), ("efSearch", payload.ef_search)):
+            try:
+                ps.set_index_parameter(self.index, name, value)
+            except RuntimeError:
+                pass  # this index type has no such knob
+        self.models = []
+        for w in payload.weights:
+            m = build_encoder(payload.retriever)
+            m.load_state_dict(w, strict=True)
+            self.models.append(m.eval())
+        self.tokenizer = load_tokenizer(payload.retriever)
+
+    def encode(self, texts: Sequence[str], max_length: int) -> np.ndarray:
+        """Vectors like the index's (mean of the snapshots' unit vectors, re-normalised, when several)."""
+        from ragtrain.retriever.encoder import encode_texts
+
+        total = None
+        for m in self.models:
+            v = encode_texts(m, self.tokenizer, list(texts), max_length, precision=Precision(self.p.precision)).numpy()
+            total = v if total is None else total + v
+        assert total is not None
+        if len(self.models) > 1:
+            total /= np.linalg.norm(total, axis=1, keepdims=True).clip(min=1e-12)
+        return total
+
+    def search(self, questions: Sequence[str], k: int) -> list[list[str]]:
+        """Top-k doc ids for each question."""
+        if not questions:
+            return []
+        q = self.encode(questions, self.p.retriever.query_max_length)
+        _, rows = self.index.search(np.ascontiguousarray(q, dtype=np.float32), min(k, self.index.ntotal))
+        return [[self.p.doc_ids[r] for r in row if r >= 0] for row in rows]
+
+
+@ray.remote
+class RetrievalActor:
+    """One service replica: a Searcher behind a Ray actor."""
+
+    def __init__(self, payload: IndexPayload, num_threads: int):
+        self.searcher = Searcher(payload, max(1, num_threads))
+
+    def search(self, questions: list[str], k: int) -> list[list[str]]:
+        return self.searcher.search(questions, k)
+
+    def ready(self) -> bool:
+        return True
+
+
+class RetrievalClient:
+    """Picklable worker-side handle: asks the service actors (round robin) or a local Searcher; caches answers."""
+
+    def __init__(self, mode: RetrievalMode, actors: Optional[list] = None, payload_ref: Any = None):
+        self.mode, self.actors, self.payload_ref = RetrievalMode(mode), list(actors or []), payload_ref
+        self._local: Optional[Searcher] = None
+        self._cache: dict[tuple[str, int], list[str]] = {}
+        self._next = 0
+        self.seconds = 0.0  # time spent waiting for retrieval (throughput accounting)
+        self.calls = 0
+
+    def __getstate__(self) -> dict:  # ship handles only, never a loaded searcher or a cache
+        return {"mode": self.mode, "actors": self.actors, "payload_ref": self.payload_ref}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["mode"], state["actors"], state["payload_ref"])
+
+    def _searcher(self) -> Searcher:
+        if self._local is None:
+            payload = self.payload_ref if isinstance(self.payload_ref, IndexPayload) else ray.get(self.payload_ref)
+            self._local = Searcher(payload)
+        return self._local
+
+    def search(self, questions: Sequence[str], k: int) -> list[list[str]]:
+        """Top-k doc ids per question (cached: the index does not change while the generator trains)."""
+        todo = list(dict.fromkeys(q for q in questions if (q, k) not in self._cache))
+        if todo:
+            start = time.perf_counter()
+            if self.mode == RetrievalMode.local:
+                found = self._searcher().search(todo, k)
+            else:
+                actor = self.actors[self._next % len(self.actors)]
+                self._next += 1
+                found = ray.get(actor.search.remote(todo, k))
+            self._cache.update({(q, k): ids for q, ids in zip(todo, found)})
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+        return [self._cache[(q, k)] for q in questions]
+
+
+class RetrievalService:
+    """Driver side: starts the actors (service mode) or puts the payload in the object store (local mode)."""
+
+    def __init__(self, payload: IndexPayload, mode: RetrievalMode, num_actors: int = 1, cpus_per_actor: float = 0.0):
+        self.mode = RetrievalMode(mode)
+        self.payload_ref = ray.put(payload)
+        self.actors: list = []
+        if self.mode == RetrievalMode.service:
+            self.actors = [
+                RetrievalActor.options(num_cpus=cpus_per_actor).remote(self.payload_ref, max(1, int(cpus_per_actor)))
+                for _ in range(num_actors)
+            ]
+            ray.get([a.ready.remote() for a in self.actors])  # a broken payload fails here, before training
+
+    def client(self) -> RetrievalClient:
+        """A handle for workers (and the driver)."""
+        return RetrievalClient(self.mode, self.actors, self.payload_ref)
+
+    def shutdown(self) -> None:
+        """Kill the actors."""
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+
+
+def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, torch.Tensor]]:
+    """The encoder weights an index's metadata names: `<model>@init`, `<model>@<file>.safetensors`, or
+    `vector_avg of N replicas in <dir>` (replica_*.safetensors)."""
+    from ragtrain.index.faiss_index import IndexMismatchError
+    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.retriever.train import load_weights
+
+    if encoder.startswith("vector_avg of ") and " in " in encoder:
+        folder = Path(encoder.rsplit(" in ", 1)[1])
+        files = sorted(folder.glob("replica_*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"the index was built from encoder replicas in {folder}, which holds none")
+        return [load_weights(folder, f.stem) for f in files]
+    model, _, where = encoder.partition("@")
+    if model != cfg.retriever.model:
+        raise IndexMismatchError(f"the index was built by encoder {encoder!r} but retriever.model is "
+                                 f"{cfg.retriever.model!r}: use the same retriever config as the index build")
+    if where == "init":
+        torch.manual_seed(cfg.seed)  # the pipeline seeds the same way before building the untrained encoder
+        return [{k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}]
+    path = Path(where)
+    if not path.exists():
+        raise FileNotFoundError(f"the index was built by encoder weights {path}, which no longer exist")
+    return [load_weights(path.parent, path.stem)]
+
+
+def check_encoder(payload: IndexPayload, passages: Sequence[str], index, n: int, min_cosine: float = 0.99) -> float:
+    """Re-encode the first `n` indexed passages and compare with the stored vectors (IndexMismatchError if off).
+
+    Returns the smallest cosine, or NaN when the index type cannot give its vectors back (e.g. PQ codes)."""
+    from ragtrain.index.faiss_index import IndexMismatchError
+
+    searcher = Searcher(payload)
+    if searcher.models[0].dim != index.meta.dim:
+        raise IndexMismatchError(f"the retriever encoder gives {searcher.models[0].dim}-dim vectors but the index "
+                                 f"holds {index.meta.dim}-dim ones (built by {index.meta.encoder!r})")
+    n = min(n, len(passages))
+    if n == 0:
+        return float("nan")
+    try:
+        stored = np.stack([index.index.reconstruct(i) for i in range(n)])
+    except RuntimeError:
+        return float("nan")
+    fresh = searcher.encode(passages[:n], payload.retriever.passage_max_length)
+    cos = (fresh * stored).sum(1) / (np.linalg.norm(fresh, axis=1) * np.linalg.norm(stored, axis=1)).clip(min=1e-12)
+    worst = float(cos.min())
+    if worst < min_cosine:
+        raise IndexMismatchError(
+            f"the question encoder does not match the index (built by {index.meta.encoder!r}): re-encoded "
+            f"passages have cosine {worst:.3f} < {min_cosine} with the stored vectors; rebuild the index with "
+            "this encoder or point generator.retrieval.index_dir at the matching index"
+        )
+    return worst

@@ -1,0 +1,146 @@
+"""The generator stage: index + encoder checks -> retrieval service -> fit_generator -> EM/F1 in three modes.
+
+Entry point for the pipeline: `run_generator_stage(cfg, data, retrieval, index, out_dir, logger)`. Call
+`preflight(cfg, data)` right after loading the data so bad input fails before any (retriever) training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from ragtrain.config import Config, ConfigError
+from ragtrain.data import RetrievalData
+from ragtrain.generator.config import GenPrecision
+from ragtrain.generator.train import GenData, GenExample
+
+PHASES = {"closed_book": "gen_closed_book", "rag": "gen_rag", "oracle": "gen_oracle"}
+
+
+def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
+    """Questions with short answers and gold passages (train and the evaluated split), and passage texts."""
+    from ragtrain.generator.prompt import passage_text
+
+    if not data.answers:
+        raise ConfigError(f"the generator stage needs short answers per question, and dataset {data.name!r} has "
+                          "none (the synthetic KB has them; BEIR retrieval sets do not): drop 'generator' from stages")
+
+    def examples(qrels: dict[str, dict[str, int]]) -> list[GenExample]:
+        out = []
+        for qid in sorted(qrels):
+            if qid in data.answers:
+                gold = [d for d, grade in qrels[qid].items() if grade > 0 and d in data.corpus]
+                out.append(GenExample(qid, data.queries[qid], [data.answers[qid]], gold))
+        return out
+
+    train, evaluation = examples(data.train_qrels), examples(data.eval_qrels)
+    if not train or not evaluation:
+        raise ConfigError(f"the generator stage found {len(train)} training and {len(evaluation)} {data.split} "
+                          "questions with answers: it needs both")
+    g = cfg.generator
+    passages = {d: passage_text(p.title, p.text, g.include_title) for d, p in data.corpus.items()}
+    return GenData(train, evaluation, passages)
+
+
+def preflight(cfg: Config, data: RetrievalData, out_dir: Optional[Path] = None) -> None:
+    """Fail fast (before any training) on inputs the generator stage cannot use."""
+    g = cfg.generator
+    if GenPrecision(g.train.precision) == GenPrecision.fp16 and not cfg.resources.trainer.use_gpu:
+        raise ConfigError("generator.train.precision=fp16 needs a GPU (resources.trainer.use_gpu=true); "
+                          "use bf16 or fp32 on CPU")
+    build_gen_data(cfg, data)
+    if "index" not in cfg.stages:  # no index will be built by this run: the configured one must exist and fit
+        resolve_index(cfg, data, None, None, out_dir or Path(cfg.output_dir))
+
+
+def resolve_index(cfg: Config, data: RetrievalData, retrieval: Any, index: Any, out_dir: Path):
+    """The index to retrieve from and the encoder snapshot(s) that built it, checked against each other.
+
+    `index` given (built by this run): the question encoder is `retrieval.snapshots`. Otherwise the index is
+    loaded from generator.retrieval.index_dir (default <out_dir>/index) and its metadata names the encoder.
+    Returns an IndexPayload; raises FileNotFoundError / IndexMismatchError with the reason.
+    """
+    from ragtrain.generator.retrieval import IndexPayload, check_encoder, load_snapshots
+    from ragtrain.index.faiss_index import IndexMismatchError, load_index
+
+    if index is None:
+        folder = Path(cfg.generator.retrieval.index_dir or out_dir / "index")
+        if not (folder / "index_meta.json").exists():
+            raise FileNotFoundError(
+                f"the generator stage needs a retrieval index and there is none at {folder}: run the 'index' stage "
+                "before 'generator' (stages: [retriever, index, generator]) or set generator.retrieval.index_dir "
+                "to a saved index")
+        index = load_index(folder, expect_corpus=data.fingerprint())
+        weights = load_snapshots(cfg, index.meta.encoder, out_dir)
+    else:
+        if index.meta.corpus_fingerprint != data.fingerprint():
+            raise IndexMismatchError("the index was built from a different corpus than the loaded data")
+        if retrieval is None or not retrieval.snapshots:
+            raise ValueError("run_generator_stage got an index but no Retrieval holding the encoder that built it")
+        weights = [w for _, w in retrieval.snapshots]
+    payload = IndexPayload.from_index(index, cfg, weights)
+    # Dims always; then re-encode a few passages: a wrong encoder fails here, not as a silently poor RAG score.
+    n = cfg.generator.retrieval.encoder_check
+    check_encoder(payload, [data.corpus[d].full_text() for d in index.doc_ids[:n]], index, n)
+    return payload
+
+
+def check_resources(cfg: Config) -> None:
+    """The generator's worker group (generator.train.num_workers / cpus_per_worker over resources.trainer) fits
+    the cluster: an infeasible request fails in seconds instead of pending forever."""
+    from dataclasses import replace
+
+    from ragtrain.cluster.resources import check_config
+
+    r, t = cfg.resources, cfg.generator.train
+    trainer = replace(r.trainer, num_workers=t.num_workers or r.trainer.num_workers,
+                      cpus_per_worker=t.cpus_per_worker or r.trainer.cpus_per_worker)
+    check_config(replace(r, trainer=trainer))
+
+
+def summary_table(results: dict[str, dict[str, float]]) -> str:
+    """EM / F1 per mode side by side."""
+    from tabulate import tabulate
+
+    modes = [p for p in PHASES.values() if p in results]
+    rows = [[k] + [results[m].get(k, float("nan")) for m in modes] for k in ("em", "f1")]
+    return tabulate(rows, headers=["metric"] + [m.removeprefix("gen_") for m in modes], floatfmt=".4f")
+
+
+def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, index: Any, out_dir: Path,
+                        logger: Any) -> dict[str, dict[str, float]]:
+    """Train + evaluate the generator; returns {"gen_closed_book": {em, f1, n}, "gen_rag": ..., "gen_oracle":
+    ..., "gen_train": {seconds, steps, samples_per_s, final_loss, ...}}; writes <out_dir>/generator/."""
+    from ragtrain.generator.retrieval import RetrievalService
+    from ragtrain.generator.train import fit_generator
+
+    g = cfg.generator
+    out_dir = Path(out_dir)
+    gen_data = build_gen_data(cfg, data)  # fails fast on missing answers
+    payload = resolve_index(cfg, data, retrieval, index, out_dir)
+    check_resources(cfg)
+    if retrieval is not None:
+        retrieval.release()  # the encoder pool's CPUs go to the trainer
+    service = RetrievalService(payload, g.retrieval.mode, g.retrieval.num_actors, g.retrieval.cpus_per_actor)
+    try:
+        fit = fit_generator(cfg, gen_data, service.client(), logger.sink() if logger else None,
+                            out_dir / "generator")
+    finally:
+        service.shutdown()
+    m = fit.metrics
+    results: dict[str, dict[str, float]] = {}
+    for mode, phase in PHASES.items():
+        if f"{mode}/em" in m:
+            results[phase] = {k: m[f"{mode}/{k}"] for k in ("em", "f1", "n", "seconds")}
+    results["gen_train"] = {"seconds": fit.seconds, "steps": fit.steps,
+                            **{k.removeprefix("train/"): v for k, v in m.items() if k.startswith("train/")}}
+    (out_dir / "generator" / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+    if logger is not None:
+        logger.log_metrics({f"{p}/{k}": v for p, r in results.items() for k, v in r.items()}, step=fit.steps)
+        logger.log_artifact(out_dir / "generator" / "metrics.json", "generator")
+        logger.log_artifact(out_dir / "generator" / "predictions.json", "generator")
+    print(f"\n== generator: {g.arch.value} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "
+          f"questions, top_k={g.retrieval.top_k} ==")
+    print(summary_table(results))
+    return results

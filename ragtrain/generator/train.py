@@ -1,0 +1,333 @@
+"""Recipe: retrieval-augmented generator fine-tuning on Ray Train workers (gloo on CPU, NCCL on GPU), then EM/F1.
+
+Driver side: `fit_generator` sizes a `TorchTrainer`, ships the questions/passages and a retrieval client, and
+returns rank 0's summary and the final checkpoint. Worker side: `train_loop_per_worker` reads a typed Config.
+
+Batches are deterministic functions of (seed, step): every rank knows the whole global batch, takes its slice,
+and normalises its summed token loss by the GLOBAL target-token count, so N workers x batch b follow the same
+loss trajectory as 1 worker x batch N*b (DDP averages gradients over ranks, hence the factor `world`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ContextManager, Optional, Sequence
+
+import torch
+
+from ragtrain.config import Config
+from ragtrain.generator.config import EVAL_MODES, Arch, GenPrecision
+from ragtrain.generator.metrics import score
+from ragtrain.generator.model import AnswerDecoder, GenModel, build_generator, collate, load_tokenizer
+from ragtrain.generator.prompt import PromptBuilder, Template
+from ragtrain.generator.retrieval import RetrievalClient
+from ragtrain.track.mlflow import MetricSink
+
+WEIGHTS_FILE = "generator.safetensors"
+PREDICTIONS_FILE = "predictions.json"
+
+
+@dataclass
+class GenExample:
+    qid: str
+    question: str
+    answers: list[str]
+    gold: list[str]  # doc ids of the relevant passages (grade > 0)
+
+
+@dataclass
+class GenData:
+    train: list[GenExample]
+    eval: list[GenExample]
+    passages: dict[str, str]  # doc id -> prompt text of the passage (title applied per generator.include_title)
+
+
+def total_steps(cfg: Config, num_examples: int, world: int) -> int:
+    """Optimizer steps: max_steps, else epochs x ceil(examples / global batch)."""
+    t = cfg.generator.train
+    return t.max_steps if t.max_steps > 0 else max(1, math.ceil(t.epochs * num_examples / (t.batch_size * world)))
+
+
+class Sampler:
+    """Global example order: a seeded permutation per epoch, concatenated; position p -> example index."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._perms: dict[int, list[int]] = {}
+
+    def __call__(self, pos: int) -> int:
+        epoch = pos // self.n
+        if epoch not in self._perms:
+            perm = list(range(self.n))
+            random.Random(f"{self.seed}-{epoch}").shuffle(perm)
+            self._perms = {epoch: perm}  # batches only move forward: keep one epoch
+        return self._perms[epoch][pos % self.n]
+
+
+def train_passages(ex: GenExample, hits: list[str], k: int, include_gold: bool, shuffle: bool, rng: random.Random
+                   ) -> list[str]:
+    """Top-k retrieved ids; the gold passage replaces the lowest-ranked hit when missing; optionally shuffled."""
+    ids = list(hits[:k])
+    if include_gold and ex.gold and not set(ex.gold) & set(ids):
+        ids = ids[: k - 1] + [ex.gold[0]]
+    if shuffle:
+        rng.shuffle(ids)
+    return ids
+
+
+def autocast(precision: GenPrecision, device: torch.device) -> ContextManager:
+    """bf16 / fp16 autocast on the device type, or nothing for fp32."""
+    p = GenPrecision(precision)
+    if p == GenPrecision.fp32:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if p == GenPrecision.bf16 else torch.float16)
+
+
+def save_generator(model: GenModel, folder: str | Path) -> Path:
+    """safetensors, no pickle; tied tensors are stored once (safetensors' save_model drops the aliases)."""
+    from safetensors.torch import save_model
+
+    path = Path(folder) / WEIGHTS_FILE
+    save_model(model.hf, str(path))
+    return path
+
+
+def load_generator(cfg: Config, folder: str | Path) -> GenModel:
+    """Rebuild the configured architecture and load a checkpoint saved by `save_generator` (strict)."""
+    from safetensors.torch import load_model
+
+    path = Path(folder) / WEIGHTS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no generator weights at {path}")
+    model = build_generator(cfg.generator, load_tokenizer(cfg.generator))
+    load_model(model.hf, str(path), strict=True)
+    return model.eval()
+
+
+def _prompts(builder: PromptBuilder, data: GenData, exs: Sequence[GenExample], pids: Sequence[list[str]],
+             max_target: int) -> tuple[list[list[int]], list[list[int]]]:
+    src = [builder.source(e.question, [data.passages[p] for p in ps]) for e, ps in zip(exs, pids)]
+    return src, [builder.target(e.answers[0], max_target) for e in exs]
+
+
+def evaluate(model: GenModel, builder: PromptBuilder, data: GenData, client: RetrievalClient, cfg: Config,
+             device: torch.device, rank: int, world: int) -> tuple[dict[str, dict[str, float]], dict[str, list]]:
+    """EM/F1 per eval mode; ranks split the questions and gather predictions (every rank gets the scores)."""
+    g = cfg.generator
+    decode = AnswerDecoder(builder.tok)
+    exs = data.eval[: g.eval.max_questions or None]
+    mine = exs[rank::world]
+    model.eval()
+    results, predictions = {}, {}
+    for mode in [m for m in EVAL_MODES if m in g.eval.modes]:
+        start, preds = time.perf_counter(), []
+        for i in range(0, len(mine), g.eval.batch_size):
+            batch = mine[i: i + g.eval.batch_size]
+            if mode == "rag":
+                pids = client.search([e.question for e in batch], g.retrieval.top_k)
+            else:
+                pids = [e.gold[:1] if mode == "oracle" else [] for e in batch]
+            src, _ = _prompts(builder, data, batch, pids, g.max_target_length)
+            b = collate(src, [[] for _ in src], model.arch, model.pad_id, for_generation=True)
+            with autocast(g.train.precision, device):
+                out = model.generate(b["input_ids"].to(device), b["attention_mask"].to(device), g.eval.num_beams,
+                                     g.eval.max_new_tokens)
+            preds += [decode(o) for o in out]
+        rows = [(e.qid, p) for e, p in zip(mine, preds)]
+        if world > 1:
+            gathered: list = [None] * world
+            torch.distributed.all_gather_object(gathered, rows)
+            rows = [r for part in gathered for r in part]
+        by_qid = dict(rows)
+        ordered = [by_qid[e.qid] for e in exs]
+        results[mode] = {**score(ordered, [e.answers for e in exs]), "seconds": time.perf_counter() - start}
+        predictions[mode] = [{"qid": e.qid, "question": e.question, "prediction": p, "answers": e.answers}
+                             for e, p in zip(exs, ordered)]
+    model.train()
+    return results, predictions
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker: build the generator, train with retrieval in the loop, evaluate, report."""
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    cfg: Config = config["cfg"]
+    g, t = cfg.generator, cfg.generator.train
+    torch.set_num_threads(max(1, int(config["cpus_per_worker"])))
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    data: GenData = ray.get(config["data_ref"])
+    client: RetrievalClient = config["retrieval"]
+
+    tokenizer = load_tokenizer(g)
+    torch.manual_seed(t.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    model = build_generator(g, tokenizer).to(device)
+    model.train()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                    else None) if world > 1 else model
+    builder = PromptBuilder(tokenizer, g.max_source_length, g.passage_max_tokens,
+                            Template(g.question_prefix, g.passage_prefix, g.answer_prefix, g.include_title),
+                            causal=g.arch == Arch.causal)
+    targets = [builder.target(e.answers[0], g.max_target_length) for e in data.train]
+    steps = total_steps(cfg, len(data.train), world)
+    per_rank, micro = t.batch_size, t.batch_size // t.grad_accum
+    global_batch = per_rank * world
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    warm = min(t.warmup_steps, steps - 1) if steps > 1 else 0
+    # Linear warm-up, then linear decay to 0.
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: (s + 1) / max(1, warm) if s < warm else max(0.0, (steps - s) / max(1, steps - warm)))
+    scaler = torch.amp.GradScaler(device.type, enabled=GenPrecision(t.precision) == GenPrecision.fp16)
+    sampler = Sampler(len(data.train), t.seed)
+    sink: Optional[MetricSink] = config.get("sink") if rank == 0 else None
+    if sink is not None:
+        sink.warm_up()
+
+    window_t, win_loss, win_tokens, win_samples, win_seq_tokens = time.perf_counter(), 0.0, 0, 0, 0
+    loop_start, measure_s, history, run_tokens = time.perf_counter(), 0.0, [], 0
+    for step in range(steps):
+        first = step * global_batch
+        idx = [sampler(first + i) for i in range(global_batch)]
+        global_tokens = sum(len(targets[i]) for i in idx)  # every rank computes the same number: no collective
+        mine = range(rank * per_rank, (rank + 1) * per_rank)
+        exs = [data.train[idx[j]] for j in mine]
+        hits = client.search([e.question for e in exs], g.retrieval.top_k)
+        pids = [train_passages(e, h, g.retrieval.top_k, t.include_gold, t.shuffle_passages,
+                               random.Random(f"{t.seed}-{first + j}")) for e, h, j in zip(exs, hits, mine)]
+        src = [builder.source(e.question, [data.passages[p] for p in ps]) for e, ps in zip(exs, pids)]
+        tgt = [targets[idx[j]] for j in mine]
+        seq_tokens = sum(map(len, src)) + sum(map(len, tgt))  # non-pad tokens through the model
+        win_seq_tokens += seq_tokens
+        run_tokens += seq_tokens
+        loss_sum = torch.zeros((), device=device)
+        for m in range(t.grad_accum):
+            b = collate(src[m * micro:(m + 1) * micro], tgt[m * micro:(m + 1) * micro], model.arch, model.pad_id)
+            b = {k: v.to(device) for k, v in b.items()}
+            sync = world == 1 or m == t.grad_accum - 1  # all-reduce once per optimizer step
+            with (nullcontext() if sync else ddp.no_sync()), autocast(t.precision, device):
+                s = ddp(**b)
+            scaler.scale(s * (world / global_tokens)).backward()
+            loss_sum += s.detach()
+        scaler.unscale_(optim)
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        scaler.step(optim)
+        scaler.update()
+        optim.zero_grad(set_to_none=True)
+        sched.step()
+        win_loss += loss_sum.item()
+        win_tokens += global_tokens
+        win_samples += global_batch
+
+        done = step + 1
+        if done % t.log_every == 0 or done == steps:
+            elapsed = time.perf_counter() - window_t
+            stats = torch.tensor([win_loss, float(win_seq_tokens)], device=device, dtype=torch.float64)
+            if world > 1:  # global per-token loss; tokens of every rank
+                torch.distributed.all_reduce(stats)
+            metrics = {"train/loss": stats[0].item() / win_tokens, "train/tokens_per_s": stats[1].item() / elapsed,
+                       "train/samples_per_s": win_samples / elapsed, "train/lr": sched.get_last_lr()[0],
+                       "train/retrieval_s": client.seconds}
+            history.append({"step": done, "loss": metrics["train/loss"]})
+            t0 = time.perf_counter()
+            if rank == 0:
+                print(f"[generator] step {done}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
+                      flush=True)
+                if sink is not None:
+                    sink.log(metrics, done)
+            measure_s += time.perf_counter() - t0
+            window_t, win_loss, win_tokens, win_samples, win_seq_tokens = time.perf_counter(), 0.0, 0, 0, 0
+        if t.checkpoint_every and done % t.checkpoint_every == 0 and done < steps:
+            t0 = time.perf_counter()
+            _report(model, {"step": done, "train/loss": history[-1]["loss"] if history else float("nan")}, rank)
+            measure_s += time.perf_counter() - t0
+            window_t += time.perf_counter() - t0  # checkpoint writes are not training throughput
+
+    loop_s = time.perf_counter() - loop_start - measure_s
+    total = torch.tensor([float(run_tokens)], device=device, dtype=torch.float64)
+    if world > 1:
+        torch.distributed.all_reduce(total)
+    results, predictions = evaluate(model, builder, data, client, cfg, device, rank, world)
+    summary = {"step": steps, "train/seconds": loop_s, "train/samples_per_s": steps * global_batch / loop_s,
+               "train/tokens_per_s": total.item() / loop_s,
+               "train/final_loss": history[-1]["loss"], "train/retrieval_s": client.seconds,
+               **{f"{mode}/{k}": v for mode, r in results.items() for k, v in r.items()}}
+    _report(model, summary, rank, {PREDICTIONS_FILE: predictions, "loss_history.json": history})
+
+
+def _report(model: GenModel, metrics: dict[str, float], rank: int, extra: Optional[dict] = None) -> None:
+    """Every rank reports (a barrier in Train V2); rank 0 attaches the safetensors checkpoint."""
+    import ray.train
+
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = None
+        if rank == 0:
+            save_generator(model, d)
+            for name, obj in (extra or {}).items():
+                Path(d, name).write_text(json.dumps(obj, indent=1))
+            ckpt = ray.train.Checkpoint.from_directory(d)
+        ray.train.report(metrics, checkpoint=ckpt)
+
+
+@dataclass
+class GenFitResult:
+    metrics: dict[str, float]  # rank 0's summary: train/*, closed_book/em, rag/f1, ...
+    checkpoint_path: str
+    steps: int
+    seconds: float
+    loss_history: list[dict[str, float]]
+    predictions: dict[str, list[dict]]
+
+
+def fit_generator(cfg: Config, data: GenData, client: RetrievalClient, sink: Optional[MetricSink],
+                  out_dir: Optional[Path] = None) -> GenFitResult:
+    """Driver: train + evaluate the generator with a TorchTrainer; copy the final checkpoint to out_dir."""
+    import shutil
+
+    import ray
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    r, t = cfg.resources.trainer, cfg.generator.train
+    workers = t.num_workers or r.num_workers
+    cpus = t.cpus_per_worker or r.cpus_per_worker
+    if not data.train:
+        raise ValueError("the generator stage has no training questions with answers")
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": cfg, "data_ref": ray.put(data), "retrieval": client, "sink": sink,
+                           "cpus_per_worker": cpus},
+        torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=workers, use_gpu=r.use_gpu,
+            resources_per_worker={"CPU": cpus, **({"GPU": 1} if r.use_gpu else {}), **r.resources}),
+        run_config=RunConfig(
+            name="generator", storage_path=str(Path(cfg.output_dir, "ray").resolve()),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            worker_runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}),
+    )
+    start = time.perf_counter()
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"generator training finished without a checkpoint (error: {result.error})")
+    with result.checkpoint.as_directory() as d:
+        predictions = json.loads(Path(d, PREDICTIONS_FILE).read_text())
+        history = json.loads(Path(d, "loss_history.json").read_text())
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for f in Path(d).iterdir():
+                shutil.copy2(f, out_dir / f.name)
+    metrics = {k: float(v) for k, v in result.metrics.items() if k != "step"}
+    steps = int(result.metrics.get("step", total_steps(cfg, len(data.train), workers)))
+    return GenFitResult(metrics, result.checkpoint.path, steps, time.perf_counter() - start, history, predictions)

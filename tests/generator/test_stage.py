@@ -1,0 +1,163 @@
+"""The generator stage on a real local Ray: gloo DDP, the retrieval service, three eval modes, checkpoints, checks.
+
+One small stage run (tiny T5, tiny retriever, 24-entity KB, 2 workers x batch 4, 6 steps) is shared by the tests;
+a second, 1-worker run with batch 8 checks that DDP follows the same loss trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ragtrain.config import ConfigError, to_typed
+from ragtrain.index.faiss_index import IndexMismatchError
+from tests.conftest import compose, tiny_overrides
+
+
+def _cfg(tmp: Path, *extra: str):
+    return to_typed(compose(tiny_overrides(tmp) + [
+        "generator=tiny_t5", "stages=[retriever,index,generator]", "generator.dropout=0.0",
+        "generator.train.max_steps=6", "generator.train.batch_size=4", "generator.train.log_every=1",
+        "generator.train.checkpoint_every=3", "generator.train.warmup_steps=2", "generator.eval.max_new_tokens=4",
+        "resources.trainer.num_workers=2", *extra]))
+
+
+@pytest.fixture(scope="module")
+def built(ray_session, tmp_path_factory):
+    """A tiny-retriever index of the 24-entity KB, saved to <out>/index like the pipeline does."""
+    from ragtrain.pipeline import Retrieval, load_data
+    from ragtrain.retriever.encoder import build_encoder
+
+    tmp = tmp_path_factory.mktemp("gen")
+    cfg = _cfg(tmp)
+    data = load_data(cfg.data)
+    torch.manual_seed(cfg.seed)
+    weights = {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
+    retrieval = Retrieval(cfg, data)
+    index, _ = retrieval.build("zeroshot", [weights], f"{cfg.retriever.model}@init", 0)
+    out = Path(cfg.output_dir)
+    index.save(out / "index")
+    return tmp, cfg, data, retrieval, index
+
+
+@pytest.fixture(scope="module")
+def stage_run(built):
+    from ragtrain.generator.stage import run_generator_stage
+    from ragtrain.track.mlflow import RunLogger
+
+    tmp, cfg, data, retrieval, index = built
+    logger = RunLogger(cfg.logger, run_name="generator-test")
+    try:
+        results = run_generator_stage(cfg, data, retrieval, index, Path(cfg.output_dir), logger)
+    finally:
+        logger.end()
+    return results, logger
+
+
+def test_three_modes_run_and_are_logged(built, stage_run) -> None:
+    from mlflow.tracking import MlflowClient
+
+    _, cfg, data, _, _ = built
+    results, logger = stage_run
+    assert {"gen_closed_book", "gen_rag", "gen_oracle", "gen_train"} <= set(results)
+    n_eval = len(data.eval_qrels)
+    for phase in ("gen_closed_book", "gen_rag", "gen_oracle"):
+        assert results[phase]["n"] == n_eval and 0 <= results[phase]["em"] <= results[phase]["f1"] + 1e-9 <= 1 + 1e-9
+    assert results["gen_train"]["steps"] == 6 and results["gen_train"]["samples_per_s"] > 0
+    client = MlflowClient(logger.uri)
+    run = client.get_run(logger.run_id)
+    for key in ("gen_closed_book/em", "gen_rag/em", "gen_oracle/em", "gen_rag/f1", "gen_train/steps"):
+        assert key in run.data.metrics, key
+    losses = client.get_metric_history(logger.run_id, "train/loss")  # rank 0, every log window
+    assert sorted(m.step for m in losses) == [1, 2, 3, 4, 5, 6]
+    assert client.get_metric_history(logger.run_id, "train/tokens_per_s")[-1].value > 0
+    preds = json.loads((Path(cfg.output_dir) / "generator" / "predictions.json").read_text())
+    assert set(preds) == {"closed_book", "rag", "oracle"} and all(len(v) == n_eval for v in preds.values())
+
+
+def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
+    from ragtrain.generator.model import AnswerDecoder, collate, load_tokenizer
+    from ragtrain.generator.prompt import PromptBuilder, Template
+    from ragtrain.generator.stage import build_gen_data
+    from ragtrain.generator.train import load_generator
+
+    _, cfg, data, _, _ = built
+    out = Path(cfg.output_dir)
+    ckpts = sorted(c for c in (out / "ray" / "generator").glob("checkpoint_*") if c.is_dir())
+    assert len(ckpts) == 2  # step 3 and the final one (num_to_keep=2)
+    assert all((c / "generator.safetensors").exists() for c in ckpts)
+    assert not list(out.rglob("*.pt")) and not list(out.rglob("*.bin")) and not list(out.rglob("*.pkl"))
+    # The saved weights reproduce the run's own oracle predictions.
+    g = cfg.generator
+    model = load_generator(cfg, out / "generator")
+    gd = build_gen_data(cfg, data)
+    tokenizer = load_tokenizer(g)
+    decode = AnswerDecoder(tokenizer)
+    builder = PromptBuilder(tokenizer, g.max_source_length, g.passage_max_tokens,
+                            Template(g.question_prefix, g.passage_prefix, g.answer_prefix, g.include_title))
+    src = [builder.source(e.question, [gd.passages[e.gold[0]]]) for e in gd.eval]
+    b = collate(src, [[] for _ in src], model.arch, model.pad_id, for_generation=True)
+    again = [decode(o) for o in model.generate(b["input_ids"], b["attention_mask"], 1, g.eval.max_new_tokens)]
+    saved = json.loads((out / "generator" / "predictions.json").read_text())["oracle"]
+    assert again == [p["prediction"] for p in saved]
+
+
+def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -> None:
+    from ragtrain.generator.config import RetrievalMode
+    from ragtrain.generator.retrieval import RetrievalService
+    from ragtrain.generator.stage import build_gen_data, resolve_index
+    from ragtrain.generator.train import fit_generator
+
+    tmp, cfg2, data, retrieval, index = built
+    cfg1 = _cfg(tmp / "one", "resources.trainer.num_workers=1", "generator.train.batch_size=8",
+                "generator.train.checkpoint_every=0", "generator.eval.modes=[]", "logger=none")
+    payload = resolve_index(cfg1, data, retrieval, index, Path(cfg1.output_dir))
+    service = RetrievalService(payload, RetrievalMode.local)  # the other retrieval mode, same results
+    fit = fit_generator(cfg1, build_gen_data(cfg1, data), service.client(), None)
+    two = json.loads((Path(cfg2.output_dir) / "generator" / "loss_history.json").read_text())
+    one = [h["loss"] for h in fit.loss_history]
+    assert len(one) == len(two) == 6
+    assert one == pytest.approx([h["loss"] for h in two], rel=1e-4)
+    assert one[-1] < one[0]  # and it learns
+
+
+def test_missing_index_fails_before_training(built, tmp_path) -> None:
+    from ragtrain.generator.stage import preflight, run_generator_stage
+
+    _, _, data, _, _ = built
+    cfg = _cfg(tmp_path, "stages=[generator]")
+    with pytest.raises(FileNotFoundError, match="run the 'index' stage before 'generator'"):
+        preflight(cfg, data)
+    with pytest.raises(FileNotFoundError, match="needs a retrieval index"):
+        run_generator_stage(cfg, data, None, None, tmp_path / "out", None)
+    assert not (tmp_path / "out" / "ray").exists()  # no trainer was started
+
+
+@pytest.mark.parametrize("override,match", [
+    ("retriever=minilm", "retriever.model is 'minilm'"),  # another encoder family
+    ("retriever.tiny.hidden_size=32", "32-dim vectors but the index holds 64-dim"),
+    ("seed=1", "does not match the index"),  # same architecture, other weights (the untrained tiny init is seeded)
+])
+def test_encoder_index_mismatch_fails_clearly(built, tmp_path, override: str, match: str) -> None:
+    from ragtrain.generator.stage import preflight
+
+    tmp, cfg0, data, _, _ = built
+    cfg = _cfg(tmp_path, "stages=[generator]", f"generator.retrieval.index_dir={Path(cfg0.output_dir) / 'index'}",
+               override)
+    with pytest.raises(IndexMismatchError, match=match):
+        preflight(cfg, data)
+
+
+def test_bad_config_and_data_fail_clearly(built, tmp_path) -> None:
+    from dataclasses import replace
+
+    from ragtrain.generator.stage import preflight
+
+    _, _, data, _, _ = built
+    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+        preflight(_cfg(tmp_path, "generator.train.precision=fp16"), data)
+    with pytest.raises(ConfigError, match="needs short answers"):
+        preflight(_cfg(tmp_path), replace(data, answers={}))
