@@ -9,6 +9,11 @@ from typing import Optional
 from ragtrain.config import ResourcesConfig
 
 
+# Environment of Ray Train workers. Train V2 patches print() in workers to go to its logger *and* (Ray redirects
+# stdout) to stdout, so every rank-0 line would reach the driver twice: rank 0's prints are our log, keep them plain.
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+
+
 class InfeasibleResourcesError(RuntimeError):
     """A request no node (or not the whole cluster) can satisfy: fail in seconds instead of pending forever."""
 

@@ -22,6 +22,7 @@ from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 
+from ragtrain.cluster.resources import WORKER_ENV
 from ragtrain.config import Config
 from ragtrain.generator.config import EVAL_MODES, Arch, GenPrecision
 from ragtrain.generator.metrics import score
@@ -315,7 +316,7 @@ def fit_generator(cfg: Config, data: GenData, client: RetrievalClient, sink: Opt
         run_config=RunConfig(
             name="generator", storage_path=str(Path(cfg.output_dir, "ray").resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
-            worker_runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}),
+            worker_runtime_env={"env_vars": WORKER_ENV}),
     )
     start = time.perf_counter()
     result = trainer.fit()

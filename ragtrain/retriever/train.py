@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ragtrain.cluster.resources import WORKER_ENV
 from ragtrain.config import Config
 from ragtrain.retriever.batching import TrainData, local_batch, steps_per_epoch
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
@@ -31,11 +32,6 @@ from ragtrain.sync.comm import STATS
 from ragtrain.sync.metrics import drift_metrics
 from ragtrain.track.mlflow import MetricSink
 
-
-
-# Train V2 patches print() in workers to go to its logger *and* (since Ray redirects stdout) to stdout: every
-# line would reach the driver twice. Rank 0's prints are our log, so plain print it is.
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 
 
 class QPEncoder(nn.Module):
