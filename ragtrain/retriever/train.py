@@ -318,7 +318,9 @@ def fit_retriever(
 
     r = cfg.resources.trainer
     steps = total_steps(cfg, len(data.examples))  # fails here, on the driver, if the data is too small
-    storage = Path(cfg.output_dir, "ray").resolve()
+    # Workers may run in another directory: they get the absolute output folder (checkpoint scans, fault markers).
+    cfg = replace(cfg, output_dir=str(Path(cfg.output_dir).resolve()))
+    storage = Path(cfg.output_dir, "ray")
     start_from = latest_checkpoint(storage / "retriever") if resume else None
     if start_from is not None and json.loads((start_from / "meta.json").read_text()).get("final"):
         meta = json.loads((start_from / "meta.json").read_text())  # training had finished: nothing to redo
