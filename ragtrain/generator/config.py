@@ -62,6 +62,9 @@ class GeneratorTrainConfig:
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     checkpoint_every: int = 0  # ray.train.report a safetensors checkpoint every N steps (0 = only the final one)
     log_every: int = 20
+    # Curriculum: the first N steps train on the gold passage alone (short prompts, one place to copy from):
+    # BERT2BERT learns to copy several times faster that way than from k passages; retrieved passages follow.
+    oracle_steps: int = 0
     include_gold: bool = True  # the gold passage is always in a training prompt (replaces the lowest-ranked hit)
     shuffle_passages: bool = True  # training prompts list passages in a seeded random order (no "copy rank 1")
     num_workers: int = 0  # 0 = resources.trainer.num_workers
@@ -79,6 +82,7 @@ class GeneratorTrainConfig:
         _check(self.max_steps >= 0, k + "max_steps", "must be >= 0", self.max_steps)
         _check(self.max_steps > 0 or self.epochs > 0, k + "epochs", "must be > 0 (or set max_steps > 0)", self.epochs)
         _check(self.grad_clip >= 0, k + "grad_clip", "must be >= 0", self.grad_clip)
+        _check(self.oracle_steps >= 0, k + "oracle_steps", "must be >= 0", self.oracle_steps)
         _check(self.checkpoint_every >= 0, k + "checkpoint_every", "must be >= 0", self.checkpoint_every)
         _check(self.log_every > 0, k + "log_every", "must be > 0", self.log_every)
         _check(self.num_workers >= 0, k + "num_workers", "must be >= 0", self.num_workers)

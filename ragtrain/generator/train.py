@@ -203,9 +203,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         global_tokens = sum(len(targets[i]) for i in idx)  # every rank computes the same number: no collective
         mine = range(rank * per_rank, (rank + 1) * per_rank)
         exs = [data.train[idx[j]] for j in mine]
-        hits = client.search([e.question for e in exs], g.retrieval.top_k)
-        pids = [train_passages(e, h, g.retrieval.top_k, t.include_gold, t.shuffle_passages,
-                               random.Random(f"{t.seed}-{first + j}")) for e, h, j in zip(exs, hits, mine)]
+        if step < t.oracle_steps:  # curriculum phase: the gold passage alone
+            pids = [e.gold[:1] for e in exs]
+        else:
+            hits = client.search([e.question for e in exs], g.retrieval.top_k)
+            pids = [train_passages(e, h, g.retrieval.top_k, t.include_gold, t.shuffle_passages,
+                                   random.Random(f"{t.seed}-{first + j}")) for e, h, j in zip(exs, hits, mine)]
         src = [builder.source(e.question, [data.passages[p] for p in ps]) for e, ps in zip(exs, pids)]
         tgt = [targets[idx[j]] for j in mine]
         seq_tokens = sum(map(len, src)) + sum(map(len, tgt))  # non-pad tokens through the model
@@ -316,7 +319,9 @@ def fit_generator(cfg: Config, data: GenData, client: RetrievalClient, sink: Opt
         run_config=RunConfig(
             name="generator", storage_path=str(Path(cfg.output_dir, "ray").resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
-            worker_runtime_env={"env_vars": WORKER_ENV}),
+            # OMP_WAIT_POLICY=PASSIVE: 2 intra-op threads on cores shared with another busy process spun in
+            # OpenMP barriers and made a step ~5x slower here; passive waiting costs ~nothing on an idle machine.
+            worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_WAIT_POLICY": "PASSIVE"}}),
     )
     start = time.perf_counter()
     result = trainer.fit()

@@ -21,7 +21,7 @@ def _cfg(tmp: Path, *extra: str):
     return to_typed(compose(tiny_overrides(tmp) + [
         "generator=tiny_t5", "stages=[retriever,index,generator]", "generator.dropout=0.0",
         "generator.train.max_steps=6", "generator.train.batch_size=4", "generator.train.log_every=1",
-        "generator.train.checkpoint_every=3", "generator.train.warmup_steps=2", "generator.eval.max_new_tokens=4",
+        "generator.train.checkpoint_every=3", "generator.train.warmup_steps=2", "generator.train.oracle_steps=2", "generator.eval.max_new_tokens=4",
         "resources.trainer.num_workers=2", *extra]))
 
 
