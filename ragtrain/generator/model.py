@@ -78,7 +78,12 @@ def _bert2bert(g: GeneratorConfig, tok) -> nn.Module:
 
 def _tiny(g: GeneratorConfig, tok) -> nn.Module:
     """A small T5 (seq2seq) or GPT-2 (causal) built from a config with the tokenizer's vocabulary: no download."""
-    from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     t, p = g.tiny, 0.1 if g.dropout is None else g.dropout
     eos = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id

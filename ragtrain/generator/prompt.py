@@ -29,7 +29,6 @@ class Template:
     question_prefix: str = ""  # e.g. "question:" for T5-style models; BERT2BERT uses the [SEP] layout alone
     passage_prefix: str = ""  # e.g. "context:"
     answer_prefix: str = "answer:"  # causal LMs only: generation starts after it
-    include_title: bool = True  # passage text = "{title}: {text}"
 
 
 def passage_text(title: str, text: str, include_title: bool) -> str:

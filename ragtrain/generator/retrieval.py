@@ -38,8 +38,9 @@ class IndexPayload:
     @classmethod
     def from_index(cls, index, cfg: Config, weights: list[dict[str, torch.Tensor]]) -> "IndexPayload":
         """Package a DenseIndex with the encoder snapshot(s) that built it."""
-        import faiss
         from dataclasses import asdict
+
+        import faiss
 
         return cls(faiss.serialize_index(index.index), list(index.doc_ids), cfg.retriever, weights,
                    cfg.index.precision, cfg.index.nprobe, cfg.index.ef_search, asdict(index.meta))

@@ -50,8 +50,25 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Optional[Path] = None) 
         raise ConfigError("generator.train.precision=fp16 needs a GPU (resources.trainer.use_gpu=true); "
                           "use bf16 or fp32 on CPU")
     build_gen_data(cfg, data)
+    check_model(cfg)
     if "index" not in cfg.stages:  # no index will be built by this run: the configured one must exist and fit
         resolve_index(cfg, data, None, None, out_dir or Path(cfg.output_dir))
+
+
+def check_model(cfg: Config) -> None:
+    """The generator's tokenizer and model config load offline (a typo fails now, not after retriever training)."""
+    from transformers import AutoConfig
+
+    from ragtrain.generator.model import load_tokenizer, resolve_path
+
+    g = cfg.generator
+    try:
+        load_tokenizer(g)
+        AutoConfig.from_pretrained(resolve_path(g.model))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"generator.model={g.model!r} (tokenizer {g.tokenizer or g.model!r}) cannot be loaded "
+                          f"offline: give a local path or a name in the local HF cache ({str(e).splitlines()[0]})"
+                          ) from None
 
 
 def resolve_index(cfg: Config, data: RetrievalData, retrieval: Any, index: Any, out_dir: Path):
@@ -111,7 +128,8 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
 def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, index: Any, out_dir: Path,
                         logger: Any) -> dict[str, dict[str, float]]:
     """Train + evaluate the generator; returns {"gen_closed_book": {em, f1, n}, "gen_rag": ..., "gen_oracle":
-    ..., "gen_train": {seconds, steps, samples_per_s, final_loss, ...}}; writes <out_dir>/generator/."""
+    ..., "gen_train": {steps, seconds, wall_seconds, samples_per_s, tokens_per_s, final_loss, ...}}; writes
+    <out_dir>/generator/ (generator.safetensors, predictions.json, loss_history.json, metrics.json)."""
     from ragtrain.generator.retrieval import RetrievalService
     from ragtrain.generator.train import fit_generator
 
@@ -133,11 +151,14 @@ def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, index:
     for mode, phase in PHASES.items():
         if f"{mode}/em" in m:
             results[phase] = {k: m[f"{mode}/{k}"] for k in ("em", "f1", "n", "seconds")}
-    results["gen_train"] = {"seconds": fit.seconds, "steps": fit.steps,
+    # seconds = the training loop (rank 0, without eval and checkpoint writes); wall_seconds = the whole fit
+    results["gen_train"] = {"steps": fit.steps, "wall_seconds": fit.seconds,
                             **{k.removeprefix("train/"): v for k, v in m.items() if k.startswith("train/")}}
     (out_dir / "generator" / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     if logger is not None:
-        logger.log_metrics({f"{p}/{k}": v for p, r in results.items() for k, v in r.items()}, step=fit.steps)
+        # the run summary as run/gen_train/* (like the pipeline's run/train/*); per-window curves are gen_train/*
+        logger.log_metrics({f"{'run/' if p == 'gen_train' else ''}{p}/{k}": v for p, r in results.items()
+                            for k, v in r.items()}, step=fit.steps)
         logger.log_artifact(out_dir / "generator" / "metrics.json", "generator")
         logger.log_artifact(out_dir / "generator" / "predictions.json", "generator")
     print(f"\n== generator: {g.arch.value} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "

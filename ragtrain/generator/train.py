@@ -24,9 +24,15 @@ import torch
 
 from ragtrain.cluster.resources import WORKER_ENV
 from ragtrain.config import Config
-from ragtrain.generator.config import EVAL_MODES, Arch, GenPrecision
+from ragtrain.generator.config import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
 from ragtrain.generator.metrics import score
-from ragtrain.generator.model import AnswerDecoder, GenModel, build_generator, collate, load_tokenizer
+from ragtrain.generator.model import (
+    AnswerDecoder,
+    GenModel,
+    build_generator,
+    collate,
+    load_tokenizer,
+)
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.retrieval import RetrievalClient
 from ragtrain.track.mlflow import MetricSink
@@ -81,6 +87,12 @@ def train_passages(ex: GenExample, hits: list[str], k: int, include_gold: bool, 
     if shuffle:
         rng.shuffle(ids)
     return ids
+
+
+def prompt_builder(g: GeneratorConfig, tokenizer) -> PromptBuilder:
+    """The configured prompt template and budgets for `tokenizer`."""
+    return PromptBuilder(tokenizer, g.max_source_length, g.passage_max_tokens,
+                         Template(g.question_prefix, g.passage_prefix, g.answer_prefix), causal=g.arch == Arch.causal)
 
 
 def autocast(precision: GenPrecision, device: torch.device) -> ContextManager:
@@ -176,9 +188,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model.train()
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                                     else None) if world > 1 else model
-    builder = PromptBuilder(tokenizer, g.max_source_length, g.passage_max_tokens,
-                            Template(g.question_prefix, g.passage_prefix, g.answer_prefix, g.include_title),
-                            causal=g.arch == Arch.causal)
+    builder = prompt_builder(g, tokenizer)
     targets = [builder.target(e.answers[0], g.max_target_length) for e in data.train]
     steps = total_steps(cfg, len(data.train), world)
     per_rank, micro = t.batch_size, t.batch_size // t.grad_accum
@@ -240,10 +250,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             stats = torch.tensor([win_loss, float(win_seq_tokens)], device=device, dtype=torch.float64)
             if world > 1:  # global per-token loss; tokens of every rank
                 torch.distributed.all_reduce(stats)
-            metrics = {"train/loss": stats[0].item() / win_tokens, "train/tokens_per_s": stats[1].item() / elapsed,
-                       "train/samples_per_s": win_samples / elapsed, "train/lr": sched.get_last_lr()[0],
-                       "train/retrieval_s": client.seconds}
-            history.append({"step": done, "loss": metrics["train/loss"]})
+            # gen_train/*: the retriever stage logs train/* into the same MLflow run
+            metrics = {"gen_train/loss": stats[0].item() / win_tokens,
+                       "gen_train/tokens_per_s": stats[1].item() / elapsed,
+                       "gen_train/samples_per_s": win_samples / elapsed, "gen_train/lr": sched.get_last_lr()[0],
+                       "gen_train/retrieval_s": client.seconds}
+            history.append({"step": done, "loss": metrics["gen_train/loss"]})
             t0 = time.perf_counter()
             if rank == 0:
                 print(f"[generator] step {done}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),

@@ -7,7 +7,12 @@ import torch
 
 from ragtrain.config import Config
 from ragtrain.generator.config import Arch, GeneratorConfig
-from ragtrain.generator.model import AnswerDecoder, build_generator, collate, load_tokenizer
+from ragtrain.generator.model import (
+    AnswerDecoder,
+    build_generator,
+    collate,
+    load_tokenizer,
+)
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.train import WEIGHTS_FILE, load_generator, save_generator
 
@@ -68,8 +73,10 @@ def test_checkpoint_round_trip_safetensors(tmp_path, arch: str, model: str) -> N
     assert path.read_bytes()[:1] != b"\x80"  # not a pickle stream
     from safetensors import safe_open
 
-    with safe_open(str(path), "pt") as f:  # tied matrices are stored once
-        assert sum("word_embeddings" in k or "predictions.decoder" in k for k in f.keys()) <= 2
+    with safe_open(str(path), "pt") as f:
+        keys = list(f.keys())
+    if arch == "bert2bert":  # the three uses of the tied embedding matrix are stored once
+        assert sum(k.endswith(("word_embeddings.weight", "predictions.decoder.weight")) for k in keys) == 1
     torch.manual_seed(1)  # a different init for the fresh model
     loaded = load_generator(cfg, tmp_path)
     for (k, a), (_, b) in zip(m.state_dict().items(), loaded.state_dict().items()):

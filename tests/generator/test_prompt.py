@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from ragtrain.generator.prompt import MIN_PASSAGE_TOKENS, PromptBuilder, PromptTooLongError, Template, passage_text
+from ragtrain.generator.prompt import (
+    MIN_PASSAGE_TOKENS,
+    PromptBuilder,
+    PromptTooLongError,
+    Template,
+    passage_text,
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +29,7 @@ def _ids(tok, text: str) -> list[int]:
 
 
 def test_layout_is_the_documented_template(tok) -> None:
-    b = PromptBuilder(tok, 64, 0, Template("question:", "context:", include_title=True))
+    b = PromptBuilder(tok, 64, 0, Template("question:", "context:"))
     src = b.source("Who plays the oboe?", [passage_text("Ann Lee", "Ann plays the oboe.", True), "Bob sings."])
     text = tok.decode(src)
     assert text == "[CLS] question : who plays the oboe? [SEP] context : ann lee : ann plays the oboe. [SEP] " \
@@ -35,7 +41,8 @@ def test_layout_is_the_documented_template(tok) -> None:
 def test_question_is_never_truncated_randomised(tok) -> None:
     """Random questions, passages and budgets: the prompt starts with the whole question and fits the budget."""
     rng = random.Random(0)
-    words = "oboe harp town river glassworks founded year Varnel Oskatine who which what when born company".split()
+    words = ["oboe", "harp", "town", "river", "glassworks", "founded", "year", "Varnel", "Oskatine", "who", "which",
+             "what", "when", "born", "company", "hurdy-gurdy", "O'Neil"]
     for trial in range(300):
         q = " ".join(rng.choices(words, k=rng.randint(1, 30))) + "?"
         passages = [" ".join(rng.choices(words, k=rng.randint(0, 80))) for _ in range(rng.randint(0, 6))]

@@ -21,7 +21,8 @@ def _cfg(tmp: Path, *extra: str):
     return to_typed(compose(tiny_overrides(tmp) + [
         "generator=tiny_t5", "stages=[retriever,index,generator]", "generator.dropout=0.0",
         "generator.train.max_steps=6", "generator.train.batch_size=4", "generator.train.log_every=1",
-        "generator.train.checkpoint_every=3", "generator.train.warmup_steps=2", "generator.train.oracle_steps=2", "generator.eval.max_new_tokens=4",
+        "generator.train.checkpoint_every=3", "generator.train.warmup_steps=2", "generator.train.oracle_steps=2",
+        "generator.eval.max_new_tokens=4",
         "resources.trainer.num_workers=2", *extra]))
 
 
@@ -48,7 +49,7 @@ def stage_run(built):
     from ragtrain.generator.stage import run_generator_stage
     from ragtrain.track.mlflow import RunLogger
 
-    tmp, cfg, data, retrieval, index = built
+    _, cfg, data, retrieval, index = built
     logger = RunLogger(cfg.logger, run_name="generator-test")
     try:
         results = run_generator_stage(cfg, data, retrieval, index, Path(cfg.output_dir), logger)
@@ -69,20 +70,20 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     assert results["gen_train"]["steps"] == 6 and results["gen_train"]["samples_per_s"] > 0
     client = MlflowClient(logger.uri)
     run = client.get_run(logger.run_id)
-    for key in ("gen_closed_book/em", "gen_rag/em", "gen_oracle/em", "gen_rag/f1", "gen_train/steps"):
+    for key in ("gen_closed_book/em", "gen_rag/em", "gen_oracle/em", "gen_rag/f1", "run/gen_train/steps"):
         assert key in run.data.metrics, key
-    losses = client.get_metric_history(logger.run_id, "train/loss")  # rank 0, every log window
+    losses = client.get_metric_history(logger.run_id, "gen_train/loss")  # rank 0, every log window
     assert sorted(m.step for m in losses) == [1, 2, 3, 4, 5, 6]
-    assert client.get_metric_history(logger.run_id, "train/tokens_per_s")[-1].value > 0
+    for key in ("gen_train/tokens_per_s", "gen_train/samples_per_s"):
+        assert client.get_metric_history(logger.run_id, key)[-1].value > 0
     preds = json.loads((Path(cfg.output_dir) / "generator" / "predictions.json").read_text())
     assert set(preds) == {"closed_book", "rag", "oracle"} and all(len(v) == n_eval for v in preds.values())
 
 
 def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
     from ragtrain.generator.model import AnswerDecoder, collate, load_tokenizer
-    from ragtrain.generator.prompt import PromptBuilder, Template
     from ragtrain.generator.stage import build_gen_data
-    from ragtrain.generator.train import load_generator
+    from ragtrain.generator.train import load_generator, prompt_builder
 
     _, cfg, data, _, _ = built
     out = Path(cfg.output_dir)
@@ -96,8 +97,7 @@ def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
     gd = build_gen_data(cfg, data)
     tokenizer = load_tokenizer(g)
     decode = AnswerDecoder(tokenizer)
-    builder = PromptBuilder(tokenizer, g.max_source_length, g.passage_max_tokens,
-                            Template(g.question_prefix, g.passage_prefix, g.answer_prefix, g.include_title))
+    builder = prompt_builder(g, tokenizer)
     src = [builder.source(e.question, [gd.passages[e.gold[0]]]) for e in gd.eval]
     b = collate(src, [[] for _ in src], model.arch, model.pad_id, for_generation=True)
     again = [decode(o) for o in model.generate(b["input_ids"], b["attention_mask"], 1, g.eval.max_new_tokens)]
@@ -120,7 +120,7 @@ def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -
     two = json.loads((Path(cfg2.output_dir) / "generator" / "loss_history.json").read_text())
     one = [h["loss"] for h in fit.loss_history]
     assert len(one) == len(two) == 6
-    assert one == pytest.approx([h["loss"] for h in two], rel=1e-4)
+    assert one == pytest.approx([h["loss"] for h in two], rel=1e-5)  # measured: <= 1.1e-7
     assert one[-1] < one[0]  # and it learns
 
 
@@ -144,9 +144,9 @@ def test_missing_index_fails_before_training(built, tmp_path) -> None:
 def test_encoder_index_mismatch_fails_clearly(built, tmp_path, override: str, match: str) -> None:
     from ragtrain.generator.stage import preflight
 
-    tmp, cfg0, data, _, _ = built
-    cfg = _cfg(tmp_path, "stages=[generator]", f"generator.retrieval.index_dir={Path(cfg0.output_dir) / 'index'}",
-               override)
+    _, cfg0, data, _, _ = built
+    index_dir = Path(cfg0.output_dir) / "index"
+    cfg = _cfg(tmp_path, "stages=[generator]", f"generator.retrieval.index_dir={index_dir}", override)
     with pytest.raises(IndexMismatchError, match=match):
         preflight(cfg, data)
 
@@ -159,5 +159,7 @@ def test_bad_config_and_data_fail_clearly(built, tmp_path) -> None:
     _, _, data, _, _ = built
     with pytest.raises(ConfigError, match="fp16 needs a GPU"):
         preflight(_cfg(tmp_path, "generator.train.precision=fp16"), data)
+    with pytest.raises(ConfigError, match="cannot be loaded offline"):
+        preflight(_cfg(tmp_path, "generator=t5_pretrained", "generator.model=/nonexistent/t5"), data)
     with pytest.raises(ConfigError, match="needs short answers"):
         preflight(_cfg(tmp_path), replace(data, answers={}))
