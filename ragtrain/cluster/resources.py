@@ -11,7 +11,11 @@ from ragtrain.config import ResourcesConfig
 
 # Environment of Ray Train workers. Train V2 patches print() in workers to go to its logger *and* (Ray redirects
 # stdout) to stdout, so every rank-0 line would reach the driver twice: rank 0's prints are our log, keep them plain.
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+# OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads otherwise spin in barriers; with a trainer and a pool actor on
+# shared cores the spinning threads steal each other's time (a generator step was ~5x slower here); passive
+# waiting costs ~nothing on an idle machine.
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+              "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 class InfeasibleResourcesError(RuntimeError):
@@ -25,6 +29,7 @@ def init_ray(res: ResourcesConfig) -> None:
     if ray.is_initialized():
         return
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_WAIT_POLICY": "PASSIVE",  # pool actors and the index service share cores with trainers
            # Train V2 gives a worker group 60 s to start; on a loaded laptop importing torch + transformers in
            # every worker can take longer, and the run would fail with WorkerGroupStartupTimeoutError.
            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}

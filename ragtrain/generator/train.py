@@ -331,9 +331,7 @@ def fit_generator(cfg: Config, data: GenData, client: RetrievalClient, sink: Opt
         run_config=RunConfig(
             name="generator", storage_path=str(Path(cfg.output_dir, "ray").resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
-            # OMP_WAIT_POLICY=PASSIVE: 2 intra-op threads on cores shared with another busy process spun in
-            # OpenMP barriers and made a step ~5x slower here; passive waiting costs ~nothing on an idle machine.
-            worker_runtime_env={"env_vars": {**WORKER_ENV, "OMP_WAIT_POLICY": "PASSIVE"}}),
+            worker_runtime_env={"env_vars": WORKER_ENV}),
     )
     start = time.perf_counter()
     result = trainer.fit()
