@@ -15,12 +15,10 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from ragtrain.errors import ConfigError  # noqa: F401  (re-exported: callers catch ragtrain.config.ConfigError)
+from ragtrain.errors import check as _check
 from ragtrain.generator.config import GeneratorConfig
 from ragtrain.tune.config import TUNE_SCHEDULERS, TUNE_SEARCHERS, TUNE_TIME_ATTRS, TuneConfig  # noqa: F401
-
-
-class ConfigError(ValueError):
-    """A config value is out of range; the message names the key and what is allowed."""
 
 
 class Precision(str, Enum):
@@ -41,11 +39,6 @@ class DataSource(str, Enum):
 class LoggerBackend(str, Enum):
     mlflow = "mlflow"
     none = "none"
-
-
-def _check(ok: bool, key: str, msg: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{key} {msg}, got {value!r}")
 
 
 @dataclass
@@ -262,7 +255,7 @@ class RefreshConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Retriever training checkpoints (ragtrain/retriever/checkpoint.py): everything needed to continue exactly."""
+    """Retriever training checkpoints (ragtrain/checkpoint.py): everything needed to continue exactly."""
 
     every_steps: int = 0  # 0 = only the final checkpoint
     keep: int = 2  # checkpoints kept in the run's storage path

@@ -73,14 +73,13 @@ class Retrieval:
         One snapshot: its vectors. Several (sync=vector_avg: one per replica): every replica encodes every
         passage and the index holds the re-normalised mean vector; queries are averaged the same way.
         """
-        from ragtrain.index.faiss_index import build_index
+        from ragtrain.index.faiss_index import build_configured
 
         self.snapshots = [(f"{tag}/{i}", w) for i, w in enumerate(snapshots)]
         vecs, stats = self.encode(self.passages, self.cfg.retriever.passage_max_length, f"{tag}: encode corpus")
         idx = self.cfg.index
         self.vectors = vecs  # the live index service starts from these instead of encoding the corpus again
-        index = build_index(vecs, self.doc_ids, idx.factory, self.fingerprint, encoder_name, step, idx.precision.value, self.cfg.seed)
-        index.set_search_params(idx.nprobe, idx.ef_search)
+        index = build_configured(vecs, self.doc_ids, idx, self.fingerprint, encoder_name, step, self.cfg.seed)
         stats["index_build_seconds"] = index.meta.build_seconds
         return index, stats
 
@@ -151,7 +150,7 @@ class Retrieval:
         """The stale (zero-shot) index searched with the trained query encoder, as is and after an orthogonal map
         onto the trained space fitted on `index.align_anchors` anchor passages (call right after the trained
         build: its vectors are the reference). Returns {"stale": ..., "stale_aligned": ...}."""
-        from ragtrain.index.faiss_index import build_index
+        from ragtrain.index.faiss_index import build_configured
         from ragtrain.sync.align import embedding_drift, fit_alignment
 
         fresh, idx = self.vectors, self.cfg.index
@@ -160,8 +159,7 @@ class Retrieval:
         aligned = fit_alignment(stale[rows], fresh[rows], "orthogonal").apply(stale)
         out = {}
         for tag, vecs in (("stale", stale), ("stale_aligned", aligned)):
-            index = build_index(vecs, self.doc_ids, idx.factory, self.fingerprint, tag, step, idx.precision.value, self.cfg.seed)
-            index.set_search_params(idx.nprobe, idx.ef_search)
+            index = build_configured(vecs, self.doc_ids, idx, self.fingerprint, tag, step, self.cfg.seed)
             out[tag] = {**self.evaluate(index), "drift_vs_trained": embedding_drift(vecs, fresh),
                         "anchors": float(len(rows))}
         return out

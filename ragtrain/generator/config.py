@@ -9,14 +9,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
+from ragtrain.errors import check
+
 
 def _check(ok: bool, key: str, msg: str, value: Any) -> None:
-    # ragtrain.config imports this module, so its ConfigError is imported at call time (it is loaded by then);
-    # raising that class lets to_typed() unwrap omegaconf's wrapper like for every other key.
-    if not ok:
-        from ragtrain.config import ConfigError
-
-        raise ConfigError(f"generator.{key} {msg}, got {value!r}")
+    check(ok, "generator." + key, msg, value)
 
 
 class Arch(str, Enum):

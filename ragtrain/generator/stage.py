@@ -157,8 +157,11 @@ def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, index:
     (out_dir / "generator" / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     if logger is not None:
         # the run summary as run/gen_train/* (like the pipeline's run/train/*); per-window curves are gen_train/*
-        logger.log_metrics({f"{'run/' if p == 'gen_train' else ''}{p}/{k}": v for p, r in results.items()
-                            for k, v in r.items()}, step=fit.steps)
+        sink = logger.sink()
+        if sink is not None:
+            sink.skip_logged = cfg.resume  # a resumed run may hold these already (the stage had finished)
+            sink.log({f"{'run/' if p == 'gen_train' else ''}{p}/{k}": v for p, r in results.items()
+                      for k, v in r.items()}, step=fit.steps)
         logger.log_artifact(out_dir / "generator" / "metrics.json", "generator")
         logger.log_artifact(out_dir / "generator" / "predictions.json", "generator")
     print(f"\n== generator: {g.arch.value} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "

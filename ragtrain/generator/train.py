@@ -16,12 +16,20 @@ import random
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 
+from ragtrain.checkpoint import (
+    latest_checkpoint,
+    load_train_state,
+    maybe_inject_fault,
+    read_meta,
+    restart_checkpoint,
+    save_train_state,
+)
 from ragtrain.cluster.resources import WORKER_ENV
 from ragtrain.config import Config
 from ragtrain.generator.config import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
@@ -39,6 +47,7 @@ from ragtrain.track.mlflow import MetricSink
 
 WEIGHTS_FILE = "generator.safetensors"
 PREDICTIONS_FILE = "predictions.json"
+HISTORY_FILE = "loss_history.json"
 
 
 @dataclass
@@ -202,12 +211,24 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=GenPrecision(t.precision) == GenPrecision.fp16)
     sampler = Sampler(len(data.train), t.seed)
     sink: Optional[MetricSink] = config.get("sink") if rank == 0 else None
+    history: list[dict[str, float]] = []
+    start_step = 0
+    # a worker-group restart (fault.max_failures) or resume=true: continue exactly where the checkpoint stopped
+    resume = restart_checkpoint(_storage(cfg), config["fit_id"], config.get("resume_from"))
+    if resume is not None:
+        start_step, extra = load_train_state(resume, rank, world, model.hf, optim, sched)
+        scaler.load_state_dict(extra["scaler"])
+        history = list(extra["history"])
+        if sink is not None:  # steps after the checkpoint are replayed only if they were logged: log each once
+            sink = replace(sink, skip_logged=True)
+        if rank == 0:
+            print(f"[generator] resumed at step {start_step} from {resume}", flush=True)
     if sink is not None:
         sink.warm_up()
 
     window_t, win_loss, win_tokens, win_samples, win_seq_tokens = time.perf_counter(), 0.0, 0, 0, 0
-    loop_start, measure_s, history, run_tokens = time.perf_counter(), 0.0, [], 0
-    for step in range(steps):
+    loop_start, measure_s, run_tokens = time.perf_counter(), 0.0, 0
+    for step in range(start_step, steps):
         first = step * global_batch
         idx = [sampler(first + i) for i in range(global_batch)]
         global_tokens = sum(len(targets[i]) for i in idx)  # every rank computes the same number: no collective
@@ -265,35 +286,43 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             measure_s += time.perf_counter() - t0
             window_t, win_loss, win_tokens, win_samples, win_seq_tokens = time.perf_counter(), 0.0, 0, 0, 0
         if t.checkpoint_every and done % t.checkpoint_every == 0 and done < steps:
-            t0 = time.perf_counter()
-            _report(model, {"step": done, "train/loss": history[-1]["loss"] if history else float("nan")}, rank)
+            t0 = time.perf_counter()  # every rank writes its own part (RNG states differ); Ray Train merges them
+            with tempfile.TemporaryDirectory() as d:
+                save_train_state(d, rank, world, done, model.hf, optim, sched,
+                                 {"scaler": scaler.state_dict(), "history": history}, config["fit_id"])
+                ray.train.report({"step": done, "train/loss": history[-1]["loss"] if history else float("nan")},
+                                 checkpoint=ray.train.Checkpoint.from_directory(d))
             measure_s += time.perf_counter() - t0
             window_t += time.perf_counter() - t0  # checkpoint writes are not training throughput
+        maybe_inject_fault(cfg.fault.kill_worker_at_step, cfg.fault.kill_rank, cfg.output_dir, "generator", rank, done)
 
     loop_s = time.perf_counter() - loop_start - measure_s
+    ran = steps - start_step  # steps of this attempt (after a restart: since the checkpoint)
     total = torch.tensor([float(run_tokens)], device=device, dtype=torch.float64)
     if world > 1:
         torch.distributed.all_reduce(total)
     results, predictions = evaluate(model, builder, data, client, cfg, device, rank, world)
-    summary = {"step": steps, "train/seconds": loop_s, "train/samples_per_s": steps * global_batch / loop_s,
+    summary = {"step": steps, "train/seconds": loop_s, "train/samples_per_s": ran * global_batch / loop_s,
                "train/tokens_per_s": total.item() / loop_s,
                "train/final_loss": history[-1]["loss"], "train/retrieval_s": client.seconds,
                **{f"{mode}/{k}": v for mode, r in results.items() for k, v in r.items()}}
-    _report(model, summary, rank, {PREDICTIONS_FILE: predictions, "loss_history.json": history})
-
-
-def _report(model: GenModel, metrics: dict[str, float], rank: int, extra: Optional[dict] = None) -> None:
-    """Every rank reports (a barrier in Train V2); rank 0 attaches the safetensors checkpoint."""
-    import ray.train
-
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d:  # every rank reports (a barrier in Train V2); rank 0 the weights
         ckpt = None
         if rank == 0:
             save_generator(model, d)
-            for name, obj in (extra or {}).items():
+            # final: a resumed run that finds this checkpoint takes its results instead of training again
+            files = {PREDICTIONS_FILE: predictions, HISTORY_FILE: history,
+                     "meta.json": {"step": steps, "world": world, "final": True, "weights": WEIGHTS_FILE,
+                                   "fit_id": config["fit_id"], "summary": summary}}
+            for name, obj in files.items():
                 Path(d, name).write_text(json.dumps(obj, indent=1))
             ckpt = ray.train.Checkpoint.from_directory(d)
-        ray.train.report(metrics, checkpoint=ckpt)
+        ray.train.report(summary, checkpoint=ckpt)
+
+
+def _storage(cfg: Config) -> Path:
+    """The generator's Ray Train run folder (its checkpoints) under the run's output folder."""
+    return Path(cfg.output_dir, "ray", "generator")
 
 
 @dataclass
@@ -309,10 +338,10 @@ class GenFitResult:
 def fit_generator(cfg: Config, data: GenData, client: RetrievalClient, sink: Optional[MetricSink],
                   out_dir: Optional[Path] = None) -> GenFitResult:
     """Driver: train + evaluate the generator with a TorchTrainer; copy the final checkpoint to out_dir."""
-    import shutil
+    import uuid
 
     import ray
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     r, t = cfg.resources.trainer, cfg.generator.train
@@ -320,30 +349,49 @@ def fit_generator(cfg: Config, data: GenData, client: RetrievalClient, sink: Opt
     cpus = t.cpus_per_worker or r.cpus_per_worker
     if not data.train:
         raise ValueError("the generator stage has no training questions with answers")
+    # Workers may run in another directory: they get the absolute output folder (checkpoint scans, fault markers).
+    cfg = replace(cfg, output_dir=str(Path(cfg.output_dir).resolve()))
+    start = time.perf_counter()
+    start_from = latest_checkpoint(_storage(cfg)) if cfg.resume else None
+    if start_from is not None and read_meta(start_from).get("final"):  # trained and evaluated before: reuse it
+        print(f"[generator] resume: the stage finished before ({start_from}); using its results")
+        return _result(cfg, start_from, read_meta(start_from)["summary"], out_dir, start)
+    if start_from is not None:
+        print(f"[generator] resume from step {read_meta(start_from)['step']}: {start_from}")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "data_ref": ray.put(data), "retrieval": client, "sink": sink,
-                           "cpus_per_worker": cpus},
+                           "cpus_per_worker": cpus, "fit_id": uuid.uuid4().hex,
+                           "resume_from": str(start_from) if start_from is not None else None},
         torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=workers, use_gpu=r.use_gpu,
             resources_per_worker={"CPU": cpus, **({"GPU": 1} if r.use_gpu else {}), **r.resources}),
         run_config=RunConfig(
-            name="generator", storage_path=str(Path(cfg.output_dir, "ray").resolve()),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            name="generator", storage_path=str(_storage(cfg).parent),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
             worker_runtime_env={"env_vars": WORKER_ENV}),
     )
-    start = time.perf_counter()
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"generator training finished without a checkpoint (error: {result.error})")
     with result.checkpoint.as_directory() as d:
-        predictions = json.loads(Path(d, PREDICTIONS_FILE).read_text())
-        history = json.loads(Path(d, "loss_history.json").read_text())
-        if out_dir is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            for f in Path(d).iterdir():
+        return _result(cfg, Path(d), result.metrics, out_dir, start, result.checkpoint.path)
+
+
+def _result(cfg: Config, folder: Path, summary: dict[str, Any], out_dir: Optional[Path], start: float,
+            path: Optional[str] = None) -> GenFitResult:
+    """The fit's result from its final checkpoint folder; its files are copied to out_dir."""
+    import shutil
+
+    predictions = json.loads(Path(folder, PREDICTIONS_FILE).read_text())
+    history = json.loads(Path(folder, HISTORY_FILE).read_text())
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for f in Path(folder).iterdir():
+            if f.name != "meta.json":
                 shutil.copy2(f, out_dir / f.name)
-    metrics = {k: float(v) for k, v in result.metrics.items() if k != "step"}
-    steps = int(result.metrics.get("step", total_steps(cfg, len(data.train), workers)))
-    return GenFitResult(metrics, result.checkpoint.path, steps, time.perf_counter() - start, history, predictions)
+    metrics = {k: float(v) for k, v in summary.items() if k != "step"}
+    return GenFitResult(metrics, path or str(folder), int(summary["step"]), time.perf_counter() - start, history,
+                        predictions)

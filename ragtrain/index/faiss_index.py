@@ -6,10 +6,13 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import faiss
 import numpy as np
+
+if TYPE_CHECKING:
+    from ragtrain.config import IndexConfig
 
 INDEX_FILE = "index.faiss"
 META_FILE = "index_meta.json"
@@ -126,6 +129,15 @@ def build_index(
         build_seconds=time.perf_counter() - start,
     )
     return DenseIndex(index, list(doc_ids), meta)
+
+
+def build_configured(vectors: np.ndarray, doc_ids: Sequence[str], idx: "IndexConfig", corpus_fingerprint: str,
+                     encoder: str, encoder_step: int, seed: int) -> DenseIndex:
+    """`build_index` with the `index` config group's factory, precision and search parameters."""
+    index = build_index(vectors, doc_ids, idx.factory, corpus_fingerprint, encoder, encoder_step,
+                        idx.precision.value, seed)
+    index.set_search_params(idx.nprobe, idx.ef_search)
+    return index
 
 
 def load_index(

@@ -110,7 +110,7 @@ class IndexService:
         return self._run(step, weights[0], None)
 
     def _run(self, step: int, weights_ref, vectors: Optional[np.ndarray]) -> dict[str, Any]:
-        from ragtrain.index.faiss_index import build_index
+        from ragtrain.index.faiss_index import build_configured
 
         if not self._busy.acquire(blocking=False):
             return {"ok": False, "skipped": "a refresh is already running", "step": step}
@@ -121,9 +121,8 @@ class IndexService:
             r, idx = self.cfg.retriever, self.cfg.index
             if vectors is None:
                 vectors, _ = self.pool.encode(self.passages, r.passage_max_length, idx, progress=False)
-            index = build_index(vectors, self.doc_ids, idx.factory, self.fingerprint, f"{r.model}@step{step}", step,
-                                idx.precision.value, self.cfg.seed)
-            index.set_search_params(idx.nprobe, idx.ef_search)
+            index = build_configured(vectors, self.doc_ids, idx, self.fingerprint, f"{r.model}@step{step}", step,
+                                     self.cfg.seed)
             index.meta.version = version
             qvecs, _ = self.pool.encode(self.train_queries, r.query_max_length, idx, progress=False)
             t = r.train

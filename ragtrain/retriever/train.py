@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 import time
 import uuid
@@ -24,7 +23,14 @@ from ragtrain.cluster.resources import WORKER_ENV
 from ragtrain.config import Config
 from ragtrain.retriever.batching import TrainData, local_batch, steps_per_epoch
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
-from ragtrain.retriever.checkpoint import latest_checkpoint, load_train_state, read_meta, save_train_state
+from ragtrain.checkpoint import (
+    latest_checkpoint,
+    load_train_state,
+    maybe_inject_fault,
+    read_meta,
+    restart_checkpoint,
+    save_train_state,
+)
 from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.sync.base import build_sync
@@ -124,7 +130,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )
     sink: Optional[MetricSink] = config.get("sink") if rank == 0 else None
     start_step = 0
-    resume = _restart_checkpoint(cfg, config["fit_id"], config.get("resume_from"))  # a worker-group restart (fault.max_failures) or resume=true
+    # a worker-group restart (fault.max_failures) or resume=true
+    resume = restart_checkpoint(Path(cfg.output_dir, "ray", "retriever"), config["fit_id"], config.get("resume_from"))
     if resume is not None:
         start_step, sync_state = load_train_state(resume, rank, world, encoder, optim, sched)
         strategy.load_state_dict(sync_state)
@@ -220,7 +227,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 ray.train.report({"step": step + 1}, checkpoint=ray.train.Checkpoint.from_directory(d))
             window_t += time.perf_counter() - t0
             measure_s += time.perf_counter() - t0
-        _maybe_inject_fault(cfg, rank, step + 1)
+        maybe_inject_fault(cfg.fault.kill_worker_at_step, cfg.fault.kill_rank, cfg.output_dir, "retriever", rank, step + 1)
 
     loop_s = time.perf_counter() - loop_start - measure_s
     ran = steps - start_step  # steps of this attempt (after a restart: since the checkpoint)
@@ -250,36 +257,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             Path(d, "meta.json").write_text(json.dumps({"step": steps, "world": world, "final": True, "summary": summary}))
             ckpt = ray.train.Checkpoint.from_directory(d)
         ray.train.report({"step": steps, **summary}, checkpoint=ckpt)
-
-
-def _restart_checkpoint(cfg: Config, fit_id: str, resume_from: Optional[str]) -> Optional[Path]:
-    """The checkpoint to continue from: the latest complete one this fit wrote, else the one the fit was started
-    from (resume=true). Ray Train's own registry can miss a checkpoint that was uploaded just before a worker died
-    (its controller had not polled the report yet), so the storage folder is scanned too."""
-    import ray.train
-
-    candidates = [Path(resume_from)] if resume_from else []
-    given = ray.train.get_checkpoint()
-    if given is not None:
-        candidates.append(Path(given.path))
-    mine = latest_checkpoint(Path(cfg.output_dir, "ray", "retriever").resolve(), fit_id=fit_id)
-    if mine is not None:
-        candidates.append(mine)
-    return max(candidates, key=lambda p: read_meta(p)["step"]) if candidates else None
-
-
-def _maybe_inject_fault(cfg: Config, rank: int, step: int) -> None:
-    """fault.kill_worker_at_step: this worker process dies (no cleanup, like a crash) once per run."""
-    f = cfg.fault
-    if not f.kill_worker_at_step or step != f.kill_worker_at_step or rank != f.kill_rank:
-        return
-    marker = Path(cfg.output_dir, "ray", f".fault_injected_rank{rank}_step{step}")
-    if marker.exists():  # the restarted worker passes this step again: it must not die twice
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text("killed")
-    print(f"[fault] rank {rank} exits at step {step} (fault.kill_worker_at_step)", flush=True)
-    os._exit(1)
 
 
 def _emit(metrics: dict[str, float], step: int, steps: int, rank: int, sink: Optional[MetricSink]) -> None:

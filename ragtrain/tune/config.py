@@ -8,13 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-
-def _check(ok: bool, key: str, msg: str, value: Any) -> None:
-    # ragtrain.config imports this module, so its ConfigError is imported at call time (it is loaded by then).
-    if not ok:
-        from ragtrain.config import ConfigError
-
-        raise ConfigError(f"{key} {msg}, got {value!r}")
+from ragtrain.errors import check as _check
 
 
 TUNE_SCHEDULERS = ("fifo", "asha")

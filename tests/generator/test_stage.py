@@ -17,13 +17,15 @@ from ragtrain.index.faiss_index import IndexMismatchError
 from tests.conftest import compose, tiny_overrides
 
 
+def _overrides() -> list[str]:
+    return ["generator=tiny_t5", "stages=[retriever,index,generator]", "generator.dropout=0.0",
+            "generator.train.max_steps=6", "generator.train.batch_size=4", "generator.train.log_every=1",
+            "generator.train.checkpoint_every=3", "generator.train.warmup_steps=2", "generator.train.oracle_steps=2",
+            "generator.eval.max_new_tokens=4", "resources.trainer.num_workers=2"]
+
+
 def _cfg(tmp: Path, *extra: str):
-    return to_typed(compose(tiny_overrides(tmp) + [
-        "generator=tiny_t5", "stages=[retriever,index,generator]", "generator.dropout=0.0",
-        "generator.train.max_steps=6", "generator.train.batch_size=4", "generator.train.log_every=1",
-        "generator.train.checkpoint_every=3", "generator.train.warmup_steps=2", "generator.train.oracle_steps=2",
-        "generator.eval.max_new_tokens=4",
-        "resources.trainer.num_workers=2", *extra]))
+    return to_typed(compose(tiny_overrides(tmp) + _overrides() + list(extra)))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,9 @@ def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
     ckpts = sorted(c for c in (out / "ray" / "generator").glob("checkpoint_*") if c.is_dir())
     assert len(ckpts) == 2  # step 3 and the final one (num_to_keep=2)
     assert all((c / "generator.safetensors").exists() for c in ckpts)
-    assert not list(out.rglob("*.pt")) and not list(out.rglob("*.bin")) and not list(out.rglob("*.pkl"))
+    assert not list(out.rglob("*.bin")) and not list(out.rglob("*.pkl"))
+    states = list(out.rglob("rank*_state.pt"))  # the step-3 checkpoint's optimizer/RNG state, one per rank
+    assert len(states) == 2 and all(torch.load(p, weights_only=True)["step"] == 3 for p in states)
     # The saved weights reproduce the run's own oracle predictions.
     g = cfg.generator
     model = load_generator(cfg, out / "generator")
@@ -122,6 +126,64 @@ def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -
     assert len(one) == len(two) == 6
     assert one == pytest.approx([h["loss"] for h in two], rel=1e-5)  # measured: <= 1.1e-7
     assert one[-1] < one[0]  # and it learns
+
+
+def _stage(cfg, built, name: str):
+    """One generator stage run into its own MLflow run; returns (results, the run's gen_train/loss history)."""
+    from mlflow.tracking import MlflowClient
+
+    from ragtrain.generator.stage import run_generator_stage
+    from ragtrain.track.mlflow import RunLogger
+
+    _, _, data, retrieval, index = built
+    logger = RunLogger(cfg.logger, run_name=name)
+    try:
+        results = run_generator_stage(cfg, data, retrieval, index, Path(cfg.output_dir), logger)
+    finally:
+        logger.end()
+    losses = MlflowClient(logger.uri).get_metric_history(logger.run_id, "gen_train/loss")
+    return results, sorted((m.step, m.value) for m in losses)
+
+
+def _assert_same_run(results, losses, clean_results, clean_cfg) -> None:
+    """Logged step sequence 1..6 without gap or repeat, losses and EM/F1 equal to the uninterrupted run's."""
+    clean = json.loads((Path(clean_cfg.output_dir) / "generator" / "loss_history.json").read_text())
+    assert [s for s, _ in losses] == [1, 2, 3, 4, 5, 6]
+    assert [v for _, v in losses] == pytest.approx([h["loss"] for h in clean], rel=1e-5)
+    for phase in ("gen_closed_book", "gen_rag", "gen_oracle"):
+        for k in ("em", "f1"):
+            assert results[phase][k] == pytest.approx(clean_results[phase][k], abs=1e-6), (phase, k)
+
+
+def test_killed_worker_restarts_from_its_checkpoint_and_matches_a_clean_run(built, stage_run) -> None:
+    from ragtrain.checkpoint import fault_marker
+
+    tmp, clean_cfg, *_ = built
+    # rank 1 dies after step 4; the group restarts from the step-3 checkpoint (optimizer, schedule, RNG, history)
+    cfg = _cfg(tmp / "killed", "fault.max_failures=1", "fault.kill_worker_at_step=4", "fault.kill_rank=1")
+    results, losses = _stage(cfg, built, "generator-killed")
+    assert fault_marker(cfg.output_dir, "generator", 1, 4).exists()  # it really died
+    _assert_same_run(results, losses, stage_run[0], clean_cfg)
+
+
+def test_interrupted_stage_resumes_to_the_same_result(built, stage_run) -> None:
+    tmp, clean_cfg, *_ = built
+    cfg = _cfg(tmp / "resumed", "fault.max_failures=0", "fault.kill_worker_at_step=5", "fault.kill_rank=0")
+    with pytest.raises(Exception):  # no restarts allowed: the stage stops at the kill
+        _stage(cfg, built, "generator-interrupted")
+    assert not (Path(cfg.output_dir) / "generator" / "predictions.json").exists()
+    resumed = to_typed(compose(tiny_overrides(tmp / "resumed") + [
+        *[o for o in _overrides() if not o.startswith("fault.")], "resume=true"]))
+    results, losses = _stage(resumed, built, "generator-resumed")  # a new MLflow run: only steps 4..6 are in it
+    assert [s for s, _ in losses] == [4, 5, 6]
+    clean = json.loads((Path(clean_cfg.output_dir) / "generator" / "loss_history.json").read_text())
+    assert [v for _, v in losses] == pytest.approx([h["loss"] for h in clean][3:], rel=1e-5)
+    saved = json.loads((Path(cfg.output_dir) / "generator" / "loss_history.json").read_text())
+    assert [h["step"] for h in saved] == [1, 2, 3, 4, 5, 6]  # the history from before the interruption is kept
+    _assert_same_run(results, [(h["step"], h["loss"]) for h in saved], stage_run[0], clean_cfg)
+    # a second resume finds the finished stage and reuses it instead of training again
+    again, _ = _stage(resumed, built, "generator-resumed-again")
+    assert again["gen_rag"] == results["gen_rag"] and again["gen_train"]["steps"] == 6
 
 
 def test_missing_index_fails_before_training(built, tmp_path) -> None:

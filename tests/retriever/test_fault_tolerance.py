@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from ragtrain.config import to_typed
 from ragtrain.pipeline import run
-from ragtrain.retriever.checkpoint import CheckpointError, latest_checkpoint, load_train_state
+from ragtrain.checkpoint import CheckpointError, latest_checkpoint, load_train_state
 from tests.conftest import compose, tiny_overrides
 
 STEPS, EVERY, KILL_AT = 12, 4, 6
@@ -45,7 +45,7 @@ def test_killed_worker_restarts_from_checkpoint_and_matches_a_clean_run(clean, t
     clean_cfg, clean_results = clean
     cfg = _cfg(tmp_path, "killed", "fault.max_failures=1", f"fault.kill_worker_at_step={KILL_AT}", "fault.kill_rank=1")
     results = run(cfg)
-    assert (Path(cfg.output_dir) / "ray" / f".fault_injected_rank1_step{KILL_AT}").exists()  # it really died
+    assert (Path(cfg.output_dir) / "ray" / f".fault_injected_retriever_rank1_step{KILL_AT}").exists()  # it really died
     steps = [s for s, _ in _history(cfg)]
     assert steps == list(range(1, STEPS + 1))  # no gap, no repeat across the restart
     for (s, a), (_, b) in zip(_history(cfg), _history(clean_cfg)):
