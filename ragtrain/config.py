@@ -131,10 +131,18 @@ class IndexConfig:
     # > 0: after training, also map the zero-shot (stale) index onto the trained encoder's space with an
     # orthogonal Procrustes map fitted on this many anchor passages (ragtrain/sync/align.py), and evaluate it
     align_anchors: int = 0
+    # > 0 (sync=vector_avg): after training, distill one student encoder (initialised from the replicas'
+    # parameter mean) onto the consensus vectors for this many steps, index it and evaluate it (ragtrain/sync/distill.py)
+    distill_steps: int = 0
+    distill_lr: float = 5e-5
+    distill_batch_size: int = 32
 
     def __post_init__(self) -> None:
         _check(bool(self.factory.strip()), "index.factory", "must be a faiss index_factory string", self.factory)
         _check(self.align_anchors >= 0, "index.align_anchors", "must be >= 0", self.align_anchors)
+        _check(self.distill_steps >= 0, "index.distill_steps", "must be >= 0", self.distill_steps)
+        _check(self.distill_lr > 0, "index.distill_lr", "must be > 0", self.distill_lr)
+        _check(self.distill_batch_size > 0, "index.distill_batch_size", "must be > 0", self.distill_batch_size)
         for key in ("batch_size", "shard_size", "top_k", "nprobe", "ef_search"):
             _check(getattr(self, key) > 0, f"index.{key}", "must be > 0", getattr(self, key))
 
@@ -317,6 +325,9 @@ class Config:
         bad = [s for s in self.stages if s not in STAGES]
         _check(not bad, "stages", f"has unknown stage(s) {bad}; valid choices: {list(STAGES)}", self.stages)
         _check(bool(self.stages), "stages", f"is empty: nothing to do; valid choices: {list(STAGES)}", self.stages)
+        vector_avg = self.sync.strategy == "vector_avg" or "vector_avg" in self.compare.strategies
+        _check(not self.index.distill_steps or vector_avg, "index.distill_steps",
+               "needs sync=vector_avg (the student learns the replicas' consensus vectors)", self.index.distill_steps)
 
 
 def register_configs() -> None:

@@ -57,8 +57,11 @@ class Retrieval:
 
     
         if self._pool is None:
+            from ragtrain.cluster.resources import record_placement_group
+
             self._pool = EncoderPool(self.cfg.retriever, self.cfg.resources.pool)
             self._pool.fault_shard = self.cfg.fault.kill_pool_actor_at_shard  # fault injection (tests)
+            record_placement_group(self.cfg.output_dir, self._pool.placement_group)  # a stopped trial's reaper
         return self._pool
 
     def release(self) -> None:
@@ -313,8 +316,19 @@ def run(
             replicas = fit.replicas if train else []
             if replicas:  # vector_avg: first the parameter mean, for comparison; then the mean of the vectors
                 _, results["param_avg"] = retrieval.build_and_evaluate("param_avg", [weights], encoder_name, step)
+                param_vecs = retrieval.vectors
             name = f"vector_avg of {len(replicas)} replicas in {out / 'encoder'}" if replicas else encoder_name
             index, results[phase] = retrieval.build_and_evaluate(phase, replicas or [weights], name, step)
+            if replicas:
+                from ragtrain.sync.align import embedding_drift
+
+                results["param_avg"]["drift_vs_consensus"] = embedding_drift(param_vecs, retrieval.vectors)
+            if replicas and cfg.index.distill_steps:  # one student encoder that serves the consensus index
+                from ragtrain.sync.distill import distill_consensus
+
+                kept = index, retrieval.vectors, retrieval.snapshots
+                _, results["distilled"] = distill_consensus(retrieval, weights, step)
+                index, retrieval.vectors, retrieval.snapshots = kept  # the run's index stays the consensus one
             if stale is not None and not replicas:  # align the stale index instead of re-encoding it: how close?
                 results.update(retrieval.evaluate_stale(stale, step))
             index.save(out / "index")

@@ -68,6 +68,8 @@ def test_bad_enum_lists_choices() -> None:
         ("index.top_k=0", "index.top_k"),
         ("stages=[retriever,bogus]", "stages"),
         ("data.source=beir", "data.root"),
+        ("index.distill_steps=10", "index.distill_steps"),  # needs sync=vector_avg
+        ("index.distill_lr=0", "index.distill_lr"),
     ],
 )
 def test_out_of_range_values_name_the_key(override: str, key: str, tmp_path: Path) -> None:
@@ -107,6 +109,11 @@ def test_override_variants_apply_their_keys(tmp_path) -> None:
     assert variants["live_refresh"].refresh.enabled and variants["live_refresh"].refresh.every_steps == 15
     assert variants["live_refresh"].output_dir == str(tmp_path / "live_refresh")
     assert [v.zeroshot_eval for v in variants.values()] == [True, False, False]
+
+
+def test_distill_with_vector_avg_validates(tmp_path) -> None:
+    cfg = to_typed(compose(["experiment=quickstart", "sync=vector_avg", "index.distill_steps=10", f"output_dir={tmp_path}"]))
+    assert cfg.index.distill_steps == 10
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ragtrain.config import ResourcesConfig
 
@@ -100,3 +100,37 @@ def check_config(res: ResourcesConfig, together: bool = False, nodes: Optional[l
     # nodes, and the pipeline also reserves it first (the zero-shot index is built before training starts).
     for what, bundle, count in sorted(groups, key=lambda g: -len([v for v in g[1].values() if v])):
         check_feasible(what, bundle, count, nodes, free)
+
+
+# Placement groups made inside a Tune trial (the encoder pool's, Ray Train's worker group) belong to the sweep's
+# job, not to the trial: when ASHA stops a trial, they outlive it. Ray Train's own PlacementGroupCleaner needs the
+# State API (the dashboard), which a minimal Ray install lacks, so a stopped trial's 2 CPUs stayed reserved and the
+# next trial waited forever. Each trial therefore records its groups, and the sweep removes them when it ends.
+PLACEMENT_GROUPS_FILE = "placement_groups.txt"
+
+
+def record_placement_group(output_dir: str | Path, pg: Any) -> None:
+    """Append `pg`'s id to <output_dir>/placement_groups.txt (None: not in a placement group, nothing to do)."""
+    if pg is None:
+        return
+    path = Path(output_dir, PLACEMENT_GROUPS_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(pg.id.hex() + "\n")
+
+
+def remove_recorded_placement_groups(output_dir: str | Path) -> int:
+    """Remove the placement groups recorded under `output_dir` that still hold (or wait for) resources."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    path = Path(output_dir, PLACEMENT_GROUPS_FILE)
+    if not path.exists():
+        return 0
+    removed = 0
+    for hex_id in sorted(set(path.read_text().split())):
+        pg = PlacementGroup(PlacementGroupID(bytes.fromhex(hex_id)))
+        if placement_group_table(pg).get("state") in ("PENDING", "CREATED", "RESCHEDULING"):
+            remove_placement_group(pg)
+            removed += 1
+    return removed

@@ -30,7 +30,7 @@ from ragtrain.checkpoint import (
     restart_checkpoint,
     save_train_state,
 )
-from ragtrain.cluster.resources import WORKER_ENV
+from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config
 from ragtrain.generator.config import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
 from ragtrain.generator.metrics import score
@@ -188,6 +188,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
+    if rank == 0:  # Ray Train's worker group: a sweep removes it if this trial is stopped (cluster/resources.py)
+        record_placement_group(cfg.output_dir, ray.util.get_current_placement_group())
     data: GenData = ray.get(config["data_ref"])
     client: RetrievalClient = config["retrieval"]
 

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ragtrain.cluster.resources import WORKER_ENV
+from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config
 from ragtrain.retriever.batching import TrainData, local_batch, steps_per_epoch
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
@@ -103,6 +103,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
+    if rank == 0:  # Ray Train's worker group: a sweep removes it if this trial is stopped (cluster/resources.py)
+        record_placement_group(cfg.output_dir, ray.util.get_current_placement_group())
 
     data: TrainData = ray.get(config["data_ref"])
     encoder = build_encoder(cfg.retriever)

@@ -9,7 +9,7 @@ Loss: mean squared error between unit vectors, i.e. 2 - 2 cos(student(x), refere
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -85,3 +85,35 @@ def distill(
         losses.append(loss.item())
     student.eval()
     return proj, losses
+
+
+def distill_consensus(retrieval: Any, mean_weights: dict[str, torch.Tensor], step: int) -> tuple[Any, dict[str, float]]:
+    """Pipeline phase `distilled` (sync=vector_avg, index.distill_steps > 0): call right after the consensus build.
+
+    The reference is the consensus: the re-normalised mean of every replica's vectors, for the corpus (the index
+    just built) and the training queries. One student, initialised from the replicas' parameter mean, learns it on
+    the driver; the pool then indexes the corpus with the student alone and the split is evaluated with it.
+    Returns (the student's index, its metrics incl. drift_vs_consensus: mean 1 - cos of its corpus vectors to the
+    consensus vectors)."""
+    from ragtrain.retriever.encoder import build_encoder, load_tokenizer
+    from ragtrain.sync.align import embedding_drift
+
+    cfg = retrieval.cfg
+    idx, r = cfg.index, cfg.retriever
+    consensus = retrieval.vectors  # the corpus under every replica (set by the vector_avg build)
+    queries = [retrieval.data.queries[q] for q in sorted(retrieval.data.train_qrels)]
+    qvecs = retrieval.encode(queries, r.query_max_length, progress=False)[0] if queries else consensus[:0]
+    texts = list(retrieval.passages) + queries
+    reference = np.concatenate([consensus, qvecs]).astype(np.float32)
+
+    encoder = build_encoder(r)
+    encoder.load_state_dict(mean_weights)
+    student = StudentEncoder(encoder)
+    torch.manual_seed(cfg.seed)
+    _, losses = distill(student, load_tokenizer(r), texts, reference, r.passage_max_length, steps=idx.distill_steps,
+                        batch_size=idx.distill_batch_size, lr=idx.distill_lr, seed=cfg.seed)
+    weights = {k: v.detach().clone() for k, v in student.encoder.state_dict().items()}
+    index, metrics = retrieval.build_and_evaluate("distilled", [weights], f"{r.model}@distilled", step)
+    return index, {**metrics, "drift_vs_consensus": embedding_drift(retrieval.vectors, consensus),
+                   "loss_first": float(np.mean(losses[:10])), "loss_last": float(np.mean(losses[-10:])),
+                   "steps": float(idx.distill_steps), "texts": float(len(texts))}

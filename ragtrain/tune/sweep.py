@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import pandas as pd
 from omegaconf import OmegaConf
+from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from ragtrain.config import Config, ConfigError, to_flat_dict
@@ -217,6 +218,36 @@ def run_trial(config: dict[str, Any], ctx: TrialContext) -> None:
     tune.report(final_metrics(results))
 
 
+class PlacementGroupReaper(Callback):
+    """Removes the placement groups a trial recorded once it ends (ASHA stop, error or completion).
+
+    They belong to the sweep's job, so they outlive a stopped trial and would keep its CPUs from the next one.
+    Ended trials are swept again whenever a trial starts: a trial's Train controller can outlive the trial actor by
+    a moment and reserve once more."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.ended: list[str] = []
+
+    def _reap(self) -> None:
+        from ragtrain.cluster.resources import remove_recorded_placement_groups
+
+        for trial_id in self.ended:
+            n = remove_recorded_placement_groups(Path(self.out_dir, "trials", trial_id))
+            if n:
+                print(f"[tune] removed {n} placement group(s) left by trial {trial_id}")
+
+    def on_trial_start(self, iteration: int, trials: list, trial, **info) -> None:
+        self._reap()
+
+    def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
+        self.ended.append(trial.trial_id)
+        self._reap()
+
+    def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
+        self.on_trial_complete(iteration, trials, trial)
+
+
 def trial_dirname(trial) -> str:
     """Tune's folder for a trial: its id (stable across resume)."""
     return trial.trial_id
@@ -322,7 +353,8 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
                 search_alg=_searcher(t, concurrency), scheduler=_scheduler(t), num_samples=t.num_samples,
                 trial_dirname_creator=trial_dirname,
             ),
-            run_config=tune.RunConfig(name=NAME, storage_path=str(plan.experiment_path.parent), callbacks=callbacks,
+            run_config=tune.RunConfig(name=NAME, storage_path=str(plan.experiment_path.parent),
+                                      callbacks=[PlacementGroupReaper(str(plan.out_dir)), *(callbacks or [])],
                                       failure_config=tune.FailureConfig(max_failures=0)),
         )
     print(f"[tune] {len(plan.params)} swept key(s), up to {concurrency} trial(s) at once; "

@@ -15,9 +15,14 @@ from tests.conftest import compose, tiny_overrides
 
 
 def test_vector_avg_index_is_mean_of_replica_vectors(ray_session, tmp_path) -> None:
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "sync=vector_avg", "zeroshot_eval=false"]))
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "sync=vector_avg", "zeroshot_eval=false",
+                            "retriever.train.lr=5e-3", "index.distill_steps=100", "index.distill_lr=1e-4"]))
     results = run(cfg)
-    assert {"param_avg", "trained", "train"} <= set(results)
+    assert {"param_avg", "trained", "train", "distilled"} <= set(results)
+    # distilled: one student, started from the parameter mean, moves its vectors toward the consensus vectors
+    start, end = results["param_avg"]["drift_vs_consensus"], results["distilled"]["drift_vs_consensus"]
+    assert start > 0 and end < 0.5 * start, (start, end)
+    assert results["distilled"]["loss_last"] < results["distilled"]["loss_first"]
 
     enc_dir = tmp_path / "out" / "encoder"
     replicas = [load_file(str(enc_dir / f"replica_{r}.safetensors")) for r in range(2)]
@@ -29,7 +34,7 @@ def test_vector_avg_index_is_mean_of_replica_vectors(ray_session, tmp_path) -> N
 
     data = make_synthetic(num_entities=cfg.data.num_entities, seed=cfg.data.seed)
     index = load_index(tmp_path / "out" / "index", expect_corpus=data.fingerprint())
-    assert "vector_avg" in index.meta.encoder
+    assert "vector_avg" in index.meta.encoder  # the saved index is the consensus one, not the student's
     texts = [p.full_text() for p in data.corpus.values()][:10]
     tok = load_tokenizer(cfg.retriever)
     vecs = []

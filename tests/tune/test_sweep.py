@@ -133,6 +133,20 @@ def test_asha_stops_the_absurd_lr_early(server_sweep) -> None:
     assert good_run.data.metrics["trained/ndcg_at_10"] == pytest.approx(good["trained/ndcg@10"])
 
 
+def test_stopped_trial_leaves_no_placement_group(server_sweep) -> None:
+    """ASHA's stop kills the trial actor, but its groups belong to the sweep's job: the sweep removes them."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    cfg, result, _, _ = server_sweep
+    for trial_id, stopped in zip(result.trials["trial_id"], result.trials["stopped_early"]):
+        ids = set((Path(cfg.output_dir) / "trials" / trial_id / "placement_groups.txt").read_text().split())
+        # Ray Train's worker group; a finished trial also the encoder pool's (stopped ones never reached the index)
+        assert len(ids) >= (1 if stopped else 2), (trial_id, ids)
+        states = {placement_group_table(PlacementGroup(PlacementGroupID(bytes.fromhex(i))))["state"] for i in ids}
+        assert states == {"REMOVED"}, (trial_id, states)
+
+
 def test_best_config_is_ready_to_run(server_sweep) -> None:
     cfg, result, uri, tmp = server_sweep
     assert result.best is not None and result.best["values"]["retriever.train.lr"] == GOOD_LR
