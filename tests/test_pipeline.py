@@ -116,3 +116,20 @@ def test_generator_alone_needs_a_saved_index(tmp_path) -> None:
     cfg = to_typed(compose(["experiment=rag_quickstart", *tiny_overrides(tmp_path), "stages=[generator]"]))
     with pytest.raises(FileNotFoundError, match="needs a retrieval index and there is none"):
         run(cfg)
+
+
+def test_same_seed_same_weights_with_dropout(ray_session, tmp_path) -> None:
+    """Dropout draws from torch's generator in each worker: two runs of one config must train the same weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = []
+    for name in ("a", "b"):
+        cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path / name), "zeroshot_eval=false",
+                                "stages=[retriever]", "logger=none", "retriever.tiny.dropout=0.1",
+                                "retriever.train.lr=1e-3"]))
+        assert cfg.retriever.tiny.dropout == 0.1
+        run(cfg)
+        weights.append(load_file(str(Path(cfg.output_dir) / "encoder" / "encoder.safetensors")))
+    for k in weights[0]:
+        torch.testing.assert_close(weights[0][k], weights[1][k], rtol=0, atol=1e-6)

@@ -105,6 +105,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     if rank == 0:  # Ray Train's worker group: a sweep removes it if this trial is stopped (cluster/resources.py)
         record_placement_group(cfg.output_dir, ray.util.get_current_placement_group())
+    # Dropout draws from torch's default generator: seed it per (seed, rank), or two runs of one config differ.
+    # (A restart then restores the checkpoint's RNG state over this.)
+    torch.manual_seed(t.seed * 10007 + rank)
 
     data: TrainData = ray.get(config["data_ref"])
     encoder = build_encoder(cfg.retriever)
