@@ -100,18 +100,22 @@ def curves_plot(
     curves: dict[str, list[tuple[int, float]]], path: str | Path, *, groups: dict[str, str] | None = None,
     title: str = "", ylabel: str = "", xlabel: str = "step",
 ) -> Path:
-    """One line per run (label -> [(step, value)]); runs of the same group share a colour."""
+    """One line per run (label -> [(step, value)]); runs of the same group share a colour, told apart by line style."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
     names = sorted(set((groups or {}).values()))
+    seen: dict[str | None, int] = {}  # group -> runs drawn so far
     for label, points in curves.items():
         if not points:
             continue
         g = (groups or {}).get(label)
         c = palette[names.index(g) % len(palette)] if g in names else None
+        nth = seen[g] = seen.get(g, -1) + 1
         steps, values = zip(*points)
-        ax.plot(steps, values, marker="o", markersize=3, label=label, color=c)
+        ax.plot(steps, values, marker="o", markersize=3, label=label, color=c,
+                linestyle=styles[nth % len(styles)] if g in names else "-")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
