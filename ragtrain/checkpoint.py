@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -110,6 +111,29 @@ def restart_checkpoint(storage: str | Path, fit_id: str, resume_from: Optional[s
     if mine is not None:
         candidates.append(mine)
     return max(candidates, key=lambda p: read_meta(p)["step"]) if candidates else None
+
+
+def restore_in_worker(storage: str | Path, config: dict[str, Any], rank: int, world: int, model: nn.Module,
+                      optim: torch.optim.Optimizer, sched: Any, sink: Any, stage: str) -> tuple[int, dict[str, Any], Any]:
+    """Inside a Train worker: continue from `restart_checkpoint` if there is one (a worker-group restart under
+    fault.max_failures, or resume=true). Returns (first step to run, the stage's extra state or {}, the metric
+    sink), the sink set to skip (key, step) pairs the run already holds, since the steps after the checkpoint are
+    replayed and must be logged once."""
+    path = restart_checkpoint(storage, config["fit_id"], config.get("resume_from"))
+    if path is None:
+        return 0, {}, sink
+    step, extra = load_train_state(path, rank, world, model, optim, sched)
+    if sink is not None:
+        sink = replace(sink, skip_logged=True)
+    if rank == 0:
+        print(f"[{stage}] resumed at step {step} from {path}", flush=True)
+    return step, extra, sink
+
+
+def resume_point(storage: str | Path, resume: bool) -> tuple[Optional[Path], dict[str, Any]]:
+    """On the driver, resume=true: the stage's latest complete checkpoint and its meta (None, {} otherwise)."""
+    path = latest_checkpoint(storage) if resume else None
+    return path, (read_meta(path) if path is not None else {})
 
 
 def maybe_inject_fault(kill_at: int, kill_rank: int, output_dir: str, stage: str, rank: int, step: int) -> None:

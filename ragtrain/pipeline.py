@@ -126,16 +126,16 @@ class Retrieval:
         """Vectors of `texts` under the current snapshots (their re-normalised mean when there are several)."""
         import ray
 
-        total, stats = None, {}
+        from ragtrain.sync.vector_avg import consensus_vectors
+
+        assert self.snapshots, "build() sets the snapshots first"
+        per_snapshot, stats = [], {}
         for version, weights in self.snapshots:
             if self.pool.version != version:
                 self.pool.set_weights(version, ray.put(weights))
             vecs, stats = self.pool.encode(texts, max_length, self.cfg.index, progress=progress, desc=desc)
-            total = vecs if total is None else total + vecs
-        assert total is not None, "build() sets the snapshots first"
-        if len(self.snapshots) > 1:
-            total /= np.linalg.norm(total, axis=1, keepdims=True).clip(min=1e-12)
-        return total, stats
+            per_snapshot.append(vecs)
+        return consensus_vectors(per_snapshot), stats
 
     def search(self, index, qids: list[str], k: int) -> dict[str, list[str]]:
         """Encode queries like the index's passages and retrieve the top-k doc ids for each."""

@@ -52,18 +52,14 @@ class Searcher:
     def __init__(self, payload: IndexPayload, num_threads: int = 0):
         import faiss
 
+        from ragtrain.index.faiss_index import set_search_params
         from ragtrain.retriever.encoder import build_encoder, load_tokenizer
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.p = payload
         self.index = faiss.deserialize_index(payload.index_bytes)
-        ps = faiss.ParameterSpace()
-        for name, value in (("nprobe", payload.nprobe), ("efSearch", payload.ef_search)):
-            try:
-                ps.set_index_parameter(self.index, name, value)
-            except RuntimeError:
-                pass  # this index type has no such knob
+        set_search_params(self.index, payload.nprobe, payload.ef_search)
         self.models = []
         for w in payload.weights:
             m = build_encoder(payload.retriever)
@@ -74,15 +70,11 @@ class Searcher:
     def encode(self, texts: Sequence[str], max_length: int) -> np.ndarray:
         """Vectors like the index's (mean of the snapshots' unit vectors, re-normalised, when several)."""
         from ragtrain.retriever.encoder import encode_texts
+        from ragtrain.sync.vector_avg import consensus_vectors
 
-        total = None
-        for m in self.models:
-            v = encode_texts(m, self.tokenizer, list(texts), max_length, precision=Precision(self.p.precision)).numpy()
-            total = v if total is None else total + v
-        assert total is not None
-        if len(self.models) > 1:
-            total /= np.linalg.norm(total, axis=1, keepdims=True).clip(min=1e-12)
-        return total
+        return consensus_vectors([
+            encode_texts(m, self.tokenizer, list(texts), max_length, precision=Precision(self.p.precision)).numpy()
+            for m in self.models])
 
     def search(self, questions: Sequence[str], k: int) -> list[list[str]]:
         """Top-k doc ids for each question."""

@@ -22,14 +22,7 @@ from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 
-from ragtrain.checkpoint import (
-    latest_checkpoint,
-    load_train_state,
-    maybe_inject_fault,
-    read_meta,
-    restart_checkpoint,
-    save_train_state,
-)
+from ragtrain.checkpoint import maybe_inject_fault, restore_in_worker, resume_point, save_train_state
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config
 from ragtrain.generator.config import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
@@ -43,6 +36,7 @@ from ragtrain.generator.model import (
 )
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.retrieval import RetrievalClient
+from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink
 
 WEIGHTS_FILE = "generator.safetensors"
@@ -207,24 +201,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     warm = min(t.warmup_steps, steps - 1) if steps > 1 else 0
-    # Linear warm-up, then linear decay to 0.
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lambda s: (s + 1) / max(1, warm) if s < warm else max(0.0, (steps - s) / max(1, steps - warm)))
+    sched = warmup_linear_decay(optim, warm, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=GenPrecision(t.precision) == GenPrecision.fp16)
     sampler = Sampler(len(data.train), t.seed)
     sink: Optional[MetricSink] = config.get("sink") if rank == 0 else None
     history: list[dict[str, float]] = []
-    start_step = 0
-    # a worker-group restart (fault.max_failures) or resume=true: continue exactly where the checkpoint stopped
-    resume = restart_checkpoint(_storage(cfg), config["fit_id"], config.get("resume_from"))
-    if resume is not None:
-        start_step, extra = load_train_state(resume, rank, world, model.hf, optim, sched)
+    start_step, extra, sink = restore_in_worker(_storage(cfg), config, rank, world, model.hf, optim, sched, sink,
+                                                "generator")
+    if start_step:
         scaler.load_state_dict(extra["scaler"])
         history = list(extra["history"])
-        if sink is not None:  # steps after the checkpoint are replayed only if they were logged: log each once
-            sink = replace(sink, skip_logged=True)
-        if rank == 0:
-            print(f"[generator] resumed at step {start_step} from {resume}", flush=True)
     if sink is not None:
         sink.warm_up()
 
@@ -354,12 +340,12 @@ def fit_generator(cfg: Config, data: GenData, client: RetrievalClient, sink: Opt
     # Workers may run in another directory: they get the absolute output folder (checkpoint scans, fault markers).
     cfg = replace(cfg, output_dir=str(Path(cfg.output_dir).resolve()))
     start = time.perf_counter()
-    start_from = latest_checkpoint(_storage(cfg)) if cfg.resume else None
-    if start_from is not None and read_meta(start_from).get("final"):  # trained and evaluated before: reuse it
+    start_from, meta = resume_point(_storage(cfg), cfg.resume)
+    if meta.get("final"):  # trained and evaluated before: reuse it
         print(f"[generator] resume: the stage finished before ({start_from}); using its results")
-        return _result(cfg, start_from, read_meta(start_from)["summary"], out_dir, start)
+        return _result(cfg, start_from, meta["summary"], out_dir, start)
     if start_from is not None:
-        print(f"[generator] resume from step {read_meta(start_from)['step']}: {start_from}")
+        print(f"[generator] resume from step {meta['step']}: {start_from}")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "data_ref": ray.put(data), "retrieval": client, "sink": sink,

@@ -39,6 +39,16 @@ class IndexMeta:
     extra: dict = field(default_factory=dict)
 
 
+def set_search_params(index: faiss.Index, nprobe: int, ef_search: int) -> None:
+    """Set IVF nprobe and HNSW efSearch on a raw faiss index, where its type has them."""
+    ps = faiss.ParameterSpace()
+    for name, value in (("nprobe", nprobe), ("efSearch", ef_search)):
+        try:
+            ps.set_index_parameter(index, name, value)
+        except RuntimeError:
+            pass  # this index type has no such parameter (e.g. Flat has neither): nothing to set
+
+
 class DenseIndex:
     """A FAISS index plus the doc ids of its rows and its metadata."""
 
@@ -47,12 +57,7 @@ class DenseIndex:
 
     def set_search_params(self, nprobe: int = 16, ef_search: int = 128) -> None:
         """Apply search-time knobs where the index type has them (IVF nprobe, HNSW efSearch)."""
-        ps = faiss.ParameterSpace()
-        for name, value in (("nprobe", nprobe), ("efSearch", ef_search)):
-            try:
-                ps.set_index_parameter(self.index, name, value)
-            except RuntimeError:
-                pass  # this index type has no such parameter (e.g. Flat has neither): nothing to set
+        set_search_params(self.index, nprobe, ef_search)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (scores, row positions) for each query row; positions are -1 where fewer than k exist."""

@@ -23,16 +23,10 @@ from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config
 from ragtrain.retriever.batching import TrainData, local_batch, steps_per_epoch
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
-from ragtrain.checkpoint import (
-    latest_checkpoint,
-    load_train_state,
-    maybe_inject_fault,
-    read_meta,
-    restart_checkpoint,
-    save_train_state,
-)
+from ragtrain.checkpoint import maybe_inject_fault, restore_in_worker, resume_point, save_train_state
 from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.retriever.loss import contrastive_loss
+from ragtrain.schedule import warmup_linear_decay
 from ragtrain.sync.base import build_sync
 from ragtrain.sync.comm import STATS
 from ragtrain.sync.metrics import drift_metrics
@@ -129,21 +123,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     global_batch = t.batch_size * world
     optim = torch.optim.AdamW(encoder.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     warmup = int(t.warmup_ratio * steps)
-    # Linear warm-up then linear decay to 0 (the BERT/sentence-transformers schedule).
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (steps - s) / max(1, steps - warmup))
-    )
+    sched = warmup_linear_decay(optim, warmup, steps)
     sink: Optional[MetricSink] = config.get("sink") if rank == 0 else None
-    start_step = 0
-    # a worker-group restart (fault.max_failures) or resume=true
-    resume = restart_checkpoint(Path(cfg.output_dir, "ray", "retriever"), config["fit_id"], config.get("resume_from"))
-    if resume is not None:
-        start_step, sync_state = load_train_state(resume, rank, world, encoder, optim, sched)
+    start_step, sync_state, sink = restore_in_worker(Path(cfg.output_dir, "ray", "retriever"), config, rank, world,
+                                                     encoder, optim, sched, sink, "retriever")
+    if start_step:
         strategy.load_state_dict(sync_state)
-        if sink is not None:  # steps after the checkpoint are replayed: log each (key, step) once
-            sink = replace(sink, skip_logged=True)
-        if rank == 0:
-            print(f"[retriever] resumed at step {start_step} from {resume}")
     if sink is not None:
         sink.warm_up()  # before step 0: rank 1 would otherwise wait ~2.5 s for rank 0 at the first collective
 
@@ -303,14 +288,13 @@ def fit_retriever(
     # Workers may run in another directory: they get the absolute output folder (checkpoint scans, fault markers).
     cfg = replace(cfg, output_dir=str(Path(cfg.output_dir).resolve()))
     storage = Path(cfg.output_dir, "ray")
-    start_from = latest_checkpoint(storage / "retriever") if resume else None
-    if start_from is not None and json.loads((start_from / "meta.json").read_text()).get("final"):
-        meta = json.loads((start_from / "meta.json").read_text())  # training had finished: nothing to redo
+    start_from, meta = resume_point(storage / "retriever", resume)
+    if meta.get("final"):  # training had finished: nothing to redo
         print(f"[retriever] resume: training finished before ({start_from}); using its weights")
         replicas = [load_weights(start_from, p.stem) for p in sorted(start_from.glob("replica_*.safetensors"))]
         return FitResult(load_weights(start_from), meta["summary"], str(start_from), steps, 0.0, replicas)
     if start_from is not None:
-        print(f"[retriever] resume from step {read_meta(start_from)['step']}: {start_from}")
+        print(f"[retriever] resume from step {meta['step']}: {start_from}")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={

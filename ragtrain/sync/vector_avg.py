@@ -8,8 +8,17 @@ parameter-averaged model (`param_avg`) on the same split, so the two kinds of co
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
+
+
+def consensus_vectors(per_replica: list[np.ndarray]) -> np.ndarray:
+    """The re-normalised mean of the replicas' vectors (one replica: its vectors unchanged)."""
+    if len(per_replica) == 1:
+        return per_replica[0]
+    total = np.sum(per_replica, axis=0)
+    return total / np.linalg.norm(total, axis=1, keepdims=True).clip(min=1e-12)
 
 from ragtrain.config import SyncConfig
 
