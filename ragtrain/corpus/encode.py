@@ -1,0 +1,316 @@
+"""Corpus encoding as a Ray Data stage: rows {id, text} -> `map_batches(EncodeBatch)` -> parquet vector shards.
+
+`EncodeBatch` is the one encoder-side function: Ray Data runs it in an actor pool for the corpus
+(`encode_to_shards`), and the driver runs the same class in-process for the few query texts of a search
+(`LocalEncoder`). Each actor builds the encoder from the RetrieverConfig and loads the weights snapshot from the
+object store once, in `__init__`; then it embeds one batch of rows per call (`ragtrain.retriever.encoder.encode_texts`:
+length-sorted inner batches, bf16 autocast when asked) and returns (id, vector) rows that Ray Data writes as
+parquet shards under `<output_dir>/vectors/<tag>/` while the next batches encode. The driver never holds the
+vectors: it gets back a `ShardSet` (folder, files, row count, dim), and FAISS is built from the files
+(`ragtrain/index/shards.py`).
+
+Fault tolerance is Ray Data's: the actors are started with `max_restarts` / `max_task_retries`, so a batch whose
+actor died is retried on the restarted actor, and its output is written once (tested with an injected death:
+`fault.kill_encode_actor_at_batch`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
+
+VECTOR_DTYPES = ("float32", "float16")
+SHARDS_META = "shards.json"  # written last: a folder without it is an unfinished encode
+MAX_ACTOR_RESTARTS = 3  # a dead encode actor is restarted this many times; its batch is retried on it
+# Leave this much of the cluster's CPU to Ray Data's own read / write tasks: an actor pool that claims every
+# logical CPU starves them and the stream stalls.
+IO_CPU_RESERVE = 0.5
+# The encode actors' environment: OpenMP threads wait passively (shared cores; see cluster/resources.WORKER_ENV).
+ACTOR_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+             "TRANSFORMERS_OFFLINE": "1"}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size (VmHWM) in MB (Linux; 0.0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def encoder_dim(cfg: RetrieverConfig) -> int:
+    """The vector dimension the configured encoder produces, without building it (checks before encoding)."""
+    if cfg.model == "tiny":
+        return int(cfg.tiny.hidden_size)
+    from transformers import AutoConfig
+
+    from ragtrain.retriever.encoder import resolve_model_path
+
+    return int(AutoConfig.from_pretrained(resolve_model_path(cfg.model)).hidden_size)
+
+
+@dataclass
+class EncodeFault:
+    """Fault injection (tests): the first actor to reach its batch number `at_batch` (0-based) exits with
+    os._exit(1), once per `marker` file (the marker is created atomically just before the exit)."""
+
+    at_batch: int
+    marker: str
+
+
+class EncodeBatch:
+    """A `map_batches` callable class: one encoder replica per actor, loaded once; embeds one batch per call.
+
+    batch in: {"id": [...], "text": [...]} (numpy); out: a pyarrow table {id: string, vector: fixed_size_list<dtype>}.
+    """
+
+    def __init__(self, retriever: RetrieverConfig, weights: Any, max_length: int, batch_size: int = 64,
+                 precision: str = "fp32", vector_dtype: str = "float32", num_threads: Optional[int] = None,
+                 fault: Optional[EncodeFault] = None, stats_dir: Optional[str] = None):
+        import ray
+        import torch
+
+        from ragtrain.retriever.encoder import build_encoder, load_tokenizer
+
+        if vector_dtype not in VECTOR_DTYPES:
+            raise ValueError(f"vector_dtype={vector_dtype!r} must be one of {list(VECTOR_DTYPES)}")
+        if num_threads:  # Ray sets OMP_NUM_THREADS from num_cpus, but torch may have read it already
+            torch.set_num_threads(max(1, int(num_threads)))
+        if isinstance(weights, list) and len(weights) == 1:
+            weights = weights[0]  # [ObjectRef]: wrapped so nothing on the way resolves it early
+        if isinstance(weights, ray.ObjectRef):
+            weights = ray.get(weights)  # each actor fetches the snapshot once from the object store
+        self.device = torch.device("cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu")
+        self.model = build_encoder(retriever)
+        self.model.load_state_dict(weights, strict=True)
+        self.model.to(self.device).eval()
+        self.tokenizer = load_tokenizer(retriever)
+        self.max_length, self.batch_size = int(max_length), int(batch_size)
+        self.precision, self.vector_dtype = Precision(precision), np.dtype(vector_dtype)
+        self.fault, self.stats_dir = fault, stats_dir
+        self.batches = self.rows = 0
+        self.seconds = 0.0
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """[len(texts), dim] fp32 unit vectors in input order (the shared encode function)."""
+        from ragtrain.retriever.encoder import encode_texts
+
+        vecs = encode_texts(self.model, self.tokenizer, list(texts), self.max_length, self.batch_size, self.precision,
+                            device=self.device)
+        return vecs.numpy()
+
+    def __call__(self, batch: dict[str, np.ndarray]):
+        import pyarrow as pa
+
+        f = self.fault
+        if f is not None and self.batches == f.at_batch:
+            try:  # the first actor to get here dies, as in a crash (no cleanup, no exception)
+                os.close(os.open(f.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                os._exit(1)
+            except FileExistsError:
+                pass  # it already fired once
+        start = time.perf_counter()
+        vecs = self.encode([str(t) for t in batch["text"]]).astype(self.vector_dtype, copy=False)
+        self.seconds += time.perf_counter() - start
+        self.batches += 1
+        self.rows += len(vecs)
+        if self.stats_dir:  # per-actor figures for benchmarks: rows, encode seconds, peak RSS
+            Path(self.stats_dir, f"{os.getpid()}.json").write_text(json.dumps(
+                {"pid": os.getpid(), "batches": self.batches, "rows": self.rows, "seconds": self.seconds,
+                 "peak_rss_mb": peak_rss_mb()}))
+        dim = vecs.shape[1] if vecs.ndim == 2 else 0
+        flat = pa.array(vecs.reshape(-1), type=pa.from_numpy_dtype(self.vector_dtype))
+        return pa.table({"id": pa.array([str(i) for i in batch["id"]], type=pa.string()),
+                         "vector": pa.FixedSizeListArray.from_arrays(flat, dim)})
+
+
+class LocalEncoder:
+    """`EncodeBatch` in this process, for a few texts (search queries): the same encode function as the corpus."""
+
+    def __init__(self, retriever: RetrieverConfig, weights: dict, index: IndexConfig):
+        self._enc = EncodeBatch(retriever, weights, retriever.passage_max_length, index.batch_size,
+                                Precision(index.precision).value)
+
+    def encode(self, texts: Sequence[str], max_length: int) -> np.ndarray:
+        self._enc.max_length = int(max_length)
+        return self._enc.encode(texts)
+
+
+@dataclass
+class ShardSet:
+    """Vector shards on disk: parquet files of (id, vector) rows, and their summary (`shards.json`)."""
+
+    folder: str
+    files: list[str]
+    rows: int
+    dim: int
+    dtype: str
+    seconds: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def docs_per_s(self) -> float:
+        return self.rows / max(self.seconds, 1e-9)
+
+    def iter_shards(self, columns: Sequence[str] = ("id", "vector")) -> Iterator[tuple[list[str], np.ndarray]]:
+        """(ids, [n, dim] vectors in the stored dtype) per shard file, in file order; one file in memory at a time."""
+        import pyarrow.parquet as pq
+
+        for f in self.files:
+            t = pq.read_table(Path(self.folder, f), columns=list(columns))
+            ids = t.column("id").to_pylist()
+            vec = t.column("vector").combine_chunks()
+            arr = vec.flatten().to_numpy(zero_copy_only=False).reshape(len(vec), self.dim) if len(vec) else \
+                np.empty((0, self.dim), dtype=self.dtype)
+            yield ids, arr
+
+    def ids(self) -> list[str]:
+        """Every row's id in shard order (ids only: the vectors are not read)."""
+        import pyarrow.parquet as pq
+
+        out: list[str] = []
+        for f in self.files:
+            out.extend(pq.read_table(Path(self.folder, f), columns=["id"]).column("id").to_pylist())
+        return out
+
+    def read_all(self, order: Optional[Sequence[str]] = None) -> tuple[list[str], np.ndarray]:
+        """All (ids, fp32 vectors); with `order`, rows are returned in that id order. For small corpora only
+        (tests, the live-refresh service's version 0, stale-index alignment): this is the whole matrix."""
+        ids: list[str] = []
+        out = np.empty((self.rows, self.dim), dtype=np.float32)
+        for shard_ids, vecs in self.iter_shards():
+            out[len(ids) : len(ids) + len(shard_ids)] = vecs
+            ids.extend(shard_ids)
+        if order is not None:
+            pos = {d: i for i, d in enumerate(ids)}
+            missing = [d for d in order if d not in pos]
+            if missing or len(order) != len(ids):
+                raise ValueError(f"{self.folder}: shards hold {len(ids)} ids, asked for {len(order)} "
+                                 f"({len(missing)} missing, e.g. {missing[:3]})")
+            out = out[[pos[d] for d in order]]
+            ids = list(order)
+        return ids, out
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "ShardSet":
+        meta = Path(folder, SHARDS_META)
+        if not meta.exists():
+            raise FileNotFoundError(f"{meta} is missing: {folder} is not a finished vector-shard folder")
+        d = json.loads(meta.read_text())
+        d["folder"] = str(Path(folder).resolve())
+        return cls(**d)
+
+
+def actor_cpus(pool: PoolResources) -> float:
+    """CPUs each encode actor reserves: resources.pool.cpus_per_actor, shrunk when the pool would claim every CPU
+    of the cluster (Ray Data's read/write tasks need a little); torch still runs int(cpus_per_actor) threads."""
+    import ray
+
+    total = float(ray.cluster_resources().get("CPU", 0.0))
+    want = pool.cpus_per_actor * pool.num_actors
+    if total and want > total - IO_CPU_RESERVE:
+        return max(0.05, (total - IO_CPU_RESERVE) / pool.num_actors)
+    return float(pool.cpus_per_actor)
+
+
+def rows_dataset(ids: Sequence[str], texts: Sequence[str], rows_per_block: int = 4096):
+    """A Ray Data dataset of rows {id, text} from in-memory lists (the corpus loaders' output), in blocks."""
+    import ray
+
+    if len(ids) != len(texts):
+        raise ValueError(f"{len(ids)} ids but {len(texts)} texts")
+    blocks = max(1, -(-len(ids) // rows_per_block))
+    return ray.data.from_items([{"id": str(i), "text": t} for i, t in zip(ids, texts)], override_num_blocks=blocks)
+
+
+def encode_to_shards(
+    rows: Any,
+    weights_ref: Any,
+    retriever: RetrieverConfig,
+    index: IndexConfig,
+    pool: PoolResources,
+    out_dir: str | Path,
+    *,
+    max_length: Optional[int] = None,
+    vector_dtype: str = "float32",
+    fault: Optional[EncodeFault] = None,
+    stats_dir: Optional[str] = None,
+    progress: bool = False,
+    num_gpus_per_actor: float = 0.0,
+    preserve_order: bool = True,
+) -> ShardSet:
+    """Encode a dataset of rows {id, text} into parquet shards under `out_dir` (replaced if it exists).
+
+    rows: a `ray.data.Dataset` with columns id and text (streamed: read -> clean -> chunk -> encode -> write), or a
+    (ids, texts) pair of lists. weights_ref: an ObjectRef of the encoder's state dict (`ray.put` once). The actor
+    pool: `pool.num_actors` actors x `actor_cpus(pool)` CPUs (+ `num_gpus_per_actor`, + custom resources such as
+    index_node), `index.shard_size` rows per call, `index.batch_size` texts per forward pass, `index.precision`.
+    """
+    from ray.data import DataContext
+
+    if vector_dtype not in VECTOR_DTYPES:
+        raise ValueError(f"vector_dtype={vector_dtype!r} must be one of {list(VECTOR_DTYPES)}")
+    if isinstance(rows, tuple):
+        rows = rows_dataset(*rows, rows_per_block=index.shard_size)  # one block per call: every actor gets work
+    out = Path(out_dir).resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Bounded retries (Ray Data's default is unlimited: a batch that kills every actor would loop forever). Ray
+    # 2.60 has no named parameter for these yet, so they go through ray_remote_args (its deprecation warning is muted).
+    remote_args: dict[str, Any] = {"max_restarts": MAX_ACTOR_RESTARTS, "max_task_retries": MAX_ACTOR_RESTARTS}
+    ctx = DataContext.get_current()
+    saved = ctx.enable_progress_bars, ctx.execution_options.preserve_order
+    ctx.enable_progress_bars, ctx.execution_options.preserve_order = progress, preserve_order
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            ds = rows.map_batches(
+                EncodeBatch,
+                fn_constructor_kwargs=dict(
+                    retriever=retriever, weights=[weights_ref], max_length=max_length or retriever.passage_max_length,
+                    batch_size=index.batch_size, precision=Precision(index.precision).value, vector_dtype=vector_dtype,
+                    num_threads=max(1, int(pool.cpus_per_actor)), fault=fault, stats_dir=stats_dir),
+                batch_size=index.shard_size,
+                batch_format="numpy",
+                concurrency=pool.num_actors,
+                num_cpus=actor_cpus(pool),
+                num_gpus=num_gpus_per_actor or None,
+                resources={k: float(v) for k, v in pool.resources.items()} or None,  # e.g. index_node
+                runtime_env={"env_vars": ACTOR_ENV},
+                **remote_args,
+            )
+        ds.write_parquet(str(out))
+    finally:
+        ctx.enable_progress_bars, ctx.execution_options.preserve_order = saved
+    seconds = time.perf_counter() - start
+    files = sorted(p.name for p in out.glob("*.parquet"))
+    import pyarrow.parquet as pq
+
+    n, dim = 0, 0
+    for f in files:
+        md = pq.read_metadata(out / f)
+        n += md.num_rows
+        if not dim and md.num_rows:
+            dim = int(pq.read_schema(out / f).field("vector").type.list_size)
+    if n == 0:
+        raise ValueError("encode_to_shards: the dataset had no rows to encode")
+    shards = ShardSet(str(out), files, n, dim, vector_dtype, seconds)
+    meta = asdict(shards)
+    meta.pop("folder")
+    (out / SHARDS_META).write_text(json.dumps(meta, indent=2))
+    return shards

@@ -1,0 +1,190 @@
+"""FAISS from vector shards: check the factory first, train IVF/PQ on a seeded sample, add shard by shard.
+
+The index holds the rows in shard order (the ids come from the shards), so the caller never needs the whole vector
+matrix: only one shard file is in memory at a time next to the index itself. A Flat index built this way equals
+one built from all vectors at once (same ids, same scores; tested), and so does a trained index whose training
+sample covers the corpus (`train_size >= rows`). Saving goes through a temporary folder renamed on success.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import faiss
+import numpy as np
+
+from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta
+
+if TYPE_CHECKING:
+    from ragtrain.config import IndexConfig
+    from ragtrain.corpus.encode import ShardSet
+
+POINTS_PER_CENTROID = 256  # faiss k-means subsamples to this many points per centroid anyway
+
+
+def _make(factory: str, dim: int) -> faiss.Index:
+    try:
+        return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:
+        raise ValueError(
+            f"index.factory={factory!r} is not a valid faiss index_factory string for dim {dim} "
+            f"(e.g. Flat, IVF64,Flat, HNSW32, IVF64,PQ16 — PQ's M must divide the dim): {str(e).strip().splitlines()[-1]}"
+        ) from None
+
+
+def _pq(index: faiss.Index):
+    """The product quantiser of an index (IVF-PQ or PQ), or None."""
+    ivf = faiss.try_extract_index_ivf(index)
+    inner = faiss.downcast_index(ivf if ivf is not None else index)
+    return getattr(inner, "pq", None)
+
+
+def training_points(factory: str, dim: int) -> int:
+    """How many training vectors the factory's quantisers can use (0: the type needs no training)."""
+    index = _make(factory, dim)
+    if index.is_trained:
+        return 0
+    need = 1
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        need = max(need, POINTS_PER_CENTROID * ivf.nlist)
+    pq = _pq(index)
+    if pq is not None:
+        need = max(need, POINTS_PER_CENTROID * pq.ksub)
+    return need
+
+
+def check_index_config(factory: str, dim: int, rows: int) -> None:
+    """Refuse, before any encoding or training, a factory FAISS rejects or one the corpus is too small to train."""
+    index = _make(factory, dim)
+    if index.is_trained:
+        return
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None and ivf.nlist > rows:
+        raise ValueError(
+            f"index.factory={factory!r} asks for {ivf.nlist} IVF lists but the corpus has only {rows} "
+            "vectors: use fewer lists (faiss recommends >= 39 training vectors per list)"
+        )
+    pq = _pq(index)
+    if pq is not None and pq.ksub > rows:
+        raise ValueError(
+            f"index.factory={factory!r}: its product quantiser needs >= {pq.ksub} training vectors ({pq.nbits}-bit "
+            f"codes) but the corpus has only {rows}: use fewer bits (e.g. PQ16x4) or a Flat index"
+        )
+
+
+def _sample(shards: "ShardSet", size: int, seed: int) -> np.ndarray:
+    """fp32 rows at seeded random positions, in corpus (shard) order; read shard by shard."""
+    pick = np.sort(np.random.default_rng(seed).choice(shards.rows, size=size, replace=False))
+    out = np.empty((size, shards.dim), dtype=np.float32)
+    start = got = 0
+    for _, vecs in shards.iter_shards(columns=("id", "vector")):
+        end = start + len(vecs)
+        lo, hi = np.searchsorted(pick, [start, end])
+        out[got : got + hi - lo] = vecs[pick[lo:hi] - start]
+        got += hi - lo
+        start = end
+    return out
+
+
+def build_from_shards(
+    shards: "ShardSet | str | Path",
+    factory: str,
+    corpus_fingerprint: str,
+    encoder: str,
+    encoder_step: int = 0,
+    precision: str = "fp32",
+    seed: int = 0,
+    train_size: Optional[int] = None,
+) -> DenseIndex:
+    """An inner-product index of every shard row; ids in shard order.
+
+    Trained types (IVF, PQ) train on a seeded sample of `train_size` rows (default: what their quantisers use,
+    256 per centroid, capped at the corpus), then every shard is added in turn.
+    """
+    from ragtrain.corpus.encode import ShardSet
+
+    if not isinstance(shards, ShardSet):
+        shards = ShardSet.load(shards)
+    check_index_config(factory, shards.dim, shards.rows)
+    start = time.perf_counter()
+    index = _make(factory, shards.dim)
+    sampled = 0
+    if not index.is_trained:
+        ivf = faiss.try_extract_index_ivf(index)
+        if ivf is not None:
+            ivf.cp.seed = seed  # k-means initialisation is random: make it reproducible
+        inner = faiss.downcast_index(ivf if ivf is not None else index)
+        if hasattr(inner, "do_polysemous_training"):
+            inner.do_polysemous_training = False  # ~13 CPU-s per build for a search mode we never use
+        if hasattr(inner, "pq"):
+            inner.pq.cp.seed = seed
+        sampled = min(shards.rows, train_size or training_points(factory, shards.dim))
+        try:
+            index.train(_sample(shards, sampled, seed))
+        except RuntimeError as e:
+            raise ValueError(f"index.factory={factory!r} could not be trained on {sampled} vectors: "
+                             f"{str(e).strip().splitlines()[-1]}") from None
+    doc_ids: list[str] = []
+    for ids, vecs in shards.iter_shards():
+        index.add(np.ascontiguousarray(vecs, dtype=np.float32))
+        doc_ids.extend(ids)
+    if len(set(doc_ids)) != len(doc_ids):  # a retried batch written twice would show up here
+        raise ValueError(f"{shards.folder}: {len(doc_ids) - len(set(doc_ids))} duplicate passage ids in the shards")
+    meta = IndexMeta(factory=factory, dim=int(shards.dim), metric=METRIC, ntotal=int(index.ntotal),
+                     corpus_fingerprint=corpus_fingerprint, encoder=encoder, encoder_step=encoder_step,
+                     precision=precision, build_seconds=time.perf_counter() - start,
+                     extra={"shards": len(shards.files), "train_rows": sampled, "vector_dtype": shards.dtype})
+    return DenseIndex(index, doc_ids, meta)
+
+
+def build_configured_from_shards(shards: "ShardSet | str | Path", idx: "IndexConfig", corpus_fingerprint: str,
+                                 encoder: str, encoder_step: int, seed: int) -> DenseIndex:
+    """`build_from_shards` with the `index` config group's factory, precision and search parameters."""
+    index = build_from_shards(shards, idx.factory, corpus_fingerprint, encoder, encoder_step, idx.precision.value, seed)
+    index.set_search_params(idx.nprobe, idx.ef_search)
+    return index
+
+
+def save_atomic(index: DenseIndex, folder: str | Path) -> Path:
+    """`DenseIndex.save` into `<folder>.tmp-<pid>`, renamed to `folder` on success (an old index is replaced only
+    once the new one is complete; a failed save leaves the old one untouched)."""
+    folder = Path(folder)
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    old = folder.with_name(f"{folder.name}.old-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        index.save(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def build_and_save_remote(shard_folder: str, factory: str, out_folder: str, corpus_fingerprint: str, encoder: str,
+                          seed: int = 0, num_cpus: float = 1.0, resources: Optional[dict] = None) -> dict:
+    """Build from shards and save in a Ray task (e.g. on an `index_node`): the driver gets metadata only.
+    Returns the index metadata plus the task's peak RSS (MB)."""
+    import ray
+
+    @ray.remote(num_cpus=num_cpus, resources=resources or None)
+    def _build() -> dict:
+        from dataclasses import asdict
+
+        from ragtrain.corpus.encode import peak_rss_mb
+
+        faiss.omp_set_num_threads(max(1, int(num_cpus)))
+        index = build_from_shards(shard_folder, factory, corpus_fingerprint, encoder, seed=seed)
+        save_atomic(index, out_folder)
+        return {**asdict(index.meta), "peak_rss_mb": peak_rss_mb()}
+
+    return ray.get(_build.remote())
