@@ -46,9 +46,14 @@ def main(cfg: DictConfig) -> None:
 
         run_sync_compare(variants, typed.output_dir)
         return
+    from ragtrain.data.types import DataError
     from ragtrain.pipeline import run
 
-    run(typed)
+    try:
+        run(typed)
+    except (ConfigError, DataError) as e:  # bad input found while loading data: one line, before any encoding
+        print(f"{'config' if isinstance(e, ConfigError) else 'data'} error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

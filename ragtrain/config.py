@@ -34,6 +34,12 @@ class Pooling(str, Enum):
 class DataSource(str, Enum):
     synthetic = "synthetic"
     beir = "beir"
+    documents = "documents"  # a folder of raw documents (ragtrain/corpus): txt, md, html, jsonl, parquet
+
+
+class OnError(str, Enum):
+    fail = "fail"
+    skip = "skip"
 
 
 class LoggerBackend(str, Enum):
@@ -42,16 +48,53 @@ class LoggerBackend(str, Enum):
 
 
 @dataclass
+class ChunkConfig:
+    """Split documents into passages with the retriever's tokenizer (ragtrain/corpus/chunk.py)."""
+
+    enabled: bool = False
+    max_tokens: int = 128  # tokens of a passage, its prepended title included (special tokens excluded)
+    overlap: int = 32  # tokens shared by consecutive windows of one document
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens > 0, "data.chunk.max_tokens", "must be > 0", self.max_tokens)
+        _check(self.overlap >= 0, "data.chunk.overlap", "must be >= 0", self.overlap)
+        _check(self.overlap < self.max_tokens, "data.chunk.overlap",
+               f"must be < data.chunk.max_tokens ({self.max_tokens})", self.overlap)
+
+
+@dataclass
 class DataConfig:
     source: DataSource = DataSource.synthetic
-    root: Optional[str] = None  # BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/<split>.tsv)
+    # beir: a BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/<split>.tsv); documents: a folder of documents
+    # (+ queries.jsonl, qrels/<split>.tsv); synthetic: must stay unset (the KB is generated)
+    root: Optional[str] = None
     split: str = "dev"  # evaluated split; dev is carved from train (seeded) when qrels/dev.tsv is absent
     dev_size: int = 100
     seed: int = 0
-    num_entities: int = 200  # synthetic KB size
+    num_entities: int = 200  # synthetic KB size (and the generated documents' entity count)
+    glob: str = "**/*"  # documents: which files under data.root are read (recursive by default)
+    on_error: OnError = OnError.fail  # documents: an unreadable, binary or non-UTF-8 file fails the run or is skipped
+    # documents: write ragtrain's generated article folder (ragtrain/corpus/docs_synthetic.py) into
+    # <output_dir>/docs and read it; data.root must then stay unset
+    generate: bool = False
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
 
     def __post_init__(self) -> None:
+        choices = [s.value for s in DataSource]
+        _check(self.source != DataSource.synthetic or self.root is None, "data.root",
+               f"is set but data=synthetic generates its data and would ignore it; choose data=beir (a BEIR "
+               f"folder) or data=documents (a folder of documents); data.source choices: {choices}", self.root)
         _check(self.source != DataSource.beir or bool(self.root), "data.root", "must be set for data.source=beir", self.root)
+        if self.source == DataSource.documents:
+            _check(bool(self.root) or self.generate, "data.root",
+                   "must be set for data.source=documents (or data.generate=true)", self.root)
+            _check(not (self.root and self.generate), "data.root",
+                   "must stay unset with data.generate=true (the folder is written to <output_dir>/docs)", self.root)
+        _check(not self.generate or self.source == DataSource.documents, "data.generate",
+               "needs data.source=documents", self.generate)
+        _check(bool(self.glob.strip()), "data.glob", "must be a glob pattern relative to data.root", self.glob)
+        _check(not self.chunk.enabled or self.source != DataSource.synthetic, "data.chunk.enabled",
+               "needs data=documents or data=beir (synthetic passages are single facts)", self.chunk.enabled)
         _check(self.dev_size > 0, "data.dev_size", "must be > 0", self.dev_size)
         _check(self.num_entities >= 10, "data.num_entities", "must be >= 10", self.num_entities)
 
@@ -124,7 +167,8 @@ class IndexConfig:
     factory: str = "Flat"  # any faiss.index_factory string: Flat, IVF64,Flat, HNSW32, IVF64,PQ16, ...
     precision: Precision = Precision.fp32  # encoding precision of the pool (bf16 autocast: faster, ~1e-4 cosine off)
     batch_size: int = 64
-    shard_size: int = 512  # passages per pool task
+    shard_size: int = 512  # passages per pool task / per Ray Data encode call (one parquet shard each)
+    vector_dtype: str = "float32"  # stored vector shards: float32 | float16 (half the disk; FAISS adds them as fp32)
     top_k: int = 100  # depth retrieved for evaluation
     nprobe: int = 16  # IVF search parameter
     ef_search: int = 128  # HNSW search parameter
@@ -139,6 +183,8 @@ class IndexConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.factory.strip()), "index.factory", "must be a faiss index_factory string", self.factory)
+        _check(self.vector_dtype in ("float32", "float16"), "index.vector_dtype", "must be float32 or float16",
+               self.vector_dtype)
         _check(self.align_anchors >= 0, "index.align_anchors", "must be >= 0", self.align_anchors)
         _check(self.distill_steps >= 0, "index.distill_steps", "must be >= 0", self.distill_steps)
         _check(self.distill_lr > 0, "index.distill_lr", "must be > 0", self.distill_lr)
@@ -164,10 +210,12 @@ class PoolResources:
     num_actors: int = 2
     cpus_per_actor: float = 1.0
     resources: dict[str, float] = field(default_factory=dict)  # e.g. {index_node: 1} pins actors to labelled nodes
+    gpus_per_actor: float = 0.0  # corpus encode actors (Ray Data map_batches num_gpus) on a GPU node
 
     def __post_init__(self) -> None:
         _check(self.num_actors > 0, "resources.pool.num_actors", "must be > 0", self.num_actors)
         _check(self.cpus_per_actor > 0, "resources.pool.cpus_per_actor", "must be > 0", self.cpus_per_actor)
+        _check(self.gpus_per_actor >= 0, "resources.pool.gpus_per_actor", "must be >= 0", self.gpus_per_actor)
 
 
 @dataclass
@@ -281,6 +329,7 @@ class FaultConfig:
     kill_worker_at_step: int = 0  # > 0: rank `kill_rank` exits (os._exit) after this step, once per run
     kill_rank: int = 0
     kill_pool_actor_at_shard: int = -1  # >= 0: the pool actor that gets this shard dies before encoding it, once
+    kill_encode_actor_at_batch: int = -1  # >= 0: the Ray Data encode actor that reaches its batch N dies, once per run
 
     def __post_init__(self) -> None:
         _check(self.max_failures >= -1, "fault.max_failures", "must be >= 0 (or -1: unlimited)", self.max_failures)
@@ -325,6 +374,8 @@ class Config:
         bad = [s for s in self.stages if s not in STAGES]
         _check(not bad, "stages", f"has unknown stage(s) {bad}; valid choices: {list(STAGES)}", self.stages)
         _check(bool(self.stages), "stages", f"is empty: nothing to do; valid choices: {list(STAGES)}", self.stages)
+        _check(not (self.data.chunk.enabled and "generator" in self.stages), "data.chunk.enabled",
+               "is not supported with the generator stage yet (its gold contexts are whole passages)", True)
         vector_avg = self.sync.strategy == "vector_avg" or "vector_avg" in self.compare.strategies
         _check(not self.index.distill_steps or vector_avg, "index.distill_steps",
                "needs sync=vector_avg (the student learns the replicas' consensus vectors)", self.index.distill_steps)

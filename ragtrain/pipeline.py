@@ -12,17 +12,54 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from ragtrain.config import Config, DataConfig, DataSource, to_flat_dict
+from ragtrain.config import Config, DataConfig, DataSource, RetrieverConfig, to_flat_dict
+from ragtrain.corpus.dataset import passage_qrels
 from ragtrain.data import RetrievalData, load_beir, make_synthetic
-from ragtrain.eval.retrieval import evaluate, run_from_scores
+from ragtrain.eval.retrieval import evaluate, maxp_run, run_from_scores
+
+# Chunked corpora: retrieve this many passages per wanted document, so MaxP still leaves index.top_k documents
+MAXP_DEPTH_FACTOR = 10
 
 
-def load_data(cfg: DataConfig) -> RetrievalData:
-    """The configured dataset: the built-in synthetic KB or a BEIR-format folder."""
+def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
+              out_dir: Optional[Path] = None) -> RetrievalData:
+    """The configured dataset: the synthetic KB, a BEIR folder or a documents folder, chunked when configured.
+
+    `retriever` (its tokenizer) is needed for data.chunk.enabled; `out_dir` receives the generated documents
+    (data.generate=true; a temporary folder when None).
+    """
+    from ragtrain.corpus.dataset import check_chunk_budget, check_corpus_ids, chunk_data, load_documents
+
     if cfg.source == DataSource.synthetic:
         return make_synthetic(num_entities=cfg.num_entities, seed=cfg.seed, split=cfg.split)
-    assert cfg.root is not None  # checked by DataConfig
-    return load_beir(cfg.root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed)
+    if cfg.chunk.enabled:  # a chunk the encoder would truncate is a config error: check before reading anything
+        if retriever is None:
+            raise ValueError("load_data: data.chunk.enabled needs the retriever config (its tokenizer)")
+        from ragtrain.retriever.encoder import load_tokenizer
+
+        tokenizer = load_tokenizer(retriever)
+        check_chunk_budget(cfg.chunk.max_tokens, tokenizer.model_max_length, retriever.passage_max_length)
+    if cfg.source == DataSource.beir:
+        assert cfg.root is not None  # checked by DataConfig
+        data = load_beir(cfg.root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed)
+        check_corpus_ids(data, cfg.root)
+    else:
+        root = cfg.root
+        if cfg.generate:  # data.generate=true: ragtrain's own article folder, written deterministically
+            import tempfile
+
+            from ragtrain.corpus.docs_synthetic import write_docs_synthetic
+
+            root = str(Path(out_dir or tempfile.mkdtemp(prefix="ragtrain-docs-")) / "docs")
+            write_docs_synthetic(root, num_entities=cfg.num_entities, seed=cfg.seed)
+        assert root is not None  # checked by DataConfig
+        data, _ = load_documents(root, cfg.glob, cfg.on_error.value, cfg.split, cfg.dev_size, cfg.seed)
+    if cfg.chunk.enabled:
+        n_docs = len(data.corpus)
+        data = chunk_data(data, tokenizer, cfg.chunk.max_tokens, cfg.chunk.overlap)
+        print(f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {cfg.chunk.max_tokens} tokens "
+              f"(overlap {cfg.chunk.overlap})")
+    return data
 
 
 def prepare_output_dir(path: str) -> Path:
@@ -48,11 +85,27 @@ class Retrieval:
         self.doc_ids = list(data.corpus)
         self.passages = [p.full_text() for p in data.corpus.values()]
         self.fingerprint = data.fingerprint()
-        self.vectors: Optional[np.ndarray] = None  # the last build's passage vectors
+        # Training and mining work on passages: with chunks, every chunk of a judged document carries its grade
+        self.train_qrels = passage_qrels(data.train_qrels, data.doc_of)
+        self.shards = None  # the last build's vector shards on disk (ragtrain.corpus.encode.ShardSet)
+        self._vectors: Optional[np.ndarray] = None  # its vectors, read from the shards only when a feature needs them
+        self._local: dict = {}  # snapshot version -> LocalEncoder: queries are encoded in the driver, same function
+
+    @property
+    def vectors(self) -> Optional[np.ndarray]:
+        """The last build's passage vectors in corpus order. Read from its shards on first use: only the live index
+        service's version 0, stale-index alignment and vector_avg/distill need the whole matrix in the driver."""
+        if self._vectors is None and self.shards is not None:
+            self._vectors = self.shards.read_all(order=self.doc_ids)[1]
+        return self._vectors
+
+    @vectors.setter
+    def vectors(self, value: Optional[np.ndarray]) -> None:
+        self._vectors = value
 
     @property
     def pool(self):
-        """The encoder actor pool, started on first use."""
+        """The encoder actor pool of the live index service (refresh.enabled), started on first use."""
         from ragtrain.index.pool import EncoderPool
 
     
@@ -71,19 +124,45 @@ class Retrieval:
             self._pool = None
 
     def build(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str, step: int):
-        """Encode the corpus on the pool and build the FAISS index (returns index, stats).
+        """Encode the corpus on Ray Data into vector shards and build the FAISS index from them (returns index, stats).
 
         One snapshot: its vectors. Several (sync=vector_avg: one per replica): every replica encodes every
         passage and the index holds the re-normalised mean vector; queries are averaged the same way.
         """
-        from ragtrain.index.faiss_index import build_configured
+        import ray
 
+        from ragtrain.corpus.encode import EncodeFault, encode_to_shards, encoder_dim
+        from ragtrain.index.faiss_index import build_configured
+        from ragtrain.index.shards import build_configured_from_shards, check_index_config
+        from ragtrain.sync.vector_avg import consensus_vectors
+
+        cfg, idx = self.cfg, self.cfg.index
+        # A factory FAISS rejects, or more IVF lists than passages: fail before encoding anything
+        check_index_config(idx.factory, encoder_dim(cfg.retriever), len(self.doc_ids))
         self.snapshots = [(f"{tag}/{i}", w) for i, w in enumerate(snapshots)]
-        vecs, stats = self.encode(self.passages, self.cfg.retriever.passage_max_length, f"{tag}: encode corpus")
-        idx = self.cfg.index
-        self.vectors = vecs  # the live index service starts from these instead of encoding the corpus again
-        index = build_configured(vecs, self.doc_ids, idx, self.fingerprint, encoder_name, step, self.cfg.seed)
-        stats["index_build_seconds"] = index.meta.build_seconds
+        self._local, self._vectors = {}, None
+        vec_dir = Path(cfg.output_dir).resolve() / "vectors"
+        fault = None
+        if cfg.fault.kill_encode_actor_at_batch >= 0:  # fault injection (tests): one encode actor dies, once per run
+            vec_dir.mkdir(parents=True, exist_ok=True)
+            fault = EncodeFault(cfg.fault.kill_encode_actor_at_batch, str(vec_dir / ".encode_actor_killed"))
+        sets = []
+        for i, (_, weights) in enumerate(self.snapshots):
+            print(f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data ({cfg.resources.pool.num_actors} actors)")
+            sets.append(encode_to_shards(
+                (self.doc_ids, self.passages), ray.put(weights), cfg.retriever, idx, cfg.resources.pool,
+                vec_dir / (tag if len(self.snapshots) == 1 else f"{tag}_{i}"), vector_dtype=idx.vector_dtype,
+                fault=fault, num_gpus_per_actor=cfg.resources.pool.gpus_per_actor))
+        seconds = sum(s.seconds for s in sets)
+        if len(sets) == 1:  # FAISS from the shards: the driver never holds the vector matrix
+            self.shards = sets[0]
+            index = build_configured_from_shards(sets[0], idx, self.fingerprint, encoder_name, step, cfg.seed)
+        else:
+            self.shards = None
+            self._vectors = consensus_vectors([s.read_all(order=self.doc_ids)[1] for s in sets])
+            index = build_configured(self._vectors, self.doc_ids, idx, self.fingerprint, encoder_name, step, cfg.seed)
+        stats = {"docs": len(self.doc_ids), "seconds": seconds, "docs_per_s": len(self.doc_ids) * len(sets) / seconds,
+                 "index_build_seconds": index.meta.build_seconds}
         return index, stats
 
     def start_service(self, weights: dict[str, torch.Tensor]):
@@ -95,9 +174,9 @@ class Retrieval:
         from ragtrain.index.refresh import IndexService, make_probe
 
         r = self.cfg.refresh
-        qids = sorted(self.data.train_qrels)  # the order of TrainExample.qidx (build_examples)
+        qids = sorted(self.train_qrels)  # the order of TrainExample.qidx (build_examples)
         pos = {d: i for i, d in enumerate(self.doc_ids)}
-        gold = [[pos[d] for d, g in sorted(self.data.train_qrels[q].items()) if g > 0] for q in qids]
+        gold = [[pos[d] for d, g in sorted(self.train_qrels[q].items()) if g > 0] for q in qids]
         queries = [self.data.queries[q] for q in qids]
         probe = make_probe(gold, queries, len(self.doc_ids), r.probe_queries, r.probe_passages, self.cfg.seed)
         # The service builds FAISS indexes: it lives in the pool's placement group (0 CPUs of its own, on the
@@ -123,26 +202,30 @@ class Retrieval:
         return report
 
     def encode(self, texts: list[str], max_length: int, desc: str = "", progress: bool = True) -> tuple[np.ndarray, dict]:
-        """Vectors of `texts` under the current snapshots (their re-normalised mean when there are several)."""
-        import ray
+        """Vectors of a few `texts` (queries) under the current snapshots (their re-normalised mean when there are
+        several), encoded in the driver by the corpus actors' own class (`LocalEncoder` = `EncodeBatch.encode`)."""
+        import time
 
+        from ragtrain.corpus.encode import LocalEncoder
         from ragtrain.sync.vector_avg import consensus_vectors
 
         assert self.snapshots, "build() sets the snapshots first"
-        per_snapshot, stats = [], {}
+        start = time.perf_counter()
+        per_snapshot = []
         for version, weights in self.snapshots:
-            if self.pool.version != version:
-                self.pool.set_weights(version, ray.put(weights))
-            vecs, stats = self.pool.encode(texts, max_length, self.cfg.index, progress=progress, desc=desc)
-            per_snapshot.append(vecs)
-        return consensus_vectors(per_snapshot), stats
+            if version not in self._local:
+                self._local[version] = LocalEncoder(self.cfg.retriever, weights, self.cfg.index)
+            per_snapshot.append(self._local[version].encode(texts, max_length))
+        seconds = time.perf_counter() - start
+        return consensus_vectors(per_snapshot), {"docs": len(texts), "seconds": seconds,
+                                                 "docs_per_s": len(texts) / max(seconds, 1e-9)}
 
     def search(self, index, qids: list[str], k: int) -> dict[str, list[str]]:
         """Encode queries like the index's passages and retrieve the top-k doc ids for each."""
         texts = [self.data.queries[q] for q in qids]
         qv, _ = self.encode(texts, self.cfg.retriever.query_max_length, progress=False)
         _, rows = index.search(qv, k)
-        return run_from_scores(qids, self.doc_ids, rows)
+        return run_from_scores(qids, index.doc_ids, rows)  # the index's row order (shard order)
 
     def build_and_evaluate(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str, step: int):
         """`build`, then `evaluate` on the split; returns (index, metrics incl. the pool's encode docs/s)."""
@@ -170,17 +253,22 @@ class Retrieval:
     def evaluate(self, index) -> dict[str, float]:
         """Retrieval metrics of `index` on the evaluated split."""
         qids = sorted(self.data.eval_qrels)
-        return evaluate(self.search(index, qids, self.cfg.index.top_k), self.data.eval_qrels)
+        k = self.cfg.index.top_k
+        if not self.data.doc_of:
+            return evaluate(self.search(index, qids, k), self.data.eval_qrels)
+        # Chunks: MaxP (a document ranks at its best chunk) before the cut-offs, so qrels stay on documents
+        run = self.search(index, qids, min(len(self.doc_ids), k * MAXP_DEPTH_FACTOR))
+        return evaluate(maxp_run(run, self.data.doc_of, depth=k), self.data.eval_qrels)
 
     def mine_negatives(self, index) -> dict[str, list[int]]:
         """Hard-negative candidates for each training query: top ranks minus the skipped ones minus gold."""
         t = self.cfg.retriever.train
-        qids = sorted(self.data.train_qrels)
+        qids = sorted(self.train_qrels)
         run = self.search(index, qids, t.hard_negative_depth)
         pos = {d: i for i, d in enumerate(self.doc_ids)}
         out = {}
         for q in qids:
-            gold = {d for d, g in self.data.train_qrels[q].items() if g > 0}
+            gold = {d for d, g in self.train_qrels[q].items() if g > 0}  # all chunks of a gold document
             out[q] = [pos[d] for d in run[q][t.hard_negative_skip_top :] if d not in gold]
         return out
 
@@ -224,6 +312,7 @@ def run(
     from ragtrain.cluster.resources import check_config, init_ray
     from ragtrain.retriever.batching import TrainData, build_examples
     from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.index.shards import save_atomic
     from ragtrain.retriever.train import fit_retriever, save_weights
     from ragtrain.track.mlflow import RunLogger
 
@@ -232,7 +321,7 @@ def run(
         raise FileNotFoundError(f"resume=true but output_dir={str(out)!r} holds no earlier run (no config.yaml): "
                                 "point output_dir at the interrupted run's folder")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
-    data = load_data(cfg.data)  # bad data fails here, before Ray or MLflow start
+    data = load_data(cfg.data, cfg.retriever, out)  # bad data fails here, before Ray or MLflow start
     if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training
         from ragtrain.generator.stage import preflight
 
@@ -284,7 +373,7 @@ def run(
                 service, probe = retrieval.start_service(weights)
             else:
                 retrieval.release()  # without refresh the trainer and the pool take turns on the CPUs
-            examples = build_examples(data.queries, data.train_qrels, pos, negatives)
+            examples = build_examples(data.queries, retrieval.train_qrels, pos, negatives)
             try:
                 sink = logger.sink()
                 if sink is not None and cfg.resume:
@@ -331,7 +420,7 @@ def run(
                 index, retrieval.vectors, retrieval.snapshots = kept  # the run's index stays the consensus one
             if stale is not None and not replicas:  # align the stale index instead of re-encoding it: how close?
                 results.update(retrieval.evaluate_stale(stale, step))
-            index.save(out / "index")
+            save_atomic(index, out / "index")  # a temporary folder, renamed when complete
             logger.log_json(asdict(index.meta), "index_meta.json")
 
         if "generator" in cfg.stages:  # retrieves with this run's index, or the saved one (stages: [generator])

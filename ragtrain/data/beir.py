@@ -121,8 +121,8 @@ def _read_queries(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     return queries, answers
 
 
-def _read_qrels(path: Path) -> Qrels:
-    """Parse a ``query-id<TAB>corpus-id<TAB>score`` file into ``{qid: {docid: score}}``."""
+def _read_qrels(path: Path, doc_alias: dict[str, str] | None = None) -> Qrels:
+    """Parse a ``query-id<TAB>corpus-id<TAB>score`` file into ``{qid: {docid: score}}`` (aliases resolved)."""
     qrels: Qrels = {}
     first = True
     for lineno, line in _numbered_lines(path):
@@ -143,6 +143,7 @@ def _read_qrels(path: Path) -> Qrels:
             score = int(raw_score)
         except ValueError:
             raise DataError(f"{where}: score {raw_score!r} is not an integer") from None
+        docid = (doc_alias or {}).get(docid, docid)  # a dropped duplicate document: judge its kept copy
         grades = qrels.setdefault(qid, {})
         # An exact repeat is harmless; conflicting grades mean the file is wrong.
         if docid in grades and grades[docid] != score:
@@ -189,15 +190,20 @@ def _dev_count(dev_size: int | float, n_train: int, train_path: Path) -> int:
     return count
 
 
-def load_beir(root: str | Path, split: str = "dev", dev_size: int | float = 100, seed: int = 0) -> RetrievalData:
-    """Load a BEIR-format folder, carving a dev split from train when there is no qrels/dev.tsv."""
+def load_beir(root: str | Path, split: str = "dev", dev_size: int | float = 100, seed: int = 0,
+              corpus: dict[str, Passage] | None = None, doc_alias: dict[str, str] | None = None) -> RetrievalData:
+    """Load a BEIR-format folder, carving a dev split from train when there is no qrels/dev.tsv.
+
+    With ``corpus`` (a folder of raw documents, ragtrain/corpus) no corpus file is read and qrels ids are checked
+    against that corpus; ``doc_alias`` maps dropped duplicate document ids to the kept ones.
+    """
     root = Path(root)
     if not root.exists():
         raise DataError(f"data root {root} does not exist")
     if not root.is_dir():
         raise DataError(f"data root {root} is not a directory")
     corpus_path = _find_file(root, "corpus.jsonl")
-    if corpus_path is None:
+    if corpus_path is None and corpus is None:
         raise DataError(f"corpus file missing: neither {root / 'corpus.jsonl'} nor {root / 'corpus.jsonl.gz'} exists")
     queries_path = _find_file(root, "queries.jsonl")
     if queries_path is None:
@@ -218,15 +224,17 @@ def load_beir(root: str | Path, split: str = "dev", dev_size: int | float = 100,
             + (", ".join(sorted(choices)) if choices else f"none (no .tsv files in {qrels_dir})")
         )
 
-    corpus = _read_corpus(corpus_path)
+    if corpus is None:
+        assert corpus_path is not None
+        corpus = _read_corpus(corpus_path)
     queries, answers = _read_queries(queries_path)
 
     train: Qrels = {}
     if has_train:
-        train = _read_qrels(train_path)
+        train = _read_qrels(train_path, doc_alias)
         _check_ids(train_path, train, corpus, queries)
     if has_dev:
-        dev = _read_qrels(dev_path)
+        dev = _read_qrels(dev_path, doc_alias)
         _check_ids(dev_path, dev, corpus, queries)
         train_qrels = train
     elif train:
@@ -245,7 +253,7 @@ def load_beir(root: str | Path, split: str = "dev", dev_size: int | float = 100,
         eval_path, eval_qrels = (dev_path if has_dev else train_path), dev
     else:
         eval_path = qrels_dir / f"{split}.tsv"
-        eval_qrels = _read_qrels(eval_path)
+        eval_qrels = _read_qrels(eval_path, doc_alias)
         _check_ids(eval_path, eval_qrels, corpus, queries)
     if not eval_qrels:
         raise DataError(f"{eval_path}: no qrels for split '{split}'")

@@ -24,6 +24,11 @@ class Passage:
     id: str
     title: str
     text: str
+    # A chunk of a longer document (data.chunk.enabled): the document's id and the chunk's character span in the
+    # document's cleaned text (ragtrain/corpus/chunk.py). Empty/0 when the passage is a whole document.
+    doc_id: str = ""
+    start: int = 0
+    end: int = 0
 
     def full_text(self) -> str:
         """Return the text to embed: ``title + " " + text``, stripped (BEIR/MTEB convention)."""
@@ -43,6 +48,9 @@ class RetrievalData:
     eval_qrels: dict[str, dict[str, int]]  # qrels of the evaluated split (``split``)
     split: str  # name of the evaluated split
     answers: dict[str, str] = field(default_factory=dict)  # qid -> short answer (synthetic KB)
+    # passage id -> document id when the corpus holds chunks (qrels stay on documents; evaluation is MaxP over
+    # a document's chunks); empty when every passage is a whole document
+    doc_of: dict[str, str] = field(default_factory=dict)
 
     def fingerprint(self) -> str:
         """Return a sha256 hex digest over the corpus (ids, titles, texts, in corpus order)."""

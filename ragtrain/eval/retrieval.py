@@ -170,3 +170,18 @@ def run_from_scores(ids: Sequence[str], doc_ids: Sequence[str], indices: np.ndar
         )
     # tolist() once: indexing a numpy array element by element is far slower than a list.
     return {qid: [doc_ids[j] for j in row if j != -1] for qid, row in zip(ids, idx.tolist())}
+
+
+def maxp_run(run: Run, doc_of: dict[str, str], depth: int | None = None) -> Run:
+    """Passage rankings -> document rankings (MaxP): a document's score is its best chunk's, so it takes the rank
+    of its first chunk in the list; later chunks of it are dropped before any cut-off. Ids absent from
+    ``doc_of`` are documents already. ``depth`` keeps the first ``depth`` documents."""
+    out: Run = {}
+    for qid, ranked in run.items():
+        docs: dict[str, None] = {}  # insertion-ordered set
+        for pid in ranked:
+            docs.setdefault(doc_of.get(pid, pid), None)
+            if depth is not None and len(docs) >= depth:
+                break
+        out[qid] = list(docs)
+    return out

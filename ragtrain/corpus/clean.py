@@ -1,0 +1,75 @@
+"""Clean documents: Unicode NFC, whitespace normalised, ids checked, exact duplicates dropped by content hash."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections.abc import Iterable
+
+from ragtrain.data.types import DataError
+
+__all__ = ["check_id", "clean", "clean_text", "content_hash", "dedupe"]
+
+_SPACES = re.compile(r"[^\S\n]+")  # any whitespace but a newline (tabs, NBSP, thin spaces, ...)
+_BLANKS = re.compile(r"\n{3,}")
+_BAD_ID = re.compile(r"[\t\n\r\v\f\x85\u2028\u2029]")
+
+
+def clean_text(text: str) -> str:
+    """NFC; line breaks unified; runs of spaces collapsed; lines stripped; at most one blank line in a row."""
+    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
+    # Paragraph breaks survive (one blank line): the chunker prefers them as boundaries.
+    lines = [_SPACES.sub(" ", line).strip() for line in text.split("\n")]
+    return _BLANKS.sub("\n\n", "\n".join(lines)).strip()
+
+
+def check_id(doc_id: str, where: str, kind: str = "document") -> None:
+    """Raise DataError if an id is empty or holds a tab or line break (the index's doc_ids.txt is one id a line)."""
+    if not doc_id.strip():
+        raise DataError(f"{where}: empty {kind} id")
+    m = _BAD_ID.search(doc_id)
+    if m:
+        raise DataError(f"{where}: {kind} id {doc_id!r} contains {m.group()!r} (tabs and line breaks are not "
+                        "allowed in ids: qrels are tab-separated and the saved index lists one id a line)")
+
+
+def clean(doc: dict[str, str]) -> dict[str, str]:
+    """A cleaned copy of {id, title, text, source}: the id checked, text normalised, title on one line."""
+    where = doc.get("source", "?")
+    check_id(doc["id"], where)
+    out = dict(doc)
+    out["title"] = _SPACES.sub(" ", unicodedata.normalize("NFC", doc.get("title", "")).replace("\n", " ")).strip()
+    out["text"] = clean_text(doc["text"])
+    if not out["text"]:
+        raise DataError(f"{where}: document {doc['id']!r} has no text after cleaning")
+    return out
+
+
+def content_hash(doc: dict[str, str]) -> str:
+    """sha256 of the cleaned title and text (length-prefixed so no two documents serialise alike)."""
+    h = hashlib.sha256()
+    for value in (doc["title"], doc["text"]):
+        raw = value.encode("utf-8")
+        h.update(len(raw).to_bytes(8, "big"))
+        h.update(raw)
+    return h.hexdigest()
+
+
+def dedupe(docs: Iterable[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, str]]:
+    """(kept documents in order, {dropped id: kept id}) for cleaned docs; repeated ids raise DataError."""
+    kept: list[dict[str, str]] = []
+    source_of: dict[str, str] = {}
+    first_with: dict[str, str] = {}
+    dropped: dict[str, str] = {}
+    for doc in docs:
+        if doc["id"] in source_of:
+            raise DataError(f"duplicate document id {doc['id']!r}: in {source_of[doc['id']]} and in {doc['source']}")
+        source_of[doc["id"]] = doc.get("source", "?")
+        digest = content_hash(doc)
+        if digest in first_with:  # exact duplicate content: index it once; its qrels point at the kept copy
+            dropped[doc["id"]] = first_with[digest]
+            continue
+        first_with[digest] = doc["id"]
+        kept.append(doc)
+    return kept, dropped

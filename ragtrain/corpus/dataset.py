@@ -1,0 +1,95 @@
+"""Assemble a RetrievalData from a documents folder, chunk any corpus, and map qrels between documents and chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ragtrain.data.beir import load_beir
+from ragtrain.data.types import DataError, Passage, RetrievalData
+from ragtrain.errors import ConfigError
+
+from .chunk import chunk_document
+from .clean import check_id, clean, dedupe
+from .read import FileError, list_documents, read_file
+
+__all__ = ["check_chunk_budget", "check_corpus_ids", "chunk_data", "load_documents", "passage_qrels"]
+
+
+def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail", split: str = "dev",
+                   dev_size: int | float = 100, seed: int = 0,
+                   log: Callable[[str], None] = print) -> tuple[RetrievalData, dict[str, int]]:
+    """(whole-document RetrievalData, report counts) of a documents folder with queries.jsonl + qrels/<split>.tsv."""
+    if on_error not in ("fail", "skip"):
+        raise ConfigError(f"data.on_error must be one of ['fail', 'skip'], got {on_error!r}")
+    root = Path(root)
+    files = list_documents(root, glob)
+    docs, skipped = [], []
+    for path in files:
+        try:
+            # list() so a file failing half-way contributes nothing (all of it or none of it)
+            docs.extend(clean(d) for d in list(read_file(path, root)))
+        except FileError as e:
+            if on_error == "fail":
+                raise DataError(f"{e} (data.on_error=fail; data.on_error=skip skips such files)") from None
+            skipped.append(str(e))
+    for msg in skipped[:5]:
+        log(f"[data] skipped {msg}")
+    if not docs:
+        raise DataError(f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
+                        f"({len(skipped)} skipped with data.on_error=skip)")
+    kept, dropped = dedupe(docs)
+    corpus = {d["id"]: Passage(id=d["id"], title=d["title"], text=d["text"]) for d in kept}
+    data = load_beir(root, split=split, dev_size=dev_size, seed=seed, corpus=corpus, doc_alias=dropped)
+    check_corpus_ids(data, str(root))
+    report = {"files": len(files), "skipped_files": len(skipped), "documents": len(docs),
+              "duplicates_dropped": len(dropped)}
+    log(f"[data] {root}: {len(files)} files, {len(docs)} documents, {len(dropped)} exact duplicates dropped, "
+        f"{len(skipped)} files skipped")
+    return data, report
+
+
+def check_corpus_ids(data: RetrievalData, where: str) -> None:
+    """Reject document and query ids with tabs or line breaks (BEIR folders included)."""
+    for doc_id in data.corpus:
+        check_id(doc_id, where)
+    for qid in data.queries:
+        check_id(qid, where, kind="query")
+
+
+def check_chunk_budget(max_tokens: int, model_max: int, passage_max_length: int, special: int = 2) -> None:
+    """ConfigError if a chunk of `max_tokens` (+ special tokens) would be truncated by the encoder."""
+    limit = min(model_max, passage_max_length) - special
+    if max_tokens > limit:
+        raise ConfigError(f"data.chunk.max_tokens must be <= {limit} (retriever.passage_max_length="
+                          f"{passage_max_length}, encoder maximum {model_max}, minus {special} special tokens), "
+                          f"got {max_tokens}")
+
+
+def chunk_data(data: RetrievalData, tokenizer: Any, max_tokens: int, overlap: int) -> RetrievalData:
+    """The same dataset with every document split into chunk passages; qrels stay on documents (doc_of)."""
+    corpus: dict[str, Passage] = {}
+    doc_of: dict[str, str] = {}
+    for doc in data.corpus.values():
+        record = {"id": doc.id, "title": doc.title, "text": doc.text, "source": f"document {doc.id!r}"}
+        for c in chunk_document(record, tokenizer, max_tokens, overlap):
+            corpus[c["id"]] = Passage(id=c["id"], title=c["title"], text=c["text"], doc_id=doc.id,
+                                      start=c["start"], end=c["end"])
+            doc_of[c["id"]] = doc.id
+    return RetrievalData(name=data.name, corpus=corpus, queries=data.queries, train_qrels=data.train_qrels,
+                         eval_qrels=data.eval_qrels, split=data.split, answers=data.answers, doc_of=doc_of)
+
+
+def passage_qrels(qrels: dict[str, dict[str, int]], doc_of: dict[str, str]) -> dict[str, dict[str, int]]:
+    """Document qrels expanded to passages: every chunk of a judged document gets the document's grade.
+
+    Training uses this: all chunks of a relevant document are positives (and masked as each other's negatives in
+    the loss, `TrainExample.gold`), and hard-negative mining never picks a chunk of a gold document.
+    """
+    if not doc_of:
+        return qrels
+    chunks: dict[str, list[str]] = {}
+    for pid, did in doc_of.items():
+        chunks.setdefault(did, []).append(pid)
+    return {q: {p: g for d, g in grades.items() for p in chunks.get(d, [])} for q, grades in qrels.items()}

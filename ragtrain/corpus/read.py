@@ -1,0 +1,182 @@
+"""Read raw documents: list the files under a root, and read each file into {id, title, text, source} dicts.
+
+Pure Python (no Ray): `list_documents` and `read_file` are called per file, so a Ray Data pipeline can wrap them.
+Supported: .txt, .md/.markdown, .html/.htm (lxml's HTML parser, script/style dropped), .jsonl and .parquet with
+{"_id"|"id", "title"?, "text"}. A document's id is its `_id`/`id` field, else its path relative to the root without
+extension. `queries.jsonl[.gz]` and `qrels/` at the root are BEIR queries and judgments, never documents.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ragtrain.data.types import DataError
+
+__all__ = ["FileError", "SUPPORTED", "is_reserved", "list_documents", "read_file"]
+
+SUPPORTED = (".txt", ".md", ".markdown", ".html", ".htm", ".jsonl", ".parquet")
+_RESERVED_FILES = ("queries.jsonl", "queries.jsonl.gz")
+_RESERVED_DIRS = ("qrels",)
+_H1 = re.compile(r"^#\s+(.+?)\s*#*\s*$")
+_HEADING = re.compile(r"^#{1,6}\s+")
+# Elements whose text is never document text (lxml keeps a dropped element's tail, i.e. the text after it).
+_DROP = "//script | //style | //noscript | //template | //head | //svg | //iframe"
+_BLOCKS = ("p", "div", "br", "li", "ul", "ol", "tr", "table", "section", "article", "header", "footer", "pre",
+           "blockquote", "h1", "h2", "h3", "h4", "h5", "h6", "dt", "dd", "hr", "main", "nav", "aside", "figure")
+
+
+class FileError(DataError):
+    """A whole file cannot be read (unreadable, binary, not UTF-8, corrupt): subject to `data.on_error`."""
+
+
+def is_reserved(rel: Path) -> bool:
+    """Whether a root-relative path is BEIR queries/qrels or hidden (never a document)."""
+    if any(part.startswith(".") for part in rel.parts):
+        return True  # .DS_Store, .git/, editor swap files: not content anyone means to index
+    return rel.as_posix() in _RESERVED_FILES or (len(rel.parts) > 1 and rel.parts[0] in _RESERVED_DIRS)
+
+
+def list_documents(root: str | Path, glob: str = "**/*") -> list[Path]:
+    """Document files under `root` matching `glob`, sorted (deterministic corpus order)."""
+    root = Path(root)
+    if not root.exists():
+        raise DataError(f"data.root={str(root)!r} does not exist")
+    if not root.is_dir():
+        raise DataError(f"data.root={str(root)!r} is not a directory")
+    files = sorted(p for p in root.glob(glob) if p.is_file() and not is_reserved(p.relative_to(root)))
+    if not files:
+        raise DataError(f"data.root={str(root)!r} with data.glob={glob!r} matches no document file "
+                        f"(supported: {', '.join(SUPPORTED)}; queries.jsonl, qrels/ and hidden files are not documents)")
+    return files
+
+
+def read_file(path: str | Path, root: str | Path) -> Iterator[dict[str, str]]:
+    """Yield the documents of one file as {id, title, text, source}; FileError if the file cannot be read."""
+    path, root = Path(path), Path(root)
+    suffix = path.suffix.lower()
+    rel = path.relative_to(root)
+    if suffix == ".parquet":
+        yield from _read_parquet(path)
+        return
+    if suffix not in SUPPORTED:
+        # Every matching file is meant to be a document: an image or PDF in the folder is a problem to report.
+        raise FileError(f"{path}: unsupported file type {suffix or '(no extension)'!r} (supported: {', '.join(SUPPORTED)}); "
+                        "remove it, narrow data.glob, or set data.on_error=skip")
+    raw = _read_bytes(path)
+    text = _decode(path, raw)
+    doc_id = rel.with_suffix("").as_posix()
+    if suffix == ".jsonl":
+        yield from _read_jsonl(path, text)
+    elif suffix in (".html", ".htm"):
+        title, body = html_to_text(raw)
+        yield {"id": doc_id, "title": title, "text": body, "source": str(path)}
+    elif suffix in (".md", ".markdown"):
+        title, body = markdown_to_text(text)
+        yield {"id": doc_id, "title": title, "text": body, "source": str(path)}
+    else:
+        yield {"id": doc_id, "title": "", "text": text, "source": str(path)}
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes; an OS error (permissions, a dangling link) becomes a FileError."""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise FileError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _decode(path: Path, raw: bytes) -> str:
+    """Strict UTF-8 (a leading BOM dropped); NUL bytes mean a binary file."""
+    nul = raw.find(b"\x00")
+    if nul >= 0:  # valid UTF-8 may contain NUL, but no text document does: it is a binary file
+        raise FileError(f"{path}: binary file (NUL byte at byte offset {nul})")
+    try:
+        return raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise FileError(f"{path}: not valid UTF-8 at byte offset {e.start} ({e.reason})") from None
+
+
+def html_to_text(raw: bytes) -> tuple[str, str]:
+    """(title, visible text) of an HTML page: script/style/head dropped, one line per block element."""
+    import lxml.html
+    from lxml import etree
+
+    try:
+        root = lxml.html.document_fromstring(raw, parser=lxml.html.HTMLParser(encoding="utf-8"))
+    except (etree.ParserError, ValueError):  # "Document is empty": no text, reported by the caller
+        return "", ""
+    title = (root.findtext(".//title") or "").strip()
+    for el in root.xpath(_DROP):
+        el.drop_tree()
+    for el in root.iter(*_BLOCKS):
+        el.tail = "\n" + (el.tail or "")  # block boundaries become line breaks (sentence boundaries for chunking)
+    body = root.find("body")
+    text = (body if body is not None else root).text_content()
+    if not title:
+        h1 = root.find(".//h1")
+        title = h1.text_content().strip() if h1 is not None else ""
+        if title and text.lstrip().startswith(title):
+            text = text.lstrip()[len(title):]  # the title is prepended to every chunk: do not repeat it
+    return title, text
+
+
+def markdown_to_text(text: str) -> tuple[str, str]:
+    """(title, text) of a Markdown file: the first `# ` heading is the title; heading markers are dropped."""
+    title, lines = "", []
+    for line in text.splitlines():
+        m = _H1.match(line)
+        if m and not title:
+            title = m.group(1)
+            continue
+        lines.append(_HEADING.sub("", line))
+    return title, "\n".join(lines)
+
+
+def _doc_from_record(obj: Any, where: str) -> dict[str, str]:
+    """Validate one jsonl/parquet record and return {id, title, text, source}."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected an object with _id/id, title, text, got {type(obj).__name__}")
+    doc_id = obj.get("_id", obj.get("id"))
+    if isinstance(doc_id, int) and not isinstance(doc_id, bool):
+        doc_id = str(doc_id)  # numeric ids are common in exported tables
+    if not isinstance(doc_id, str) or not doc_id:
+        raise DataError(f"{where}: missing or non-string document id (key '_id' or 'id'), got {doc_id!r}")
+    text, title = obj.get("text"), obj.get("title") or ""
+    if not isinstance(text, str):
+        raise DataError(f"{where}: key 'text' must be a string, got {type(text).__name__}")
+    if not isinstance(title, str):
+        raise DataError(f"{where}: key 'title' must be a string, got {type(title).__name__}")
+    return {"id": doc_id, "title": title, "text": text, "source": where}
+
+
+def _read_jsonl(path: Path, text: str) -> Iterator[dict[str, str]]:
+    """One document per non-blank line."""
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({e})") from None
+        yield _doc_from_record(obj, where)
+
+
+def _read_parquet(path: Path) -> Iterator[dict[str, str]]:
+    """One document per row of a parquet file with columns _id|id, text, title (optional)."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except OSError as e:  # pyarrow's ArrowInvalid / ArrowIOError are OSError subclasses
+        raise FileError(f"{path}: cannot be read as parquet ({e})") from None
+    cols = set(table.column_names)
+    if not ({"_id", "id"} & cols) or "text" not in cols:
+        raise DataError(f"{path}: parquet columns {sorted(cols)} lack an id column ('_id' or 'id') or 'text'")
+    keep = [c for c in ("_id", "id", "title", "text") if c in cols]
+    for i, row in enumerate(table.select(keep).to_pylist()):
+        yield _doc_from_record(row, f"{path}:row {i}")
