@@ -94,6 +94,9 @@ def _read_jsonl(
                 raise DataError(f"{where}: key '{key}' must be a string, got {type(obj[key]).__name__}")
         if obj["_id"] in seen:
             raise DataError(f"{where}: duplicate _id '{obj['_id']}'")
+        bad = [c for c in "\t\n\r" if c in obj["_id"]]
+        if bad:  # qrels are tab-separated and a saved index lists one id a line: such an id cannot round-trip
+            raise DataError(f"{where}: _id {obj['_id']!r} contains {bad[0]!r} (tabs and line breaks are not allowed in ids)")
         seen.add(obj["_id"])
         yield lineno, obj
 

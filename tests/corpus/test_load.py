@@ -1,0 +1,104 @@
+"""`data=documents` / `data=beir` composed the way users compose them, through pipeline.load_data; config errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ragtrain.config import ConfigError, to_typed
+from ragtrain.data.types import DataError
+from ragtrain.pipeline import load_data
+from tests.conftest import REPO, compose
+
+from .helpers import small_folder
+
+
+def _typed(tmp_path: Path, *overrides: str):
+    return to_typed(compose([*overrides, f"output_dir={tmp_path / 'out'}"]))
+
+
+def test_documents_folder_composed_and_chunked(tmp_path: Path) -> None:
+    root = small_folder(tmp_path / "docs")
+    cfg = _typed(tmp_path, "data=documents", f"data.root={root}", "retriever=tiny",
+                 "data.chunk.max_tokens=8", "data.chunk.overlap=2")
+    data = load_data(cfg.data, cfg.retriever)
+    assert set(data.doc_of.values()) == {"a", "sub/b", "c"} and len(data.corpus) > 3
+    for pid, p in data.corpus.items():
+        assert pid == f"{p.doc_id}#{pid.rsplit('#', 1)[1]}" and data.doc_of[pid] == p.doc_id
+    assert data.eval_qrels == {"q3": {"c": 1}, "q4": {"sub/b": 1}}  # qrels stay on documents
+
+
+def test_documents_without_chunking_are_whole_passages(tmp_path: Path) -> None:
+    root = small_folder(tmp_path / "docs")
+    cfg = _typed(tmp_path, "data=documents", f"data.root={root}", "data.chunk.enabled=false")
+    data = load_data(cfg.data)
+    assert list(data.corpus) == ["a", "c", "sub/b"] and data.doc_of == {}
+
+
+def test_beir_folder_selectable_and_chunkable(tmp_path: Path) -> None:
+    from ragtrain.data import make_synthetic, write_beir
+
+    syn = make_synthetic(num_entities=12, seed=0)
+    write_beir(syn, tmp_path / "beir", {"train": syn.train_qrels, "dev": syn.eval_qrels})
+    cfg = _typed(tmp_path, "data=beir", f"data.root={tmp_path / 'beir'}")
+    assert list(load_data(cfg.data).corpus) == list(syn.corpus)
+    cfg = _typed(tmp_path, "data=beir", f"data.root={tmp_path / 'beir'}", "retriever=tiny",
+                 "data.chunk.enabled=true", "data.chunk.max_tokens=16", "data.chunk.overlap=4")
+    data = load_data(cfg.data, cfg.retriever)
+    assert len(data.corpus) > len(syn.corpus) and set(data.doc_of.values()) == set(syn.corpus)
+
+
+def test_beir_doc_id_with_a_newline_is_rejected(tmp_path: Path) -> None:
+    root = tmp_path / "beir"
+    (root / "qrels").mkdir(parents=True)
+    (root / "corpus.jsonl").write_text(json.dumps({"_id": "a\nb", "text": "x"}) + "\n")
+    (root / "queries.jsonl").write_text(json.dumps({"_id": "q", "text": "x"}) + "\n")
+    (root / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\nq\ta\\nb\t1\n")
+    cfg = _typed(tmp_path, "data=beir", f"data.root={root}")
+    with pytest.raises(DataError, match=r"corpus\.jsonl:1: _id 'a\\nb' contains '\\n'"):
+        load_data(cfg.data)
+
+
+def test_chunk_larger_than_the_encoder_is_a_config_error(tmp_path: Path) -> None:
+    root = small_folder(tmp_path / "docs")
+    cfg = _typed(tmp_path, "data=documents", f"data.root={root}", "retriever=tiny")  # passage_max_length=64
+    with pytest.raises(ConfigError, match=r"data.chunk.max_tokens must be <= 62 .*got 128"):
+        load_data(cfg.data, cfg.retriever)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.root=/my/beir"], r"data.root is set but data=synthetic .* data.source choices: \['synthetic', 'beir', 'documents'\]"),
+    (["data=documents"], r"data.root must be set for data.source=documents"),
+    (["data=beir"], r"data.root must be set for data.source=beir"),
+    (["data=documents", "data.root=/x", "data.chunk.overlap=128"], r"data.chunk.overlap must be < data.chunk.max_tokens \(128\)"),
+    (["data=documents", "data.root=/x", "data.chunk.max_tokens=0"], r"data.chunk.max_tokens must be > 0"),
+    (["data=documents", "data.root=/x", "data.generate=true"], r"data.root must stay unset with data.generate=true"),
+    (["data=documents", "data.root=/x", "stages=[retriever,index,generator]"], r"data.chunk.enabled is not supported with the generator"),
+    (["data.chunk.enabled=true"], r"data.chunk.enabled needs data=documents or data=beir"),
+])
+def test_bad_data_config_names_the_key(tmp_path: Path, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _typed(tmp_path, *overrides)
+
+
+def test_on_error_is_an_enum(tmp_path: Path) -> None:
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as e:
+        _typed(tmp_path, "data=documents", "data.root=/x", "data.on_error=maybe")
+    assert "fail" in str(e.value.__cause__) and "skip" in str(e.value.__cause__)
+
+
+def test_cli_bad_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, "-m", "ragtrain", "data=documents", f"data.root={tmp_path / 'empty'}",
+                        "data.chunk.enabled=false", f"output_dir={tmp_path / 'out'}", "logger=none"],
+                       cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("data error: data.root=") and "matches no document file" in lines[-1]
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,94 @@
+"""Document-level evaluation of chunk passages (MaxP), and training pairs / hard negatives on chunks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ragtrain.corpus.dataset import passage_qrels
+from ragtrain.data.types import Passage, RetrievalData
+from ragtrain.eval.retrieval import evaluate, maxp_run, run_from_scores
+from ragtrain.retriever.batching import build_examples
+
+CHUNKS = ["d1#0", "d1#1", "d2#0", "d2#1", "d3#0"]
+DOC_OF = {p: p.split("#")[0] for p in CHUNKS}
+# chunk scores per query: a document's score is the max over its chunks
+SCORES = {"q1": [0.9, 0.2, 0.5, 0.95, 0.7],  # docs: d2 .95 > d1 .9 > d3 .7
+          "q2": [0.6, 0.55, 0.5, 0.1, 0.8]}  # docs: d3 .8 > d1 .6 > d2 .5
+QRELS = {"q1": {"d1": 1}, "q2": {"d3": 1, "d2": 1}}
+# hand-computed: q1 relevant at rank 2; q2 relevant at ranks 1 and 3 of 2 relevant
+NDCG = {"q1": 1 / math.log2(3), "q2": (1 + 1 / math.log2(4)) / (1 + 1 / math.log2(3))}
+
+
+def _passage_run() -> dict[str, list[str]]:
+    qids = sorted(SCORES)
+    rows = np.argsort(-np.array([SCORES[q] for q in qids]), axis=1)
+    return run_from_scores(qids, CHUNKS, rows)
+
+
+def test_maxp_ranks_documents_by_their_best_chunk() -> None:
+    run = _passage_run()
+    assert run["q1"] == ["d2#1", "d1#0", "d3#0", "d2#0", "d1#1"]
+    assert maxp_run(run, DOC_OF) == {"q1": ["d2", "d1", "d3"], "q2": ["d3", "d1", "d2"]}
+    assert maxp_run(run, DOC_OF, depth=2)["q2"] == ["d3", "d1"]  # the cut-off counts distinct documents
+
+
+def test_maxp_metrics_equal_the_hand_computed_case() -> None:
+    m = evaluate(maxp_run(_passage_run(), DOC_OF), QRELS)
+    assert m["ndcg@10"] == pytest.approx((NDCG["q1"] + NDCG["q2"]) / 2, abs=1e-12)
+    assert m["mrr@10"] == pytest.approx((0.5 + 1.0) / 2) and m["recall@1"] == pytest.approx((0 + 0.5) / 2)
+    assert m["recall@5"] == pytest.approx(1.0)
+    # without MaxP the chunk ids never match document qrels: the mapping is what makes qrels work unchanged
+    assert evaluate(_passage_run(), QRELS)["ndcg@10"] == 0.0
+
+
+def _chunked_data() -> RetrievalData:
+    corpus = {p: Passage(p, "", f"text {p}", doc_id=DOC_OF[p]) for p in CHUNKS}
+    return RetrievalData("x", corpus, {"q1": "one?", "q2": "two?"}, train_qrels=QRELS, eval_qrels=QRELS,
+                         split="dev", doc_of=dict(DOC_OF))
+
+
+def test_pipeline_evaluate_uses_maxp_and_retrieves_deeper(tmp_path) -> None:
+    from ragtrain.config import Config
+    from ragtrain.pipeline import Retrieval
+
+    cfg = Config(output_dir=str(tmp_path))
+    cfg.index.top_k = 3  # 3 documents: all of them; 3 x 10 passages capped at the 5 there are
+    r = Retrieval(cfg, _chunked_data())
+    asked = []
+
+    def search(index, qids, k):
+        asked.append(k)
+        return {q: _passage_run()[q][:k] for q in qids}
+
+    r.search = search
+    m = r.evaluate(index=None)
+    assert asked == [5]  # top_k x MAXP_DEPTH_FACTOR, capped at the number of passages
+    assert m["ndcg@10"] == pytest.approx((NDCG["q1"] + NDCG["q2"]) / 2, abs=1e-12)
+
+
+def test_hard_negatives_never_pick_a_chunk_of_a_gold_document(tmp_path) -> None:
+    from ragtrain.config import Config
+    from ragtrain.pipeline import Retrieval
+
+    cfg = Config(output_dir=str(tmp_path))
+    cfg.retriever.train.hard_negatives, cfg.retriever.train.hard_negative_depth = 1, 5
+    r = Retrieval(cfg, _chunked_data())
+    r.search = lambda index, qids, k: {q: _passage_run()[q][:k] for q in qids}
+    negs = r.mine_negatives(index=None)
+    pos = {p: i for i, p in enumerate(CHUNKS)}
+    assert negs["q1"] == [pos["d2#1"], pos["d3#0"], pos["d2#0"]]  # neither d1#0 nor d1#1
+    assert negs["q2"] == [pos["d1#0"], pos["d1#1"]]  # no chunk of d2 or d3
+
+
+def test_training_pairs_a_query_with_every_chunk_of_its_relevant_document() -> None:
+    pos = {p: i for i, p in enumerate(CHUNKS)}
+    examples = build_examples({"q1": "one?", "q2": "two?"}, passage_qrels(QRELS, DOC_OF), pos)
+    assert [(e.query, CHUNKS[e.positive]) for e in examples] == [
+        ("one?", "d1#0"), ("one?", "d1#1"),
+        ("two?", "d2#0"), ("two?", "d2#1"), ("two?", "d3#0")]
+    # every chunk of every gold document is masked as a negative of the query's other positives
+    assert examples[0].gold == [pos["d1#0"], pos["d1#1"]]
+    assert sorted(examples[2].gold) == [pos["d2#0"], pos["d2#1"], pos["d3#0"]]

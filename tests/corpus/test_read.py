@@ -1,0 +1,132 @@
+"""Reading documents per format, and the file-level bad inputs (empty folder, binary, non-UTF-8, unreadable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ragtrain.corpus.dataset import load_documents
+from ragtrain.corpus.read import FileError, list_documents, read_file
+from ragtrain.data.types import DataError
+
+from .helpers import small_folder, write_folder
+
+
+def _read(root: Path, rel: str) -> list[dict]:
+    return list(read_file(root / rel, root))
+
+
+def test_list_documents_skips_queries_qrels_and_hidden_files(tmp_path: Path) -> None:
+    root = small_folder(tmp_path / "d")
+    write_folder(root, {".DS_Store": b"\x00\x01", ".git/config": "x", "qrels/notes.txt": "not a doc"})
+    assert [p.relative_to(root).as_posix() for p in list_documents(root)] == ["a.txt", "c.html", "sub/b.md"]
+    assert [p.name for p in list_documents(root, "sub/*.md")] == ["b.md"]  # data.glob narrows
+
+
+def test_txt_md_ids_are_relative_paths_without_extension(tmp_path: Path) -> None:
+    root = small_folder(tmp_path / "d")
+    [a] = _read(root, "a.txt")
+    assert (a["id"], a["title"]) == ("a", "") and a["text"].startswith("Alpha is")
+    [b] = _read(root, "sub/b.md")
+    assert b["id"] == "sub/b" and b["title"] == "Bravo"
+    assert "# " not in b["text"] and "Use" in b["text"] and "Pilots say bravo." in b["text"]
+
+
+def test_html_text_drops_script_and_style(tmp_path: Path) -> None:
+    html = ("<html><head><title>Page T</title><style>body { color: red }</style>"
+            "<script>var secret = 'tracker';</script></head><body><h1>Heading</h1>"
+            "<p>First para &amp; more.</p><script>alert('no')</script><p>Second para.</p>"
+            "<noscript>enable js</noscript><style>.x{}</style>tail text</body></html>")
+    root = write_folder(tmp_path / "d", {"p.html": html})
+    [doc] = _read(root, "p.html")
+    assert doc["id"] == "p" and doc["title"] == "Page T"
+    for junk in ("secret", "tracker", "alert", "color", "enable js", ".x{}"):
+        assert junk not in doc["text"]
+    assert "First para & more." in doc["text"] and "Second para." in doc["text"] and "tail text" in doc["text"]
+    assert "First para & more.\n" in doc["text"]  # block elements end lines (sentence boundaries for chunking)
+
+
+def test_jsonl_accepts_id_or__id(tmp_path: Path) -> None:
+    root = write_folder(tmp_path / "d", {"c.jsonl": '{"_id": "x1", "title": "T", "text": "one"}\n\n'
+                                                     '{"id": 7, "text": "two"}\n'})
+    docs = _read(root, "c.jsonl")
+    assert [(d["id"], d["title"], d["text"]) for d in docs] == [("x1", "T", "one"), ("7", "", "two")]
+    assert docs[1]["source"].endswith("c.jsonl:3")
+
+
+def test_jsonl_without_id_names_file_and_line(tmp_path: Path) -> None:
+    root = write_folder(tmp_path / "d", {"c.jsonl": '{"_id": "a", "text": "x"}\n{"text": "no id"}\n'})
+    with pytest.raises(DataError, match=r"c\.jsonl:2: missing or non-string document id"):
+        _read(root, "c.jsonl")
+
+
+def test_parquet_via_pyarrow(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "d").mkdir()
+    pq.write_table(pa.table({"_id": ["p1", "p2"], "title": ["T1", None], "text": ["alpha", "beta"]}),
+                   tmp_path / "d" / "t.parquet")
+    docs = _read(tmp_path / "d", "t.parquet")
+    assert [(d["id"], d["title"], d["text"]) for d in docs] == [("p1", "T1", "alpha"), ("p2", "", "beta")]
+    pq.write_table(pa.table({"name": ["x"], "text": ["y"]}), tmp_path / "d" / "bad.parquet")
+    with pytest.raises(DataError, match=r"bad\.parquet: parquet columns .* lack an id column"):
+        _read(tmp_path / "d", "bad.parquet")
+
+
+# ---- bad input: each a one-line error naming the file or key ----
+
+def test_empty_folder_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"data.root='.*empty' with data.glob='\*\*/\*' matches no document file"):
+        list_documents(tmp_path / "empty")
+
+
+def test_glob_matching_nothing_is_an_error(tmp_path: Path) -> None:
+    root = small_folder(tmp_path / "d")
+    with pytest.raises(DataError, match=r"data.glob='\*\.pdf' matches no document file"):
+        list_documents(root, "*.pdf")
+
+
+def test_missing_root_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"data.root='.*nope' does not exist"):
+        list_documents(tmp_path / "nope")
+
+
+def test_binary_file_fails_or_is_skipped_and_counted(tmp_path: Path) -> None:
+    root = small_folder(tmp_path / "d")
+    write_folder(root, {"img.png": b"\x89PNG\r\n\x1a\n\x00\x00", "nul.txt": b"text\x00more"})
+    with pytest.raises(FileError, match=r"nul\.txt: binary file \(NUL byte at byte offset 4\)"):
+        _read(root, "nul.txt")
+    with pytest.raises(FileError, match=r"img\.png: unsupported file type '\.png'"):
+        _read(root, "img.png")
+    with pytest.raises(DataError, match=r"img\.png: unsupported file type.*data.on_error=skip"):
+        load_documents(root, on_error="fail", log=lambda m: None)
+    logs: list[str] = []
+    data, report = load_documents(root, on_error="skip", log=logs.append)
+    assert report["skipped_files"] == 2 and set(data.corpus) == {"a", "sub/b", "c"}
+    assert any("2 files skipped" in m for m in logs) and any("nul.txt" in m for m in logs)
+
+
+def test_non_utf8_file_names_file_and_byte_offset(tmp_path: Path) -> None:
+    root = write_folder(tmp_path / "d", {"latin.txt": "café au lait".encode("latin-1")})
+    with pytest.raises(FileError, match=r"latin\.txt: not valid UTF-8 at byte offset 3"):
+        _read(root, "latin.txt")
+
+
+def test_unreadable_file_fails_or_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = small_folder(tmp_path / "d")
+    real = Path.read_bytes
+
+    def deny(self: Path) -> bytes:  # tests run as root here, so chmod 000 would not stop a read
+        if self.name == "a.txt":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", deny)
+    with pytest.raises(DataError, match=r"a\.txt: cannot be read \(Permission denied\)"):
+        load_documents(root, log=lambda m: None)
+    # skipping a.txt leaves q1 (judged on a) unknown: qrels naming unknown documents is its own error
+    with pytest.raises(DataError, match=r"train\.tsv: 1 unknown corpus id\(s\).*\['a'\]"):
+        load_documents(root, on_error="skip", log=lambda m: None)
