@@ -6,10 +6,10 @@ OTHER workers' updates the server applied since this worker last pulled. The ser
 staleness would exceed `max_staleness` (counted as `rejected`; the worker then pulls and carries on), and a worker
 pulls fresh weights as soon as its staleness reaches the bound, so no applied update is ever staler than
 `max_staleness`. In-batch negatives stay on the worker: gathering them across workers would be a barrier.
-Bytes sent by a worker = its pushes (fp32 deltas).
+Bytes of a worker = its pushes (fp32 deltas, category `params`) and its pulls (the full fp32 parameters the
+server sends it, category `params_pull`), each timed from the call to the answer.
 """
 
-import time
 import uuid
 from typing import Any
 
@@ -93,7 +93,10 @@ class AsyncPSSync:
         return model
 
     def _pull(self, params: list[nn.Parameter]) -> None:
+        start = STATS.clock()
         fresh = torch.from_numpy(np.array(ray.get(self.server.pull.remote(self.rank))))
+        # The server sends the full parameters on this worker's behalf: counted here, like a push.
+        STATS.add("params_pull", fresh.numel() * fresh.element_size(), start=start)
         set_flat_params(params, fresh)
         self.anchor = fresh
         self.pulls += 1
@@ -101,9 +104,9 @@ class AsyncPSSync:
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         flat = flat_params(params)
         delta = flat - self.anchor
-        start = time.perf_counter()
+        start = STATS.clock()
         accepted, staleness = ray.get(self.server.push.remote(self.rank, delta.numpy()))
-        STATS.add("params", delta.numel() * delta.element_size(), time.perf_counter() - start)
+        STATS.add("params", delta.numel() * delta.element_size(), start=start)
         self.anchor = flat
         if not accepted or staleness + 1 > self.cfg.max_staleness:
             self._pull(params)  # the next push could exceed the bound: refresh now

@@ -6,17 +6,20 @@ tensors), with payload P bytes and W workers:
   all_reduce   2 (W - 1) / W * P      (reduce-scatter + all-gather)
   all_gather   (W - 1) * P            (P = this worker's chunk)
   send         P                      (point-to-point, per peer)
-Seconds are wall time from issuing a collective to its completion ("in flight"); DDP overlaps them with the
-backward pass, so `comm/time_share` (in-flight seconds / step seconds) is an upper bound on the exposed cost.
-Measurement traffic (drift metrics, loss logging) is not counted.
+  pull         P                      (async_ps: the server sends the parameters on this worker's behalf)
+Seconds are wall time from issuing a collective to its completion ("in flight"), kept as intervals: collectives
+in flight at the same time (DDP's buckets) count once, so the in-flight seconds never exceed the wall time.
+DDP overlaps them with the backward pass, so `comm/time_share` (in-flight seconds / step seconds, <= 1) is an
+upper bound on the exposed cost. Measurement traffic (drift metrics, loss logging) is not counted.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -31,42 +34,77 @@ def all_gather_bytes(chunk: int, world: int) -> int:
     return 0 if world <= 1 else (world - 1) * chunk
 
 
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals (overlaps counted once)."""
+    return sum(e - s for s, e in merge_intervals(intervals))
+
+
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as `intervals`."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
 class CommStats:
-    """Cumulative bytes and in-flight seconds per category (grad, params, embeddings, ...)."""
+    """Cumulative bytes and in-flight time intervals per category (grad, params, embeddings, ...)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.bytes: dict[str, int] = defaultdict(int)
-        self.seconds: dict[str, float] = defaultdict(float)
+        self.intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self._lock = threading.Lock()  # counted futures complete on the backend's own thread
 
-    def add(self, category: str, nbytes: int, seconds: float = 0.0) -> None:
-        """Record `nbytes` sent (and optionally time in flight) under `category`."""
-        self.bytes[category] += int(nbytes)
-        self.seconds[category] += seconds
+    def add(self, category: str, nbytes: int, start: float | None = None, end: float | None = None) -> None:
+        """Record `nbytes` sent under `category`, and with `start` the in-flight interval [start, end or now]."""
+        stop = self.clock() if end is None else end
+        with self._lock:
+            self.bytes[category] += int(nbytes)
+            if start is not None:
+                spans = self.intervals[category]
+                spans.append((start, stop))
+                if len(spans) > 4096:  # a long run: keep the list short, the union is unchanged
+                    self.intervals[category] = merge_intervals(spans)
 
     @contextmanager
     def timed(self, category: str, nbytes: int) -> Iterator[None]:
         """Record a blocking collective: its bytes and the wall time of the block."""
-        start = time.perf_counter()
+        start = self.clock()
         yield
-        self.add(category, nbytes, time.perf_counter() - start)
+        self.add(category, nbytes, start=start)
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """In-flight seconds per category (overlapping collectives of one category counted once)."""
+        with self._lock:
+            return {c: union_seconds(spans) for c, spans in self.intervals.items()}
 
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
     def total_seconds(self) -> float:
-        return sum(self.seconds.values())
+        """Seconds with any collective in flight (the union over categories: never more than the wall time)."""
+        with self._lock:
+            return union_seconds([iv for spans in self.intervals.values() for iv in spans])
 
     def reset(self) -> None:
-        self.bytes.clear()
-        self.seconds.clear()
+        with self._lock:
+            self.bytes.clear()
+            self.intervals.clear()
 
 
-def counted_future(fut: torch.futures.Future, category: str, nbytes: int) -> torch.futures.Future:
-    """Record `nbytes` and the time until `fut` completes under `category`; the result is `fut`'s value."""
-    start = time.perf_counter()
+def counted_future(fut: torch.futures.Future, category: str, nbytes: int,
+                   start: float | None = None) -> torch.futures.Future:
+    """Record `nbytes` and the interval from `start` (default: now) until `fut` completes under `category`;
+    the result is `fut`'s value. Pass `start` when the collective was issued before this call."""
+    begin = STATS.clock() if start is None else start
 
     def done(f: torch.futures.Future):
-        STATS.add(category, nbytes, time.perf_counter() - start)
+        STATS.add(category, nbytes, start=begin)
         return f.value()
 
     return fut.then(done)

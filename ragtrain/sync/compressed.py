@@ -9,7 +9,6 @@ its residual for the next step.
 """
 
 
-import time
 from typing import Any
 
 import torch
@@ -41,12 +40,12 @@ class TopK:
             residual = grad.clone()
             residual[idx] = 0
             self.residuals[bucket.index()] = residual
-        start = time.perf_counter()
+        start = STATS.clock()
         all_vals = [torch.empty_like(vals) for _ in range(w)]
         all_idx = [torch.empty_like(idx, dtype=torch.int32) for _ in range(w)]
         dist.all_gather(all_vals, vals)
         dist.all_gather(all_idx, idx.to(torch.int32))
-        STATS.add("grad", all_gather_bytes(k * (vals.element_size() + 4), w), time.perf_counter() - start)
+        STATS.add("grad", all_gather_bytes(k * (vals.element_size() + 4), w), start=start)
         out = torch.zeros_like(grad)
         for v, i in zip(all_vals, all_idx):
             out.index_add_(0, i.long(), v)
@@ -83,6 +82,7 @@ class CompressedSync:
 
         before = state.total_numel_after_compression
         full = bucket.buffer().numel()
+        start = STATS.clock()  # before the hook issues its first all-reduce (on gloo it also finishes below)
         fut = powerSGD_hook(state, bucket)
         if dist.get_backend() == "gloo":
             # PowerSGD chains its all-reduces (vectors, then P, then Q) through future callbacks, which gloo runs
@@ -91,7 +91,7 @@ class CompressedSync:
             fut.wait()
         # Before start_iter PowerSGD runs a plain all-reduce and does not tally it: count the full bucket then.
         sent = state.total_numel_after_compression - before or full
-        return counted_future(fut, "grad", all_reduce_bytes(4 * sent, world_size()))
+        return counted_future(fut, "grad", all_reduce_bytes(4 * sent, world_size()), start=start)
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         if world_size() == 1:

@@ -201,3 +201,83 @@ def test_bad_parameters_name_the_key_and_choices(sync: dict, key: str) -> None:
     with pytest.raises(ConfigError) as e:
         SyncConfig(**sync)
     assert key in str(e.value)
+
+
+def test_comm_seconds_count_overlapping_collectives_once() -> None:
+    """Two buckets in flight at the same time take 3 s of wall time, not 4: time_share can not exceed 1."""
+    from ragtrain.sync.comm import CommStats
+
+    stats = CommStats()
+    stats.add("grad", 10, start=0.0, end=2.0)
+    stats.add("grad", 10, start=1.0, end=3.0)
+    stats.add("params", 5, start=2.5, end=4.0)  # overlaps grad too
+    stats.add("embeddings", 7)  # bytes only
+    assert stats.seconds == {"grad": 3.0, "params": 1.5}
+    assert stats.total_seconds() == 4.0 and stats.total_bytes() == 32
+
+
+def _powersgd_timing(rank: int, world: int, port: int, out: str) -> None:
+    """PowerSGD on gloo with the real hook wrapped: record when each bucket's all-reduces were issued and done."""
+    import importlib
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    module = importlib.import_module("torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook")
+    real, spans = module.powerSGD_hook, []
+
+    def recording_hook(state, bucket):
+        issued = STATS.clock()
+        fut = real(state, bucket)
+
+        def done(f):
+            spans.append((issued, STATS.clock()))
+            return f.value()
+
+        return fut.then(done)
+
+    module.powerSGD_hook = recording_hook
+    STATS.reset()
+    model = _model()
+    # 1 KB buckets: after DDP's rebuild at step 1 the two layers travel in two buckets
+    sync = SyncConfig(strategy="compressed", compression="powersgd", rank=2, start_iter=2, bucket_cap_mb=0.001)
+    strategy = build_sync(sync)
+    wrapped = strategy.wrap(model, torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        x, y = torch.randn(16, 64, generator=gen), torch.randn(16, 8, generator=gen)
+        opt.zero_grad()
+        ((wrapped(x) - y) ** 2).mean().backward()
+        opt.step()
+    if rank == 0:
+        torch.save({"spans": spans, "recorded": list(STATS.intervals["grad"])}, out)
+    dist.destroy_process_group()
+
+
+def test_powersgd_on_gloo_times_its_communication(tmp_path: Path) -> None:
+    """Every bucket's counted interval covers the real hook from its first all-reduce to its result."""
+    out = str(tmp_path / "timing.pt")
+    mp.spawn(_powersgd_timing, args=(2, _free_port(), out), nprocs=2, join=True)
+    r = torch.load(out, weights_only=True)
+    assert len(r["spans"]) == len(r["recorded"]) == 1 + 2 * 3  # step 0: one bucket (DDP's first step), then two
+    for (issued, done), (start, end) in zip(sorted(r["spans"]), sorted(r["recorded"])):
+        assert start <= issued and end >= done, ((issued, done), (start, end))
+
+
+def test_async_ps_pulls_are_counted_and_timed(ray_session) -> None:
+    """max_staleness=0: every push is followed by a pull of the full parameters, counted as params_pull."""
+    from ragtrain.sync.async_ps import AsyncPSSync
+
+    STATS.reset()
+    model = _model()
+    strategy = AsyncPSSync(SyncConfig(strategy="async_ps", max_staleness=0))
+    strategy.wrap(model, torch.device("cpu"))
+    params = list(model.parameters())
+    for step in range(3):
+        with torch.no_grad():
+            params[0].add_(0.01)
+        strategy.after_step(params, step)
+    assert strategy.pulls == 3
+    assert STATS.bytes["params_pull"] == 3 * 4 * N_PARAMS == STATS.bytes["params"]
+    assert len(STATS.intervals["params_pull"]) == 3 and STATS.seconds["params_pull"] > 0
