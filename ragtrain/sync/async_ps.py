@@ -8,6 +8,10 @@ pulls fresh weights as soon as its staleness reaches the bound, so no applied up
 `max_staleness`. In-batch negatives stay on the worker: gathering them across workers would be a barrier.
 Bytes of a worker = its pushes (fp32 deltas, category `params`) and its pulls (the full fp32 parameters the
 server sends it, category `params_pull`), each timed from the call to the answer.
+
+Restart: the server is part of the checkpoint. Rank 0's `state_dict` holds the server's parameters and version;
+`load_state_dict` (after the replicas are restored) puts them back into the server started by `wrap`, and every
+worker's anchor becomes its restored replica, so the first push after a restart carries only the new progress.
 """
 
 import uuid
@@ -55,6 +59,15 @@ class ParameterServer:
         self.others_since_pull[rank] = 0
         return self.params
 
+    def snapshot(self) -> tuple[np.ndarray, int]:
+        """(parameters, version) without touching anyone's staleness: what a checkpoint stores."""
+        return self.params.copy(), self.version
+
+    def restore(self, params: np.ndarray, version: int) -> None:
+        """Continue from a checkpoint's snapshot: its parameters and version, nobody stale."""
+        self.params, self.version = params.copy(), version
+        self.others_since_pull = [0] * len(self.others_since_pull)
+
     def stats(self) -> dict[str, float]:
         """Server-side figures: versions applied, rejected pushes, the largest applied staleness."""
         return {
@@ -77,6 +90,7 @@ class AsyncPSSync:
         self.anchor: torch.Tensor | None = None
         self.rank = dist.get_rank() if world_size() > 1 else 0
         self.pulls = 0
+        self.params: list[nn.Parameter] = []
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         # Rank 0 starts the server from the (identical) initial weights; the others look it up by name.
@@ -90,6 +104,7 @@ class AsyncPSSync:
             if self.rank != 0:
                 self.server = ray.get_actor(name[0])
         self.anchor = flat
+        self.params = list(model.parameters())  # load_state_dict re-anchors on the restored replica
         return model
 
     def _pull(self, params: list[nn.Parameter]) -> None:
@@ -122,7 +137,23 @@ class AsyncPSSync:
         return {"sync/pulls": self.pulls, **ray.get(self.server.stats.remote())}
 
     def state_dict(self) -> dict[str, Any]:
-        return {}  # the server is rebuilt from rank 0's restored replica; updates in flight at the failure are lost
+        """Rank 0: the server's parameters and version (pushes in flight at a failure are lost); others: nothing."""
+        if self.rank != 0:
+            return {}
+        params, version = ray.get(self.server.snapshot.remote())
+        return {"server_params": torch.from_numpy(np.array(params)), "server_version": version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """After the replicas are restored: the server continues from the checkpoint, each anchor from its replica.
+
+        `wrap` started the server from the initial weights; without this every worker's first push would carry
+        theta_ckpt - theta_init, and the progress before the checkpoint would be applied once per worker.
+        """
+        if self.rank == 0:
+            saved = state.get("server_params")
+            # A checkpoint without a server snapshot: rank 0's restored replica is the best estimate.
+            params = saved if saved is not None else flat_params(self.params)
+            ray.get(self.server.restore.remote(params.numpy(), int(state.get("server_version", 0))))
+        if world_size() > 1:
+            dist.barrier()  # nobody pushes before the server holds the checkpoint's parameters
+        self.anchor = flat_params(self.params)

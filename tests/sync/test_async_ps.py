@@ -72,3 +72,77 @@ def test_async_ps_bounded_staleness_and_no_waiting(ray_session, tmp_path, max_st
     assert straggler_steps <= 8, (straggler_steps, fast_done, results[0]["stamps"])
     # After consensus every replica holds the server's parameters.
     assert results[0]["final"] == results[1]["final"] == results[2]["final"]
+
+
+def _restart(rank: int, world: int, port: int, address: str, out: str) -> None:
+    """Train 3 pushes per rank in a fixed order, 'restart' (new server from the initial weights, replicas restored
+    from the checkpoint), push once more; rank 0 saves the server's parameters at each point."""
+    import os
+
+    import ray
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ragtrain.config import SyncConfig
+    from ragtrain.sync.async_ps import AsyncPSSync
+    from ragtrain.sync.base import flat_params, set_flat_params
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ray.init(address=address, namespace="async-ps-restart", log_to_driver=False)
+    cfg = SyncConfig(strategy="async_ps", max_staleness=1)
+
+    def fresh_replica() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(8, 2)
+
+    def push(strategy: AsyncPSSync, params: list, step: int) -> None:
+        for r in range(world):  # one rank at a time: the server's order is fixed, so is the expected sum
+            if r == rank:
+                with torch.no_grad():
+                    for p in params:
+                        p.add_(0.1 * (rank + 1))
+                strategy.after_step(params, step)
+            dist.barrier()
+
+    model = fresh_replica()
+    strategy = AsyncPSSync(cfg)
+    strategy.wrap(model, torch.device("cpu"))
+    params = list(model.parameters())
+    for step in range(3):
+        push(strategy, params, step)
+    state, replica = strategy.state_dict(), flat_params(params)  # the checkpoint
+    saved = state["server_params"].clone() if rank == 0 else None
+
+    model = fresh_replica()  # the restarted worker: wrap() sees the initial weights, then the checkpoint is loaded
+    strategy = AsyncPSSync(cfg)
+    strategy.wrap(model, torch.device("cpu"))
+    params = list(model.parameters())
+    set_flat_params(params, replica)
+    strategy.load_state_dict(state)
+    push(strategy, params, 3)
+    if rank == 0:
+        after = torch.from_numpy(ray.get(strategy.server.snapshot.remote())[0].copy())
+        torch.save({"checkpoint": saved, "after": after}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_async_ps_restart_continues_from_the_checkpointed_server(ray_session, tmp_path) -> None:
+    """After a restart the server holds the checkpoint's parameters and each push carries only new progress: one
+    more step of both ranks adds exactly 0.1 + 0.2 (not theta_ckpt - theta_init once per worker)."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "ps.pt")
+    address = ray_session.get_runtime_context().gcs_address
+    mp.spawn(_restart, args=(2, port, address, out), nprocs=2, join=True)
+    r = torch.load(out, weights_only=True)
+    assert r["checkpoint"].abs().max() > 0.5  # the checkpoint holds real progress (3 steps of both ranks)
+    torch.testing.assert_close(r["after"], r["checkpoint"] + 0.3, atol=1e-5, rtol=0)
