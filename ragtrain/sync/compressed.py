@@ -5,7 +5,7 @@ around them: the cast halves the payload; PowerSGD all-reduces the rank-r factor
 compressed matrix plus the uncompressed vectors, which its state tallies as `total_numel_after_compression`.
 Top-k is written here: each worker adds its error-feedback residual, keeps the k = ratio * n largest-magnitude
 entries, all-gathers (values fp32, indices int32) and averages the sparse sum; what it did not send stays in
-its residual for the next step.
+its residual (one per parameter) for the next step.
 """
 
 
@@ -21,25 +21,37 @@ from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes, counte
 
 
 class TopK:
-    """Top-k sparsification state: one error-feedback residual per DDP bucket."""
+    """Top-k sparsification state: one error-feedback residual per PARAMETER (index in model.parameters()).
+
+    Not per DDP bucket: DDP puts every parameter in one bucket for the first step and rebuilds its buckets in
+    gradient-ready order after it, so a bucket index (or a position in a bucket) names different parameters
+    before and after the rebuild, and a residual kept by bucket would be added to another parameter's gradient.
+    """
 
     def __init__(self, ratio: float, error_feedback: bool):
         self.ratio, self.error_feedback = ratio, error_feedback
         self.residuals: dict[int, torch.Tensor] = {}
+        self.param_index: dict[int, int] = {}  # data_ptr of a parameter -> its index in model.parameters()
+
+    def bind(self, params: list[nn.Parameter]) -> None:
+        """Learn the parameters' stable indices (call once, with the model's parameters, before training)."""
+        self.param_index = {p.data_ptr(): i for i, p in enumerate(params)}
 
     def hook(self, _: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         grad = bucket.buffer()
         w = world_size()
-        res = self.residuals.get(bucket.index())
-        if self.error_feedback and res is not None and res.shape == grad.shape:
-            grad = grad + res
+        params = bucket.parameters()
+        keys = [self.param_index[p.data_ptr()] for p in params]
+        sizes = [p.numel() for p in params]  # the bucket's buffer is these parameters' gradients, in this order
+        if self.error_feedback and any(k in self.residuals for k in keys):
+            grad = grad + torch.cat([self.residuals.get(k, grad.new_zeros(n)) for k, n in zip(keys, sizes)])
         k = max(1, int(self.ratio * grad.numel()))
         idx = grad.abs().topk(k, sorted=False).indices
         vals = grad[idx]
         if self.error_feedback:
             residual = grad.clone()
             residual[idx] = 0
-            self.residuals[bucket.index()] = residual
+            self.residuals.update(zip(keys, residual.split(sizes)))
         start = STATS.clock()
         all_vals = [torch.empty_like(vals) for _ in range(w)]
         all_idx = [torch.empty_like(idx, dtype=torch.int32) for _ in range(w)]
@@ -116,6 +128,7 @@ class CompressedSync:
             )
             wrapped.register_comm_hook(self.powersgd, self._powersgd_hook)
         elif c == "topk":
+            self.topk.bind(list(model.parameters()))
             wrapped.register_comm_hook(None, self.topk.hook)
         else:
             raise ValueError(f"sync.compression={c!r} is unknown; valid choices: fp16, bf16, powersgd, topk")
@@ -132,7 +145,7 @@ class CompressedSync:
 
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback residuals (top-k) and PowerSGD's memories and iteration: a restart continues exactly."""
-        out: dict[str, Any] = {"topk": dict(self.topk.residuals)}
+        out: dict[str, Any] = {"topk_by_param": dict(self.topk.residuals)}
         if self.powersgd is not None:
             s = self.powersgd
             out["powersgd"] = {"iter": s.iter, "error": dict(s.error_dict), "p": dict(s.p_memory_dict),
@@ -141,7 +154,8 @@ class CompressedSync:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.topk.residuals = dict(state.get("topk", {}))
+        # Older checkpoints keyed residuals by DDP bucket ("topk"): they cannot be mapped back, so they are dropped.
+        self.topk.residuals = {int(i): r for i, r in state.get("topk_by_param", {}).items()}
         if self.powersgd is not None and "powersgd" in state:  # wrap() has created PowerSGD's state
             s, saved = self.powersgd, state["powersgd"]
             s.iter = int(saved["iter"])

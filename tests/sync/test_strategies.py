@@ -281,3 +281,60 @@ def test_async_ps_pulls_are_counted_and_timed(ray_session) -> None:
     assert strategy.pulls == 3
     assert STATS.bytes["params_pull"] == 3 * 4 * N_PARAMS == STATS.bytes["params"]
     assert len(STATS.intervals["params_pull"]) == 3 and STATS.seconds["params_pull"] > 0
+
+
+class _ReverseRegistered(nn.Module):
+    """Layers registered in the reverse of their use: DDP's first-step bucket and its rebuilt one differ in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.second, self.first = nn.Linear(32, 16), nn.Linear(24, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def _topk_grads(rank: int, world: int, port: int, out: str) -> None:
+    """Each step: this rank's raw local gradient (a plain copy of the model) and the gradient DDP applied."""
+    import copy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = _ReverseRegistered()
+    plain = copy.deepcopy(model)
+    strategy = build_sync(SyncConfig(strategy="compressed", compression="topk", ratio=0.1))
+    wrapped = strategy.wrap(model, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(100 + rank)
+    raw, applied = [], []
+    for _ in range(4):  # no optimizer step: the weights stay put, only the data changes
+        x = torch.randn(8, 24, generator=gen)
+        for m in (wrapped, plain):
+            m.zero_grad()
+            (m(x) ** 2).mean().backward()
+        raw.append(torch.cat([p.grad.reshape(-1) for p in plain.parameters()]))
+        applied.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    torch.save({"raw": raw, "applied": applied}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_topk_error_feedback_stays_with_its_parameter(tmp_path: Path) -> None:
+    """The applied gradients equal top-k with per-parameter error feedback simulated from the raw gradients, also
+    after DDP rebuilds its bucket at step 1 (same size, parameters in another order)."""
+    out = str(tmp_path / "topk")
+    mp.spawn(_topk_grads, args=(2, _free_port(), out), nprocs=2, join=True)
+    runs = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    residual = [torch.zeros_like(runs[0]["raw"][0]) for _ in runs]
+    for step in range(4):
+        expected = torch.zeros_like(residual[0])
+        for r, run in enumerate(runs):  # one bucket holds every parameter: top-k over all of them
+            v = run["raw"][step] + residual[r]
+            idx = v.abs().topk(max(1, int(0.1 * v.numel())), sorted=False).indices
+            expected.index_add_(0, idx, v[idx])
+            residual[r] = v.clone()
+            residual[r][idx] = 0
+        expected /= 2
+        for run in runs:
+            torch.testing.assert_close(run["applied"][step], expected, atol=1e-6, rtol=1e-5, msg=f"step {step}")
+    assert residual[0].abs().sum() > 0  # error feedback carried gradient between steps (not vacuous)
