@@ -263,8 +263,10 @@ def encode_to_shards(
 
     if vector_dtype not in VECTOR_DTYPES:
         raise ValueError(f"vector_dtype={vector_dtype!r} must be one of {list(VECTOR_DTYPES)}")
-    if isinstance(rows, tuple):
-        rows = rows_dataset(*rows, rows_per_block=index.shard_size)  # one block per call: every actor gets work
+    per_call = index.shard_size
+    if isinstance(rows, tuple):  # in-memory lists: one block per call, and a small corpus still feeds every actor
+        per_call = max(1, min(per_call, -(-len(rows[0]) // pool.num_actors)))
+        rows = rows_dataset(*rows, rows_per_block=per_call)
     out = Path(out_dir).resolve()
     if out.exists():
         shutil.rmtree(out)
@@ -285,7 +287,7 @@ def encode_to_shards(
                     retriever=retriever, weights=[weights_ref], max_length=max_length or retriever.passage_max_length,
                     batch_size=index.batch_size, precision=Precision(index.precision).value, vector_dtype=vector_dtype,
                     num_threads=max(1, int(pool.cpus_per_actor)), fault=fault, stats_dir=stats_dir),
-                batch_size=index.shard_size,
+                batch_size=per_call,
                 batch_format="numpy",
                 concurrency=pool.num_actors,
                 num_cpus=actor_cpus(pool),
