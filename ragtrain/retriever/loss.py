@@ -1,15 +1,25 @@
-"""Contrastive InfoNCE with in-batch negatives gathered from every worker, gradients flowing through the gather.
+"""Contrastive InfoNCE with in-batch negatives gathered from every worker.
 
-Why the loss is obviously worker-count invariant:
-- every worker scores its OWN queries against ALL passages of the global batch (all_gather with autograd, so
-  the gradient w.r.t. a worker's passages comes back from every worker that scored them: a reduce-scatter SUM);
-- each worker's loss is the MEAN over its own queries, and DDP (or any averaging strategy) takes the mean of the
-  workers' gradients, so the update is the gradient of the mean over the global batch;
-- with equal local batch sizes, mean-of-means == global mean: 2 workers x B == 1 worker x 2B exactly.
-No x world_size factor is needed anywhere (cf. tevatron #30).
+Every worker scores its OWN queries against ALL passages of the global batch. Which gathered passages carry a
+gradient depends on how the sync strategy combines gradients (`SyncStrategy.gradient_groups(step)`, a partition of the ranks):
+
+- None (ddp, compressed, hierarchical on one node, local SGD during its DDP warm-up): the gradients of every
+  worker are averaged every step. The gather keeps autograd, so the gradient w.r.t. a worker's passages comes
+  back from every worker that scored them (a reduce-scatter SUM); each worker's loss is the MEAN over its own
+  queries and the strategy averages the workers' gradients, so the update is the gradient of the global mean
+  loss: with equal local batches, 2 workers x B == 1 worker x 2B exactly. No x world_size factor is needed
+  anywhere (cf. tevatron #30).
+- one group per rank (local SGD after warm-up, gossip, vector_avg): replicas train apart between syncs, so each replica
+  optimises its OWN local loss, with the other workers' passages as constant negatives. Keeping the autograd
+  gather here would add the passage-side gradients of every other worker's loss into this replica while its
+  query side saw only its own loss: a differently weighted objective than DDP's, which is what this avoids.
+- one group per node (hierarchical across nodes): gradients are averaged inside the node every step, so each node
+  optimises the mean loss of its ranks; passages of the node's ranks carry gradients, other nodes' are constants.
 """
 
 from __future__ import annotations
+
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +59,23 @@ def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
+def gather_passages(p: torch.Tensor, groups: Optional[Sequence[Sequence[int]]]) -> torch.Tensor:
+    """All ranks' passages in rank order; only those of my gradient group (None: one group of all) keep autograd."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return p
+    if groups is None:
+        return gather_with_grad(p)
+    rank = dist.get_rank()
+    if all(len(g) == 1 for g in groups):  # every rank alone (the same answer on all ranks): no backward collective
+        parts = list(gather_no_grad(p.detach()).split(p.shape[0]))
+        parts[rank] = p
+        return torch.cat(parts, dim=0)
+    # Every rank joins the autograd gather (its backward is a collective); other groups' chunks are detached.
+    mine = next(set(g) for g in groups if rank in g)
+    parts = gather_with_grad(p).split(p.shape[0])
+    return torch.cat([c if r in mine else c.detach() for r, c in enumerate(parts)], dim=0)
+
+
 def contrastive_loss(
     q: torch.Tensor,
     p: torch.Tensor,
@@ -56,6 +83,7 @@ def contrastive_loss(
     q_gold: torch.Tensor | None = None,
     p_ids: torch.Tensor | None = None,
     gather: bool = True,
+    grad_groups: Optional[Sequence[Sequence[int]]] = None,
 ) -> torch.Tensor:
     """InfoNCE of local queries against the gathered passages of all workers (mean over local queries).
 
@@ -64,10 +92,11 @@ def contrastive_loss(
     gold passages (padded with -1); p_ids: [B * (1 + H)] corpus positions of the local passages. With both given,
     any gathered passage that is gold for a query (other than its own positive) is masked out: a duplicate or
     second gold passage in the batch is not a negative. gather=False scores against local passages only (for
-    strategies that must not synchronise workers every step, e.g. async_ps).
+    strategies that must not synchronise workers every step, e.g. async_ps). grad_groups: the strategy's
+    `gradient_groups(step)`; passages of my group carry gradients, the others are constants (module docstring).
     """
     b = q.shape[0]
-    p_all = gather_with_grad(p) if gather else p
+    p_all = gather_passages(p, grad_groups) if gather else p
     scores = q @ p_all.T / temperature  # [B, W * B * (1 + H)]
     rank = dist.get_rank() if gather and dist.is_available() and dist.is_initialized() else 0
     labels = torch.arange(b, device=q.device) + rank * p.shape[0]

@@ -160,7 +160,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         with autocast(t.precision, device):
             q_emb, p_emb = model(q, p)
         loss = contrastive_loss(
-            q_emb, p_emb, cfg.retriever.temperature, q_gold, torch.tensor(pids, device=device), strategy.gather_negatives
+            q_emb, p_emb, cfg.retriever.temperature, q_gold, torch.tensor(pids, device=device), strategy.gather_negatives,
+            grad_groups=strategy.gradient_groups(step),  # whose gathered passages carry gradients (loss.py)
         )
         optim.zero_grad(set_to_none=True)
         loss.backward()

@@ -15,7 +15,7 @@ worker's anchor becomes its restored replica, so the first push after a restart 
 """
 
 import uuid
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import ray
@@ -115,6 +115,9 @@ class AsyncPSSync:
         set_flat_params(params, fresh)
         self.anchor = fresh
         self.pulls += 1
+
+    def gradient_groups(self, step: int) -> Optional[list[list[int]]]:
+        return [[r] for r in range(world_size())]  # no gather at all (gather_negatives is False); listed for completeness
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         flat = flat_params(params)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,11 @@ class SyncStrategy(Protocol):
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         """Return the module to call forward on (e.g. DDP with a comm hook, or the model itself)."""
+        ...
+
+    def gradient_groups(self, step: int) -> Optional[list[list[int]]]:
+        """The ranks grouped by whose gradients are averaged together at `step` (None: all ranks, like DDP); the
+        gathered in-batch negatives of other groups are constants (ragtrain/retriever/loss.py)."""
         ...
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:

@@ -9,7 +9,7 @@ its residual (one per parameter) for the next step.
 """
 
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,6 +133,9 @@ class CompressedSync:
         else:
             raise ValueError(f"sync.compression={c!r} is unknown; valid choices: fp16, bf16, powersgd, topk")
         return wrapped
+
+    def gradient_groups(self, step: int) -> Optional[list[list[int]]]:
+        return None  # every step averages (compressed) gradients: the global mean loss
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         pass  # every worker applied the same decompressed gradient

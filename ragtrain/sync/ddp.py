@@ -1,7 +1,7 @@
 """`ddp`: gradient all-reduce every step (the strongly consistent baseline), bytes counted in a comm hook."""
 
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ class DDPSync:
         wrapped = ddp(model, device, self.cfg.bucket_cap_mb)
         wrapped.register_comm_hook("grad", counting_allreduce_hook)
         return wrapped
+
+    def gradient_groups(self, step: int) -> Optional[list[list[int]]]:
+        return None  # gradients are averaged every step: the global mean loss
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         pass  # gradients were averaged during backward

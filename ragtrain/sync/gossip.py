@@ -9,7 +9,7 @@ With a doubly stochastic mixing (ring, or pairs) the mean is preserved and repli
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -66,6 +66,9 @@ class GossipSync:
         peers = neighbours(dist.get_rank() if w > 1 else 0, w, self.cfg.topology, self.rounds)
         self.rounds += 1
         mix_with_peers(params, peers, self.cfg.mixing, "params")
+
+    def gradient_groups(self, step: int) -> Optional[list[list[int]]]:
+        return [[r] for r in range(world_size())]  # replicas train apart between rounds: each its own loss
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         if (step + 1) % self.cfg.period == 0:

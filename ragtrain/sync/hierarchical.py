@@ -7,7 +7,7 @@ inside a node this is the mean over nodes) or `gossip` (mix with the same-local-
 nodes on a ring of nodes). Bytes are counted separately as `grad_intra` and `params_inter`.
 """
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,10 @@ class HierarchicalSync:
         nodes = neighbours(self.groups.index(self.my_group), self.num_nodes, "ring", 0)
         peers = [self.groups[n][self.local_rank] for n in nodes if self.local_rank < len(self.groups[n])]
         mix_with_peers(params, peers, self.cfg.mixing, "params_inter")
+
+    def gradient_groups(self, step: int) -> Optional[list[list[int]]]:
+        # Gradients are averaged inside a node only: each node optimises the mean loss of its own ranks.
+        return None if self.num_nodes == 1 else [list(g) for g in self.groups]
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         if self.num_nodes == 1 or (step + 1) % self.cfg.period:

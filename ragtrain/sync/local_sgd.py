@@ -14,7 +14,7 @@ Adam's per-worker normalisation makes "average of Adam steps" differ from "Adam 
 """
 
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,10 @@ class LocalSGDSync:
         wrapped = ddp(model, device, self.cfg.bucket_cap_mb)
         wrapped.register_comm_hook(None, self._hook)
         return wrapped
+
+    def gradient_groups(self, step: int) -> Optional[list[list[int]]]:
+        # The warm-up hook all-reduces gradients (DDP: the global mean loss); afterwards each replica its own loss.
+        return None if step < self.cfg.warmup_steps else [[r] for r in range(world_size())]
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         self.steps_done = step + 1

@@ -124,3 +124,109 @@ def test_loss_matches_cross_entropy_definition(temperature: float) -> None:
     s = q @ p.T / temperature
     expected = -torch.log_softmax(s, dim=1)[torch.arange(3), torch.arange(3)].mean()
     torch.testing.assert_close(contrastive_loss(q, p, temperature), expected)
+
+
+def _tiny_qp():
+    torch.manual_seed(0)
+    cfg = RetrieverConfig(model="tiny", tiny=TinyEncoderConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64))
+    return QPEncoder(build_encoder(cfg))
+
+
+def _rank_inputs(r: int, world: int):
+    """Rank r's slice of `global_batch`: query texts, its passages (positives then negatives), their ids, golds."""
+    q, pos, neg, gold, neg_ids = global_batch()
+    b = len(q) // world
+    sl, negs = slice(r * b, (r + 1) * b), slice(r * b * H, (r + 1) * b * H)
+    gmax = max(len(g) for g in gold)
+    q_gold = torch.tensor([g + [-1] * (gmax - len(g)) for g in gold[sl]])
+    return _pad(q[sl]), _pad(pos[sl] + neg[negs]), torch.tensor(list(range(len(q)))[sl] + neg_ids[negs]), q_gold
+
+
+def _local_step(rank: int, world: int, port: int, out: str) -> None:
+    """A replica that trains apart (gossip): no DDP, gradient_groups from the strategy; save its own gradients."""
+    from ragtrain.config import SyncConfig
+    from ragtrain.sync.gossip import GossipSync
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = _tiny_qp()
+    groups = GossipSync(SyncConfig(strategy="gossip")).gradient_groups(0)
+    q, p, p_ids, q_gold = _rank_inputs(rank, world)
+    q_emb, p_emb = model(q, p)
+    loss = contrastive_loss(q_emb, p_emb, 0.05, q_gold, p_ids, grad_groups=groups)
+    loss.backward()
+    torch.save({"groups": groups, "loss": loss.detach(),
+                "grads": {k: p.grad.clone() for k, p in model.encoder.named_parameters() if p.grad is not None}},
+               f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_replicas_that_train_apart_get_the_gradient_of_their_own_loss(tmp_path: Path) -> None:
+    """gossip / local SGD / vector_avg: each worker's gradient == the single-process gradient of ITS loss, with the
+    other worker's passages as constant negatives (not the sum of both workers' passage-side gradients)."""
+    out = str(tmp_path / "local")
+    mp.spawn(_local_step, args=(2, _free_port(), out), nprocs=2, join=True)
+    for r in range(2):
+        got = torch.load(f"{out}.{r}", weights_only=True)
+        assert got["groups"] == [[0], [1]]
+        model = _tiny_qp()
+        q, p, p_ids, q_gold = _rank_inputs(r, 2)
+        _, other_p, other_ids, _ = _rank_inputs(1 - r, 2)
+        q_emb, p_emb = model(q, p)
+        with torch.no_grad():
+            _, other_emb = model(q, other_p)
+        # one process, own passages first (its positives stay at rows 0..B-1), the other worker's as constants
+        ref = contrastive_loss(q_emb, torch.cat([p_emb, other_emb]), 0.05, q_gold, torch.cat([p_ids, other_ids]))
+        ref.backward()
+        torch.testing.assert_close(got["loss"], ref.detach(), atol=1e-5, rtol=0)
+        grads = {k: p.grad for k, p in model.encoder.named_parameters() if p.grad is not None}
+        assert set(grads) == set(got["grads"]) and len(grads) > 10
+        for k in grads:
+            torch.testing.assert_close(got["grads"][k], grads[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"rank {r} {k}: {m}")
+
+
+GROUPS = [[0, 1], [2]]  # hierarchical: ranks 0, 1 on one node, rank 2 alone on another
+
+
+def _group_step(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    gen = torch.Generator().manual_seed(rank)
+    q = torch.randn(2, 4, generator=gen, requires_grad=True)
+    p = torch.randn(2, 4, generator=gen, requires_grad=True)
+    contrastive_loss(q, p, 0.5, grad_groups=GROUPS).backward()
+    torch.save({"q": q.detach(), "p": p.detach(), "q_grad": q.grad, "p_grad": p.grad}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_hierarchical_gradients_flow_inside_the_node_only(tmp_path: Path) -> None:
+    """A rank's passages get the gradient of the losses of its node's ranks only (single-process reference)."""
+    out = str(tmp_path / "group")
+    mp.spawn(_group_step, args=(3, _free_port(), out), nprocs=3, join=True)
+    got = [torch.load(f"{out}.{r}", weights_only=True) for r in range(3)]
+    q = [g["q"].clone().requires_grad_() for g in got]
+    p = [g["p"].clone().requires_grad_() for g in got]
+    total = 0
+    for r in range(3):  # rank r's loss: its queries vs every passage, other nodes' passages constant
+        mine = next(g for g in GROUPS if r in g)
+        p_all = torch.cat([p[j] if j in mine else p[j].detach() for j in range(3)])
+        scores = q[r] @ p_all.T / 0.5
+        total = total + torch.nn.functional.cross_entropy(scores, torch.arange(2) + 2 * r)
+    total.backward()
+    for r in range(3):
+        torch.testing.assert_close(got[r]["q_grad"], q[r].grad, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got[r]["p_grad"], p[r].grad, atol=1e-6, rtol=1e-5)
+    assert got[2]["p_grad"].abs().sum() > 0  # rank 2 still learns from its own queries
+
+
+def test_strategies_name_whose_gradients_they_average() -> None:
+    """DDP-like strategies: every rank; replicas that train apart: their own rank; local SGD switches after warm-up."""
+    from ragtrain.config import SyncConfig
+    from ragtrain.sync.base import build_sync
+
+    for name in ("ddp", "compressed", "hierarchical"):  # hierarchical on one node is DDP
+        assert build_sync(SyncConfig(strategy=name)).gradient_groups(5) is None
+    for name in ("gossip", "vector_avg"):
+        assert build_sync(SyncConfig(strategy=name)).gradient_groups(5) == [[0]]
+    local = build_sync(SyncConfig(strategy="local_sgd", warmup_steps=2))
+    assert [local.gradient_groups(s) for s in range(4)] == [None, None, [[0]], [[0]]]
