@@ -119,8 +119,9 @@ def html_to_text(raw: bytes) -> tuple[str, str]:
     if not title:
         h1 = root.find(".//h1")
         title = h1.text_content().strip() if h1 is not None else ""
-        if title and text.lstrip().startswith(title):
-            text = text.lstrip()[len(title):]  # the title is prepended to every chunk: do not repeat it
+    first, _, rest = text.lstrip().partition("\n")
+    if title and first.strip() == title:
+        text = rest  # a leading <h1> repeating the title: it is prepended to every chunk anyway
     return title, text
 
 

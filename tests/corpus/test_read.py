@@ -45,6 +45,16 @@ def test_html_text_drops_script_and_style(tmp_path: Path) -> None:
         assert junk not in doc["text"]
     assert "First para & more." in doc["text"] and "Second para." in doc["text"] and "tail text" in doc["text"]
     assert "First para & more.\n" in doc["text"]  # block elements end lines (sentence boundaries for chunking)
+    assert "Heading" in doc["text"]
+
+
+def test_html_title_from_h1_and_not_repeated(tmp_path: Path) -> None:
+    root = write_folder(tmp_path / "d", {"t.html": "<html><head><title>Same</title></head><body><h1>Same</h1><p>Body.</p></body></html>",
+                                         "h.html": "<body><h1>Only H1</h1><p>Text here.</p></body>"})
+    [t] = _read(root, "t.html")
+    assert t["title"] == "Same" and t["text"].strip() == "Body."
+    [h] = _read(root, "h.html")
+    assert h["title"] == "Only H1" and h["text"].strip() == "Text here."
 
 
 def test_jsonl_accepts_id_or__id(tmp_path: Path) -> None:
