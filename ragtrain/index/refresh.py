@@ -3,9 +3,14 @@
 `IndexService` (a threaded Ray actor next to the pool) holds the live index version: the FAISS index, the hard-
 negative candidates it yields for every training query (ANCE-style) and the stored vectors of a fixed staleness
 probe. `refresh(step, [weights_ref])` builds the next version in a background thread of the actor and swaps it in
-whole when done; a failed refresh keeps the old version and says why. `LiveIndexClient` is the worker side: every
-worker pulls a new version when one appears; rank 0 also decides when to refresh (every N steps, or when the
-measured drift passes a threshold) and measures staleness. Training never waits for a refresh.
+whole when done; a failed refresh keeps the old version and says why. `LiveIndexClient` is the worker side.
+
+Which version a step mines from is decided once per step, by rank 0 (`begin_step`): it asks the service for the
+step's version (`version_for_step`: the newest, recorded in a `VersionBook`; a step replayed after a worker
+restart gets the version it had the first time) and broadcasts it; every rank fetches that version's negatives.
+So all ranks of a step mine from one version, even when a refresh swaps in between their calls. Rank 0 also
+decides when to refresh (every N steps, or when the measured drift passes a threshold) and measures staleness.
+Training never waits for a refresh.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import ray
+import torch
+import torch.distributed as dist
 
 from ragtrain.config import Config
 
@@ -40,6 +47,46 @@ class LiveVersion:
     negatives: list[list[int]]  # per training query: hard-negative candidates (corpus positions)
     probe_vectors: np.ndarray  # [len(probe.rows), dim] stored vectors of the probe passages
     build_seconds: float
+
+
+class VersionBook:
+    """Published versions (the newest `keep`) and the version each training step used (the first caller decides).
+
+    A plain object: the service holds one, and tests use it directly as the service (same methods).
+    """
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self.versions: dict[int, LiveVersion] = {}
+        self.used: dict[int, int] = {}  # training step -> version its negatives came from
+
+    def publish(self, live: LiveVersion) -> None:
+        """Add a new version (the newest from now on); the oldest beyond `keep` are dropped."""
+        self.versions[live.version] = live
+        for v in sorted(self.versions)[: -self.keep]:
+            del self.versions[v]
+
+    def version(self) -> int:
+        """The newest version number (-1 before the first publish)."""
+        return max(self.versions, default=-1)
+
+    def latest(self) -> Optional[LiveVersion]:
+        """The newest version."""
+        return self.versions.get(self.version())
+
+    def version_for_step(self, step: int) -> int:
+        """The version `step` mines from: the one recorded for it (a step replayed after a restart), else the
+        newest, recorded now."""
+        v = self.used.get(step)
+        if v is None or v not in self.versions:  # first time here (or that version is gone: take the newest)
+            v = self.used[step] = self.version()
+        return v
+
+    def get(self, version: int) -> LiveVersion:
+        """A kept version."""
+        if version not in self.versions:
+            raise KeyError(f"index version {version} is no longer kept (kept: {sorted(self.versions)})")
+        return self.versions[version]
 
 
 def make_probe(train_gold: Sequence[Sequence[int]], queries: Sequence[str], corpus_size: int,
@@ -93,7 +140,7 @@ class IndexService:
         self.cfg, self.pool, self.passages, self.doc_ids = cfg, pool, passages, doc_ids
         self.fingerprint, self.train_queries, self.train_gold, self.probe = fingerprint, train_queries, train_gold, probe
         self.pool.invalidate()  # the driver may have loaded weights since this copy of the pool was made
-        self.live: Optional[LiveVersion] = None
+        self.book = VersionBook()
         self.index = None
         self._busy = threading.Lock()  # only one refresh at a time
         self._swap = threading.Lock()
@@ -116,7 +163,7 @@ class IndexService:
             return {"ok": False, "skipped": "a refresh is already running", "step": step}
         start = time.perf_counter()
         try:
-            version = 0 if self.live is None else self.live.version + 1
+            version = self.book.version() + 1
             self.pool.set_weights(("refresh", version, step), weights_ref)
             r, idx = self.cfg.retriever, self.cfg.index
             if vectors is None:
@@ -129,7 +176,8 @@ class IndexService:
             negatives = mine(index, qvecs, self.train_gold, t.hard_negative_depth, t.hard_negative_skip_top)
             live = LiveVersion(version, step, negatives, vectors[self.probe.rows].copy(), time.perf_counter() - start)
             with self._swap:  # atomic: readers see the old version or the new one, never a mix
-                self.live, self.index = live, index
+                self.book.publish(live)
+                self.index = index
             stats = {"ok": True, "version": version, "step": step, "seconds": live.build_seconds,
                      "node": ray.get_runtime_context().get_node_id()}
             self.history.append(stats)
@@ -143,12 +191,27 @@ class IndexService:
 
     def version(self) -> int:
         """The live version number (-1 before the first publish): a cheap poll."""
-        return -1 if self.live is None else self.live.version
+        with self._swap:
+            return self.book.version()
 
     def latest(self) -> Optional[LiveVersion]:
         """The live version."""
         with self._swap:
-            return self.live
+            return self.book.latest()
+
+    def version_for_step(self, step: int) -> int:
+        """The version training step `step` mines from (rank 0 asks once per step; see VersionBook)."""
+        with self._swap:
+            return self.book.version_for_step(step)
+
+    def get(self, version: int) -> LiveVersion:
+        """A kept version (what the other ranks fetch after rank 0's broadcast)."""
+        with self._swap:
+            return self.book.get(version)
+
+    def busy(self) -> bool:
+        """Whether a refresh is running now."""
+        return self._busy.locked()
 
     def search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (scores, rows) from the live index."""
@@ -166,12 +229,24 @@ class IndexService:
             pass
 
 
-class LiveIndexClient:
-    """Worker side of the live index: pulls new versions; on rank 0 also schedules refreshes."""
+def _call(service, name: str, *args):
+    """Call a service method: a Ray actor handle (ray.get of .remote) or a plain object such as a VersionBook."""
+    method = getattr(service, name)
+    return ray.get(method.remote(*args)) if hasattr(method, "remote") else method(*args)
 
-    def __init__(self, service, cfg: Config, rank: int):
-        self.service, self.cfg, self.rank = service, cfg, rank
-        self.live: LiveVersion = ray.get(service.latest.remote())
+
+class LiveIndexClient:
+    """Worker side of the live index: the step's version (rank 0 decides); on rank 0 also schedules refreshes.
+
+    broadcast=True (several workers in a process group): rank 0's choice reaches the others as an 8-byte
+    broadcast; False (one worker, or async_ps where a per-step collective would make workers wait for each
+    other): every rank asks the service, and the first to reach a step fixes its version for all.
+    """
+
+    def __init__(self, service, cfg: Config, rank: int, broadcast: bool = False):
+        self.service, self.cfg, self.rank, self.broadcast = service, cfg, rank, broadcast
+        self.live: LiveVersion = _call(service, "latest")
+        self.switched = False
         if self.live is None:
             raise RuntimeError("the index service has no published version: publish() must run before training")
         self.pending: Optional[ray.ObjectRef] = None
@@ -180,11 +255,26 @@ class LiveIndexClient:
         self.failures = 0
         self.steps: list[tuple[float, int, bool]] = []  # (seconds, samples, a refresh was running) per step
 
+    def begin_step(self, step: int) -> int:
+        """Switch to the version `step` mines from: rank 0 asks the service (a ~1 ms actor call) and broadcasts
+        it; every rank then holds that version. Returns the version."""
+        if self.broadcast:
+            v = torch.tensor([_call(self.service, "version_for_step", step) if self.rank == 0 else -1],
+                             dtype=torch.int64)
+            dist.broadcast(v, src=0)  # tiny, and the step's first collective: every rank waits here anyway
+            version = int(v.item())
+        else:
+            version = _call(self.service, "version_for_step", step)
+        if version != self.live.version:
+            self.live = _call(self.service, "get", version)
+            self.switched = True
+        return version
+
     def pull(self) -> bool:
-        """Swap to a newer published version if there is one (a ~1 ms actor call); True when it changed."""
-        if ray.get(self.service.version.remote()) == self.live.version:
+        """Swap to the newest published version (end of training, rank 0); True when it changed."""
+        if _call(self.service, "version") == self.live.version:
             return False
-        self.live = ray.get(self.service.latest.remote())
+        self.live = _call(self.service, "latest")
         return True
 
     def negatives(self) -> list[list[int]]:
@@ -218,13 +308,14 @@ class LiveIndexClient:
         return bool(r.drift_threshold) and drift is not None and drift > r.drift_threshold
 
     def after_step(self, step: int, state_dict_fn, measure_fn, step_seconds: float, samples: int) -> dict[str, float]:
-        """Per-step upkeep: pull a new version; on rank 0 log finished refreshes, measure staleness every
+        """Per-step upkeep: report a version switch; on rank 0 log finished refreshes, measure staleness every
         refresh.check_every steps and start a refresh when due. Returns metrics for rank 0 to log."""
         refreshing = self.in_flight() if self.rank == 0 else False
         self.steps.append((step_seconds, samples, refreshing))
         out: dict[str, float] = {}
-        if self.pull():
+        if self.switched:
             out["index/version"] = self.live.version
+            self.switched = False
         if self.rank != 0:
             return out
         done = self.finished()

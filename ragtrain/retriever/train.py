@@ -134,7 +134,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     live: Optional[LiveIndexClient] = None
     if config.get("index_service") is not None:  # refresh.enabled: hard negatives from the live index
-        live = LiveIndexClient(config["index_service"], cfg, rank)
+        # Rank 0 broadcasts each step's index version where the strategy has per-step collectives anyway;
+        # async_ps has none (a broadcast would make its workers wait for each other): the service decides there.
+        live = LiveIndexClient(config["index_service"], cfg, rank, broadcast=world > 1 and strategy.gather_negatives)
         probe: Probe = config["probe"]
         probe_texts = [data.passages[r] for r in probe.rows]
 
@@ -149,6 +151,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     loop_start, measure_s = time.perf_counter(), 0.0
     for step in range(start_step, steps):
         step_start = time.perf_counter()
+        if live is not None:
+            live.begin_step(step)  # every rank mines this step from the version rank 0 chose
         queries, pids, golds = local_batch(
             data, global_batch, step, t.seed, rank, world, t.hard_negatives, live.negatives() if live else None
         )

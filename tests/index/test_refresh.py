@@ -10,7 +10,7 @@ import torch
 
 from ragtrain.config import ConfigError, to_typed
 from ragtrain.index.faiss_index import build_index
-from ragtrain.index.refresh import make_probe, mine, staleness
+from ragtrain.index.refresh import LiveIndexClient, LiveVersion, VersionBook, make_probe, mine, staleness
 from ragtrain.retriever.batching import TrainData, build_examples, local_batch
 from tests.conftest import compose, tiny_overrides
 
@@ -48,6 +48,62 @@ def test_live_negatives_never_gold_and_same_count_per_rank() -> None:
             assert len(negs) == 8  # 4 queries x 2 negatives on every rank
             for j, g in enumerate(golds):
                 assert not set(negs[2 * j : 2 * j + 2]) & set(g)
+
+
+def _version(v: int, step: int = 0) -> LiveVersion:
+    return LiveVersion(v, step, [[100 + v]], np.zeros((1, 2), dtype=np.float32), 0.0)
+
+
+def test_version_book_keeps_each_steps_version_for_a_replay() -> None:
+    """The first ask fixes a step's version; after a restart the step gets the same one, later steps the newest."""
+    book = VersionBook(keep=3)
+    book.publish(_version(0))
+    assert book.version_for_step(5) == 0
+    book.publish(_version(1, step=5))  # a refresh lands while step 5 runs
+    assert book.version_for_step(5) == 0  # the other ranks, or the step replayed after a worker restart
+    assert book.version_for_step(6) == 1
+    for v in (2, 3, 4):
+        book.publish(_version(v))
+    assert sorted(book.versions) == [2, 3, 4]
+    assert book.version_for_step(5) == 4  # its version was dropped: the newest
+    with pytest.raises(KeyError, match="no longer kept"):
+        book.get(0)
+
+
+def _agree(rank: int, world: int, port: int, out: str, broadcast: bool) -> None:
+    """Two ranks whose own service answers differ for step 0 (rank 1 asked just before a refresh swapped in)."""
+    import os
+
+    import torch.distributed as dist
+
+    from ragtrain.config import Config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    book = VersionBook()
+    book.publish(_version(0))
+    if rank == 1:
+        book.version_for_step(0)  # its answer for step 0 is version 0 ...
+    book.publish(_version(1, step=0))  # ... rank 0's is version 1
+    client = LiveIndexClient(book, Config(), rank, broadcast=broadcast)
+    assert client.live.version == 1  # the newest at start-up
+    client.live = book.get(0)  # both ranks mined step -1 from version 0
+    seen = [client.begin_step(0), client.negatives()]
+    torch.save(seen, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_every_rank_mines_a_step_from_rank_0s_version(tmp_path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "agree")
+    mp.spawn(_agree, args=(2, port, out, True), nprocs=2, join=True)
+    assert [torch.load(f"{out}.{r}") for r in range(2)] == [[1, [[101]]]] * 2
 
 
 def test_staleness_metrics() -> None:
