@@ -261,7 +261,9 @@ class Retrieval:
         return evaluate(maxp_run(run, self.data.doc_of, depth=k), self.data.eval_qrels)
 
     def mine_negatives(self, index) -> dict[str, list[int]]:
-        """Hard-negative candidates for each training query: top ranks minus the skipped ones minus gold."""
+        """Hard-negative candidates for each training query: top ranks minus gold, minus the top skipped ones."""
+        from ragtrain.index.mining import hard_negative_candidates
+
         t = self.cfg.retriever.train
         qids = sorted(self.train_qrels)
         run = self.search(index, qids, t.hard_negative_depth)
@@ -269,7 +271,7 @@ class Retrieval:
         out = {}
         for q in qids:
             gold = {d for d, g in self.train_qrels[q].items() if g > 0}  # all chunks of a gold document
-            out[q] = [pos[d] for d in run[q][t.hard_negative_skip_top :] if d not in gold]
+            out[q] = [pos[d] for d in hard_negative_candidates(run[q], gold, t.hard_negative_skip_top)]
         return out
 
 

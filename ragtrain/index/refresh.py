@@ -103,9 +103,13 @@ def make_probe(train_gold: Sequence[Sequence[int]], queries: Sequence[str], corp
 
 
 def mine(index, qvecs: np.ndarray, gold: Sequence[Sequence[int]], depth: int, skip_top: int) -> list[list[int]]:
-    """Hard-negative candidates per query: the index's top `depth` rows minus the top `skip_top` minus gold."""
+    """Hard-negative candidates per query: the index's top `depth` rows minus gold, minus the top `skip_top` of
+    the rest (ragtrain/index/mining.py)."""
+    from ragtrain.index.mining import hard_negative_candidates
+
     _, rows = index.search(qvecs, depth)
-    return [[int(r) for r in rows[i][skip_top:] if r >= 0 and int(r) not in set(gold[i])] for i in range(len(gold))]
+    return [hard_negative_candidates([int(r) for r in rows[i] if r >= 0], set(gold[i]), skip_top)
+            for i in range(len(gold))]
 
 
 def staleness(stale: np.ndarray, fresh: np.ndarray, queries: np.ndarray, gold: Sequence[Sequence[int]],
