@@ -1,7 +1,8 @@
 """Recipe: retrieval-augmented generator fine-tuning on Ray Train workers (gloo on CPU, NCCL on GPU), then EM/F1.
 
-Driver side: `fit_generator` sizes a `TorchTrainer`, ships the questions/passages and a retrieval client, and
-returns rank 0's summary and the final checkpoint. Worker side: `train_loop_per_worker` reads a typed Config.
+Driver side: `fit_generator` ships the questions/passages and a retrieval client to the training harness
+(ragtrain/train/harness.py) and returns rank 0's summary and the final checkpoint. Worker side:
+`train_loop_per_worker` reads typed `WorkerArgs` top to bottom: set-up -> train -> evaluate -> save.
 
 Batches are deterministic functions of (seed, step): every rank knows the whole global batch, takes its slice,
 and normalises its summed token loss by the GLOBAL target-token count, so N workers x batch b follow the same
@@ -11,19 +12,15 @@ loss trajectory as 1 worker x batch N*b (DDP averages gradients over ranks, henc
 from __future__ import annotations
 
 import json
-import math
 import random
-import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 
-from ragtrain.checkpoint import maybe_inject_fault, restore_in_worker, resume_point, save_train_state
-from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config
 from ragtrain.generator.config import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
 from ragtrain.generator.metrics import score
@@ -37,6 +34,7 @@ from ragtrain.generator.model import (
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.retrieval import RetrievalClient
 from ragtrain.schedule import warmup_linear_decay
+from ragtrain.train.harness import WorkerArgs, Worker, fit, total_steps
 from ragtrain.track.mlflow import MetricSink
 
 WEIGHTS_FILE = "generator.safetensors"
@@ -57,12 +55,6 @@ class GenData:
     train: list[GenExample]
     eval: list[GenExample]
     passages: dict[str, str]  # doc id -> prompt text of the passage (title applied per generator.include_title)
-
-
-def total_steps(cfg: Config, num_examples: int, world: int) -> int:
-    """Optimizer steps: max_steps, else epochs x ceil(examples / global batch)."""
-    t = cfg.generator.train
-    return t.max_steps if t.max_steps > 0 else max(1, math.ceil(t.epochs * num_examples / (t.batch_size * world)))
 
 
 class Sampler:
@@ -170,52 +162,41 @@ def evaluate(model: GenModel, builder: PromptBuilder, data: GenData, client: Ret
     return results, predictions
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """One Ray Train worker: build the generator, train with retrieval in the loop, evaluate, report."""
-    import ray
-    import ray.train
-    import ray.train.torch
-
-    cfg: Config = config["cfg"]
+def train_loop_per_worker(args: WorkerArgs) -> None:
+    """One Ray Train worker: set up -> train with retrieval in the loop -> evaluate -> save."""
+    cfg = args.cfg
     g, t = cfg.generator, cfg.generator.train
-    torch.set_num_threads(max(1, int(config["cpus_per_worker"])))
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
-    if rank == 0:  # Ray Train's worker group: a sweep removes it if this trial is stopped (cluster/resources.py)
-        record_placement_group(cfg.output_dir, ray.util.get_current_placement_group())
-    data: GenData = ray.get(config["data_ref"])
-    client: RetrievalClient = config["retrieval"]
+    w = Worker(args, seed=t.seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
+    device, rank, world = w.device, w.rank, w.world
+    data: GenData = w.get("data")
+    client: RetrievalClient = w.get("retrieval")
 
+    # --- set-up
     tokenizer = load_tokenizer(g)
-    torch.manual_seed(t.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
     model = build_generator(g, tokenizer).to(device)
     model.train()
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                    else None) if world > 1 else model
     builder = prompt_builder(g, tokenizer)
     targets = [builder.target(e.answers[0], g.max_target_length) for e in data.train]
-    steps = total_steps(cfg, len(data.train), world)
     per_rank, micro = t.batch_size, t.batch_size // t.grad_accum
     global_batch = per_rank * world
+    steps = total_steps(t.max_steps, t.epochs, len(data.train), global_batch)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     warm = min(t.warmup_steps, steps - 1) if steps > 1 else 0
     sched = warmup_linear_decay(optim, warm, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=GenPrecision(t.precision) == GenPrecision.fp16)
     sampler = Sampler(len(data.train), t.seed)
-    sink: Optional[MetricSink] = config.get("sink") if rank == 0 else None
     history: list[dict[str, float]] = []
-    start_step, extra, sink = restore_in_worker(_storage(cfg), config, rank, world, model.hf, optim, sched, sink,
-                                                "generator")
+    start_step, extra = w.restore(model.hf, optim, sched)
     if start_step:
         scaler.load_state_dict(extra["scaler"])
         history = list(extra["history"])
-    if sink is not None:
-        sink.warm_up()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                    else None) if world > 1 else model
 
-    window_t, win_loss, win_tokens, win_samples, win_seq_tokens = time.perf_counter(), 0.0, 0, 0, 0
-    loop_start, measure_s, run_tokens = time.perf_counter(), 0.0, 0
+    # --- train
+    win_loss, win_tokens, win_samples, win_seq_tokens = 0.0, 0, 0, 0
+    loop_start, run_tokens = time.perf_counter(), 0
     for step in range(start_step, steps):
         first = step * global_batch
         idx = [sampler(first + i) for i in range(global_batch)]
@@ -255,7 +236,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
         done = step + 1
         if done % t.log_every == 0 or done == steps:
-            elapsed = time.perf_counter() - window_t
+            elapsed = w.window_seconds()
             stats = torch.tensor([win_loss, float(win_seq_tokens)], device=device, dtype=torch.float64)
             if world > 1:  # global per-token loss; tokens of every rank
                 torch.distributed.all_reduce(stats)
@@ -265,26 +246,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                        "gen_train/samples_per_s": win_samples / elapsed, "gen_train/lr": sched.get_last_lr()[0],
                        "gen_train/retrieval_s": client.seconds}
             history.append({"step": done, "loss": metrics["gen_train/loss"]})
-            t0 = time.perf_counter()
-            if rank == 0:
-                print(f"[generator] step {done}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
-                      flush=True)
-                if sink is not None:
-                    sink.log(metrics, done)
-            measure_s += time.perf_counter() - t0
-            window_t, win_loss, win_tokens, win_samples, win_seq_tokens = time.perf_counter(), 0.0, 0, 0, 0
+            w.log(metrics, done, steps)
+            win_loss, win_tokens, win_samples, win_seq_tokens = 0.0, 0, 0, 0
         if t.checkpoint_every and done % t.checkpoint_every == 0 and done < steps:
-            t0 = time.perf_counter()  # every rank writes its own part (RNG states differ); Ray Train merges them
-            with tempfile.TemporaryDirectory() as d:
-                save_train_state(d, rank, world, done, model.hf, optim, sched,
-                                 {"scaler": scaler.state_dict(), "history": history}, config["fit_id"])
-                ray.train.report({"step": done, "train/loss": history[-1]["loss"] if history else float("nan")},
-                                 checkpoint=ray.train.Checkpoint.from_directory(d))
-            measure_s += time.perf_counter() - t0
-            window_t += time.perf_counter() - t0  # checkpoint writes are not training throughput
-        maybe_inject_fault(cfg.fault.kill_worker_at_step, cfg.fault.kill_rank, cfg.output_dir, "generator", rank, done)
+            # every rank writes its own part (RNG states differ)
+            w.checkpoint(done, model.hf, optim, sched, {"scaler": scaler.state_dict(), "history": history},
+                         {"train/loss": history[-1]["loss"] if history else float("nan")})
+        w.fault(done)
 
-    loop_s = time.perf_counter() - loop_start - measure_s
+    # --- evaluate
+    loop_s = time.perf_counter() - loop_start - w.measure_s
     ran = steps - start_step  # steps of this attempt (after a restart: since the checkpoint)
     total = torch.tensor([float(run_tokens)], device=device, dtype=torch.float64)
     if world > 1:
@@ -294,23 +265,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                "train/tokens_per_s": total.item() / loop_s,
                "train/final_loss": history[-1]["loss"], "train/retrieval_s": client.seconds,
                **{f"{mode}/{k}": v for mode, r in results.items() for k, v in r.items()}}
-    with tempfile.TemporaryDirectory() as d:  # every rank reports (a barrier in Train V2); rank 0 the weights
-        ckpt = None
-        if rank == 0:
-            save_generator(model, d)
-            # final: a resumed run that finds this checkpoint takes its results instead of training again
-            files = {PREDICTIONS_FILE: predictions, HISTORY_FILE: history,
-                     "meta.json": {"step": steps, "world": world, "final": True, "weights": WEIGHTS_FILE,
-                                   "fit_id": config["fit_id"], "summary": summary}}
-            for name, obj in files.items():
-                Path(d, name).write_text(json.dumps(obj, indent=1))
-            ckpt = ray.train.Checkpoint.from_directory(d)
-        ray.train.report(summary, checkpoint=ckpt)
 
+    # --- save (rank 0 writes the weights and predictions into the final checkpoint)
+    def write(folder: Path) -> None:
+        save_generator(model, folder)
+        files = {PREDICTIONS_FILE: predictions, HISTORY_FILE: history, "meta.json": {"weights": WEIGHTS_FILE}}
+        for name, obj in files.items():
+            Path(folder, name).write_text(json.dumps(obj, indent=1))
 
-def _storage(cfg: Config) -> Path:
-    """The generator's Ray Train run folder (its checkpoints) under the run's output folder."""
-    return Path(cfg.output_dir, "ray", "generator")
+    w.finish(summary, write)
 
 
 @dataclass
@@ -325,50 +288,19 @@ class GenFitResult:
 
 def fit_generator(cfg: Config, data: GenData, client: RetrievalClient, sink: Optional[MetricSink],
                   out_dir: Optional[Path] = None) -> GenFitResult:
-    """Driver: train + evaluate the generator with a TorchTrainer; copy the final checkpoint to out_dir."""
-    import uuid
-
+    """Driver: train + evaluate the generator on the harness; copy the final checkpoint's files to out_dir."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     r, t = cfg.resources.trainer, cfg.generator.train
-    workers = t.num_workers or r.num_workers
-    cpus = t.cpus_per_worker or r.cpus_per_worker
     if not data.train:
         raise ValueError("the generator stage has no training questions with answers")
-    # Workers may run in another directory: they get the absolute output folder (checkpoint scans, fault markers).
-    cfg = replace(cfg, output_dir=str(Path(cfg.output_dir).resolve()))
-    start = time.perf_counter()
-    start_from, meta = resume_point(_storage(cfg), cfg.resume)
-    if meta.get("final"):  # trained and evaluated before: reuse it
-        print(f"[generator] resume: the stage finished before ({start_from}); using its results")
-        return _result(cfg, start_from, meta["summary"], out_dir, start)
-    if start_from is not None:
-        print(f"[generator] resume from step {meta['step']}: {start_from}")
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"cfg": cfg, "data_ref": ray.put(data), "retrieval": client, "sink": sink,
-                           "cpus_per_worker": cpus, "fit_id": uuid.uuid4().hex,
-                           "resume_from": str(start_from) if start_from is not None else None},
-        torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=r.use_gpu,
-            resources_per_worker={"CPU": cpus, **({"GPU": 1} if r.use_gpu else {}), **r.resources}),
-        run_config=RunConfig(
-            name="generator", storage_path=str(_storage(cfg).parent),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
-            worker_runtime_env={"env_vars": WORKER_ENV}),
-    )
-    result = trainer.fit()
-    if result.checkpoint is None:
-        raise RuntimeError(f"generator training finished without a checkpoint (error: {result.error})")
-    with result.checkpoint.as_directory() as d:
-        return _result(cfg, Path(d), result.metrics, out_dir, start, result.checkpoint.path)
+    args = WorkerArgs(cfg, "generator", cpus_per_worker=t.cpus_per_worker or r.cpus_per_worker, sink=sink,
+                      refs={"data": ray.put(data), "retrieval": client})
+    done = fit(train_loop_per_worker, args, num_workers=t.num_workers or r.num_workers)
+    return _result(done.folder, done.summary, out_dir, done.seconds, done.checkpoint_path)
 
 
-def _result(cfg: Config, folder: Path, summary: dict[str, Any], out_dir: Optional[Path], start: float,
+def _result(folder: Path, summary: dict[str, Any], out_dir: Optional[Path], seconds: float,
             path: Optional[str] = None) -> GenFitResult:
     """The fit's result from its final checkpoint folder; its files are copied to out_dir."""
     import shutil
@@ -381,5 +313,4 @@ def _result(cfg: Config, folder: Path, summary: dict[str, Any], out_dir: Optiona
             if f.name != "meta.json":
                 shutil.copy2(f, out_dir / f.name)
     metrics = {k: float(v) for k, v in summary.items() if k != "step"}
-    return GenFitResult(metrics, path or str(folder), int(summary["step"]), time.perf_counter() - start, history,
-                        predictions)
+    return GenFitResult(metrics, path or str(folder), int(summary["step"]), seconds, history, predictions)

@@ -1,0 +1,235 @@
+"""One harness for every training recipe on Ray Train (retriever, generator).
+
+Driver side, `fit`: sizes a `TorchTrainer` (scaling, gloo/NCCL, `FailureConfig`, storage under the run folder, the
+Tune callback, the worker environment) and returns the fit's final checkpoint. Worker side, `Worker`: the recipe's
+view of its process -- rank, world, device, threads, seeding, checkpoint save/restore, fault injection, the rank-0
+metric sink and the log window. A recipe then reads set-up -> step -> evaluate -> save, and never touches Ray Train.
+
+Workers receive a typed `WorkerArgs` (the resolved `Config` plus the stage's object refs), never a Hydra config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ragtrain.checkpoint import maybe_inject_fault, restore_in_worker, resume_point, save_train_state
+from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
+from ragtrain.config import Config
+from ragtrain.track.mlflow import MetricSink
+
+
+def total_steps(max_steps: int, epochs: float, num_examples: int, global_batch: int) -> int:
+    """Optimizer steps of a fit: `max_steps` if > 0, else epochs x FULL global batches per epoch (rounded up).
+
+    Both recipes count the same way: the last partial batch of an epoch is dropped, so every step has one size.
+    """
+    if max_steps > 0:
+        return max_steps
+    if num_examples < global_batch:
+        raise ValueError(f"{num_examples} training examples < one global batch of {global_batch} "
+                         "(batch_size x num_workers): lower the batch size")
+    return max(1, math.ceil(epochs * (num_examples // global_batch)))
+
+
+@dataclass
+class WorkerArgs:
+    """Everything one worker of a fit receives: typed and resolved on the driver; large data as object refs."""
+
+    cfg: Config
+    stage: str  # "retriever" | "generator": names the Ray Train run folder, log lines and fault markers
+    cpus_per_worker: float
+    fit_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # tags this fit's checkpoints (restart scans)
+    resume_from: Optional[str] = None  # resume=true: the run's latest complete checkpoint
+    sink: Optional[MetricSink] = None  # rank 0 logs through it into the driver's MLflow run
+    report_intermediate: bool = False  # Tune trials: every log window goes to ray.train.report
+    refs: dict[str, Any] = field(default_factory=dict)  # the stage's inputs: data, weights, services (by name)
+
+    def storage(self) -> Path:
+        """This stage's Ray Train run folder (its checkpoints) under the run's output folder."""
+        return storage_dir(self.cfg, self.stage)
+
+
+def storage_dir(cfg: Config, stage: str) -> Path:
+    """`<output_dir>/ray/<stage>`: where a stage's checkpoints live."""
+    return Path(cfg.output_dir, "ray", stage)
+
+
+class Worker:
+    """The recipe's handle on its Ray Train worker process (one per rank)."""
+
+    def __init__(self, args: WorkerArgs, seed: int):
+        import ray
+        import ray.train
+        import ray.train.torch
+
+        self.args, self.cfg, self.stage = args, args.cfg, args.stage
+        torch.set_num_threads(max(1, int(args.cpus_per_worker)))
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+        if self.rank == 0:  # Ray Train's worker group: a sweep removes it if this trial is stopped (cluster/resources)
+            record_placement_group(self.cfg.output_dir, ray.util.get_current_placement_group())
+        # Dropout draws from torch's default generator: the recipe chooses per-rank or shared seeds; a restart then
+        # restores the checkpoint's RNG state over this.
+        torch.manual_seed(seed)
+        self.sink: Optional[MetricSink] = args.sink if self.rank == 0 else None
+        self.measure_s = 0.0  # seconds spent outside training steps (logging, checkpoints, probes)
+        self._window_start = time.perf_counter()
+
+    def get(self, name: str) -> Any:
+        """One of the stage's inputs: object refs are fetched from the object store, actor handles passed as is."""
+        import ray
+
+        value = self.args.refs[name]
+        return ray.get(value) if isinstance(value, ray.ObjectRef) else value
+
+    def restore(self, model: nn.Module, optim: torch.optim.Optimizer, sched: Any) -> tuple[int, dict[str, Any]]:
+        """Continue from this fit's latest checkpoint (a restart) or the resumed run's; returns (first step, extra).
+
+        Call it after the model, optimizer and schedule exist and BEFORE any sync strategy takes its state from the
+        weights (an async server's anchor, averaging buffers): those must start from the restored weights."""
+        step, extra, self.sink = restore_in_worker(self.args.storage(), {"fit_id": self.args.fit_id,
+                                                   "resume_from": self.args.resume_from}, self.rank, self.world,
+                                                   model, optim, sched, self.sink, self.stage)
+        if self.sink is not None:
+            self.sink.warm_up()  # before step 0: other ranks would otherwise wait ~2.5 s at the first collective
+        return step, extra
+
+    @contextmanager
+    def not_training(self) -> Iterator[None]:
+        """Time spent inside is not training throughput (logging, probes, checkpoints): kept out of the window."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - t0
+            self.measure_s += spent
+            self._window_start += spent
+
+    def window_seconds(self, restart: bool = True) -> float:
+        """Training seconds since the log window started (time inside `not_training` excluded)."""
+        now = time.perf_counter()
+        elapsed = now - self._window_start
+        if restart:
+            self._window_start = now
+        return elapsed
+
+    def log(self, metrics: dict[str, float], step: int, steps: int, report: bool = False) -> None:
+        """Rank 0 prints and logs to MLflow; with `report` (Tune trials) every rank reports (a Train V2 barrier)."""
+        import ray.train
+
+        with self.not_training():
+            if self.rank == 0:
+                print(f"[{self.stage}] step {step}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
+                      flush=True)
+                if self.sink is not None:
+                    self.sink.log(metrics, step)
+            if report and self.args.report_intermediate:
+                ray.train.report({"step": step, **metrics})
+
+    def checkpoint(self, step: int, model: nn.Module, optim: torch.optim.Optimizer, sched: Any,
+                   extra: dict[str, Any], metrics: Optional[dict[str, float]] = None) -> None:
+        """Every rank writes its part of the step-`step` checkpoint; Ray Train merges them into one folder."""
+        import ray.train
+
+        with self.not_training(), tempfile.TemporaryDirectory() as d:
+            save_train_state(d, self.rank, self.world, step, model, optim, sched, extra, self.args.fit_id)
+            ray.train.report({"step": step, **(metrics or {})}, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+    def fault(self, step: int) -> None:
+        """fault.kill_worker_at_step: this process dies once, as in a crash (tests of restarts)."""
+        f = self.cfg.fault
+        maybe_inject_fault(f.kill_worker_at_step, f.kill_rank, self.cfg.output_dir, self.stage, self.rank, step)
+
+    def finish(self, summary: dict[str, Any], write: Callable[[Path], None]) -> None:
+        """The final report: rank 0 calls `write(folder)` to fill the final checkpoint, marked final with the
+        summary (a resumed run that finds it takes its results instead of training again); every rank reports."""
+        import ray.train
+
+        with tempfile.TemporaryDirectory() as d:
+            ckpt = None
+            if self.rank == 0:
+                write(Path(d))
+                meta = {"step": summary["step"], "world": self.world, "final": True, "fit_id": self.args.fit_id,
+                        "summary": summary}
+                meta_path = Path(d, "meta.json")
+                if meta_path.exists():  # the recipe added fields (e.g. the weights file name)
+                    meta = {**json.loads(meta_path.read_text()), **meta}
+                meta_path.write_text(json.dumps(meta, indent=1))
+                ckpt = ray.train.Checkpoint.from_directory(d)
+            ray.train.report(summary, checkpoint=ckpt)
+
+
+def _entry(config: dict[str, Any]) -> None:
+    """The worker entry point: Train V2 hands workers a dict; the recipe gets its typed arguments."""
+    config["loop"](config["args"])
+
+
+@dataclass
+class Fitted:
+    """A finished fit: its final checkpoint folder and rank 0's summary."""
+
+    folder: Path
+    summary: dict[str, Any]
+    checkpoint_path: str
+    seconds: float
+    resumed_final: bool  # the stage had finished before (resume=true): nothing was trained
+
+
+def resume_or_none(cfg: Config, stage: str) -> tuple[Optional[Path], dict[str, Any]]:
+    """resume=true: the stage's latest complete checkpoint and its meta; otherwise (None, {})."""
+    return resume_point(storage_dir(cfg, stage), cfg.resume)
+
+
+def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
+        callbacks: Optional[list] = None) -> Fitted:
+    """Driver: run `loop(args)` on `num_workers` Ray Train workers and return the final checkpoint (copied locally).
+
+    Workers get the absolute output folder (checkpoint scans and fault markers must not depend on their cwd).
+    A stage that had finished before (resume=true finds a final checkpoint) is not trained again.
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    cfg = replace(args.cfg, output_dir=str(Path(args.cfg.output_dir).resolve()))
+    args = replace(args, cfg=cfg)
+    start = time.perf_counter()
+    start_from, meta = resume_or_none(cfg, args.stage)
+    if meta.get("final"):
+        print(f"[{args.stage}] resume: the stage finished before ({start_from}); using its results")
+        return Fitted(start_from, meta["summary"], str(start_from), 0.0, True)
+    if start_from is not None:
+        print(f"[{args.stage}] resume from step {meta['step']}: {start_from}")
+        args = replace(args, resume_from=str(start_from))
+    r = cfg.resources.trainer
+    trainer = TorchTrainer(
+        _entry,
+        train_loop_config={"loop": loop, "args": args},
+        torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, use_gpu=r.use_gpu,
+            resources_per_worker={"CPU": args.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {}), **r.resources}),
+        run_config=RunConfig(
+            name=args.stage, storage_path=str(args.storage().parent),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
+            callbacks=callbacks or None,
+            worker_runtime_env={"env_vars": WORKER_ENV}),
+    )
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"{args.stage} training finished without a checkpoint (error: {result.error})")
+    # storage_path is a folder of the run (a local or shared filesystem), so the checkpoint is readable in place
+    folder = Path(result.checkpoint.path)
+    return Fitted(folder, dict(result.metrics), result.checkpoint.path, time.perf_counter() - start, False)
