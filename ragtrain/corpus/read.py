@@ -47,7 +47,10 @@ def list_documents(root: str | Path, glob: str = "**/*") -> list[Path]:
         raise DataError(f"data.root={str(root)!r} does not exist")
     if not root.is_dir():
         raise DataError(f"data.root={str(root)!r} is not a directory")
-    files = sorted(p for p in root.glob(glob) if p.is_file() and not is_reserved(p.relative_to(root)))
+    try:
+        files = sorted(p for p in root.glob(glob) if p.is_file() and not is_reserved(p.relative_to(root)))
+    except (ValueError, NotImplementedError) as e:  # an absolute or empty pattern
+        raise DataError(f"data.glob={glob!r} is not a pattern relative to data.root ({e})") from None
     if not files:
         raise DataError(f"data.root={str(root)!r} with data.glob={glob!r} matches no document file "
                         f"(supported: {', '.join(SUPPORTED)}; queries.jsonl, qrels/ and hidden files are not documents)")

@@ -99,6 +99,12 @@ def test_glob_matching_nothing_is_an_error(tmp_path: Path) -> None:
         list_documents(root, "*.pdf")
 
 
+def test_absolute_glob_is_an_error(tmp_path: Path) -> None:
+    root = small_folder(tmp_path / "d")
+    with pytest.raises(DataError, match=r"data.glob='/etc/\*' is not a pattern relative to data.root"):
+        list_documents(root, "/etc/*")
+
+
 def test_missing_root_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"data.root='.*nope' does not exist"):
         list_documents(tmp_path / "nope")
