@@ -18,7 +18,7 @@ __all__ = ["check_chunk_budget", "check_corpus_ids", "chunk_data", "load_documen
 
 
 def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail", split: str = "dev",
-                   dev_size: int | float = 100, seed: int = 0,
+                   dev_size: float = 100, seed: int = 0,
                    log: Callable[[str], None] = print) -> tuple[RetrievalData, dict[str, int]]:
     """(whole-document RetrievalData, report counts) of a documents folder with queries.jsonl + qrels/<split>.tsv."""
     if on_error not in ("fail", "skip"):

@@ -23,8 +23,16 @@ import random
 import shutil
 from pathlib import Path
 
+from ragtrain.data.synthetic import (
+    _INSTRUMENTS,
+    _OCCUPATIONS,
+    _ORG_KINDS,
+    _SHOPS,
+    _TOWN_SUFFIXES,
+    _article,
+    _unique_words,
+)
 from ragtrain.data.types import DataError
-from ragtrain.data.synthetic import _INSTRUMENTS, _OCCUPATIONS, _ORG_KINDS, _SHOPS, _TOWN_SUFFIXES, _article, _unique_words
 
 __all__ = ["write_docs_synthetic"]
 
@@ -189,8 +197,7 @@ def write_docs_synthetic(root: str | Path, num_entities: int = 120, seed: int = 
             queries.append({"_id": f"q{len(queries):05d}", "text": text, "metadata": {"answer": p["name"]}})
             qrels[split_of[p["family"]]].append((queries[-1]["_id"], doc_id))
     with open(root / "queries.jsonl", "w", encoding="utf-8") as fh:
-        for q in queries:
-            fh.write(json.dumps(q) + "\n")
+        fh.writelines(json.dumps(q) + "\n" for q in queries)
     for split, rows in qrels.items():
         with open(root / "qrels" / f"{split}.tsv", "w", encoding="utf-8") as fh:
             fh.write("query-id\tcorpus-id\tscore\n")

@@ -16,7 +16,7 @@ from typing import Any
 
 from ragtrain.data.types import DataError
 
-__all__ = ["FileError", "SUPPORTED", "is_reserved", "list_documents", "read_file"]
+__all__ = ["SUPPORTED", "FileError", "is_reserved", "list_documents", "read_file"]
 
 SUPPORTED = (".txt", ".md", ".markdown", ".html", ".htm", ".jsonl", ".parquet")
 _RESERVED_FILES = ("queries.jsonl", "queries.jsonl.gz")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from ragtrain.corpus.chunk import chunk_document
@@ -77,7 +79,7 @@ def test_every_window_fits_and_covers_the_document_with_minilm() -> None:
     out = chunk_document(doc, tok, 32, 8)
     n_title = len(tok("Town guide", add_special_tokens=False)["input_ids"])
     assert len(out) > 3
-    for a, b in zip(out, out[1:]):
+    for a, b in itertools.pairwise(out):
         assert a["start"] < b["start"] < a["end"] <= b["end"]  # consecutive windows overlap and advance
     for c in out:
         assert doc["text"][c["start"]:c["end"]] == c["text"]

@@ -97,7 +97,7 @@ def test_cli_bad_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     r = subprocess.run([sys.executable, "-m", "ragtrain", "data=documents", f"data.root={tmp_path / 'empty'}",
                         "data.chunk.enabled=false", f"output_dir={tmp_path / 'out'}", "logger=none"],
-                       cwd=REPO, capture_output=True, text=True, timeout=180)
+                       cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("data error: data.root=") and "matches no document file" in lines[-1]
