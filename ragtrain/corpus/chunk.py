@@ -27,7 +27,8 @@ _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+|\n+")
 
 def token_spans(tokenizer: Any, text: str) -> list[tuple[int, int]]:
     """Character spans of the tokenizer's tokens of `text` (no special tokens); needs a fast tokenizer."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    # verbose=False: a whole document is longer than the model on purpose (no "sequence length" warning)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     return [(int(s), int(e)) for s, e in enc["offset_mapping"] if e > s]
 
 

@@ -12,7 +12,8 @@ class WhitespaceTokenizer:
 
     model_max_length = 512
 
-    def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = True) -> dict:
+    def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = True,
+                 verbose: bool = True) -> dict:
         spans = [(m.start(), m.end()) for m in re.finditer(r"\S+", text)]
         return {"input_ids": list(range(len(spans))), "offset_mapping": spans}
 
