@@ -21,6 +21,9 @@ from ragtrain.generator.config import GeneratorConfig
 from ragtrain.tune.config import TUNE_SCHEDULERS, TUNE_SEARCHERS, TUNE_TIME_ATTRS, TuneConfig  # noqa: F401
 
 
+RECALL_DEPTH = 100  # the deepest recall cut-off reported (ragtrain.eval.retrieval.DEFAULT_KS)
+
+
 class Precision(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -191,6 +194,9 @@ class IndexConfig:
         _check(self.distill_batch_size > 0, "index.distill_batch_size", "must be > 0", self.distill_batch_size)
         for key in ("batch_size", "shard_size", "top_k", "nprobe", "ef_search"):
             _check(getattr(self, key) > 0, f"index.{key}", "must be > 0", getattr(self, key))
+        # Recall@100 is read off the top_k hits: a shallower search would report recall@top_k under its name.
+        _check(self.top_k >= RECALL_DEPTH, "index.top_k", f"must be >= {RECALL_DEPTH} (recall@{RECALL_DEPTH} is "
+               f"reported from the top_k hits)", self.top_k)
 
 
 @dataclass

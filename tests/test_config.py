@@ -66,6 +66,7 @@ def test_bad_enum_lists_choices() -> None:
         ("retriever.temperature=0", "retriever.temperature"),
         ("resources.trainer.num_workers=0", "resources.trainer.num_workers"),
         ("index.top_k=0", "index.top_k"),
+        ("index.top_k=10", "index.top_k"),  # recall@100 would be recall@10 under another name
         ("stages=[retriever,bogus]", "stages"),
         ("data.source=beir", "data.root"),
         ("index.distill_steps=10", "index.distill_steps"),  # needs sync=vector_avg
