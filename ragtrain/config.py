@@ -383,6 +383,13 @@ class Config:
         _check(not (self.data.chunk.enabled and "generator" in self.stages), "data.chunk.enabled",
                "is not supported with the generator stage yet (its gold contexts are whole passages)", True)
         vector_avg = self.sync.strategy == "vector_avg" or "vector_avg" in self.compare.strategies
+        # align_anchors maps the zero-shot index onto the trained index: both must be built, by one encoder
+        _check(not self.index.align_anchors or {"retriever", "index"} <= set(self.stages), "index.align_anchors",
+               f"needs stages [retriever, index] (it maps the zero-shot index onto the trained one; stages are "
+               f"{self.stages}): add them or set it to 0", self.index.align_anchors)
+        _check(not self.index.align_anchors or self.sync.strategy != "vector_avg", "index.align_anchors",
+               "does not apply to sync=vector_avg (its index holds consensus vectors, no single trained encoder): "
+               "set it to 0", self.index.align_anchors)
         _check(not self.index.distill_steps or vector_avg, "index.distill_steps",
                "needs sync=vector_avg (the student learns the replicas' consensus vectors)", self.index.distill_steps)
 

@@ -366,6 +366,8 @@ def run(
             index, results["zeroshot"] = retrieval.build_and_evaluate("zeroshot", [weights], encoder_name, step)
             if needs_negatives and not live:  # static negatives, mined once from the zero-shot index
                 negatives = retrieval.mine_negatives(index)
+        elif train and cfg.index.align_anchors:  # zeroshot_eval=false (e.g. sync_compare's later variants):
+            retrieval.build("zeroshot", [weights], encoder_name, step)  # the stale vectors still, not evaluated
         stale = retrieval.vectors if train and cfg.index.align_anchors else None
 
         if train:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,15 @@ def test_out_of_range_values_name_the_key(override: str, key: str, tmp_path: Pat
     with pytest.raises(ConfigError) as e:
         to_typed(cfg)
     assert key in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,needs", [(["stages=[index]"], "needs stages [retriever, index]"),
+                                             (["sync=vector_avg"], "does not apply to sync=vector_avg")])
+def test_align_anchors_that_would_do_nothing_fail(overrides: list, needs: str, tmp_path: Path) -> None:
+    """index.align_anchors without a zero-shot and a trained index to align (or with vector_avg) is refused."""
+    cfg = compose(["experiment=quickstart", "index.align_anchors=8", *overrides, f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=re.escape("index.align_anchors " + needs)):
+        to_typed(cfg)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -65,3 +65,16 @@ def test_bad_method_and_shapes() -> None:
         fit_alignment(np.zeros((3, 2)), np.zeros((3, 2)), "cca")
     with pytest.raises(ValueError, match="same N"):
         fit_alignment(np.zeros((3, 2)), np.zeros((4, 2)))
+
+
+def test_align_anchors_work_without_the_zeroshot_evaluation(ray_session, tmp_path) -> None:
+    """zeroshot_eval=false (sync_compare's later variants): the stale index is still built, aligned and evaluated."""
+    from ragtrain.config import to_typed
+    from ragtrain.pipeline import run
+    from tests.conftest import compose, tiny_overrides
+
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "zeroshot_eval=false",
+                            "index.align_anchors=32", "logger=none"]))
+    results = run(cfg)
+    assert "zeroshot" not in results  # not evaluated ...
+    assert results["stale_aligned"]["anchors"] == 32 and "ndcg@10" in results["stale"]  # ... but aligned
