@@ -259,7 +259,7 @@ def encode_to_shards(
     pool: `pool.num_actors` actors x `actor_cpus(pool)` CPUs (+ `num_gpus_per_actor`, + custom resources such as
     index_node), `index.shard_size` rows per call, `index.batch_size` texts per forward pass, `index.precision`.
     """
-    from ray.data import DataContext
+    from ray.data import ActorPoolStrategy, DataContext
 
     if vector_dtype not in VECTOR_DTYPES:
         raise ValueError(f"vector_dtype={vector_dtype!r} must be one of {list(VECTOR_DTYPES)}")
@@ -289,14 +289,16 @@ def encode_to_shards(
                     num_threads=max(1, int(pool.cpus_per_actor)), fault=fault, stats_dir=stats_dir),
                 batch_size=per_call,
                 batch_format="numpy",
-                concurrency=pool.num_actors,
+                compute=ActorPoolStrategy(size=pool.num_actors),
                 num_cpus=actor_cpus(pool),
                 num_gpus=num_gpus_per_actor or None,
                 resources={k: float(v) for k, v in pool.resources.items()} or None,  # e.g. index_node
                 runtime_env={"env_vars": ACTOR_ENV},
                 **remote_args,
             )
-        ds.write_parquet(str(out))
+            # The write tasks ask for a quarter of the reserve: with 1 CPU each they could never start beside an actor
+            # pool that holds all but IO_CPU_RESERVE of a small cluster (the stream would stall)
+            ds.write_parquet(str(out), ray_remote_args={"num_cpus": IO_CPU_RESERVE / 2})
     finally:
         ctx.enable_progress_bars, ctx.execution_options.preserve_order = saved
     seconds = time.perf_counter() - start
