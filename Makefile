@@ -28,10 +28,10 @@ quickstart: setup
 	$(PY) -m ragtrain experiment=quickstart
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-slow: setup
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q --durations=15 -m slow
 
 bench: setup
 	$(PY) benchmarks/pool_throughput.py

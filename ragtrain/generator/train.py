@@ -197,6 +197,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     # --- train
     win_loss, win_tokens, win_samples, win_seq_tokens = 0.0, 0, 0, 0
     loop_start, run_tokens = time.perf_counter(), 0
+    w.window_seconds()  # the first log window starts here, after the set-up
     for step in range(start_step, steps):
         first = step * global_batch
         idx = [sampler(first + i) for i in range(global_batch)]
