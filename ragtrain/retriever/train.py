@@ -23,7 +23,7 @@ from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encod
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
-from ragtrain.sync.base import build_sync
+from ragtrain.sync.registry import build_sync
 from ragtrain.sync.comm import STATS
 from ragtrain.sync.metrics import drift_metrics
 from ragtrain.track.mlflow import MetricSink

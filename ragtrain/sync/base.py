@@ -1,4 +1,7 @@
-"""The small Protocol every sync strategy implements, and the explicit registry that selects one."""
+"""The small Protocol every sync strategy implements, and the helpers strategies share.
+
+Strategies import this module; it imports none of them (the registry that picks one is ragtrain/sync/registry.py).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import SyncConfig
+from ragtrain.sync.comm import STATS, all_reduce_bytes
 
 
 class SyncStrategy(Protocol):
@@ -73,8 +76,6 @@ def mean_and_divergence(params: list[nn.Parameter], count_as: str | None = None)
 
     The mean's all-reduce is counted under `count_as` (None: measurement traffic, not counted).
     """
-    from ragtrain.sync.comm import STATS, all_reduce_bytes
-
     w = world_size()
     flat = flat_params(params)
     if w == 1:
@@ -110,27 +111,3 @@ def ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0) -> 
     return DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb, **{flag: False}
     )
-
-
-def build_sync(cfg: SyncConfig, node_ids: list[str] | None = None) -> SyncStrategy:
-    """The strategy named by sync.strategy (an explicit dict: no registry magic); node_ids[rank] = its node."""
-    from ragtrain.sync.async_ps import AsyncPSSync
-    from ragtrain.sync.compressed import CompressedSync
-    from ragtrain.sync.ddp import DDPSync
-    from ragtrain.sync.gossip import GossipSync
-    from ragtrain.sync.hierarchical import HierarchicalSync
-    from ragtrain.sync.local_sgd import LocalSGDSync
-    from ragtrain.sync.vector_avg import VectorAvgSync
-
-    strategies = {
-        "ddp": DDPSync,
-        "local_sgd": LocalSGDSync,
-        "compressed": CompressedSync,
-        "gossip": GossipSync,
-        "hierarchical": lambda c: HierarchicalSync(c, node_ids),
-        "async_ps": AsyncPSSync,
-        "vector_avg": VectorAvgSync,
-    }
-    if cfg.strategy not in strategies:
-        raise ValueError(f"sync.strategy={cfg.strategy!r} is unknown; valid choices: {sorted(strategies)}")
-    return strategies[cfg.strategy](cfg)

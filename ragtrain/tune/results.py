@@ -10,8 +10,16 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from ragtrain.tune import space as sp
-from ragtrain.tune.sweep import (
-    DONE_KEY, STOPPED_TAG, SYNC_TAG, TRIAL_TAG, SweepPlan, SweepResult, TrialContext, normalize_metric, trial_config,
+from ragtrain.tune.trial import (
+    DONE_KEY,
+    STOPPED_TAG,
+    SYNC_TAG,
+    TRIAL_TAG,
+    SweepPlan,
+    SweepResult,
+    TrialContext,
+    normalize_metric,
+    trial_config,
 )
 
 DONE = ("TERMINATED", "ERROR")

@@ -13,78 +13,35 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-import pandas as pd
 from omegaconf import OmegaConf
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from ragtrain.config import Config, ConfigError, to_flat_dict
 from ragtrain.tune import space as sp
+from ragtrain.tune.results import close_orphans, finish
+from ragtrain.tune.trial import (  # noqa: F401  (re-exported: the sweep's public names stay importable from here)
+    DONE_KEY,
+    NAME,
+    ROLE_TAG,
+    STOPPED_TAG,
+    SYNC_TAG,
+    TRIAL_TAG,
+    SweepPlan,
+    SweepResult,
+    TrialContext,
+    normalize_metric,
+    trial_config,
+)
 
-NAME = "sweep"  # the Tune experiment folder: <output_dir>/tune/sweep
 # Reported at every log window while training (what ASHA can act on); everything else (trained/..., run/...,
 # any later pipeline phase) is reported once, when the trial's pipeline ends.
 WINDOW_PREFIXES = ("train/", "comm/", "drift/", "sync/")
-DONE_KEY = "pipeline_done"  # in a trial's final result only: tells a finished trial from one a scheduler stopped
-# MLflow tags: on child runs (trial id, sync option, stopped by the scheduler) and on the parent (role=sweep)
-TRIAL_TAG, SYNC_TAG = "ragtrain.tune.trial_id", "ragtrain.sync"
-STOPPED_TAG, ROLE_TAG = "ragtrain.tune.stopped_early", "ragtrain.role"
 UNCAPPED_T = 10**6  # ASHA needs a max_t for its rungs; a trial reaching it would be stopped before its evaluation
-
-
-@dataclass
-class TrialContext:
-    """What every trial needs, shipped once through the object store (tune.with_parameters)."""
-
-    base: dict  # the resolved sweep config as plain data (tune = None): trials never see Hydra
-    sync_options: dict[str, dict]
-    keys: list[str]  # swept keys, in display order
-    out_dir: str  # absolute: Tune runs trials in other working directories
-    tracking_uri: str  # absolute, the parent's store
-    parent_run_id: Optional[str]
-    experiment_name: str
-
-
-@dataclass
-class SweepPlan:
-    """A validated sweep: the space, the trials' base config, and where everything goes."""
-
-    cfg: Config
-    params: list[sp.Param]
-    base: dict
-    sync_options: dict[str, dict]
-    out_dir: Path
-    tracking_uri: str
-
-    @property
-    def experiment_path(self) -> Path:
-        """Tune's experiment folder (what resume restores)."""
-        return self.out_dir / "tune" / NAME
-
-    def context(self, parent_run_id: Optional[str]) -> TrialContext:
-        """What the trials of this sweep receive."""
-        return TrialContext(self.base, self.sync_options, [p.key for p in self.params], str(self.out_dir),
-                            self.tracking_uri, parent_run_id, self.cfg.experiment_name)
-
-
-@dataclass
-class SweepResult:
-    parent_run_id: Optional[str]
-    experiment_path: Path
-    trials: pd.DataFrame  # one row per trial: id, status, stopped_early, swept values, metric
-    best: Optional[dict]  # {"trial_id", "values", "metric"} of the best finished trial
-    best_config: Optional[Path]
-    report: list[Path] = field(default_factory=list)
-    interrupted: bool = False
-
-
-def normalize_metric(name: str) -> str:
-    """Accept MLflow spelling (ndcg_at_10) for pipeline metric names (ndcg@10)."""
-    return name.replace("_at_", "@")
 
 
 def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
@@ -113,16 +70,6 @@ def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
     sp.validate(params, base, opts, t.searcher)
     uri = absolute_tracking_uri(tracking_uri(cfg.logger)) if cfg.logger.backend.value == "mlflow" else ""
     return SweepPlan(cfg, params, base, opts, Path(cfg.output_dir).resolve(), uri)
-
-
-def trial_config(ctx: TrialContext, values: dict[str, Any], trial_id: str) -> Config:
-    """One trial's typed config: its own output folder and a child-run name that says what it tried."""
-    base = dict(ctx.base)
-    base["output_dir"] = str(Path(ctx.out_dir, "trials", trial_id))
-    label = sp.describe(values, ctx.keys)
-    base["logger"] = {**base["logger"], "tracking_uri": ctx.tracking_uri or None,
-                      "run_name": f"{ctx.experiment_name}/{trial_id} {label}".strip()}
-    return sp.apply(base, values, ctx.sync_options)
 
 
 def trial_need(cfg: Config) -> dict[str, float]:
@@ -158,7 +105,11 @@ def check_resources(plan: SweepPlan) -> int:
     """Fail now if the biggest trial can never run here; return the number of trials to run at once."""
     import ray
 
-    from ragtrain.cluster.resources import InfeasibleResourcesError, check_config, node_capacities
+    from ragtrain.cluster.resources import (
+        InfeasibleResourcesError,
+        check_config,
+        node_capacities,
+    )
 
     t = plan.cfg.tune
     worst = sp.worst_case(plan.params, plan.base, plan.sync_options)
@@ -327,7 +278,6 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
 
     from ragtrain.cluster.resources import init_ray
     from ragtrain.pipeline import prepare_output_dir
-    from ragtrain.tune.results import finish
 
     plan = plan_sweep(cfg, conf_dir)  # ConfigError before anything starts
     prepare_output_dir(str(plan.out_dir))
@@ -341,7 +291,6 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
     # (every result must carry every metric) does not fit a pipeline whose best figure comes last.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
     if cfg.resume:
-        from ragtrain.tune.results import close_orphans
 
         close_orphans(plan.tracking_uri, parent)  # runs of trials cut off by the interruption: they start again
         tuner = tune.Tuner.restore(str(plan.experiment_path), trainable=trainable, resume_unfinished=True)

@@ -222,7 +222,7 @@ def test_hierarchical_gradients_flow_inside_the_node_only(tmp_path: Path) -> Non
 def test_strategies_name_whose_gradients_they_average() -> None:
     """DDP-like strategies: every rank; replicas that train apart: their own rank; local SGD switches after warm-up."""
     from ragtrain.config import SyncConfig
-    from ragtrain.sync.base import build_sync
+    from ragtrain.sync.registry import build_sync
 
     for name in ("ddp", "compressed", "hierarchical"):  # hierarchical on one node is DDP
         assert build_sync(SyncConfig(strategy=name)).gradient_groups(5) is None

@@ -20,13 +20,14 @@ def _wait_for(paths: list, what: str, deadline_s: float = 300.0) -> None:
 
 
 def _loop(config: dict) -> None:
+    from pathlib import Path
+
     import ray.train
     import torch
-    from pathlib import Path
     from torch import nn
 
     from ragtrain.config import SyncConfig
-    from ragtrain.sync.base import build_sync
+    from ragtrain.sync.registry import build_sync
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

@@ -13,10 +13,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from ragtrain.config import ConfigError, SyncConfig
-from ragtrain.sync.base import build_sync, flat_params
+from ragtrain.sync.base import flat_params
 from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
 from ragtrain.sync.gossip import neighbours
 from ragtrain.sync.metrics import param_divergence, replica_cosine, topk_jaccard
+from ragtrain.sync.registry import build_sync
 
 
 def _free_port() -> int:

@@ -1,0 +1,47 @@
+"""The sync and tune packages import in one direction (issue 14 §2): no module imports itself back, even lazily."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "ragtrain"
+
+
+def _imports(module: str) -> set[str]:
+    """ragtrain modules `module` imports anywhere in its file (top level or inside functions)."""
+    path = PKG.parent / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = PKG.parent / module.replace(".", "/") / "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ragtrain"):
+            for alias in node.names:  # `from ragtrain.tune import space` imports the module ragtrain.tune.space
+                sub = f"{node.module}.{alias.name}"
+                exists = (PKG.parent / (sub.replace(".", "/") + ".py")).exists()
+                out.add(sub if exists else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("ragtrain"))
+    return out
+
+
+def _reaches_itself(start: str) -> list[str] | None:
+    """An import path from `start` back to `start`, or None."""
+    stack, seen = [(start, [start])], set()
+    while stack:
+        module, path = stack.pop()
+        for dep in _imports(module):
+            if dep == start:
+                return path + [dep]
+            if dep not in seen:
+                seen.add(dep)
+                stack.append((dep, path + [dep]))
+    return None
+
+
+@pytest.mark.parametrize("module", ["ragtrain.sync.base", "ragtrain.sync.ddp", "ragtrain.sync.local_sgd",
+                                    "ragtrain.tune.sweep", "ragtrain.tune.results"])
+def test_no_import_cycle_through(module: str) -> None:
+    assert _reaches_itself(module) is None, " -> ".join(_reaches_itself(module))
