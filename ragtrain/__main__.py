@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
+if not os.environ.get("RAY_ADDRESS"):
+    # The embedded default starts its own Ray on 127.0.0.1: Ray reads this flag when it is first imported and
+    # otherwise binds the machine's interface address (firewall prompts, unreachable on locked-down hosts).
+    # A cluster (RAY_ADDRESS set) keeps its own networking.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from ragtrain.config import ConfigError, override_variants, register_configs, sync_variants, to_typed
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from ragtrain.config import ConfigError, override_variants, register_configs, sync_variants, to_typed  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -156,6 +157,11 @@ class RetrieverConfig:
     normalize: bool = True
     query_max_length: int = 64
     passage_max_length: int = 256
+    # E5/BGE-style instructions, e.g. "query: " / "passage: ": prepended to every text before tokenising
+    # (ragtrain.retriever.encoder.tokenize, the one place texts become input ids); exported as the
+    # sentence-transformers prompts "query" / "document"
+    query_prefix: str = ""
+    passage_prefix: str = ""
     temperature: float = 0.05
     train: RetrieverTrainConfig = field(default_factory=RetrieverTrainConfig)
 
@@ -237,6 +243,7 @@ class LoggerConfig:
     tracking_uri: Optional[str] = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db
     experiment_name: str = "ragtrain"
     run_name: Optional[str] = None
+    register_as: Optional[str] = None  # register the exported retriever in the MLflow Model Registry under this name
 
 
 SYNC_STRATEGIES = ("ddp", "local_sgd", "compressed", "gossip", "hierarchical", "async_ps", "vector_avg")
@@ -375,6 +382,8 @@ class Config:
     output_dir: str = "outputs/default"
     seed: int = 0
     resume: bool = False  # tune: continue the interrupted sweep in output_dir (finished trials are kept)
+    # write <output_dir>/export (sentence-transformers retriever, transformers generator) and log them to MLflow
+    export: bool = True
 
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]
@@ -390,14 +399,38 @@ class Config:
         _check(not self.index.align_anchors or self.sync.strategy != "vector_avg", "index.align_anchors",
                "does not apply to sync=vector_avg (its index holds consensus vectors, no single trained encoder): "
                "set it to 0", self.index.align_anchors)
+        # The live-refresh pool and distillation tokenise without a query/passage role yet: refuse, don't skip them
+        prefixed = bool(self.retriever.query_prefix or self.retriever.passage_prefix)
+        _check(not (prefixed and (self.refresh.enabled or self.index.distill_steps)), "retriever.query_prefix",
+               "(or passage_prefix) is not supported with refresh.enabled or index.distill_steps yet: set both "
+               "prefixes to ''", self.retriever.query_prefix)
         _check(not self.index.distill_steps or vector_avg, "index.distill_steps",
                "needs sync=vector_avg (the student learns the replicas' consensus vectors)", self.index.distill_steps)
 
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the checkout (holds conf/); data paths are relative to it
+
+
+def data_root() -> str:
+    """`${ragtrain.data_root:}`: $RAGTRAIN_DATA, else ../shared/data; a relative one is taken from the project
+    root, not the cwd, so a run composes the same paths wherever it is started."""
+    import os
+
+    return str((PROJECT_ROOT / os.environ.get("RAGTRAIN_DATA", "../shared/data")).resolve())
+
+
+def register_resolvers() -> None:
+    """`${ragtrain.project:}` (the checkout's absolute path) and `${ragtrain.data_root:}` for the conf files."""
+    for name, fn in (("ragtrain.project", lambda: str(PROJECT_ROOT)), ("ragtrain.data_root", data_root)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
 def register_configs() -> None:
-    """Register the schema so `conf/config.yaml` can extend it (defaults: `ragtrain_schema`)."""
+    """Register the schema so `conf/config.yaml` can extend it (defaults: `ragtrain_schema`), and the resolvers."""
     from hydra.core.config_store import ConfigStore
 
+    register_resolvers()
     ConfigStore.instance().store(name="ragtrain_schema", node=Config)
 
 

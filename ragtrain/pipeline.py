@@ -443,6 +443,13 @@ def run(
             if sink is not None:
                 sink.skip_logged = cfg.resume  # a resumed run already holds the phases finished before
                 sink.log({prefix + k: v for k, v in m.items()}, step=0 if phase == "zeroshot" else step)
+        if cfg.export and ({"retriever", "index"} & set(cfg.stages) or "generator" in cfg.stages):
+            from ragtrain.export import export_run  # <output_dir>/export: sentence-transformers + HF folders
+
+            encoded = bool({"retriever", "index"} & set(cfg.stages))  # this run trained or indexed with `weights`
+            export_run(cfg, weights if encoded else None, out, f"{data.name}: {len(data.corpus)} passages, "
+                       f"{len(data.train_qrels)} training queries, evaluated on {len(data.eval_qrels)} {data.split} "
+                       "queries", summary_table(results), logger)
         print(f"\n== {cfg.experiment_name}: {data.name} split={data.split} index={cfg.index.factory} ==")
         print(summary_table(results))
         if "train" in results:

@@ -101,6 +101,7 @@ class EncodeBatch:
         self.max_length, self.batch_size = int(max_length), int(batch_size)
         self.precision, self.vector_dtype = Precision(precision), np.dtype(vector_dtype)
         self.fault, self.stats_dir = fault, stats_dir
+        self.role = "passage"  # the corpus; LocalEncoder switches it to "query" (retriever.query_prefix)
         self.batches = self.rows = 0
         self.seconds = 0.0
 
@@ -109,7 +110,7 @@ class EncodeBatch:
         from ragtrain.retriever.encoder import encode_texts
 
         vecs = encode_texts(self.model, self.tokenizer, list(texts), self.max_length, self.batch_size, self.precision,
-                            device=self.device)
+                            device=self.device, role=self.role)
         return vecs.numpy()
 
     def __call__(self, batch: dict[str, np.ndarray]):
@@ -144,8 +145,8 @@ class LocalEncoder:
         self._enc = EncodeBatch(retriever, weights, retriever.passage_max_length, index.batch_size,
                                 Precision(index.precision).value)
 
-    def encode(self, texts: Sequence[str], max_length: int) -> np.ndarray:
-        self._enc.max_length = int(max_length)
+    def encode(self, texts: Sequence[str], max_length: int, role: str = "query") -> np.ndarray:
+        self._enc.max_length, self._enc.role = int(max_length), role
         return self._enc.encode(texts)
 
 

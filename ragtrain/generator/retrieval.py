@@ -67,13 +67,14 @@ class Searcher:
             self.models.append(m.eval())
         self.tokenizer = load_tokenizer(payload.retriever)
 
-    def encode(self, texts: Sequence[str], max_length: int) -> np.ndarray:
+    def encode(self, texts: Sequence[str], max_length: int, role: str = "query") -> np.ndarray:
         """Vectors like the index's (mean of the snapshots' unit vectors, re-normalised, when several)."""
         from ragtrain.retriever.encoder import encode_texts
         from ragtrain.sync.vector_avg import consensus_vectors
 
         return consensus_vectors([
-            encode_texts(m, self.tokenizer, list(texts), max_length, precision=Precision(self.p.precision)).numpy()
+            encode_texts(m, self.tokenizer, list(texts), max_length, precision=Precision(self.p.precision),
+                         role=role).numpy()
             for m in self.models])
 
     def search(self, questions: Sequence[str], k: int) -> list[list[str]]:
@@ -207,7 +208,7 @@ def check_encoder(payload: IndexPayload, passages: Sequence[str], index, n: int,
         stored = np.stack([index.index.reconstruct(i) for i in range(n)])
     except RuntimeError:
         return float("nan")
-    fresh = searcher.encode(passages[:n], payload.retriever.passage_max_length)
+    fresh = searcher.encode(passages[:n], payload.retriever.passage_max_length, role="passage")
     cos = (fresh * stored).sum(1) / (np.linalg.norm(fresh, axis=1) * np.linalg.norm(stored, axis=1)).clip(min=1e-12)
     worst = float(cos.min())
     if worst < min_cosine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
-from typing import ContextManager, Sequence
+from typing import ContextManager, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +29,19 @@ def resolve_model_path(name: str) -> str:
     return minilm_path() if name in ("minilm", "tiny") else name
 
 
+ROLES = ("query", "passage")
+
+
 def load_tokenizer(cfg: RetrieverConfig):  # -> transformers.PreTrainedTokenizerBase
-    """The tokenizer of the configured model ("tiny" borrows MiniLM's WordPiece vocabulary)."""
+    """The tokenizer of the configured model ("tiny" borrows MiniLM's WordPiece vocabulary), carrying the
+    configured query/passage prefixes for `tokenize`."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(cfg.model))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model))
+    # The prefixes ride on the tokenizer: every encode path gets its tokenizer here and tokenises through
+    # `tokenize`, so no caller needs the config to apply them.
+    tokenizer.ragtrain_prefixes = {"query": cfg.query_prefix, "passage": cfg.passage_prefix}
+    return tokenizer
 
 
 def build_backbone(cfg: RetrieverConfig) -> nn.Module:
@@ -98,8 +106,18 @@ def autocast(precision: Precision, device: torch.device) -> ContextManager:
     return nullcontext()
 
 
-def tokenize(tokenizer, texts: Sequence[str], max_length: int) -> dict[str, torch.Tensor]:
-    """Pad to the longest text in the batch (callers length-sort to keep padding small)."""
+def tokenize(tokenizer, texts: Sequence[str], max_length: int, role: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """Prepend the role's prefix (retriever.query_prefix / passage_prefix), then pad to the longest text in the
+    batch (callers length-sort to keep padding small). The one place texts become encoder input ids."""
+    prefixes = getattr(tokenizer, "ragtrain_prefixes", {})
+    if role is None:
+        if any(prefixes.values()):  # a caller that doesn't say which side it encodes would silently skip them
+            raise ValueError("retriever.query_prefix / retriever.passage_prefix are set, but this tokenize call "
+                             "gives no role: pass role='query' or role='passage'")
+    elif role not in ROLES:
+        raise ValueError(f"tokenize: role must be one of {list(ROLES)}, got {role!r}")
+    elif prefixes.get(role):
+        texts = [prefixes[role] + t for t in texts]
     enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
@@ -113,8 +131,10 @@ def encode_texts(
     batch_size: int = 64,
     precision: Precision = Precision.fp32,
     device: torch.device | None = None,
+    role: Optional[str] = None,
 ) -> torch.Tensor:
-    """Embed texts in length-sorted batches (less padding), returned in the input order: [N, dim] fp32 CPU."""
+    """Embed texts in length-sorted batches (less padding), returned in the input order: [N, dim] fp32 CPU.
+    `role` ("query" / "passage") picks the configured prefix (see `tokenize`)."""
     device = device or torch.device("cpu")
     was_training = model.training
     model.eval()
@@ -123,7 +143,7 @@ def encode_texts(
     out = torch.empty(len(texts), model.dim)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        batch = {k: v.to(device) for k, v in tokenize(tokenizer, [texts[i] for i in idx], max_length).items()}
+        batch = {k: v.to(device) for k, v in tokenize(tokenizer, [texts[i] for i in idx], max_length, role).items()}
         with autocast(precision, device):
             out[idx] = model(**batch).cpu()
     model.train(was_training)

@@ -69,8 +69,9 @@ def probe_inputs(data: TrainData, cfg: Config, tokenizer, device: torch.device) 
     """The fixed drift probe set: the first sync.probe_passages training queries and their positive passages."""
     n = min(cfg.sync.probe_passages, len(data.examples))
     exs = data.examples[:n]
-    q = tokenize(tokenizer, [e.query for e in exs], cfg.retriever.query_max_length)
-    p = tokenize(tokenizer, [data.passages[e.positive] for e in exs], cfg.retriever.passage_max_length)
+    q = tokenize(tokenizer, [e.query for e in exs], cfg.retriever.query_max_length, role="query")
+    p = tokenize(tokenizer, [data.passages[e.positive] for e in exs], cfg.retriever.passage_max_length,
+                 role="passage")
     return {k: v.to(device) for k, v in q.items()}, {k: v.to(device) for k, v in p.items()}
 
 
@@ -119,8 +120,10 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         probe_texts = [data.passages[r] for r in probe.rows]
 
         def measure(stale):  # rank 0: the current encoder on the staleness probe
-            p_vec = encode_texts(encoder, tokenizer, probe_texts, cfg.retriever.passage_max_length, 32, t.precision, device)
-            q_vec = encode_texts(encoder, tokenizer, probe.queries, cfg.retriever.query_max_length, 32, t.precision, device)
+            p_vec = encode_texts(encoder, tokenizer, probe_texts, cfg.retriever.passage_max_length, 32, t.precision, device,
+                                 role="passage")
+            q_vec = encode_texts(encoder, tokenizer, probe.queries, cfg.retriever.query_max_length, 32, t.precision, device,
+                                 role="query")
             return staleness(stale, p_vec.numpy(), q_vec.numpy(), probe.gold)
 
     # --- train
@@ -136,9 +139,11 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         queries, pids, golds = local_batch(
             data, global_batch, step, t.seed, rank, world, t.hard_negatives, live.negatives() if live else None
         )
-        q = {k: v.to(device) for k, v in tokenize(tokenizer, queries, cfg.retriever.query_max_length).items()}
+        q = {k: v.to(device) for k, v in tokenize(tokenizer, queries, cfg.retriever.query_max_length,
+                                                          role="query").items()}
         p_texts = [data.passages[i] for i in pids]
-        p = {k: v.to(device) for k, v in tokenize(tokenizer, p_texts, cfg.retriever.passage_max_length).items()}
+        p = {k: v.to(device) for k, v in tokenize(tokenizer, p_texts, cfg.retriever.passage_max_length,
+                                                          role="passage").items()}
         gmax = max(len(g) for g in golds)
         q_gold = torch.tensor([g + [-1] * (gmax - len(g)) for g in golds], device=device)
         with autocast(t.precision, device):

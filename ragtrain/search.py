@@ -1,0 +1,166 @@
+"""`python -m ragtrain.search <output_dir> "a question" [-k 5] [--json] [--generate]`: query a finished run.
+
+Top-k passages (rank, score, id, text) from the run's saved index (`<output_dir>/index`), with the query encoded by
+the encoder that built it (named in `index_meta.json`, rebuilt from the run's `config.yaml`); `--generate` also
+answers with the run's generator (`<output_dir>/generator`). Bad input: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub when querying a run
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from ragtrain.config import Config  # noqa: E402
+
+
+class SearchError(ValueError):
+    """The folder or the request cannot be served; the message names the file or the option."""
+
+
+def load_run_config(out: Path) -> Config:
+    """The run's resolved, typed config (`<out>/config.yaml`, written by the pipeline before any work)."""
+    from omegaconf import OmegaConf
+
+    from ragtrain.config import ConfigError, to_typed
+
+    path = out / "config.yaml"
+    if not path.exists():
+        raise SearchError(f"{path} is missing: {out} is not a ragtrain run folder")
+    try:
+        return to_typed(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
+    except (ConfigError, ValueError) as e:
+        raise SearchError(f"{path}: not a config this ragtrain can read ({str(e).splitlines()[0]})") from None
+
+
+def encoder_weights(cfg: Config, encoder: str, out: Path) -> list:
+    """The weights named by the index's metadata; a relative path that moved with the run folder is found in
+    `<out>/encoder` (the pipeline records the path as given, relative to the cwd it ran in)."""
+    from ragtrain.generator.retrieval import load_snapshots
+
+    model, sep, where = encoder.partition("@")
+    if sep and where != "init" and not Path(where).exists() and (out / "encoder" / Path(where).name).exists():
+        encoder = f"{model}@{out / 'encoder' / Path(where).name}"
+    if encoder.startswith("vector_avg of ") and " in " in encoder and not Path(encoder.rsplit(" in ", 1)[1]).exists():
+        encoder = f"{encoder.rsplit(' in ', 1)[0]} in {out / 'encoder'}"
+    try:
+        return load_snapshots(cfg, encoder, out)
+    except (FileNotFoundError, ValueError) as e:
+        raise SearchError(f"{out / 'index' / 'index_meta.json'}: {e}") from None
+
+
+def passage_texts(cfg: Config, out: Path) -> dict[str, Any]:
+    """Passages by id, reloaded the way the run loaded them ({} with a note on stderr when that fails)."""
+    from ragtrain.pipeline import load_data
+
+    try:
+        return dict(load_data(cfg.data, cfg.retriever, out).corpus)
+    except Exception as e:  # the data moved or changed: scores and ids are still right, texts are not available
+        print(f"note: passage texts unavailable ({type(e).__name__}: {str(e).splitlines()[0]})", file=sys.stderr)
+        return {}
+
+
+def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dict[str, Any]]]:
+    """Top-k hits for `question` from the run in `out`: [{rank, score, id, title, text}]."""
+    import numpy as np
+
+    from ragtrain.index.faiss_index import IndexMismatchError, load_index
+    from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
+    from ragtrain.sync.vector_avg import consensus_vectors
+
+    out = Path(out)
+    if not (out / "index" / "index_meta.json").exists():
+        raise SearchError(f"{out} holds no index ({out / 'index' / 'index_meta.json'} is missing): search a run "
+                          "folder whose stages included 'index'")
+    cfg = load_run_config(out)
+    try:
+        index = load_index(out / "index")
+    except (FileNotFoundError, IndexMismatchError) as e:
+        raise SearchError(str(e)) from None
+    r = cfg.retriever
+    tokenizer, per_snapshot = load_tokenizer(r), []
+    for weights in encoder_weights(cfg, index.meta.encoder, out):
+        model = build_encoder(r)
+        model.load_state_dict(weights, strict=True)
+        vec = encode_texts(model, tokenizer, [question], r.query_max_length, role="query")
+        per_snapshot.append(vec.numpy())
+    # vector_avg: the index holds the replicas' re-normalised mean vectors, and queries are averaged the same way
+    qv = consensus_vectors(per_snapshot) if len(per_snapshot) > 1 else per_snapshot[0]
+    index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
+    scores, rows = index.search(np.ascontiguousarray(qv, dtype=np.float32), min(k, len(index.doc_ids)))
+    passages = passage_texts(cfg, out)
+    hits = []
+    for rank, (score, row) in enumerate(zip(scores[0], rows[0]), start=1):
+        if row < 0:  # FAISS pads with -1 when fewer than k vectors are reachable (IVF with a small nprobe)
+            continue
+        pid = index.doc_ids[row]
+        p = passages.get(pid)
+        hits.append({"rank": rank, "score": float(score), "id": pid, "title": getattr(p, "title", "") if p else "",
+                     "text": getattr(p, "text", "") if p else ""})
+    return cfg, hits
+
+
+def generate_answer(cfg: Config, out: Path, question: str, hits: Sequence[dict[str, Any]]) -> str:
+    """The run's generator's answer to `question` given its top `generator.retrieval.top_k` hits."""
+    import torch
+
+    from ragtrain.generator.model import AnswerDecoder, collate, load_tokenizer
+    from ragtrain.generator.prompt import passage_text
+    from ragtrain.generator.train import load_generator, prompt_builder
+
+    g = cfg.generator
+    model = load_generator(cfg, out / "generator")
+    tokenizer = load_tokenizer(g)
+    texts = [passage_text(h["title"], h["text"], g.include_title) for h in hits[: g.retrieval.top_k] if h["text"]]
+    source = prompt_builder(g, tokenizer).source(question, texts)
+    batch = collate([source], [[]], model.arch, model.pad_id, for_generation=True)
+    with torch.no_grad():
+        ids = model.generate(batch["input_ids"], batch["attention_mask"], g.eval.num_beams, g.eval.max_new_tokens)
+    return AnswerDecoder(tokenizer)(ids[0])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI entry; returns the exit code (2 on bad input)."""
+    ap = argparse.ArgumentParser(prog="python -m ragtrain.search", description=__doc__.splitlines()[0])
+    ap.add_argument("output_dir", help="a finished run's folder (holds config.yaml and index/)")
+    ap.add_argument("question")
+    ap.add_argument("-k", type=int, default=5, help="passages to return (default 5)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--generate", action="store_true", help="also answer with the run's generator")
+    args = ap.parse_args(argv)
+    out = Path(args.output_dir)
+    try:
+        if args.k <= 0:
+            raise SearchError(f"-k must be > 0, got {args.k}")
+        if not args.question.strip():
+            raise SearchError("the question is empty")
+        if args.generate and not (out / "generator" / "generator.safetensors").exists():
+            raise SearchError(f"--generate: this run has no generator ({out / 'generator' / 'generator.safetensors'} "
+                              "is missing): run with stages [retriever, index, generator], or drop --generate")
+        cfg, hits = search(out, args.question, args.k)
+        answer = generate_answer(cfg, out, args.question, hits) if args.generate else None
+    except SearchError as e:
+        print(f"search error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        payload: dict[str, Any] = {"question": args.question, "k": args.k, "hits": hits}
+        if answer is not None:
+            payload["answer"] = answer
+        print(json.dumps(payload, indent=2, ensure_ascii=False))
+        return 0
+    for h in hits:
+        text = f"{h['title']}: {h['text']}" if h["title"] else h["text"]
+        print(f"{h['rank']:>3}  {h['score']:.4f}  {h['id']}  {text[:160]}")
+    if answer is not None:
+        print(f"\nanswer: {answer}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Use what was trained: the sentence-transformers export gives ragtrain's vectors, MLflow holds the model (and the
+registry its version), and `python -m ragtrain.search` answers from a finished run's folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ragtrain.config import Config, Pooling, RetrieverConfig, TinyEncoderConfig, to_typed
+from ragtrain.export import export_retriever
+from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
+from tests.conftest import REPO, compose, tiny_overrides
+
+TEXTS = ["Who founded the Velmora observatory?", "The Velmora observatory was founded in 1871 by Ada Quist. " * 6,
+         "short", "Another passage about the river Tessin and the mill that stood on its bank for three centuries."]
+TINY = TinyEncoderConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, dropout=0.0)
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _export_and_compare(tmp_path: Path, r: RetrieverConfig) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """Export a (seeded) encoder, reload it with plain sentence-transformers, encode TEXTS both ways."""
+    from sentence_transformers import SentenceTransformer
+
+    torch.manual_seed(0)
+    model = build_encoder(r)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    folder = export_retriever(Config(retriever=r), weights, tmp_path / "retriever", card="# card\n")
+    st = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    assert st.max_seq_length == r.passage_max_length
+    ours = encode_texts(model, load_tokenizer(r), TEXTS, r.passage_max_length, role="passage")
+    theirs = st.encode_document(TEXTS, convert_to_tensor=True)
+    return folder, ours, theirs
+
+
+@pytest.mark.parametrize("model", ["tiny", "minilm"])
+def test_export_loads_offline_and_gives_ragtrains_vectors(tmp_path: Path, model: str) -> None:
+    r = RetrieverConfig(model=model, tiny=TINY, passage_max_length=48)
+    folder, ours, theirs = _export_and_compare(tmp_path, r)
+    modules = [m["type"] for m in json.loads((folder / "modules.json").read_text())]
+    assert [m.rsplit(".", 1)[-1] for m in modules] == ["Transformer", "Pooling", "Normalize"]
+    assert json.loads((folder / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "mean"
+    # sentence-transformers 6 keeps max_seq_length as the tokenizer's model_max_length
+    assert json.loads((folder / "tokenizer_config.json").read_text())["model_max_length"] == 48
+    assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
+    assert (folder / "README.md").read_text() == "# card\n"
+    cos = torch.nn.functional.cosine_similarity(ours, theirs.cpu().float())
+    assert cos.min().item() >= 0.9999
+    assert theirs.norm(dim=-1).sub(1).abs().max().item() < 1e-5  # the Normalize module is there
+
+
+def test_cls_pooling_no_normalize_and_prefixes_carry_over(tmp_path: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    r = RetrieverConfig(model="tiny", tiny=TINY, pooling=Pooling.cls, normalize=False, query_prefix="query: ",
+                        passage_prefix="passage: ")
+    folder, ours, theirs = _export_and_compare(tmp_path, r)
+    modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((folder / "modules.json").read_text())]
+    assert modules == ["Transformer", "Pooling"]
+    assert json.loads((folder / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "cls"
+    assert torch.allclose(ours, theirs.cpu().float(), atol=1e-4)  # unnormalised: compare the vectors themselves
+    # queries: the "query" prompt is ragtrain's query prefix; without the prefix the vectors differ
+    torch.manual_seed(0)
+    model = build_encoder(r)
+    q_ours = encode_texts(model, load_tokenizer(r), TEXTS[:1], r.query_max_length, role="query")
+    st = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    q_st = st.encode_query(TEXTS[:1], convert_to_tensor=True).cpu().float()
+    assert torch.allclose(q_ours, q_st, atol=1e-4)
+    assert not torch.allclose(q_ours, st.encode(TEXTS[:1], convert_to_tensor=True).cpu().float(), atol=1e-3)
+
+
+def test_tokenize_applies_the_prefix_of_its_role() -> None:
+    from ragtrain.retriever.encoder import tokenize
+
+    plain = load_tokenizer(RetrieverConfig(model="tiny"))
+    tok = load_tokenizer(RetrieverConfig(model="tiny", query_prefix="query: ", passage_prefix="passage: "))
+    for role in ("query", "passage"):
+        got = tokenize(tok, ["the mill"], 32, role=role)["input_ids"]
+        want = tokenize(plain, [f"{role}: the mill"], 32, role=role)["input_ids"]
+        assert torch.equal(got, want)
+    assert torch.equal(tokenize(plain, ["x"], 8)["input_ids"], tokenize(plain, ["x"], 8, role="query")["input_ids"])
+    with pytest.raises(ValueError, match="retriever.query_prefix"):
+        tokenize(tok, ["the mill"], 32)  # a caller that names no role would silently skip the prefixes
+
+
+# --- a real tiny run: export, MLflow model + registry, and the search CLI on its folder
+
+REGISTERED = "ragtrain-test-retriever"
+
+
+@pytest.fixture(scope="module")
+def finished_run(ray_session, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export_run")
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp), "zeroshot_eval=false", "generator=tiny_t5",
+                            "logger.experiment_name=export-test", f"logger.register_as={REGISTERED}"]))
+    from ragtrain.pipeline import run
+
+    return cfg, run(cfg), tmp
+
+
+def test_run_exports_the_trained_retriever(finished_run) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    from ragtrain.retriever.train import load_weights
+
+    cfg, results, _ = finished_run
+    out = Path(cfg.output_dir)
+    folder = out / "export" / "retriever"
+    st = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    model = build_encoder(cfg.retriever)
+    model.load_state_dict(load_weights(out / "encoder"))  # the trained weights, not the seeded init
+    ours = encode_texts(model, load_tokenizer(cfg.retriever), TEXTS, cfg.retriever.passage_max_length)
+    cos = torch.nn.functional.cosine_similarity(ours, st.encode(TEXTS, convert_to_tensor=True).cpu().float())
+    assert cos.min().item() >= 0.9999
+    card = (folder / "README.md").read_text()
+    assert "library_name: sentence-transformers" in card and "tiny BERT" in card
+    assert "batch_size: 4" in card  # the resolved config
+    assert f"{results['trained']['ndcg@10']:.4f}" in card  # the evaluation table
+    assert "## Reproduce" in card and "synthetic" in card
+    assert not (out / "export" / "generator").exists()  # no generator stage ran
+
+
+def test_mlflow_holds_the_model_and_the_registry_its_version(finished_run, monkeypatch) -> None:
+    import mlflow.sentence_transformers
+    from mlflow.tracking import MlflowClient
+
+    cfg, _, tmp = finished_run
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    client = MlflowClient(uri, registry_uri=uri)
+    run = client.search_runs([client.get_experiment_by_name("export-test").experiment_id])[0]
+    assert run.info.status == "FINISHED"
+    model_uri = run.data.tags["ragtrain.retriever_model"]
+    assert model_uri == f"runs:/{run.info.run_id}/retriever"
+    assert "MLmodel" in {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "retriever")}
+    versions = client.search_model_versions(f"name='{REGISTERED}'")
+    assert [(int(v.version), v.run_id) for v in versions] == [(1, run.info.run_id)]
+    assert run.data.tags["ragtrain.registered_model"] == f"models:/{REGISTERED}/1"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the flavour's loader resolves models:/ through these
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", uri)
+    loaded = mlflow.sentence_transformers.load_model(f"models:/{REGISTERED}/1")
+    st = mlflow.sentence_transformers.load_model(str(Path(cfg.output_dir) / "export" / "retriever"))
+    assert torch.allclose(torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(st.encode(TEXTS)), atol=1e-5)
+
+
+def _search(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ragtrain.search", *args], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
+    import numpy as np
+
+    from ragtrain.data import make_synthetic
+    from ragtrain.index.faiss_index import load_index
+    from ragtrain.retriever.train import load_weights
+
+    cfg, _, _ = finished_run
+    out = Path(cfg.output_dir)
+    data = make_synthetic(num_entities=cfg.data.num_entities, seed=cfg.data.seed)
+    question = data.queries[sorted(data.eval_qrels)[0]]
+    res = _search(cfg.output_dir, question, "-k", "3", "--json")
+    assert res.returncode == 0, res.stderr
+    hits = json.loads(res.stdout)["hits"]
+    assert [h["rank"] for h in hits] == [1, 2, 3]
+    assert all(h["text"] == data.corpus[h["id"]].text and h["title"] == data.corpus[h["id"]].title for h in hits)
+    # the same ranking as the trained encoder + the saved index in this process
+    model = build_encoder(cfg.retriever)
+    model.load_state_dict(load_weights(out / "encoder"))
+    q = encode_texts(model, load_tokenizer(cfg.retriever), [question], cfg.retriever.query_max_length).numpy()
+    index = load_index(out / "index")
+    scores, rows = index.search(np.ascontiguousarray(q), 3)
+    assert [h["id"] for h in hits] == [index.doc_ids[r] for r in rows[0]]
+    assert [h["score"] for h in hits] == pytest.approx(scores[0].tolist(), abs=1e-5)
+    table = _search(cfg.output_dir, question)
+    assert table.returncode == 0 and len(table.stdout.strip().splitlines()) == 5  # default -k 5, one line per hit
+
+
+def test_search_generate_without_a_generator_and_a_folder_without_index_fail_in_one_line(finished_run,
+                                                                                         tmp_path: Path) -> None:
+    cfg, _, _ = finished_run
+    res = _search(cfg.output_dir, "who founded it?", "--generate")
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
+    assert "no generator" in res.stderr and "generator.safetensors" in res.stderr
+    res = _search(str(tmp_path), "who founded it?")
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
+    assert "holds no index" in res.stderr and str(tmp_path) in res.stderr
+
+
+def test_search_generate_answers_with_the_runs_generator(finished_run) -> None:
+    """--generate loads <run>/generator/generator.safetensors; here an untrained tiny T5 stands in for a trained one
+    (the generator stage's own tests cover training), so the answer is a string, not a right one."""
+    from ragtrain.generator.model import build_generator, load_tokenizer as gen_tokenizer
+    from ragtrain.generator.train import save_generator
+
+    cfg, _, _ = finished_run
+    gen_dir = Path(cfg.output_dir) / "generator"
+    gen_dir.mkdir(exist_ok=True)
+    try:
+        save_generator(build_generator(cfg.generator, gen_tokenizer(cfg.generator)), gen_dir)
+        res = _search(cfg.output_dir, "who founded it?", "-k", "2", "--json", "--generate")
+    finally:
+        (gen_dir / "generator.safetensors").unlink(missing_ok=True)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert isinstance(out["answer"], str) and len(out["hits"]) == 2
