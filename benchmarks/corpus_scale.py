@@ -164,6 +164,7 @@ def scale(args) -> None:
         "driver_rss_after_init_mb": rss_init, "driver_peak_rss_mb": peak_rss_mb(),
         "encode_actor_peak_rss_mb": max(a["peak_rss_mb"] for a in actors), "index_worker_peak_rss_mb": meta["peak_rss_mb"],
         "worker_peak_rss_mb": max(max(a["peak_rss_mb"] for a in actors), meta["peak_rss_mb"]),
+        "encode_actor_rows": [a["rows"] for a in actors], "encode_actor_seconds": [a["seconds"] for a in actors],
         "index_build_s": index_s, "index_ntotal": meta["ntotal"], "shard_files": len(shards.files),
         "wall_s": time.perf_counter() - wall0, "load_avg_start": load0, "load_avg_end": os.getloadavg()[0],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -191,8 +192,10 @@ def compare(args) -> None:
     from ragtrain.index.pool import EncoderPool
     from ragtrain.retriever.encoder import minilm_path
 
-    start_ray(args.num_cpus, args.ray_worker_niceness0)
     cores = int(args.actors * args.cpus_per_actor)
+    # Twice the cores as logical CPUs: the EncoderPool's placement group holds `cores` of them for the whole run, and
+    # Ray Data's actors need their own; the sides run one after the other, so `cores` cores work at any time.
+    start_ray(max(args.num_cpus, 2 * cores + 1), args.ray_worker_niceness0)
     cfg = RetrieverConfig(model="minilm", passage_max_length=args.max_length)
     pool_res = PoolResources(num_actors=args.actors, cpus_per_actor=args.cpus_per_actor)
     ids, texts = texts_list(args.compare_docs)

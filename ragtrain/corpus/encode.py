@@ -31,6 +31,7 @@ from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConf
 
 VECTOR_DTYPES = ("float32", "float16")
 SHARDS_META = "shards.json"  # written last: a folder without it is an unfinished encode
+SHARD_FILE_ROWS = 16384  # at most this many rows per parquet shard (64 MB of MiniLM fp32 vectors)
 MAX_ACTOR_RESTARTS = 3  # a dead encode actor is restarted this many times; its batch is retried on it
 # Leave this much of the cluster's CPU to Ray Data's own read / write tasks: an actor pool that claims every
 # logical CPU starves them and the stream stalls.
@@ -299,7 +300,10 @@ def encode_to_shards(
             )
             # The write tasks ask for a quarter of the reserve: with 1 CPU each they could never start beside an actor
             # pool that holds all but IO_CPU_RESERVE of a small cluster (the stream would stall)
-            ds.write_parquet(str(out), ray_remote_args={"num_cpus": IO_CPU_RESERVE / 2})
+            # max_rows_per_file: without it Ray Data may gather every block into one file (seen: 20k rows, 1 file),
+            # and then one write task holds all vectors and the index is built from a single "shard"
+            ds.write_parquet(str(out), max_rows_per_file=SHARD_FILE_ROWS,
+                             ray_remote_args={"num_cpus": IO_CPU_RESERVE / 2})
     finally:
         ctx.enable_progress_bars, ctx.execution_options.preserve_order = saved
     seconds = time.perf_counter() - start

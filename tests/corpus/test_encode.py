@@ -81,3 +81,17 @@ def test_killed_encode_actor_every_passage_exactly_once(ray_session, tmp_path, w
 def test_empty_dataset_is_refused(ray_session, tmp_path, weights) -> None:
     with pytest.raises(ValueError, match="no rows"):
         encode_to_shards(([], []), ray_session.put(weights), CFG, IndexConfig(), POOL, tmp_path / "e")
+
+
+@pytest.mark.parametrize(("factory", "match"), [("IVF4096,Flat", "4096 IVF lists"), ("IVF8,Nope", "not a valid faiss")])
+def test_pipeline_refuses_a_bad_index_before_encoding(tmp_path, factory, match) -> None:
+    """Retrieval.build checks the factory against the encoder's dim and the corpus size before any encode."""
+    from ragtrain.config import to_typed
+    from ragtrain.pipeline import Retrieval, load_data
+    from tests.conftest import compose, tiny_overrides
+
+    cfg = to_typed(compose(tiny_overrides(tmp_path) + [f"index.factory='{factory}'"]))
+    data = load_data(cfg.data)
+    with pytest.raises(ValueError, match=match):
+        Retrieval(cfg, data).build("zeroshot", [{}], "tiny@init", 0)  # no Ray, no weights needed: it fails first
+    assert not (tmp_path / "out" / "vectors").exists()
