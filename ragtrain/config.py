@@ -35,6 +35,11 @@ class Pooling(str, Enum):
     cls = "cls"
 
 
+class NegativeSampling(str, Enum):
+    random = "random"  # hard_negatives drawn at random from the candidates (seeded per step and example)
+    top = "top"  # the top-ranked hard_negatives candidates
+
+
 class DataSource(str, Enum):
     synthetic = "synthetic"
     beir = "beir"
@@ -125,6 +130,11 @@ class RetrieverTrainConfig:
     hard_negatives: int = 0  # mined from the zero-shot index, per training query
     hard_negative_depth: int = 30  # sample negatives from this many top ranks
     hard_negative_skip_top: int = 0  # skip the top ranks (false-negative guard)
+    # false-negative control (ragtrain/index/mining.py): drop candidates scoring above (1 - margin) x the query's
+    # positive score (NV-Retriever), or above an absolute score; null = off
+    hard_negative_margin: Optional[float] = None
+    hard_negative_max_score: Optional[float] = None
+    hard_negative_sampling: NegativeSampling = NegativeSampling.random
     precision: Precision = Precision.fp32  # bf16 = autocast on CPU / GPU
     grad_clip: float = 1.0
     log_every: int = 5
@@ -145,6 +155,8 @@ class RetrieverTrainConfig:
             self.hard_negative_depth,
         )
         _check(self.log_every > 0, k + "log_every", "must be > 0", self.log_every)
+        _check(self.hard_negative_margin is None or 0 <= self.hard_negative_margin < 1, k + "hard_negative_margin",
+               "must be in [0, 1) (or null: off)", self.hard_negative_margin)
 
 
 @dataclass

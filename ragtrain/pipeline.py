@@ -261,18 +261,24 @@ class Retrieval:
         return evaluate(maxp_run(run, self.data.doc_of, depth=k), self.data.eval_qrels)
 
     def mine_negatives(self, index) -> dict[str, list[int]]:
-        """Hard-negative candidates for each training query: top ranks minus gold, minus the top skipped ones."""
-        from ragtrain.index.mining import hard_negative_candidates
+        """Hard-negative candidates for each training query: top ranks minus gold, minus the top skipped ones,
+        minus those above the margin / score ceiling (the one rule: ragtrain/index/mining.py)."""
+        from ragtrain.index.mining import mine_rows
 
         t = self.cfg.retriever.train
         qids = sorted(self.train_qrels)
-        run = self.search(index, qids, t.hard_negative_depth)
+        qv, _ = self.encode([self.data.queries[q] for q in qids], self.cfg.retriever.query_max_length, progress=False)
+        row = {d: i for i, d in enumerate(index.doc_ids)}  # the index's row order (shard order)
         pos = {d: i for i, d in enumerate(self.doc_ids)}
-        out = {}
-        for q in qids:
-            gold = {d for d, g in self.train_qrels[q].items() if g > 0}  # all chunks of a gold document
-            out[q] = [pos[d] for d in hard_negative_candidates(run[q], gold, t.hard_negative_skip_top)]
-        return out
+        # all chunks of a gold document are gold
+        gold = [[row[d] for d, g in self.train_qrels[q].items() if g > 0 and d in row] for q in qids]
+        # the margin scores each query's positive from the stored vectors (corpus order -> index rows)
+        vecs = None
+        if t.hard_negative_margin is not None:
+            vecs = self.vectors[[pos[d] for d in index.doc_ids]]
+        mined = mine_rows(index, qv, gold, t.hard_negative_depth, t.hard_negative_skip_top, t.hard_negative_margin,
+                          t.hard_negative_max_score, vecs)
+        return {q: [pos[index.doc_ids[r]] for r in rows] for q, rows in zip(qids, mined)}
 
 
 def parameter_mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -102,14 +102,14 @@ def make_probe(train_gold: Sequence[Sequence[int]], queries: Sequence[str], corp
     return Probe(rows, list(queries[:n]), [[where[r] for r in g] for g in train_gold[:n]])
 
 
-def mine(index, qvecs: np.ndarray, gold: Sequence[Sequence[int]], depth: int, skip_top: int) -> list[list[int]]:
+def mine(index, qvecs: np.ndarray, gold: Sequence[Sequence[int]], depth: int, skip_top: int,
+         margin: Optional[float] = None, max_score: Optional[float] = None,
+         passage_vectors: Optional[np.ndarray] = None) -> list[list[int]]:
     """Hard-negative candidates per query: the index's top `depth` rows minus gold, minus the top `skip_top` of
-    the rest (ragtrain/index/mining.py)."""
-    from ragtrain.index.mining import hard_negative_candidates
+    the rest, minus those above the margin / score ceiling (the one rule: ragtrain/index/mining.py)."""
+    from ragtrain.index.mining import mine_rows
 
-    _, rows = index.search(qvecs, depth)
-    return [hard_negative_candidates([int(r) for r in rows[i] if r >= 0], set(gold[i]), skip_top)
-            for i in range(len(gold))]
+    return mine_rows(index, qvecs, gold, depth, skip_top, margin, max_score, passage_vectors)
 
 
 def staleness(stale: np.ndarray, fresh: np.ndarray, queries: np.ndarray, gold: Sequence[Sequence[int]],
@@ -177,7 +177,8 @@ class IndexService:
             index.meta.version = version
             qvecs, _ = self.pool.encode(self.train_queries, r.query_max_length, idx, progress=False)
             t = r.train
-            negatives = mine(index, qvecs, self.train_gold, t.hard_negative_depth, t.hard_negative_skip_top)
+            negatives = mine(index, qvecs, self.train_gold, t.hard_negative_depth, t.hard_negative_skip_top,
+                             t.hard_negative_margin, t.hard_negative_max_score, vectors)
             live = LiveVersion(version, step, negatives, vectors[self.probe.rows].copy(), time.perf_counter() - start)
             with self._swap:  # atomic: readers see the old version or the new one, never a mix
                 self.book.publish(live)

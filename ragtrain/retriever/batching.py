@@ -66,13 +66,16 @@ def local_batch(
     world_size: int,
     num_negatives: int,
     live_negatives: list[list[int]] | None = None,
+    sampling: str = "random",
 ) -> tuple[list[str], list[int], list[list[int]]]:
     """This rank's slice of the global batch: query texts, passage positions (positives then negatives), golds.
 
     Negatives are sampled per example with an RNG keyed by (seed, step, example index), so the same global batch
-    gets the same negatives whatever the number of workers. With `live_negatives` (a live index's candidates per
-    query, gold already removed) a query with too few candidates is topped up with random non-gold passages, so
-    every rank still sends the same number of passages.
+    gets the same negatives whatever the number of workers; `sampling="top"` takes the first (best-ranked)
+    candidates instead. The candidates come from `live_negatives` (a live index's candidates per query) or the
+    example's mined ones, gold already removed; a query with too few (many gold passages in the top ranks, or
+    the false-negative filters of ragtrain/index/mining.py dropped them) is topped up with random non-gold
+    passages, so every rank still sends the same number of passages.
     """
     idx = global_batch_indices(len(data.examples), global_batch, step, seed)
     b = global_batch // world_size
@@ -83,14 +86,15 @@ def local_batch(
         if num_negatives == 0:
             continue
         rng = np.random.default_rng([seed, step, int(i)])
-        pool = ex.negatives or []
-        if live_negatives is not None:
-            pool = list(live_negatives[ex.qidx])
-            while len(pool) < num_negatives:  # rare: many gold passages in the top ranks
-                r = int(rng.integers(len(data.passages)))
-                if r not in ex.gold and r not in pool:
-                    pool.append(r)
-        if len(pool) < num_negatives:
+        pool = list(live_negatives[ex.qidx] if live_negatives is not None else ex.negatives or [])
+        if len(pool) < num_negatives and len(data.passages) - len(set(ex.gold)) < num_negatives:
             raise ValueError(f"example {i} has {len(pool)} hard-negative candidates, needs {num_negatives}")
-        negs.extend(int(pool[j]) for j in rng.choice(len(pool), num_negatives, replace=False))
+        while len(pool) < num_negatives:
+            r = int(rng.integers(len(data.passages)))
+            if r not in ex.gold and r not in pool:
+                pool.append(r)
+        if sampling == "top":
+            negs.extend(int(d) for d in pool[:num_negatives])
+        else:
+            negs.extend(int(pool[j]) for j in rng.choice(len(pool), num_negatives, replace=False))
     return [e.query for e in exs], [e.positive for e in exs] + negs, [e.gold for e in exs]

@@ -137,7 +137,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         if live is not None:
             live.begin_step(step)  # every rank mines this step from the version rank 0 chose
         queries, pids, golds = local_batch(
-            data, global_batch, step, t.seed, rank, world, t.hard_negatives, live.negatives() if live else None
+            data, global_batch, step, t.seed, rank, world, t.hard_negatives, live.negatives() if live else None,
+            t.hard_negative_sampling.value,
         )
         q = {k: v.to(device) for k, v in tokenize(tokenizer, queries, cfg.retriever.query_max_length,
                                                           role="query").items()}
