@@ -135,6 +135,9 @@ class RetrieverTrainConfig:
     hard_negative_margin: Optional[float] = None
     hard_negative_max_score: Optional[float] = None
     hard_negative_sampling: NegativeSampling = NegativeSampling.random
+    # > 0: GradCache (ragtrain/retriever/gradcache.py): embed the batch in chunks of this many texts without
+    # gradients, then re-run each chunk with the loss's embedding gradients; same gradients, less memory
+    cache_chunk_size: int = 0
     precision: Precision = Precision.fp32  # bf16 = autocast on CPU / GPU
     grad_clip: float = 1.0
     log_every: int = 5
@@ -157,6 +160,10 @@ class RetrieverTrainConfig:
         _check(self.log_every > 0, k + "log_every", "must be > 0", self.log_every)
         _check(self.hard_negative_margin is None or 0 <= self.hard_negative_margin < 1, k + "hard_negative_margin",
                "must be in [0, 1) (or null: off)", self.hard_negative_margin)
+        _check(self.cache_chunk_size >= 0, k + "cache_chunk_size", "must be > 0 (or 0: off)", self.cache_chunk_size)
+        _check(self.cache_chunk_size <= self.batch_size, k + "cache_chunk_size",
+               f"must be <= retriever.train.batch_size ({self.batch_size}): a chunk is part of one worker's batch",
+               self.cache_chunk_size)
 
 
 @dataclass

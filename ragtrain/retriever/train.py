@@ -20,6 +20,7 @@ from ragtrain.config import Config
 from ragtrain.retriever.batching import TrainData, local_batch
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
+from ragtrain.retriever.gradcache import cached_step
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
@@ -37,8 +38,10 @@ class QPEncoder(nn.Module):
         super().__init__()
         self.encoder = encoder
 
-    def forward(self, q: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.encoder(**q), self.encoder(**p)
+    def forward(self, q: Optional[dict[str, torch.Tensor]],
+                p: Optional[dict[str, torch.Tensor]]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        # either side may be None: GradCache (gradcache.py) embeds queries and passages in separate chunks
+        return (None if q is None else self.encoder(**q)), (None if p is None else self.encoder(**p))
 
 
 def load_state(encoder: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -147,14 +150,21 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
                                                           role="passage").items()}
         gmax = max(len(g) for g in golds)
         q_gold = torch.tensor([g + [-1] * (gmax - len(g)) for g in golds], device=device)
-        with autocast(t.precision, device):
-            q_emb, p_emb = model(q, p)
-        loss = contrastive_loss(
-            q_emb, p_emb, cfg.retriever.temperature, q_gold, torch.tensor(pids, device=device), strategy.gather_negatives,
-            grad_groups=strategy.gradient_groups(step),  # whose gathered passages carry gradients (loss.py)
-        )
+        def loss_fn(q_emb: torch.Tensor, p_emb: torch.Tensor) -> torch.Tensor:
+            return contrastive_loss(
+                q_emb, p_emb, cfg.retriever.temperature, q_gold, torch.tensor(pids, device=device),
+                strategy.gather_negatives,
+                grad_groups=strategy.gradient_groups(step),  # whose gathered passages carry gradients (loss.py)
+            )
+
         optim.zero_grad(set_to_none=True)
-        loss.backward()
+        if t.cache_chunk_size > 0:  # GradCache: the same gradients, one chunk's activations at a time
+            loss = cached_step(model, q, p, t.cache_chunk_size, loss_fn, lambda: autocast(t.precision, device), device)
+        else:
+            with autocast(t.precision, device):
+                q_emb, p_emb = model(q, p)
+            loss = loss_fn(q_emb, p_emb)
+            loss.backward()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(encoder.parameters(), t.grad_clip)
         optim.step()
