@@ -143,7 +143,9 @@ def test_mlflow_holds_the_model_and_the_registry_its_version(finished_run, monke
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the flavour's loader resolves models:/ through these
     monkeypatch.setenv("MLFLOW_REGISTRY_URI", uri)
     loaded = mlflow.sentence_transformers.load_model(f"models:/{REGISTERED}/1")
-    st = mlflow.sentence_transformers.load_model(str(Path(cfg.output_dir) / "export" / "retriever"))
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(Path(cfg.output_dir) / "export" / "retriever"), device="cpu", local_files_only=True)
     assert torch.allclose(torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(st.encode(TEXTS)), atol=1e-5)
 
 
@@ -208,3 +210,26 @@ def test_search_generate_answers_with_the_runs_generator(finished_run) -> None:
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert isinstance(out["answer"], str) and len(out["hits"]) == 2
+
+
+def test_generator_export_is_a_plain_transformers_folder(tmp_path: Path) -> None:
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from ragtrain.export import export_generator
+    from ragtrain.generator.model import build_generator, load_tokenizer as gen_tokenizer
+    from ragtrain.generator.train import save_generator
+
+    cfg = to_typed(compose(["generator=tiny_t5", f"output_dir={tmp_path}"]))
+    torch.manual_seed(0)
+    model = build_generator(cfg.generator, gen_tokenizer(cfg.generator)).eval()
+    (tmp_path / "generator").mkdir()
+    save_generator(model, tmp_path / "generator")
+    folder = export_generator(cfg, tmp_path / "generator", tmp_path / "export" / "generator")
+    hf = AutoModelForSeq2SeqLM.from_pretrained(str(folder)).eval()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    batch = tok(["question: who founded it? context: Ada Quist founded it."], return_tensors="pt")
+    dec = torch.tensor([[model.start_id, 5, 6]])
+    with torch.no_grad():
+        want = model.hf(**batch, decoder_input_ids=dec).logits
+        got = hf(**batch, decoder_input_ids=dec).logits
+    assert torch.allclose(want, got, atol=1e-5)
