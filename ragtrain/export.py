@@ -52,8 +52,8 @@ def model_card(cfg: Config, data_desc: str, table: str, command: str) -> str:
     trained = "retriever" in cfg.stages
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     how = (f"Fine-tuned by ragtrain: InfoNCE (temperature {r.temperature}) with in-batch negatives gathered from "
-           f"{cfg.resources.trainer.num_workers} worker(s), {r.train.hard_negatives} hard negative(s) per query, "
-           f"sync={cfg.sync.strategy}." if trained else "Not trained by this run: the base model as indexed.")
+           f"{cfg.resources.trainer.num_workers} worker(s), {r.train.hard_negatives} hard negative(s) per query "
+           "(the sync settings are in the config below)." if trained else "Not trained by this run: the base model as indexed.")
     prefixes = ""
     if r.query_prefix or r.passage_prefix:
         prefixes = (f"\nQueries are encoded as `{r.query_prefix}` + text and passages as `{r.passage_prefix}` + text: "

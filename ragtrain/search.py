@@ -27,6 +27,7 @@ class SearchError(ValueError):
 def load_run_config(out: Path) -> Config:
     """The run's resolved, typed config (`<out>/config.yaml`, written by the pipeline before any work)."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from ragtrain.config import ConfigError, to_typed
 
@@ -35,8 +36,9 @@ def load_run_config(out: Path) -> Config:
         raise SearchError(f"{path} is missing: {out} is not a ragtrain run folder")
     try:
         return to_typed(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
-    except (ConfigError, ValueError) as e:
-        raise SearchError(f"{path}: not a config this ragtrain can read ({str(e).splitlines()[0]})") from None
+    except (ConfigError, ValueError, OmegaConfBaseException) as e:  # e.g. written by an older ragtrain's schema
+        raise SearchError(f"{path}: not a config this ragtrain can read ({str(e).splitlines()[0]}); the "
+                          "sentence-transformers export in export/retriever still loads on its own") from None
 
 
 def encoder_weights(cfg: Config, encoder: str, out: Path) -> list:

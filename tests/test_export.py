@@ -233,3 +233,12 @@ def test_generator_export_is_a_plain_transformers_folder(tmp_path: Path) -> None
         want = model.hf(**batch, decoder_input_ids=dec).logits
         got = hf(**batch, decoder_input_ids=dec).logits
     assert torch.allclose(want, got, atol=1e-5)
+
+
+def test_search_on_a_config_this_schema_cannot_read_fails_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "index_meta.json").write_text("{}")
+    (tmp_path / "config.yaml").write_text("sync:\n  no_such_key: 1\n")  # e.g. written by another ragtrain version
+    res = _search(str(tmp_path), "who founded it?")
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
+    assert "config.yaml" in res.stderr and "no_such_key" in res.stderr
