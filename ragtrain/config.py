@@ -264,6 +264,10 @@ class LoggerConfig:
     run_name: Optional[str] = None
     register_as: Optional[str] = None  # register the exported retriever in the MLflow Model Registry under this name
 
+    def __post_init__(self) -> None:
+        _check(not self.register_as or LoggerBackend(self.backend) == LoggerBackend.mlflow, "logger.register_as",
+               "needs logger=mlflow (the Model Registry lives in the MLflow store)", self.register_as)
+
 
 SYNC_STRATEGIES = ("ddp", "local_sgd", "compressed", "gossip", "hierarchical", "async_ps", "vector_avg")
 INTER_NODE = ("average", "gossip")
@@ -407,6 +411,8 @@ class Config:
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]
         _check(not bad, "stages", f"has unknown stage(s) {bad}; valid choices: {list(STAGES)}", self.stages)
+        _check(self.export or not self.logger.register_as, "logger.register_as",
+               "needs export=true (the registered model is the exported retriever)", self.logger.register_as)
         _check(bool(self.stages), "stages", f"is empty: nothing to do; valid choices: {list(STAGES)}", self.stages)
         _check(not (self.data.chunk.enabled and "generator" in self.stages), "data.chunk.enabled",
                "is not supported with the generator stage yet (its gold contexts are whole passages)", True)

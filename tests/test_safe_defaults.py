@@ -111,3 +111,11 @@ def test_prefixes_with_live_refresh_are_a_config_error() -> None:
     with pytest.raises(ConfigError, match="retriever.query_prefix"):
         to_typed(compose(["retriever=tiny", "retriever.query_prefix='query: '", "refresh.enabled=true", "output_dir=x",
                           "refresh.every_steps=2"]))
+
+
+@pytest.mark.parametrize("extra", [["logger=none"], ["export=false"]])
+def test_register_as_without_mlflow_or_export_is_a_config_error(extra: list[str]) -> None:
+    from ragtrain.config import ConfigError, to_typed
+
+    with pytest.raises(ConfigError, match="logger.register_as"):
+        to_typed(compose(["retriever=tiny", "logger.register_as=my-retriever", "output_dir=x", *extra]))
