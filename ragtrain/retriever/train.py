@@ -21,6 +21,7 @@ from ragtrain.retriever.batching import TrainData, local_batch
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.retriever.gradcache import cached_step
+from ragtrain.retriever.lora import apply_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
@@ -93,6 +94,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     data: TrainData = w.get("data")
     encoder = build_encoder(cfg.retriever)
     load_state(encoder, w.get("weights"))
+    apply_lora(encoder, cfg.retriever.lora)  # retriever.lora.rank > 0: only the adapters train (lora.py)
     encoder.to(device).train()
     tokenizer = load_tokenizer(cfg.retriever)
     node_ids = [ray.get_runtime_context().get_node_id()]
@@ -103,12 +105,12 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     # wrap before the restore: DDP broadcasts rank 0's weights when it is built, which would erase the restored
     # per-rank replicas of local SGD / gossip; the strategy's own state is loaded after the weights (below).
     model = strategy.wrap(QPEncoder(encoder), device)  # DDP + comm hook, or the bare module (local steps)
-    params = list(encoder.parameters())
+    params = trainable(encoder)  # what the optimizer updates and parameter mixers send (LoRA: the adapters)
     STATS.reset()
     probe_q, probe_p = probe_inputs(data, cfg, tokenizer, device)
     global_batch = t.batch_size * world
     steps = total_steps(t.max_steps, t.epochs, len(data.examples), global_batch)
-    optim = torch.optim.AdamW(encoder.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    optim = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     sched = warmup_linear_decay(optim, int(t.warmup_ratio * steps), steps)
     start_step, sync_state = w.restore(encoder, optim, sched)
     if start_step:  # after the weights: e.g. async_ps re-anchors each worker at its restored replica
@@ -166,7 +168,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
             loss = loss_fn(q_emb, p_emb)
             loss.backward()
         if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(encoder.parameters(), t.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         optim.step()
         sched.step()
         strategy.after_step(params, step)
@@ -174,7 +176,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         if live is not None:
             step_s = time.perf_counter() - step_start
             with w.not_training():  # staleness probes and snapshots are not training time
-                index_metrics = live.after_step(done, encoder.state_dict, measure, step_s, global_batch)
+                index_metrics = live.after_step(done, lambda: plain_state_dict(encoder), measure, step_s, global_batch)
             if index_metrics:
                 w.log(index_metrics, done, steps)
 
@@ -227,10 +229,10 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     replicas = None
     if strategy.keeps_replicas and world > 1:  # rank 0 collects every replica (vector averaging at index time)
         replicas = [None] * world if rank == 0 else None
-        torch.distributed.gather_object({k: v.cpu() for k, v in encoder.state_dict().items()}, replicas, dst=0)
+        torch.distributed.gather_object({k: v.cpu() for k, v in plain_state_dict(encoder).items()}, replicas, dst=0)
 
-    def write(folder: Path) -> None:
-        save_weights(encoder.state_dict(), folder)
+    def write(folder: Path) -> None:  # LoRA merged: the index pool and export load a plain encoder
+        save_weights(plain_state_dict(encoder), folder)
         for r, state in enumerate(replicas or []):
             save_weights(state, folder, name=f"replica_{r}")
 

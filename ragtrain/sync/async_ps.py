@@ -94,7 +94,7 @@ class AsyncPSSync:
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         # Rank 0 starts the server from the (identical) initial weights; the others look it up by name.
-        flat = flat_params(list(model.parameters()))
+        flat = flat_params([p for p in model.parameters() if p.requires_grad])  # LoRA: the adapters only
         name = [f"ragtrain-ps-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
         if self.rank == 0:
             self.server = ParameterServer.options(name=name[0]).remote(flat.numpy(), world_size(), self.cfg.max_staleness)
@@ -104,7 +104,7 @@ class AsyncPSSync:
             if self.rank != 0:
                 self.server = ray.get_actor(name[0])
         self.anchor = flat
-        self.params = list(model.parameters())  # load_state_dict re-anchors on the restored replica
+        self.params = [p for p in model.parameters() if p.requires_grad]  # load_state_dict re-anchors on the restored replica
         return model
 
     def _pull(self, params: list[nn.Parameter]) -> None:

@@ -1,0 +1,57 @@
+"""Parameter-efficient tuning: PEFT LoRA adapters on the bi-encoder's transformer (`retriever.lora.rank > 0`).
+
+Only the adapters train (peft freezes the rest), so the optimizer, DDP's buckets (DDP skips parameters that do
+not require gradients) and every parameter mixer (local SGD, gossip, async_ps: they get `trainable(encoder)`
+from the recipe) move adapter-sized tensors. Whatever leaves training (the final weights, live-index snapshots,
+vector_avg replicas) is `plain_state_dict`: the adapters merged into the base weights (`merge_and_unload`), keyed
+like a plain `BiEncoder`, so the index pool, export and evaluation never see LoRA. Mid-run checkpoints keep the
+adapter form, so a restart continues training the same adapters.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+from ragtrain.config import LoraConfig
+
+
+def apply_lora(encoder: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """Wrap `encoder.backbone` in a PEFT LoRA model (base weights frozen); a no-op when cfg.rank == 0."""
+    if cfg.rank <= 0:
+        return encoder
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                              target_modules=list(cfg.target_modules), bias="none")
+    try:
+        with warnings.catch_warnings():  # transformers 5 deprecates an attribute peft still reads
+            warnings.simplefilter("ignore", FutureWarning)
+            encoder.backbone = get_peft_model(encoder.backbone, peft_cfg)
+    except ValueError as e:  # e.g. target modules that this architecture does not have
+        raise ValueError(f"retriever.lora.target_modules={list(cfg.target_modules)}: {e}") from None
+    return encoder
+
+
+def has_lora(encoder: nn.Module) -> bool:
+    backbone = getattr(encoder, "backbone", None)
+    return backbone is not None and hasattr(backbone, "merge_and_unload") and hasattr(backbone, "peft_config")
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer and the sync strategy work on (all of them without LoRA)."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def plain_state_dict(encoder: nn.Module) -> dict[str, torch.Tensor]:
+    """The encoder's weights as a plain BiEncoder holds them: LoRA merged into the base weights (on a copy; the
+    training model keeps its adapters)."""
+    if not has_lora(encoder):
+        return encoder.state_dict()
+    merged = copy.deepcopy(encoder)
+    merged.backbone = merged.backbone.merge_and_unload()
+    return {k: v.detach().clone() for k, v in merged.state_dict().items()}
