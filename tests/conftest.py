@@ -55,3 +55,21 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
         f"output_dir={tmp_path / 'out'}",
         f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
     ]
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(ray_session, tmp_path_factory):
+    """ONE finished tiny quickstart (2 gloo workers, ddp, 4 steps, zero-shot + trained indexes, export, MLflow with a
+    registered model), shared by every module that only reads a finished run: each Train worker-group and encode
+    start costs seconds, and the suite must stay short. Returns (typed cfg, results, tmp folder)."""
+    from ragtrain.config import to_typed
+    from ragtrain.pipeline import run
+
+    tmp = tmp_path_factory.mktemp("quickstart")
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp), "generator=tiny_t5",
+                            "logger.experiment_name=qs-test", f"logger.register_as={REGISTERED_MODEL}"]))
+    return cfg, run(cfg), tmp
+
+
+REGISTERED_MODEL = "ragtrain-test-retriever"  # quickstart_run registers its retriever under this name
+

@@ -15,7 +15,7 @@ import torch
 from ragtrain.config import Config, Pooling, RetrieverConfig, TinyEncoderConfig, to_typed
 from ragtrain.export import export_retriever
 from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
-from tests.conftest import REPO, compose, tiny_overrides
+from tests.conftest import REGISTERED_MODEL, REPO, compose
 
 TEXTS = ["Who founded the Velmora observatory?", "The Velmora observatory was founded in 1871 by Ada Quist. " * 6,
          "short", "Another passage about the river Tessin and the mill that stood on its bank for three centuries."]
@@ -90,19 +90,16 @@ def test_tokenize_applies_the_prefix_of_its_role() -> None:
 
 # --- a real tiny run: export, MLflow model + registry, and the search CLI on its folder
 
-REGISTERED = "ragtrain-test-retriever"
+REGISTERED = REGISTERED_MODEL
 
 
-@pytest.fixture(scope="module")
-def finished_run(ray_session, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("export_run")
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp), "zeroshot_eval=false", "generator=tiny_t5",
-                            "logger.experiment_name=export-test", f"logger.register_as={REGISTERED}"]))
-    from ragtrain.pipeline import run
-
-    return cfg, run(cfg), tmp
+@pytest.fixture
+def finished_run(quickstart_run):
+    """The session's one finished tiny quickstart (tests/conftest.py): it exports and registers its retriever."""
+    return quickstart_run
 
 
+@pytest.mark.integration
 def test_run_exports_the_trained_retriever(finished_run) -> None:
     from sentence_transformers import SentenceTransformer
 
@@ -125,6 +122,7 @@ def test_run_exports_the_trained_retriever(finished_run) -> None:
     assert not (out / "export" / "generator").exists()  # no generator stage ran
 
 
+@pytest.mark.integration
 def test_mlflow_holds_the_model_and_the_registry_its_version(finished_run, monkeypatch) -> None:
     import mlflow.sentence_transformers
     from mlflow.tracking import MlflowClient
@@ -132,7 +130,7 @@ def test_mlflow_holds_the_model_and_the_registry_its_version(finished_run, monke
     cfg, _, tmp = finished_run
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     client = MlflowClient(uri, registry_uri=uri)
-    run = client.search_runs([client.get_experiment_by_name("export-test").experiment_id])[0]
+    run = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment_name).experiment_id])[0]
     assert run.info.status == "FINISHED"
     model_uri = run.data.tags["ragtrain.retriever_model"]
     assert model_uri == f"runs:/{run.info.run_id}/retriever"
@@ -154,6 +152,7 @@ def _search(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.integration
 def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
     import numpy as np
 

@@ -17,13 +17,7 @@ from tests.conftest import compose, tiny_overrides
 METRICS = ["ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100"]
 
 
-@pytest.fixture(scope="module")
-def quickstart_run(ray_session, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("quickstart")
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp), "logger.experiment_name=qs-test"]))
-    return cfg, run(cfg), tmp
-
-
+@pytest.mark.integration
 def test_results_have_both_phases(quickstart_run) -> None:
     cfg, results, _ = quickstart_run
     assert set(results) == {"zeroshot", "trained", "train"}
@@ -36,6 +30,7 @@ def test_results_have_both_phases(quickstart_run) -> None:
         assert phase["encode_docs_per_s"] > 0
 
 
+@pytest.mark.integration
 def test_outputs_written(quickstart_run) -> None:
     cfg, results, _ = quickstart_run
     out = Path(cfg.output_dir)
@@ -51,6 +46,7 @@ def test_outputs_written(quickstart_run) -> None:
     assert index.meta.encoder_step == cfg.retriever.train.max_steps
 
 
+@pytest.mark.integration
 def test_mlflow_run_read_back(quickstart_run) -> None:
     cfg, results, tmp = quickstart_run
     client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
@@ -86,6 +82,7 @@ def test_resume_without_an_earlier_run_names_the_folder(tmp_path) -> None:
         run(cfg)
 
 
+@pytest.mark.slow  # a pipeline run of its own (the default suite shares one: conftest.quickstart_run)
 def test_stale_index_aligned_onto_the_trained_space(ray_session, tmp_path) -> None:
     """index.align_anchors: the zero-shot index mapped by Procrustes is closer to the trained vectors."""
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.train.max_steps=20",
@@ -97,6 +94,7 @@ def test_stale_index_aligned_onto_the_trained_space(ray_session, tmp_path) -> No
     assert aligned["ndcg@10"] >= stale["ndcg@10"] - 0.02  # never much worse than not aligning at all
 
 
+@pytest.mark.slow  # a pipeline run of its own (the default suite shares one: conftest.quickstart_run)
 def test_whole_rag_loop_through_the_pipeline(ray_session, tmp_path) -> None:
     """retriever -> index -> generator in one `run`, composed like `experiment=rag_quickstart` (tiny models)."""
     cfg = to_typed(compose(["experiment=rag_quickstart", *tiny_overrides(tmp_path), "generator=tiny_t5",
@@ -118,6 +116,7 @@ def test_generator_alone_needs_a_saved_index(tmp_path) -> None:
         run(cfg)
 
 
+@pytest.mark.slow  # a pipeline run of its own (the default suite shares one: conftest.quickstart_run)
 def test_same_seed_same_weights_with_dropout(ray_session, tmp_path) -> None:
     """Dropout draws from torch's generator in each worker: two runs of one config must train the same weights."""
     import torch

@@ -13,6 +13,7 @@ from ragtrain.sync_compare import run_sync_compare
 from tests.conftest import CONF_DIR, compose, tiny_overrides
 
 
+@pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
 def test_sync_compare_writes_table_matching_mlflow(ray_session, tmp_path: Path) -> None:
     cfg = compose(
         ["experiment=sync_compare", *tiny_overrides(tmp_path), "compare.strategies=[ddp,local_sgd,topk]",
@@ -20,7 +21,7 @@ def test_sync_compare_writes_table_matching_mlflow(ray_session, tmp_path: Path) 
     )
     variants = sync_variants(cfg, str(CONF_DIR))
     assert list(variants) == ["ddp", "local_sgd", "topk"]
-    assert variants["topk"].sync.compression == "topk" and variants["topk"].sync.eval_every == 5
+    assert variants["topk"].sync.reducer.kind == "topk" and variants["topk"].sync.eval_every == 5
     assert [v.zeroshot_eval for v in variants.values()] == [True, False, False]
     df = run_sync_compare(variants, to_typed(cfg).output_dir)
 

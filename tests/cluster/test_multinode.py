@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ragtrain.sync.comm import all_reduce_bytes
 from tests.conftest import REPO
 
 
+@pytest.mark.integration
 def test_hierarchical_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)

@@ -60,6 +60,7 @@ def stage_run(built):
     return results, logger
 
 
+@pytest.mark.integration
 def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -82,6 +83,7 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     assert set(preds) == {"closed_book", "rag", "oracle"} and all(len(v) == n_eval for v in preds.values())
 
 
+@pytest.mark.integration
 def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
     from ragtrain.generator.model import AnswerDecoder, collate, load_tokenizer
     from ragtrain.generator.stage import build_gen_data
@@ -112,6 +114,7 @@ def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
     assert again == [p["prediction"] for p in saved]
 
 
+@pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
 def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -> None:
     from ragtrain.generator.config import RetrievalMode
     from ragtrain.generator.retrieval import RetrievalService
@@ -158,6 +161,7 @@ def _assert_same_run(results, losses, clean_results, clean_cfg) -> None:
             assert results[phase][k] == pytest.approx(clean_results[phase][k], abs=1e-6), (phase, k)
 
 
+@pytest.mark.integration
 def test_killed_worker_restarts_from_its_checkpoint_and_matches_a_clean_run(built, stage_run) -> None:
     from ragtrain.checkpoint import fault_marker
 
@@ -169,6 +173,7 @@ def test_killed_worker_restarts_from_its_checkpoint_and_matches_a_clean_run(buil
     _assert_same_run(results, losses, stage_run[0], clean_cfg)
 
 
+@pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
 def test_interrupted_stage_resumes_to_the_same_result(built, stage_run) -> None:
     tmp, clean_cfg, *_ = built
     cfg = _cfg(tmp / "resumed", "fault.max_failures=0", "fault.kill_worker_at_step=5", "fault.kill_rank=0")

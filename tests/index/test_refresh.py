@@ -11,7 +11,14 @@ import torch
 
 from ragtrain.config import ConfigError, to_typed
 from ragtrain.index.faiss_index import build_index
-from ragtrain.index.refresh import LiveIndexClient, LiveVersion, VersionBook, make_probe, mine, staleness
+from ragtrain.index.refresh import (
+    LiveIndexClient,
+    LiveVersion,
+    VersionBook,
+    make_probe,
+    mine,
+    staleness,
+)
 from ragtrain.retriever.batching import TrainData, build_examples, local_batch
 from tests.conftest import compose, tiny_overrides
 
@@ -214,6 +221,7 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
         retrieval.release()
 
 
+@pytest.mark.integration
 def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None:
     """A real run: versions increase during training, steps go on while a refresh runs, no stall."""
     from mlflow.tracking import MlflowClient
@@ -254,6 +262,7 @@ def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None
         assert client.get_metric_history(run_id, key), key
 
 
+@pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
 @pytest.mark.parametrize("threshold", [1e-7, 0.9])
 def test_adaptive_refresh_follows_measured_drift(ray_session, tmp_path, threshold) -> None:
     """refresh.drift_threshold: a refresh starts only at a staleness check whose drift exceeds the threshold."""

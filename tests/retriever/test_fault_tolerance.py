@@ -20,7 +20,7 @@ def _cfg(tmp: Path, name: str, *extra: str):
     overrides = [
         "experiment=quickstart", *tiny_overrides(tmp), f"output_dir={tmp / name}", "zeroshot_eval=false",
         f"retriever.train.max_steps={STEPS}", "retriever.train.log_every=1", "retriever.train.lr=1e-3",
-        "sync=local_sgd", "sync.period=3",  # per-replica state and a sync schedule that must survive the restart
+        "sync=local_sgd", "sync.mixer.period=3",  # per-replica state and a sync schedule that must survive the restart
         f"checkpoint.every_steps={EVERY}", f"logger.experiment_name={name}", *extra,
     ]
     return to_typed(compose(overrides))
@@ -41,6 +41,7 @@ def clean(ray_session, tmp_path_factory):
     return cfg, run(cfg)
 
 
+@pytest.mark.integration
 def test_killed_worker_restarts_from_checkpoint_and_matches_a_clean_run(clean, tmp_path) -> None:
     clean_cfg, clean_results = clean
     cfg = _cfg(tmp_path, "killed", "fault.max_failures=1", f"fault.kill_worker_at_step={KILL_AT}", "fault.kill_rank=1")
@@ -54,6 +55,7 @@ def test_killed_worker_restarts_from_checkpoint_and_matches_a_clean_run(clean, t
         assert results["trained"][k] == pytest.approx(clean_results["trained"][k], abs=1e-4)
 
 
+@pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
 def test_interrupted_run_resumes_to_the_same_result(clean, tmp_path) -> None:
     clean_cfg, clean_results = clean
     cfg = _cfg(tmp_path, "resumed", f"fault.kill_worker_at_step={KILL_AT}", "fault.max_failures=0")

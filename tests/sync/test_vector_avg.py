@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -14,6 +15,7 @@ from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokeniz
 from tests.conftest import compose, tiny_overrides
 
 
+@pytest.mark.integration
 def test_vector_avg_index_is_mean_of_replica_vectors(ray_session, tmp_path) -> None:
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "sync=vector_avg", "zeroshot_eval=false",
                             "retriever.train.lr=5e-3", "index.distill_steps=100", "index.distill_lr=1e-4"]))
