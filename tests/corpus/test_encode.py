@@ -95,3 +95,25 @@ def test_pipeline_refuses_a_bad_index_before_encoding(tmp_path, factory, match) 
     with pytest.raises(ValueError, match=match):
         Retrieval(cfg, data).build("zeroshot", [{}], "tiny@init", 0)  # no Ray, no weights needed: it fails first
     assert not (tmp_path / "out" / "vectors").exists()
+
+
+def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_path) -> None:
+    """stages=[index] through pipeline.run with fault.kill_encode_actor_at_batch: the saved index holds every passage
+    once, built from the shards under <output_dir>/vectors/zeroshot."""
+    from ragtrain.config import to_typed
+    from ragtrain.index.faiss_index import load_index
+    from ragtrain.pipeline import load_data, run
+    from tests.conftest import compose, tiny_overrides
+
+    over = tiny_overrides(tmp_path) + ["stages=[index]", "logger=none", "index.shard_size=16",
+                                       "fault.kill_encode_actor_at_batch=1"]
+    cfg = to_typed(compose(over))
+    results = run(cfg)
+    out = tmp_path / "out"
+    assert (out / "vectors" / ".encode_actor_killed").exists(), "the injected actor death never fired"
+    index = load_index(out / "index")
+    corpus = list(load_data(cfg.data).corpus)
+    assert sorted(index.doc_ids) == sorted(corpus) and index.index.ntotal == len(corpus)
+    assert (out / "vectors" / "zeroshot" / "shards.json").exists()
+    assert results["zeroshot"]["ndcg@10"] >= 0.0
+    assert not list(out.glob("index.tmp-*"))  # the temporary folder was renamed
