@@ -14,7 +14,9 @@ objective and splits only the encoder's work:
    the embeddings are those the loss saw), and backward of sum(embedding * cached gradient). By the chain rule
    the parameter gradients accumulated over the chunks are the full batch's.
 
-Peak activation memory is that of one chunk; the price is a second forward pass.
+Peak activation memory is that of one chunk; the price is a second forward pass. In fp32 the gradients are the
+uncached loss's to 1e-5 (tests/retriever/test_gradcache.py); under bf16 autocast only to bf16 rounding, since
+chunks change the shapes the matmuls round over (as any change of batch composition does).
 
 Under DDP the chunk backwards must all-reduce ONCE per step: every chunk but the last runs under
 `model.no_sync()` (gradients accumulate locally), the last one's backward all-reduces the accumulated sum, so
