@@ -167,7 +167,6 @@ class RetrieverTrainConfig:
 
 
 @dataclass
-@dataclass
 class LoraConfig:
     """Parameter-efficient tuning (ragtrain/retriever/lora.py): PEFT LoRA adapters on the encoder, merged on save."""
 
