@@ -135,9 +135,9 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
 
     sync_kw = {}
     if args.sync:  # the replica-sync strategy (ragtrain.config.SyncConfig), when this ragtrain has one
-        from ragtrain.config import SyncConfig
+        from ragtrain.config import sync_preset
 
-        sync_kw["sync"] = SyncConfig(strategy=args.sync)
+        sync_kw["sync"] = sync_preset(args.sync)  # a conf/sync option name
     with tempfile.TemporaryDirectory(prefix="ragtrain_bench_") as tmp:
         cfg = Config(
             data=DataConfig(source=DataSource.beir, root=str(args.scifact_root)) if args.data == "scifact"

@@ -34,7 +34,9 @@ def sync_label(params: dict[str, str], tags: dict[str, str]) -> str:
     """The conf/sync option a run used: the sweep's tag, else inferred from its sync.* params."""
     if tags.get("ragtrain.sync"):
         return tags["ragtrain.sync"]
-    s = params.get("sync.strategy", "")
+    if params.get("sync.label"):  # ragtrain.config.to_flat_dict logs it (SyncConfig.label)
+        return params["sync.label"]
+    s = params.get("sync.strategy", "")  # runs logged before the composed sync config
     if s == "compressed":
         return params.get("sync.compression", s)
     if s == "local_sgd" and params.get("sync.adaptive") == "True":

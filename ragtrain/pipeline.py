@@ -237,7 +237,7 @@ class Retrieval:
         onto the trained space fitted on `index.align_anchors` anchor passages (call right after the trained
         build: its vectors are the reference). Returns {"stale": ..., "stale_aligned": ...}."""
         from ragtrain.index.faiss_index import build_configured
-        from ragtrain.sync.align import embedding_drift, fit_alignment
+        from ragtrain.repair.align import embedding_drift, fit_alignment
 
         fresh, idx = self.vectors, self.cfg.index
         rows = np.random.default_rng(self.cfg.seed).permutation(len(fresh))[: idx.align_anchors]
@@ -419,11 +419,11 @@ def run(
             name = f"vector_avg of {len(replicas)} replicas in {out / 'encoder'}" if replicas else encoder_name
             index, results[phase] = retrieval.build_and_evaluate(phase, replicas or [weights], name, step)
             if replicas:
-                from ragtrain.sync.align import embedding_drift
+                from ragtrain.repair.align import embedding_drift
 
                 results["param_avg"]["drift_vs_consensus"] = embedding_drift(param_vecs, retrieval.vectors)
             if replicas and cfg.index.distill_steps:  # one student encoder that serves the consensus index
-                from ragtrain.sync.distill import distill_consensus
+                from ragtrain.repair.distill import distill_consensus
 
                 kept = index, retrieval.vectors, retrieval.snapshots
                 _, results["distilled"] = distill_consensus(retrieval, weights, step)

@@ -13,16 +13,16 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ragtrain.compare import compare_runs, main, sync_label
-from ragtrain.config import Config, LoggerConfig, SyncConfig, to_flat_dict
+from ragtrain.config import Config, LoggerConfig, sync_preset, to_flat_dict
 from ragtrain.track.mlflow import RunLogger
 
 RUNS = {  # name -> (sync config, final metrics, loss curve)
-    "ddp": (SyncConfig(), {"trained/ndcg_at_10": 0.91, "run/comm/bytes_per_step": 8e6, "run/drift/replica_cosine_mean": 0.0},
+    "ddp": (sync_preset("ddp"), {"trained/ndcg_at_10": 0.91, "run/comm/bytes_per_step": 8e6, "run/drift/replica_cosine_mean": 0.0},
             [(5, 2.0), (10, 1.5)]),
-    "topk": (SyncConfig(strategy="compressed", compression="topk"),
+    "topk": (sync_preset("topk"),
              {"trained/ndcg_at_10": 0.88, "run/comm/bytes_per_step": 2e5, "run/drift/replica_cosine_mean": 0.02},
              [(5, 2.1), (10, 1.7)]),
-    "adaptive": (SyncConfig(strategy="local_sgd", adaptive=True, period=4),
+    "adaptive": (sync_preset("local_sgd_adaptive", mixer={"period": 4}),
                  {"trained/ndcg_at_10": 0.9, "run/comm/bytes_per_step": 1e6, "run/drift/replica_cosine_mean": 0.05},
                  [(5, 2.2), (10, 1.6)]),
 }
@@ -68,7 +68,7 @@ def test_experiment_table_matches_logged_values(store) -> None:
     assert csv["trained/ndcg_at_10"].tolist() == pytest.approx(df["trained/ndcg_at_10"].tolist())
     by = df.set_index("run_id")
     assert by.loc[ids["topk"], "sync"] == "topk" and by.loc[ids["adaptive"], "sync"] == "local_sgd_adaptive"
-    assert {"sync.strategy", "sync.period"} <= set(df.columns)  # params that differ between runs
+    assert {"sync.strategy", "sync.label", "sync.mixer.period"} <= set(df.columns)  # params that differ between runs
     assert "output_dir" not in df.columns  # ... but not the ones that always differ
     names = {f.name: f for f in files}
     assert set(names) == {"comparison.csv", "comparison.md", "comparison.png", "learning_curves.png"}
@@ -109,6 +109,8 @@ def test_cli(store, tmp_path: Path, capsys) -> None:
 
 
 def test_sync_label_inference() -> None:
+    assert sync_label({"sync.label": "hybrid_powersgd", "sync.strategy": "hybrid"}, {}) == "hybrid_powersgd"
+    # runs logged before the composed sync config (flat sync.compression / sync.adaptive)
     assert sync_label({"sync.strategy": "compressed", "sync.compression": "powersgd"}, {}) == "powersgd"
     assert sync_label({"sync.strategy": "local_sgd", "sync.adaptive": "False"}, {}) == "local_sgd"
     assert sync_label({"sync.strategy": "ddp"}, {"ragtrain.sync": "fp16"}) == "fp16"  # a sweep's tag wins

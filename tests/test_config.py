@@ -59,6 +59,30 @@ def test_bad_enum_lists_choices() -> None:
     assert "fp32" in msg and "bf16" in msg
 
 
+SYNC_OPTIONS = sorted(p.stem for p in (CONF_DIR / "sync").glob("*.yaml"))
+
+
+def test_every_sync_option_composes_as_a_preset(tmp_path: Path) -> None:
+    """`sync=NAME` on the command line: each option is a reducer + mixer + scope composition (the old names too)."""
+    assert {"ddp", "fp16", "powersgd", "topk", "local_sgd", "local_sgd_adaptive", "gossip", "hierarchical",
+            "async_ps", "vector_avg", "hybrid_powersgd", "layerwise"} <= set(SYNC_OPTIONS)
+    for name in SYNC_OPTIONS:
+        typed = to_typed(compose(["experiment=quickstart", f"sync={name}", f"output_dir={tmp_path}"]))
+        flat = to_flat_dict(typed)
+        assert flat["sync.reducer.kind"] == typed.sync.reducer.kind and flat["sync.label"] == name, name
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["sync=powersgd", "sync.reducer.ratio=0.1"], "sync.reducer.ratio"),  # a top-k key under PowerSGD
+    (["sync=ddp", "sync.mixer.kind=average"], "sync.mixer.kind"),  # nothing to mix after a full all-reduce
+    (["sync=hierarchical", "sync.scope.mixer=all"], "sync.mixer.kind"),  # nodes would never meet
+])
+def test_sync_keys_a_kind_does_not_read_fail(overrides: list, key: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        to_typed(compose([*overrides, f"output_dir={tmp_path}"]))
+    assert key in str(e.value)
+
+
 @pytest.mark.parametrize(
     "override,key",
     [

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import SyncConfig
+from ragtrain.config import MixerConfig
 from ragtrain.sync.base import flat_params, set_flat_params, world_size
 from ragtrain.sync.comm import STATS
 
@@ -84,7 +84,7 @@ class AsyncPSSync:
     gather_negatives = False
     keeps_replicas = False
 
-    def __init__(self, cfg: SyncConfig):
+    def __init__(self, cfg: MixerConfig):  # sync.mixer (kind async_ps): reads max_staleness
         self.cfg = cfg
         self.server = None
         self.anchor: torch.Tensor | None = None

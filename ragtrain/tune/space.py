@@ -5,7 +5,7 @@ A space maps a dotted config key to one domain, e.g.
     space:
       sync: {grid: [ddp, local_sgd, powersgd]}       # a conf/sync option: merged into `sync` like sync_variants
       retriever.train.lr: {loguniform: [1e-4, 1e-2]}
-      sync.period: {choice: [4, 8]}                   # applied after the sync option, so it wins
+      sync.mixer.period: {choice: [4, 8]}             # after the sync option (it wins); skipped where unread
 
 Nested mappings (`retriever: {train: {lr: {...}}}`, what a Hydra override `+tune.space.retriever.train.lr=...`
 produces) are flattened to the same dotted keys.
@@ -24,7 +24,14 @@ from typing import Any, Mapping, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ragtrain.config import Config, ConfigError, to_typed
+from ragtrain.config import (
+    MIXER_KEYS,
+    REDUCER_KEYS,
+    Config,
+    ConfigError,
+    to_typed,
+    with_sync_preset,
+)
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
 SYNC_KEY = "sync"  # the whole sync group: values are conf/sync option names
@@ -146,6 +153,17 @@ def _plain(v: Any) -> Any:
     return v.item() if hasattr(v, "item") and not isinstance(v, (list, dict, str)) else v
 
 
+def _read_by_option(node: Any, key: str) -> bool:
+    """Whether the trial's sync option reads `key`: a sync.reducer.* / sync.mixer.* key belongs to some kinds only
+    (ragtrain.config REDUCER_KEYS / MIXER_KEYS); the other keys are always read."""
+    part, _, field = key.partition(".")[2].partition(".")
+    if not key.startswith("sync.") or part not in ("reducer", "mixer") or field == "kind":
+        return True
+    table = REDUCER_KEYS if part == "reducer" else MIXER_KEYS
+    owners = [kind for kind, keys in table.items() if field in keys]
+    return not owners or node.sync[part].kind in owners
+
+
 def apply(base: Mapping[str, Any], values: Mapping[str, Any], sync_opts: Mapping[str, dict]) -> Config:
     """The typed config of one trial: `base` with the sync option merged into `sync`, then every other key set."""
     node = OmegaConf.merge(OmegaConf.structured(Config), copy.deepcopy(dict(base)))
@@ -154,8 +172,10 @@ def apply(base: Mapping[str, Any], values: Mapping[str, Any], sync_opts: Mapping
             name = values[SYNC_KEY]
             if name not in sync_opts:
                 raise ConfigError(f"tune.space['sync'] has unknown sync option {name!r}; valid choices: {sorted(sync_opts)}")
-            node.sync = OmegaConf.merge(node.sync, sync_opts[name])  # like sync_variants: keeps experiment settings
+            node.sync = with_sync_preset(node.sync, sync_opts[name])  # like sync_variants: keeps measurement keys
         for key in sorted(k for k in values if k != SYNC_KEY):
+            if not _read_by_option(node, key):
+                continue  # a conditional space: e.g. sync.mixer.period is a knob of local_sgd's trials only
             OmegaConf.update(node, key, _plain(values[key]), merge=False)
     except OmegaConfBaseException as e:
         raise ConfigError(f"tune.space: {values} does not fit the schema: {e.msg if hasattr(e, 'msg') else e}") from None
@@ -173,11 +193,27 @@ def validate(params: list[Param], base: Mapping[str, Any], sync_opts: Mapping[st
             raise ConfigError(f"tune.space['{p.key}'] uses grid, which tune.searcher=optuna cannot sample: use choice")
         for v in candidates(p):
             try:
-                out.append(apply(base, {p.key: v}, sync_opts))
+                out.append(apply(base, {**_reader(p.key, params, base, sync_opts), p.key: v}, sync_opts))
             except ConfigError as e:
                 msg = str(e)
                 raise ConfigError(msg if msg.startswith("tune.space") else f"tune.space['{p.key}'] value {v!r}: {msg}") from None
     return out
+
+
+def _reader(key: str, params: list[Param], base: Mapping[str, Any], sync_opts: Mapping[str, dict]) -> dict:
+    """{} for most keys; for a sync.reducer.* / sync.mixer.* key, a swept sync option that reads it (so its values
+    are checked there), or a ConfigError when no reachable sync option reads it (it would never apply)."""
+    if _read_by_option(OmegaConf.merge(OmegaConf.structured(Config), copy.deepcopy(dict(base))), key):
+        return {}
+    swept = [v for p in params if p.key == SYNC_KEY for v in candidates(p)]
+    for name in swept:
+        if name in sync_opts:
+            node = OmegaConf.merge(OmegaConf.structured(Config), copy.deepcopy(dict(base)))
+            node.sync = with_sync_preset(node.sync, sync_opts[name])
+            if _read_by_option(node, key):
+                return {SYNC_KEY: name}
+    raise ConfigError(f"tune.space['{key}'] is read by none of the sync options the sweep reaches "
+                      f"({swept or 'the base config only'}): sweep a sync option whose kind reads it")
 
 
 def to_tune(params: list[Param]) -> dict[str, Any]:

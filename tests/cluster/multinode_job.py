@@ -1,6 +1,7 @@
 """Run by test_multinode.py in its own process: a real 2-node Ray cluster on 127.0.0.1 (separate raylets).
 
-Trains the tiny retriever with sync=hierarchical on 4 workers spread over both nodes, and places an encoder
+Trains the tiny retriever with sync=hierarchical, sync=hybrid_powersgd and sync=layerwise (top layer every step, the
+rest every 2nd) on 4 workers spread over both nodes, and places an encoder
 pool on the node labelled `index_node`; then runs the pipeline with live index refresh (2 trainer workers, the pool
 and its index service on the labelled node); prints one JSON line with what it observed.
 """
@@ -21,8 +22,18 @@ def main(out_dir: str) -> None:
     labelled = cluster.add_node(num_cpus=2, resources={"index_node": 1})
     ray.init(address=cluster.address)
     try:
-        from ragtrain.config import Config, DataConfig, LoggerConfig, PoolResources, ResourcesConfig, RetrieverConfig
-        from ragtrain.config import RetrieverTrainConfig, SyncConfig, TrainerResources
+        from ragtrain.config import (
+            Config,
+            DataConfig,
+            LoggerConfig,
+            PoolResources,
+            ResourcesConfig,
+            RetrieverConfig,
+            RetrieverTrainConfig,
+            SyncConfig,
+            TrainerResources,
+            sync_preset,
+        )
         from ragtrain.data import make_synthetic
         from ragtrain.index.pool import EncoderPool
         from ragtrain.retriever.batching import TrainData, build_examples
@@ -40,7 +51,7 @@ def main(out_dir: str) -> None:
                 pool=PoolResources(num_actors=1, cpus_per_actor=1, resources={"index_node": 1}),
             ),
             logger=LoggerConfig(backend="none"),
-            sync=SyncConfig(strategy="hierarchical", period=2, inter_node="average"),
+            sync=sync_preset("hierarchical", mixer={"period": 2}),
             output_dir=out_dir,
         )
         data = make_synthetic(num_entities=20)
@@ -51,11 +62,23 @@ def main(out_dir: str) -> None:
         fit = fit_retriever(cfg, train, weights, sink=None)
         n_params = sum(v.numel() for v in weights.values())
 
+        import re
+        from dataclasses import replace
+
+        # the same cluster, the new compositions: intra-node all-reduce + inter-node PowerSGD (rank 4 from step 2);
+        # layer-wise: the tiny model's top layer (layer 1 of 2) every step, the rest averaged every 2nd step
+        hybrid = fit_retriever(replace(cfg, sync=sync_preset("hybrid_powersgd", reducer={"start_iter": 2}),
+                                       output_dir=os.path.join(out_dir, "hybrid")), train, weights, sink=None)
+        top = [r"\.layer\.1\."]
+        layerwise = fit_retriever(replace(cfg, sync=sync_preset("layerwise", scope={"reducer_params": top},
+                                                                mixer={"period": 2}),
+                                          output_dir=os.path.join(out_dir, "layerwise")), train, weights, sink=None)
+        n_top = sum(v.numel() for k, v in weights.items() if re.search(top[0], k))
+        shapes = [list(v.shape) for v in weights.values()]
+
         pool = EncoderPool(cfg.retriever, cfg.resources.pool)
         pool_nodes = pool.node_ids()
         pool.shutdown()
-
-        from dataclasses import replace
 
         from ragtrain.config import RefreshConfig
         from ragtrain.pipeline import run
@@ -73,7 +96,11 @@ def main(out_dir: str) -> None:
         history = json.load(open(os.path.join(out_dir, "live", "refresh_history.json")))["history"]
         print(json.dumps({
             "metrics": fit.metrics,
+            "hybrid": hybrid.metrics,
+            "layerwise": layerwise.metrics,
             "n_params": n_params,
+            "n_top": n_top,
+            "shapes": shapes,
             "pool_nodes": pool_nodes,
             "refresh_nodes": sorted({h["node"] for h in history}),
             "refreshes": results["train"]["index/refreshes"],

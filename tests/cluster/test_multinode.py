@@ -6,6 +6,7 @@ It runs in a subprocess so it cannot disturb the session's shared local Ray clus
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from tests.conftest import REPO
 
 
 @pytest.mark.integration
-def test_hierarchical_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None:
+def test_node_scoped_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
     r = subprocess.run(
@@ -36,3 +37,26 @@ def test_hierarchical_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> Non
     # every step: a 2-worker all-reduce inside the node; every 2nd step: a 4-worker all-reduce of parameters
     assert m["comm/bytes_per_step/grad_intra"] == all_reduce_bytes(p, 2)
     assert m["comm/bytes_per_step/params_inter"] == all_reduce_bytes(p, 4) / 2
+
+    # sync=hybrid_powersgd (start_iter 2, rank 4, 4 steps): the node mean in fp32 every step, then PowerSGD among the
+    # 2 workers of equal local rank (one per node): steps 0-1 the full gradient, steps 2-3 the factors
+    h = res["hybrid"]
+    assert h["sync/nodes"] == 2 and h["comm/bytes_per_step/grad_intra"] == all_reduce_bytes(p, 2)
+    assert h["comm/bytes_per_step/grad_inter"] == (2 * all_reduce_bytes(p, 2) + 2 * all_reduce_bytes(
+        4 * powersgd_numel(res["shapes"], 4), 2)) / 4
+    assert h["drift/param_divergence_mean"] < 1e-6  # every replica applied the same gradient
+    # sync=layerwise: the top layer's gradients every step over 4 workers, the rest's parameters every 2nd step
+    lw, top = res["layerwise"], 4 * res["n_top"]
+    assert lw["comm/bytes_per_step/grad"] == all_reduce_bytes(top, 4)
+    assert lw["comm/bytes_per_step/params"] == all_reduce_bytes(p - top, 4) / 2
+
+
+def powersgd_numel(shapes: list[list[int]], rank: int) -> int:
+    """Entries PowerSGD all-reduces per step (torch's rule: a tensor viewed as n x m is compressed to rank x (n + m)
+    when 2 x rank x (n + m) < n x m, its default min_compression_rate 2; vectors go whole)."""
+    total = 0
+    for s in shapes:
+        n = s[0] if s else 1
+        m = math.prod(s) // n if s else 1
+        total += rank * (n + m) if len(s) > 1 and 2 * rank * (n + m) < n * m else n * m
+    return total

@@ -26,14 +26,14 @@ def _loop(config: dict) -> None:
     import torch
     from torch import nn
 
-    from ragtrain.config import SyncConfig
+    from ragtrain.config import sync_preset
     from ragtrain.sync.registry import build_sync
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(0)
     model = nn.Linear(32, 4)
-    strategy = build_sync(SyncConfig(strategy="async_ps", max_staleness=config["max_staleness"]))
+    strategy = build_sync(sync_preset("async_ps", mixer={"max_staleness": config["max_staleness"]}))
     assert strategy.gather_negatives is False
     model = strategy.wrap(model, torch.device("cpu"))
     params = list(model.parameters())
@@ -92,14 +92,14 @@ def _restart(rank: int, world: int, port: int, address: str, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from ragtrain.config import SyncConfig
+    from ragtrain.config import MixerConfig
     from ragtrain.sync.async_ps import AsyncPSSync
     from ragtrain.sync.base import flat_params, set_flat_params
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ray.init(address=address, namespace="async-ps-restart", log_to_driver=False)
-    cfg = SyncConfig(strategy="async_ps", max_staleness=1)
+    cfg = MixerConfig(kind="async_ps", max_staleness=1)  # AsyncPSSync reads the mixer's config
 
     def fresh_replica() -> nn.Module:
         torch.manual_seed(0)

@@ -12,11 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from ragtrain.config import ConfigError, SyncConfig
+from ragtrain.config import ConfigError, MixerConfig, SyncConfig, sync_preset
 from ragtrain.sync.base import flat_params
 from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
-from ragtrain.sync.gossip import neighbours
 from ragtrain.sync.metrics import param_divergence, replica_cosine, topk_jaccard
+from ragtrain.sync.mixers import neighbours
 from ragtrain.sync.registry import build_sync
 
 
@@ -31,16 +31,26 @@ def _model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 8))
 
 
+def S(preset: str, **overrides) -> dict:
+    """A job's sync: conf/sync/<preset>.yaml with `overrides` merged (e.g. mixer={'period': 4})."""
+    return {"preset": preset, **overrides}
+
+
+def _sync(sync: dict) -> SyncConfig:
+    return sync_preset(sync["preset"], **{k: v for k, v in sync.items() if k != "preset"})
+
+
 def _train_one(rank: int, sync: dict, steps: int, lr: float, seed_per_rank: bool, nodes: list | None) -> dict:
-    """Train a small MLP with the given strategy and SGD+momentum; returns params, bytes and drift per step."""
+    """Train a small MLP with the given strategy and SGD+momentum; returns params, bytes and drift per step (all
+    parameters: div; the first / last layer alone: div_first / div_last)."""
     STATS.reset()
     model = _model(rank if seed_per_rank else 0)
-    strategy = build_sync(SyncConfig(**sync), nodes)
+    strategy = build_sync(_sync(sync), nodes)
     wrapped = strategy.wrap(model, torch.device("cpu"))
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
-    bytes_per_step, divergences, by_category = [], [], []
+    bytes_per_step, divergences, by_category, first, last = [], [], [], [], []
     for step in range(steps):
         x, y = torch.randn(16, 64, generator=gen), torch.randn(16, 8, generator=gen)
         before = STATS.total_bytes()
@@ -52,8 +62,10 @@ def _train_one(rank: int, sync: dict, steps: int, lr: float, seed_per_rank: bool
         bytes_per_step.append(STATS.total_bytes() - before)
         by_category.append(dict(STATS.bytes))
         divergences.append(param_divergence(params))
+        first.append(param_divergence(list(model[0].parameters())))
+        last.append(param_divergence(list(model[2].parameters())))
     return {"params": flat_params(params), "bytes": bytes_per_step, "div": divergences, "state": strategy.state(),
-            "cat": by_category}
+            "cat": by_category, "div_first": first, "div_last": last}
 
 
 def _train_many(rank: int, world: int, port: int, out: str, jobs: list[tuple]) -> None:
@@ -69,23 +81,29 @@ def _train_many(rank: int, world: int, port: int, out: str, jobs: list[tuple]) -
 
 # Every (world, sync, steps, lr, seed_per_rank, nodes) job the tests below ask for; `run` trains all jobs of a
 # world size together on first use. A job missing here still runs (in its own spawn).
+NODES = ["a", "a", "b", "b"]  # 4 workers declared on 2 nodes
+TOP = {"reducer_params": [r"^2\."]}  # layer-wise: the MLP's top layer (module 2) every step, module 0 by the mixer
 _JOBS: list[tuple] = [
-    (2, {"strategy": "ddp"}, 6, 0.05, False, None),
-    (2, {"strategy": "local_sgd", "period": 1}, 6, 0.05, False, None),
-    (2, {"strategy": "local_sgd", "period": 4}, 6, 0.05, False, None),
-    (2, {"strategy": "local_sgd", "period": 3, "warmup_steps": 2}, 6, 0.05, False, None),
-    (2, {"strategy": "local_sgd", "period": 1, "adaptive": True, "target_divergence": 1.0}, 8, 0.05, False, None),
-    (2, {"strategy": "local_sgd", "period": 4, "adaptive": True, "target_divergence": 1e-9}, 8, 0.05, False, None),
-    (2, {"strategy": "compressed", "compression": "fp16"}, 6, 0.05, False, None),
-    (2, {"strategy": "compressed", "compression": "powersgd", "rank": 2, "start_iter": 2}, 5, 0.05, False, None),
-    *[(2, {"strategy": "compressed", "compression": c, "start_iter": 2, "rank": 2, "bucket_cap_mb": 0.005}, 5, 0.05,
-       False, None) for c in ("powersgd", "topk", "fp16")],
-    (2, {"strategy": "compressed", "compression": "topk", "ratio": 0.05}, 6, 0.05, False, None),
-    (3, {"strategy": "gossip", "topology": "ring", "mixing": 0.5}, 40, 0.0, True, None),
-    (3, {"strategy": "gossip", "topology": "ring", "period": 2}, 6, 0.05, False, None),
-    (4, {"strategy": "gossip", "topology": "random", "mixing": 0.5}, 40, 0.0, True, None),
-    *[(4, {"strategy": "hierarchical", "period": 2, "inter_node": i}, 6, 0.05, False, ["a", "a", "b", "b"])
-      for i in ("average", "gossip")],
+    (2, S("ddp"), 6, 0.05, False, None),
+    (2, S("local_sgd", mixer={"period": 1}), 6, 0.05, False, None),
+    (2, S("local_sgd", mixer={"period": 4}), 6, 0.05, False, None),
+    (2, S("local_sgd", mixer={"period": 3, "warmup_steps": 2}), 6, 0.05, False, None),
+    (2, S("local_sgd", mixer={"period": 1, "adaptive": True, "target_divergence": 1.0}), 8, 0.05, False, None),
+    (2, S("local_sgd", mixer={"period": 4, "adaptive": True, "target_divergence": 1e-9}), 8, 0.05, False, None),
+    (2, S("fp16"), 6, 0.05, False, None),
+    (2, S("powersgd", reducer={"matrix_rank": 2, "start_iter": 2}), 5, 0.05, False, None),
+    *[(2, S(c, bucket_cap_mb=0.001, **({"reducer": {"matrix_rank": 2, "start_iter": 2}} if c == "powersgd" else {})),
+       5, 0.05, False, None) for c in ("powersgd", "topk", "fp16")],
+    (2, S("topk", reducer={"ratio": 0.05}), 6, 0.05, False, None),
+    (2, S("layerwise", scope=TOP, mixer={"period": 4}), 6, 0.05, False, None),
+    (3, S("gossip", mixer={"topology": "ring", "mixing": 0.5}), 40, 0.0, True, None),
+    (3, S("gossip", mixer={"topology": "ring", "period": 2}), 6, 0.05, False, None),
+    (4, S("gossip", mixer={"topology": "random", "mixing": 0.5}), 40, 0.0, True, None),
+    *[(4, S("hierarchical", mixer={"kind": k, "period": 2}), 6, 0.05, False, NODES) for k in ("average", "gossip")],
+    (4, S("ddp"), 6, 0.05, False, None),
+    (4, S("hybrid_powersgd", reducer={"kind": "allreduce", "matrix_rank": None, "start_iter": None,
+                                      "error_feedback": None}), 6, 0.05, False, NODES),
+    (4, S("hybrid_powersgd", reducer={"matrix_rank": 2, "start_iter": 2}), 5, 0.05, False, NODES),
 ]
 _RESULTS: dict[str, dict] = {}
 
@@ -115,39 +133,40 @@ N_PARAMS = 64 * 96 + 96 + 96 * 8 + 8
 
 
 def test_ddp_counts_full_allreduce(tmp_path: Path) -> None:
-    r = run(tmp_path, 2, {"strategy": "ddp"})
+    r = run(tmp_path, 2, S("ddp"))
     assert r["bytes"] == [all_reduce_bytes(4 * N_PARAMS, 2)] * 6
     assert max(r["div"]) < 1e-7  # replicas identical
 
 
 def test_local_sgd_period_1_equals_ddp(tmp_path: Path) -> None:
-    ddp = run(tmp_path, 2, {"strategy": "ddp"})
-    local = run(tmp_path, 2, {"strategy": "local_sgd", "period": 1})
+    ddp = run(tmp_path, 2, S("ddp"))
+    local = run(tmp_path, 2, S("local_sgd", mixer={"period": 1}))
     torch.testing.assert_close(local["params"], ddp["params"], atol=1e-5, rtol=0)
     # ... and with a longer period the replicas really drift between rounds (the test is not vacuous)
-    local4 = run(tmp_path, 2, {"strategy": "local_sgd", "period": 4})
+    local4 = run(tmp_path, 2, S("local_sgd", mixer={"period": 4}))
     assert local4["div"][2] > 1e-4 and local4["div"][3] < 1e-7
     assert local4["bytes"] == [0, 0, 0, all_reduce_bytes(4 * N_PARAMS, 2), 0, 0]
 
 
 def test_local_sgd_warmup_then_local(tmp_path: Path) -> None:
-    r = run(tmp_path, 2, {"strategy": "local_sgd", "period": 3, "warmup_steps": 2})
+    r = run(tmp_path, 2, S("local_sgd", mixer={"period": 3, "warmup_steps": 2}))
     full = all_reduce_bytes(4 * N_PARAMS, 2)
     assert r["bytes"] == [full, full, 0, 0, full, 0]
 
 
 def test_local_sgd_adaptive_period_moves(tmp_path: Path) -> None:
-    grow = run(tmp_path, 2, {"strategy": "local_sgd", "period": 1, "adaptive": True, "target_divergence": 1.0}, steps=8)
+    grow = run(tmp_path, 2, S("local_sgd", mixer={"period": 1, "adaptive": True, "target_divergence": 1.0}), steps=8)
     assert grow["state"]["sync/period"] > 1  # divergence far below target: sync less often
     shrink = run(
-        tmp_path, 2, {"strategy": "local_sgd", "period": 4, "adaptive": True, "target_divergence": 1e-9}, steps=8
+        tmp_path, 2, S("local_sgd", mixer={"period": 4, "adaptive": True, "target_divergence": 1e-9}), steps=8
     )
     assert shrink["state"]["sync/period"] < 4  # divergence above target: sync more often
 
 
 @pytest.mark.parametrize("world,topology", [(3, "ring"), (4, "random")])
 def test_gossip_reaches_consensus_when_learning_stops(tmp_path: Path, world: int, topology: str) -> None:
-    r = run(tmp_path, world, {"strategy": "gossip", "topology": topology, "mixing": 0.5}, steps=40, lr=0.0, seed_per_rank=True)
+    r = run(tmp_path, world, S("gossip", mixer={"topology": topology, "mixing": 0.5}), steps=40, lr=0.0,
+            seed_per_rank=True)
     assert r["div"][0] > 1e-2  # replicas started apart
     assert r["div"][-1] < 1e-4 * r["div"][0]
     early = [d for d in r["div"] if d > 1e-6]  # above float noise the divergence shrinks every round
@@ -155,15 +174,14 @@ def test_gossip_reaches_consensus_when_learning_stops(tmp_path: Path, world: int
 
 
 def test_gossip_bytes_are_point_to_point(tmp_path: Path) -> None:
-    r = run(tmp_path, 3, {"strategy": "gossip", "topology": "ring", "period": 2})
+    r = run(tmp_path, 3, S("gossip", mixer={"topology": "ring", "period": 2}))
     assert r["bytes"] == [0, 2 * 4 * N_PARAMS] * 3  # two ring neighbours, every second step
 
 
 @pytest.mark.parametrize("inter_node", ["average", "gossip"])
 def test_hierarchical_groups_by_node(tmp_path: Path, inter_node: str) -> None:
     """4 workers on 2 (declared) nodes: 2-worker all-reduce inside a node every step, across nodes every 2nd."""
-    sync = {"strategy": "hierarchical", "period": 2, "inter_node": inter_node}
-    r = run(tmp_path, 4, sync, nodes=["a", "a", "b", "b"])
+    r = run(tmp_path, 4, S("hierarchical", mixer={"kind": inter_node, "period": 2}), nodes=NODES)
     p = 4 * N_PARAMS
     intra = [c.get("grad_intra", 0) for c in r["cat"]]
     inter = [c.get("params_inter", 0) for c in r["cat"]]
@@ -175,14 +193,56 @@ def test_hierarchical_groups_by_node(tmp_path: Path, inter_node: str) -> None:
         assert r["div"][1] < 1e-6  # right after an inter-node round every replica is equal
 
 
+def test_hybrid_is_intra_node_allreduce_then_inter_node_reducer(tmp_path: Path) -> None:
+    """two_level on 4 workers / 2 nodes: the node mean (2-worker all-reduce), then the reducer among the 2 workers of
+    equal local rank. With an exact all-reduce across nodes it is DDP; with PowerSGD the bytes across nodes follow
+    the rank, and every replica applies the same gradient."""
+    p = 4 * N_PARAMS
+    exact = run(tmp_path, 4, S("hybrid_powersgd", reducer={"kind": "allreduce", "matrix_rank": None, "start_iter": None,
+                                                           "error_feedback": None}), nodes=NODES)
+    ddp = run(tmp_path, 4, S("ddp"))
+    torch.testing.assert_close(exact["params"], ddp["params"], atol=1e-5, rtol=0)
+    assert [c["grad_intra"] for c in exact["cat"]] == [all_reduce_bytes(p, 2) * (s + 1) for s in range(6)]
+    assert [c["grad_inter"] for c in exact["cat"]] == [all_reduce_bytes(p, 2) * (s + 1) for s in range(6)]
+    assert exact["state"]["sync/nodes"] == 2 and max(exact["div"]) < 1e-6
+
+    rank = 2
+    r = run(tmp_path, 4, S("hybrid_powersgd", reducer={"matrix_rank": rank, "start_iter": 2}), steps=5, nodes=NODES)
+    compressed = rank * (96 + 64) + rank * (8 + 96) + 96 + 8  # as in test_powersgd_bytes_follow_rank
+    intra = all_reduce_bytes(p, 2)  # every step, every bucket, fp32
+    inter = [all_reduce_bytes(p, 2)] * 2 + [all_reduce_bytes(4 * compressed, 2)] * 3  # 2 nodes: a 2-party ring
+    assert r["bytes"] == [intra + b for b in inter]
+    assert max(r["div"]) < 1e-6  # both cross-node groups computed the same PowerSGD result
+    assert 10 * inter[-1] < ddp["bytes"][-1]  # across nodes: > 10x less than ddp's 4-worker all-reduce of all
+
+
+def test_layerwise_top_layer_every_step_the_rest_every_k(tmp_path: Path) -> None:
+    """scope.reducer_params = the top layer: its gradients are all-reduced every step (bytes = its size) and it
+    never drifts; the first layer trains apart and is averaged every 4 steps (bytes = its size, then)."""
+    r = run(tmp_path, 2, S("layerwise", scope=TOP, mixer={"period": 4}))
+    top, rest = 4 * (96 * 8 + 8), 4 * (64 * 96 + 96)
+    grad, params = all_reduce_bytes(top, 2), all_reduce_bytes(rest, 2)
+    assert r["bytes"] == [grad, grad, grad, grad + params, grad, grad]
+    assert [c.get("params", 0) for c in r["cat"]] == [0, 0, 0, params, params, params]
+    assert max(r["div_last"]) < 1e-7  # the every-step group stays equal
+    assert r["div_first"][2] > 1e-4 and r["div_first"][3] < 1e-7 and r["div_first"][5] > 1e-4  # drifts, averaged
+    assert r["state"]["sync/period"] == 4
+
+
+def test_layerwise_pattern_that_matches_nothing_fails() -> None:
+    strategy = build_sync(sync_preset("layerwise"))  # patterns for a 6-layer BERT
+    with pytest.raises(ValueError, match=r"reducer_params pattern .* matches no parameter"):
+        strategy.wrap(_model(), torch.device("cpu"))
+
+
 def test_fp16_halves_bytes(tmp_path: Path) -> None:
-    r = run(tmp_path, 2, {"strategy": "compressed", "compression": "fp16"})
+    r = run(tmp_path, 2, S("fp16"))
     assert r["bytes"] == [all_reduce_bytes(2 * N_PARAMS, 2)] * 6
 
 
 def test_powersgd_bytes_follow_rank(tmp_path: Path) -> None:
     rank = 2
-    r = run(tmp_path, 2, {"strategy": "compressed", "compression": "powersgd", "rank": rank, "start_iter": 2}, steps=5)
+    r = run(tmp_path, 2, S("powersgd", reducer={"matrix_rank": rank, "start_iter": 2}), steps=5)
     full = all_reduce_bytes(4 * N_PARAMS, 2)
     # PowerSGD compresses a matrix only when r(n + m) < n m; vectors (biases) go uncompressed.
     compressed = rank * (96 + 64) + rank * (8 + 96) + 96 + 8
@@ -196,14 +256,15 @@ def test_compression_with_many_buckets(tmp_path: Path, compression: str) -> None
     """Several DDP buckets per step (as with MiniLM's 90 MB of gradients): no collective mismatch, replicas equal.
     DDP closes a bucket once it reaches the cap: 1 KB splits this MLP's two layers into two buckets from step 1
     (5 KB kept both layers in one, so the test saw a single bucket)."""
-    sync = {"strategy": "compressed", "compression": compression, "start_iter": 2, "rank": 2, "bucket_cap_mb": 0.001}
+    sync = S(compression, bucket_cap_mb=0.001,
+             **({"reducer": {"matrix_rank": 2, "start_iter": 2}} if compression == "powersgd" else {}))
     r = run(tmp_path, 2, sync, steps=5)
     assert max(r["div"]) < 1e-6
     assert r["bytes"][-1] > 0
 
 
 def test_topk_bytes_follow_ratio(tmp_path: Path) -> None:
-    r = run(tmp_path, 2, {"strategy": "compressed", "compression": "topk", "ratio": 0.05})
+    r = run(tmp_path, 2, S("topk", reducer={"ratio": 0.05}))
     k = int(0.05 * N_PARAMS)
     assert r["bytes"] == [all_gather_bytes(k * 8, 2)] * 6
     assert max(r["div"]) < 1e-6  # every worker applies the same sparse average
@@ -228,19 +289,72 @@ def test_metrics_single_process_defaults() -> None:
 @pytest.mark.parametrize(
     "sync,key",
     [
-        ({"strategy": "nope"}, "sync.strategy"),
-        ({"strategy": "local_sgd", "period": 0}, "sync.period"),
-        ({"strategy": "compressed", "ratio": 1.5}, "sync.ratio"),
-        ({"strategy": "compressed", "ratio": 0.0}, "sync.ratio"),
-        ({"strategy": "compressed", "rank": 0}, "sync.rank"),
-        ({"strategy": "compressed", "compression": "zip"}, "sync.compression"),
-        ({"strategy": "gossip", "topology": "star"}, "sync.topology"),
+        ({"reducer": {"kind": "nope"}}, "sync.reducer.kind"),
+        ({"mixer": {"kind": "nope"}}, "sync.mixer.kind"),
+        ({"reducer": {"kind": "none"}, "mixer": {"kind": "average", "period": 0}}, "sync.mixer.period"),
+        ({"reducer": {"kind": "topk", "ratio": 1.5}}, "sync.reducer.ratio"),
+        ({"reducer": {"kind": "topk", "ratio": 0.0}}, "sync.reducer.ratio"),
+        ({"reducer": {"kind": "powersgd", "matrix_rank": 0}}, "sync.reducer.matrix_rank"),
+        ({"reducer": {"kind": "none"}, "mixer": {"kind": "gossip", "topology": "star"}}, "sync.mixer.topology"),
+        ({"scope": {"reducer": "nowhere"}}, "sync.scope.reducer"),
+        ({"scope": {"reducer_params": ["("]}}, "sync.scope.reducer_params"),
     ],
 )
 def test_bad_parameters_name_the_key_and_choices(sync: dict, key: str) -> None:
     with pytest.raises(ConfigError) as e:
-        SyncConfig(**sync)
+        sync_preset("ddp", **sync)
     assert key in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "sync,key,named",
+    [
+        # a key of another kind: named, with the kinds that read it
+        ({"reducer": {"kind": "topk", "matrix_rank": 4}}, "sync.reducer.matrix_rank", "['powersgd']"),
+        ({"reducer": {"kind": "none"}, "mixer": {"kind": "gossip", "warmup_steps": 2}}, "sync.mixer.warmup_steps",
+         "['average']"),
+        ({"mixer": {"kind": "async_ps", "period": 3}}, "sync.mixer.period", "['average', 'gossip']"),
+        # combinations that cannot work: the valid ones are named
+        ({"mixer": {"kind": "average"}}, "sync.mixer.kind", "scope.reducer=intra_node + scope.mixer=inter_node"),
+        ({"reducer": {"kind": "powersgd"}, "scope": {"reducer": "intra_node"}, "mixer": {"kind": "average"}},
+         "sync.reducer.kind", "[allreduce]"),
+        ({"scope": {"reducer": "intra_node"}}, "sync.mixer.kind", "average or gossip"),
+        ({"reducer": {"kind": "none"}, "mixer": {"kind": "average"}, "scope": {"mixer": "inter_node"}},
+         "sync.scope.mixer", "[all]"),
+        ({"reducer": {"kind": "topk"}, "mixer": {"kind": "average"}, "scope": {"reducer_params": ["x"]}},
+         "sync.scope.reducer_params", "[allreduce, fp16, bf16]"),
+        ({"scope": {"reducer_params": ["x"]}}, "sync.mixer.kind", "average or gossip"),
+        ({"reducer": {"kind": "none"}, "mixer": {"kind": "async_ps"}, "consensus": "vectors"}, "sync.mixer.kind",
+         "consensus=params"),
+        ({"consensus": "vectors"}, "sync.consensus", "reducer.kind=none and mixer.kind=none"),
+    ],
+)
+def test_unused_keys_and_invalid_combinations_fail_naming_the_valid_ones(sync: dict, key: str, named: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        sync_preset("ddp", **sync)
+    assert key in str(e.value) and named in str(e.value), str(e.value)
+
+
+def test_every_preset_is_a_composition() -> None:
+    """Each conf/sync option types to reducer + mixer + scope; the family label the old strategy names used."""
+    expect = {
+        "ddp": ("allreduce", "none", "ddp"), "fp16": ("fp16", "none", "compressed"),
+        "powersgd": ("powersgd", "none", "compressed"), "topk": ("topk", "none", "compressed"),
+        "local_sgd": ("none", "average", "local_sgd"), "local_sgd_adaptive": ("none", "average", "local_sgd"),
+        "gossip": ("none", "gossip", "gossip"), "hierarchical": ("allreduce", "average", "hierarchical"),
+        "async_ps": ("none", "async_ps", "async_ps"), "vector_avg": ("none", "none", "vector_avg"),
+        "hybrid_powersgd": ("powersgd", "none", "hybrid"), "layerwise": ("allreduce", "average", "layerwise"),
+    }
+    presets = sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "sync").glob("*.yaml"))
+    assert presets == sorted(expect)
+    for name, (reducer, mixer, family) in expect.items():
+        c = sync_preset(name)
+        assert (c.reducer.kind, c.mixer.kind, c.strategy) == (reducer, mixer, family), name
+    p = sync_preset("powersgd")
+    assert (p.reducer.matrix_rank, p.reducer.start_iter, p.reducer.ratio, p.mixer.period) == (4, 4, None, None)
+    h = sync_preset("hybrid_powersgd")
+    assert (h.scope.reducer, h.reducer.matrix_rank, h.label) == ("two_level", 4, "hybrid_powersgd")
+    assert sync_preset("layerwise").mixer.period == 8 and SyncConfig().strategy == "ddp"
 
 
 def test_comm_seconds_count_overlapping_collectives_once() -> None:
@@ -280,7 +394,7 @@ def _powersgd_timing(rank: int, world: int, port: int, out: str) -> None:
     STATS.reset()
     model = _model()
     # 1 KB buckets: after DDP's rebuild at step 1 the two layers travel in two buckets
-    sync = SyncConfig(strategy="compressed", compression="powersgd", rank=2, start_iter=2, bucket_cap_mb=0.001)
+    sync = sync_preset("powersgd", reducer={"matrix_rank": 2, "start_iter": 2}, bucket_cap_mb=0.001)
     strategy = build_sync(sync)
     wrapped = strategy.wrap(model, torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -311,7 +425,7 @@ def test_async_ps_pulls_are_counted_and_timed(ray_session) -> None:
 
     STATS.reset()
     model = _model()
-    strategy = AsyncPSSync(SyncConfig(strategy="async_ps", max_staleness=0))
+    strategy = AsyncPSSync(MixerConfig(kind="async_ps", max_staleness=0))
     strategy.wrap(model, torch.device("cpu"))
     params = list(model.parameters())
     for step in range(3):
@@ -344,7 +458,7 @@ def _topk_grads(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _ReverseRegistered()
     plain = copy.deepcopy(model)
-    strategy = build_sync(SyncConfig(strategy="compressed", compression="topk", ratio=0.1))
+    strategy = build_sync(sync_preset("topk", reducer={"ratio": 0.1}))
     wrapped = strategy.wrap(model, torch.device("cpu"))
     gen = torch.Generator().manual_seed(100 + rank)
     raw, applied = [], []

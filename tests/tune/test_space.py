@@ -40,17 +40,17 @@ def test_parse_dotted_and_nested_keys() -> None:
     params = sp.parse_space({
         "sync": {"grid": ["ddp", "local_sgd"]},
         "retriever": {"train": {"lr": {"loguniform": [1e-5, "1e-3"]}}},
-        "sync.period": {"randint": [2, 9]},
+        "sync.mixer.period": {"randint": [2, 9]},
         "retriever.temperature": {"uniform": [0.02, 0.1]},
     })
     by = {p.key: p for p in params}
-    assert set(by) == {"sync", "retriever.train.lr", "sync.period", "retriever.temperature"}
+    assert set(by) == {"sync", "retriever.train.lr", "sync.mixer.period", "retriever.temperature"}
     assert by["retriever.train.lr"].args == (1e-5, 1e-3)  # YAML strings like 1e-3 become numbers
-    assert sp.candidates(by["sync.period"]) == [2, 8]  # randint's upper bound is exclusive (as in Tune)
+    assert sp.candidates(by["sync.mixer.period"]) == [2, 8]  # randint's upper bound is exclusive (as in Tune)
     from ray.tune.search.sample import Categorical, Float, Integer
 
     space = sp.to_tune(params)
-    assert isinstance(space["retriever.train.lr"], Float) and isinstance(space["sync.period"], Integer)
+    assert isinstance(space["retriever.train.lr"], Float) and isinstance(space["sync.mixer.period"], Integer)
     assert space["sync"] == {"grid_search": ["ddp", "local_sgd"]}
     assert isinstance(sp.to_tune(sp.parse_space({"sync": {"choice": ["ddp"]}}))["sync"], Categorical)
 
@@ -69,9 +69,12 @@ def test_parse_dotted_and_nested_keys() -> None:
         ({"retriever.train.lr": {"uniform": [1e-3]}}, r"must be \[low, high\]"),
         ({"retriever.train.lr": {"uniform": [1e-2, 1e-3]}}, "needs low < high"),
         ({"retriever.train.lr": {"loguniform": [0, 1e-3]}}, "needs low > 0"),
-        ({"sync.period": {"randint": [1.5, 4]}}, "must be integers"),
+        ({"sync.mixer.period": {"randint": [1.5, 4]}}, "must be integers"),
         ({"retriever.train.lr": {"choice": []}}, "non-empty list"),
-        ({"sync.period": {"choice": [4, 0]}}, r"tune.space\['sync.period'\] value 0: sync.period must be > 0"),
+        ({"sync": {"choice": ["ddp", "local_sgd"]}, "sync.mixer.period": {"choice": [4, 0]}},
+         r"tune.space\['sync.mixer.period'\] value 0: sync.mixer.period must be > 0"),
+        # a knob no reachable sync option reads (ddp has no mixer) would never apply
+        ({"sync.mixer.period": {"choice": [4]}}, r"tune.space\['sync.mixer.period'\] is read by none of the sync"),
         ({"retriever.train.batch_size": {"choice": ["big"]}}, "retriever.train.batch_size"),
         ({"sync": {"grid": ["ddp", "warp"]}}, r"unknown sync option 'warp'; valid choices: \['async_ps', 'ddp'"),
         ({"sync": {"uniform": [0, 1]}}, "takes choice or grid"),
@@ -119,16 +122,19 @@ def test_apply_merges_sync_option_then_keys(tmp_path: Path) -> None:
     plan = _plan(tmp_path, "sync.eval_every=3")
     cfg = sp.apply(plan.base, {"sync": "local_sgd", "retriever.train.lr": 0.02}, plan.sync_options)
     assert isinstance(cfg, Config)
-    assert cfg.sync.strategy == "local_sgd" and cfg.sync.period == 8  # conf/sync/local_sgd.yaml
+    assert cfg.sync.strategy == "local_sgd" and cfg.sync.mixer.period == 8  # conf/sync/local_sgd.yaml
     assert cfg.sync.eval_every == 3  # the experiment's sync settings survive, like sync_variants
     assert cfg.retriever.train.lr == 0.02 and cfg.tune is None
-    cfg = sp.apply(plan.base, {"sync": "local_sgd", "sync.period": 4}, plan.sync_options)
-    assert cfg.sync.period == 4  # an explicit key beats the option file
+    cfg = sp.apply(plan.base, {"sync": "local_sgd", "sync.mixer.period": 4}, plan.sync_options)
+    assert cfg.sync.mixer.period == 4  # an explicit key beats the option file
     cfg = sp.apply(plan.base, {"sync": "powersgd"}, plan.sync_options)
-    assert (cfg.sync.strategy, cfg.sync.compression, cfg.sync.start_iter) == ("compressed", "powersgd", 4)
+    assert (cfg.sync.strategy, cfg.sync.reducer.kind, cfg.sync.reducer.start_iter) == ("compressed", "powersgd", 4)
+    # a conditional space: a ddp trial skips the local-SGD period (ddp has no mixer to read it)
+    assert sp.apply(plan.base, {"sync": "ddp", "sync.mixer.period": 4}, plan.sync_options).sync.mixer.period is None
     import numpy as np
 
-    assert sp.apply(plan.base, {"sync.period": np.int64(3)}, plan.sync_options).sync.period == 3  # Tune's numpy
+    cfg = sp.apply(plan.base, {"sync": "local_sgd", "sync.mixer.period": np.int64(3)}, plan.sync_options)
+    assert cfg.sync.mixer.period == 3  # Tune's numpy
 
 
 def test_trial_resources_and_concurrency(tmp_path: Path) -> None:

@@ -112,7 +112,7 @@ def test_parent_and_one_child_per_trial(server_sweep) -> None:
         # the trial's full resolved config as params, its sampled values included
         assert float(p["retriever.train.lr"]) == row["retriever.train.lr"]
         assert p["sync.strategy"] == row["sync"] == run.data.tags["ragtrain.sync"]
-        assert p["sync.period"] == ("8" if row["sync"] == "local_sgd" else "1")  # conf/sync/local_sgd.yaml merged
+        assert p["sync.mixer.period"] == ("8" if row["sync"] == "local_sgd" else "None")  # local_sgd.yaml merged
         assert p["retriever.model"] == "tiny" and p["tune"] == "None"
         assert p["output_dir"].endswith(f"trials/{tid}")
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]

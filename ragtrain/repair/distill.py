@@ -95,8 +95,8 @@ def distill_consensus(retrieval: Any, mean_weights: dict[str, torch.Tensor], ste
     the driver; the pool then indexes the corpus with the student alone and the split is evaluated with it.
     Returns (the student's index, its metrics incl. drift_vs_consensus: mean 1 - cos of its corpus vectors to the
     consensus vectors)."""
+    from ragtrain.repair.align import embedding_drift
     from ragtrain.retriever.encoder import build_encoder, load_tokenizer
-    from ragtrain.sync.align import embedding_drift
 
     cfg = retrieval.cfg
     idx, r = cfg.index, cfg.retriever

@@ -10,9 +10,9 @@ import torch
 
 from ragtrain.config import RetrieverConfig, TinyEncoderConfig
 from ragtrain.data import make_synthetic
+from ragtrain.repair.align import embedding_drift
+from ragtrain.repair.distill import StudentEncoder, distill
 from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
-from ragtrain.sync.align import embedding_drift
-from ragtrain.sync.distill import StudentEncoder, distill
 
 
 @pytest.mark.parametrize("out_dim", [None, 16])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.sync.align import embedding_drift, fit_alignment
+from ragtrain.repair.align import embedding_drift, fit_alignment
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

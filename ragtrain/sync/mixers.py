@@ -1,0 +1,44 @@
+"""Parameter mixers' exchanges: gossip with peers (the global average is base.average_params).
+
+Gossip round t: neighbours N(i) are the ring neighbours {i-1, i+1} or, with topology=random, one peer from a
+pairing drawn with a seed shared by all workers (so pairs agree; an odd worker out skips the round). Each worker
+sends its flat parameters to its neighbours (point-to-point) and sets
+    theta_i <- (1 - mixing) * theta_i + mixing * mean_{j in N(i)} theta_j.
+With a doubly stochastic mixing (ring, or pairs) the mean is preserved and replicas contract to it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ragtrain.sync.base import flat_params, set_flat_params
+from ragtrain.sync.comm import STATS
+
+
+def neighbours(rank: int, world: int, topology: str, round_: int, seed: int = 0) -> list[int]:
+    """Peers of `rank` in gossip round `round_` (the same answer on every worker)."""
+    if world == 1:
+        return []
+    if topology == "ring":
+        return sorted({(rank - 1) % world, (rank + 1) % world} - {rank})
+    perm = np.random.default_rng([seed, round_]).permutation(world)
+    pos = int(np.where(perm == rank)[0][0])
+    peer = pos + 1 if pos % 2 == 0 else pos - 1
+    return [int(perm[peer])] if peer < world else []
+
+
+def mix_with_peers(params: list[nn.Parameter], peers: list[int], mixing: float, category: str) -> None:
+    """Send my flat parameters to each peer, receive theirs, and move `mixing` of the way to their mean."""
+    if not peers:
+        return
+    flat = flat_params(params)
+    bufs = [torch.empty_like(flat) for _ in peers]
+    with STATS.timed(category, flat.numel() * flat.element_size() * len(peers)):
+        # post every send and receive before waiting on any: no ordering deadlock between peers
+        reqs = [dist.isend(flat, p) for p in peers] + [dist.irecv(b, p) for b, p in zip(bufs, peers)]
+        for r in reqs:
+            r.wait()
+    set_flat_params(params, (1 - mixing) * flat + mixing * torch.stack(bufs).mean(0))
