@@ -167,8 +167,9 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
                 q_emb, p_emb = model(q, p)
             loss = loss_fn(q_emb, p_emb)
             loss.backward()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        if t.grad_clip > 0:  # per group: a layer-wise strategy's every-step group must get one coefficient everywhere
+            for group in strategy.clip_groups(params):
+                torch.nn.utils.clip_grad_norm_(group, t.grad_clip)
         optim.step()
         sched.step()
         strategy.after_step(params, step)

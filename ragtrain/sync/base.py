@@ -30,6 +30,11 @@ class SyncStrategy(Protocol):
         gathered in-batch negatives of other groups are constants (ragtrain/retriever/loss.py)."""
         ...
 
+    def clip_groups(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """The groups whose gradient norm is clipped separately: one global norm over gradients that are averaged
+        for some parameters and local for others would scale the averaged ones differently on each rank."""
+        ...
+
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         """Called after every optimizer step (0-based `step`): periodic averaging, gossip, ..."""
         ...

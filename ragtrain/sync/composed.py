@@ -165,6 +165,14 @@ class ComposedSync:
             return None if self.num_nodes == 1 else [list(g) for g in self.groups]
         return [[r] for r in range(world_size())]
 
+    def clip_groups(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """Every parameter together, or (scope.reducer_params) the reducer's and the mixer's apart: the reducer's
+        gradients are equal on every rank, so their norm, and so their clip coefficient, is too."""
+        if self.reduced is None:
+            return [params]
+        mixed = self._mixed(params)
+        return [g for g in ([p for p in params if p.data_ptr() in self.reduced], mixed) if g]
+
     # --- the mixer
     def _mixed(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """The parameters the mixer owns: every one, or those outside scope.reducer_params."""

@@ -49,6 +49,8 @@ def test_node_scoped_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None
     lw, top = res["layerwise"], 4 * res["n_top"]
     assert lw["comm/bytes_per_step/grad"] == all_reduce_bytes(top, 4)
     assert lw["comm/bytes_per_step/params"] == all_reduce_bytes(p - top, 4) / 2
+    # drift is probed at step 4, right after a round: every group equal (the recipe clips the groups apart)
+    assert lw["drift/param_divergence_mean"] < 1e-6
 
 
 def powersgd_numel(shapes: list[list[int]], rank: int) -> int:

@@ -37,7 +37,7 @@ def S(preset: str, **overrides) -> dict:
 
 
 def _sync(sync: dict) -> SyncConfig:
-    return sync_preset(sync["preset"], **{k: v for k, v in sync.items() if k != "preset"})
+    return sync_preset(sync["preset"], **{k: v for k, v in sync.items() if k not in ("preset", "clip")})
 
 
 def _train_one(rank: int, sync: dict, steps: int, lr: float, seed_per_rank: bool, nodes: list | None) -> dict:
@@ -57,6 +57,9 @@ def _train_one(rank: int, sync: dict, steps: int, lr: float, seed_per_rank: bool
         loss = ((wrapped(x) - y) ** 2).mean()
         opt.zero_grad()
         loss.backward()
+        if sync.get("clip"):  # as the recipe does: one gradient norm per strategy.clip_groups group
+            for group in strategy.clip_groups(params):
+                torch.nn.utils.clip_grad_norm_(group, sync["clip"])
         opt.step()
         strategy.after_step(params, step)
         bytes_per_step.append(STATS.total_bytes() - before)
@@ -96,6 +99,7 @@ _JOBS: list[tuple] = [
        5, 0.05, False, None) for c in ("powersgd", "topk", "fp16")],
     (2, S("topk", reducer={"ratio": 0.05}), 6, 0.05, False, None),
     (2, S("layerwise", scope=TOP, mixer={"period": 4}), 6, 0.05, False, None),
+    (2, S("layerwise", scope=TOP, mixer={"period": 4}, clip=0.05), 6, 0.05, False, None),
     (3, S("gossip", mixer={"topology": "ring", "mixing": 0.5}), 40, 0.0, True, None),
     (3, S("gossip", mixer={"topology": "ring", "period": 2}), 6, 0.05, False, None),
     (4, S("gossip", mixer={"topology": "random", "mixing": 0.5}), 40, 0.0, True, None),
@@ -227,6 +231,11 @@ def test_layerwise_top_layer_every_step_the_rest_every_k(tmp_path: Path) -> None
     assert max(r["div_last"]) < 1e-7  # the every-step group stays equal
     assert r["div_first"][2] > 1e-4 and r["div_first"][3] < 1e-7 and r["div_first"][5] > 1e-4  # drifts, averaged
     assert r["state"]["sync/period"] == 4
+    # gradient clipping as the recipe does it (per clip group): an active clip keeps the every-step group equal (one
+    # global norm over averaged + local gradients gave each rank its own coefficient: the top layer drifted)
+    clipped = run(tmp_path, 2, S("layerwise", scope=TOP, mixer={"period": 4}, clip=0.05))
+    assert max(clipped["div_last"]) < 1e-7 and clipped["div_first"][2] > 1e-4
+    assert clipped["params"].sub(r["params"]).abs().max() > 1e-4  # the clip was active
 
 
 def test_layerwise_pattern_that_matches_nothing_fails() -> None:
