@@ -192,13 +192,16 @@ class Retrieval:
         return service, probe
 
     def stop_service(self, service) -> dict:
-        """Wait for a running refresh, collect the service's refresh history, and take the pool back."""
+        """Wait for a running refresh, collect the service's refresh history, and release the pool."""
         import ray
 
         ray.get(service.close.remote())
         report = ray.get(service.report.remote())
         ray.kill(service)
-        self.pool.invalidate()  # the service loaded other snapshots into the actors
+        # The pool serves only the live refresh. Its placement group holds the pool's CPUs and custom resources
+        # (index_node on a cluster): the final index's Ray Data encode actors ask for the same ones and would wait
+        # forever behind it (the 2-node test hung here).
+        self.release()
         return report
 
     def encode(self, texts: list[str], max_length: int, desc: str = "", progress: bool = True) -> tuple[np.ndarray, dict]:

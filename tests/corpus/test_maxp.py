@@ -73,11 +73,16 @@ def test_hard_negatives_never_pick_a_chunk_of_a_gold_document(tmp_path) -> None:
     from ragtrain.config import Config
     from ragtrain.pipeline import Retrieval
 
+    from ragtrain.index.faiss_index import build_configured
+
     cfg = Config(output_dir=str(tmp_path))
     cfg.retriever.train.hard_negatives, cfg.retriever.train.hard_negative_depth = 1, 5
     r = Retrieval(cfg, _chunked_data())
-    r.search = lambda index, qids, k: {q: _passage_run()[q][:k] for q in qids}
-    negs = r.mine_negatives(index=None)
+    # A real Flat index whose inner products are exactly SCORES: one-hot passage vectors, query vectors = scores.
+    index = build_configured(np.eye(len(CHUNKS), dtype=np.float32), CHUNKS, cfg.index, "fp", "one-hot", 0, 0)
+    queries = np.array([SCORES[q] for q in sorted(QRELS)], dtype=np.float32)
+    r.encode = lambda texts, max_length, desc="", progress=True: (queries[: len(texts)], {})  # the query encoder
+    negs = r.mine_negatives(index)
     pos = {p: i for i, p in enumerate(CHUNKS)}
     assert negs["q1"] == [pos["d2#1"], pos["d3#0"], pos["d2#0"]]  # neither d1#0 nor d1#1
     assert negs["q2"] == [pos["d1#0"], pos["d1#1"]]  # no chunk of d2 or d3

@@ -15,7 +15,8 @@ from ragtrain.repair.distill import StudentEncoder, distill
 from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
 
 
-@pytest.mark.parametrize("out_dim", [None, 16])
+# same-dimension distillation also runs in the vector_avg pipeline test (index.distill_steps)
+@pytest.mark.parametrize("out_dim", [pytest.param(None, marks=pytest.mark.slow), 16])
 def test_student_reproduces_reference(out_dim) -> None:
     texts = [p.full_text() for p in make_synthetic(num_entities=60).corpus.values()]
     train, held_out = texts[:240], texts[240:]

@@ -141,8 +141,9 @@ def test_stopped_trial_leaves_no_placement_group(server_sweep) -> None:
     cfg, result, _, _ = server_sweep
     for trial_id, stopped in zip(result.trials["trial_id"], result.trials["stopped_early"]):
         ids = set((Path(cfg.output_dir) / "trials" / trial_id / "placement_groups.txt").read_text().split())
-        # Ray Train's worker group; a finished trial also the encoder pool's (stopped ones never reached the index)
-        assert len(ids) >= (1 if stopped else 2), (trial_id, ids)
+        # Ray Train's worker group (indexes encode on Ray Data actors, which hold no placement group; the encoder
+        # pool's group exists only with refresh.enabled)
+        assert len(ids) >= 1, (trial_id, ids)
         states = {placement_group_table(PlacementGroup(PlacementGroupID(bytes.fromhex(i))))["state"] for i in ids}
         assert states == {"REMOVED"}, (trial_id, states)
 
