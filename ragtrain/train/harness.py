@@ -97,8 +97,8 @@ class Worker:
     def restore(self, model: nn.Module, optim: torch.optim.Optimizer, sched: Any) -> tuple[int, dict[str, Any]]:
         """Continue from this fit's latest checkpoint (a restart) or the resumed run's; returns (first step, extra).
 
-        Call it after the model, optimizer and schedule exist and BEFORE any sync strategy takes its state from the
-        weights (an async server's anchor, averaging buffers): those must start from the restored weights."""
+        Call it after the model, optimizer and schedule exist; a sync strategy loads its own state after it (an
+        async server's anchor, averaging buffers must start from the restored weights, not the initial ones)."""
         step, extra, self.sink = restore_in_worker(self.args.storage(), {"fit_id": self.args.fit_id,
                                                    "resume_from": self.args.resume_from}, self.rank, self.world,
                                                    model, optim, sched, self.sink, self.stage)
