@@ -638,7 +638,7 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="ragtrain_schema", node=Config)
 
 
-def _to_object(cfg: DictConfig, kind: type) -> Any:
+def _to_object(cfg: DictConfig, kind: type, expected: Optional[str] = None) -> Any:
     """OmegaConf.to_object with our ConfigError surfaced unwrapped; the result must be a `kind`."""
     try:
         obj = OmegaConf.to_object(cfg)
@@ -650,24 +650,13 @@ def _to_object(cfg: DictConfig, kind: type) -> Any:
             raise cause from None
         raise
     if not isinstance(obj, kind):
-        raise ConfigError(f"config root is {type(obj).__name__}, expected {kind.__name__}")
+        raise ConfigError(f"config root is {type(obj).__name__}, expected {expected or kind.__name__}")
     return obj
 
 
 def to_typed(cfg: DictConfig) -> Config:
     """Resolve interpolations (driver only) and build the typed config, running every range check."""
-    try:
-        obj = OmegaConf.to_object(cfg)
-    except ConfigError:
-        raise
-    except Exception as e:  # omegaconf wraps __post_init__ errors; surface ours unwrapped
-        cause = e.__cause__ or e.__context__
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        raise
-    if not isinstance(obj, Config):
-        raise ConfigError(f"config root is {type(obj).__name__}, expected the ragtrain schema (conf/config.yaml defaults)")
-    return obj
+    return _to_object(cfg, Config, "the ragtrain schema (conf/config.yaml defaults)")
 
 
 def sync_variants(cfg: DictConfig, conf_dir: str) -> dict[str, Config]:
