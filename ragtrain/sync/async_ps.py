@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import MixerConfig
+from ragtrain.sync.config import MixerConfig
 from ragtrain.sync.base import flat_params, set_flat_params, world_size
 from ragtrain.sync.comm import STATS
 
