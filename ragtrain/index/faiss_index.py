@@ -107,13 +107,7 @@ def build_index(
                 f"index.factory={factory!r} asks for {ivf.nlist} IVF lists but the corpus has only {x.shape[0]} "
                 "vectors: use fewer lists (faiss recommends >= 39 training vectors per list)"
             )
-        if ivf is not None:
-            ivf.cp.seed = seed  # k-means initialisation is random: make it reproducible
-        inner = faiss.downcast_index(ivf if ivf is not None else index)
-        if hasattr(inner, "do_polysemous_training"):
-            inner.do_polysemous_training = False  # ~13 CPU-s per build for a search mode we never use
-        if hasattr(inner, "pq"):
-            inner.pq.cp.seed = seed
+        seed_training(index, seed)
         try:
             index.train(x)
         except RuntimeError as e:
@@ -134,6 +128,18 @@ def build_index(
         build_seconds=time.perf_counter() - start,
     )
     return DenseIndex(index, list(doc_ids), meta)
+
+
+def seed_training(index, seed: int) -> None:
+    """Make an untrained index's training reproducible: seeded k-means (IVF) and PQ; no polysemous training."""
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        ivf.cp.seed = seed  # k-means initialisation is random: make it reproducible
+    inner = faiss.downcast_index(ivf if ivf is not None else index)
+    if hasattr(inner, "do_polysemous_training"):
+        inner.do_polysemous_training = False  # ~13 CPU-s per build for a search mode we never use
+    if hasattr(inner, "pq"):
+        inner.pq.cp.seed = seed
 
 
 def build_configured(vectors: np.ndarray, doc_ids: Sequence[str], idx: "IndexConfig", corpus_fingerprint: str,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import faiss
 import numpy as np
 
-from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta
+from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, seed_training
 
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig
@@ -115,14 +115,7 @@ def build_from_shards(
     index = _make(factory, shards.dim)
     sampled = 0
     if not index.is_trained:
-        ivf = faiss.try_extract_index_ivf(index)
-        if ivf is not None:
-            ivf.cp.seed = seed  # k-means initialisation is random: make it reproducible
-        inner = faiss.downcast_index(ivf if ivf is not None else index)
-        if hasattr(inner, "do_polysemous_training"):
-            inner.do_polysemous_training = False  # ~13 CPU-s per build for a search mode we never use
-        if hasattr(inner, "pq"):
-            inner.pq.cp.seed = seed
+        seed_training(index, seed)
         sampled = min(shards.rows, train_size or training_points(factory, shards.dim))
         try:
             index.train(_sample(shards, sampled, seed))
