@@ -417,11 +417,6 @@ class Config:
         _check(not self.index.align_anchors or self.sync.strategy != "vector_avg", "index.align_anchors",
                "does not apply to sync=vector_avg (its index holds consensus vectors, no single trained encoder): "
                "set it to 0", self.index.align_anchors)
-        # The live-refresh pool and distillation tokenise without a query/passage role yet: refuse, don't skip them
-        prefixed = bool(self.retriever.query_prefix or self.retriever.passage_prefix)
-        _check(not (prefixed and (self.refresh.enabled or self.index.distill_steps)), "retriever.query_prefix",
-               "(or passage_prefix) is not supported with refresh.enabled or index.distill_steps yet: set both "
-               "prefixes to ''", self.retriever.query_prefix)
         _check(not self.index.distill_steps or vector_avg, "index.distill_steps",
                "needs sync=vector_avg (the student learns the replicas' consensus vectors)", self.index.distill_steps)
 

@@ -70,11 +70,8 @@ def passage_texts(cfg: Config, out: Path) -> dict[str, Any]:
 
 def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dict[str, Any]]]:
     """Top-k hits for `question` from the run in `out`: [{rank, score, id, title, text}]."""
-    import numpy as np
-
+    from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.index.faiss_index import IndexMismatchError, load_index
-    from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
-    from ragtrain.sync.vector_avg import consensus_vectors
 
     out = Path(out)
     if not (out / "index" / "index_meta.json").exists():
@@ -85,17 +82,11 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
         index = load_index(out / "index")
     except (FileNotFoundError, IndexMismatchError) as e:
         raise SearchError(str(e)) from None
-    r = cfg.retriever
-    tokenizer, per_snapshot = load_tokenizer(r), []
-    for weights in encoder_weights(cfg, index.meta.encoder, out):
-        model = build_encoder(r)
-        model.load_state_dict(weights, strict=True)
-        vec = encode_texts(model, tokenizer, [question], r.query_max_length, role="query")
-        per_snapshot.append(vec.numpy())
     # vector_avg: the index holds the replicas' re-normalised mean vectors, and queries are averaged the same way
-    qv = consensus_vectors(per_snapshot) if len(per_snapshot) > 1 else per_snapshot[0]
+    snapshots = encoder_weights(cfg, index.meta.encoder, out)
+    qv = QueryEncoder(cfg.retriever, snapshots, precision=cfg.index.precision.value).encode([question], role="query")
     index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
-    scores, rows = index.search(np.ascontiguousarray(qv, dtype=np.float32), min(k, len(index.doc_ids)))
+    scores, rows = index.search(qv, k)
     passages = passage_texts(cfg, out)
     hits = []
     for rank, (score, row) in enumerate(zip(scores[0], rows[0]), start=1):

@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ragtrain.compare import compare_runs, main, sync_label
-from ragtrain.config import Config, LoggerConfig, sync_preset, to_flat_dict
+from ragtrain.config import Config, LoggerConfig, SyncConfig, sync_preset, to_flat_dict
 from ragtrain.track.mlflow import RunLogger
 
 RUNS = {  # name -> (sync config, final metrics, loss curve)

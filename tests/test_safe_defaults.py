@@ -83,8 +83,8 @@ def test_the_encode_path_prefixes_queries_and_passages(ray_session) -> None:
     import numpy as np
     import torch
 
-    from ragtrain.config import IndexConfig, RetrieverConfig
-    from ragtrain.corpus.encode import EncodeBatch, LocalEncoder
+    from ragtrain.config import RetrieverConfig
+    from ragtrain.corpus.encode import EncodeBatch, QueryEncoder
     from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
 
     r = RetrieverConfig(model="tiny", query_prefix="query: ", passage_prefix="passage: ")
@@ -97,7 +97,7 @@ def test_the_encode_path_prefixes_queries_and_passages(ray_session) -> None:
         return encode_texts(model, plain, texts, 32).numpy()
 
     text = "the mill on the river Tessin"
-    q = LocalEncoder(r, weights, IndexConfig()).encode([text], 32)
+    q = QueryEncoder(r, [weights]).encode([text], 32, role="query")
     np.testing.assert_allclose(q, by_hand([f"query: {text}"]), atol=1e-5)
     table = EncodeBatch(r, weights, 32)({"id": np.array(["d1"]), "text": np.array([text])})
     p = np.asarray(table.column("vector").to_pylist(), dtype=np.float32)
@@ -105,12 +105,13 @@ def test_the_encode_path_prefixes_queries_and_passages(ray_session) -> None:
     assert not np.allclose(p, by_hand([text]), atol=1e-3)  # the prefix changes the vector
 
 
-def test_prefixes_with_live_refresh_are_a_config_error() -> None:
-    from ragtrain.config import ConfigError, to_typed
+def test_prefixes_compose_with_live_refresh_and_distillation() -> None:
+    """Both tokenise by role now (the pool: tests/index/test_pool.py; distill: tests/repair/test_distill.py)."""
+    from ragtrain.config import to_typed
 
-    with pytest.raises(ConfigError, match="retriever.query_prefix"):
-        to_typed(compose(["retriever=tiny", "retriever.query_prefix='query: '", "refresh.enabled=true", "output_dir=x",
-                          "refresh.every_steps=2"]))
+    cfg = to_typed(compose(["retriever=tiny", "retriever.query_prefix='query: '", "refresh.enabled=true",
+                            "output_dir=x", "refresh.every_steps=2"]))
+    assert cfg.retriever.query_prefix == "query: " and cfg.refresh.enabled
 
 
 @pytest.mark.parametrize("extra", [["logger=none"], ["export=false"]])

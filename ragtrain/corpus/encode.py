@@ -94,7 +94,9 @@ class EncodeBatch:
             weights = weights[0]  # [ObjectRef]: wrapped so nothing on the way resolves it early
         if isinstance(weights, ray.ObjectRef):
             weights = ray.get(weights)  # each actor fetches the snapshot once from the object store
-        self.device = torch.device("cuda" if torch.cuda.is_available() and ray.get_gpu_ids() else "cpu")
+        # A GPU only where Ray assigned one (an actor with num_gpus); in-process use (the search CLI) stays on CPU
+        gpu = torch.cuda.is_available() and ray.is_initialized() and ray.get_gpu_ids()
+        self.device = torch.device("cuda" if gpu else "cpu")
         self.model = build_encoder(retriever)
         self.model.load_state_dict(weights, strict=True)
         self.model.to(self.device).eval()
@@ -140,15 +142,48 @@ class EncodeBatch:
 
 
 class LocalEncoder:
-    """`EncodeBatch` in this process, for a few texts (search queries): the same encode function as the corpus."""
+    """`EncodeBatch` in this process, for a few texts: the same encode function as the corpus actors."""
 
-    def __init__(self, retriever: RetrieverConfig, weights: dict, index: IndexConfig):
-        self._enc = EncodeBatch(retriever, weights, retriever.passage_max_length, index.batch_size,
-                                Precision(index.precision).value)
+    def __init__(self, retriever: RetrieverConfig, weights: dict, batch_size: int = 64, precision: str = "fp32"):
+        self._enc = EncodeBatch(retriever, weights, retriever.passage_max_length, batch_size, Precision(precision).value)
+
+    @property
+    def dim(self) -> int:
+        return int(self._enc.model.dim)
 
     def encode(self, texts: Sequence[str], max_length: int, role: str = "query") -> np.ndarray:
         self._enc.max_length, self._enc.role = int(max_length), role
         return self._enc.encode(texts)
+
+
+class QueryEncoder:
+    """The encoder side of a search: texts -> vectors the way an index's passages were encoded.
+
+    One snapshot: its vectors. Several (sync=vector_avg: one per replica): the re-normalised mean of the
+    replicas' unit vectors, as the consensus index holds. Every search in ragtrain encodes through this class
+    (pipeline evaluation and mining, the generator's retrieval, `python -m ragtrain.search`).
+    """
+
+    def __init__(self, retriever: RetrieverConfig, snapshots: Sequence[dict], batch_size: int = 64,
+                 precision: str = "fp32"):
+        if not snapshots:
+            raise ValueError("QueryEncoder needs at least one encoder snapshot")
+        self.retriever = retriever
+        self.encoders = [LocalEncoder(retriever, w, batch_size, precision) for w in snapshots]
+
+    @property
+    def dim(self) -> int:
+        return self.encoders[0].dim
+
+    def encode(self, texts: Sequence[str], max_length: Optional[int] = None, role: str = "query") -> np.ndarray:
+        """[len(texts), dim] float32 unit vectors; max_length defaults to the role's configured length."""
+        from ragtrain.sync.vector_avg import consensus_vectors
+
+        if max_length is None:
+            r = self.retriever
+            max_length = r.query_max_length if role == "query" else r.passage_max_length
+        vecs = [e.encode(texts, max_length, role) for e in self.encoders]
+        return consensus_vectors(vecs)
 
 
 @dataclass

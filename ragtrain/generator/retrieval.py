@@ -47,43 +47,30 @@ class IndexPayload:
 
 
 class Searcher:
-    """In-process retrieval: encode questions with the snapshot(s), search the index, return doc ids."""
+    """In-process retrieval: the one query encoder (`QueryEncoder`) and the one index search (`DenseIndex`)."""
 
     def __init__(self, payload: IndexPayload, num_threads: int = 0):
         import faiss
 
-        from ragtrain.index.faiss_index import set_search_params
-        from ragtrain.retriever.encoder import build_encoder, load_tokenizer
+        from ragtrain.corpus.encode import QueryEncoder
+        from ragtrain.index.faiss_index import DenseIndex, IndexMeta
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.p = payload
-        self.index = faiss.deserialize_index(payload.index_bytes)
-        set_search_params(self.index, payload.nprobe, payload.ef_search)
-        self.models = []
-        for w in payload.weights:
-            m = build_encoder(payload.retriever)
-            m.load_state_dict(w, strict=True)
-            self.models.append(m.eval())
-        self.tokenizer = load_tokenizer(payload.retriever)
+        self.index = DenseIndex(faiss.deserialize_index(payload.index_bytes), payload.doc_ids, IndexMeta(**payload.meta))
+        self.index.set_search_params(payload.nprobe, payload.ef_search)
+        self.encoder = QueryEncoder(payload.retriever, payload.weights, precision=Precision(payload.precision).value)
 
     def encode(self, texts: Sequence[str], max_length: int, role: str = "query") -> np.ndarray:
         """Vectors like the index's (mean of the snapshots' unit vectors, re-normalised, when several)."""
-        from ragtrain.retriever.encoder import encode_texts
-        from ragtrain.sync.vector_avg import consensus_vectors
-
-        return consensus_vectors([
-            encode_texts(m, self.tokenizer, list(texts), max_length, precision=Precision(self.p.precision),
-                         role=role).numpy()
-            for m in self.models])
+        return self.encoder.encode(texts, max_length, role)
 
     def search(self, questions: Sequence[str], k: int) -> list[list[str]]:
         """Top-k doc ids for each question."""
         if not questions:
             return []
-        q = self.encode(questions, self.p.retriever.query_max_length)
-        _, rows = self.index.search(np.ascontiguousarray(q, dtype=np.float32), min(k, self.index.ntotal))
-        return [[self.p.doc_ids[r] for r in row if r >= 0] for row in rows]
+        return self.index.search_ids(self.encode(questions, self.p.retriever.query_max_length), k)
 
 
 @ray.remote
@@ -198,8 +185,8 @@ def check_encoder(payload: IndexPayload, passages: Sequence[str], index, n: int,
     from ragtrain.index.faiss_index import IndexMismatchError
 
     searcher = Searcher(payload)
-    if searcher.models[0].dim != index.meta.dim:
-        raise IndexMismatchError(f"the retriever encoder gives {searcher.models[0].dim}-dim vectors but the index "
+    if searcher.encoder.dim != index.meta.dim:
+        raise IndexMismatchError(f"the retriever encoder gives {searcher.encoder.dim}-dim vectors but the index "
                                  f"holds {index.meta.dim}-dim ones (built by {index.meta.encoder!r})")
     n = min(n, len(passages))
     if n == 0:

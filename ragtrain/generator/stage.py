@@ -1,6 +1,6 @@
 """The generator stage: index + encoder checks -> retrieval service -> fit_generator -> EM/F1 in three modes.
 
-Entry point for the pipeline: `run_generator_stage(cfg, data, retrieval, index, out_dir, logger)`. Call
+Entry point for the pipeline: `run_generator_stage(cfg, data, retrieval, built, out_dir, logger)`. Call
 `preflight(cfg, data)` right after loading the data so bad input fails before any (retriever) training.
 """
 
@@ -52,7 +52,7 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Optional[Path] = None) 
     build_gen_data(cfg, data)
     check_model(cfg)
     if "index" not in cfg.stages:  # no index will be built by this run: the configured one must exist and fit
-        resolve_index(cfg, data, None, None, out_dir or Path(cfg.output_dir))
+        resolve_index(cfg, data, None, out_dir or Path(cfg.output_dir))
 
 
 def check_model(cfg: Config) -> None:
@@ -71,17 +71,17 @@ def check_model(cfg: Config) -> None:
                           ) from None
 
 
-def resolve_index(cfg: Config, data: RetrievalData, retrieval: Any, index: Any, out_dir: Path):
+def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path):
     """The index to retrieve from and the encoder snapshot(s) that built it, checked against each other.
 
-    `index` given (built by this run): the question encoder is `retrieval.snapshots`. Otherwise the index is
-    loaded from generator.retrieval.index_dir (default <out_dir>/index) and its metadata names the encoder.
+    `built` given (this run's `BuiltIndex`): its index and snapshots. Otherwise the index is loaded from
+    generator.retrieval.index_dir (default <out_dir>/index) and its metadata names the encoder.
     Returns an IndexPayload; raises FileNotFoundError / IndexMismatchError with the reason.
     """
     from ragtrain.generator.retrieval import IndexPayload, check_encoder, load_snapshots
     from ragtrain.index.faiss_index import IndexMismatchError, load_index
 
-    if index is None:
+    if built is None:
         folder = Path(cfg.generator.retrieval.index_dir or out_dir / "index")
         if not (folder / "index_meta.json").exists():
             raise FileNotFoundError(
@@ -91,11 +91,9 @@ def resolve_index(cfg: Config, data: RetrievalData, retrieval: Any, index: Any, 
         index = load_index(folder, expect_corpus=data.fingerprint())
         weights = load_snapshots(cfg, index.meta.encoder, out_dir)
     else:
+        index, weights = built.index, built.snapshots
         if index.meta.corpus_fingerprint != data.fingerprint():
             raise IndexMismatchError("the index was built from a different corpus than the loaded data")
-        if retrieval is None or not retrieval.snapshots:
-            raise ValueError("run_generator_stage got an index but no Retrieval holding the encoder that built it")
-        weights = [w for _, w in retrieval.snapshots]
     payload = IndexPayload.from_index(index, cfg, weights)
     # Dims always; then re-encode a few passages: a wrong encoder fails here, not as a silently poor RAG score.
     n = cfg.generator.retrieval.encoder_check
@@ -125,7 +123,7 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
     return tabulate(rows, headers=["metric"] + [m.removeprefix("gen_") for m in modes], floatfmt=".4f")
 
 
-def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, index: Any, out_dir: Path,
+def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, built: Any, out_dir: Path,
                         logger: Any) -> dict[str, dict[str, float]]:
     """Train + evaluate the generator; returns {"gen_closed_book": {em, f1, n}, "gen_rag": ..., "gen_oracle":
     ..., "gen_train": {steps, seconds, wall_seconds, samples_per_s, tokens_per_s, final_loss, ...}}; writes
@@ -136,7 +134,7 @@ def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, index:
     g = cfg.generator
     out_dir = Path(out_dir)
     gen_data = build_gen_data(cfg, data)  # fails fast on missing answers
-    payload = resolve_index(cfg, data, retrieval, index, out_dir)
+    payload = resolve_index(cfg, data, built, out_dir)
     check_resources(cfg)
     if retrieval is not None:
         retrieval.release()  # the encoder pool's CPUs go to the trainer

@@ -68,6 +68,11 @@ class DenseIndex:
             raise ValueError(f"search needs k >= 1 and a non-empty index (k={k}, ntotal={self.index.ntotal})")
         return self.index.search(q, min(k, self.index.ntotal))
 
+    def search_ids(self, queries: np.ndarray, k: int) -> list[list[str]]:
+        """Top-k doc ids per query row (FAISS's -1 padding dropped): `search` with the rows named."""
+        _, rows = self.search(queries, k)
+        return [[self.doc_ids[r] for r in row if r >= 0] for row in rows]
+
     def save(self, folder: str | Path) -> Path:
         """Write index.faiss, doc_ids.txt and index_meta.json into `folder`."""
         folder = Path(folder)

@@ -41,16 +41,18 @@ class EncoderActor:
         self.version = version
 
     def encode(
-        self, shard_id: int, texts: Sequence[str], max_length: int, batch_size: int, precision: str, die: bool = False
+        self, shard_id: int, texts: Sequence[str], max_length: int, batch_size: int, precision: str, die: bool = False,
+        role: str = "passage",
     ) -> tuple[int, Any, np.ndarray]:
-        """Embed one shard (length-sorted batches inside); returns (shard id, weights version, [n, dim] fp32)."""
+        """Embed one shard (length-sorted batches inside; `role` picks the configured query / passage prefix);
+        returns (shard id, weights version, [n, dim] fp32)."""
         from ragtrain.retriever.encoder import encode_texts
 
         if die:  # fault.kill_pool_actor_at_shard: the process dies as in a crash (no cleanup, no exception)
             import os
 
             os._exit(1)
-        vecs = encode_texts(self.model, self.tokenizer, texts, max_length, batch_size, Precision(precision))
+        vecs = encode_texts(self.model, self.tokenizer, texts, max_length, batch_size, Precision(precision), role=role)
         return shard_id, self.version, vecs.numpy()
 
     def node_id(self) -> str:
@@ -136,9 +138,11 @@ class EncoderPool:
         self._version = None
 
     def encode(
-        self, texts: Sequence[str], max_length: int, index: IndexConfig, progress: bool = True, desc: str = "encode"
+        self, texts: Sequence[str], max_length: int, index: IndexConfig, progress: bool = True, desc: str = "encode",
+        role: str = "passage",
     ) -> tuple[np.ndarray, dict]:
-        """Embed all texts (truncated to max_length) with the current snapshot: ([N, dim] fp32 in input order, stats)."""
+        """Embed all texts (truncated to max_length; `role`: "passage" or "query", for retriever.*_prefix) with the
+        current snapshot: ([N, dim] fp32 in input order, stats)."""
         from tqdm import tqdm
 
         if not self.actors:
@@ -161,7 +165,7 @@ class EncoderPool:
                 die = sid == self.fault_shard
                 self.fault_shard = -1 if die else self.fault_shard
                 ref = actor.encode.remote(sid, [texts[i] for i in shards[sid]], max_length, index.batch_size,
-                                          Precision(index.precision).value, die)
+                                          Precision(index.precision).value, die, role)
                 running[ref] = (sid, actor)
             [ref], _ = ray.wait(list(running), num_returns=1)
             sid, actor = running.pop(ref)

@@ -171,11 +171,11 @@ class IndexService:
             self.pool.set_weights(("refresh", version, step), weights_ref)
             r, idx = self.cfg.retriever, self.cfg.index
             if vectors is None:
-                vectors, _ = self.pool.encode(self.passages, r.passage_max_length, idx, progress=False)
+                vectors, _ = self.pool.encode(self.passages, r.passage_max_length, idx, progress=False, role="passage")
             index = build_configured(vectors, self.doc_ids, idx, self.fingerprint, f"{r.model}@step{step}", step,
                                      self.cfg.seed)
             index.meta.version = version
-            qvecs, _ = self.pool.encode(self.train_queries, r.query_max_length, idx, progress=False)
+            qvecs, _ = self.pool.encode(self.train_queries, r.query_max_length, idx, progress=False, role="query")
             t = r.train
             negatives = mine(index, qvecs, self.train_gold, t.hard_negative_depth, t.hard_negative_skip_top,
                              t.hard_negative_margin, t.hard_negative_max_score, vectors)

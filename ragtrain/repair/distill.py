@@ -67,8 +67,10 @@ def distill(
     batch_size: int = 32,
     lr: float = 1e-3,
     seed: int = 0,
+    roles: Optional[Sequence[str]] = None,
 ) -> tuple[Projection, list[float]]:
-    """Fit `student` to the reference vectors of `texts`; returns the projection used and the loss curve."""
+    """Fit `student` to the reference vectors of `texts`; returns the projection used and the loss curve.
+    `roles` ("query" / "passage" per text) applies retriever.query_prefix / passage_prefix as encoding does."""
     proj = fit_projection(reference, student.dim)
     target = torch.from_numpy(proj(reference)).float()
     opt = torch.optim.AdamW(student.parameters(), lr=lr)
@@ -77,8 +79,14 @@ def distill(
     student.train()
     for _ in range(steps):
         idx = rng.choice(len(texts), size=min(batch_size, len(texts)), replace=False)
-        batch = tokenize(tokenizer, [texts[i] for i in idx], max_length)
-        loss = (student(**batch) - target[idx]).pow(2).sum(-1).mean()
+        # one tokenize call per role, so each text gets its own prefix; rows are then in `order` of idx
+        groups = {}
+        for i in idx:
+            groups.setdefault(roles[i] if roles is not None else None, []).append(int(i))
+        order = [i for g in groups.values() for i in g]
+        out = torch.cat([student(**tokenize(tokenizer, [texts[i] for i in g], max_length, role))
+                         for role, g in groups.items()])
+        loss = (out - target[order]).pow(2).sum(-1).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -87,33 +95,36 @@ def distill(
     return proj, losses
 
 
-def distill_consensus(retrieval: Any, mean_weights: dict[str, torch.Tensor], step: int) -> tuple[Any, dict[str, float]]:
-    """Pipeline phase `distilled` (sync=vector_avg, index.distill_steps > 0): call right after the consensus build.
+def distill_consensus(retrieval: Any, consensus: Any, mean_weights: dict[str, torch.Tensor],
+                      step: int) -> tuple[Any, dict[str, float]]:
+    """Pipeline phase `distilled` (sync=vector_avg, index.distill_steps > 0), from the consensus build `consensus`.
 
-    The reference is the consensus: the re-normalised mean of every replica's vectors, for the corpus (the index
-    just built) and the training queries. One student, initialised from the replicas' parameter mean, learns it on
-    the driver; the pool then indexes the corpus with the student alone and the split is evaluated with it.
-    Returns (the student's index, its metrics incl. drift_vs_consensus: mean 1 - cos of its corpus vectors to the
-    consensus vectors)."""
+    The reference is the consensus: the re-normalised mean of every replica's vectors, for the corpus (the
+    consensus index's vectors) and the training queries. One student, initialised from the replicas' parameter
+    mean, learns it on the driver; the corpus is then indexed with the student alone and the split evaluated
+    with it. Returns (the student's BuiltIndex, its metrics incl. drift_vs_consensus: mean 1 - cos of its corpus
+    vectors to the consensus vectors)."""
     from ragtrain.repair.align import embedding_drift
     from ragtrain.retriever.encoder import build_encoder, load_tokenizer
 
     cfg = retrieval.cfg
     idx, r = cfg.index, cfg.retriever
-    consensus = retrieval.vectors  # the corpus under every replica (set by the vector_avg build)
-    queries = [retrieval.data.queries[q] for q in sorted(retrieval.data.train_qrels)]
-    qvecs = retrieval.encode(queries, r.query_max_length, progress=False)[0] if queries else consensus[:0]
-    texts = list(retrieval.passages) + queries
-    reference = np.concatenate([consensus, qvecs]).astype(np.float32)
+    corpus_vecs = consensus.vectors()
+    qids = sorted(retrieval.data.train_qrels)
+    qvecs = retrieval.encode_queries(consensus, qids) if qids else corpus_vecs[:0]
+    passages = retrieval.passages()
+    texts = passages + [retrieval.data.queries[q] for q in qids]
+    roles = ["passage"] * len(passages) + ["query"] * len(qids)
+    reference = np.concatenate([corpus_vecs, qvecs]).astype(np.float32)
 
     encoder = build_encoder(r)
     encoder.load_state_dict(mean_weights)
     student = StudentEncoder(encoder)
     torch.manual_seed(cfg.seed)
     _, losses = distill(student, load_tokenizer(r), texts, reference, r.passage_max_length, steps=idx.distill_steps,
-                        batch_size=idx.distill_batch_size, lr=idx.distill_lr, seed=cfg.seed)
+                        batch_size=idx.distill_batch_size, lr=idx.distill_lr, seed=cfg.seed, roles=roles)
     weights = {k: v.detach().clone() for k, v in student.encoder.state_dict().items()}
-    index, metrics = retrieval.build_and_evaluate("distilled", [weights], f"{r.model}@distilled", step)
-    return index, {**metrics, "drift_vs_consensus": embedding_drift(retrieval.vectors, consensus),
+    built, metrics = retrieval.build_and_evaluate("distilled", [weights], f"{r.model}@distilled", step)
+    return built, {**metrics, "drift_vs_consensus": embedding_drift(built.vectors(), corpus_vecs),
                    "loss_first": float(np.mean(losses[:10])), "loss_last": float(np.mean(losses[-10:])),
                    "steps": float(idx.distill_steps), "texts": float(len(texts))}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
-from ragtrain.corpus.encode import EncodeFault, LocalEncoder, ShardSet, encode_to_shards
+from ragtrain.corpus.encode import EncodeFault, QueryEncoder, ShardSet, encode_to_shards
 
 MAX_LENGTH = 32
 CFG = RetrieverConfig(model="tiny")
@@ -32,7 +32,7 @@ def weights() -> dict[str, torch.Tensor]:
 
 
 def _local(weights, texts: list[str], index: IndexConfig) -> np.ndarray:
-    return LocalEncoder(CFG, weights, index).encode(texts, MAX_LENGTH)
+    return QueryEncoder(CFG, [weights], index.batch_size, index.precision.value).encode(texts, MAX_LENGTH, "passage")
 
 
 def test_shards_hold_every_passage_once_equal_to_in_process_encoding(ray_session, tmp_path, weights) -> None:
@@ -87,7 +87,8 @@ def test_empty_dataset_is_refused(ray_session, tmp_path, weights) -> None:
 def test_pipeline_refuses_a_bad_index_before_encoding(tmp_path, factory, match) -> None:
     """Retrieval.build checks the factory against the encoder's dim and the corpus size before any encode."""
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import Retrieval, load_data
+    from ragtrain.index.retrieval import Retrieval
+    from ragtrain.pipeline import load_data
     from tests.conftest import compose, tiny_overrides
 
     cfg = to_typed(compose(tiny_overrides(tmp_path) + [f"index.factory='{factory}'"]))

@@ -52,28 +52,29 @@ def _chunked_data() -> RetrievalData:
 
 def test_pipeline_evaluate_uses_maxp_and_retrieves_deeper(tmp_path) -> None:
     from ragtrain.config import Config
-    from ragtrain.pipeline import Retrieval
+    from ragtrain.index.retrieval import Retrieval
 
     cfg = Config(output_dir=str(tmp_path))
     cfg.index.top_k = 3  # 3 documents: all of them; 3 x 10 passages capped at the 5 there are
     r = Retrieval(cfg, _chunked_data())
     asked = []
 
-    def search(index, qids, k):
+    def search(built, qids, k):
         asked.append(k)
         return {q: _passage_run()[q][:k] for q in qids}
 
     r.search = search
-    m = r.evaluate(index=None)
+    m = r.evaluate(None)
     assert asked == [5]  # top_k x MAXP_DEPTH_FACTOR, capped at the number of passages
     assert m["ndcg@10"] == pytest.approx((NDCG["q1"] + NDCG["q2"]) / 2, abs=1e-12)
 
 
 def test_hard_negatives_never_pick_a_chunk_of_a_gold_document(tmp_path) -> None:
     from ragtrain.config import Config
-    from ragtrain.pipeline import Retrieval
+    from ragtrain.index.retrieval import Retrieval
 
     from ragtrain.index.faiss_index import build_configured
+    from ragtrain.index.retrieval import BuiltIndex
 
     cfg = Config(output_dir=str(tmp_path))
     cfg.retriever.train.hard_negatives, cfg.retriever.train.hard_negative_depth = 1, 5
@@ -81,8 +82,8 @@ def test_hard_negatives_never_pick_a_chunk_of_a_gold_document(tmp_path) -> None:
     # A real Flat index whose inner products are exactly SCORES: one-hot passage vectors, query vectors = scores.
     index = build_configured(np.eye(len(CHUNKS), dtype=np.float32), CHUNKS, cfg.index, "fp", "one-hot", 0, 0)
     queries = np.array([SCORES[q] for q in sorted(QRELS)], dtype=np.float32)
-    r.encode = lambda texts, max_length, desc="", progress=True: (queries[: len(texts)], {})  # the query encoder
-    negs = r.mine_negatives(index)
+    r.encode_queries = lambda built, qids: queries[: len(qids)]  # the query encoder
+    negs = r.mine_negatives(BuiltIndex("one-hot", index, [], list(CHUNKS), {}))
     pos = {p: i for i, p in enumerate(CHUNKS)}
     assert negs["q1"] == [pos["d2#1"], pos["d3#0"], pos["d2#0"]]  # neither d1#0 nor d1#1
     assert negs["q2"] == [pos["d1#0"], pos["d1#1"]]  # no chunk of d2 or d3

@@ -31,7 +31,8 @@ def _cfg(tmp: Path, *extra: str):
 @pytest.fixture(scope="module")
 def built(ray_session, tmp_path_factory):
     """A tiny-retriever index of the 24-entity KB, saved to <out>/index like the pipeline does."""
-    from ragtrain.pipeline import Retrieval, load_data
+    from ragtrain.index.retrieval import Retrieval
+    from ragtrain.pipeline import load_data
     from ragtrain.retriever.encoder import build_encoder
 
     tmp = tmp_path_factory.mktemp("gen")
@@ -40,9 +41,9 @@ def built(ray_session, tmp_path_factory):
     torch.manual_seed(cfg.seed)
     weights = {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
     retrieval = Retrieval(cfg, data)
-    index, _ = retrieval.build("zeroshot", [weights], f"{cfg.retriever.model}@init", 0)
+    index = retrieval.build("zeroshot", [weights], f"{cfg.retriever.model}@init", 0)  # a BuiltIndex
     out = Path(cfg.output_dir)
-    index.save(out / "index")
+    index.index.save(out / "index")
     return tmp, cfg, data, retrieval, index
 
 
@@ -124,7 +125,7 @@ def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -
     tmp, cfg2, data, retrieval, index = built
     cfg1 = _cfg(tmp / "one", "resources.trainer.num_workers=1", "generator.train.batch_size=8",
                 "generator.train.checkpoint_every=0", "generator.eval.modes=[]", "logger=none")
-    payload = resolve_index(cfg1, data, retrieval, index, Path(cfg1.output_dir))
+    payload = resolve_index(cfg1, data, index, Path(cfg1.output_dir))
     service = RetrievalService(payload, RetrievalMode.local)  # the other retrieval mode, same results
     fit = fit_generator(cfg1, build_gen_data(cfg1, data), service.client(), None)
     two = json.loads((Path(cfg2.output_dir) / "generator" / "loss_history.json").read_text())

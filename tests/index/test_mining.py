@@ -88,7 +88,7 @@ def test_positive_score_comes_from_the_vectors_even_when_gold_is_not_retrieved()
 
 
 def test_static_mining_in_the_pipeline_applies_the_filters_in_corpus_positions() -> None:
-    from ragtrain.pipeline import Retrieval
+    from ragtrain.index.retrieval import BuiltIndex, Retrieval
 
     q, vecs, s = _vectors()
     r = object.__new__(Retrieval)
@@ -96,16 +96,17 @@ def test_static_mining_in_the_pipeline_applies_the_filters_in_corpus_positions()
     r.cfg = types.SimpleNamespace(retriever=types.SimpleNamespace(
         query_max_length=8, train=RetrieverTrainConfig(hard_negative_depth=5, hard_negative_margin=0.05)))
     r.data = types.SimpleNamespace(queries={"q0": "question"})
-    r.doc_ids, r.shards, r._vectors = corpus, None, vecs
+    r.doc_ids = corpus
     r.train_qrels = {"q0": {"d4": 1}}
-    r.encode = lambda texts, max_length, progress=False: (q, {})
+    r.encode_queries = lambda built, qids: q
     # the index holds the corpus in another row order (shards): rows are mapped back to corpus positions
     order = [3, 0, 4, 1, 2]
     by_score = sorted(range(5), key=lambda i: -s[order[i]])
     index = _FakeIndex([[s[order[i]] for i in by_score]], [by_score], [corpus[i] for i in order])
-    assert r.mine_negatives(index) == {"q0": [3]}
+    built = BuiltIndex("fake", index, [], corpus, {}, consensus=vecs)  # vectors() in corpus order
+    assert r.mine_negatives(built) == {"q0": [3]}
     r.cfg.retriever.train = RetrieverTrainConfig(hard_negative_depth=5, hard_negative_max_score=0.9)
-    assert r.mine_negatives(index) == {"q0": [2, 3]}
+    assert r.mine_negatives(built) == {"q0": [2, 3]}
 
 
 def _data(negatives: list[int]) -> TrainData:

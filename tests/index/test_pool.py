@@ -133,6 +133,25 @@ def test_bf16_close_to_fp32(pool, texts) -> None:
     assert cos.min() >= 0.99, f"min cosine bf16 vs fp32 {cos.min():.4f}"
 
 
+def test_pool_encodes_queries_and_passages_with_their_prefixes(ray_session, weights, texts) -> None:
+    """The live-refresh pool and the in-process QueryEncoder (the Ray Data actors' class) agree role by role."""
+    from ragtrain.corpus.encode import QueryEncoder
+
+    cfg = RetrieverConfig(model="tiny", query_prefix="query: ", passage_prefix="passage: ")
+    index = IndexConfig(shard_size=SHARD, batch_size=8)
+    p = EncoderPool(cfg, PoolResources(num_actors=1, cpus_per_actor=0.5))
+    try:
+        p.set_weights(1, ray_session.put(weights))
+        q, _ = p.encode(texts[:20], MAX_LENGTH, index, progress=False, role="query")
+        d, _ = p.encode(texts[:20], MAX_LENGTH, index, progress=False, role="passage")
+    finally:
+        p.shutdown()
+    enc = QueryEncoder(cfg, [weights], batch_size=8)
+    np.testing.assert_allclose(q, enc.encode(texts[:20], MAX_LENGTH, role="query"), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(d, enc.encode(texts[:20], MAX_LENGTH, role="passage"), rtol=0, atol=1e-5)
+    assert np.abs(q - d).max() > 1e-3  # the two prefixes really reached the encoder
+
+
 def test_encode_before_set_weights_raises(ray_session) -> None:
     # encode must refuse to run without a snapshot before touching any actor.
     p = EncoderPool(CFG, PoolResources(num_actors=1, cpus_per_actor=0.5))

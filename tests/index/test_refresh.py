@@ -143,14 +143,14 @@ def test_refresh_needs_a_schedule(tmp_path) -> None:
 
 
 def _service(cfg, data):
-    from ragtrain.pipeline import Retrieval
+    from ragtrain.index.retrieval import Retrieval
     from ragtrain.retriever.encoder import build_encoder
 
     torch.manual_seed(0)
     weights = build_encoder(cfg.retriever).state_dict()
     retrieval = Retrieval(cfg, data)
-    retrieval.build("zeroshot", [weights], "tiny@init", 0)
-    service, probe = retrieval.start_service(weights)
+    built = retrieval.build("zeroshot", [weights], "tiny@init", 0)
+    service, probe = retrieval.start_service(built, weights)
     return retrieval, service, probe, weights
 
 

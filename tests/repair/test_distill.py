@@ -37,3 +37,25 @@ def test_student_reproduces_reference(out_dim) -> None:
     assert student.dim == (out_dim or 32)
     assert np.mean(losses[-10:]) < 0.25 * np.mean(losses[:10])
     assert after < 0.25 * before and after < 0.05
+
+
+def test_distill_gives_queries_and_passages_their_prefixes() -> None:
+    """With retriever.*_prefix set, each text is tokenised under its own role (none given: a clear error)."""
+    from ragtrain.retriever.encoder import tokenize
+
+    cfg = RetrieverConfig(model="tiny", query_prefix="query: ", passage_prefix="passage: ",
+                          tiny=TinyEncoderConfig(hidden_size=32, num_layers=1, num_heads=2))
+    tok = load_tokenizer(cfg)
+    texts, roles = ["a passage about mills", "which mill?"], ["passage", "query"]
+    torch.manual_seed(0)
+    reference = build_encoder(cfg).eval()
+    with torch.no_grad():  # the reference vectors of each text as encoding makes them: prefix by role
+        ref = torch.cat([reference(**tokenize(tok, [t], 32, r)) for t, r in zip(texts, roles)]).numpy()
+    with pytest.raises(ValueError, match="role"):
+        distill(StudentEncoder(copy.deepcopy(reference)), tok, texts, ref, 32, steps=1)
+    student = StudentEncoder(copy.deepcopy(reference))
+    _, losses = distill(student, tok, texts, ref, 32, steps=1, lr=0.0, roles=roles)
+    assert losses[0] < 1e-10  # the student is the reference: zero loss only when every text got its own prefix
+    _, swapped = distill(StudentEncoder(copy.deepcopy(reference)), tok, texts, ref, 32, steps=1, lr=0.0,
+                         roles=roles[::-1])
+    assert swapped[0] > 1e-4

@@ -1,0 +1,233 @@
+"""Retrieval over the configured corpus: build an index on Ray Data, search it, evaluate it, mine negatives from it.
+
+`Retrieval.build` returns a `BuiltIndex` (the FAISS index, the encoder snapshot(s) that built it and where its
+vectors are); everything after takes that value, so no caller saves and restores state around a call. Every search
+encodes its queries with `QueryEncoder` (the corpus actors' own class, `ragtrain/corpus/encode.py`) and searches
+through `DenseIndex.search` (dimension and metric checks); hard negatives come from the one rule in `mining.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ragtrain.config import Config
+from ragtrain.corpus.dataset import passage_qrels
+from ragtrain.data import RetrievalData
+from ragtrain.eval.retrieval import evaluate, maxp_run, run_from_scores
+
+# Chunked corpora: retrieve this many passages per wanted document, so MaxP still leaves index.top_k documents
+MAXP_DEPTH_FACTOR = 10
+
+
+@dataclass
+class BuiltIndex:
+    """One index build: the FAISS index, the encoder snapshot(s) behind it, and its vectors' whereabouts."""
+
+    tag: str
+    index: Any  # DenseIndex
+    snapshots: list[dict[str, torch.Tensor]]
+    corpus_ids: list[str]  # corpus order (vectors() rows)
+    stats: dict
+    shards: Any = None  # ShardSet: one snapshot's vectors on disk
+    consensus: Optional[np.ndarray] = None  # several snapshots (vector_avg): the mean vectors, corpus order
+    _vectors: Optional[np.ndarray] = field(default=None, repr=False)
+    _encoder: Any = field(default=None, repr=False)
+
+    def vectors(self) -> np.ndarray:
+        """The passage vectors in corpus order. Read from the shards on first use: only the live service's
+        version 0, stale-index alignment, the margin filter and distillation need the whole matrix in the driver."""
+        if self.consensus is not None:
+            return self.consensus
+        if self._vectors is None:
+            self._vectors = self.shards.read_all(order=self.corpus_ids)[1]
+        return self._vectors
+
+    def query_encoder(self, cfg: Config):
+        """The QueryEncoder of this build's snapshot(s) (loaded once)."""
+        from ragtrain.corpus.encode import QueryEncoder
+
+        if self._encoder is None:
+            self._encoder = QueryEncoder(cfg.retriever, self.snapshots, cfg.index.batch_size, cfg.index.precision.value)
+        return self._encoder
+
+
+class Retrieval:
+    """Builds indexes of the corpus on Ray Data and evaluates them on the configured split."""
+
+    def __init__(self, cfg: Config, data: RetrievalData):
+        self.cfg, self.data = cfg, data
+        self._pool = None
+        self.doc_ids = list(data.corpus)
+        self.fingerprint = data.fingerprint()
+        # Training and mining work on passages: with chunks, every chunk of a judged document carries its grade
+        self.train_qrels = passage_qrels(data.train_qrels, data.doc_of)
+
+    def passages(self) -> list[str]:
+        """Every passage's text in corpus order (the encode input and the trainer's passages)."""
+        return [p.full_text() for p in self.data.corpus.values()]
+
+    @property
+    def pool(self):
+        """The encoder actor pool of the live index service (refresh.enabled), started on first use."""
+        from ragtrain.index.pool import EncoderPool
+
+        if self._pool is None:
+            from ragtrain.cluster.resources import record_placement_group
+
+            self._pool = EncoderPool(self.cfg.retriever, self.cfg.resources.pool)
+            self._pool.fault_shard = self.cfg.fault.kill_pool_actor_at_shard  # fault injection (tests)
+            record_placement_group(self.cfg.output_dir, self._pool.placement_group)  # a stopped trial's reaper
+        return self._pool
+
+    def release(self) -> None:
+        """Stop the pool so its CPUs go back to the cluster (the trainer needs them on a small machine)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def build(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str, step: int) -> BuiltIndex:
+        """Encode the corpus on Ray Data into vector shards and build the FAISS index from them.
+
+        One snapshot: its vectors. Several (sync=vector_avg: one per replica): every replica encodes every
+        passage and the index holds the re-normalised mean vector; queries are averaged the same way.
+        """
+        import ray
+
+        from ragtrain.corpus.encode import EncodeFault, encode_to_shards, encoder_dim
+        from ragtrain.index.faiss_index import build_configured
+        from ragtrain.index.shards import build_configured_from_shards, check_index_config
+        from ragtrain.sync.vector_avg import consensus_vectors
+
+        cfg, idx = self.cfg, self.cfg.index
+        # A factory FAISS rejects, or more IVF lists than passages: fail before encoding anything
+        check_index_config(idx.factory, encoder_dim(cfg.retriever), len(self.doc_ids))
+        vec_dir = Path(cfg.output_dir).resolve() / "vectors"
+        fault = None
+        if cfg.fault.kill_encode_actor_at_batch >= 0:  # fault injection (tests): one encode actor dies, once per run
+            vec_dir.mkdir(parents=True, exist_ok=True)
+            fault = EncodeFault(cfg.fault.kill_encode_actor_at_batch, str(vec_dir / ".encode_actor_killed"))
+        passages = self.passages()
+        sets = []
+        for i, weights in enumerate(snapshots):
+            print(f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data ({cfg.resources.pool.num_actors} actors)")
+            sets.append(encode_to_shards(
+                (self.doc_ids, passages), ray.put(weights), cfg.retriever, idx, cfg.resources.pool,
+                vec_dir / (tag if len(snapshots) == 1 else f"{tag}_{i}"), vector_dtype=idx.vector_dtype,
+                fault=fault, num_gpus_per_actor=cfg.resources.pool.gpus_per_actor))
+        del passages
+        seconds = sum(s.seconds for s in sets)
+        if len(sets) == 1:  # FAISS from the shards: the driver never holds the vector matrix
+            index = build_configured_from_shards(sets[0], idx, self.fingerprint, encoder_name, step, cfg.seed)
+            shards, consensus = sets[0], None
+        else:
+            shards = None
+            consensus = consensus_vectors([s.read_all(order=self.doc_ids)[1] for s in sets])
+            index = build_configured(consensus, self.doc_ids, idx, self.fingerprint, encoder_name, step, cfg.seed)
+        stats = {"docs": len(self.doc_ids), "seconds": seconds, "docs_per_s": len(self.doc_ids) * len(sets) / seconds,
+                 "index_build_seconds": index.meta.build_seconds}
+        return BuiltIndex(tag, index, list(snapshots), self.doc_ids, stats, shards, consensus)
+
+    def build_and_evaluate(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str,
+                           step: int) -> tuple[BuiltIndex, dict[str, float]]:
+        """`build`, then `evaluate` on the split; returns (build, metrics incl. the pool's encode docs/s)."""
+        built = self.build(tag, snapshots, encoder_name, step)
+        return built, {**self.evaluate(built), "encode_docs_per_s": built.stats["docs_per_s"]}
+
+    def encode_queries(self, built: BuiltIndex, qids: list[str]) -> np.ndarray:
+        """The queries' vectors under `built`'s snapshot(s), encoded as its passages were."""
+        return built.query_encoder(self.cfg).encode([self.data.queries[q] for q in qids], role="query")
+
+    def search(self, built: BuiltIndex, qids: list[str], k: int) -> dict[str, list[str]]:
+        """Top-k doc ids for each query (the index's row order is shard order, so rows are named by the index)."""
+        _, rows = built.index.search(self.encode_queries(built, qids), k)
+        return run_from_scores(qids, built.index.doc_ids, rows)
+
+    def evaluate(self, built: BuiltIndex) -> dict[str, float]:
+        """Retrieval metrics of `built` on the evaluated split."""
+        qids = sorted(self.data.eval_qrels)
+        k = self.cfg.index.top_k
+        if not self.data.doc_of:
+            return evaluate(self.search(built, qids, k), self.data.eval_qrels)
+        # Chunks: MaxP (a document ranks at its best chunk) before the cut-offs, so qrels stay on documents
+        run = self.search(built, qids, min(len(self.doc_ids), k * MAXP_DEPTH_FACTOR))
+        return evaluate(maxp_run(run, self.data.doc_of, depth=k), self.data.eval_qrels)
+
+    def evaluate_stale(self, stale: BuiltIndex, trained: BuiltIndex, step: int) -> dict[str, dict[str, float]]:
+        """The stale (zero-shot) vectors searched with the trained query encoder, as is and after an orthogonal map
+        onto the trained space fitted on `index.align_anchors` anchor passages (their trained vectors are rows of
+        `trained`). Returns {"stale": ..., "stale_aligned": ...}."""
+        from ragtrain.index.faiss_index import build_configured
+        from ragtrain.repair.align import embedding_drift, fit_alignment
+
+        fresh, old, idx = trained.vectors(), stale.vectors(), self.cfg.index
+        rows = np.random.default_rng(self.cfg.seed).permutation(len(fresh))[: idx.align_anchors]
+        aligned = fit_alignment(old[rows], fresh[rows], "orthogonal").apply(old)
+        out = {}
+        for tag, vecs in (("stale", old), ("stale_aligned", aligned)):
+            index = build_configured(vecs, self.doc_ids, idx, self.fingerprint, tag, step, self.cfg.seed)
+            # searched with the trained encoder: the question is how far the old vectors lag it
+            view = BuiltIndex(tag, index, trained.snapshots, self.doc_ids, {}, _encoder=trained.query_encoder(self.cfg))
+            out[tag] = {**self.evaluate(view), "drift_vs_trained": embedding_drift(vecs, fresh),
+                        "anchors": float(len(rows))}
+        return out
+
+    def mine_negatives(self, built: BuiltIndex) -> dict[str, list[int]]:
+        """Hard-negative candidates (corpus positions) for each training query: the one rule of mining.py."""
+        from ragtrain.index.mining import mine_rows
+
+        t = self.cfg.retriever.train
+        qids = sorted(self.train_qrels)
+        index = built.index
+        row = {d: i for i, d in enumerate(index.doc_ids)}  # the index's row order (shard order)
+        pos = {d: i for i, d in enumerate(self.doc_ids)}
+        # all chunks of a gold document are gold
+        gold = [[row[d] for d, g in self.train_qrels[q].items() if g > 0 and d in row] for q in qids]
+        # the margin scores each query's positive from the stored vectors (corpus order -> index rows)
+        vecs = built.vectors()[[pos[d] for d in index.doc_ids]] if t.hard_negative_margin is not None else None
+        mined = mine_rows(index, self.encode_queries(built, qids), gold, t.hard_negative_depth,
+                          t.hard_negative_skip_top, t.hard_negative_margin, t.hard_negative_max_score, vecs)
+        return {q: [pos[index.doc_ids[r]] for r in rows] for q, rows in zip(qids, mined)}
+
+    def start_service(self, built: BuiltIndex, weights: dict[str, torch.Tensor]):
+        """Start the live index service on the pool (refresh.enabled) with version 0 = `built`'s vectors, encoded
+        with `weights`; returns (service actor, staleness probe)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ragtrain.index.refresh import IndexService, make_probe
+
+        r = self.cfg.refresh
+        qids = sorted(self.train_qrels)  # the order of TrainExample.qidx (build_examples)
+        pos = {d: i for i, d in enumerate(self.doc_ids)}
+        gold = [[pos[d] for d, g in sorted(self.train_qrels[q].items()) if g > 0] for q in qids]
+        queries = [self.data.queries[q] for q in qids]
+        probe = make_probe(gold, queries, len(self.doc_ids), r.probe_queries, r.probe_passages, self.cfg.seed)
+        # The service builds FAISS indexes: it lives in the pool's placement group (0 CPUs of its own, on the
+        # pool's node), so index work never takes the trainer's CPUs.
+        strategy = PlacementGroupSchedulingStrategy(self.pool.placement_group, placement_group_bundle_index=0)
+        service = IndexService.options(num_cpus=0, scheduling_strategy=strategy).remote(
+            self.cfg, self.pool, self.passages(), self.doc_ids, self.fingerprint, queries, gold, probe
+        )
+        stats = ray.get(service.publish.remote(0, built.vectors(), [ray.put(weights)]))
+        if not stats.get("ok"):
+            ray.kill(service)
+            raise RuntimeError(f"the live index service could not publish version 0: {stats}")
+        return service, probe
+
+    def stop_service(self, service) -> dict:
+        """Wait for a running refresh, collect the service's refresh history, and release the pool."""
+        import ray
+
+        ray.get(service.close.remote())
+        report = ray.get(service.report.remote())
+        ray.kill(service)
+        # The pool serves only the live refresh. Its placement group holds the pool's CPUs and custom resources
+        # (index_node on a cluster): the final index's Ray Data encode actors ask for the same ones and would wait
+        # forever behind it (the 2-node test hung here).
+        self.release()
+        return report
