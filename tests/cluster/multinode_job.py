@@ -1,8 +1,8 @@
 """Run by test_multinode.py in its own process: a real 2-node Ray cluster on 127.0.0.1 (separate raylets).
 
-Trains the tiny retriever with sync=hierarchical, sync=hybrid_powersgd and sync=layerwise (top layer every step, the
+Part "sync" trains the tiny retriever with sync=hierarchical, sync=hybrid_powersgd and sync=layerwise (top layer every step, the
 rest every 2nd) on 4 workers spread over both nodes, and places an encoder
-pool on the node labelled `index_node`; then runs the pipeline with live index refresh (2 trainer workers, the pool
+pool on the node labelled `index_node`; part "refresh" runs the pipeline with live index refresh (2 trainer workers, the pool
 and its index service on the labelled node); prints one JSON line with what it observed.
 """
 
@@ -17,7 +17,8 @@ import torch
 from ray.cluster_utils import Cluster
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, part: str) -> None:
+    """part "sync": the three sync trainings and the pool's placement; "refresh": the live-refresh pipeline."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     labelled = cluster.add_node(num_cpus=2, resources={"index_node": 1})
     ray.init(address=cluster.address)
@@ -30,15 +31,11 @@ def main(out_dir: str) -> None:
             ResourcesConfig,
             RetrieverConfig,
             RetrieverTrainConfig,
-            SyncConfig,
             TrainerResources,
             sync_preset,
         )
         from ragtrain.data import make_synthetic
-        from ragtrain.index.pool import EncoderPool
         from ragtrain.retriever.batching import TrainData, build_examples
-        from ragtrain.retriever.encoder import build_encoder
-        from ragtrain.retriever.train import fit_retriever
 
         cfg = Config(
             data=DataConfig(num_entities=20),
@@ -57,60 +54,72 @@ def main(out_dir: str) -> None:
         data = make_synthetic(num_entities=20)
         pos = {d: i for i, d in enumerate(data.corpus)}
         train = TrainData([p.full_text() for p in data.corpus.values()], build_examples(data.queries, data.train_qrels, pos))
-        torch.manual_seed(0)
-        weights = build_encoder(cfg.retriever).state_dict()
-        fit = fit_retriever(cfg, train, weights, sink=None)
-        n_params = sum(v.numel() for v in weights.values())
-
-        import re
-        from dataclasses import replace
-
-        # the same cluster, the new compositions: intra-node all-reduce + inter-node PowerSGD (rank 4 from step 2);
-        # layer-wise: the tiny model's top layer (layer 1 of 2) every step, the rest averaged every 2nd step
-        hybrid = fit_retriever(replace(cfg, sync=sync_preset("hybrid_powersgd", reducer={"start_iter": 2}),
-                                       output_dir=os.path.join(out_dir, "hybrid")), train, weights, sink=None)
-        top = [r"\.layer\.1\."]
-        layerwise = fit_retriever(replace(cfg, sync=sync_preset("layerwise", scope={"reducer_params": top},
-                                                                mixer={"period": 2}),
-                                          output_dir=os.path.join(out_dir, "layerwise")), train, weights, sink=None)
-        n_top = sum(v.numel() for k, v in weights.items() if re.search(top[0], k))
-        shapes = [list(v.shape) for v in weights.values()]
-
-        pool = EncoderPool(cfg.retriever, cfg.resources.pool)
-        pool_nodes = pool.node_ids()
-        pool.shutdown()
-
-        from ragtrain.config import RefreshConfig
-        from ragtrain.pipeline import run
-
-        live = replace(
-            cfg,
-            retriever=replace(cfg.retriever, train=replace(cfg.retriever.train, max_steps=12, hard_negatives=1,
-                                                           hard_negative_depth=8)),
-            resources=replace(cfg.resources, trainer=TrainerResources(num_workers=2, cpus_per_worker=1)),
-            sync=SyncConfig(),
-            refresh=RefreshConfig(enabled=True, every_steps=3, check_every=3, probe_passages=16, probe_queries=4),
-            output_dir=os.path.join(out_dir, "live"),
-        )
-        results = run(live)
-        history = json.load(open(os.path.join(out_dir, "live", "refresh_history.json")))["history"]
-        print(json.dumps({
-            "metrics": fit.metrics,
-            "hybrid": hybrid.metrics,
-            "layerwise": layerwise.metrics,
-            "n_params": n_params,
-            "n_top": n_top,
-            "shapes": shapes,
-            "pool_nodes": pool_nodes,
-            "refresh_nodes": sorted({h["node"] for h in history}),
-            "refreshes": results["train"]["index/refreshes"],
-            "labelled_node": labelled.node_id,
-            "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
-        }))
+        observed = {"labelled_node": labelled.node_id,
+                    "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
+        if part == "sync":
+            observed.update(sync_part(cfg, train))
+        else:
+            observed.update(refresh_part(cfg, out_dir))
+        print(json.dumps(observed))
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
+def sync_part(cfg, train) -> dict:
+    """hierarchical, hybrid_powersgd and layerwise on 4 workers over both nodes; where the pool's actors land."""
+    import re
+    from dataclasses import replace
+
+    from ragtrain.config import sync_preset
+    from ragtrain.index.pool import EncoderPool
+    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.retriever.train import fit_retriever
+
+    out_dir = cfg.output_dir
+    torch.manual_seed(0)
+    weights = build_encoder(cfg.retriever).state_dict()
+    fit = fit_retriever(cfg, train, weights, sink=None)
+    n_params = sum(v.numel() for v in weights.values())
+
+    # the same cluster, the new compositions: intra-node all-reduce + inter-node PowerSGD (rank 4 from step 2);
+    # layer-wise: the tiny model's top layer (layer 1 of 2) every step, the rest averaged every 2nd step
+    hybrid = fit_retriever(replace(cfg, sync=sync_preset("hybrid_powersgd", reducer={"start_iter": 2}),
+                                   output_dir=os.path.join(out_dir, "hybrid")), train, weights, sink=None)
+    top = [r"\.layer\.1\."]
+    layerwise = fit_retriever(replace(cfg, sync=sync_preset("layerwise", scope={"reducer_params": top},
+                                                            mixer={"period": 2}),
+                                      output_dir=os.path.join(out_dir, "layerwise")), train, weights, sink=None)
+    n_top = sum(v.numel() for k, v in weights.items() if re.search(top[0], k))
+    shapes = [list(v.shape) for v in weights.values()]
+
+    pool = EncoderPool(cfg.retriever, cfg.resources.pool)
+    pool_nodes = pool.node_ids()
+    pool.shutdown()
+    return {"metrics": fit.metrics, "hybrid": hybrid.metrics, "layerwise": layerwise.metrics, "n_params": n_params,
+            "n_top": n_top, "shapes": shapes, "pool_nodes": pool_nodes}
+
+
+def refresh_part(cfg, out_dir: str) -> dict:
+    """The pipeline with live refresh: 2 trainer workers; the pool and its index service on the labelled node."""
+    from dataclasses import replace
+
+    from ragtrain.config import RefreshConfig, SyncConfig, TrainerResources
+    from ragtrain.pipeline import run
+
+    live = replace(
+        cfg,
+        retriever=replace(cfg.retriever, train=replace(cfg.retriever.train, max_steps=12, hard_negatives=1,
+                                                       hard_negative_depth=8)),
+        resources=replace(cfg.resources, trainer=TrainerResources(num_workers=2, cpus_per_worker=1)),
+        sync=SyncConfig(),
+        refresh=RefreshConfig(enabled=True, every_steps=3, check_every=3, probe_passages=16, probe_queries=4),
+        output_dir=os.path.join(out_dir, "live"),
+    )
+    results = run(live)
+    history = json.load(open(os.path.join(out_dir, "live", "refresh_history.json")))["history"]
+    return {"refresh_nodes": sorted({h["node"] for h in history}), "refreshes": results["train"]["index/refreshes"]}
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

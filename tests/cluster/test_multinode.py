@@ -18,20 +18,31 @@ from ragtrain.sync.comm import all_reduce_bytes
 from tests.conftest import REPO
 
 
-@pytest.mark.integration
-def test_node_scoped_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None:
+def _job(out: Path, part: str) -> dict:
+    """Run multinode_job.py's `part` on a fresh 2-node cluster; its JSON line."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
     r = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "cluster" / "multinode_job.py"), str(tmp_path / "out")],
+        [sys.executable, str(REPO / "tests" / "cluster" / "multinode_job.py"), str(out), part],
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
     )
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     assert len(res["nodes"]) == 2  # two raylets, distinct node ids
-    assert res["pool_nodes"] == [res["labelled_node"]]  # the pool landed on the index_node-labelled node
-    # live refresh: every index version was built on the labelled node while training ran on the cluster
+    return res
+
+
+@pytest.mark.slow  # a second 2-node cluster and a pipeline run; single-node live refresh is in tests/index
+def test_live_refresh_builds_every_version_on_the_labelled_node(tmp_path: Path) -> None:
+    res = _job(tmp_path / "out", "refresh")
+    # every index version was built on the labelled node while training ran on the cluster
     assert res["refresh_nodes"] == [res["labelled_node"]] and res["refreshes"] >= 1
+
+
+@pytest.mark.integration
+def test_node_scoped_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None:
+    res = _job(tmp_path / "out", "sync")
+    assert res["pool_nodes"] == [res["labelled_node"]]  # the pool landed on the index_node-labelled node
     m, p = res["metrics"], 4 * res["n_params"]
     assert m["sync/nodes"] == 2  # 4 workers found 2 nodes (2 workers each)
     # every step: a 2-worker all-reduce inside the node; every 2nd step: a 4-worker all-reduce of parameters

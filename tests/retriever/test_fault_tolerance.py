@@ -1,4 +1,7 @@
-"""A worker killed mid-training restarts from its checkpoint; an interrupted run resumes; both equal a clean run."""
+"""A worker killed mid-training restarts from its checkpoint; an interrupted run resumes; both equal a clean run.
+
+Runs train only (stages=[retriever]): "equal" is checked on every step's loss and on the final weights, which is
+stronger than comparing retrieval metrics and needs no index builds."""
 
 from __future__ import annotations
 
@@ -18,12 +21,22 @@ STEPS, EVERY, KILL_AT = 12, 4, 6
 
 def _cfg(tmp: Path, name: str, *extra: str):
     overrides = [
-        "experiment=quickstart", *tiny_overrides(tmp), f"output_dir={tmp / name}", "zeroshot_eval=false",
+        "experiment=quickstart", *tiny_overrides(tmp), f"output_dir={tmp / name}", "stages=[retriever]", "export=false",
         f"retriever.train.max_steps={STEPS}", "retriever.train.log_every=1", "retriever.train.lr=1e-3",
         "sync=local_sgd", "sync.mixer.period=3",  # per-replica state and a sync schedule that must survive the restart
         f"checkpoint.every_steps={EVERY}", f"logger.experiment_name={name}", *extra,
     ]
     return to_typed(compose(overrides))
+
+
+def _assert_same_weights(cfg, other) -> None:
+    """The saved encoders of two runs agree (float noise of a restart's reload only)."""
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(Path(c.output_dir) / "encoder" / "encoder.safetensors")) for c in (cfg, other))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
 def _history(cfg, key: str = "train/loss") -> list[tuple[int, float]]:
@@ -51,8 +64,8 @@ def test_killed_worker_restarts_from_checkpoint_and_matches_a_clean_run(clean, t
     assert steps == list(range(1, STEPS + 1))  # no gap, no repeat across the restart
     for (s, a), (_, b) in zip(_history(cfg), _history(clean_cfg)):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5), f"train/loss at step {s}"
-    for k in ("ndcg@10", "recall@10", "mrr@10"):
-        assert results["trained"][k] == pytest.approx(clean_results["trained"][k], abs=1e-4)
+    assert results["train"]["steps"] == clean_results["train"]["steps"] == STEPS
+    _assert_same_weights(cfg, clean_cfg)
 
 
 @pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
@@ -65,8 +78,8 @@ def test_interrupted_run_resumes_to_the_same_result(clean, tmp_path) -> None:
     resumed = _cfg(tmp_path, "resumed", f"fault.kill_worker_at_step={KILL_AT}", "resume=true")
     results = run(resumed)
     assert [s for s, _ in _history(resumed)] == list(range(1, STEPS + 1))
-    for k in ("ndcg@10", "recall@10"):
-        assert results["trained"][k] == pytest.approx(clean_results["trained"][k], abs=1e-4)
+    assert results["train"]["steps"] == STEPS
+    _assert_same_weights(resumed, clean_cfg)
     client = MlflowClient(resumed.logger.tracking_uri)
     run_id = (Path(resumed.output_dir) / "mlflow_run_id").read_text()
     assert client.get_run(run_id).info.status == "FINISHED"  # the same MLflow run, continued and closed

@@ -15,7 +15,7 @@ from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokeniz
 from tests.conftest import compose, tiny_overrides
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # 4 index builds (param mean, 2 replicas, student): the distill and consensus math is unit-tested
 def test_vector_avg_index_is_mean_of_replica_vectors(ray_session, tmp_path) -> None:
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "sync=vector_avg", "zeroshot_eval=false",
                             "retriever.train.lr=5e-3", "index.distill_steps=100", "index.distill_lr=1e-4"]))
@@ -48,3 +48,21 @@ def test_vector_avg_index_is_mean_of_replica_vectors(ray_session, tmp_path) -> N
     expected /= np.linalg.norm(expected, axis=1, keepdims=True)
     stored = index.index.reconstruct_n(0, 10)
     np.testing.assert_allclose(stored, expected, atol=1e-5)
+
+
+def test_query_encoder_of_several_replicas_is_their_renormalised_mean() -> None:
+    """The consensus index's queries: every replica encodes, the unit vectors are averaged and re-normalised."""
+    from ragtrain.config import RetrieverConfig
+    from ragtrain.corpus.encode import QueryEncoder
+
+    cfg = RetrieverConfig(model="tiny")
+    replicas = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        replicas.append({k: v.detach().clone() for k, v in build_encoder(cfg).state_dict().items()})
+    texts = ["which mill stands on the river?", "the archive of the harbour"]
+    each = [QueryEncoder(cfg, [w]).encode(texts, role="query") for w in replicas]
+    mean = (each[0] + each[1]) / np.linalg.norm(each[0] + each[1], axis=1, keepdims=True)
+    both = QueryEncoder(cfg, replicas).encode(texts, role="query")
+    np.testing.assert_allclose(both, mean, rtol=0, atol=1e-6)
+    assert np.abs(each[0] - each[1]).max() > 1e-3  # the replicas differ, so the mean is not either one
