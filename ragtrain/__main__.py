@@ -21,46 +21,58 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input (config, data, a cluster too small, a mismatched index): one line, exit 2."""
+    from ragtrain.cluster.resources import InfeasibleResourcesError
+    from ragtrain.data.types import DataError
+    from ragtrain.index.faiss_index import IndexMismatchError
+
+    return ConfigError, DataError, InfeasibleResourcesError, IndexMismatchError
+
+
+def verbose(cfg: DictConfig) -> bool:
+    """-v for ragtrain: HYDRA_FULL_ERROR=1 or hydra.verbose=true keep the traceback of a user error."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or bool(HydraConfig.get().verbose)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    """Hydra entry point."""
+    """Hydra entry point: every user error is one line on stderr and exit code 2 (the traceback with -v)."""
     try:
-        typed = to_typed(cfg)  # resolves interpolations and runs every range check before any work
-        if typed.tune is not None:  # tune=NAME: a sweep; its space is checked here too, before Ray starts
-            from ragtrain.tune.sweep import plan_sweep
-
-            plan_sweep(typed, CONF_DIR)
-        variants = sync_variants(cfg, CONF_DIR) if typed.compare.strategies else {}
-        if typed.compare.variants:  # named override sets, e.g. experiment=scifact_refresh
-            variants.update(override_variants(cfg))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        dispatch(cfg)
+    except user_errors() as e:
+        if verbose(cfg):
+            raise
+        kind = {"ConfigError": "config", "DataError": "data", "InfeasibleResourcesError": "resources",
+                "IndexMismatchError": "index"}.get(type(e).__name__, "input")
+        print(f"{kind} error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    if typed.tune is not None:
-        from ragtrain.cluster.resources import InfeasibleResourcesError
-        from ragtrain.tune.sweep import run_sweep
 
-        try:
-            result = run_sweep(typed, CONF_DIR)
-        except (ConfigError, InfeasibleResourcesError) as e:  # resume mismatches, a trial bigger than the cluster
-            print(f"sweep error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
+
+def dispatch(cfg: DictConfig) -> None:
+    """Check everything that needs no work, then run one pipeline, a sync comparison or a Tune sweep."""
+    typed = to_typed(cfg)  # resolves interpolations and runs every range check before any work
+    if typed.tune is not None:  # tune=NAME: a sweep; its space is checked here too, before Ray starts
+        from ragtrain.tune.sweep import plan_sweep, run_sweep
+
+        plan_sweep(typed, CONF_DIR)
+        result = run_sweep(typed, CONF_DIR)
         if result.interrupted:  # Ctrl+C: state saved, continue with resume=true
             raise SystemExit(130)
         return
+    variants = sync_variants(cfg, CONF_DIR) if typed.compare.strategies else {}
+    if typed.compare.variants:  # named override sets, e.g. experiment=scifact_refresh
+        variants.update(override_variants(cfg))
     if variants:
         from ragtrain.sync_compare import run_sync_compare
 
         run_sync_compare(variants, typed.output_dir)
         return
-    from ragtrain.data.types import DataError
     from ragtrain.pipeline import run
 
-    try:
-        run(typed)
-    except (ConfigError, DataError) as e:  # bad input found while loading data: one line, before any encoding
-        print(f"{'config' if isinstance(e, ConfigError) else 'data'} error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run(typed)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ class DataConfig:
     # (+ queries.jsonl, qrels/<split>.tsv); synthetic: must stay unset (the KB is generated)
     root: Optional[str] = None
     split: str = "dev"  # evaluated split; dev is carved from train (seeded) when qrels/dev.tsv is absent
-    dev_size: int = 100
+    # dev queries carved from train when qrels/<split>.tsv is absent: a count (>= 1) or a fraction in (0, 1)
+    dev_size: float = 100
     seed: int = 0
     num_entities: int = 200  # synthetic KB size (and the generated documents' entity count)
     glob: str = "**/*"  # documents: which files under data.root are read (recursive by default)
@@ -108,7 +109,10 @@ class DataConfig:
         _check(bool(self.glob.strip()), "data.glob", "must be a glob pattern relative to data.root", self.glob)
         _check(not self.chunk.enabled or self.source != DataSource.synthetic, "data.chunk.enabled",
                "needs data=documents or data=beir (synthetic passages are single facts)", self.chunk.enabled)
-        _check(self.dev_size > 0, "data.dev_size", "must be > 0", self.dev_size)
+        _check(0 < self.dev_size < 1 or (self.dev_size >= 1 and float(self.dev_size).is_integer()), "data.dev_size",
+               "must be a count of queries (an integer >= 1) or a fraction in (0, 1)", self.dev_size)
+        if self.dev_size >= 1:
+            self.dev_size = int(self.dev_size)  # a count: the loaders treat a float as a fraction
         _check(self.num_entities >= 10, "data.num_entities", "must be >= 10", self.num_entities)
 
 
@@ -277,6 +281,10 @@ class ResourcesConfig:
     trainer: TrainerResources = field(default_factory=TrainerResources)
     pool: PoolResources = field(default_factory=PoolResources)
 
+    def __post_init__(self) -> None:
+        _check(self.num_cpus is None or self.num_cpus > 0, "resources.num_cpus",
+               "must be > 0 (or null: every CPU of this machine)", self.num_cpus)
+
 
 @dataclass
 class LoggerConfig:
@@ -397,7 +405,10 @@ class Config:
     zeroshot_eval: bool = True  # with the retriever stage: also build + evaluate an index of the untrained encoder
     output_dir: str = "outputs/default"
     seed: int = 0
-    resume: bool = False  # tune: continue the interrupted sweep in output_dir (finished trials are kept)
+    resume: bool = False  # continue the run (tune: the sweep) in output_dir; finished trials are kept
+    # keys (or whole groups, e.g. fault) that may differ from the resumed run's config.yaml; any other difference
+    # is refused with the keys named
+    resume_allow_changes: list[str] = field(default_factory=list)
     # write <output_dir>/export (sentence-transformers retriever, transformers generator) and log them to MLflow
     export: bool = True
 

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from ragtrain.config import Config, DataConfig, DataSource, RetrieverConfig, to_flat_dict
+from ragtrain.config import Config, ConfigError, DataConfig, DataSource, LoggerBackend, RetrieverConfig, to_flat_dict
 from ragtrain.data import RetrievalData, load_beir, make_synthetic
 from ragtrain.index.retrieval import Retrieval
 
@@ -65,8 +65,60 @@ def prepare_output_dir(path: str) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise PermissionError(f"output_dir={str(out)!r} is not writable ({e.strerror}): choose another output_dir") from None
+        raise ConfigError(f"output_dir={str(out)!r} is not writable ({e.strerror}): choose another output_dir") from None
     return out
+
+
+STATUS_FILE = "status.json"  # {"status": running | failed | complete, ...}: what a run folder holds
+
+
+def write_status(out: Path, status: str, **extra) -> None:
+    """Mark the run folder: "running" once every check has passed (config.yaml is written then), then
+    "complete" or "failed" (with the error)."""
+    import time
+
+    tmp = out / f".{STATUS_FILE}.tmp"
+    tmp.write_text(json.dumps({"status": status, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}))
+    tmp.replace(out / STATUS_FILE)
+
+
+# Keys that may differ between a run and its resumption without a word: the resume switch itself
+RESUME_IGNORED = ("resume", "resume_allow_changes")
+
+
+def check_resume(cfg: Config, out: Path) -> None:
+    """resume=true continues the run in output_dir only with the config it was started with: the differing keys
+    are named (resume_allow_changes=[key, ...] accepts those keys, or whole groups such as `fault`)."""
+    saved_file = out / "config.yaml"
+    if not saved_file.exists():
+        raise ConfigError(f"resume=true but output_dir={str(out)!r} holds no earlier run (no config.yaml): "
+                          "point output_dir at the interrupted run's folder")
+
+    def flat(node, prefix: str = "") -> dict:
+        if isinstance(node, dict):
+            return {k: v for key, sub in node.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: node}
+
+    saved = flat(OmegaConf.to_container(OmegaConf.load(saved_file)))
+    now = flat(OmegaConf.to_container(OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(cfg)))))
+    allowed = tuple(RESUME_IGNORED) + tuple(cfg.resume_allow_changes)
+    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k, "<unset>") != now.get(k, "<unset>")
+              and not any(k == a or k.startswith(a + ".") for a in allowed)]
+    if differ:
+        shown = "; ".join(f"{k}: {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in differ[:8])
+        more = f" (and {len(differ) - 8} more)" if len(differ) > 8 else ""
+        raise ConfigError(f"resume=true: the run in {saved_file} was started with another config ({shown}{more}); "
+                          "resume with its config, or accept these keys with resume_allow_changes=[...]")
+
+
+def check_qrels(data: RetrievalData) -> None:
+    """A query set whose judgements are all grade 0 would train on nothing or score 0 everywhere: fail now."""
+    from ragtrain.data.types import DataError
+
+    for what, qrels in (("evaluated (" + data.split + ")", data.eval_qrels), ("training", data.train_qrels)):
+        if qrels and not any(g > 0 for judged in qrels.values() for g in judged.values()):
+            raise DataError(f"{data.name}: every qrel of the {what} queries has grade 0 (no relevant passage); "
+                            "relevant passages need grade >= 1 in qrels/<split>.tsv")
 
 
 def parameter_mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -112,12 +164,19 @@ def run(
     from ragtrain.retriever.train import fit_retriever, save_weights
     from ragtrain.track.mlflow import RunLogger
 
+    from ragtrain.retriever.encoder import check_model_offline
+    from ragtrain.track.mlflow import check_tracking_uri, tracking_uri
+
+    # Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
+    # folder that failed them is never taken for a run by resume=true.
     out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
-    if cfg.resume and not (out / "config.yaml").exists():
-        raise FileNotFoundError(f"resume=true but output_dir={str(out)!r} holds no earlier run (no config.yaml): "
-                                "point output_dir at the interrupted run's folder")
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
+    if cfg.resume:
+        check_resume(cfg, out)
+    if cfg.logger.backend == LoggerBackend.mlflow:  # a store that cannot work fails in seconds, not after training
+        check_tracking_uri(tracking_uri(cfg.logger))
+    check_model_offline(cfg.retriever)
     data = load_data(cfg.data, cfg.retriever, out)  # bad data fails here, before Ray or MLflow start
+    check_qrels(data)
     if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training
         from ragtrain.generator.stage import preflight
 
@@ -126,8 +185,11 @@ def run(
           f"{len(data.eval_qrels)} {data.split} queries")
     init_ray(cfg.resources)
     # Infeasible requests fail in seconds, not as a pending hang; with live refresh the trainer and the pool run at
-    # the same time, so they must fit the cluster together.
-    check_config(cfg.resources, together="retriever" in cfg.stages and cfg.refresh.enabled)
+    # the same time, so they must fit the cluster together. Without retriever training the trainer is not placed.
+    check_config(cfg.resources, together="retriever" in cfg.stages and cfg.refresh.enabled,
+                 trainer="retriever" in cfg.stages)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
+    write_status(out, "running")
 
     run_file = out / "mlflow_run_id"  # resume=true continues this run's MLflow run
     resume_id = run_file.read_text().strip() if cfg.resume and run_file.exists() else None
@@ -250,7 +312,11 @@ def run(
                   f"{t['comm/bytes_per_step'] / 1e6:.2f} MB sent/step/worker, comm time share {t['comm/time_share']:.2f}")
         print(f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else ""))
         status = "FINISHED"
+        write_status(out, "complete")
         return results
+    except BaseException as e:  # Ctrl+C included: the folder says the run did not finish, and why
+        write_status(out, "failed", error=f"{type(e).__name__}: {e}"[:2000])
+        raise
     finally:
         for fn in cleanup:
             fn()

@@ -85,9 +85,11 @@ def check_feasible(
         )
 
 
-def check_config(res: ResourcesConfig, together: bool = False, nodes: Optional[list[dict[str, float]]] = None) -> None:
+def check_config(res: ResourcesConfig, together: bool = False, nodes: Optional[list[dict[str, float]]] = None,
+                 trainer: bool = True) -> None:
     """Check the trainer group and the index pool fit the cluster: each on its own when they take turns, or both
-    at once (`together`: live index refresh keeps the pool busy while the trainer runs)."""
+    at once (`together`: live index refresh keeps the pool busy while the trainer runs). `trainer=False` (no
+    retriever training in this run): only the pool is checked."""
     t, p = res.trainer, res.pool
     nodes = node_capacities() if nodes is None else nodes
     free = [dict(n) for n in nodes] if together else None
@@ -95,7 +97,7 @@ def check_config(res: ResourcesConfig, together: bool = False, nodes: Optional[l
     groups = [
         ("resources.trainer", {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {}), **t.resources}, t.num_workers),
         (pool_what, {"CPU": p.cpus_per_actor, **p.resources}, p.num_actors),
-    ]
+    ][0 if trainer else 1 :]
     # The group with more resource kinds (e.g. the pool's `index_node` label) is placed first: it can go to fewer
     # nodes, and the pipeline also reserves it first (the zero-shot index is built before training starts).
     for what, bundle, count in sorted(groups, key=lambda g: -len([v for v in g[1].values() if v])):

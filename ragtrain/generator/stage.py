@@ -52,7 +52,10 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Optional[Path] = None) 
     build_gen_data(cfg, data)
     check_model(cfg)
     if "index" not in cfg.stages:  # no index will be built by this run: the configured one must exist and fit
-        resolve_index(cfg, data, None, out_dir or Path(cfg.output_dir))
+        try:
+            resolve_index(cfg, data, None, out_dir or Path(cfg.output_dir))
+        except FileNotFoundError as e:  # a user's missing folder, not a bug: a config error (exit 2 on the CLI)
+            raise ConfigError(f"generator.retrieval.index_dir: {e}") from None
 
 
 def check_model(cfg: Config) -> None:

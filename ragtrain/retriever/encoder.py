@@ -29,6 +29,24 @@ def resolve_model_path(name: str) -> str:
     return minilm_path() if name in ("minilm", "tiny") else name
 
 
+def check_model_offline(cfg: RetrieverConfig) -> None:
+    """retriever.model loads without the network (its config and tokenizer files are local): a hub id that is
+    not cached, or a folder that does not exist, fails here in one line instead of after Ray has started."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ragtrain.config import ConfigError
+
+    path = resolve_model_path(cfg.model)
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+        AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"retriever.model={cfg.model!r} is not available offline ({str(e).splitlines()[0][:160]}); valid choices: "
+            "retriever=minilm (the packaged all-MiniLM-L6-v2), retriever=tiny, or retriever.model=<a local folder "
+            "with config.json and tokenizer files>") from None
+
+
 ROLES = ("query", "passage")
 
 

@@ -29,6 +29,55 @@ def tracking_uri(cfg: LoggerConfig) -> str:
     return cfg.tracking_uri or default_tracking_uri()
 
 
+# Schemes MLflow's tracking store understands (a local path without a scheme is a file store)
+TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+PROBE_TIMEOUT_S = 5.0
+
+
+def redact_uri(uri: str) -> str:
+    """The URI with any user:password@ part replaced, for messages and params."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+
+
+def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Fail in seconds, naming the setting, when the tracking store cannot work: an unknown scheme, a SQLite or
+    file store whose folder cannot be written, a server that does not answer /health. Before anything starts:
+    MLflow itself would retry for minutes, and only after Ray and the data were up."""
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    from ragtrain.config import ConfigError
+
+    where = "logger.tracking_uri (or MLFLOW_TRACKING_URI)"
+    shown = redact_uri(uri)
+    scheme = urlsplit(uri).scheme if "://" in uri or uri.startswith("sqlite:") else ""
+    if scheme and scheme.split("+")[0] not in TRACKING_SCHEMES:
+        raise ConfigError(f"{where}={shown!r}: unknown scheme {scheme!r}; valid choices: {list(TRACKING_SCHEMES)} "
+                          "or a local folder")
+    if scheme in ("sqlite", "file", ""):
+        path = Path(uri.split(":///", 1)[1] if scheme == "sqlite" else uri.removeprefix("file://"))
+        folder = path.parent if scheme == "sqlite" else path
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent  # the nearest existing folder: MLflow creates the rest
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(f"{where}={shown!r}: {folder} is not writable; choose a writable path")
+        return
+    if scheme in ("http", "https"):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as r:
+                if r.status != 200:
+                    raise OSError(f"HTTP {r.status}")
+        except (OSError, urllib.error.URLError) as e:
+            raise ConfigError(f"{where}={shown!r} does not answer within {timeout:.0f}s ({e}): start the MLflow "
+                              "server, fix the URI, or use logger=none") from None
+
+
 def mlflow_key(name: str) -> str:
     """The MLflow spelling of a metric name ('@' is not allowed there)."""
     return name.replace("@", "_at_")
@@ -131,7 +180,9 @@ class RunLogger:
             return
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in sorted(params.items())]
+        # credentials inside a URI (user:password@host) never reach the store
+        items = [Param(k, (redact_uri(str(v)) if k.endswith("_uri") else str(v))[:MAX_PARAM_LEN])
+                 for k, v in sorted(params.items())]
         for i in range(0, len(items), 100):  # log_batch takes at most 100 params per call
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 

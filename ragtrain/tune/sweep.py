@@ -242,13 +242,15 @@ def _start(plan: SweepPlan) -> Optional[str]:
 
     cfg, state = plan.cfg, _state_file(plan)
     exists = tune.Tuner.can_restore(str(plan.experiment_path))
-    flat = {k: v for k, v in to_flat_dict(cfg).items() if k not in ("resume", "output_dir")}
+    flat = {k: v for k, v in to_flat_dict(cfg).items() if k not in ("resume", "resume_allow_changes", "output_dir")}
     if cfg.resume:
         if not exists or not state.exists():
             raise ConfigError(f"resume=true but {plan.out_dir} holds no sweep to resume: pass output_dir=<the "
                               "interrupted sweep's output_dir>")
         saved = json.loads(state.read_text())
-        changed = sorted(k for k in set(flat) | set(saved["config"]) if flat.get(k) != saved["config"].get(k))
+        allowed = tuple(cfg.resume_allow_changes)  # keys or whole groups the user accepts as changed
+        changed = sorted(k for k in set(flat) | set(saved["config"]) if flat.get(k) != saved["config"].get(k)
+                         and not any(k == a or k.startswith(a + ".") for a in allowed))
         if changed:
             raise ConfigError(f"resume=true with a different config than the interrupted sweep: {changed[:10]}")
         parent = saved["parent_run_id"]

@@ -200,7 +200,7 @@ def test_missing_index_fails_before_training(built, tmp_path) -> None:
 
     _, _, data, _, _ = built
     cfg = _cfg(tmp_path, "stages=[generator]")
-    with pytest.raises(FileNotFoundError, match="run the 'index' stage before 'generator'"):
+    with pytest.raises(ConfigError, match="generator.retrieval.index_dir: .*run the 'index' stage before 'generator'"):
         preflight(cfg, data)
     with pytest.raises(FileNotFoundError, match="needs a retrieval index"):
         run_generator_stage(cfg, data, None, None, tmp_path / "out", None)

@@ -1,0 +1,132 @@
+"""Checks that need no training run before any work, and a user error is one line with exit code 2 (issue 15 §3)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ragtrain.config import ConfigError, to_typed
+from tests.conftest import REPO, compose, tiny_overrides
+
+
+def _cfg(tmp: Path, *extra: str):
+    return to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp), *extra]))
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # released on close: nothing listens there
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("resources.num_cpus=0", "resources.num_cpus"),
+    ("data.dev_size=1.5", "data.dev_size"),
+    ("data.dev_size=0", "data.dev_size"),
+])
+def test_bad_values_name_the_key(tmp_path, override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        _cfg(tmp_path, override)
+
+
+def test_dev_size_is_a_count_or_a_fraction(tmp_path) -> None:
+    assert _cfg(tmp_path, "data.dev_size=0.25").data.dev_size == 0.25
+    count = _cfg(tmp_path, "data.dev_size=40").data.dev_size
+    assert count == 40 and isinstance(count, int)  # the loaders read a float as a fraction
+
+
+def test_tracking_uri_checks_fail_in_seconds_naming_the_setting(tmp_path) -> None:
+    from ragtrain.track.mlflow import check_tracking_uri
+
+    with pytest.raises(ConfigError, match=r"logger.tracking_uri .*unknown scheme 'foo'"):
+        check_tracking_uri("foo://bar")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root ignores the mode bits: nothing to test with a read-only folder here
+        locked = None
+    for uri in [f"sqlite:///{locked}/m.db"] if locked else []:
+        with pytest.raises(ConfigError, match="not writable"):
+            check_tracking_uri(uri)
+    with pytest.raises(ConfigError, match=r"MLFLOW_TRACKING_URI\)='http://127.0.0.1:\d+' does not answer"):
+        check_tracking_uri(f"http://127.0.0.1:{_closed_port()}", timeout=2)
+    check_tracking_uri(f"sqlite:///{tmp_path}/new/sub/m.db")  # missing folders are fine: MLflow creates them
+
+
+def test_credentials_in_a_tracking_uri_are_redacted() -> None:
+    from ragtrain.track.mlflow import redact_uri
+
+    assert redact_uri("https://alice:s3cret@mlflow.example.com:5000") == "https://***@mlflow.example.com:5000"
+    assert redact_uri("sqlite:////tmp/m.db") == "sqlite:////tmp/m.db"
+
+
+def test_a_model_that_is_not_offline_fails_before_data_or_ray(tmp_path) -> None:
+    from ragtrain.pipeline import run
+
+    cfg = _cfg(tmp_path, "retriever.model=some-org/not-cached-model")
+    with pytest.raises(ConfigError, match=r"retriever.model='some-org/not-cached-model' is not available offline"):
+        run(cfg)
+    out = Path(cfg.output_dir)
+    assert not (out / "config.yaml").exists() and not (out / "status.json").exists()  # not taken for a run
+
+
+def test_resume_refuses_another_config_naming_the_keys(tmp_path) -> None:
+    from omegaconf import OmegaConf
+
+    from ragtrain.pipeline import check_resume
+
+    first = _cfg(tmp_path)
+    out = Path(first.output_dir)
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(first)))
+    check_resume(_cfg(tmp_path, "resume=true"), out)  # the same config: fine
+    with pytest.raises(ConfigError, match=r"data.num_entities: 24 -> 30; retriever.train.lr"):
+        check_resume(_cfg(tmp_path, "resume=true", "data.num_entities=30", "retriever.train.lr=0.5"), out)
+    check_resume(_cfg(tmp_path, "resume=true", "fault.max_failures=3", "resume_allow_changes=[fault]"), out)
+    with pytest.raises(ConfigError, match="fault.max_failures"):
+        check_resume(_cfg(tmp_path, "resume=true", "fault.max_failures=3"), out)
+
+
+def test_all_grade_zero_qrels_fail_before_encoding() -> None:
+    from ragtrain.data import make_synthetic
+    from ragtrain.data.types import DataError
+    from ragtrain.pipeline import check_qrels
+
+    data = make_synthetic(num_entities=12)
+    check_qrels(data)
+    data.eval_qrels = {q: {d: 0 for d in judged} for q, judged in data.eval_qrels.items()}
+    with pytest.raises(DataError, match=r"evaluated \(dev\) queries has grade 0"):
+        check_qrels(data)
+
+
+def test_the_trainer_is_not_checked_without_retriever_training() -> None:
+    from ragtrain.cluster.resources import InfeasibleResourcesError, check_config
+    from ragtrain.config import PoolResources, ResourcesConfig, TrainerResources
+
+    res = ResourcesConfig(trainer=TrainerResources(num_workers=8, cpus_per_worker=1),
+                          pool=PoolResources(num_actors=1, cpus_per_actor=1))
+    nodes = [{"CPU": 2.0}]
+    with pytest.raises(InfeasibleResourcesError, match="resources.trainer"):
+        check_config(res, nodes=nodes)
+    check_config(res, nodes=nodes, trainer=False)  # stages without retriever: only the pool must fit
+
+
+def test_cli_user_error_is_one_line_and_exit_2(tmp_path) -> None:
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    args = [sys.executable, "-m", "ragtrain", "experiment=quickstart", *tiny_overrides(tmp_path),
+            f"logger.tracking_uri=http://127.0.0.1:{_closed_port()}"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("config error: logger.tracking_uri")
+    assert "Traceback" not in r.stderr
+    # -v (HYDRA_FULL_ERROR=1) keeps the traceback
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**env, "HYDRA_FULL_ERROR": "1"},
+                       cwd=REPO)
+    assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError" in r.stderr
