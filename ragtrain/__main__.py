@@ -40,6 +40,9 @@ def verbose(cfg: DictConfig) -> bool:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point: every user error is one line on stderr and exit code 2 (the traceback with -v)."""
+    from ragtrain.console import configure
+
+    configure(verbose(cfg))  # library chatter off unless -v (hydra.verbose=true / HYDRA_FULL_ERROR=1)
     try:
         dispatch(cfg)
     except user_errors() as e:

@@ -8,7 +8,6 @@ The retriever is written with sentence-transformers' own classes (Transformer ->
 
 from __future__ import annotations
 
-import inspect
 import shlex
 import shutil
 import sys
@@ -110,12 +109,9 @@ def export_retriever(cfg: Config, weights: dict[str, torch.Tensor], folder: str 
     folder = Path(folder)
     with tempfile.TemporaryDirectory(prefix="ragtrain-export-") as hf_dir:
         # The HF model inside the BiEncoder, saved the transformers way; sentence-transformers reads it back.
-        encoder.backbone.save_pretrained(hf_dir)
+        with_pooler(encoder.backbone, r, cfg.seed).save_pretrained(hf_dir)
         load_tokenizer(r).save_pretrained(hf_dir)
-        # ragtrain drops BERT's [CLS] pooler (it never affects the vectors): don't let the reload add a random one
-        kwargs = {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(
-            type(encoder.backbone).__init__).parameters else {}
-        transformer = Transformer(hf_dir, max_seq_length=r.passage_max_length, model_kwargs=kwargs)
+        transformer = Transformer(hf_dir, max_seq_length=r.passage_max_length)
         mods = [transformer, STPooling(transformer.get_embedding_dimension(),
                                        "cls" if r.pooling == Pooling.cls else "mean")]
         if r.normalize:
@@ -131,6 +127,28 @@ def export_retriever(cfg: Config, weights: dict[str, torch.Tensor], folder: str 
     shutil.rmtree(folder, ignore_errors=True)  # a re-run replaces the export once the new one is complete
     tmp.rename(folder)
     return folder
+
+
+def with_pooler(backbone: Any, r: Any, seed: int) -> Any:
+    """The backbone as its architecture expects it on load: ragtrain drops BERT's [CLS] pooler (mean pooling never
+    reads it), but a folder without it makes every `from_pretrained` report `pooler.* MISSING` and initialise a
+    random one. The pooler comes back from the base checkpoint (seeded for a tiny model); the other weights are
+    the trained ones, checked key by key."""
+    import torch
+    from transformers import AutoModel
+
+    from ragtrain.retriever.encoder import resolve_model_path
+
+    if not hasattr(backbone, "pooler"):  # an architecture without a pooler: nothing to restore
+        return backbone
+    torch.manual_seed(seed)
+    full = type(backbone)(backbone.config) if r.model == "tiny" else AutoModel.from_pretrained(resolve_model_path(r.model))
+    missing, unexpected = full.load_state_dict(backbone.state_dict(), strict=False)
+    extra = [k for k in missing if not k.startswith("pooler.")]
+    if extra or unexpected:
+        raise RuntimeError(f"export: the trained backbone does not match {type(full).__name__} "
+                           f"(missing {extra[:5]}, unexpected {unexpected[:5]})")
+    return full
 
 
 def export_generator(cfg: Config, weights_dir: str | Path, folder: str | Path) -> Path:

@@ -33,6 +33,9 @@ def init_ray(res: ResourcesConfig) -> None:
            # Train V2 gives a worker group 60 s to start; on a loaded laptop importing torch + transformers in
            # every worker can take longer, and the run would fail with WorkerGroupStartupTimeoutError.
            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+    from ragtrain.console import quiet_env
+
+    env.update(quiet_env())  # the console settings (ragtrain.console)
     if os.environ.get("RAY_ADDRESS"):
         # Ship this checkout's ragtrain to the cluster's workers (third-party packages come from the image).
         import ragtrain

@@ -84,8 +84,10 @@ class EncodeBatch:
         import ray
         import torch
 
+        from ragtrain.console import worker_setup
         from ragtrain.retriever.encoder import build_encoder, load_tokenizer
 
+        worker_setup()
         if vector_dtype not in VECTOR_DTYPES:
             raise ValueError(f"vector_dtype={vector_dtype!r} must be one of {list(VECTOR_DTYPES)}")
         if num_threads:  # Ray sets OMP_NUM_THREADS from num_cpus, but torch may have read it already

@@ -25,6 +25,7 @@ from torch import nn
 
 from ragtrain.checkpoint import maybe_inject_fault, restore_in_worker, resume_point, save_train_state
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
+from ragtrain.console import quiet_env
 from ragtrain.config import Config
 from ragtrain.track.mlflow import MetricSink
 
@@ -173,6 +174,9 @@ class Worker:
 
 def _entry(config: dict[str, Any]) -> None:
     """The worker entry point: Train V2 hands workers a dict; the recipe gets its typed arguments."""
+    from ragtrain.console import worker_setup
+
+    worker_setup()  # Ray Train's per-report INFO lines stay out of the console unless -v
     config["loop"](config["args"])
 
 
@@ -225,7 +229,7 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
             callbacks=callbacks or None,
-            worker_runtime_env={"env_vars": WORKER_ENV}),
+            worker_runtime_env={"env_vars": {**WORKER_ENV, **quiet_env()}}),
     )
     result = trainer.fit()
     if result.checkpoint is None:
