@@ -20,6 +20,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ragtrain.console import get_logger
+
+log = get_logger(__name__)
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used: corrupt, incomplete, or written by a different run layout."""
@@ -126,7 +130,7 @@ def restore_in_worker(storage: str | Path, config: dict[str, Any], rank: int, wo
     if sink is not None:
         sink = replace(sink, skip_logged=True)
     if rank == 0:
-        print(f"[{stage}] resumed at step {step} from {path}", flush=True)
+        log.info(f"[{stage}] resumed at step {step} from {path}")
     return step, extra, sink
 
 
@@ -145,7 +149,7 @@ def maybe_inject_fault(kill_at: int, kill_rank: int, output_dir: str, stage: str
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text("killed")
-    print(f"[fault] {stage} rank {rank} exits at step {step} (fault.kill_worker_at_step)", flush=True)
+    log.info(f"[fault] {stage} rank {rank} exits at step {step} (fault.kill_worker_at_step)")
     os._exit(1)
 
 

@@ -411,6 +411,9 @@ class Config:
     resume_allow_changes: list[str] = field(default_factory=list)
     # write <output_dir>/export (sentence-transformers retriever, transformers generator) and log them to MLflow
     export: bool = True
+    # write <output_dir>/ray_timeline.json at the end: Ray's timeline of every task and actor method of the run
+    # (open it in chrome://tracing or https://ui.perfetto.dev)
+    profile: bool = False
 
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]

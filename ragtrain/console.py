@@ -21,6 +21,7 @@ QUIET_LOGGERS = ("faiss", "ray.data", "ray.train", "ray.tune", "mlflow", "transf
 def configure(verbose: bool) -> None:
     """Quiet the libraries unless `verbose`; call before they are imported (the environment is read at import)."""
     if verbose:
+        get_logger("ragtrain").setLevel(logging.DEBUG)
         return
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
@@ -51,3 +52,47 @@ def worker_setup() -> None:
 def quiet_env() -> dict[str, str]:
     """The console settings of this process, for a Ray process's runtime_env (empty under -v)."""
     return {k: os.environ[k] for k in QUIET_ENV if k in os.environ}
+
+
+class _Stdout(logging.StreamHandler):
+    """A handler on whatever sys.stdout is now (pytest and Ray swap it), printing the bare message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def get_logger(name: str) -> logging.Logger:
+    """ragtrain's logger for a module: INFO lines print as plain lines on stdout (as `print` did), DEBUG with -v;
+    `attach_run_log` also writes them, timestamped, into the run's folder."""
+    root = logging.getLogger("ragtrain")
+    if not any(isinstance(h, _Stdout) for h in root.handlers):
+        root.addHandler(_Stdout())
+        root.setLevel(logging.INFO)
+        root.propagate = False  # Hydra's root handler would print every line a second time, prefixed
+    return logging.getLogger(name)
+
+
+def attach_run_log(out_dir) -> logging.Handler:
+    """Append ragtrain's log lines (driver side) to <out_dir>/ragtrain.log; detach the returned handler at the end."""
+    from pathlib import Path
+
+    get_logger("ragtrain")
+    handler = logging.FileHandler(Path(out_dir) / "ragtrain.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("ragtrain").addHandler(handler)
+    return handler
+
+
+def detach_run_log(handler: logging.Handler) -> None:
+    """Stop writing the run's log file (the end of `pipeline.run`)."""
+    logging.getLogger("ragtrain").removeHandler(handler)
+    handler.close()

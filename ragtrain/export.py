@@ -19,6 +19,9 @@ import torch
 from omegaconf import OmegaConf
 
 from ragtrain.config import Config, Pooling
+from ragtrain.console import get_logger
+
+log = get_logger(__name__)
 
 EXPORT_DIR = "export"
 RETRIEVER_DIR = "retriever"
@@ -99,7 +102,11 @@ def export_retriever(cfg: Config, weights: dict[str, torch.Tensor], folder: str 
                      card: Optional[str] = None) -> Path:
     """Write the bi-encoder with `weights` as a sentence-transformers folder (and `card` as its README.md)."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling as STPooling, Transformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Normalize,
+        Transformer,
+    )
+    from sentence_transformers.sentence_transformer.modules import Pooling as STPooling
 
     from ragtrain.retriever.encoder import build_encoder, load_tokenizer
 
@@ -181,6 +188,6 @@ def export_run(cfg: Config, weights: Optional[dict[str, torch.Tensor]], out: Pat
         exported["generator"] = export_generator(cfg, gen_weights, root / GENERATOR_DIR)
         logger.log_generator_model(exported["generator"])
     for name, path in exported.items():
-        print(f"[export] {name}: {path.resolve()}")
+        log.info(f"[export] {name}: {path.resolve()}")
     sys.stdout.flush()
     return exported

@@ -11,9 +11,21 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from ragtrain.config import Config, ConfigError, DataConfig, DataSource, LoggerBackend, RetrieverConfig, to_flat_dict
+from ragtrain.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    DataSource,
+    LoggerBackend,
+    RetrieverConfig,
+    to_flat_dict,
+)
+from ragtrain.console import attach_run_log, detach_run_log, get_logger
 from ragtrain.data import RetrievalData, load_beir, make_synthetic
 from ragtrain.index.retrieval import Retrieval
+
+log = get_logger(__name__)
+
 
 def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
               out_dir: Optional[Path] = None) -> RetrievalData:
@@ -22,7 +34,12 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
     `retriever` (its tokenizer) is needed for data.chunk.enabled; `out_dir` receives the generated documents
     (data.generate=true; a temporary folder when None).
     """
-    from ragtrain.corpus.dataset import check_chunk_budget, check_corpus_ids, chunk_data, load_documents
+    from ragtrain.corpus.dataset import (
+        check_chunk_budget,
+        check_corpus_ids,
+        chunk_data,
+        load_documents,
+    )
 
     if cfg.source == DataSource.synthetic:
         return make_synthetic(num_entities=cfg.num_entities, seed=cfg.seed, split=cfg.split)
@@ -51,7 +68,7 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
     if cfg.chunk.enabled:
         n_docs = len(data.corpus)
         data = chunk_data(data, tokenizer, cfg.chunk.max_tokens, cfg.chunk.overlap)
-        print(f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {cfg.chunk.max_tokens} tokens "
+        log.info(f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {cfg.chunk.max_tokens} tokens "
               f"(overlap {cfg.chunk.overlap})")
     return data
 
@@ -121,6 +138,18 @@ def check_qrels(data: RetrievalData) -> None:
                             "relevant passages need grade >= 1 in qrels/<split>.tsv")
 
 
+def write_timeline(out: Path, logger) -> Path:
+    """profile=true: Ray's Chrome-trace timeline of this run's tasks and actor calls, into the output folder and
+    the MLflow run."""
+    import ray
+
+    path = out / "ray_timeline.json"
+    ray.timeline(filename=str(path))
+    logger.log_artifact(path)
+    log.info(f"[profile] Ray timeline: {path} (chrome://tracing or https://ui.perfetto.dev)")
+    return path
+
+
 def parameter_mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Element-wise mean of several replicas' weights (non-float entries are taken from the first)."""
     return {
@@ -158,14 +187,11 @@ def run(
     every log window, so schedulers see learning curves) and its sweep's `parent_run_id` (MLflow child run).
     """
     from ragtrain.cluster.resources import check_config, init_ray
-    from ragtrain.retriever.batching import TrainData, build_examples
-    from ragtrain.retriever.encoder import build_encoder
     from ragtrain.index.shards import save_atomic
+    from ragtrain.retriever.batching import TrainData, build_examples
+    from ragtrain.retriever.encoder import build_encoder, check_model_offline
     from ragtrain.retriever.train import fit_retriever, save_weights
-    from ragtrain.track.mlflow import RunLogger
-
-    from ragtrain.retriever.encoder import check_model_offline
-    from ragtrain.track.mlflow import check_tracking_uri, tracking_uri
+    from ragtrain.track.mlflow import RunLogger, check_tracking_uri, tracking_uri
 
     # Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
     # folder that failed them is never taken for a run by resume=true.
@@ -181,7 +207,7 @@ def run(
         from ragtrain.generator.stage import preflight
 
         preflight(cfg, data, out)
-    print(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
+    log.info(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
           f"{len(data.eval_qrels)} {data.split} queries")
     init_ray(cfg.resources)
     # Infeasible requests fail in seconds, not as a pending hang; with live refresh the trainer and the pool run at
@@ -197,10 +223,11 @@ def run(
     if logger.enabled:
         run_file.write_text(logger.run_id or "")
     if logger.enabled and os.environ.get("RAY_ADDRESS") and logger.uri.startswith(("sqlite:", "file:")):
-        print(f"warning: RAY_ADDRESS is set but MLflow logs to a local store ({logger.uri}); rank 0 may run on "
+        log.warning(f"RAY_ADDRESS is set but MLflow logs to a local store ({logger.uri}); rank 0 may run on "
               "another node: set logger.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server")
     status = "FAILED"
-    cleanup: list = []
+    run_log = attach_run_log(out)  # ragtrain's lines of this run, timestamped, in <output_dir>/ragtrain.log
+    cleanup: list = [lambda: detach_run_log(run_log)]
     try:
         if resume_id is None:  # a resumed run keeps the params it was started with
             logger.log_params(to_flat_dict(cfg))
@@ -257,7 +284,7 @@ def run(
                     save_weights(state, out / "encoder", name=f"replica_{r}")
             save_weights_path = save_weights(weights, out / "encoder")
             encoder_name = f"{cfg.retriever.model}@{save_weights_path}"
-            print(f"[retriever] {fit.steps} steps in {fit.seconds:.1f}s; weights: {save_weights_path}")
+            log.info(f"[retriever] {fit.steps} steps in {fit.seconds:.1f}s; weights: {save_weights_path}")
             results["train"] = {"seconds": fit.seconds, "steps": fit.steps, **fit.metrics}
 
         built = None
@@ -298,19 +325,21 @@ def run(
                 sink.skip_logged = cfg.resume  # a resumed run already holds the phases finished before
                 sink.log({prefix + k: v for k, v in m.items()}, step=0 if phase == "zeroshot" else step)
         if cfg.export and ({"retriever", "index"} & set(cfg.stages) or "generator" in cfg.stages):
-            from ragtrain.export import export_run  # <output_dir>/export: sentence-transformers + HF folders
+            from ragtrain.export import (
+                export_run,  # <output_dir>/export: sentence-transformers + HF folders
+            )
 
             encoded = bool({"retriever", "index"} & set(cfg.stages))  # this run trained or indexed with `weights`
             export_run(cfg, weights if encoded else None, out, f"{data.name}: {len(data.corpus)} passages, "
                        f"{len(data.train_qrels)} training queries, evaluated on {len(data.eval_qrels)} {data.split} "
                        "queries", summary_table(results), logger)
-        print(f"\n== {cfg.experiment_name}: {data.name} split={data.split} index={cfg.index.factory} ==")
-        print(summary_table(results))
+        log.info(f"\n== {cfg.experiment_name}: {data.name} split={data.split} index={cfg.index.factory} ==")
+        log.info(summary_table(results))
         if "train" in results:
             t = results["train"]
-            print(f"training: {t['steps']:.0f} steps, {t['train/samples_per_s']:.1f} samples/s, "
+            log.info(f"training: {t['steps']:.0f} steps, {t['train/samples_per_s']:.1f} samples/s, "
                   f"{t['comm/bytes_per_step'] / 1e6:.2f} MB sent/step/worker, comm time share {t['comm/time_share']:.2f}")
-        print(f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else ""))
+        log.info(f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else ""))
         status = "FINISHED"
         write_status(out, "complete")
         return results
@@ -320,5 +349,7 @@ def run(
     finally:
         for fn in cleanup:
             fn()
+        if cfg.profile:  # a failed run's timeline is the one most worth reading
+            write_timeline(out, logger)
         logger.end(status)
 

@@ -7,23 +7,26 @@ from pathlib import Path
 import pandas as pd
 
 from ragtrain.config import Config
+from ragtrain.console import get_logger
 from ragtrain.pipeline import run
 from ragtrain.track.report import comparison_frame, write_comparison
+
+log = get_logger(__name__)
 
 
 def run_sync_compare(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFrame:
     """Train + index + evaluate once per strategy (one MLflow run each), then write the comparison table."""
     rows = []
     for name, cfg in variants.items():
-        print(f"\n######## variant: {name} ########")
+        log.info(f"\n######## variant: {name} ########")
         results = run(cfg)
         rows.append({"strategy": name, **results["trained"], **results["train"]})
     df = comparison_frame(rows)
     first = next(iter(variants.values()))
     files = write_comparison(df, out_dir, f"{first.experiment_name}: {first.data.source.value} split={first.data.split}")
     _log_comparison(first, files)
-    print("\n" + df.to_markdown(index=False, floatfmt=".4g"))
-    print(f"comparison: {', '.join(str(f) for f in files)}")
+    log.info("\n" + df.to_markdown(index=False, floatfmt=".4g"))
+    log.info(f"comparison: {', '.join(str(f) for f in files)}")
     return df
 
 

@@ -45,6 +45,14 @@ def test_outputs_written(quickstart_run) -> None:
     index = load_index(out / "index", expect_dim=cfg.retriever.tiny.hidden_size, expect_corpus=data.fingerprint())
     assert index.index.ntotal == len(data.corpus)
     assert index.meta.encoder_step == cfg.retriever.train.max_steps
+    # the run's own log lines, timestamped, next to its outputs
+    log = (out / "ragtrain.log").read_text()
+    assert "[zeroshot] encoding" in log and "ndcg@10" in log and "outputs:" in log
+    assert json.loads((out / "status.json").read_text())["status"] == "complete"
+    # profile=true: Ray's timeline holds the run's Ray Data encode actors and Train workers
+    events = json.loads((out / "ray_timeline.json").read_text())
+    cats = {e.get("cat", "") for e in events}  # "task::<class>.<method>" per actor call
+    assert any("EncodeBatch" in c for c in cats) and any("RayTrainWorker" in c for c in cats), sorted(cats)[:30]
 
 
 @pytest.mark.integration
@@ -113,8 +121,9 @@ def test_whole_rag_loop_through_the_pipeline(ray_session, tmp_path) -> None:
 
 def test_generator_alone_needs_a_saved_index(tmp_path) -> None:
     cfg = to_typed(compose(["experiment=rag_quickstart", *tiny_overrides(tmp_path), "stages=[generator]"]))
-    with pytest.raises(FileNotFoundError, match="needs a retrieval index and there is none"):
+    with pytest.raises(ConfigError, match="generator.retrieval.index_dir: .*needs a retrieval index and there is none"):
         run(cfg)
+    assert not (Path(cfg.output_dir) / "config.yaml").exists()  # a failed check leaves no run behind
 
 
 @pytest.mark.slow  # a pipeline run of its own (the default suite shares one: conftest.quickstart_run)

@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ragtrain.config import Config, ConfigError
+from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
 from ragtrain.generator.config import GenPrecision
 from ragtrain.generator.train import GenData, GenExample
+
+log = get_logger(__name__)
 
 PHASES = {"closed_book": "gen_closed_book", "rag": "gen_rag", "oracle": "gen_oracle"}
 
@@ -165,7 +168,7 @@ def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, built:
                       for k, v in r.items()}, step=fit.steps)
         logger.log_artifact(out_dir / "generator" / "metrics.json", "generator")
         logger.log_artifact(out_dir / "generator" / "predictions.json", "generator")
-    print(f"\n== generator: {g.arch.value} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "
+    log.info(f"\n== generator: {g.arch.value} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "
           f"questions, top_k={g.retrieval.top_k} ==")
-    print(summary_table(results))
+    log.info(summary_table(results))
     return results

@@ -11,7 +11,9 @@ import ray
 import torch
 
 from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
+from ragtrain.console import get_logger
 
+log = get_logger(__name__)
 
 SHARDS_PER_ACTOR = 8  # load balance: the pool hands out small shards as actors free up
 MAX_SHARD_RETRIES = 3  # a shard whose actor dies goes to another actor, at most this many times
@@ -175,7 +177,7 @@ class EncoderPool:
                 attempts[sid] += 1
                 if attempts[sid] > MAX_SHARD_RETRIES:
                     raise RuntimeError(f"shard {sid} failed {attempts[sid]} times (last: {e}); giving up") from None
-                print(f"[pool] an encoder actor died on shard {sid}; retrying it and starting a replacement")
+                log.info(f"[pool] an encoder actor died on shard {sid}; retrying it and starting a replacement")
                 self.retried_shards += 1
                 todo.appendleft(sid)
                 idle.append(self._replace(actor))

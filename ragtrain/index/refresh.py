@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ragtrain.config import Config
+from ragtrain.console import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -300,7 +303,7 @@ class LiveIndexClient:
             self.refreshes += 1
         elif "error" in stats:
             self.failures += 1
-            print(f"[index] refresh from step {stats['step']} failed, the old index stays live: {stats['error']}")
+            log.info(f"[index] refresh from step {stats['step']} failed, the old index stays live: {stats['error']}")
         return stats
 
     def due(self, step: int, drift: Optional[float]) -> bool:

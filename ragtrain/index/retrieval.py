@@ -16,9 +16,12 @@ import numpy as np
 import torch
 
 from ragtrain.config import Config
+from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import passage_qrels
 from ragtrain.data import RetrievalData
 from ragtrain.eval.retrieval import evaluate, maxp_run, run_from_scores
+
+log = get_logger(__name__)
 
 # Chunked corpora: retrieve this many passages per wanted document, so MaxP still leaves index.top_k documents
 MAXP_DEPTH_FACTOR = 10
@@ -100,7 +103,10 @@ class Retrieval:
 
         from ragtrain.corpus.encode import EncodeFault, encode_to_shards, encoder_dim
         from ragtrain.index.faiss_index import build_configured
-        from ragtrain.index.shards import build_configured_from_shards, check_index_config
+        from ragtrain.index.shards import (
+            build_configured_from_shards,
+            check_index_config,
+        )
         from ragtrain.sync.vector_avg import consensus_vectors
 
         cfg, idx = self.cfg, self.cfg.index
@@ -114,7 +120,7 @@ class Retrieval:
         passages = self.passages()
         sets = []
         for i, weights in enumerate(snapshots):
-            print(f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data ({cfg.resources.pool.num_actors} actors)")
+            log.info(f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data ({cfg.resources.pool.num_actors} actors)")
             sets.append(encode_to_shards(
                 (self.doc_ids, passages), ray.put(weights), cfg.retriever, idx, cfg.resources.pool,
                 vec_dir / (tag if len(snapshots) == 1 else f"{tag}_{i}"), vector_dtype=idx.vector_dtype,

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ragtrain.config import LoggerBackend, LoggerConfig
+from ragtrain.console import get_logger
+
+log = get_logger(__name__)
 
 MAX_PARAM_LEN = 6000  # MLflow's param value limit (older servers: 500; we truncate long values explicitly)
 
@@ -242,7 +245,7 @@ class RunLogger:
                 pass
             version = registry.create_model_version(register_as, uri, run_id=self.run_id)
             self.set_tags({"ragtrain.registered_model": f"models:/{register_as}/{version.version}"})
-            print(f"[export] registered the retriever as models:/{register_as}/{version.version}")
+            log.info(f"[export] registered the retriever as models:/{register_as}/{version.version}")
         return uri
 
     def log_generator_model(self, folder: str | Path) -> Optional[str]:

@@ -23,11 +23,18 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from ragtrain.checkpoint import maybe_inject_fault, restore_in_worker, resume_point, save_train_state
+from ragtrain.checkpoint import (
+    maybe_inject_fault,
+    restore_in_worker,
+    resume_point,
+    save_train_state,
+)
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
-from ragtrain.console import quiet_env
 from ragtrain.config import Config
+from ragtrain.console import get_logger, quiet_env
 from ragtrain.track.mlflow import MetricSink
+
+log = get_logger(__name__)
 
 
 def total_steps(max_steps: int, epochs: float, num_examples: int, global_batch: int) -> int:
@@ -132,8 +139,7 @@ class Worker:
 
         with self.not_training():
             if self.rank == 0:
-                print(f"[{self.stage}] step {step}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
-                      flush=True)
+                log.info(f"[{self.stage}] step {step}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),)
                 if self.sink is not None:
                     self.sink.log(metrics, step)
             if report and self.args.report_intermediate:
@@ -211,10 +217,10 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
     start = time.perf_counter()
     start_from, meta = resume_or_none(cfg, args.stage)
     if meta.get("final"):
-        print(f"[{args.stage}] resume: the stage finished before ({start_from}); using its results")
+        log.info(f"[{args.stage}] resume: the stage finished before ({start_from}); using its results")
         return Fitted(start_from, meta["summary"], str(start_from), 0.0, True)
     if start_from is not None:
-        print(f"[{args.stage}] resume from step {meta['step']}: {start_from}")
+        log.info(f"[{args.stage}] resume from step {meta['step']}: {start_from}")
         args = replace(args, resume_from=str(start_from))
     r = cfg.resources.trainer
     trainer = TorchTrainer(

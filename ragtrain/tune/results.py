@@ -9,6 +9,7 @@ from typing import Any, Optional
 import pandas as pd
 from omegaconf import OmegaConf
 
+from ragtrain.console import get_logger
 from ragtrain.tune import space as sp
 from ragtrain.tune.trial import (
     DONE_KEY,
@@ -21,6 +22,8 @@ from ragtrain.tune.trial import (
     normalize_metric,
     trial_config,
 )
+
+log = get_logger(__name__)
 
 DONE = ("TERMINATED", "ERROR")
 
@@ -149,22 +152,22 @@ def finish(plan: SweepPlan, parent: Optional[str]) -> SweepResult:
     if parent:
         logger = RunLogger(LoggerConfig(tracking_uri=plan.tracking_uri), "", run_id=parent)
         logger.log_artifact(plan.out_dir / "trials.csv")
-    print("\n" + df.drop(columns=["error"]).to_markdown(index=False, floatfmt=".4g"))
+    log.info("\n" + df.drop(columns=["error"]).to_markdown(index=False, floatfmt=".4g"))
     result = SweepResult(parent, plan.experiment_path, df, None, None, [], interrupted)
     if interrupted:
-        print(f"[tune] interrupted: {int((df['status'].isin(DONE)).sum())}/{expected_trials(plan)} trials done. Continue with: "
+        log.info(f"[tune] interrupted: {int((df['status'].isin(DONE)).sum())}/{expected_trials(plan)} trials done. Continue with: "
               f"python -m ragtrain <same overrides> output_dir={plan.out_dir} resume=true")
         return result
     best = best_trial(df, metric, t.mode)
     finished = [tr for tr in trials if (tr.last_result or {}).get(DONE_KEY)]
     if best is None and finished:  # e.g. a misspelled tune.metric: say what the trials did report
         names = sorted(k for k in finished[0].last_result if "/" in k)
-        print(f"warning: no finished trial reported tune.metric={t.metric!r}; they reported: {names}")
+        log.warning(f"no finished trial reported tune.metric={t.metric!r}; they reported: {names}")
     if best is not None:
         values = {k: best[k] for k in ctx.keys}
         result.best = {"trial_id": best["trial_id"], "values": values, "metric": float(best[metric])}
         result.best_config = write_best_config(plan, ctx, values, best["trial_id"])
-        print(f"[tune] best trial {best['trial_id']} ({sp.describe(values, ctx.keys)}): {metric} = {best[metric]:.4f}"
+        log.info(f"[tune] best trial {best['trial_id']} ({sp.describe(values, ctx.keys)}): {metric} = {best[metric]:.4f}"
               f"\n[tune] best config: {result.best_config}")
         if logger is not None:
             logger.log_artifact(result.best_config)
@@ -178,6 +181,6 @@ def finish(plan: SweepPlan, parent: Optional[str]) -> SweepResult:
                                         title=f"{plan.cfg.experiment_name} sweep")
         for f in result.report:
             logger.log_artifact(f, "report")
-        print(f"[tune] report: {', '.join(str(f) for f in result.report)}")
+        log.info(f"[tune] report: {', '.join(str(f) for f in result.report)}")
     return result
 

@@ -22,6 +22,7 @@ from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from ragtrain.config import Config, ConfigError, to_flat_dict
+from ragtrain.console import get_logger
 from ragtrain.tune import space as sp
 from ragtrain.tune.results import close_orphans, finish
 from ragtrain.tune.trial import (  # noqa: F401  (re-exported: the sweep's public names stay importable from here)
@@ -37,6 +38,8 @@ from ragtrain.tune.trial import (  # noqa: F401  (re-exported: the sweep's publi
     normalize_metric,
     trial_config,
 )
+
+log = get_logger(__name__)
 
 # Reported at every log window while training (what ASHA can act on); everything else (trained/..., run/...,
 # any later pipeline phase) is reported once, when the trial's pipeline ends.
@@ -129,7 +132,7 @@ def check_resources(plan: SweepPlan) -> int:
     if t.max_concurrent_trials is None:
         return fits
     if t.max_concurrent_trials > fits:
-        print(f"warning: tune.max_concurrent_trials={t.max_concurrent_trials} but only {fits} trial(s) of {need} fit "
+        log.warning(f"tune.max_concurrent_trials={t.max_concurrent_trials} but only {fits} trial(s) of {need} fit "
               "the cluster now: the others wait for resources (fine when an autoscaler adds nodes)")
     return t.max_concurrent_trials
 
@@ -186,7 +189,7 @@ class PlacementGroupReaper(Callback):
         for trial_id in self.ended:
             n = remove_recorded_placement_groups(Path(self.out_dir, "trials", trial_id))
             if n:
-                print(f"[tune] removed {n} placement group(s) left by trial {trial_id}")
+                log.info(f"[tune] removed {n} placement group(s) left by trial {trial_id}")
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info) -> None:
         self._reap()
@@ -308,7 +311,7 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
                                       callbacks=[PlacementGroupReaper(str(plan.out_dir)), *(callbacks or [])],
                                       failure_config=tune.FailureConfig(max_failures=0)),
         )
-    print(f"[tune] {len(plan.params)} swept key(s), up to {concurrency} trial(s) at once; "
+    log.info(f"[tune] {len(plan.params)} swept key(s), up to {concurrency} trial(s) at once; "
           f"parent run {parent}; Tune state: {plan.experiment_path}")
     status = "FAILED"
     try:
