@@ -149,6 +149,12 @@ class RetrieverTrainConfig:
     precision: Precision = Precision.fp32  # bf16 = autocast on CPU / GPU
     grad_clip: float = 1.0
     log_every: int = 5
+    # validation during training (rank 0, every val_every steps, a multiple of log_every; 0 = off): dev nDCG@10 of the
+    # encoder being trained on val_queries dev queries against their relevant passages plus random ones up to
+    # val_passages, logged and reported to Tune as val/ndcg@10 so schedulers judge retrieval, not the loss
+    val_every: int = 0
+    val_queries: int = 100
+    val_passages: int = 2000
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -166,6 +172,11 @@ class RetrieverTrainConfig:
             self.hard_negative_depth,
         )
         _check(self.log_every > 0, k + "log_every", "must be > 0", self.log_every)
+        _check(self.val_every >= 0 and (self.val_every % self.log_every == 0), k + "val_every",
+               f"must be 0 (off) or a multiple of {k}log_every ({self.log_every}): it is reported with a log window",
+               self.val_every)
+        _check(self.val_queries > 0, k + "val_queries", "must be > 0", self.val_queries)
+        _check(self.val_passages > 0, k + "val_passages", "must be > 0", self.val_passages)
         _check(self.hard_negative_margin is None or 0 <= self.hard_negative_margin < 1, k + "hard_negative_margin",
                "must be in [0, 1) (or null: off)", self.hard_negative_margin)
         _check(self.cache_chunk_size >= 0, k + "cache_chunk_size", "must be > 0 (or 0: off)", self.cache_chunk_size)

@@ -191,6 +191,7 @@ def run(
     from ragtrain.retriever.batching import TrainData, build_examples
     from ragtrain.retriever.encoder import build_encoder, check_model_offline
     from ragtrain.retriever.train import fit_retriever, save_weights
+    from ragtrain.retriever.validation import make_val_set
     from ragtrain.track.mlflow import RunLogger, check_tracking_uri, tracking_uri
 
     # Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
@@ -266,10 +267,12 @@ def run(
                 sink = logger.sink()
                 if sink is not None and cfg.resume:
                     sink.skip_logged = True  # steps before the interruption are already in the run
+                t = cfg.retriever.train
+                val = make_val_set(data, t.val_queries, t.val_passages, cfg.seed) if t.val_every else None
                 fit = fit_retriever(
                     cfg, TrainData(retrieval.passages(), examples), weights, sink, resume=cfg.resume,
                     callbacks=train_callbacks, report_intermediate=report_intermediate,
-                    index_service=service, probe=probe,
+                    index_service=service, probe=probe, val=val,
                 )
             finally:
                 refresh_report = retrieval.stop_service(service) if service is not None else None

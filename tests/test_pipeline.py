@@ -56,6 +56,20 @@ def test_outputs_written(quickstart_run) -> None:
 
 
 @pytest.mark.integration
+def test_validation_during_training_equals_the_final_evaluation(quickstart_run) -> None:
+    """retriever.train.val_every: with every passage and every dev query in the sample, rank 0's dev nDCG@10 of its
+    replica at the last step is the trained index's (fp32 both; ddp keeps replicas equal)."""
+    from mlflow.tracking import MlflowClient
+
+    cfg, results, tmp = quickstart_run
+    client = MlflowClient(cfg.logger.tracking_uri)
+    exp = client.get_experiment_by_name(cfg.logger.experiment_name)
+    run = client.search_runs([exp.experiment_id])[0]
+    val = client.get_metric_history(run.info.run_id, "val/ndcg_at_10")
+    assert [m.step for m in val] == [2, 4]  # every 2 steps, with the log window
+    assert val[-1].value == pytest.approx(results["trained"]["ndcg@10"], abs=1e-6)
+
+
 def test_mlflow_run_read_back(quickstart_run) -> None:
     cfg, results, tmp = quickstart_run
     client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
@@ -71,7 +85,7 @@ def test_mlflow_run_read_back(quickstart_run) -> None:
         assert r.data.metrics[f"{phase}/ndcg_at_10"] == pytest.approx(results[phase]["ndcg@10"])
     # Per-step training metrics, logged by rank 0 only (one point per logged step, no duplicates).
     loss = client.get_metric_history(r.info.run_id, "train/loss")
-    assert [m.step for m in loss] == [4]
+    assert [m.step for m in loss] == [2, 4]  # log_every=2
     assert client.get_metric_history(r.info.run_id, "train/samples_per_s")[0].value > 0
     artifacts = {a.path for a in client.list_artifacts(r.info.run_id)}
     assert {"config.yaml", "metrics.json", "index_meta.json"} <= artifacts

@@ -20,6 +20,7 @@ from ragtrain.config import Config
 from ragtrain.retriever.batching import TrainData, local_batch
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
+from ragtrain.retriever.validation import ValSet, validate
 from ragtrain.retriever.gradcache import cached_step
 from ragtrain.retriever.lora import apply_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
@@ -116,6 +117,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     if start_step:  # after the weights: e.g. async_ps re-anchors each worker at its restored replica
         strategy.load_state_dict(sync_state)
 
+    val: Optional[ValSet] = w.get("val") if args.refs.get("val") is not None else None  # retriever.train.val_every
     live: Optional[LiveIndexClient] = None
     if args.refs.get("index_service") is not None:  # refresh.enabled: hard negatives from the live index
         # Rank 0 broadcasts each step's index version where the strategy has per-step collectives anyway;
@@ -199,6 +201,10 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
                 "comm/time_share": (comm_s - last_comm_s) / elapsed,
                 **strategy.state(),
             }
+            if val is not None and rank == 0 and (done % t.val_every == 0 or done == steps):
+                with w.not_training():  # rank 0 encodes the validation sample: not training time
+                    metrics.update(validate(encoder, tokenizer, val, cfg.retriever.query_max_length,
+                                            cfg.retriever.passage_max_length, t.precision, device))
             last_bytes, last_comm_s = comm_bytes, comm_s
             w.log(metrics, done, steps, report=True)  # Tune trials see every window
             window_n, window_loss = 0, 0.0
@@ -260,6 +266,7 @@ def fit_retriever(
     index_service=None,
     probe: Optional[Probe] = None,
     resume: bool = False,
+    val: Optional[ValSet] = None,
 ) -> FitResult:
     """Driver: train the bi-encoder on the harness with resources.trainer workers; return the final weights."""
     import ray
@@ -268,7 +275,8 @@ def fit_retriever(
     # fails here, on the driver, if the data is too small for one global batch
     steps = total_steps(t.max_steps, t.epochs, len(data.examples), t.batch_size * r.num_workers)
     cfg = replace(cfg, resume=resume)
-    refs = {"data": ray.put(data), "weights": ray.put(init_weights), "index_service": index_service, "probe": probe}
+    refs = {"data": ray.put(data), "weights": ray.put(init_weights), "index_service": index_service, "probe": probe,
+            "val": ray.put(val) if val is not None else None}
     args = WorkerArgs(cfg, "retriever", cpus_per_worker=r.cpus_per_worker, sink=sink,
                       report_intermediate=report_intermediate, refs=refs)
     done = fit(train_loop_per_worker, args, num_workers=r.num_workers, callbacks=callbacks)

@@ -43,7 +43,7 @@ log = get_logger(__name__)
 
 # Reported at every log window while training (what ASHA can act on); everything else (trained/..., run/...,
 # any later pipeline phase) is reported once, when the trial's pipeline ends.
-WINDOW_PREFIXES = ("train/", "comm/", "drift/", "sync/")
+WINDOW_PREFIXES = ("train/", "comm/", "drift/", "sync/", "val/")
 UNCAPPED_T = 10**6  # ASHA needs a max_t for its rungs; a trial reaching it would be stopped before its evaluation
 
 
@@ -64,6 +64,10 @@ def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
     if t.scheduler == "asha" and not normalize_metric(t.asha_metric).startswith(WINDOW_PREFIXES):
         raise ConfigError(f"tune.asha_metric must be reported at every log window (starting with "
                           f"{list(WINDOW_PREFIXES)}, e.g. train/loss), got {t.asha_metric!r}")
+    tr = cfg.retriever.train
+    if normalize_metric(t.asha_metric).startswith("val/") and tr.val_every != tr.log_every:
+        raise ConfigError(f"tune.asha_metric={t.asha_metric!r} is reported only when validation runs: set "
+                          f"retriever.train.val_every={tr.log_every} (= retriever.train.log_every), got {tr.val_every}")
     if t.scheduler == "asha" and "retriever" not in cfg.stages:
         raise ConfigError("tune.scheduler=asha needs the retriever stage (it stops trials on their training curves)")
     params = sp.parse_space(t.space)
