@@ -26,6 +26,9 @@ def _plan(tmp_path: Path, *extra: str):
 def test_sync_sweep_experiment_composes(tmp_path: Path) -> None:
     cfg = to_typed(compose(["experiment=sync_sweep", f"output_dir={tmp_path}"]))
     assert cfg.tune is not None and cfg.tune.scheduler == "asha" and cfg.experiment_name == "sync_sweep"
+    # ASHA judges dev nDCG@10 measured every log window, not the training loss
+    assert (cfg.tune.asha_metric, cfg.tune.asha_mode) == ("val/ndcg@10", "max")
+    assert cfg.retriever.train.val_every == cfg.retriever.train.log_every
     plan = plan_sweep(cfg, CONF_DIR)
     assert [p.key for p in plan.params] == ["sync", "retriever.train.lr"]
     assert plan.base["tune"] is None and plan.base["resume"] is False  # trials are plain runs
