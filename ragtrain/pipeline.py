@@ -69,7 +69,7 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
         n_docs = len(data.corpus)
         data = chunk_data(data, tokenizer, cfg.chunk.max_tokens, cfg.chunk.overlap)
         log.info(f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {cfg.chunk.max_tokens} tokens "
-              f"(overlap {cfg.chunk.overlap})")
+                 f"(overlap {cfg.chunk.overlap})")
     return data
 
 
@@ -209,7 +209,7 @@ def run(
 
         preflight(cfg, data, out)
     log.info(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
-          f"{len(data.eval_qrels)} {data.split} queries")
+             f"{len(data.eval_qrels)} {data.split} queries")
     init_ray(cfg.resources)
     # Infeasible requests fail in seconds, not as a pending hang; with live refresh the trainer and the pool run at
     # the same time, so they must fit the cluster together. Without retriever training the trainer is not placed.
@@ -225,7 +225,7 @@ def run(
         run_file.write_text(logger.run_id or "")
     if logger.enabled and os.environ.get("RAY_ADDRESS") and logger.uri.startswith(("sqlite:", "file:")):
         log.warning(f"RAY_ADDRESS is set but MLflow logs to a local store ({logger.uri}); rank 0 may run on "
-              "another node: set logger.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server")
+                    "another node: set logger.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server")
     status = "FAILED"
     run_log = attach_run_log(out)  # ragtrain's lines of this run, timestamped, in <output_dir>/ragtrain.log
     cleanup: list = [lambda: detach_run_log(run_log)]
@@ -341,7 +341,7 @@ def run(
         if "train" in results:
             t = results["train"]
             log.info(f"training: {t['steps']:.0f} steps, {t['train/samples_per_s']:.1f} samples/s, "
-                  f"{t['comm/bytes_per_step'] / 1e6:.2f} MB sent/step/worker, comm time share {t['comm/time_share']:.2f}")
+                     f"{t['comm/bytes_per_step'] / 1e6:.2f} MB sent/step/worker, comm time share {t['comm/time_share']:.2f}")
         log.info(f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else ""))
         status = "FINISHED"
         write_status(out, "complete")

@@ -169,6 +169,6 @@ def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, built:
         logger.log_artifact(out_dir / "generator" / "metrics.json", "generator")
         logger.log_artifact(out_dir / "generator" / "predictions.json", "generator")
     log.info(f"\n== generator: {g.arch.value} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "
-          f"questions, top_k={g.retrieval.top_k} ==")
+             f"questions, top_k={g.retrieval.top_k} ==")
     log.info(summary_table(results))
     return results

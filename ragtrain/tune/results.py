@@ -156,7 +156,7 @@ def finish(plan: SweepPlan, parent: Optional[str]) -> SweepResult:
     result = SweepResult(parent, plan.experiment_path, df, None, None, [], interrupted)
     if interrupted:
         log.info(f"[tune] interrupted: {int((df['status'].isin(DONE)).sum())}/{expected_trials(plan)} trials done. Continue with: "
-              f"python -m ragtrain <same overrides> output_dir={plan.out_dir} resume=true")
+                 f"python -m ragtrain <same overrides> output_dir={plan.out_dir} resume=true")
         return result
     best = best_trial(df, metric, t.mode)
     finished = [tr for tr in trials if (tr.last_result or {}).get(DONE_KEY)]
@@ -168,7 +168,7 @@ def finish(plan: SweepPlan, parent: Optional[str]) -> SweepResult:
         result.best = {"trial_id": best["trial_id"], "values": values, "metric": float(best[metric])}
         result.best_config = write_best_config(plan, ctx, values, best["trial_id"])
         log.info(f"[tune] best trial {best['trial_id']} ({sp.describe(values, ctx.keys)}): {metric} = {best[metric]:.4f}"
-              f"\n[tune] best config: {result.best_config}")
+                 f"\n[tune] best config: {result.best_config}")
         if logger is not None:
             logger.log_artifact(result.best_config)
             logger.log_metrics({f"best/{metric}": float(best[metric])})

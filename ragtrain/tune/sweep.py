@@ -137,7 +137,7 @@ def check_resources(plan: SweepPlan) -> int:
         return fits
     if t.max_concurrent_trials > fits:
         log.warning(f"tune.max_concurrent_trials={t.max_concurrent_trials} but only {fits} trial(s) of {need} fit "
-              "the cluster now: the others wait for resources (fine when an autoscaler adds nodes)")
+                    "the cluster now: the others wait for resources (fine when an autoscaler adds nodes)")
     return t.max_concurrent_trials
 
 
@@ -316,7 +316,7 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
                                       failure_config=tune.FailureConfig(max_failures=0)),
         )
     log.info(f"[tune] {len(plan.params)} swept key(s), up to {concurrency} trial(s) at once; "
-          f"parent run {parent}; Tune state: {plan.experiment_path}")
+             f"parent run {parent}; Tune state: {plan.experiment_path}")
     status = "FAILED"
     try:
         tuner.fit()
