@@ -37,10 +37,13 @@ def quiet_loggers() -> None:
     """Library loggers to WARNING: in the driver (configure) and in Ray workers when RAGTRAIN_QUIET=1."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    # Ray Train's worker context logs every report (a TrainingReport dump) under a logger named by its file path
-    from ray.train.v2._internal.execution import context
+    # Ray Train's worker context logs every report (a TrainingReport dump) under a logger named by its file path.
+    # An internal module: where a Ray version moves it, those lines simply stay.
+    import importlib.util
 
-    context.logger.setLevel(logging.WARNING)
+    name = "ray.train.v2._internal.execution.context"
+    if importlib.util.find_spec(name) is not None:
+        importlib.import_module(name).logger.setLevel(logging.WARNING)
 
 
 def worker_setup() -> None:
