@@ -38,12 +38,11 @@ def quiet_loggers() -> None:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     # Ray Train's worker context logs every report (a TrainingReport dump) under a logger named by its file path.
-    # An internal module: where a Ray version moves it, those lines simply stay.
-    import importlib.util
-
-    name = "ray.train.v2._internal.execution.context"
-    if importlib.util.find_spec(name) is not None:
-        importlib.import_module(name).logger.setLevel(logging.WARNING)
+    # Only where Train has loaded it (its workers; an encode actor need not import Ray Train for this), and an
+    # internal module: where a Ray version moves it, those lines simply stay.
+    context = sys.modules.get("ray.train.v2._internal.execution.context")
+    if context is not None and hasattr(context, "logger"):
+        context.logger.setLevel(logging.WARNING)
 
 
 def worker_setup() -> None:
