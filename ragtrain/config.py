@@ -12,7 +12,7 @@ import copy
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -545,17 +545,21 @@ def _has_key(cfg: DictConfig, dotted: str) -> bool:
     return True
 
 
+def flatten(node: Any, prefix: str = "") -> dict[str, str]:
+    """A nested config container (dicts of plain values) as dotted keys with string values."""
+    if isinstance(node, dict):
+        return {k: v for key, sub in node.items() for k, v in flatten(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
+    return {prefix: str(node.value if isinstance(node, Enum) else node)}
+
+
+def changed_keys(before: dict[str, str], after: dict[str, str], allowed: Sequence[str] = ()) -> list[str]:
+    """Dotted keys whose values differ between two flat configs, except `allowed` keys or groups (a prefix)."""
+    return sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)
+                  and not any(k == a or k.startswith(a + ".") for a in allowed))
+
+
 def to_flat_dict(cfg: Config) -> dict[str, str]:
     """Flatten the typed config to dotted keys (for MLflow params)."""
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        else:
-            out[prefix] = str(node.value if isinstance(node, Enum) else node)
-
-    walk("", OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    out = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     out["sync.strategy"], out["sync.label"] = cfg.sync.strategy, cfg.sync.label  # derived, for tables (compare.py)
     return out

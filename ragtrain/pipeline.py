@@ -18,6 +18,8 @@ from ragtrain.config import (
     DataSource,
     LoggerBackend,
     RetrieverConfig,
+    changed_keys,
+    flatten,
     to_flat_dict,
 )
 from ragtrain.console import attach_run_log, detach_run_log, get_logger
@@ -111,18 +113,11 @@ def check_resume(cfg: Config, out: Path) -> None:
         raise ConfigError(f"resume=true but output_dir={str(out)!r} holds no earlier run (no config.yaml): "
                           "point output_dir at the interrupted run's folder")
 
-    def flat(node, prefix: str = "") -> dict:
-        if isinstance(node, dict):
-            return {k: v for key, sub in node.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
-        return {prefix[:-1]: node}
-
-    saved = flat(OmegaConf.to_container(OmegaConf.load(saved_file)))
-    now = flat(OmegaConf.to_container(OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(cfg)))))
-    allowed = tuple(RESUME_IGNORED) + tuple(cfg.resume_allow_changes)
-    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k, "<unset>") != now.get(k, "<unset>")
-              and not any(k == a or k.startswith(a + ".") for a in allowed)]
+    saved = flatten(OmegaConf.to_container(OmegaConf.load(saved_file)))
+    now = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    differ = changed_keys(saved, now, tuple(RESUME_IGNORED) + tuple(cfg.resume_allow_changes))
     if differ:
-        shown = "; ".join(f"{k}: {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in differ[:8])
+        shown = "; ".join(f"{k}: {saved.get(k, '<unset>')} -> {now.get(k, '<unset>')}" for k in differ[:8])
         more = f" (and {len(differ) - 8} more)" if len(differ) > 8 else ""
         raise ConfigError(f"resume=true: the run in {saved_file} was started with another config ({shown}{more}); "
                           "resume with its config, or accept these keys with resume_allow_changes=[...]")

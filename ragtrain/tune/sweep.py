@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from ragtrain.config import Config, ConfigError, to_flat_dict
+from ragtrain.config import Config, ConfigError, changed_keys, to_flat_dict
 from ragtrain.console import get_logger
 from ragtrain.tune import space as sp
 from ragtrain.tune.results import close_orphans, finish
@@ -255,9 +255,7 @@ def _start(plan: SweepPlan) -> Optional[str]:
             raise ConfigError(f"resume=true but {plan.out_dir} holds no sweep to resume: pass output_dir=<the "
                               "interrupted sweep's output_dir>")
         saved = json.loads(state.read_text())
-        allowed = tuple(cfg.resume_allow_changes)  # keys or whole groups the user accepts as changed
-        changed = sorted(k for k in set(flat) | set(saved["config"]) if flat.get(k) != saved["config"].get(k)
-                         and not any(k == a or k.startswith(a + ".") for a in allowed))
+        changed = changed_keys(saved["config"], flat, cfg.resume_allow_changes)  # keys or groups the user accepts
         if changed:
             raise ConfigError(f"resume=true with a different config than the interrupted sweep: {changed[:10]}")
         parent = saved["parent_run_id"]
