@@ -9,6 +9,11 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray Train's controller polls its workers every 2 s and starts a preemption-watcher actor per run: a finished run is
+# noticed up to 2 s late and each fit pays one more actor start. Tests fit ~30 trainers, so poll often and skip the
+# watcher (tests never drain nodes). Set before Ray starts: the controller reads them from its inherited environment.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 import pytest
 
