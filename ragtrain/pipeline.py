@@ -30,11 +30,13 @@ log = get_logger(__name__)
 
 
 def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
-              out_dir: Optional[Path] = None) -> RetrievalData:
+              out_dir: Optional[Path] = None, store: bool = True) -> RetrievalData:
     """The configured dataset: the synthetic KB, a BEIR folder or a documents folder, chunked when configured.
 
     `retriever` (its tokenizer) is needed for data.chunk.enabled; `out_dir` receives the generated documents
-    (data.generate=true; a temporary folder when None).
+    (data.generate=true; a temporary folder when None) and, with `store`, the corpus as a `PassageStore`
+    (`<out_dir>/corpus/passages.arrow`): corpus files and chunks stream into it, and every later stage reads texts
+    from it, so the driver keeps ids and metadata only. Without `out_dir` (or `store=False`) the corpus is a dict.
     """
     from ragtrain.corpus.dataset import (
         check_chunk_budget,
@@ -42,9 +44,16 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
         chunk_data,
         load_documents,
     )
+    from ragtrain.data.store import write_store
 
+    corpus_dir = Path(out_dir) / "corpus" if (out_dir is not None and store) else None
+    # Chunked corpora keep the documents in their own store; the passages store is what the run reads
+    docs_store = (corpus_dir / ("documents.arrow" if cfg.chunk.enabled else "passages.arrow")) if corpus_dir else None
     if cfg.source == DataSource.synthetic:
-        return make_synthetic(num_entities=cfg.num_entities, seed=cfg.seed, split=cfg.split)
+        data = make_synthetic(num_entities=cfg.num_entities, seed=cfg.seed, split=cfg.split)
+        if corpus_dir is not None:
+            data.corpus = write_store(corpus_dir / "passages.arrow", data.corpus.values())
+        return data
     if cfg.chunk.enabled:  # a chunk the encoder would truncate is a config error: check before reading anything
         if retriever is None:
             raise ValueError("load_data: data.chunk.enabled needs the retriever config (its tokenizer)")
@@ -54,7 +63,7 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
         check_chunk_budget(cfg.chunk.max_tokens, tokenizer.model_max_length, retriever.passage_max_length)
     if cfg.source == DataSource.beir:
         assert cfg.root is not None  # checked by DataConfig
-        data = load_beir(cfg.root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed)
+        data = load_beir(cfg.root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, store_path=docs_store)
         check_corpus_ids(data, cfg.root)
     else:
         root = cfg.root
@@ -66,10 +75,12 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
             root = str(Path(out_dir or tempfile.mkdtemp(prefix="ragtrain-docs-")) / "docs")
             write_docs_synthetic(root, num_entities=cfg.num_entities, seed=cfg.seed)
         assert root is not None  # checked by DataConfig
-        data, _ = load_documents(root, cfg.glob, cfg.on_error.value, cfg.split, cfg.dev_size, cfg.seed)
+        data, _ = load_documents(root, cfg.glob, cfg.on_error.value, cfg.split, cfg.dev_size, cfg.seed,
+                                 store_path=docs_store)
     if cfg.chunk.enabled:
         n_docs = len(data.corpus)
-        data = chunk_data(data, tokenizer, cfg.chunk.max_tokens, cfg.chunk.overlap)
+        data = chunk_data(data, tokenizer, cfg.chunk.max_tokens, cfg.chunk.overlap,
+                          store_path=corpus_dir / "passages.arrow" if corpus_dir else None)
         log.info(f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {cfg.chunk.max_tokens} tokens "
                  f"(overlap {cfg.chunk.overlap})")
     return data

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -57,12 +58,16 @@ def encoder_weights(cfg: Config, encoder: str, out: Path) -> list:
         raise SearchError(f"{out / 'index' / 'index_meta.json'}: {e}") from None
 
 
-def passage_texts(cfg: Config, out: Path) -> dict[str, Any]:
-    """Passages by id, reloaded the way the run loaded them ({} with a note on stderr when that fails)."""
+def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
+    """Passages by id: the run's passage store (`<out>/corpus/passages.arrow`, read on demand), or for a run
+    folder without one, reloaded the way the run loaded them ({} with a note on stderr when that fails)."""
+    from ragtrain.data.store import PassageStore
     from ragtrain.pipeline import load_data
 
+    if (out / "corpus" / "passages.arrow").is_file():
+        return PassageStore(out / "corpus" / "passages.arrow")
     try:
-        return dict(load_data(cfg.data, cfg.retriever, out).corpus)
+        return load_data(cfg.data, cfg.retriever, out, store=False).corpus
     except Exception as e:  # the data moved or changed: scores and ids are still right, texts are not available
         print(f"note: passage texts unavailable ({type(e).__name__}: {str(e).splitlines()[0]})", file=sys.stderr)
         return {}

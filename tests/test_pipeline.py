@@ -44,6 +44,11 @@ def test_outputs_written(quickstart_run) -> None:
     data = make_synthetic(num_entities=cfg.data.num_entities, seed=cfg.data.seed)
     index = load_index(out / "index", expect_dim=cfg.retriever.tiny.hidden_size, expect_corpus=data.fingerprint())
     assert index.index.ntotal == len(data.corpus)
+    # the corpus the run read: a passage store in the run folder (Ray Data's read tasks and the trainers read it)
+    from ragtrain.data.store import PassageStore
+
+    store = PassageStore(out / "corpus" / "passages.arrow")
+    assert list(store) == list(data.corpus) and store.fingerprint() == data.fingerprint()
     assert index.meta.encoder_step == cfg.retriever.train.max_steps
     # the run's own log lines, timestamped, next to its outputs
     log = (out / "ragtrain.log").read_text()

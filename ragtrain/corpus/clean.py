@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from ragtrain.data.types import DataError
 
-__all__ = ["check_id", "clean", "clean_text", "content_hash", "dedupe"]
+__all__ = ["check_id", "clean", "clean_text", "content_hash", "dedupe", "dedupe_stream"]
 
 _SPACES = re.compile(r"[^\S\n]+")  # any whitespace but a newline (tabs, NBSP, thin spaces, ...)
 _BLANKS = re.compile(r"\n{3,}")
@@ -58,10 +58,15 @@ def content_hash(doc: dict[str, str]) -> str:
 
 def dedupe(docs: Iterable[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, str]]:
     """(kept documents in order, {dropped id: kept id}) for cleaned docs; repeated ids raise DataError."""
-    kept: list[dict[str, str]] = []
+    dropped: dict[str, str] = {}
+    return list(dedupe_stream(docs, dropped)), dropped
+
+
+def dedupe_stream(docs: Iterable[dict[str, str]], dropped: dict[str, str]) -> Iterator[dict[str, str]]:
+    """Yield the cleaned docs whose content is new, recording {dropped id: kept id} in `dropped` as it goes; only
+    ids and content hashes are kept, so a corpus of any size streams through. Repeated ids raise DataError."""
     source_of: dict[str, str] = {}
     first_with: dict[str, str] = {}
-    dropped: dict[str, str] = {}
     for doc in docs:
         if doc["id"] in source_of:
             raise DataError(f"duplicate document id {doc['id']!r}: in {source_of[doc['id']]} and in {doc['source']}")
@@ -71,5 +76,4 @@ def dedupe(docs: Iterable[dict[str, str]]) -> tuple[list[dict[str, str]], dict[s
             dropped[doc["id"]] = first_with[digest]
             continue
         first_with[digest] = doc["id"]
-        kept.append(doc)
-    return kept, dropped
+        yield doc

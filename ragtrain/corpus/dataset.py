@@ -2,50 +2,63 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from ragtrain.data.beir import load_beir
+from ragtrain.data.store import write_store
 from ragtrain.data.types import DataError, Passage, RetrievalData
 from ragtrain.errors import ConfigError
 
 from .chunk import chunk_document
-from .clean import check_id, clean, dedupe
+from .clean import check_id, clean, dedupe_stream
 from .read import FileError, list_documents, read_file
 
 __all__ = ["check_chunk_budget", "check_corpus_ids", "chunk_data", "load_documents", "passage_qrels"]
 
 
 def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail", split: str = "dev",
-                   dev_size: float = 100, seed: int = 0,
-                   log: Callable[[str], None] = print) -> tuple[RetrievalData, dict[str, int]]:
-    """(whole-document RetrievalData, report counts) of a documents folder with queries.jsonl + qrels/<split>.tsv."""
+                   dev_size: float = 100, seed: int = 0, log: Callable[[str], None] = print,
+                   store_path: str | Path | None = None) -> tuple[RetrievalData, dict[str, int]]:
+    """(whole-document RetrievalData, report counts) of a documents folder with queries.jsonl + qrels/<split>.tsv.
+
+    Files are read, cleaned and deduplicated one at a time; with `store_path` the documents stream into a
+    `PassageStore` there (only ids and content hashes stay in memory), else into a dict.
+    """
     if on_error not in ("fail", "skip"):
         raise ConfigError(f"data.on_error must be one of ['fail', 'skip'], got {on_error!r}")
     root = Path(root)
     files = list_documents(root, glob)
-    docs, skipped = [], []
-    for path in files:
-        try:
-            # list() so a file failing half-way contributes nothing (all of it or none of it)
-            docs.extend(clean(d) for d in list(read_file(path, root)))
-        except FileError as e:
-            if on_error == "fail":
-                raise DataError(f"{e} (data.on_error=fail; data.on_error=skip skips such files)") from None
-            skipped.append(str(e))
+    skipped: list[str] = []
+    read = [0]
+
+    def documents() -> Iterator[dict[str, str]]:
+        for path in files:
+            try:
+                # a list per file, so a file failing half-way contributes nothing (all of it or none of it)
+                docs = [clean(d) for d in read_file(path, root)]
+            except FileError as e:
+                if on_error == "fail":
+                    raise DataError(f"{e} (data.on_error=fail; data.on_error=skip skips such files)") from None
+                skipped.append(str(e))
+                continue
+            read[0] += len(docs)
+            yield from docs
+
+    dropped: dict[str, str] = {}
+    kept = (Passage(id=d["id"], title=d["title"], text=d["text"]) for d in dedupe_stream(documents(), dropped))
+    corpus: Mapping[str, Passage] = ({p.id: p for p in kept} if store_path is None else write_store(store_path, kept))
     for msg in skipped[:5]:
         log(f"[data] skipped {msg}")
-    if not docs:
+    if not len(corpus):
         raise DataError(f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
                         f"({len(skipped)} skipped with data.on_error=skip)")
-    kept, dropped = dedupe(docs)
-    corpus = {d["id"]: Passage(id=d["id"], title=d["title"], text=d["text"]) for d in kept}
     data = load_beir(root, split=split, dev_size=dev_size, seed=seed, corpus=corpus, doc_alias=dropped)
     check_corpus_ids(data, str(root))
-    report = {"files": len(files), "skipped_files": len(skipped), "documents": len(docs),
+    report = {"files": len(files), "skipped_files": len(skipped), "documents": read[0],
               "duplicates_dropped": len(dropped)}
-    log(f"[data] {root}: {len(files)} files, {len(docs)} documents, {len(dropped)} exact duplicates dropped, "
+    log(f"[data] {root}: {len(files)} files, {read[0]} documents, {len(dropped)} exact duplicates dropped, "
         f"{len(skipped)} files skipped")
     return data, report
 
@@ -67,16 +80,22 @@ def check_chunk_budget(max_tokens: int, model_max: int, passage_max_length: int,
                           f"got {max_tokens}")
 
 
-def chunk_data(data: RetrievalData, tokenizer: Any, max_tokens: int, overlap: int) -> RetrievalData:
-    """The same dataset with every document split into chunk passages; qrels stay on documents (doc_of)."""
-    corpus: dict[str, Passage] = {}
+def chunk_data(data: RetrievalData, tokenizer: Any, max_tokens: int, overlap: int,
+               store_path: str | Path | None = None) -> RetrievalData:
+    """The same dataset with every document split into chunk passages; qrels stay on documents (doc_of).
+    Documents are read and chunked one at a time; with `store_path` the chunks stream into a `PassageStore`."""
     doc_of: dict[str, str] = {}
-    for doc in data.corpus.values():
-        record = {"id": doc.id, "title": doc.title, "text": doc.text, "source": f"document {doc.id!r}"}
-        for c in chunk_document(record, tokenizer, max_tokens, overlap):
-            corpus[c["id"]] = Passage(id=c["id"], title=c["title"], text=c["text"], doc_id=doc.id,
-                                      start=c["start"], end=c["end"])
-            doc_of[c["id"]] = doc.id
+
+    def chunks() -> Iterator[Passage]:
+        for doc in data.corpus.values():
+            record = {"id": doc.id, "title": doc.title, "text": doc.text, "source": f"document {doc.id!r}"}
+            for c in chunk_document(record, tokenizer, max_tokens, overlap):
+                doc_of[c["id"]] = doc.id
+                yield Passage(id=c["id"], title=c["title"], text=c["text"], doc_id=doc.id, start=c["start"],
+                              end=c["end"])
+
+    corpus: Mapping[str, Passage] = ({p.id: p for p in chunks()} if store_path is None
+                                     else write_store(store_path, chunks()))
     return RetrievalData(name=data.name, corpus=corpus, queries=data.queries, train_qrels=data.train_qrels,
                          eval_qrels=data.eval_qrels, split=data.split, answers=data.answers, doc_of=doc_of)
 

@@ -275,6 +275,33 @@ def rows_dataset(ids: Sequence[str], texts: Sequence[str], rows_per_block: int =
     return ray.data.from_items([{"id": str(i), "text": t} for i, t in zip(ids, texts)], override_num_blocks=blocks)
 
 
+def _read_range(batch: dict[str, np.ndarray], path: str) -> dict[str, np.ndarray]:
+    """Ray Data: rows [start, stop) of a PassageStore as {id, text} (the full text that is embedded)."""
+    from ragtrain.data.store import PassageStore
+
+    store = PassageStore(path)
+    ids: list[str] = []
+    texts: list[str] = []
+    for start, stop in zip(batch["start"].tolist(), batch["stop"].tolist()):
+        i, t = store.slice_texts(start, stop)
+        ids += i
+        texts += t
+    return {"id": np.array(ids, dtype=object), "text": np.array(texts, dtype=object)}
+
+
+def store_dataset(store: Any, rows_per_block: int = 4096):
+    """A Ray Data dataset of rows {id, text} read from a `PassageStore` by the read tasks, `rows_per_block` rows a
+    block: the driver sends row ranges, never texts (the store file must be readable where the tasks run)."""
+    import ray
+
+    n = len(store)
+    ranges = [{"start": s, "stop": min(n, s + rows_per_block)} for s in range(0, n, rows_per_block)]
+    # The read tasks take a fraction of a CPU, like the write tasks: an encode pool may hold the rest of the cluster
+    return ray.data.from_items(ranges, override_num_blocks=len(ranges)).map_batches(
+        _read_range, fn_kwargs={"path": str(store.path)}, batch_size=1, batch_format="numpy",
+        num_cpus=IO_CPU_RESERVE / 2)
+
+
 def encode_to_shards(
     rows: Any,
     weights_ref: Any,
@@ -293,8 +320,8 @@ def encode_to_shards(
 ) -> ShardSet:
     """Encode a dataset of rows {id, text} into parquet shards under `out_dir` (replaced if it exists).
 
-    rows: a `ray.data.Dataset` with columns id and text (streamed: read -> clean -> chunk -> encode -> write), or a
-    (ids, texts) pair of lists. weights_ref: an ObjectRef of the encoder's state dict (`ray.put` once). The actor
+    rows: a `ray.data.Dataset` with columns id and text (streamed: read -> clean -> chunk -> encode -> write), a
+    `PassageStore` (read by Ray Data tasks a range at a time), or an (ids, texts) pair of lists. weights_ref: an ObjectRef of the encoder's state dict (`ray.put` once). The actor
     pool: `pool.num_actors` actors x `actor_cpus(pool)` CPUs (+ `num_gpus_per_actor`, + custom resources such as
     index_node), `index.shard_size` rows per call, `index.batch_size` texts per forward pass, `index.precision`.
     """
@@ -302,8 +329,13 @@ def encode_to_shards(
 
     if vector_dtype not in VECTOR_DTYPES:
         raise ValueError(f"vector_dtype={vector_dtype!r} must be one of {list(VECTOR_DTYPES)}")
+    from ragtrain.data.store import PassageStore
+
     per_call = index.shard_size
-    if isinstance(rows, tuple):  # in-memory lists: one block per call, and a small corpus still feeds every actor
+    if isinstance(rows, PassageStore):  # a small corpus still feeds every actor
+        per_call = max(1, min(per_call, -(-len(rows) // pool.num_actors)))
+        rows = store_dataset(rows, rows_per_block=per_call)
+    elif isinstance(rows, tuple):  # in-memory lists: one block per call, and a small corpus still feeds every actor
         per_call = max(1, min(per_call, -(-len(rows[0]) // pool.num_actors)))
         rows = rows_dataset(*rows, rows_per_block=per_call)
     out = Path(out_dir).resolve()

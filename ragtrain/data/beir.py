@@ -33,7 +33,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -101,13 +101,22 @@ def _read_jsonl(
         yield lineno, obj
 
 
-def _read_corpus(path: Path) -> dict[str, Passage]:
-    """Parse a BEIR corpus file into ``{doc id: Passage}`` in file order."""
-    corpus = {
-        obj["_id"]: Passage(id=obj["_id"], title=obj.get("title", ""), text=obj["text"])
-        for _, obj in _read_jsonl(path, required=("_id", "text"), optional=("title",))
-    }
-    if not corpus:
+def _corpus_passages(path: Path) -> Iterator[Passage]:
+    """The passages of a BEIR corpus file in file order, one line at a time."""
+    for _, obj in _read_jsonl(path, required=("_id", "text"), optional=("title",)):
+        yield Passage(id=obj["_id"], title=obj.get("title", ""), text=obj["text"])
+
+
+def _read_corpus(path: Path, store_path: Path | None = None) -> Mapping[str, Passage]:
+    """Parse a BEIR corpus file into ``{doc id: Passage}`` in file order: a dict, or with `store_path` a
+    `PassageStore` written line by line (the corpus is never in memory)."""
+    if store_path is None:
+        corpus: Mapping[str, Passage] = {p.id: p for p in _corpus_passages(path)}
+    else:
+        from .store import write_store
+
+        corpus = write_store(store_path, _corpus_passages(path))
+    if not len(corpus):
         raise DataError(f"{path}: corpus is empty (no passages)")
     return corpus
 
@@ -157,7 +166,7 @@ def _read_qrels(path: Path, doc_alias: dict[str, str] | None = None) -> Qrels:
     return qrels
 
 
-def _check_ids(path: Path, qrels: Qrels, corpus: dict[str, Passage], queries: dict[str, str]) -> None:
+def _check_ids(path: Path, qrels: Qrels, corpus: Mapping[str, Passage], queries: dict[str, str]) -> None:
     """Raise one DataError listing qrels ids absent from the queries or the corpus."""
     bad_q = [q for q in qrels if q not in queries]
     bad_d: dict[str, None] = {}  # dict as an ordered set: first-seen order, no duplicates
@@ -194,11 +203,13 @@ def _dev_count(dev_size: int | float, n_train: int, train_path: Path) -> int:
 
 
 def load_beir(root: str | Path, split: str = "dev", dev_size: int | float = 100, seed: int = 0,
-              corpus: dict[str, Passage] | None = None, doc_alias: dict[str, str] | None = None) -> RetrievalData:
+              corpus: Mapping[str, Passage] | None = None, doc_alias: dict[str, str] | None = None,
+              store_path: str | Path | None = None) -> RetrievalData:
     """Load a BEIR-format folder, carving a dev split from train when there is no qrels/dev.tsv.
 
     With ``corpus`` (a folder of raw documents, ragtrain/corpus) no corpus file is read and qrels ids are checked
-    against that corpus; ``doc_alias`` maps dropped duplicate document ids to the kept ones.
+    against that corpus; ``doc_alias`` maps dropped duplicate document ids to the kept ones. With ``store_path``
+    the corpus file streams into a `PassageStore` there instead of a dict.
     """
     root = Path(root)
     if not root.exists():
@@ -229,7 +240,7 @@ def load_beir(root: str | Path, split: str = "dev", dev_size: int | float = 100,
 
     if corpus is None:
         assert corpus_path is not None
-        corpus = _read_corpus(corpus_path)
+        corpus = _read_corpus(corpus_path, Path(store_path) if store_path is not None else None)
     queries, answers = _read_queries(queries_path)
 
     train: Qrels = {}

@@ -8,6 +8,7 @@ depend on them without pulling in heavy imports.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["DataError", "Passage", "RetrievalData"]
@@ -42,7 +43,9 @@ class RetrievalData:
     """A loaded retrieval dataset: corpus, queries, training pairs and the evaluated split."""
 
     name: str
-    corpus: dict[str, Passage]  # doc id -> passage, in file order
+    # doc id -> passage, in file order: a dict (small corpora, tests) or a PassageStore (ragtrain/data/store.py), the
+    # file-backed mapping every run uses so the driver never holds all texts
+    corpus: Mapping[str, Passage]
     queries: dict[str, str]  # query id -> text (all queries in the file)
     train_qrels: dict[str, dict[str, int]]  # qid -> {docid: grade}; train minus dev queries
     eval_qrels: dict[str, dict[str, int]]  # qrels of the evaluated split (``split``)
@@ -58,6 +61,9 @@ class RetrievalData:
         # corpora serialise to the same byte stream (plain separators could be forged
         # by a passage containing the separator). Corpus order is part of the hash on
         # purpose: index row numbers depend on it, so a reordered corpus is a new index.
+        stored = getattr(self.corpus, "fingerprint", None)
+        if stored is not None:  # a PassageStore hashed the same stream when it was written
+            return stored()
         h = hashlib.sha256()
         h.update(len(self.corpus).to_bytes(8, "big"))
         for passage in self.corpus.values():

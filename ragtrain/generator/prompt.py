@@ -14,8 +14,9 @@ question is never cut: a question that alone exceeds the budget is an error, not
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 MIN_PASSAGE_TOKENS = 4  # a passage stub shorter than this carries no fact, only noise
 
@@ -34,6 +35,24 @@ class Template:
 def passage_text(title: str, text: str, include_title: bool) -> str:
     """The text of one passage as it appears in the prompt."""
     return f"{title}: {text}" if include_title and title else text
+
+
+class PromptPassages(Mapping[str, str]):
+    """{passage id: prompt text}, read from the corpus mapping on access (a PassageStore pickles as its path, so
+    the generator workers read the texts they retrieve instead of receiving every passage)."""
+
+    def __init__(self, corpus: Mapping[str, Any], include_title: bool):
+        self.corpus, self.include_title = corpus, include_title
+
+    def __getitem__(self, pid: str) -> str:
+        p = self.corpus[pid]
+        return passage_text(p.title, p.text, self.include_title)
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.corpus)
 
 
 class PromptBuilder:

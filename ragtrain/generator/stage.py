@@ -23,7 +23,7 @@ PHASES = {"closed_book": "gen_closed_book", "rag": "gen_rag", "oracle": "gen_ora
 
 def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
     """Questions with short answers and gold passages (train and the evaluated split), and passage texts."""
-    from ragtrain.generator.prompt import passage_text
+    from ragtrain.generator.prompt import PromptPassages
 
     if not data.answers:
         raise ConfigError(f"the generator stage needs short answers per question, and dataset {data.name!r} has "
@@ -42,8 +42,7 @@ def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
         raise ConfigError(f"the generator stage found {len(train)} training and {len(evaluation)} {data.split} "
                           "questions with answers: it needs both")
     g = cfg.generator
-    passages = {d: passage_text(p.title, p.text, g.include_title) for d, p in data.corpus.items()}
-    return GenData(train, evaluation, passages)
+    return GenData(train, evaluation, PromptPassages(data.corpus, g.include_title))
 
 
 def preflight(cfg: Config, data: RetrievalData, out_dir: Optional[Path] = None) -> None:

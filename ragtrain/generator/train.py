@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,8 @@ from ragtrain.generator.model import (
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.retrieval import RetrievalClient
 from ragtrain.schedule import warmup_linear_decay
-from ragtrain.train.harness import WorkerArgs, Worker, fit, total_steps
 from ragtrain.track.mlflow import MetricSink
+from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
 
 WEIGHTS_FILE = "generator.safetensors"
 PREDICTIONS_FILE = "predictions.json"
@@ -54,7 +55,7 @@ class GenExample:
 class GenData:
     train: list[GenExample]
     eval: list[GenExample]
-    passages: dict[str, str]  # doc id -> prompt text of the passage (title applied per generator.include_title)
+    passages: Mapping[str, str]  # doc id -> prompt text of the passage (title applied per generator.include_title)
 
 
 class Sampler:

@@ -69,7 +69,8 @@ def make_shards(texts: Sequence[str], shard_size: int, min_shards: int = 1) -> l
     slowest, and only many small shards let the actor pool balance the load (one 512-doc shard per actor left
     one actor idle half the time on 1,000 SciFact docs).
     """
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
+    lengths = texts.lengths() if hasattr(texts, "lengths") else [len(t) for t in texts]  # a store's view: one pass
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
     size = max(1, min(shard_size, -(-len(order) // max(1, min_shards))))
     return [order[i : i + size] for i in range(0, len(order), size)]
 
@@ -166,7 +167,8 @@ class EncoderPool:
                 sid, actor = todo.popleft(), idle.pop()
                 die = sid == self.fault_shard
                 self.fault_shard = -1 if die else self.fault_shard
-                ref = actor.encode.remote(sid, [texts[i] for i in shards[sid]], max_length, index.batch_size,
+                shard = texts[shards[sid]] if hasattr(texts, "lengths") else [texts[i] for i in shards[sid]]
+                ref = actor.encode.remote(sid, shard, max_length, index.batch_size,
                                           Precision(index.precision).value, die, role)
                 running[ref] = (sid, actor)
             [ref], _ = ray.wait(list(running), num_returns=1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -70,9 +70,13 @@ class Retrieval:
         # Training and mining work on passages: with chunks, every chunk of a judged document carries its grade
         self.train_qrels = passage_qrels(data.train_qrels, data.doc_of)
 
-    def passages(self) -> list[str]:
-        """Every passage's text in corpus order (the encode input and the trainer's passages)."""
-        return [p.full_text() for p in self.data.corpus.values()]
+    def passages(self) -> Sequence[str]:
+        """Every passage's text in corpus order (the trainer's and the live pool's input): a PassageStore's
+        on-demand view (pickled as the store's path), or a list for an in-memory corpus."""
+        from ragtrain.data.store import PassageStore
+
+        corpus = self.data.corpus
+        return corpus.texts() if isinstance(corpus, PassageStore) else [p.full_text() for p in corpus.values()]
 
     @property
     def pool(self):
@@ -117,15 +121,18 @@ class Retrieval:
         if cfg.fault.kill_encode_actor_at_batch >= 0:  # fault injection (tests): one encode actor dies, once per run
             vec_dir.mkdir(parents=True, exist_ok=True)
             fault = EncodeFault(cfg.fault.kill_encode_actor_at_batch, str(vec_dir / ".encode_actor_killed"))
-        passages = self.passages()
+        from ragtrain.data.store import PassageStore
+
+        # A store is read by Ray Data's tasks a range at a time; an in-memory corpus goes in as lists
+        source = self.data.corpus if isinstance(self.data.corpus, PassageStore) else (self.doc_ids, self.passages())
         sets = []
         for i, weights in enumerate(snapshots):
             log.info(f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data ({cfg.resources.pool.num_actors} actors)")
             sets.append(encode_to_shards(
-                (self.doc_ids, passages), ray.put(weights), cfg.retriever, idx, cfg.resources.pool,
+                source, ray.put(weights), cfg.retriever, idx, cfg.resources.pool,
                 vec_dir / (tag if len(snapshots) == 1 else f"{tag}_{i}"), vector_dtype=idx.vector_dtype,
                 fault=fault, num_gpus_per_actor=cfg.resources.pool.gpus_per_actor))
-        del passages
+        del source
         seconds = sum(s.seconds for s in sets)
         if len(sets) == 1:  # FAISS from the shards: the driver never holds the vector matrix
             index = build_configured_from_shards(sets[0], idx, self.fingerprint, encoder_name, step, cfg.seed)

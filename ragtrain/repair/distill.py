@@ -113,7 +113,7 @@ def distill_consensus(retrieval: Any, consensus: Any, mean_weights: dict[str, to
     qids = sorted(retrieval.data.train_qrels)
     qvecs = retrieval.encode_queries(consensus, qids) if qids else corpus_vecs[:0]
     passages = retrieval.passages()
-    texts = passages + [retrieval.data.queries[q] for q in qids]
+    texts = passages[:] + [retrieval.data.queries[q] for q in qids]  # a store's view reads all texts in one take
     roles = ["passage"] * len(passages) + ["query"] * len(qids)
     reference = np.concatenate([corpus_vecs, qvecs]).astype(np.float32)
 

@@ -39,7 +39,7 @@ def test_live_refresh_builds_every_version_on_the_labelled_node(tmp_path: Path) 
     assert res["refresh_nodes"] == [res["labelled_node"]] and res["refreshes"] >= 1
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # a 2-node cluster and three 4-worker trainings (~105 s); node scoping is unit-tested with gloo groups
 def test_node_scoped_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None:
     res = _job(tmp_path / "out", "sync")
     assert res["pool_nodes"] == [res["labelled_node"]]  # the pool landed on the index_node-labelled node

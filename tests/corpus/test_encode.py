@@ -98,6 +98,7 @@ def test_pipeline_refuses_a_bad_index_before_encoding(tmp_path, factory, match) 
     assert not (tmp_path / "out" / "vectors").exists()
 
 
+@pytest.mark.slow  # the same retry as test_killed_encode_actor_every_passage_exactly_once, through a pipeline run
 def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_path) -> None:
     """stages=[index] through pipeline.run with fault.kill_encode_actor_at_batch: the saved index holds every passage
     once, built from the shards under <output_dir>/vectors/zeroshot."""

@@ -32,6 +32,30 @@ def test_documents_folder_composed_and_chunked(tmp_path: Path) -> None:
     assert data.eval_qrels == {"q3": {"c": 1}, "q4": {"sub/b": 1}}  # qrels stay on documents
 
 
+@pytest.mark.parametrize("source", ["documents", "synthetic"])
+def test_run_folder_store_equals_the_in_memory_corpus(tmp_path: Path, source: str) -> None:
+    """With a run folder, load_data streams the corpus (and its chunks) into <out>/corpus/*.arrow: same passages,
+    same order, same fingerprint, same doc_of and qrels as the in-memory load."""
+    from ragtrain.data.store import PassageStore
+
+    if source == "documents":
+        root = small_folder(tmp_path / "docs")
+        cfg = _typed(tmp_path, "data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=8",
+                     "data.chunk.overlap=2")
+    else:
+        cfg = _typed(tmp_path, "retriever=tiny", "data.num_entities=12")
+    memory = load_data(cfg.data, cfg.retriever)
+    stored = load_data(cfg.data, cfg.retriever, tmp_path / "run")
+    assert isinstance(stored.corpus, PassageStore) and not isinstance(memory.corpus, PassageStore)
+    assert stored.corpus.path == (tmp_path / "run" / "corpus" / "passages.arrow").resolve()
+    assert dict(stored.corpus.items()) == dict(memory.corpus) and list(stored.corpus) == list(memory.corpus)
+    assert stored.fingerprint() == memory.fingerprint() and stored.doc_of == memory.doc_of
+    assert (stored.train_qrels, stored.eval_qrels) == (memory.train_qrels, memory.eval_qrels)
+    assert sorted(p.name for p in (tmp_path / "run" / "corpus").iterdir()) == (
+        ["documents.arrow", "documents.arrow.json", "passages.arrow", "passages.arrow.json"] if source == "documents"
+        else ["passages.arrow", "passages.arrow.json"])
+
+
 def test_documents_without_chunking_are_whole_passages(tmp_path: Path) -> None:
     root = small_folder(tmp_path / "docs")
     cfg = _typed(tmp_path, "data=documents", f"data.root={root}", "data.chunk.enabled=false")

@@ -162,7 +162,7 @@ def _assert_same_run(results, losses, clean_results, clean_cfg) -> None:
             assert results[phase][k] == pytest.approx(clean_results[phase][k], abs=1e-6), (phase, k)
 
 
-@pytest.mark.slow  # restarts go through the one harness (ragtrain/train): the retriever's restart test stays in the default suite
+@pytest.mark.slow  # restarts go through the one harness (ragtrain/train), tested with the retriever (make test-slow)
 def test_killed_worker_restarts_from_its_checkpoint_and_matches_a_clean_run(built, stage_run) -> None:
     from ragtrain.checkpoint import fault_marker
 

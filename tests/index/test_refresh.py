@@ -221,7 +221,7 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
         retrieval.release()
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # a training run beside the pool (~50 s); the service swap and rank-0 version rule stay in the default suite
 def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None:
     """A real run: versions increase during training, steps go on while a refresh runs, no stall."""
     from mlflow.tracking import MlflowClient

@@ -54,7 +54,7 @@ def clean(ray_session, tmp_path_factory):
     return cfg, run(cfg)
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # two training runs (~80 s); the async server's restart from a checkpoint stays in the default suite
 def test_killed_worker_restarts_from_checkpoint_and_matches_a_clean_run(clean, tmp_path) -> None:
     clean_cfg, clean_results = clean
     cfg = _cfg(tmp_path, "killed", "fault.max_failures=1", f"fault.kill_worker_at_step={KILL_AT}", "fault.kill_rank=1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 
@@ -59,8 +60,10 @@ def _loop(config: dict) -> None:
     ray.train.report({"step": config["steps"]})
 
 
-# staleness 2 is the same run with a looser bound (make test-slow); 0 is the strictest case
-@pytest.mark.parametrize("max_staleness", [0, pytest.param(2, marks=pytest.mark.slow)])
+# ~22 s each on 2 cores: both in make test-slow; the server's rules are unit-tested with plain objects and its
+# restart (test_async_ps_restart_continues_from_the_checkpointed_server) stays in the default suite
+@pytest.mark.slow
+@pytest.mark.parametrize("max_staleness", [0, 2])
 def test_async_ps_bounded_staleness_and_no_waiting(ray_session, tmp_path, max_staleness: int) -> None:
     """Rank 0 stops after its first step until ranks 1 and 2 have done all 12 of theirs: under any barrier they
     could not, and the run would fail naming the wait. Rank 0's stale pushes afterwards are refused."""
@@ -155,3 +158,22 @@ def test_async_ps_restart_continues_from_the_checkpointed_server(ray_session, tm
     r = torch.load(out, weights_only=True)
     assert r["checkpoint"].abs().max() > 0.5  # the checkpoint holds real progress (3 steps of both ranks)
     torch.testing.assert_close(r["after"], r["checkpoint"] + 0.3, atol=1e-5, rtol=0)
+
+
+def test_server_rules_on_a_plain_object() -> None:
+    """The server's staleness bound, rejection, pull reset, snapshot and restore, without Ray (the class itself)."""
+    from ragtrain.sync.async_ps import ParameterServer
+
+    ps = ParameterServer.__ray_actor_class__(np.zeros(2), world=3, max_staleness=1)
+    assert ps.push(0, np.ones(2)) == (True, 0)  # ranks 1 and 2 are now 1 update behind
+    assert ps.push(1, np.ones(2)) == (True, 1)  # at the bound: applied; rank 2 is now 2 behind
+    assert ps.push(2, np.ones(2)) == (False, 2)  # beyond the bound: refused, nothing applied
+    assert np.array_equal(ps.pull(2), [2.0, 2.0])  # the pull resets rank 2's staleness
+    assert ps.push(2, np.ones(2)) == (True, 0)
+    assert ps.stats() == {"ps/version": 3, "ps/rejected": 1, "ps/max_applied_staleness": 1,
+                          "ps/mean_applied_staleness": pytest.approx(1 / 3)}
+    params, version = ps.snapshot()
+    params += 100  # a snapshot is a copy: the checkpoint cannot alias the live parameters
+    assert version == 3 and np.array_equal(ps.params, [3.0, 3.0])
+    ps.restore(np.full(2, 5.0), 7)
+    assert ps.version == 7 and ps.others_since_pull == [0, 0, 0] and np.array_equal(ps.pull(0), [5.0, 5.0])

@@ -167,7 +167,8 @@ def test_local_sgd_adaptive_period_moves(tmp_path: Path) -> None:
     assert shrink["state"]["sync/period"] < 4  # divergence above target: sync more often
 
 
-@pytest.mark.parametrize("world,topology", [(3, "ring"), (4, "random")])
+# the 4-worker random topology is the same consensus with another mixing matrix (make test-slow)
+@pytest.mark.parametrize("world,topology", [(3, "ring"), pytest.param(4, "random", marks=pytest.mark.slow)])
 def test_gossip_reaches_consensus_when_learning_stops(tmp_path: Path, world: int, topology: str) -> None:
     r = run(tmp_path, world, S("gossip", mixer={"topology": topology, "mixing": 0.5}), steps=40, lr=0.0,
             seed_per_rank=True)
