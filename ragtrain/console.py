@@ -15,6 +15,7 @@ import sys
 # Environment for the driver and every Ray process (forwarded by ragtrain.cluster.resources.init_ray)
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "MLFLOW_LOGGING_LEVEL": "WARNING",
              "RAGTRAIN_QUIET": "1"}
+PG_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 QUIET_LOGGERS = ("faiss", "ray.data", "ray.train", "ray.tune", "mlflow", "transformers", "sentence_transformers")
 
 
@@ -40,13 +41,17 @@ def quiet_loggers() -> None:
     # Ray Train's worker context logs every report (a TrainingReport dump) under a logger named by its file path.
     # Only where Train has loaded it (its workers; an encode actor need not import Ray Train for this), and an
     # internal module: where a Ray version moves it, those lines simply stay.
+    # ragtrain does not install ray[default] (README, "The console and Ray's dashboard"): without the State API, Ray
+    # Train's placement-group cleaner warns at every check that it cannot see its controller (~50 lines a run)
+    logging.getLogger(PG_CLEANER_LOGGER).setLevel(logging.ERROR)
     context = sys.modules.get("ray.train.v2._internal.execution.context")
     if context is not None and hasattr(context, "logger"):
         context.logger.setLevel(logging.WARNING)
 
 
 def worker_setup() -> None:
-    """In a Ray Train worker or actor: the same quiet loggers when the driver asked for them."""
+    """In every Ray worker process of a run (runtime_env's worker_process_setup_hook, cluster/resources.init_ray)
+    and in Train workers and encode actors: the same quiet loggers when the driver asked for them."""
     if os.environ.get("RAGTRAIN_QUIET") == "1":
         quiet_loggers()
 

@@ -36,16 +36,21 @@ def init_ray(res: ResourcesConfig) -> None:
     from ragtrain.console import quiet_env
 
     env.update(quiet_env())  # the console settings (ragtrain.console)
+    # Every worker process of the job, Ray Train's own actors included (its placement-group cleaner), starts with
+    # ragtrain's console settings
+    hook = "ragtrain.console.worker_setup"
     if os.environ.get("RAY_ADDRESS"):
         # Ship this checkout's ragtrain to the cluster's workers (third-party packages come from the image).
         import ragtrain
 
         pkg = str(Path(ragtrain.__file__).resolve().parent)
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env, "py_modules": [pkg]})
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env, "py_modules": [pkg],
+                                                              "worker_process_setup_hook": hook})
     else:
         # address="local": always start our own Ray; a bare ray.init() would join any other local cluster on the
         # machine (found through /tmp/ray) and then refuse num_cpus.
-        ray.init(address="local", num_cpus=res.num_cpus, runtime_env={"env_vars": env})
+        ray.init(address="local", num_cpus=res.num_cpus,
+                 runtime_env={"env_vars": env, "worker_process_setup_hook": hook})
 
 
 def node_capacities() -> list[dict[str, float]]:

@@ -49,33 +49,29 @@ def test_shards_hold_every_passage_once_equal_to_in_process_encoding(ray_session
     assert (again.rows, again.dim, again.files) == (shards.rows, shards.dim, shards.files)
 
 
-def test_float16_shards_are_half_the_size_and_close(ray_session, tmp_path, weights) -> None:
-    ids, texts = _corpus(40, seed=1)
-    index = IndexConfig(batch_size=8, shard_size=16)
-    shards = encode_to_shards((ids, texts), ray_session.put(weights), CFG, index, POOL, tmp_path / "h",
-                              max_length=MAX_LENGTH, vector_dtype="float16")
-    first = next(shards.iter_shards())[1]
-    assert first.dtype == np.float16
-    _, vecs = shards.read_all(order=ids)
-    np.testing.assert_allclose(vecs, _local(weights, texts, index), atol=2e-3)
-
-
 def test_killed_encode_actor_every_passage_exactly_once(ray_session, tmp_path, weights) -> None:
-    """An encode actor dies (os._exit) on its second batch; Ray Data restarts it and retries the batch."""
+    """An encode actor dies (os._exit) on its second batch; Ray Data restarts it and retries the batch. The input is
+    a PassageStore read by Ray Data's tasks (what every run encodes), the shards float16 (one encode run for all)."""
+    from ragtrain.data import Passage
+    from ragtrain.data.store import write_store
     from ragtrain.index.shards import build_from_shards
 
     ids, texts = _corpus(96, seed=2)
+    store = write_store(tmp_path / "passages.arrow", (Passage(i, "", t) for i, t in zip(ids, texts)))
     index = IndexConfig(batch_size=8, shard_size=8)  # 12 batches over 2 actors: the death is mid-pipeline
     marker = tmp_path / "killed"
-    shards = encode_to_shards((ids, texts), ray_session.put(weights), CFG, index, POOL, tmp_path / "k",
-                              max_length=MAX_LENGTH, fault=EncodeFault(at_batch=1, marker=str(marker)))
+    shards = encode_to_shards(store, ray_session.put(weights), CFG, index, POOL, tmp_path / "k",
+                              max_length=MAX_LENGTH, fault=EncodeFault(at_batch=1, marker=str(marker)),
+                              vector_dtype="float16")
     assert marker.exists(), "the injected actor death never fired"
     got = shards.ids()
-    assert len(got) == len(ids) and sorted(got) == ids  # every passage exactly once in the shards
+    # every passage exactly once in the shards (the retried batch lands after the others: the index names its rows)
+    assert len(got) == len(ids) and sorted(got) == ids
+    assert next(shards.iter_shards())[1].dtype == np.float16
     built = build_from_shards(shards, "Flat", "fp", "tiny")
-    assert built.index.ntotal == len(ids) and sorted(built.doc_ids) == ids  # ... and in the index
+    assert built.index.ntotal == len(ids) and sorted(built.doc_ids) == sorted(ids)  # ... and in the index
     _, vecs = shards.read_all(order=ids)
-    np.testing.assert_allclose(vecs, _local(weights, texts, index), atol=1e-5)
+    np.testing.assert_allclose(vecs, _local(weights, texts, index), atol=2e-3)  # float16 rounding
 
 
 def test_empty_dataset_is_refused(ray_session, tmp_path, weights) -> None:

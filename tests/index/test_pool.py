@@ -235,6 +235,7 @@ def test_shutdown_returns_the_actor_cpus(pool, ray_session) -> None:
         ray.get(actors[0].node_id.remote(), timeout=30)
 
 
+@pytest.mark.slow  # ~13 s: a replacement actor's start; the pool serves live refresh, whose training run is slow too
 def test_killed_actor_shard_is_retried_and_every_passage_indexed_once(ray_session, weights, texts) -> None:
     from ragtrain.index.faiss_index import build_index
 

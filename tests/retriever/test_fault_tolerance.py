@@ -85,20 +85,22 @@ def test_interrupted_run_resumes_to_the_same_result(clean, tmp_path) -> None:
     assert client.get_run(run_id).info.status == "FINISHED"  # the same MLflow run, continued and closed
 
 
-def test_corrupt_checkpoint_is_named(clean, tmp_path) -> None:
-    clean_cfg, _ = clean
-    periodic = sorted(Path(clean_cfg.output_dir, "ray", "retriever").glob("checkpoint_*/rank0.safetensors"))
-    assert periodic, "checkpoint.keep=2 keeps the step-8 checkpoint next to the final one"
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for f in periodic[-1].parent.iterdir():
-        (bad / f.name).write_bytes(f.read_bytes())
-    weights = bad / "rank0.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+def test_corrupt_checkpoint_is_named(tmp_path) -> None:
+    """A checkpoint written by the workers' own save_train_state, then truncated: the load names the folder."""
+    from ragtrain.checkpoint import save_train_state
     from ragtrain.retriever.encoder import build_encoder
 
-    enc = build_encoder(clean_cfg.retriever)
+    cfg = _cfg(tmp_path, "unit")
+    enc = build_encoder(cfg.retriever)
     opt = torch.optim.AdamW(enc.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    with pytest.raises(CheckpointError, match="corrupt or incompatible"):
-        load_train_state(bad, 0, 2, enc, opt, sched)
+    good = tmp_path / "checkpoint_000001"
+    good.mkdir()
+    save_train_state(good, 0, 2, 4, enc, opt, sched, extra={"sync": {}})
+    assert load_train_state(good, 0, 2, enc, opt, sched)[0] == 4  # the intact one loads
+    weights = good / "rank0.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(CheckpointError, match=f"checkpoint {good} is corrupt or incompatible"):
+        load_train_state(good, 0, 2, enc, opt, sched)
+    with pytest.raises(CheckpointError, match="written by 2 workers, this run has 3"):
+        load_train_state(good, 0, 3, enc, opt, sched)
