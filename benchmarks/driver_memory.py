@@ -50,9 +50,9 @@ def write_folder(root: Path, n: int) -> None:
         qrels.write("query-id\tcorpus-id\tscore\n")
         for start in range(0, n, 10_000):
             docs = make_docs({"id": np.arange(start, min(n, start + 10_000))})
-            for i, title, text in zip(docs["id"], docs["title"], docs["text"]):
+            for k, (i, title, text) in enumerate(zip(docs["id"], docs["title"], docs["text"]), start=start):
                 corpus.write(json.dumps({"_id": str(i), "title": title, "text": text}) + "\n")
-                if int(i) % every == 0:
+                if k % every == 0:
                     # a query: the passage's text with its first words dropped (a lexical, not exact, match)
                     queries.write(json.dumps({"_id": f"q{i}", "text": " ".join(text.split()[3:])}) + "\n")
                     qrels.write(f"q{i}\t{i}\t1\n")

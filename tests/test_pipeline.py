@@ -53,6 +53,8 @@ def test_outputs_written(quickstart_run) -> None:
     # the run's own log lines, timestamped, next to its outputs
     log = (out / "ragtrain.log").read_text()
     assert "[zeroshot] encoding" in log and "ndcg@10" in log and "outputs:" in log
+    # rank 0's step lines (a Train worker's process) land in the same file, marked as such
+    assert any("[retriever rank 0]" in line and "[retriever] step 4/4" in line for line in log.splitlines()), log
     assert json.loads((out / "status.json").read_text())["status"] == "complete"
     # profile=true: Ray's timeline holds the run's Ray Data encode actors and Train workers
     events = json.loads((out / "ray_timeline.json").read_text())

@@ -180,10 +180,22 @@ class Worker:
 
 def _entry(config: dict[str, Any]) -> None:
     """The worker entry point: Train V2 hands workers a dict; the recipe gets its typed arguments."""
-    from ragtrain.console import worker_setup
+    import ray.train
+
+    from ragtrain.console import attach_run_log, detach_run_log, worker_setup
 
     worker_setup()  # Ray Train's per-report INFO lines stay out of the console unless -v
-    config["loop"](config["args"])
+    args: WorkerArgs = config["args"]
+    # Rank 0's lines (the step lines, resume notes) also go into the run's ragtrain.log, next to the driver's: the
+    # output folder is where every node writes anyway (checkpoints), and appends of whole lines do not interleave
+    run_log = None
+    if ray.train.get_context().get_world_rank() == 0 and Path(args.cfg.output_dir).is_dir():
+        run_log = attach_run_log(args.cfg.output_dir, who=f"{args.stage} rank 0")
+    try:
+        config["loop"](args)
+    finally:
+        if run_log is not None:
+            detach_run_log(run_log)
 
 
 @dataclass
