@@ -44,6 +44,8 @@ def quiet_loggers() -> None:
     # ragtrain does not install ray[default] (README, "The console and Ray's dashboard"): without the State API, Ray
     # Train's placement-group cleaner warns at every check that it cannot see its controller (~50 lines a run)
     logging.getLogger(PG_CLEANER_LOGGER).setLevel(logging.ERROR)
+    # configure() turns Ray Data's bars off when stdout is not a terminal; Ray Data then warns that they are off
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     context = sys.modules.get("ray.train.v2._internal.execution.context")
     if context is not None and hasattr(context, "logger"):
         context.logger.setLevel(logging.WARNING)

@@ -49,8 +49,12 @@ def init_ray(res: ResourcesConfig) -> None:
     else:
         # address="local": always start our own Ray; a bare ray.init() would join any other local cluster on the
         # machine (found through /tmp/ray) and then refuse num_cpus.
+        import logging
+
         ray.init(address="local", num_cpus=res.num_cpus,
-                 runtime_env={"env_vars": env, "worker_process_setup_hook": hook})
+                 runtime_env={"env_vars": env, "worker_process_setup_hook": hook},
+                 # "Started a local Ray instance." is Ray's INFO line; -v keeps it
+                 logging_level=logging.WARNING if os.environ.get("RAGTRAIN_QUIET") == "1" else logging.INFO)
 
 
 def node_capacities() -> list[dict[str, float]]:

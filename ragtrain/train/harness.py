@@ -221,7 +221,7 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
     Workers get the absolute output folder (checkpoint scans and fault markers must not depend on their cwd).
     A stage that had finished before (resume=true finds a final checkpoint) is not trained again.
     """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     cfg = replace(args.cfg, output_dir=str(Path(args.cfg.output_dir).resolve()))
@@ -247,7 +247,10 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
             callbacks=callbacks or None,
-            worker_runtime_env={"env_vars": {**WORKER_ENV, **quiet_env()}}),
+            worker_runtime_env={"env_vars": {**WORKER_ENV, **quiet_env()}},
+            # Ray Train's controller and workers configure their own loggers (worker-group start, process group
+            # set-up): under ragtrain's quiet console they print warnings and errors only; -v shows the rest
+            logging_config=LoggingConfig(log_level="WARNING" if quiet_env() else "INFO")),
     )
     result = trainer.fit()
     if result.checkpoint is None:
