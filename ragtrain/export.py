@@ -158,12 +158,31 @@ def with_pooler(backbone: Any, r: Any, seed: int) -> Any:
     return full
 
 
+def _untie_encoder_decoder_embeddings(hf: Any) -> None:
+    """BERT2BERT with generator.tie_embeddings shares one word-embedding matrix between the encoder and the decoder,
+    a tie `save_pretrained` does not know and refuses to save: give the decoder its own copy (same values, so the
+    exported model computes the same logits) and keep the decoder's own input/output tie, which transformers declares."""
+    from transformers import EncoderDecoderModel
+
+    if not isinstance(hf, EncoderDecoderModel):
+        return
+    enc, dec = hf.encoder.get_input_embeddings(), hf.decoder.get_input_embeddings()
+    if dec.weight is not enc.weight:
+        return
+    copy = torch.nn.Embedding.from_pretrained(enc.weight.detach().clone(), freeze=False, padding_idx=enc.padding_idx)
+    hf.decoder.set_input_embeddings(copy)
+    out = hf.decoder.get_output_embeddings()
+    if out is not None and out.weight is enc.weight:
+        out.weight = copy.weight
+
+
 def export_generator(cfg: Config, weights_dir: str | Path, folder: str | Path) -> Path:
     """Save the generator trained by this run (`<weights_dir>/generator.safetensors`) with `save_pretrained`."""
     from ragtrain.generator.model import load_tokenizer
     from ragtrain.generator.train import load_generator
 
     model = load_generator(cfg, weights_dir)
+    _untie_encoder_decoder_embeddings(model.hf)
     folder = Path(folder)
     shutil.rmtree(folder, ignore_errors=True)
     model.hf.save_pretrained(str(folder))

@@ -210,22 +210,28 @@ def test_search_generate_answers_with_the_runs_generator(finished_run) -> None:
     assert lines[5] == "" and lines[6].startswith("answer:")  # (an untrained generator may answer nothing)
 
 
-def test_generator_export_is_a_plain_transformers_folder(tmp_path: Path) -> None:
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+@pytest.mark.parametrize("generator", ["tiny_t5", "bert2bert_minilm"])
+def test_generator_export_is_a_plain_transformers_folder(tmp_path: Path, generator: str) -> None:
+    """save_pretrained's folder loads with plain transformers and gives the trained model's logits; BERT2BERT's
+    encoder/decoder embedding tie (generator.tie_embeddings) is exported as two equal matrices."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
 
     from ragtrain.export import export_generator
     from ragtrain.generator.model import build_generator, load_tokenizer as gen_tokenizer
     from ragtrain.generator.train import save_generator
 
-    cfg = to_typed(compose(["generator=tiny_t5", f"output_dir={tmp_path}"]))
+    extra = ["generator.encoder_layers=1", "generator.decoder_layers=1"] if generator == "bert2bert_minilm" else []
+    cfg = to_typed(compose([f"generator={generator}", f"output_dir={tmp_path}", *extra]))
     torch.manual_seed(0)
     model = build_generator(cfg.generator, gen_tokenizer(cfg.generator)).eval()
     (tmp_path / "generator").mkdir()
     save_generator(model, tmp_path / "generator")
     folder = export_generator(cfg, tmp_path / "generator", tmp_path / "export" / "generator")
-    hf = AutoModelForSeq2SeqLM.from_pretrained(str(folder)).eval()
+    cls = EncoderDecoderModel if generator == "bert2bert_minilm" else AutoModelForSeq2SeqLM
+    hf = cls.from_pretrained(str(folder)).eval()
     tok = AutoTokenizer.from_pretrained(str(folder))
     batch = tok(["question: who founded it? context: Ada Quist founded it."], return_tensors="pt")
+    batch.pop("token_type_ids", None)
     dec = torch.tensor([[model.start_id, 5, 6]])
     with torch.no_grad():
         want = model.hf(**batch, decoder_input_ids=dec).logits
