@@ -321,9 +321,10 @@ def encode_to_shards(
     """Encode a dataset of rows {id, text} into parquet shards under `out_dir` (replaced if it exists).
 
     rows: a `ray.data.Dataset` with columns id and text (streamed: read -> clean -> chunk -> encode -> write), a
-    `PassageStore` (read by Ray Data tasks a range at a time), or an (ids, texts) pair of lists. weights_ref: an ObjectRef of the encoder's state dict (`ray.put` once). The actor
-    pool: `pool.num_actors` actors x `actor_cpus(pool)` CPUs (+ `num_gpus_per_actor`, + custom resources such as
-    index_node), `index.shard_size` rows per call, `index.batch_size` texts per forward pass, `index.precision`.
+    `PassageStore` (read by Ray Data tasks a range at a time), or an (ids, texts) pair of lists. weights_ref: an
+    ObjectRef of the encoder's state dict (`ray.put` once). The actor pool: `pool.num_actors` actors x
+    `actor_cpus(pool)` CPUs (+ `num_gpus_per_actor`, + custom resources such as index_node), `index.shard_size` rows
+    per call, `index.batch_size` texts per forward pass, `index.precision`.
     """
     from ray.data import ActorPoolStrategy, DataContext
 

@@ -217,7 +217,10 @@ class PassageStore(Mapping[str, Passage]):
         if meta.is_file():
             return json.loads(meta.read_text())["fingerprint"]
         fp = _fingerprint(len(self), self.path)
-        meta.write_text(json.dumps({"count": len(self), "fingerprint": fp}))
+        try:  # cache it beside the file; a run folder someone else owns is read-only, and then it is recomputed
+            meta.write_text(json.dumps({"count": len(self), "fingerprint": fp}))
+        except OSError:
+            pass
         return fp
 
     def doc_of(self) -> dict[str, str]:
@@ -234,7 +237,8 @@ class PassageTexts(Sequence[str]):
         self.store = store
 
     def lengths(self) -> list[int]:
-        """Characters of every full text (title + " " + text, as embedded), computed in Arrow without the texts."""
+        """Characters of every full text (title + " " + text, as embedded), computed in Arrow without the texts
+        (for sorting shards by length: whitespace at the ends that `full_text`'s strip drops is still counted)."""
         import pyarrow.compute as pc
 
         title = pc.utf8_length(self.store.table.column("title"))
