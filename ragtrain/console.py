@@ -38,14 +38,14 @@ def quiet_loggers() -> None:
     """Library loggers to WARNING: in the driver (configure) and in Ray workers when RAGTRAIN_QUIET=1."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    # Ray Train's worker context logs every report (a TrainingReport dump) under a logger named by its file path.
-    # Only where Train has loaded it (its workers; an encode actor need not import Ray Train for this), and an
-    # internal module: where a Ray version moves it, those lines simply stay.
-    # ragtrain does not install ray[default] (README, "The console and Ray's dashboard"): without the State API, Ray
-    # Train's placement-group cleaner warns at every check that it cannot see its controller (~50 lines a run)
+    # ragtrain does not install ray[default] (README, "Ray's dashboard: not installed, deliberately"): without the
+    # State API, Ray Train's placement-group cleaner warns at every check that it cannot see its controller
     logging.getLogger(PG_CLEANER_LOGGER).setLevel(logging.ERROR)
     # configure() turns Ray Data's bars off when stdout is not a terminal; Ray Data then warns that they are off
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # Ray Train's worker context logs every report (a TrainingReport dump) under a logger named by its file path.
+    # Only where Train has loaded it (its workers; an encode actor need not import Ray Train for this), and an
+    # internal module: where a Ray version moves it, those lines simply stay.
     context = sys.modules.get("ray.train.v2._internal.execution.context")
     if context is not None and hasattr(context, "logger"):
         context.logger.setLevel(logging.WARNING)
@@ -54,8 +54,13 @@ def quiet_loggers() -> None:
 def worker_setup() -> None:
     """In every Ray worker process of a run (runtime_env's worker_process_setup_hook, cluster/resources.init_ray)
     and in Train workers and encode actors: the same quiet loggers when the driver asked for them."""
-    if os.environ.get("RAGTRAIN_QUIET") == "1":
+    if is_quiet():
         quiet_loggers()
+
+
+def is_quiet() -> bool:
+    """Whether this process runs under ragtrain's quiet console (set by `configure`, inherited by Ray processes)."""
+    return os.environ.get("RAGTRAIN_QUIET") == "1"
 
 
 def quiet_env() -> dict[str, str]:

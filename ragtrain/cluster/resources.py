@@ -33,7 +33,7 @@ def init_ray(res: ResourcesConfig) -> None:
            # Train V2 gives a worker group 60 s to start; on a loaded laptop importing torch + transformers in
            # every worker can take longer, and the run would fail with WorkerGroupStartupTimeoutError.
            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
-    from ragtrain.console import quiet_env
+    from ragtrain.console import is_quiet, quiet_env
 
     env.update(quiet_env())  # the console settings (ragtrain.console)
     # Every worker process of the job, Ray Train's own actors included (its placement-group cleaner), starts with
@@ -54,7 +54,7 @@ def init_ray(res: ResourcesConfig) -> None:
         ray.init(address="local", num_cpus=res.num_cpus,
                  runtime_env={"env_vars": env, "worker_process_setup_hook": hook},
                  # "Started a local Ray instance." is Ray's INFO line; -v keeps it
-                 logging_level=logging.WARNING if os.environ.get("RAGTRAIN_QUIET") == "1" else logging.INFO)
+                 logging_level=logging.WARNING if is_quiet() else logging.INFO)
 
 
 def node_capacities() -> list[dict[str, float]]:

@@ -5,20 +5,20 @@ time by whoever needs them: the Ray Data encode (rows by range), the trainer wor
 evaluation and the generator (texts by id). Pickling a store or its text view sends only the file's path, so the
 file must sit where every worker can read it (`<output_dir>/corpus/`, like Ray Train's storage on a cluster).
 
-Written once by `StoreWriter` (batches of rows, a temporary name renamed on close), with the corpus fingerprint of
-`RetrievalData.fingerprint` computed on the way, so nothing re-reads the corpus to hash it.
+Written once by `StoreWriter` (batches of rows, a temporary name renamed on close). The fingerprint that saved
+indexes carry (`corpus_fingerprint`) hashes the passage count first, so the writer hashes the finished file once, a
+record batch at a time, and keeps the digest beside it: later readers never re-hash the corpus.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from .types import DataError, Passage
+from .types import DataError, Passage, corpus_fingerprint
 
 __all__ = ["PassageStore", "PassageTexts", "StoreWriter", "write_store"]
 
@@ -103,21 +103,17 @@ def _meta_path(path: Path) -> Path:
 
 
 def _fingerprint(count: int, path: Path) -> str:
-    """RetrievalData.fingerprint of the rows in `path`, read a record batch at a time."""
+    """`corpus_fingerprint` of the rows in `path`, read a record batch at a time."""
     import pyarrow as pa
 
-    h = hashlib.sha256()
-    h.update(count.to_bytes(8, "big"))
-    with pa.memory_map(str(path)) as src:
-        reader = pa.ipc.open_file(src)
-        for b in range(reader.num_record_batches):
-            batch = reader.get_batch(b)
-            for row in zip(*(batch.column(c).to_pylist() for c in ("id", "title", "text"))):
-                for value in row:
-                    raw = value.encode("utf-8")
-                    h.update(len(raw).to_bytes(8, "big"))
-                    h.update(raw)
-    return h.hexdigest()
+    def rows() -> Iterator[tuple[str, str, str]]:
+        with pa.memory_map(str(path)) as src:
+            reader = pa.ipc.open_file(src)
+            for b in range(reader.num_record_batches):
+                batch = reader.get_batch(b)
+                yield from zip(*(batch.column(c).to_pylist() for c in ("id", "title", "text")))
+
+    return corpus_fingerprint(count, rows())
 
 
 def write_store(path: str | Path, passages: Iterable[Passage]) -> "PassageStore":

@@ -8,7 +8,7 @@ depend on them without pulling in heavy imports.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["DataError", "Passage", "RetrievalData"]
@@ -64,11 +64,17 @@ class RetrievalData:
         stored = getattr(self.corpus, "fingerprint", None)
         if stored is not None:  # a PassageStore hashed the same stream when it was written
             return stored()
-        h = hashlib.sha256()
-        h.update(len(self.corpus).to_bytes(8, "big"))
-        for passage in self.corpus.values():
-            for value in (passage.id, passage.title, passage.text):
-                raw = value.encode("utf-8")
-                h.update(len(raw).to_bytes(8, "big"))
-                h.update(raw)
-        return h.hexdigest()
+        return corpus_fingerprint(len(self.corpus), ((p.id, p.title, p.text) for p in self.corpus.values()))
+
+
+def corpus_fingerprint(count: int, rows: Iterable[tuple[str, str, str]]) -> str:
+    """sha256 over the passage count, then each passage's (id, title, text), every field length-prefixed: the
+    one definition behind `RetrievalData.fingerprint` and a PassageStore's (a saved index carries it)."""
+    h = hashlib.sha256()
+    h.update(count.to_bytes(8, "big"))
+    for row in rows:
+        for value in row:
+            raw = value.encode("utf-8")
+            h.update(len(raw).to_bytes(8, "big"))
+            h.update(raw)
+    return h.hexdigest()

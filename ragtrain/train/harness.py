@@ -31,7 +31,7 @@ from ragtrain.checkpoint import (
 )
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config
-from ragtrain.console import get_logger, quiet_env
+from ragtrain.console import get_logger, is_quiet, quiet_env
 from ragtrain.track.mlflow import MetricSink
 
 log = get_logger(__name__)
@@ -250,7 +250,7 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
             worker_runtime_env={"env_vars": {**WORKER_ENV, **quiet_env()}},
             # Ray Train's controller and workers configure their own loggers (worker-group start, process group
             # set-up): under ragtrain's quiet console they print warnings and errors only; -v shows the rest
-            logging_config=LoggingConfig(log_level="WARNING" if quiet_env() else "INFO")),
+            logging_config=LoggingConfig(log_level="WARNING" if is_quiet() else "INFO")),
     )
     result = trainer.fit()
     if result.checkpoint is None:
