@@ -246,7 +246,7 @@ def run(
         del encoder
 
         retrieval = Retrieval(cfg, data)
-        cleanup.append(retrieval.release)
+        cleanup.append(retrieval.close)
         results: dict[str, dict[str, float]] = {}
         train = "retriever" in cfg.stages
         live = train and cfg.refresh.enabled  # the pool refreshes the index while training steps

@@ -26,7 +26,7 @@ from ragtrain.generator.config import RetrievalMode
 class IndexPayload:
     """Everything a searcher needs, picklable (the FAISS index travels as its serialised bytes)."""
 
-    index_bytes: np.ndarray
+    index_bytes: Any  # np.ndarray, or an ObjectRef to one (an index held by an IndexHost)
     doc_ids: list[str]
     retriever: RetrieverConfig
     weights: list[dict[str, torch.Tensor]]  # encoder snapshot(s); several = vector_avg (mean of query vectors)
@@ -37,12 +37,10 @@ class IndexPayload:
 
     @classmethod
     def from_index(cls, index, cfg: Config, weights: list[dict[str, torch.Tensor]]) -> "IndexPayload":
-        """Package a DenseIndex with the encoder snapshot(s) that built it."""
+        """Package a DenseIndex or RemoteIndex with the encoder snapshot(s) that built it."""
         from dataclasses import asdict
 
-        import faiss
-
-        return cls(faiss.serialize_index(index.index), list(index.doc_ids), cfg.retriever, weights,
+        return cls(index.serialize(), list(index.doc_ids), cfg.retriever, weights,
                    cfg.index.precision, cfg.index.nprobe, cfg.index.ef_search, asdict(index.meta))
 
 
@@ -58,7 +56,9 @@ class Searcher:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.p = payload
-        self.index = DenseIndex(faiss.deserialize_index(payload.index_bytes), payload.doc_ids, IndexMeta(**payload.meta))
+        raw = payload.index_bytes
+        raw = ray.get(raw) if isinstance(raw, ray.ObjectRef) else raw  # nested in the payload: Ray left it a ref
+        self.index = DenseIndex(faiss.deserialize_index(raw), payload.doc_ids, IndexMeta(**payload.meta))
         self.index.set_search_params(payload.nprobe, payload.ef_search)
         self.encoder = QueryEncoder(payload.retriever, payload.weights, precision=Precision(payload.precision).value)
 
@@ -191,9 +191,8 @@ def check_encoder(payload: IndexPayload, passages: Sequence[str], index, n: int,
     n = min(n, len(passages))
     if n == 0:
         return float("nan")
-    try:
-        stored = np.stack([index.index.reconstruct(i) for i in range(n)])
-    except RuntimeError:
+    stored = index.reconstruct_first(n)
+    if stored is None:
         return float("nan")
     fresh = searcher.encode(passages[:n], payload.retriever.passage_max_length, role="passage")
     cos = (fresh * stored).sum(1) / (np.linalg.norm(fresh, axis=1) * np.linalg.norm(stored, axis=1)).clip(min=1e-12)

@@ -73,6 +73,25 @@ class DenseIndex:
         _, rows = self.search(queries, k)
         return [[self.doc_ids[r] for r in row if r >= 0] for row in rows]
 
+    @property
+    def ntotal(self) -> int:
+        """Rows in the index."""
+        return int(self.index.ntotal)
+
+    def reconstruct_first(self, n: int) -> Optional[np.ndarray]:
+        """The stored vectors of the first `n` rows, or None for an index type that cannot give them back (PQ)."""
+        try:
+            return np.stack([self.index.reconstruct(i) for i in range(min(n, self.index.ntotal))])
+        except RuntimeError:
+            return None
+
+    def serialize(self) -> np.ndarray:
+        """faiss's serialised bytes of the index (for searchers that load their own copy)."""
+        return faiss.serialize_index(self.index)
+
+    def drop(self) -> None:
+        """Nothing to free elsewhere: an in-process index goes with its last reference (`RemoteIndex.drop`)."""
+
     def save(self, folder: str | Path) -> Path:
         """Write index.faiss, doc_ids.txt and index_meta.json into `folder`."""
         folder = Path(folder)

@@ -154,8 +154,15 @@ class IndexService:
         self.failures: list[str] = []
         self.history: list[dict[str, float]] = []
 
-    def publish(self, step: int, vectors: np.ndarray, weights: list) -> dict[str, Any]:
-        """Version 0 from corpus vectors the driver already encoded (the zero-shot index), not a second encode."""
+    def publish(self, step: int, shard_folder: str, weights: list) -> dict[str, Any]:
+        """Version 0 from the vector shards of an encode already done (the zero-shot index), not a second encode.
+        The service reads them itself: the driver that started it never holds the vector matrix."""
+        from ragtrain.corpus.encode import ShardSet
+
+        try:
+            vectors = ShardSet.load(shard_folder).read_all(order=self.doc_ids)[1]
+        except Exception as e:  # the caller sees why version 0 is missing
+            return {"ok": False, "error": repr(e), "step": step}
         return self._run(step, weights[0], vectors)
 
     def refresh(self, step: int, weights: list) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Retrieval over the configured corpus: build an index on Ray Data, search it, evaluate it, mine negatives from it.
 
 `Retrieval.build` returns a `BuiltIndex` (the FAISS index, the encoder snapshot(s) that built it and where its
-vectors are); everything after takes that value, so no caller saves and restores state around a call. Every search
+vectors are); everything after takes that value, so no caller saves and restores state around a call. The index of
+a build lives in the run's `IndexHost` actor (`index/host.py`): the driver holds its passage ids, not its vectors. Every search
 encodes its queries with `QueryEncoder` (the corpus actors' own class, `ragtrain/corpus/encode.py`) and searches
 through `DenseIndex.search` (dimension and metric checks); hard negatives come from the one rule in `mining.py`.
 """
@@ -32,7 +33,7 @@ class BuiltIndex:
     """One index build: the FAISS index, the encoder snapshot(s) behind it, and its vectors' whereabouts."""
 
     tag: str
-    index: Any  # DenseIndex
+    index: Any  # RemoteIndex (held by the run's IndexHost), or DenseIndex (vector_avg's consensus, stale indexes)
     snapshots: list[dict[str, torch.Tensor]]
     corpus_ids: list[str]  # corpus order (vectors() rows)
     stats: dict
@@ -65,6 +66,7 @@ class Retrieval:
     def __init__(self, cfg: Config, data: RetrievalData):
         self.cfg, self.data = cfg, data
         self._pool = None
+        self._host = None
         self.doc_ids = list(data.corpus)
         self.fingerprint = data.fingerprint()
         # Training and mining work on passages: with chunks, every chunk of a judged document carries its grade
@@ -91,6 +93,24 @@ class Retrieval:
             record_placement_group(self.cfg.output_dir, self._pool.placement_group)  # a stopped trial's reaper
         return self._pool
 
+    @property
+    def host(self):
+        """The IndexHost actor that holds this run's indexes, started on first use."""
+        if self._host is None:
+            from ragtrain.index.host import IndexHost
+
+            self._host = IndexHost.remote()
+        return self._host
+
+    def close(self) -> None:
+        """Stop the pool and the index host (the end of a run)."""
+        import ray
+
+        self.release()
+        if self._host is not None:
+            ray.kill(self._host)
+            self._host = None
+
     def release(self) -> None:
         """Stop the pool so its CPUs go back to the cluster (the trainer needs them on a small machine)."""
         if self._pool is not None:
@@ -107,10 +127,8 @@ class Retrieval:
 
         from ragtrain.corpus.encode import EncodeFault, encode_to_shards, encoder_dim
         from ragtrain.index.faiss_index import build_configured
-        from ragtrain.index.shards import (
-            build_configured_from_shards,
-            check_index_config,
-        )
+        from ragtrain.index.host import RemoteIndex
+        from ragtrain.index.shards import check_index_config
         from ragtrain.sync.vector_avg import consensus_vectors
 
         cfg, idx = self.cfg, self.cfg.index
@@ -134,8 +152,9 @@ class Retrieval:
                 fault=fault, num_gpus_per_actor=cfg.resources.pool.gpus_per_actor))
         del source
         seconds = sum(s.seconds for s in sets)
-        if len(sets) == 1:  # FAISS from the shards: the driver never holds the vector matrix
-            index = build_configured_from_shards(sets[0], idx, self.fingerprint, encoder_name, step, cfg.seed)
+        if len(sets) == 1:  # FAISS from the shards, in the index host: the driver holds neither vectors nor index
+            index = RemoteIndex.build(self.host, tag, sets[0].folder, idx, self.fingerprint, encoder_name, step,
+                                      cfg.seed)
             shards, consensus = sets[0], None
         else:
             shards = None
@@ -214,6 +233,8 @@ class Retrieval:
 
         from ragtrain.index.refresh import IndexService, make_probe
 
+        if built.shards is None:
+            raise ValueError(f"the live index service starts from one encoder's vector shards; {built.tag!r} has none")
         r = self.cfg.refresh
         qids = sorted(self.train_qrels)  # the order of TrainExample.qidx (build_examples)
         pos = {d: i for i, d in enumerate(self.doc_ids)}
@@ -226,7 +247,7 @@ class Retrieval:
         service = IndexService.options(num_cpus=0, scheduling_strategy=strategy).remote(
             self.cfg, self.pool, self.passages(), self.doc_ids, self.fingerprint, queries, gold, probe
         )
-        stats = ray.get(service.publish.remote(0, built.vectors(), [ray.put(weights)]))
+        stats = ray.get(service.publish.remote(0, built.shards.folder, [ray.put(weights)]))
         if not stats.get("ok"):
             ray.kill(service)
             raise RuntimeError(f"the live index service could not publish version 0: {stats}")

@@ -44,7 +44,8 @@ def built(ray_session, tmp_path_factory):
     index = retrieval.build("zeroshot", [weights], f"{cfg.retriever.model}@init", 0)  # a BuiltIndex
     out = Path(cfg.output_dir)
     index.index.save(out / "index")
-    return tmp, cfg, data, retrieval, index
+    yield tmp, cfg, data, retrieval, index
+    retrieval.close()
 
 
 @pytest.fixture(scope="module")

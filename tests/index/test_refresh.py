@@ -218,7 +218,7 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
         report = retrieval.stop_service(service)
         assert len(report["failures"]) == 1
     finally:
-        retrieval.release()
+        retrieval.close()
 
 
 @pytest.mark.slow  # a training run beside the pool (~50 s); the service swap and rank-0 version rule stay in the default suite

@@ -1,0 +1,67 @@
+"""The index host: a RemoteIndex answers exactly as the same index in-process, saves, serialises and frees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ragtrain.config import IndexConfig
+from ragtrain.index.faiss_index import DenseIndex, load_index
+from ragtrain.index.shards import build_configured_from_shards
+from tests.index.test_shards import _vectors, _write_shards
+
+
+@pytest.fixture(scope="module")
+def host(ray_session):
+    import ray
+
+    from ragtrain.index.host import IndexHost
+
+    actor = IndexHost.remote()
+    yield actor
+    ray.kill(actor)
+
+
+def test_remote_index_equals_the_in_process_one(host, tmp_path) -> None:
+    import faiss
+    import ray
+
+    from ragtrain.index.host import RemoteIndex
+
+    x, ids = _vectors(300), [f"d{i}" for i in range(300)]
+    shards = _write_shards(tmp_path / "s", ids, x, per_file=64)
+    idx = IndexConfig(factory="IVF4,Flat", nprobe=2)
+    local = build_configured_from_shards(shards, idx, "fp", "enc", 3, seed=0)
+    remote = RemoteIndex.build(host, "t", shards.folder, idx, "fp", "enc", 3, seed=0)
+    assert remote.doc_ids == local.doc_ids and remote.ntotal == 300 and remote.meta.encoder_step == 3
+    q = _vectors(12, seed=1)
+    for a, b in zip(remote.search(q, 7), local.search(q, 7)):  # nprobe=2 reached the host: same approximate rows
+        np.testing.assert_array_equal(a, b)
+    assert remote.search_ids(q, 3) == local.search_ids(q, 3)
+    remote.set_search_params(nprobe=4, ef_search=16)  # every list probed: exact results
+    exact = np.argsort(-(q @ x.T), axis=1, kind="stable")[:, :5]
+    np.testing.assert_array_equal(remote.search(q, 5)[1], exact)
+    assert remote.reconstruct_first(4) is None  # IVF lists hold no row -> vector map
+    # the serialised index comes as a reference, fetched where it is used
+    ref = remote.serialize()
+    assert isinstance(ref, ray.ObjectRef) and faiss.deserialize_index(ray.get(ref)).ntotal == 300
+    saved = load_index(remote.save(tmp_path / "saved"))  # written by the host, loaded back here
+    assert saved.doc_ids == ids and saved.meta.factory == "IVF4,Flat"
+    remote.drop()
+    with pytest.raises(KeyError):
+        remote.search(q, 1)
+
+
+def test_stored_vectors_come_back_where_the_index_type_keeps_them(tmp_path) -> None:
+    from ragtrain.index.host import _Host  # the actor's body, in-process
+
+    x, ids = _vectors(300), [f"d{i}" for i in range(300)]
+    shards = _write_shards(tmp_path / "s", ids, x, per_file=100)
+    h = _Host()
+    h.build("ivfpq", shards.folder, IndexConfig(factory="IVF2,PQ4x4"), "fp", "enc", 0, 0)
+    assert h.reconstruct_first("ivfpq", 3) is None
+    h.build("flat", shards.folder, IndexConfig(factory="Flat"), "fp", "enc", 0, 0)
+    assert isinstance(h.indexes["flat"], DenseIndex)
+    np.testing.assert_allclose(h.reconstruct_first("flat", 3), x[:3], atol=1e-6)
+    h.build("flat", shards.folder, IndexConfig(factory="HNSW8"), "fp", "enc", 0, 0)  # a rebuild replaces the tag
+    assert h.indexes["flat"].meta.factory == "HNSW8" and sorted(h.indexes) == ["flat", "ivfpq"]
