@@ -162,13 +162,17 @@ class Retrieval:
             index = build_configured(consensus, self.doc_ids, idx, self.fingerprint, encoder_name, step, cfg.seed)
         stats = {"docs": len(self.doc_ids), "seconds": seconds, "docs_per_s": len(self.doc_ids) * len(sets) / seconds,
                  "index_build_seconds": index.meta.build_seconds}
+        if shards is not None:  # where the index's memory went instead of the driver
+            stats["index_host_peak_rss_mb"] = ray.get(self.host.peak_rss_mb.remote())
         return BuiltIndex(tag, index, list(snapshots), self.doc_ids, stats, shards, consensus)
 
     def build_and_evaluate(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str,
                            step: int) -> tuple[BuiltIndex, dict[str, float]]:
-        """`build`, then `evaluate` on the split; returns (build, metrics incl. the pool's encode docs/s)."""
+        """`build`, then `evaluate` on the split; returns (build, metrics incl. the pool's encode docs/s and the
+        index host's peak RSS)."""
         built = self.build(tag, snapshots, encoder_name, step)
-        return built, {**self.evaluate(built), "encode_docs_per_s": built.stats["docs_per_s"]}
+        extra = {k: built.stats[k] for k in ("index_host_peak_rss_mb",) if k in built.stats}
+        return built, {**self.evaluate(built), "encode_docs_per_s": built.stats["docs_per_s"], **extra}
 
     def encode_queries(self, built: BuiltIndex, qids: list[str]) -> np.ndarray:
         """The queries' vectors under `built`'s snapshot(s), encoded as its passages were."""
