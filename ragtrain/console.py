@@ -68,12 +68,18 @@ def quiet_env() -> dict[str, str]:
     return {k: os.environ[k] for k in QUIET_ENV if k in os.environ}
 
 
+# `log.info(line, extra=FILE_ONLY)`: the line goes to the run's ragtrain.log, not to the console (a progress bar
+# shows the same thing there)
+FILE_ONLY = {"console": False}
+
+
 class _Stdout(logging.StreamHandler):
     """A handler on whatever sys.stdout is now (pytest and Ray swap it), printing the bare message."""
 
     def __init__(self) -> None:
         super().__init__()
         self.setFormatter(logging.Formatter("%(message)s"))
+        self.addFilter(lambda record: getattr(record, "console", True))
 
     @property
     def stream(self):  # type: ignore[override]

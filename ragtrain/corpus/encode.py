@@ -225,6 +225,21 @@ class ShardSet:
             out.extend(pq.read_table(Path(self.folder, f), columns=["id"]).column("id").to_pylist())
         return out
 
+    def vectors_of(self, wanted: Sequence[str]) -> np.ndarray:
+        """fp32 vectors of the ids in `wanted`, in that order, read shard by shard (only those rows are kept)."""
+        where = {d: i for i, d in enumerate(wanted)}
+        out = np.empty((len(where), self.dim), dtype=np.float32)
+        found = 0
+        for ids, vecs in self.iter_shards():
+            hits = [(i, where[d]) for i, d in enumerate(ids) if d in where]
+            if hits:
+                rows, slots = zip(*hits)
+                out[list(slots)] = vecs[list(rows)]
+                found += len(hits)
+        if found != len(where):
+            raise ValueError(f"{self.folder}: {len(where) - found} of {len(where)} wanted ids are not in the shards")
+        return out
+
     def read_all(self, order: Optional[Sequence[str]] = None) -> tuple[list[str], np.ndarray]:
         """All (ids, fp32 vectors); with `order`, rows are returned in that id order. For small corpora only
         (tests, the live-refresh service's version 0, stale-index alignment): this is the whole matrix."""

@@ -254,7 +254,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
             # every rank writes its own part (RNG states differ)
             w.checkpoint(done, model.hf, optim, sched, {"scaler": scaler.state_dict(), "history": history},
                          {"train/loss": history[-1]["loss"] if history else float("nan")})
-        w.fault(done)
+        w.end_step(done, steps)
 
     # --- evaluate
     loop_s = time.perf_counter() - loop_start - w.measure_s

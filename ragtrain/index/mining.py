@@ -72,12 +72,14 @@ def mine_rows(
     margin: Optional[float] = None,
     max_score: Optional[float] = None,
     passage_vectors: Optional[np.ndarray] = None,
+    positive: Optional[np.ndarray] = None,
 ) -> list[list[int]]:
     """Hard-negative candidates (index rows) per query: the index's top `depth` rows through
-    `hard_negative_candidates`. `passage_vectors` (rows aligned with the index) are needed for `margin`."""
+    `hard_negative_candidates`. `margin` needs each query's positive score: `positive` (one per query, e.g. from
+    `positive_scores` over the gold rows' vectors only), or `passage_vectors` (rows aligned with the index)."""
     scores, rows = index.search(qvecs, depth)
-    pos = None
-    if margin is not None:
+    pos = positive
+    if margin is not None and pos is None:
         if passage_vectors is None:
             raise ValueError("hard_negative_margin needs the passage vectors to score each query's positive")
         pos = positive_scores(np.asarray(qvecs, dtype=np.float32), gold, passage_vectors)

@@ -214,7 +214,7 @@ class Retrieval:
 
     def mine_negatives(self, built: BuiltIndex) -> dict[str, list[int]]:
         """Hard-negative candidates (corpus positions) for each training query: the one rule of mining.py."""
-        from ragtrain.index.mining import mine_rows
+        from ragtrain.index.mining import mine_rows, positive_scores
 
         t = self.cfg.retriever.train
         qids = sorted(self.train_qrels)
@@ -223,10 +223,17 @@ class Retrieval:
         pos = {d: i for i, d in enumerate(self.doc_ids)}
         # all chunks of a gold document are gold
         gold = [[row[d] for d, g in self.train_qrels[q].items() if g > 0 and d in row] for q in qids]
-        # the margin scores each query's positive from the stored vectors (corpus order -> index rows)
-        vecs = built.vectors()[[pos[d] for d in index.doc_ids]] if t.hard_negative_margin is not None else None
-        mined = mine_rows(index, self.encode_queries(built, qids), gold, t.hard_negative_depth,
-                          t.hard_negative_skip_top, t.hard_negative_margin, t.hard_negative_max_score, vecs)
+        qvecs = self.encode_queries(built, qids)
+        positive = None
+        if t.hard_negative_margin is not None:  # each query's positive, scored on the stored vectors of gold only
+            wanted = sorted({r for g in gold for r in g})
+            local = {r: i for i, r in enumerate(wanted)}
+            ids = [index.doc_ids[r] for r in wanted]
+            vecs = built.shards.vectors_of(ids) if built.shards is not None else \
+                built.vectors()[[pos[d] for d in ids]]
+            positive = positive_scores(qvecs, [[local[r] for r in g] for g in gold], vecs)
+        mined = mine_rows(index, qvecs, gold, t.hard_negative_depth, t.hard_negative_skip_top,
+                          t.hard_negative_margin, t.hard_negative_max_score, positive=positive)
         return {q: [pos[index.doc_ids[r]] for r in rows] for q, rows in zip(qids, mined)}
 
     def start_service(self, built: BuiltIndex, weights: dict[str, torch.Tensor]):

@@ -215,7 +215,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
             w.log(drift, done, steps)
         if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < steps:
             w.checkpoint(done, encoder, optim, sched, strategy.state_dict())
-        w.fault(done)
+        w.end_step(done, steps)
 
     # --- summarise and save
     loop_s = time.perf_counter() - loop_start - w.measure_s

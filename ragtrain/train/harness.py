@@ -31,7 +31,7 @@ from ragtrain.checkpoint import (
 )
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config
-from ragtrain.console import get_logger, is_quiet, quiet_env
+from ragtrain.console import FILE_ONLY, get_logger, is_quiet, quiet_env
 from ragtrain.track.mlflow import MetricSink
 
 log = get_logger(__name__)
@@ -94,6 +94,7 @@ class Worker:
         self.sink: Optional[MetricSink] = args.sink if self.rank == 0 else None
         self.measure_s = 0.0  # seconds spent outside training steps (logging, checkpoints, probes)
         self._window_start = time.perf_counter()
+        self._bar: Any = None  # rank 0's progress bar (tqdm_ray), made at the first finished step
 
     def get(self, name: str) -> Any:
         """One of the stage's inputs: object refs are fetched from the object store, actor handles passed as is."""
@@ -139,7 +140,12 @@ class Worker:
 
         with self.not_training():
             if self.rank == 0:
-                log.info(f"[{self.stage}] step {step}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),)
+                # Under the quiet console the bar shows progress and loss; the full line goes to ragtrain.log
+                log.info(f"[{self.stage}] step {step}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
+                         extra=FILE_ONLY if is_quiet() else None)
+                loss = next((v for k, v in metrics.items() if k.endswith("/loss")), None)
+                if self._bar is not None and loss is not None:
+                    self._bar.set_description(f"[{self.stage}] loss {loss:.4f}")
                 if self.sink is not None:
                     self.sink.log(metrics, step)
             if report and self.args.report_intermediate:
@@ -153,6 +159,18 @@ class Worker:
         with self.not_training(), tempfile.TemporaryDirectory() as d:
             save_train_state(d, self.rank, self.world, step, model, optim, sched, extra, self.args.fit_id)
             ray.train.report({"step": step, **(metrics or {})}, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+    def end_step(self, done: int, steps: int) -> None:
+        """After each training step: rank 0's progress bar moves, then any injected fault fires."""
+        if self.rank == 0:
+            if self._bar is None:  # drawn by the driver (Ray's tqdm_ray), one bar per stage
+                from ray.experimental.tqdm_ray import tqdm
+
+                self._bar = tqdm(desc=f"[{self.stage}] training", total=steps, unit="step")
+            self._bar.update(done - self._bar.n)  # from the first step of this attempt (a restart starts later)
+            if done == steps:
+                self._bar.close()
+        self.fault(done)
 
     def fault(self, step: int) -> None:
         """fault.kill_worker_at_step: this process dies once, as in a crash (tests of restarts)."""

@@ -29,10 +29,11 @@ def _write_shards(folder: Path, ids: list[str], x: np.ndarray, per_file: int, dt
     for k, s in enumerate(range(0, len(ids), per_file)):
         v = x[s : s + per_file].astype(dtype)
         flat = pa.array(v.reshape(-1), type=pa.from_numpy_dtype(np.dtype(dtype)))
-        t = pa.table({"id": ids[s : s + per_file], "vector": pa.FixedSizeListArray.from_arrays(flat, DIM)})
+        t = pa.table({"id": ids[s : s + per_file], "vector": pa.FixedSizeListArray.from_arrays(flat, x.shape[1])})
         files.append(f"part-{k:04d}.parquet")
         pq.write_table(t, folder / files[-1])
-    (folder / SHARDS_META).write_text(json.dumps({"files": files, "rows": len(ids), "dim": DIM, "dtype": dtype}))
+    meta = {"files": files, "rows": len(ids), "dim": x.shape[1], "dtype": dtype}
+    (folder / SHARDS_META).write_text(json.dumps(meta))
     return ShardSet.load(folder)
 
 
@@ -110,3 +111,11 @@ def test_save_goes_through_a_temporary_folder(tmp_path, monkeypatch) -> None:
         save_atomic(build_index(x, ids, "Flat", "three", "enc"), tmp_path / "index")
     assert load_index(tmp_path / "index").meta.corpus_fingerprint == "two"  # the old index is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index"]  # no temporary folder left behind
+
+
+def test_vectors_of_reads_only_the_wanted_rows_in_the_asked_order(tmp_path) -> None:
+    x, ids = _vectors(50), [f"d{i}" for i in range(50)]
+    shards = _write_shards(tmp_path / "s", ids, x, per_file=16)
+    np.testing.assert_array_equal(shards.vectors_of(["d40", "d3", "d17"]), x[[40, 3, 17]])
+    with pytest.raises(ValueError, match="1 of 2 wanted ids are not in the shards"):
+        shards.vectors_of(["d1", "nope"])

@@ -39,3 +39,31 @@ def test_worker_args_are_typed_and_picklable(tmp_path) -> None:
     assert back.fit_id == args.fit_id and len(args.fit_id) == 32
     assert WorkerArgs(cfg, "retriever", 1.0).fit_id != args.fit_id  # one id per fit
     assert back.storage() == storage_dir(cfg, "retriever") == tmp_path / "out" / "ray" / "retriever"
+
+
+def test_rank0_bar_follows_the_steps_and_step_lines_go_to_the_run_log_only(tmp_path, capsys, monkeypatch) -> None:
+    """Quiet console: rank 0's bar (Ray's tqdm_ray; in a driver process it draws itself) starts at a restarted
+    attempt's first step and closes at the last; the step line is in ragtrain.log, not on stdout."""
+    from ragtrain.console import attach_run_log, detach_run_log
+    from ragtrain.train.harness import Worker
+
+    monkeypatch.setenv("RAGTRAIN_QUIET", "1")
+    cfg = to_typed(compose(tiny_overrides(tmp_path)))
+    w = object.__new__(Worker)  # the step-end and log parts only: no Ray Train context needed
+    w.rank, w.stage, w.cfg, w.sink, w._bar, w.measure_s = 0, "retriever", cfg, None, None, 0.0
+    w.args = WorkerArgs(cfg=cfg, stage="retriever", cpus_per_worker=1.0)
+    w._window_start = 0.0
+    handler = attach_run_log(tmp_path, who="retriever rank 0")
+    try:
+        w.end_step(3, 6)  # a restart from the step-2 checkpoint: the first step it runs is the third
+        assert w._bar.n == 3 and w._bar.total == 6
+        w.log({"train/loss": 0.25}, 4, 6)
+        for done in (4, 5, 6):
+            w.end_step(done, 6)
+    finally:
+        detach_run_log(handler)
+    assert w._bar.n == 6 and w._bar._closed
+    out = capsys.readouterr()
+    assert "step 4/6" not in out.out
+    assert "[retriever] step 4/6 train/loss=0.25" in (tmp_path / "ragtrain.log").read_text()
+    assert "[retriever] loss 0.2500" in out.err  # the bar's description carries the last window's loss
