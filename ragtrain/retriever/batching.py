@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -22,6 +23,8 @@ class TrainData:
 
     passages: list[str]  # full passage texts in corpus order
     examples: list[TrainExample]
+    # retriever.teacher: the cross-encoder's score of each query's candidates, {qidx: {corpus position: score}}
+    teacher: Optional[dict[int, dict[int, float]]] = None
 
 
 def build_examples(
@@ -57,6 +60,13 @@ def global_batch_indices(num_examples: int, global_batch: int, step: int, seed: 
     return perm[pos * global_batch : (pos + 1) * global_batch]
 
 
+def local_indices(num_examples: int, global_batch: int, step: int, seed: int, rank: int,
+                  world_size: int) -> np.ndarray:
+    """Example indices of this rank's slice of the global batch at `step`."""
+    b = global_batch // world_size
+    return global_batch_indices(num_examples, global_batch, step, seed)[rank * b : (rank + 1) * b]
+
+
 def local_batch(
     data: TrainData,
     global_batch: int,
@@ -77,9 +87,7 @@ def local_batch(
     the false-negative filters of ragtrain/index/mining.py dropped them) is topped up with random non-gold
     passages, so every rank still sends the same number of passages.
     """
-    idx = global_batch_indices(len(data.examples), global_batch, step, seed)
-    b = global_batch // world_size
-    mine = idx[rank * b : (rank + 1) * b]
+    mine = local_indices(len(data.examples), global_batch, step, seed, rank, world_size)
     exs = [data.examples[i] for i in mine]
     negs: list[int] = []
     for i, ex in zip(mine, exs):

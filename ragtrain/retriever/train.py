@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from ragtrain.config import Config
-from ragtrain.retriever.batching import TrainData, local_batch
+from ragtrain.retriever.batching import TrainData, local_batch, local_indices
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.retriever.validation import ValSet, validate
 from ragtrain.retriever.gradcache import cached_step
 from ragtrain.retriever.lora import apply_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
+from ragtrain.retriever.teacher_loss import teacher_kl, teacher_matrix
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
 from ragtrain.sync.registry import build_sync
@@ -86,7 +87,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     import ray.train
 
     cfg = args.cfg
-    t = cfg.retriever.train
+    t, teach = cfg.retriever.train, cfg.retriever.teacher
     # Dropout draws from torch's default generator: seed it per (seed, rank), or two runs of one config differ.
     w = Worker(args, seed=t.seed * 10007 + ray.train.get_context().get_world_rank())
     device, rank, world = w.device, w.rank, w.world
@@ -135,6 +136,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
 
     # --- train
     window_n, window_loss = 0, 0.0
+    distill_sum = [0.0, 0.0]  # this rank's teacher KL: the log window's, the run's (retriever.teacher.weight > 0)
     last_bytes, last_comm_s = 0, 0.0
     drift_history: list[dict[str, float]] = []
     loop_start = time.perf_counter()
@@ -154,12 +156,24 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
                                                           role="passage").items()}
         gmax = max(len(g) for g in golds)
         q_gold = torch.tensor([g + [-1] * (gmax - len(g)) for g in golds], device=device)
+        targets = None
+        if teach.weight > 0:  # the cross-encoder's scores of this batch's candidates (retriever/teacher_loss.py)
+            qidx = [data.examples[i].qidx for i in local_indices(len(data.examples), global_batch, step, t.seed, rank,
+                                                                 world)]
+            targets = teacher_matrix(data.teacher, qidx, pids, t.hard_negatives)
+
         def loss_fn(q_emb: torch.Tensor, p_emb: torch.Tensor) -> torch.Tensor:
-            return contrastive_loss(
+            loss = contrastive_loss(
                 q_emb, p_emb, cfg.retriever.temperature, q_gold, torch.tensor(pids, device=device),
                 strategy.gather_negatives,
                 grad_groups=strategy.gradient_groups(step),  # whose gathered passages carry gradients (loss.py)
             )
+            if targets is not None:
+                kl = teacher_kl(q_emb, p_emb, targets, cfg.retriever.temperature, teach.temperature)
+                distill_sum[0] += kl.item()
+                distill_sum[1] += kl.item()
+                loss = loss + teach.weight * kl
+            return loss
 
         optim.zero_grad(set_to_none=True)
         if t.cache_chunk_size > 0:  # GradCache: the same gradients, one chunk's activations at a time
@@ -201,6 +215,9 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
                 "comm/time_share": (comm_s - last_comm_s) / elapsed,
                 **strategy.state(),
             }
+            if teach.weight > 0:
+                metrics["train/teacher_kl"] = distill_sum[0] / n_steps
+                distill_sum[0] = 0.0
             if val is not None and rank == 0 and (done % t.val_every == 0 or done == steps):
                 with w.not_training():  # rank 0 encodes the validation sample: not training time
                     metrics.update(validate(encoder, tokenizer, val, cfg.retriever.query_max_length,
@@ -231,6 +248,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         **strategy.state(),
         **{f"{k}_mean": sum(d[k] for d in drift_history) / len(drift_history) for k in drift_history[0]},
         **(live.summary() if live is not None and rank == 0 else {}),
+        **({"train/teacher_kl": distill_sum[1] / ran} if teach.weight > 0 else {}),
     }
     strategy.consensus(params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed
     replicas = None

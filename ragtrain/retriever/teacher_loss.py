@@ -1,0 +1,46 @@
+"""The distillation term of a cross-encoder teacher: KL(teacher || student) over each query's candidate list.
+
+A query's candidates in a local batch are its positive and its sampled hard negatives (`local_batch` lays
+passages out as B positives, then H negatives per query). The teacher scored every mined candidate once
+(ragtrain/reranker/score.py); a passage it did not score (a random top-up of a query with too few candidates) is
+left out of that query's softmax on both sides. The student's scores are its training logits (cosine / the
+retriever's temperature), the teacher's are its logits / `retriever.teacher.temperature`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def teacher_matrix(table: dict[int, dict[int, float]], qidx: Sequence[int], pids: Sequence[int],
+                   num_negatives: int) -> torch.Tensor:
+    """[B, 1 + H] teacher scores of each local query's positive and hard negatives; NaN where unscored."""
+    b, h = len(qidx), num_negatives
+    out = torch.full((b, 1 + h), float("nan"))
+    for j, q in enumerate(qidx):
+        row = table.get(int(q), {})
+        for c, p in enumerate([pids[j], *pids[b + h * j : b + h * (j + 1)]]):
+            if int(p) in row:
+                out[j, c] = row[int(p)]
+    return out
+
+
+def teacher_kl(q_emb: torch.Tensor, p_emb: torch.Tensor, teacher: torch.Tensor, temperature: float,
+               teacher_temperature: float) -> torch.Tensor:
+    """Mean over local queries of KL(softmax(teacher / T_t) || softmax(q . candidates / T)), scored candidates only.
+
+    `p_emb` holds the local batch's passages (B positives, then H per query); `teacher` is `teacher_matrix`'s."""
+    b = q_emb.shape[0]
+    h = teacher.shape[1] - 1
+    cand = torch.cat([p_emb[:b].unsqueeze(1), p_emb[b : b + b * h].view(b, h, -1)], dim=1)  # [B, 1 + H, d]
+    student = torch.einsum("bd,bkd->bk", q_emb, cand) / temperature
+    scored = ~torch.isnan(teacher).to(q_emb.device)
+    t = torch.nan_to_num(teacher.to(q_emb.device, q_emb.dtype), nan=0.0) / teacher_temperature
+    neg_inf = torch.finfo(student.dtype).min
+    log_p_t = F.log_softmax(t.masked_fill(~scored, neg_inf), dim=1)
+    log_p_s = F.log_softmax(student.masked_fill(~scored, neg_inf), dim=1)
+    kl = (log_p_t.exp() * (log_p_t - log_p_s)).masked_fill(~scored, 0.0).sum(1)
+    return kl.mean()
