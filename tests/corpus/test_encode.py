@@ -35,23 +35,9 @@ def _local(weights, texts: list[str], index: IndexConfig) -> np.ndarray:
     return QueryEncoder(CFG, [weights], index.batch_size, index.precision.value).encode(texts, MAX_LENGTH, "passage")
 
 
-def test_shards_hold_every_passage_once_equal_to_in_process_encoding(ray_session, tmp_path, weights) -> None:
-    ids, texts = _corpus(90)
-    index = IndexConfig(batch_size=8, shard_size=16)
-    shards = encode_to_shards((ids, texts), ray_session.put(weights), CFG, index, POOL, tmp_path / "v",
-                              max_length=MAX_LENGTH)
-    assert shards.rows == 90 and shards.dim == CFG.tiny.hidden_size and len(shards.files) >= 1
-    got_ids, vecs = shards.read_all()
-    assert sorted(got_ids) == ids  # every passage exactly once
-    assert got_ids == ids  # preserve_order: the shards keep the input order
-    np.testing.assert_allclose(vecs, _local(weights, texts, index), atol=1e-5)
-    again = ShardSet.load(tmp_path / "v")  # shards.json describes the folder
-    assert (again.rows, again.dim, again.files) == (shards.rows, shards.dim, shards.files)
-
-
-def test_killed_encode_actor_every_passage_exactly_once(ray_session, tmp_path, weights) -> None:
+def test_killed_encode_actor_every_passage_exactly_once_equal_to_in_process(ray_session, tmp_path, weights) -> None:
     """An encode actor dies (os._exit) on its second batch; Ray Data restarts it and retries the batch. The input is
-    a PassageStore read by Ray Data's tasks (what every run encodes), the shards float16 (one encode run for all)."""
+    a PassageStore read by Ray Data's tasks (what every run encodes); the shards equal in-process encoding."""
     from ragtrain.data import Passage
     from ragtrain.data.store import write_store
     from ragtrain.index.shards import build_from_shards
@@ -61,17 +47,31 @@ def test_killed_encode_actor_every_passage_exactly_once(ray_session, tmp_path, w
     index = IndexConfig(batch_size=8, shard_size=8)  # 12 batches over 2 actors: the death is mid-pipeline
     marker = tmp_path / "killed"
     shards = encode_to_shards(store, ray_session.put(weights), CFG, index, POOL, tmp_path / "k",
-                              max_length=MAX_LENGTH, fault=EncodeFault(at_batch=1, marker=str(marker)),
-                              vector_dtype="float16")
+                              max_length=MAX_LENGTH, fault=EncodeFault(at_batch=1, marker=str(marker)))
     assert marker.exists(), "the injected actor death never fired"
+    assert shards.rows == 96 and shards.dim == CFG.tiny.hidden_size and len(shards.files) >= 1
     got = shards.ids()
     # every passage exactly once in the shards (the retried batch lands after the others: the index names its rows)
     assert len(got) == len(ids) and sorted(got) == ids
-    assert next(shards.iter_shards())[1].dtype == np.float16
     built = build_from_shards(shards, "Flat", "fp", "tiny")
     assert built.index.ntotal == len(ids) and sorted(built.doc_ids) == sorted(ids)  # ... and in the index
     _, vecs = shards.read_all(order=ids)
-    np.testing.assert_allclose(vecs, _local(weights, texts, index), atol=2e-3)  # float16 rounding
+    np.testing.assert_allclose(vecs, _local(weights, texts, index), atol=1e-5)
+    again = ShardSet.load(tmp_path / "k")  # shards.json describes the folder
+    assert (again.rows, again.dim, again.files) == (shards.rows, shards.dim, shards.files)
+
+
+def test_encode_batch_writes_float16_vectors_when_asked(weights) -> None:
+    """The actor's callable in-process: rows in, an Arrow table of (id, float16 vector) out, in input order."""
+    from ragtrain.corpus.encode import EncodeBatch
+
+    ids, texts = _corpus(10, seed=3)
+    table = EncodeBatch(CFG, weights, MAX_LENGTH, batch_size=4, vector_dtype="float16")(
+        {"id": np.array(ids, dtype=object), "text": np.array(texts, dtype=object)})
+    assert table.column("id").to_pylist() == ids
+    vecs = np.stack(table.column("vector").to_numpy(zero_copy_only=False))
+    assert vecs.dtype == np.float16
+    np.testing.assert_allclose(vecs, _local(weights, texts, IndexConfig(batch_size=4)), atol=2e-3)  # fp16 rounding
 
 
 def test_empty_dataset_is_refused(ray_session, tmp_path, weights) -> None:
@@ -94,7 +94,7 @@ def test_pipeline_refuses_a_bad_index_before_encoding(tmp_path, factory, match) 
     assert not (tmp_path / "out" / "vectors").exists()
 
 
-@pytest.mark.slow  # the same retry as test_killed_encode_actor_every_passage_exactly_once, through a pipeline run
+@pytest.mark.slow  # the retry of the killed-actor test above, through a pipeline run
 def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_path) -> None:
     """stages=[index] through pipeline.run with fault.kill_encode_actor_at_batch: the saved index holds every passage
     once, built from the shards under <output_dir>/vectors/zeroshot."""

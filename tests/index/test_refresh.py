@@ -142,14 +142,20 @@ def test_refresh_needs_a_schedule(tmp_path) -> None:
         to_typed(compose(["experiment=quickstart", f"output_dir={tmp_path}", "refresh.enabled=true"]))
 
 
-def _service(cfg, data):
-    from ragtrain.index.retrieval import Retrieval
+def _service(cfg, data, tmp_path):
+    """The live service started from version-0 shards encoded in-process (the service reads only the shards; the
+    Ray Data encode that writes them in a run is tested in tests/corpus/test_encode.py)."""
+    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.index.retrieval import BuiltIndex, Retrieval
     from ragtrain.retriever.encoder import build_encoder
+    from tests.index.test_shards import _write_shards
 
     torch.manual_seed(0)
     weights = build_encoder(cfg.retriever).state_dict()
     retrieval = Retrieval(cfg, data)
-    built = retrieval.build("zeroshot", [weights], "tiny@init", 0)
+    vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
+    shards = _write_shards(tmp_path / "v0", retrieval.doc_ids, vecs, per_file=64)
+    built = BuiltIndex("zeroshot", None, [weights], retrieval.doc_ids, {}, shards=shards)
     service, probe = retrieval.start_service(built, weights)
     return retrieval, service, probe, weights
 
@@ -190,7 +196,7 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.train.hard_negatives=2",
                             "refresh.enabled=true", "refresh.every_steps=2"]))
     data = load_data(cfg.data)
-    retrieval, service, probe, weights = _service(cfg, data)
+    retrieval, service, probe, weights = _service(cfg, data, tmp_path)
     try:
         v0 = ray.get(service.latest.remote())
         assert v0.version == 0 and len(v0.negatives) == len(data.train_qrels)
