@@ -90,17 +90,48 @@ def test_a_teacher_for_another_tokenizer_is_refused(tmp_path) -> None:
         check_teacher(other, tiny)
 
 
-@pytest.mark.integration
-def test_run_trains_the_teacher_scores_candidates_and_distils(quickstart_run) -> None:
-    """The shared quickstart run (tests/conftest.py: TEACHER) trained a teacher on Ray Train, scored on Ray Data,
-    cached the scores, trained the bi-encoder with the KL term and evaluated the teacher's reranking."""
+def test_scores_on_ray_data_equal_in_process_scores(ray_session, tmp_path) -> None:
+    """The pool's actors read passages from a PassageStore and return one score per (query, passage) pair, in order."""
+    from ragtrain.config import PoolResources
+    from ragtrain.data import Passage
+    from ragtrain.data.store import write_store
+    from ragtrain.reranker.model import build_cross_encoder, save_teacher, score_pairs
+    from ragtrain.reranker.score import score_on_ray
+    from ragtrain.retriever.encoder import load_tokenizer
+
+    tiny = RetrieverConfig(model="tiny")
+    torch.manual_seed(0)
+    model = build_cross_encoder(tiny)
+    torch.nn.init.normal_(model.classifier.weight, std=1.0)  # a head that tells pairs apart (init: std 0.02)
+    folder = save_teacher(model, tiny, tmp_path / "teacher", {})
+    words = "alpha beta gamma delta river mountain archive protein lattice quantum".split()
+    texts = [" ".join(words[i % 7 :] + words[: i % 5]) for i in range(30)]
+    store = write_store(tmp_path / "p.arrow", (Passage(f"p{i}", "", t) for i, t in enumerate(texts)))
+    queries = ["what is alpha", "river archive", "quantum lattice protein"]
+    pairs = [(q, p) for q in range(3) for p in range(0, 30, 2)][::-1]  # any order comes back in that order
+    got = score_on_ray(tiny, folder, queries, store.texts(), pairs, 48, PoolResources(num_actors=2, cpus_per_actor=1))
+    want = score_pairs(build_cross_encoder(tiny, folder), load_tokenizer(tiny), [queries[q] for q, _ in pairs],
+                       [texts[p] for _, p in pairs], 48)
+    assert np.std(want) > 1e-3  # pairs score apart by far more than the tolerance: a misplaced score would show
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.slow  # a pipeline run with a teacher fit of its own (~80 s); the pieces are tested above
+def test_run_trains_the_teacher_scores_candidates_and_distils(ray_session, tmp_path) -> None:
+    """A tiny quickstart with a teacher: trained on Ray Train, scores on Ray Data cached in the run folder, the
+    bi-encoder trained with the KL term, the teacher's reranking evaluated."""
     from ragtrain.data.store import PassageStore
     from ragtrain.pipeline import load_data
     from ragtrain.reranker.model import build_cross_encoder, check_teacher, score_pairs
     from ragtrain.reranker.score import SCORES_FILE
     from ragtrain.retriever.encoder import load_tokenizer
 
-    cfg, results, _ = quickstart_run
+    from ragtrain.pipeline import run
+    from tests.conftest import TEACHER
+
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *TEACHER, "logger=none",
+                            "export=false"]))
+    results = run(cfg)
     out = Path(cfg.output_dir)
     rerank = results["teacher_rerank"]  # the teacher reordering the zero-shot top 100: a full metric set
     assert 0.0 <= rerank["ndcg@10"] <= 1.0 and rerank["teacher_steps"] == 3
