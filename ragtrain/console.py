@@ -19,6 +19,11 @@ PG_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group
 QUIET_LOGGERS = ("faiss", "ray.data", "ray.train", "ray.tune", "mlflow", "transformers", "sentence_transformers")
 
 
+# "1": training stages draw a progress bar (rank 0, Ray's tqdm_ray, drawn by the driver) instead of printing their
+# step lines. Only when the quiet console writes to a terminal: in a log file a bar is one line per redraw.
+PROGRESS_ENV = "RAGTRAIN_PROGRESS"
+
+
 def configure(verbose: bool) -> None:
     """Quiet the libraries unless `verbose`; call before they are imported (the environment is read at import)."""
     if verbose:
@@ -26,6 +31,7 @@ def configure(verbose: bool) -> None:
         return
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
+    os.environ.setdefault(PROGRESS_ENV, "1" if sys.stdout.isatty() else "0")
     from ray.data import DataContext  # imported first: Ray Data sets its loggers' levels when it is imported
 
     # On a terminal Ray Data draws one live bar per pipeline; in a log file it writes a status block every 10 s,
@@ -65,7 +71,12 @@ def is_quiet() -> bool:
 
 def quiet_env() -> dict[str, str]:
     """The console settings of this process, for a Ray process's runtime_env (empty under -v)."""
-    return {k: os.environ[k] for k in QUIET_ENV if k in os.environ}
+    return {k: os.environ[k] for k in (*QUIET_ENV, PROGRESS_ENV) if k in os.environ}
+
+
+def progress_bars() -> bool:
+    """Whether training draws progress bars instead of step lines (`configure`: the quiet console on a terminal)."""
+    return os.environ.get(PROGRESS_ENV) == "1"
 
 
 # `log.info(line, extra=FILE_ONLY)`: the line goes to the run's ragtrain.log, not to the console (a progress bar

@@ -31,7 +31,7 @@ from ragtrain.checkpoint import (
 )
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config
-from ragtrain.console import FILE_ONLY, get_logger, is_quiet, quiet_env
+from ragtrain.console import FILE_ONLY, get_logger, is_quiet, progress_bars, quiet_env
 from ragtrain.track.mlflow import MetricSink
 
 log = get_logger(__name__)
@@ -140,9 +140,9 @@ class Worker:
 
         with self.not_training():
             if self.rank == 0:
-                # Under the quiet console the bar shows progress and loss; the full line goes to ragtrain.log
+                # With a progress bar the bar shows progress and loss; the full line goes to ragtrain.log
                 log.info(f"[{self.stage}] step {step}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
-                         extra=FILE_ONLY if is_quiet() else None)
+                         extra=FILE_ONLY if progress_bars() else None)
                 loss = next((v for k, v in metrics.items() if k.endswith("/loss")), None)
                 if self._bar is not None and loss is not None:
                     self._bar.set_description(f"[{self.stage}] loss {loss:.4f}")
@@ -161,8 +161,9 @@ class Worker:
             ray.train.report({"step": step, **(metrics or {})}, checkpoint=ray.train.Checkpoint.from_directory(d))
 
     def end_step(self, done: int, steps: int) -> None:
-        """After each training step: rank 0's progress bar moves, then any injected fault fires."""
-        if self.rank == 0:
+        """After each training step: rank 0's progress bar moves (`console.progress_bars`), then any injected fault
+        fires."""
+        if self.rank == 0 and progress_bars():
             if self._bar is None:  # drawn by the driver (Ray's tqdm_ray), one bar per stage
                 from ray.experimental.tqdm_ray import tqdm
 

@@ -42,12 +42,13 @@ def test_worker_args_are_typed_and_picklable(tmp_path) -> None:
 
 
 def test_rank0_bar_follows_the_steps_and_step_lines_go_to_the_run_log_only(tmp_path, capsys, monkeypatch) -> None:
-    """Quiet console: rank 0's bar (Ray's tqdm_ray; in a driver process it draws itself) starts at a restarted
+    """Quiet console on a terminal: rank 0's bar (Ray's tqdm_ray; in a driver process it draws itself) starts at a restarted
     attempt's first step and closes at the last; the step line is in ragtrain.log, not on stdout."""
     from ragtrain.console import attach_run_log, detach_run_log
     from ragtrain.train.harness import Worker
 
     monkeypatch.setenv("RAGTRAIN_QUIET", "1")
+    monkeypatch.setenv("RAGTRAIN_PROGRESS", "1")  # console.configure: the quiet console on a terminal
     cfg = to_typed(compose(tiny_overrides(tmp_path)))
     w = object.__new__(Worker)  # the step-end and log parts only: no Ray Train context needed
     w.rank, w.stage, w.cfg, w.sink, w._bar, w.measure_s = 0, "retriever", cfg, None, None, 0.0
@@ -67,3 +68,21 @@ def test_rank0_bar_follows_the_steps_and_step_lines_go_to_the_run_log_only(tmp_p
     assert "step 4/6" not in out.out
     assert "[retriever] step 4/6 train/loss=0.25" in (tmp_path / "ragtrain.log").read_text()
     assert "[retriever] loss 0.2500" in out.err  # the bar's description carries the last window's loss
+
+
+def test_without_a_terminal_the_step_lines_print_and_no_bar_is_drawn(tmp_path, capsys, monkeypatch) -> None:
+    """The quiet console writing to a file or pipe (RAGTRAIN_PROGRESS=0): a bar would be one line per redraw."""
+    from ragtrain.train.harness import Worker
+
+    monkeypatch.setenv("RAGTRAIN_QUIET", "1")
+    monkeypatch.setenv("RAGTRAIN_PROGRESS", "0")
+    cfg = to_typed(compose(tiny_overrides(tmp_path)))
+    w = object.__new__(Worker)
+    w.rank, w.stage, w.cfg, w.sink, w._bar, w.measure_s, w._window_start = 0, "retriever", cfg, None, None, 0.0, 0.0
+    w.args = WorkerArgs(cfg=cfg, stage="retriever", cpus_per_worker=1.0)
+    w.end_step(1, 2)
+    w.log({"train/loss": 0.5}, 2, 2)
+    w.end_step(2, 2)
+    out = capsys.readouterr()
+    assert w._bar is None and "training" not in out.err
+    assert "[retriever] step 2/2 train/loss=0.5" in out.out
