@@ -161,7 +161,13 @@ class EncoderPool:
         idle = list(self.actors)
         running: dict[Any, tuple[int, Any]] = {}  # ObjectRef -> (shard id, actor)
         attempts = [0] * len(shards)
-        bar = tqdm(total=len(texts), desc=desc, unit="doc", disable=not progress, mininterval=2.0)
+        bar = None
+        if progress and ray.get_runtime_context().get_actor_id():  # in an actor (the live service): drawn by the driver
+            from ray.experimental.tqdm_ray import tqdm as ray_tqdm
+
+            bar = ray_tqdm(total=len(texts), desc=desc, unit="doc")
+        elif progress:
+            bar = tqdm(total=len(texts), desc=desc, unit="doc", mininterval=2.0)
         while todo or running:
             while todo and idle:  # hand shards to free actors as they free up (length-sorted: slowest first)
                 sid, actor = todo.popleft(), idle.pop()
@@ -189,9 +195,11 @@ class EncoderPool:
             if out.size == 0:
                 out = np.empty((len(texts), vecs.shape[1]), dtype=np.float32)
             out[shards[sid]] = vecs  # each shard is written once: every text lands in exactly one row
-            bar.update(len(shards[sid]))
+            if bar is not None:
+                bar.update(len(shards[sid]))
             idle.append(actor)
-        bar.close()
+        if bar is not None:
+            bar.close()
         seconds = time.perf_counter() - start
         stats = {"docs": len(texts), "seconds": seconds, "docs_per_s": len(texts) / max(seconds, 1e-9),
                  "retried_shards": float(sum(attempts))}

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ragtrain.config import Config
-from ragtrain.console import get_logger
+from ragtrain.console import get_logger, progress_bars
 
 log = get_logger(__name__)
 
@@ -181,7 +181,9 @@ class IndexService:
             self.pool.set_weights(("refresh", version, step), weights_ref)
             r, idx = self.cfg.retriever, self.cfg.index
             if vectors is None:
-                vectors, _ = self.pool.encode(self.passages, r.passage_max_length, idx, progress=False, role="passage")
+                # a bar per refresh where training draws one (console.progress_bars: the quiet console on a terminal)
+                vectors, _ = self.pool.encode(self.passages, r.passage_max_length, idx, progress=progress_bars(),
+                                              desc=f"[refresh] v{version} encode", role="passage")
             index = build_configured(vectors, self.doc_ids, idx, self.fingerprint, f"{r.model}@step{step}", step,
                                      self.cfg.seed)
             index.meta.version = version

@@ -98,9 +98,10 @@ def test_make_shards_cover_every_position_once(texts) -> None:
     assert lengths == sorted(lengths, reverse=True)  # longest first: similar lengths share a shard
 
 
-def test_pool_matches_in_process_encoding_in_input_order(pool, texts, weights) -> None:
+def test_pool_matches_in_process_encoding_in_input_order(pool, texts, weights, capsys) -> None:
     index = IndexConfig(shard_size=SHARD, batch_size=8)
-    vecs, stats = pool.encode(texts, MAX_LENGTH, index, progress=False)
+    vecs, stats = pool.encode(texts, MAX_LENGTH, index, progress=True, desc="pool-bar")
+    assert "pool-bar" in capsys.readouterr().err  # in the driver, a plain tqdm bar (in an actor: Ray's tqdm_ray)
     assert vecs.shape == (len(texts), CFG.tiny.hidden_size) and vecs.dtype == np.float32
     expected = _local_encode(weights, texts, index)
     np.testing.assert_allclose(vecs, expected, rtol=0, atol=1e-5)
