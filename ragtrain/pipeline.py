@@ -278,6 +278,8 @@ def run(
                 from ragtrain.reranker.stage import prepare_teacher
 
                 teacher, results["teacher_rerank"] = prepare_teacher(cfg, retrieval, zeroshot, examples, logger.sink())
+            if zeroshot is not None:  # searched for the last time (evaluation, mining, the teacher): the host frees it
+                zeroshot.index.drop()  # before the trained index arrives; its vectors stay in the shards (alignment)
             try:
                 sink = logger.sink()
                 if sink is not None and cfg.resume:

@@ -1,10 +1,11 @@
 """Retrieval over the configured corpus: build an index on Ray Data, search it, evaluate it, mine negatives from it.
 
 `Retrieval.build` returns a `BuiltIndex` (the FAISS index, the encoder snapshot(s) that built it and where its
-vectors are); everything after takes that value, so no caller saves and restores state around a call. The index of
-a build lives in the run's `IndexHost` actor (`index/host.py`): the driver holds its passage ids, not its vectors. Every search
-encodes its queries with `QueryEncoder` (the corpus actors' own class, `ragtrain/corpus/encode.py`) and searches
-through `DenseIndex.search` (dimension and metric checks); hard negatives come from the one rule in `mining.py`.
+vectors are); everything after takes that value, so no caller saves and restores state around a call. The index
+of a build lives in the run's `IndexHost` actor (`index/host.py`): the driver holds its passage ids, not its
+vectors. Every search encodes its queries with `QueryEncoder` (the corpus actors' own class,
+`ragtrain/corpus/encode.py`) and searches through `DenseIndex.search` (dimension and metric checks); hard negatives
+come from the one rule in `mining.py`.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ def score_on_ray(retriever: RetrieverConfig, teacher: str | Path, queries: Seque
         ScoreBatch, fn_constructor_kwargs={
             "retriever": retriever, "teacher": str(teacher), "queries": list(queries), "passages": passages,
             "max_length": max_length, "batch_size": batch_size, "threads": int(pool.cpus_per_actor)},
-        batch_size=batch_size * 4, batch_format="numpy", compute=ActorPoolStrategy(size=pool.num_actors), num_cpus=cpus,
+        batch_size=batch_size * 4, batch_format="numpy", compute=ActorPoolStrategy(size=pool.num_actors),
+        num_cpus=cpus,
         num_gpus=pool.gpus_per_actor or None, resources={k: float(v) for k, v in pool.resources.items()} or None,
         runtime_env={"env_vars": ACTOR_ENV})  # the encode actors' environment (passive OpenMP waits, offline HF)
     where = {(int(a), int(b)): i for i, (a, b) in enumerate(zip(q.tolist(), p.tolist()))}
@@ -90,8 +91,8 @@ def teacher_targets(retriever: RetrieverConfig, teacher: str | Path, queries: Se
                     candidates: Sequence[Sequence[int]], max_length: int, pool: PoolResources,
                     cache_dir: str | Path, corpus_fingerprint: str) -> dict[int, dict[int, float]]:
     """The teacher's score of every candidate of every query (`candidates[i]`: passage positions for
-    `queries[i]`), as {query position: {passage position: score}}; cached in `cache_dir/scores.json` under a key of the teacher's
-    weights, the corpus and the candidate lists, so a resumed run does not score again."""
+    `queries[i]`), as {query position: {passage position: score}}; cached in `cache_dir/scores.json` under a key
+    of the teacher's weights, the corpus and the candidate lists, so a resumed run does not score again."""
     pairs = sorted({(qi, int(p)) for qi, cand in enumerate(candidates) for p in cand})
     key = _key(teacher, pairs, corpus_fingerprint)
     cache = Path(cache_dir) / SCORES_FILE
