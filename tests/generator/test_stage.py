@@ -30,10 +30,14 @@ def _cfg(tmp: Path, *extra: str):
 
 @pytest.fixture(scope="module")
 def built(ray_session, tmp_path_factory):
-    """A tiny-retriever index of the 24-entity KB, saved to <out>/index like the pipeline does."""
-    from ragtrain.index.retrieval import Retrieval
+    """A tiny-retriever index of the 24-entity KB, held by the run's index host as in a pipeline run (built from
+    shards encoded in-process: the Ray Data encode is tested in tests/corpus), saved to <out>/index."""
+    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.index.host import RemoteIndex
+    from ragtrain.index.retrieval import BuiltIndex, Retrieval
     from ragtrain.pipeline import load_data
     from ragtrain.retriever.encoder import build_encoder
+    from tests.index.test_shards import _write_shards
 
     tmp = tmp_path_factory.mktemp("gen")
     cfg = _cfg(tmp)
@@ -41,7 +45,12 @@ def built(ray_session, tmp_path_factory):
     torch.manual_seed(cfg.seed)
     weights = {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
     retrieval = Retrieval(cfg, data)
-    index = retrieval.build("zeroshot", [weights], f"{cfg.retriever.model}@init", 0)  # a BuiltIndex
+    vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
+    shards = _write_shards(tmp / "vectors", retrieval.doc_ids, vecs, per_file=64)
+    name = f"{cfg.retriever.model}@init"
+    remote = RemoteIndex.build(retrieval.host, "zeroshot", shards.folder, cfg.index, retrieval.fingerprint, name, 0,
+                               cfg.seed)
+    index = BuiltIndex("zeroshot", remote, [weights], retrieval.doc_ids, {}, shards=shards)
     out = Path(cfg.output_dir)
     index.index.save(out / "index")
     yield tmp, cfg, data, retrieval, index

@@ -36,7 +36,8 @@ def sweep_cfg(tmp: Path, uri: str, *extra: str, lrs: tuple = (GOOD_LR, BAD_LR), 
         "experiment=quickstart", *tiny_overrides(tmp), f"logger.tracking_uri={uri}", "logger.experiment_name=sweep-test",
         "tune=sync_sweep", "zeroshot_eval=false", "retriever.train.max_steps=6", "retriever.train.log_every=2",
         "tune.max_concurrent_trials=1", "tune.grace_period=2", "tune.seed=0",
-        "resources.trainer.num_workers=1", "resources.pool.num_actors=1", *extra,  # fewer processes: 2 cores
+        "resources.trainer.num_workers=1", "resources.pool.num_actors=1",  # fewer processes: 2 cores
+        "export=false", *extra,  # a trial's export is tested with the shared quickstart run (tests/test_export.py)
     ]))
     # Set on the typed config: a Hydra override of tune.space would merge into conf/tune/sync_sweep.yaml's space.
     cfg.tune.space = {"sync": {"choice": ["ddp", "local_sgd"]}, "retriever.train.lr": {"grid": list(lrs)}, **(space or {})}
