@@ -190,22 +190,26 @@ def test_search_generate_without_a_generator_and_a_folder_without_index_fail_in_
     assert "holds no index" in res.stderr and str(tmp_path) in res.stderr
 
 
-def test_search_generate_answers_with_the_runs_generator(finished_run) -> None:
+def test_search_generate_answers_with_the_runs_generator(finished_run, capsys) -> None:
     """--generate loads <run>/generator/generator.safetensors; here an untrained tiny T5 stands in for a trained one
-    (the generator stage's own tests cover training), so the answer is a string, not a right one."""
+    (the generator stage's own tests cover training), so the answer is a string, not a right one. The CLI's `main`
+    in-process: the entry point itself runs as a process in test_search_cli_returns_the_runs_ranking."""
     from ragtrain.generator.model import build_generator, load_tokenizer as gen_tokenizer
     from ragtrain.generator.train import save_generator
+    from ragtrain.search import main
 
     cfg, _, _ = finished_run
     gen_dir = Path(cfg.output_dir) / "generator"
     gen_dir.mkdir(exist_ok=True)
     try:
         save_generator(build_generator(cfg.generator, gen_tokenizer(cfg.generator)), gen_dir)
-        res = _search(cfg.output_dir, "who founded it?", "--generate")  # the table: default -k 5, then the answer
+        capsys.readouterr()
+        code = main([cfg.output_dir, "who founded it?", "--generate"])  # the table: default -k 5, then the answer
     finally:
         (gen_dir / "generator.safetensors").unlink(missing_ok=True)
-    assert res.returncode == 0, res.stderr
-    lines = res.stdout.strip().splitlines()
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.strip().splitlines()
     assert [line.split()[0] for line in lines[:5]] == ["1", "2", "3", "4", "5"]  # one line per hit
     assert lines[5] == "" and lines[6].startswith("answer:")  # (an untrained generator may answer nothing)
 
