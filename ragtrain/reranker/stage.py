@@ -30,6 +30,8 @@ def prepare_teacher(cfg: Config, retrieval, built, examples: list[TrainExample],
     from ragtrain.reranker.train import TEACHER_DIR, fit_teacher
 
     tc, out, data = cfg.retriever.teacher, Path(cfg.output_dir), retrieval.data
+    if not examples:
+        raise ValueError("retriever.teacher: the training split has no (query, relevant passage) pairs to teach on")
     passages = retrieval.passages()
     summary: dict[str, float] = {}
     if tc.path:
