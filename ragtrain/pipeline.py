@@ -266,7 +266,7 @@ def run(
         stale = zeroshot if train and cfg.index.align_anchors else None
 
         if train:
-            pos = {d: i for i, d in enumerate(retrieval.doc_ids)}
+            pos = retrieval.positions
             service = probe = None
             if live:
                 service, probe = retrieval.start_service(zeroshot, weights)

@@ -11,6 +11,7 @@ come from the one rule in `mining.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -72,6 +73,11 @@ class Retrieval:
         self.fingerprint = data.fingerprint()
         # Training and mining work on passages: with chunks, every chunk of a judged document carries its grade
         self.train_qrels = passage_qrels(data.train_qrels, data.doc_of)
+
+    @cached_property
+    def positions(self) -> dict[str, int]:
+        """Passage id -> corpus position (the order of `doc_ids`, of the trainer's texts and of TrainExample)."""
+        return {d: i for i, d in enumerate(self.doc_ids)}
 
     def passages(self) -> Sequence[str]:
         """Every passage's text in corpus order (the trainer's and the live pool's input): a PassageStore's
@@ -221,7 +227,7 @@ class Retrieval:
         qids = sorted(self.train_qrels)
         index = built.index
         row = {d: i for i, d in enumerate(index.doc_ids)}  # the index's row order (shard order)
-        pos = {d: i for i, d in enumerate(self.doc_ids)}
+        pos = self.positions
         # all chunks of a gold document are gold
         gold = [[row[d] for d, g in self.train_qrels[q].items() if g > 0 and d in row] for q in qids]
         qvecs = self.encode_queries(built, qids)
@@ -249,7 +255,7 @@ class Retrieval:
             raise ValueError(f"the live index service starts from one encoder's vector shards; {built.tag!r} has none")
         r = self.cfg.refresh
         qids = sorted(self.train_qrels)  # the order of TrainExample.qidx (build_examples)
-        pos = {d: i for i, d in enumerate(self.doc_ids)}
+        pos = self.positions
         gold = [[pos[d] for d, g in sorted(self.train_qrels[q].items()) if g > 0] for q in qids]
         queries = [self.data.queries[q] for q in qids]
         probe = make_probe(gold, queries, len(self.doc_ids), r.probe_queries, r.probe_passages, self.cfg.seed)

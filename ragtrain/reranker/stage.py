@@ -50,7 +50,7 @@ def prepare_teacher(cfg: Config, retrieval, built, examples: list[TrainExample],
     # then the evaluated split's queries with the zero-shot index's top rerank_depth: what the teacher knows
     eval_qids = sorted(data.eval_qrels)
     run = retrieval.search(built, eval_qids, min(tc.rerank_depth, len(retrieval.doc_ids)))
-    pos = {d: i for i, d in enumerate(retrieval.doc_ids)}
+    pos = retrieval.positions
     texts += [data.queries[q] for q in eval_qids]
     lists += [[pos[d] for d in run[q]] for q in eval_qids]
     table = teacher_targets(cfg.retriever, folder, texts, passages, lists, tc.max_length, cfg.resources.pool,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ragtrain.config import Config
 from ragtrain.console import get_logger
-from ragtrain.retriever.batching import TrainData, local_batch
+from ragtrain.retriever.batching import TrainData, local_batch, query_candidates
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
@@ -54,7 +54,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     for step in range(start_step, steps):
         queries, pids, _ = local_batch(data, global_batch, step, seed, rank, world, tc.negatives, None, "random")
         b, h = len(queries), tc.negatives
-        lists = [[pids[j], *pids[b + h * j : b + h * (j + 1)]] for j in range(b)]  # the positive first
+        lists = query_candidates(pids, b, h)  # the positive first
         enc = pair_inputs(tokenizer, [q for q in queries for _ in range(1 + h)],
                           [data.passages[p] for cand in lists for p in cand], tc.max_length)
         logits = ddp(**{k: v.to(device) for k, v in enc.items()}).logits.view(b, 1 + h)

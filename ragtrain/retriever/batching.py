@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -65,6 +65,13 @@ def local_indices(num_examples: int, global_batch: int, step: int, seed: int, ra
     """Example indices of this rank's slice of the global batch at `step`."""
     b = global_batch // world_size
     return global_batch_indices(num_examples, global_batch, step, seed)[rank * b : (rank + 1) * b]
+
+
+def query_candidates(pids: Sequence[int], num_queries: int, num_negatives: int) -> list[list[int]]:
+    """Each query's candidate list in a `local_batch` passage layout (B positives, then H negatives per query):
+    [its positive, its H negatives]."""
+    b, h = num_queries, num_negatives
+    return [[pids[j], *pids[b + h * j : b + h * (j + 1)]] for j in range(b)]
 
 
 def local_batch(

@@ -14,15 +14,16 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ragtrain.retriever.batching import query_candidates
+
 
 def teacher_matrix(table: dict[int, dict[int, float]], qidx: Sequence[int], pids: Sequence[int],
                    num_negatives: int) -> torch.Tensor:
     """[B, 1 + H] teacher scores of each local query's positive and hard negatives; NaN where unscored."""
-    b, h = len(qidx), num_negatives
-    out = torch.full((b, 1 + h), float("nan"))
-    for j, q in enumerate(qidx):
+    out = torch.full((len(qidx), 1 + num_negatives), float("nan"))
+    for j, (q, cand) in enumerate(zip(qidx, query_candidates(pids, len(qidx), num_negatives))):
         row = table.get(int(q), {})
-        for c, p in enumerate([pids[j], *pids[b + h * j : b + h * (j + 1)]]):
+        for c, p in enumerate(cand):
             if int(p) in row:
                 out[j, c] = row[int(p)]
     return out
