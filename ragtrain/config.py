@@ -276,6 +276,9 @@ class IndexConfig:
     distill_steps: int = 0
     distill_lr: float = 5e-5
     distill_batch_size: int = 32
+    # a folder: encoded corpora are kept there and reused when the same weights, corpus and encode settings come
+    # again (a sweep's zero-shot index, repeated runs; ragtrain/index/vector_cache.py). null: always encode
+    cache_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check(bool(self.factory.strip()), "index.factory", "must be a faiss index_factory string", self.factory)
@@ -285,6 +288,8 @@ class IndexConfig:
         _check(self.distill_steps >= 0, "index.distill_steps", "must be >= 0", self.distill_steps)
         _check(self.distill_lr > 0, "index.distill_lr", "must be > 0", self.distill_lr)
         _check(self.distill_batch_size > 0, "index.distill_batch_size", "must be > 0", self.distill_batch_size)
+        if self.cache_dir:  # resolved on the driver: sweep trials and Ray processes run in other folders
+            self.cache_dir = str(Path(self.cache_dir).expanduser().resolve())
         for key in ("batch_size", "shard_size", "top_k", "nprobe", "ef_search"):
             _check(getattr(self, key) > 0, f"index.{key}", "must be > 0", getattr(self, key))
         # Recall@100 is read off the top_k hits: a shallower search would report recall@top_k under its name.

@@ -152,13 +152,27 @@ class Retrieval:
         source = self.data.corpus if isinstance(self.data.corpus, PassageStore) else (self.doc_ids, self.passages())
         sets = []
         for i, weights in enumerate(snapshots):
+            folder = vec_dir / (tag if len(snapshots) == 1 else f"{tag}_{i}")
+            key = cached = None
+            if idx.cache_dir and fault is None:  # the same weights on the same corpus were encoded before: reuse
+                from ragtrain.index import vector_cache
+
+                key = vector_cache.cache_key(weights, cfg.retriever, idx, self.fingerprint,
+                                             cfg.retriever.passage_max_length)
+                cached = vector_cache.lookup(idx.cache_dir, key, folder)
+            if cached is not None:
+                log.info(f"[{tag}] {len(self.doc_ids)} passage vectors from the cache ({Path(idx.cache_dir) / key})")
+                sets.append(cached)
+                continue
             log.info(f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data ({cfg.resources.pool.num_actors} actors)")
             sets.append(encode_to_shards(
-                source, ray.put(weights), cfg.retriever, idx, cfg.resources.pool,
-                vec_dir / (tag if len(snapshots) == 1 else f"{tag}_{i}"), vector_dtype=idx.vector_dtype,
-                fault=fault, num_gpus_per_actor=cfg.resources.pool.gpus_per_actor))
+                source, ray.put(weights), cfg.retriever, idx, cfg.resources.pool, folder,
+                vector_dtype=idx.vector_dtype, fault=fault, num_gpus_per_actor=cfg.resources.pool.gpus_per_actor))
+            if key is not None:
+                vector_cache.store(idx.cache_dir, key, sets[-1])
         del source
         seconds = sum(s.seconds for s in sets)
+        hit = all(s.stats.get("cache_hit") for s in sets)
         if len(sets) == 1:  # FAISS from the shards, in the index host: the driver holds neither vectors nor index
             index = RemoteIndex.build(self.host, tag, sets[0].folder, idx, self.fingerprint, encoder_name, step,
                                       cfg.seed)
@@ -167,8 +181,11 @@ class Retrieval:
             shards = None
             consensus = consensus_vectors([s.read_all(order=self.doc_ids)[1] for s in sets])
             index = build_configured(consensus, self.doc_ids, idx, self.fingerprint, encoder_name, step, cfg.seed)
-        stats = {"docs": len(self.doc_ids), "seconds": seconds, "docs_per_s": len(self.doc_ids) * len(sets) / seconds,
-                 "index_build_seconds": index.meta.build_seconds}
+        stats = {"docs": len(self.doc_ids), "seconds": seconds, "index_build_seconds": index.meta.build_seconds}
+        if hit:  # nothing was encoded: no throughput to report
+            stats["encode_cache_hit"] = 1.0
+        else:
+            stats["docs_per_s"] = len(self.doc_ids) * len(sets) / seconds
         if shards is not None:  # where the index's memory went instead of the driver
             stats["index_host_peak_rss_mb"] = ray.get(self.host.peak_rss_mb.remote())
         return BuiltIndex(tag, index, list(snapshots), self.doc_ids, stats, shards, consensus)
@@ -178,8 +195,10 @@ class Retrieval:
         """`build`, then `evaluate` on the split; returns (build, metrics incl. the pool's encode docs/s and the
         index host's peak RSS)."""
         built = self.build(tag, snapshots, encoder_name, step)
-        extra = {k: built.stats[k] for k in ("index_host_peak_rss_mb",) if k in built.stats}
-        return built, {**self.evaluate(built), "encode_docs_per_s": built.stats["docs_per_s"], **extra}
+        extra = {k: built.stats[k] for k in ("index_host_peak_rss_mb", "encode_cache_hit") if k in built.stats}
+        if "docs_per_s" in built.stats:
+            extra["encode_docs_per_s"] = built.stats["docs_per_s"]
+        return built, {**self.evaluate(built), **extra}
 
     def encode_queries(self, built: BuiltIndex, qids: list[str]) -> np.ndarray:
         """The queries' vectors under `built`'s snapshot(s), encoded as its passages were."""

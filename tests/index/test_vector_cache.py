@@ -1,0 +1,86 @@
+"""The encoded-corpus cache (index.cache_dir): what its key covers, and a second build that encodes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from ragtrain.config import IndexConfig, RetrieverConfig
+from ragtrain.corpus.encode import SHARDS_META, ShardSet
+from ragtrain.index import vector_cache
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(4, 3, generator=g), "a.bias": torch.zeros(4), "pos": torch.arange(5)}
+
+
+def test_key_covers_weights_settings_and_corpus():
+    r, i = RetrieverConfig(model="tiny"), IndexConfig()
+    base = vector_cache.cache_key(_weights(), r, i, "corpus-a", 128)
+    assert base == vector_cache.cache_key(_weights(), r, i, "corpus-a", 128)  # deterministic
+    changed = {
+        "weights": vector_cache.cache_key(_weights(1), r, i, "corpus-a", 128),
+        "one element": vector_cache.cache_key({**_weights(), "a.bias": torch.tensor([0, 0, 0, 1e-7])}, r, i,
+                                              "corpus-a", 128),
+        "corpus": vector_cache.cache_key(_weights(), r, i, "corpus-b", 128),
+        "max_length": vector_cache.cache_key(_weights(), r, i, "corpus-a", 256),
+        "precision": vector_cache.cache_key(_weights(), r, IndexConfig(precision="bf16"), "corpus-a", 128),
+        "vector dtype": vector_cache.cache_key(_weights(), r, IndexConfig(vector_dtype="float16"), "corpus-a", 128),
+        "pooling": vector_cache.cache_key(_weights(), RetrieverConfig(model="tiny", pooling="cls"), i, "corpus-a", 128),
+        "prefix": vector_cache.cache_key(_weights(), RetrieverConfig(model="tiny", passage_prefix="passage: "), i,
+                                         "corpus-a", 128),
+    }
+    for what, key in changed.items():
+        assert key != base, what
+    # training-only settings never reach the vectors: the zero-shot encode of every sweep trial shares one entry
+    trained = RetrieverConfig(model="tiny", temperature=0.02)
+    trained.train.lr = 1e-3
+    trained.train.hard_negatives = 3
+    assert vector_cache.cache_key(_weights(), trained, i, "corpus-a", 128) == base
+
+
+def _shards(folder, rows: int = 3) -> ShardSet:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True)
+    vec = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
+    table = pa.table({"id": [f"d{i}" for i in range(rows)],
+                      "vector": pa.FixedSizeListArray.from_arrays(pa.array(vec.ravel()), 2)})
+    pq.write_table(table, folder / "part-0.parquet")
+    s = ShardSet(str(folder), ["part-0.parquet"], rows, 2, "float32", 1.5)
+    meta = {k: v for k, v in s.__dict__.items() if k != "folder"}
+    (folder / SHARDS_META).write_text(json.dumps(meta))
+    return s
+
+
+def test_store_then_lookup_copies_into_the_run_folder(tmp_path):
+    cache, key = tmp_path / "cache", "k" * 32
+    assert vector_cache.lookup(cache, key, tmp_path / "run1") is None  # a miss on an empty cache
+    src = _shards(tmp_path / "encoded")
+    vector_cache.store(cache, key, src)
+    got = vector_cache.lookup(cache, key, tmp_path / "run2" / "vectors")
+    assert got is not None and got.stats["cache_hit"] == 1.0 and got.seconds == 0.0
+    assert got.folder == str((tmp_path / "run2" / "vectors").resolve())
+    ids, vecs = got.read_all()
+    assert ids == ["d0", "d1", "d2"] and np.array_equal(vecs, np.arange(6, dtype=np.float32).reshape(3, 2))
+    # the run's copy is its own: removing it leaves the cache entry whole
+    import shutil
+
+    shutil.rmtree(got.folder)
+    assert vector_cache.lookup(cache, key, tmp_path / "run3") is not None
+
+
+def test_unfinished_entry_is_a_miss(tmp_path):
+    cache, key = tmp_path / "cache", "u" * 32
+    (cache / key).mkdir(parents=True)  # a folder without shards.json: a writer died before the rename
+    assert vector_cache.lookup(cache, key, tmp_path / "run") is None
+
+
+def test_cache_dir_is_resolved_on_the_driver(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert IndexConfig(cache_dir="cache/vectors").cache_dir == str(tmp_path / "cache" / "vectors")
+    assert IndexConfig().cache_dir is None
