@@ -316,10 +316,11 @@ def run(
                                                                                step)
             name = f"vector_avg of {len(replicas)} replicas in {out / 'encoder'}" if replicas else encoder_name
             built, results[phase] = retrieval.build_and_evaluate(phase, replicas or [weights], name, step)
-            if replicas:
-                from ragtrain.repair.align import embedding_drift
+            if replicas:  # mean 1 - cos on a seeded sample of passages, read from both builds' shards
+                from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
 
-                results["param_avg"]["drift_vs_consensus"] = embedding_drift(param_avg.vectors(), built.vectors())
+                results["param_avg"]["drift_vs_consensus"] = drift(
+                    param_avg.shards, built.shards, sample_ids(built.corpus_ids, DRIFT_SAMPLE, cfg.seed + 1))
             if replicas and cfg.index.distill_steps:  # one student encoder that serves the consensus index
                 from ragtrain.repair.distill import distill_consensus
 

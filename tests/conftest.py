@@ -65,7 +65,8 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def quickstart_run(ray_session, tmp_path_factory):
     """ONE finished tiny quickstart (2 gloo workers, ddp, 4 steps, zero-shot + trained indexes, the stale index aligned
-    on 32 anchors, export, MLflow with a registered model, profile=true, validation every 2 steps), shared by every module that only reads a finished run: each Train worker-group and encode
+    on 32 anchors, export, MLflow with a registered model, profile=true, validation every 2 steps, encoded corpora kept in
+    <tmp>/vector_cache), shared by every module that only reads a finished run: each Train worker-group and encode
     start costs seconds, and the suite must stay short. Returns (typed cfg, results, tmp folder)."""
     from ragtrain.config import to_typed
     from ragtrain.pipeline import run
@@ -73,7 +74,8 @@ def quickstart_run(ray_session, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quickstart")
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp), "generator=tiny_t5", "index.align_anchors=32",
                             "logger.experiment_name=qs-test", f"logger.register_as={REGISTERED_MODEL}", "profile=true",
-                            "retriever.train.log_every=2", "retriever.train.val_every=2"]))
+                            "retriever.train.log_every=2", "retriever.train.val_every=2",
+                            f"index.cache_dir={tmp / 'vector_cache'}"]))
     return cfg, run(cfg), tmp
 
 

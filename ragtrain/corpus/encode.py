@@ -242,7 +242,7 @@ class ShardSet:
 
     def read_all(self, order: Optional[Sequence[str]] = None) -> tuple[list[str], np.ndarray]:
         """All (ids, fp32 vectors); with `order`, rows are returned in that id order. For small corpora only
-        (tests, the live-refresh service's version 0, stale-index alignment): this is the whole matrix."""
+        (tests, the live-refresh service's version 0): this is the whole matrix."""
         ids: list[str] = []
         out = np.empty((self.rows, self.dim), dtype=np.float32)
         for shard_ids, vecs in self.iter_shards():

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -35,23 +35,12 @@ class BuiltIndex:
     """One index build: the FAISS index, the encoder snapshot(s) behind it, and its vectors' whereabouts."""
 
     tag: str
-    index: Any  # RemoteIndex (held by the run's IndexHost), or DenseIndex (vector_avg's consensus, stale indexes)
+    index: Any  # RemoteIndex (held by the run's IndexHost); DenseIndex in tests
     snapshots: list[dict[str, torch.Tensor]]
-    corpus_ids: list[str]  # corpus order (vectors() rows)
+    corpus_ids: list[str]  # corpus order
     stats: dict
-    shards: Any = None  # ShardSet: one snapshot's vectors on disk
-    consensus: Optional[np.ndarray] = None  # several snapshots (vector_avg): the mean vectors, corpus order
-    _vectors: Optional[np.ndarray] = field(default=None, repr=False)
+    shards: Any = None  # ShardSet: the vectors on disk (several snapshots: their consensus, shard by shard)
     _encoder: Any = field(default=None, repr=False)
-
-    def vectors(self) -> np.ndarray:
-        """The passage vectors in corpus order. Read from the shards on first use: only the live service's
-        version 0, stale-index alignment, the margin filter and distillation need the whole matrix in the driver."""
-        if self.consensus is not None:
-            return self.consensus
-        if self._vectors is None:
-            self._vectors = self.shards.read_all(order=self.corpus_ids)[1]
-        return self._vectors
 
     def query_encoder(self, cfg: Config):
         """The QueryEncoder of this build's snapshot(s) (loaded once)."""
@@ -133,10 +122,9 @@ class Retrieval:
         import ray
 
         from ragtrain.corpus.encode import EncodeFault, encode_to_shards, encoder_dim
-        from ragtrain.index.faiss_index import build_configured
         from ragtrain.index.host import RemoteIndex
+        from ragtrain.index.shard_ops import mean_shards
         from ragtrain.index.shards import check_index_config
-        from ragtrain.sync.vector_avg import consensus_vectors
 
         cfg, idx = self.cfg, self.cfg.index
         # A factory FAISS rejects, or more IVF lists than passages: fail before encoding anything
@@ -173,22 +161,17 @@ class Retrieval:
         del source
         seconds = sum(s.seconds for s in sets)
         hit = all(s.stats.get("cache_hit") for s in sets)
-        if len(sets) == 1:  # FAISS from the shards, in the index host: the driver holds neither vectors nor index
-            index = RemoteIndex.build(self.host, tag, sets[0].folder, idx, self.fingerprint, encoder_name, step,
-                                      cfg.seed)
-            shards, consensus = sets[0], None
-        else:
-            shards = None
-            consensus = consensus_vectors([s.read_all(order=self.doc_ids)[1] for s in sets])
-            index = build_configured(consensus, self.doc_ids, idx, self.fingerprint, encoder_name, step, cfg.seed)
+        # vector_avg: the consensus is computed shard by shard into its own shard folder; the index host builds
+        # FAISS from the shards either way, so the driver holds neither vectors nor index
+        shards = sets[0] if len(sets) == 1 else mean_shards(sets, vec_dir / tag)
+        index = RemoteIndex.build(self.host, tag, shards.folder, idx, self.fingerprint, encoder_name, step, cfg.seed)
         stats = {"docs": len(self.doc_ids), "seconds": seconds, "index_build_seconds": index.meta.build_seconds}
         if hit:  # nothing was encoded: no throughput to report
             stats["encode_cache_hit"] = 1.0
         else:
             stats["docs_per_s"] = len(self.doc_ids) * len(sets) / seconds
-        if shards is not None:  # where the index's memory went instead of the driver
-            stats["index_host_peak_rss_mb"] = ray.get(self.host.peak_rss_mb.remote())
-        return BuiltIndex(tag, index, list(snapshots), self.doc_ids, stats, shards, consensus)
+        stats["index_host_peak_rss_mb"] = ray.get(self.host.peak_rss_mb.remote())  # where the index's memory went
+        return BuiltIndex(tag, index, list(snapshots), self.doc_ids, stats, shards)
 
     def build_and_evaluate(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str,
                            step: int) -> tuple[BuiltIndex, dict[str, float]]:
@@ -222,20 +205,26 @@ class Retrieval:
     def evaluate_stale(self, stale: BuiltIndex, trained: BuiltIndex, step: int) -> dict[str, dict[str, float]]:
         """The stale (zero-shot) vectors searched with the trained query encoder, as is and after an orthogonal map
         onto the trained space fitted on `index.align_anchors` anchor passages (their trained vectors are rows of
-        `trained`). Returns {"stale": ..., "stale_aligned": ...}."""
-        from ragtrain.index.faiss_index import build_configured
-        from ragtrain.repair.align import embedding_drift, fit_alignment
+        `trained`). Returns {"stale": ..., "stale_aligned": ...}. Shard by shard: only the anchors' vectors and a
+        drift sample are read into the driver; the mapped vectors are written as shards for the index host."""
+        from ragtrain.index.host import RemoteIndex
+        from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, map_shards, sample_ids
+        from ragtrain.repair.align import fit_alignment
 
-        fresh, old, idx = trained.vectors(), stale.vectors(), self.cfg.index
-        rows = np.random.default_rng(self.cfg.seed).permutation(len(fresh))[: idx.align_anchors]
-        aligned = fit_alignment(old[rows], fresh[rows], "orthogonal").apply(old)
+        idx, seed = self.cfg.index, self.cfg.seed
+        anchors = sample_ids(self.doc_ids, idx.align_anchors, seed)
+        align = fit_alignment(stale.shards.vectors_of(anchors), trained.shards.vectors_of(anchors), "orthogonal")
+        aligned = map_shards(stale.shards, align.apply, Path(stale.shards.folder).parent / "stale_aligned")
+        measured = sample_ids(self.doc_ids, DRIFT_SAMPLE, seed + 1)
         out = {}
-        for tag, vecs in (("stale", old), ("stale_aligned", aligned)):
-            index = build_configured(vecs, self.doc_ids, idx, self.fingerprint, tag, step, self.cfg.seed)
+        for tag, shards in (("stale", stale.shards), ("stale_aligned", aligned)):
+            index = RemoteIndex.build(self.host, tag, shards.folder, idx, self.fingerprint, tag, step, seed)
             # searched with the trained encoder: the question is how far the old vectors lag it
-            view = BuiltIndex(tag, index, trained.snapshots, self.doc_ids, {}, _encoder=trained.query_encoder(self.cfg))
-            out[tag] = {**self.evaluate(view), "drift_vs_trained": embedding_drift(vecs, fresh),
-                        "anchors": float(len(rows))}
+            view = BuiltIndex(tag, index, trained.snapshots, self.doc_ids, {}, shards,
+                              _encoder=trained.query_encoder(self.cfg))
+            out[tag] = {**self.evaluate(view), "drift_vs_trained": drift(shards, trained.shards, measured),
+                        "anchors": float(len(anchors)), "drift_rows": float(len(measured))}
+            index.drop()
         return out
 
     def mine_negatives(self, built: BuiltIndex) -> dict[str, list[int]]:
@@ -255,8 +244,7 @@ class Retrieval:
             wanted = sorted({r for g in gold for r in g})
             local = {r: i for i, r in enumerate(wanted)}
             ids = [index.doc_ids[r] for r in wanted]
-            vecs = built.shards.vectors_of(ids) if built.shards is not None else \
-                built.vectors()[[pos[d] for d in ids]]
+            vecs = built.shards.vectors_of(ids)
             positive = positive_scores(qvecs, [[local[r] for r in g] for g in gold], vecs)
         mined = mine_rows(index, qvecs, gold, t.hard_negative_depth, t.hard_negative_skip_top,
                           t.hard_negative_margin, t.hard_negative_max_score, positive=positive)
@@ -270,8 +258,9 @@ class Retrieval:
 
         from ragtrain.index.refresh import IndexService, make_probe
 
-        if built.shards is None:
-            raise ValueError(f"the live index service starts from one encoder's vector shards; {built.tag!r} has none")
+        if len(built.snapshots) != 1:
+            raise ValueError(f"the live index service starts from one encoder's vector shards; {built.tag!r} holds the "
+                             f"consensus of {len(built.snapshots)} replicas")
         r = self.cfg.refresh
         qids = sorted(self.train_qrels)  # the order of TrainExample.qidx (build_examples)
         pos = self.positions

@@ -100,21 +100,25 @@ def distill_consensus(retrieval: Any, consensus: Any, mean_weights: dict[str, to
     """Pipeline phase `distilled` (sync=vector_avg, index.distill_steps > 0), from the consensus build `consensus`.
 
     The reference is the consensus: the re-normalised mean of every replica's vectors, for the corpus (the
-    consensus index's vectors) and the training queries. One student, initialised from the replicas' parameter
+    consensus index's shards) and the training queries. One student, initialised from the replicas' parameter
     mean, learns it on the driver; the corpus is then indexed with the student alone and the split evaluated
-    with it. Returns (the student's BuiltIndex, its metrics incl. drift_vs_consensus: mean 1 - cos of its corpus
-    vectors to the consensus vectors)."""
-    from ragtrain.repair.align import embedding_drift
+    with it. The student sees at most distill_steps x distill_batch_size texts, so only a seeded sample of that
+    many passages is read (texts and vectors), never the whole corpus. Returns (the student's BuiltIndex, its
+    metrics incl. drift_vs_consensus: mean 1 - cos of its corpus vectors to the consensus vectors, on a sample)."""
+    from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
     from ragtrain.retriever.encoder import build_encoder, load_tokenizer
 
     cfg = retrieval.cfg
     idx, r = cfg.index, cfg.retriever
-    corpus_vecs = consensus.vectors()
     qids = sorted(retrieval.data.train_qrels)
+    ids = sample_ids(retrieval.doc_ids, idx.distill_steps * idx.distill_batch_size, cfg.seed)
+    corpus_vecs = consensus.shards.vectors_of(ids)
     qvecs = retrieval.encode_queries(consensus, qids) if qids else corpus_vecs[:0]
-    passages = retrieval.passages()
-    texts = passages[:] + [retrieval.data.queries[q] for q in qids]  # a store's view reads all texts in one take
-    roles = ["passage"] * len(passages) + ["query"] * len(qids)
+    pos, passages = retrieval.positions, retrieval.passages()
+    rows = [pos[d] for d in ids]  # a store's view reads several positions in one take; a list one by one
+    sampled = list(passages[rows]) if not isinstance(passages, list) else [passages[i] for i in rows]
+    texts = sampled + [retrieval.data.queries[q] for q in qids]
+    roles = ["passage"] * len(ids) + ["query"] * len(qids)
     reference = np.concatenate([corpus_vecs, qvecs]).astype(np.float32)
 
     encoder = build_encoder(r)
@@ -125,6 +129,7 @@ def distill_consensus(retrieval: Any, consensus: Any, mean_weights: dict[str, to
                         batch_size=idx.distill_batch_size, lr=idx.distill_lr, seed=cfg.seed, roles=roles)
     weights = {k: v.detach().clone() for k, v in student.encoder.state_dict().items()}
     built, metrics = retrieval.build_and_evaluate("distilled", [weights], f"{r.model}@distilled", step)
-    return built, {**metrics, "drift_vs_consensus": embedding_drift(built.vectors(), corpus_vecs),
+    measured = sample_ids(retrieval.doc_ids, DRIFT_SAMPLE, cfg.seed + 1)
+    return built, {**metrics, "drift_vs_consensus": drift(built.shards, consensus.shards, measured),
                    "loss_first": float(np.mean(losses[:10])), "loss_last": float(np.mean(losses[-10:])),
                    "steps": float(idx.distill_steps), "texts": float(len(texts))}

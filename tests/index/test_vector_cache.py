@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -84,3 +85,35 @@ def test_cache_dir_is_resolved_on_the_driver(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert IndexConfig(cache_dir="cache/vectors").cache_dir == str(tmp_path / "cache" / "vectors")
     assert IndexConfig().cache_dir is None
+
+
+def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
+    """Retrieval.build with the entry of these weights in index.cache_dir: nothing is encoded, the index is the same."""
+    from ragtrain.config import to_typed
+    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.index.retrieval import Retrieval
+    from ragtrain.pipeline import load_data
+    from ragtrain.retriever.encoder import build_encoder
+    from tests.conftest import compose, tiny_overrides
+    from tests.index.test_shards import _write_shards
+
+    cache = tmp_path / "cache"
+    cfg = to_typed(compose(tiny_overrides(tmp_path) + [f"index.cache_dir={cache}"]))
+    data = load_data(cfg.data)
+    torch.manual_seed(cfg.seed)
+    weights = {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
+    retrieval = Retrieval(cfg, data)
+    try:
+        vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
+        key = vector_cache.cache_key(weights, cfg.retriever, cfg.index, retrieval.fingerprint,
+                                     cfg.retriever.passage_max_length)
+        vector_cache.store(cache, key, _write_shards(tmp_path / "encoded", retrieval.doc_ids, vecs, per_file=64))
+        built = retrieval.build("zeroshot", [weights], "tiny@init", 0)
+        assert built.stats["encode_cache_hit"] == 1.0 and "docs_per_s" not in built.stats
+        assert Path(built.shards.folder) == Path(cfg.output_dir).resolve() / "vectors" / "zeroshot"
+        q = vecs[:5]
+        np.testing.assert_array_equal(built.index.search(q, 3)[1], np.argsort(-(q @ vecs.T), axis=1)[:, :3])
+        metrics = retrieval.evaluate(built)
+        assert 0.0 <= metrics["ndcg@10"] <= 1.0
+    finally:
+        retrieval.close()
