@@ -29,6 +29,7 @@ from ragtrain.schedule import warmup_linear_decay
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
 from ragtrain.sync.registry import build_sync
 from ragtrain.sync.comm import STATS
+from ragtrain.corpus.encode import peak_rss_mb
 from ragtrain.sync.metrics import drift_metrics
 from ragtrain.track.mlflow import MetricSink
 
@@ -249,6 +250,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         **{f"{k}_mean": sum(d[k] for d in drift_history) / len(drift_history) for k in drift_history[0]},
         **(live.summary() if live is not None and rank == 0 else {}),
         **({"train/teacher_kl": distill_sum[1] / ran} if teach.weight > 0 else {}),
+        "train/peak_rss_mb": peak_rss_mb(),  # this worker's (rank 0's) peak resident set: what a batch recipe costs
     }
     strategy.consensus(params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed
     replicas = None
