@@ -22,6 +22,21 @@ class InfeasibleResourcesError(RuntimeError):
     """A request no node (or not the whole cluster) can satisfy: fail in seconds instead of pending forever."""
 
 
+def code_path() -> str:
+    """The folder this process imports ragtrain from (its parent): what every Ray worker must import too."""
+    import ragtrain
+
+    return str(Path(ragtrain.__file__).resolve().parent.parent)
+
+
+def worker_pythonpath() -> str:
+    """PYTHONPATH for local Ray workers: the driver's ragtrain first. Without it a worker resolves `ragtrain`
+    through the environment's install, which for an editable install is the checkout it was installed from, not
+    a frozen copy the driver runs in (seen: sweep trials ran the live checkout's code while the driver ran the
+    copy's). PYTHONPATH entries come before the editable finder, which Python consults last."""
+    return os.pathsep.join([code_path(), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+
+
 def init_ray(res: ResourcesConfig) -> None:
     """Connect to $RAY_ADDRESS if set, else start a local Ray with resources.num_cpus logical CPUs."""
     import ray
@@ -51,6 +66,7 @@ def init_ray(res: ResourcesConfig) -> None:
         # machine (found through /tmp/ray) and then refuse num_cpus.
         import logging
 
+        env["PYTHONPATH"] = worker_pythonpath()  # the workers run the driver's ragtrain (e.g. a frozen copy)
         ray.init(address="local", num_cpus=res.num_cpus,
                  runtime_env={"env_vars": env, "worker_process_setup_hook": hook},
                  # "Started a local Ray instance." is Ray's INFO line; -v keeps it
