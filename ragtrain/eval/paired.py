@@ -1,0 +1,160 @@
+"""`python -m ragtrain.eval.paired RUN_DIR RUN_DIR [...]`: are finished runs' scores different beyond the dev set's noise?
+
+A 100-query dev set moves nDCG@10 by 0.01 per query, so two recipes 0.01 apart may be one query apart. This
+re-scores every run folder per query, on the same evaluated split, from its saved index and the encoder that built
+it (as `python -m ragtrain.search` does), and prints each run's mean with a bootstrap 95 % interval and its paired
+difference to the first run: the same resampled queries for both runs, so what the queries have in common cancels.
+`p(≤0)` is the share of resamples where the run does not beat the first one (small: a real gain). Runs must
+evaluate the same queries (same data, split and dev carve); anything else is refused in one line (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+METRICS = ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100")
+
+
+@dataclass
+class Scored:
+    """One run's per-query values of one metric, by query id."""
+
+    name: str
+    values: dict[str, float]
+
+
+def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
+    """Per-query `metric` of the run in `out` on its evaluated split (its saved index, its trained encoder)."""
+    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.eval.retrieval import maxp_run, per_query, run_from_scores
+    from ragtrain.index.faiss_index import IndexMismatchError, load_index
+    from ragtrain.index.retrieval import MAXP_DEPTH_FACTOR
+    from ragtrain.pipeline import load_data
+    from ragtrain.search import SearchError, encoder_weights, load_run_config
+
+    out = Path(out)
+    if not (out / "index" / "index_meta.json").exists():
+        raise SearchError(f"{out} holds no index ({out / 'index' / 'index_meta.json'} is missing): compare run "
+                          "folders whose stages included 'index'")
+    cfg = load_run_config(out)
+    with tempfile.TemporaryDirectory(prefix="ragtrain-paired-") as tmp:  # the corpus as a store, not in memory
+        data = load_data(cfg.data, cfg.retriever, Path(tmp))
+        try:
+            index = load_index(out / "index", expect_corpus=data.fingerprint())
+        except (FileNotFoundError, IndexMismatchError) as e:
+            raise SearchError(str(e)) from None
+        qids = sorted(data.eval_qrels)
+        snapshots = encoder_weights(cfg, index.meta.encoder, out)
+        encoder = QueryEncoder(cfg.retriever, snapshots, cfg.index.batch_size, cfg.index.precision.value)
+        qv = encoder.encode([data.queries[q] for q in qids], role="query")
+        index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
+        k = cfg.index.top_k
+        depth = min(index.ntotal, k * MAXP_DEPTH_FACTOR) if data.doc_of else k
+        _, rows = index.search(qv, depth)
+        ranked = run_from_scores(qids, index.doc_ids, rows)
+        if data.doc_of:  # chunks: a document ranks at its best chunk, as the pipeline evaluates
+            ranked = maxp_run(ranked, data.doc_of, depth=k)
+        scores = per_query(ranked, data.eval_qrels)
+    if metric not in next(iter(scores.values())):
+        raise SearchError(f"--metric {metric!r} is not a metric; valid choices: {list(next(iter(scores.values())))}")
+    return {q: s[metric] for q, s in scores.items()}
+
+
+NOT_A_RECIPE = ("output_dir", "logger", "resume", "resume_allow_changes", "experiment_name", "tune")
+
+
+def labels(runs: Sequence[str | Path]) -> list[str]:
+    """A name per run: the first run's folder name, then what each other run's config changes (`key=value`)."""
+    from omegaconf import OmegaConf
+
+    from ragtrain.config import changed_keys, flatten
+
+    from ragtrain.search import SearchError
+
+    for r in runs:
+        if not (Path(r) / "config.yaml").is_file():
+            raise SearchError(f"{Path(r) / 'config.yaml'} is missing: {r} is not a ragtrain run folder")
+    flat = [flatten(OmegaConf.to_container(OmegaConf.load(Path(r) / "config.yaml"))) for r in runs]
+    out = [Path(runs[0]).name]
+    for r, f in zip(runs[1:], flat[1:]):
+        keys = changed_keys(flat[0], f, NOT_A_RECIPE)
+        out.append(" ".join(f"{k.split('.')[-1]}={f.get(k, '<unset>')}" for k in keys) or f"{Path(r).name} (same)")
+    return out
+
+
+def bootstrap(runs: Sequence[Scored], resamples: int = 10_000, seed: int = 0) -> list[dict[str, float]]:
+    """Mean, 95 % interval, and the paired difference to runs[0] (interval and p(diff ≤ 0)) for each run."""
+    qids = sorted(runs[0].values)
+    for r in runs[1:]:
+        if sorted(r.values) != qids:
+            missing = sorted(set(qids) ^ set(r.values))
+            raise ValueError(f"{r.name} evaluates other queries than {runs[0].name} ({len(missing)} differ, e.g. "
+                             f"{missing[:3]}): compare runs of the same data, split and dev carve")
+    x = np.array([[r.values[q] for q in qids] for r in runs])  # runs x queries
+    picks = np.random.default_rng(seed).integers(0, len(qids), size=(resamples, len(qids)))
+    means = x[:, picks].mean(axis=2)  # runs x resamples
+    diffs = means - means[0]
+    out = []
+    for i, r in enumerate(runs):
+        row = {"run": r.name, "queries": float(len(qids)), "mean": float(x[i].mean()),
+               "ci_low": float(np.percentile(means[i], 2.5)), "ci_high": float(np.percentile(means[i], 97.5))}
+        if i:
+            row.update(diff=float(x[i].mean() - x[0].mean()), diff_low=float(np.percentile(diffs[i], 2.5)),
+                       diff_high=float(np.percentile(diffs[i], 97.5)), p_not_better=float((diffs[i] <= 0).mean()))
+        out.append(row)
+    return out
+
+
+def format_table(rows: Sequence[dict[str, float]], metric: str) -> str:
+    """The comparison as a text table (differences against the first run)."""
+    from tabulate import tabulate
+
+    body = [[r["run"], f"{r['mean']:.4f}", f"[{r['ci_low']:.4f}, {r['ci_high']:.4f}]",
+             f"{r['diff']:+.4f}" if "diff" in r else "–",
+             f"[{r['diff_low']:+.4f}, {r['diff_high']:+.4f}]" if "diff" in r else "–",
+             f"{r['p_not_better']:.3f}" if "diff" in r else "–"] for r in rows]
+    head = ["run", metric, "95% interval", "Δ vs first", "Δ 95% interval", "p(Δ ≤ 0)"]
+    return tabulate(body, headers=head) + f"\n({int(rows[0]['queries'])} queries, paired bootstrap)"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ragtrain.search import SearchError
+
+    p = argparse.ArgumentParser(prog="python -m ragtrain.eval.paired", description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", help="finished run folders (output_dir); differences are against the first, "
+                   "and each other run is named by the config keys it changes")
+    p.add_argument("--metric", default="ndcg@10", help=f"one of {list(METRICS)}")
+    p.add_argument("--resamples", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = p.parse_args(argv)
+    if len(args.runs) < 2:
+        print("error: give at least two run folders to compare", file=sys.stderr)
+        return 2
+    if args.metric not in METRICS:
+        print(f"error: --metric {args.metric!r} is not a metric; valid choices: {list(METRICS)}", file=sys.stderr)
+        return 2
+    if args.resamples < 100:
+        print(f"error: --resamples must be >= 100, got {args.resamples}", file=sys.stderr)
+        return 2
+    try:
+        names = labels(args.runs)  # every folder's config.yaml read before any scoring
+        scored = [Scored(n, run_per_query(r, args.metric)) for n, r in zip(names, args.runs)]
+        rows = bootstrap(scored, args.resamples, args.seed)
+    except (SearchError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows, args.metric))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
