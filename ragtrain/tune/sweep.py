@@ -298,9 +298,11 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
     # (every result must carry every metric) does not fit a pipeline whose best figure comes last.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
     if cfg.resume:
-
         close_orphans(plan.tracking_uri, parent)  # runs of trials cut off by the interruption: they start again
-        tuner = tune.Tuner.restore(str(plan.experiment_path), trainable=trainable, resume_unfinished=True)
+        # Errored trials start again from scratch too (their folder is cleared): an error that was the machine's
+        # (a lost worker, a broken environment) should not leave a hole in the grid; a real bug errors again.
+        tuner = tune.Tuner.restore(str(plan.experiment_path), trainable=trainable, resume_unfinished=True,
+                                   restart_errored=True)
     else:
         tuner = tune.Tuner(
             trainable,
