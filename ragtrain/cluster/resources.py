@@ -37,7 +37,15 @@ def worker_pythonpath() -> str:
     return os.pathsep.join([code_path(), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
 
 
-def init_ray(res: ResourcesConfig) -> None:
+WORKER_START_TIMEOUT_S = 300  # one run: its trainer's CPUs are free unless something else holds them
+# A sweep's trainers may queue behind each other's: Tune restores a resumed sweep's unfinished and errored trials
+# all at once, past the searcher's concurrency limit, and on a 2-CPU machine the second trainer then waited for the
+# first one's CPUs until Train V2 gave up (WorkerGroupStartupTimeoutError, seen). Every trial's size was checked
+# against the cluster before the sweep started, so waiting is right.
+SWEEP_WORKER_START_TIMEOUT_S = 24 * 3600
+
+
+def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TIMEOUT_S) -> None:
     """Connect to $RAY_ADDRESS if set, else start a local Ray with resources.num_cpus logical CPUs."""
     import ray
 
@@ -47,7 +55,7 @@ def init_ray(res: ResourcesConfig) -> None:
            "OMP_WAIT_POLICY": "PASSIVE",  # pool actors and the index service share cores with trainers
            # Train V2 gives a worker group 60 s to start; on a loaded laptop importing torch + transformers in
            # every worker can take longer, and the run would fail with WorkerGroupStartupTimeoutError.
-           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(worker_start_timeout_s)}
     from ragtrain.console import is_quiet, quiet_env
 
     env.update(quiet_env())  # the console settings (ragtrain.console)

@@ -283,12 +283,12 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
     """
     from ray import tune
 
-    from ragtrain.cluster.resources import init_ray
+    from ragtrain.cluster.resources import SWEEP_WORKER_START_TIMEOUT_S, init_ray
     from ragtrain.pipeline import prepare_output_dir
 
     plan = plan_sweep(cfg, conf_dir)  # ConfigError before anything starts
     prepare_output_dir(str(plan.out_dir))
-    init_ray(cfg.resources)
+    init_ray(cfg.resources, worker_start_timeout_s=SWEEP_WORKER_START_TIMEOUT_S)  # trials' trainers may queue
     concurrency = check_resources(plan)
     parent = _start(plan)
     t = cfg.tune
