@@ -183,7 +183,9 @@ def test_gossip_bytes_are_point_to_point(tmp_path: Path) -> None:
     assert r["bytes"] == [0, 2 * 4 * N_PARAMS] * 3  # two ring neighbours, every second step
 
 
-@pytest.mark.parametrize("inter_node", ["average", "gossip"])
+# gossip across nodes (one send to one peer node) in make test-slow: the gossip mixer's own arithmetic is in the
+# default suite (test_gossip_reaches_consensus_when_learning_stops), and 4-worker runs cost ~12 s each
+@pytest.mark.parametrize("inter_node", ["average", pytest.param("gossip", marks=pytest.mark.slow)])
 def test_hierarchical_groups_by_node(tmp_path: Path, inter_node: str) -> None:
     """4 workers on 2 (declared) nodes: 2-worker all-reduce inside a node every step, across nodes every 2nd."""
     r = run(tmp_path, 4, S("hierarchical", mixer={"kind": inter_node, "period": 2}), nodes=NODES)
