@@ -33,10 +33,9 @@ class Scored:
 
 def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     """Per-query `metric` of the run in `out` on its evaluated split (its saved index, its trained encoder)."""
-    from ragtrain.corpus.encode import QueryEncoder
-    from ragtrain.eval.retrieval import maxp_run, per_query, run_from_scores
+    from ragtrain.eval.retrieval import per_query
     from ragtrain.index.faiss_index import IndexMismatchError, load_index
-    from ragtrain.index.retrieval import MAXP_DEPTH_FACTOR
+    from ragtrain.index.retrieval import BuiltIndex, Retrieval
     from ragtrain.pipeline import load_data
     from ragtrain.search import SearchError, encoder_weights, load_run_config
 
@@ -51,18 +50,11 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
             index = load_index(out / "index", expect_corpus=data.fingerprint())
         except (FileNotFoundError, IndexMismatchError) as e:
             raise SearchError(str(e)) from None
-        qids = sorted(data.eval_qrels)
-        snapshots = encoder_weights(cfg, index.meta.encoder, out)
-        encoder = QueryEncoder(cfg.retriever, snapshots, cfg.index.batch_size, cfg.index.precision.value)
-        qv = encoder.encode([data.queries[q] for q in qids], role="query")
         index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
-        k = cfg.index.top_k
-        depth = min(index.ntotal, k * MAXP_DEPTH_FACTOR) if data.doc_of else k
-        _, rows = index.search(qv, depth)
-        ranked = run_from_scores(qids, index.doc_ids, rows)
-        if data.doc_of:  # chunks: a document ranks at its best chunk, as the pipeline evaluates
-            ranked = maxp_run(ranked, data.doc_of, depth=k)
-        scores = per_query(ranked, data.eval_qrels)
+        retrieval = Retrieval(cfg, data)  # the pipeline's own ranking (MaxP on chunks), searched in-process
+        built = BuiltIndex("saved", index, encoder_weights(cfg, index.meta.encoder, out), retrieval.doc_ids,
+                           {})
+        scores = per_query(retrieval.ranked(built), data.eval_qrels)
     if metric not in next(iter(scores.values())):
         raise SearchError(f"--metric {metric!r} is not a metric; valid choices: {list(next(iter(scores.values())))}")
     return {q: s[metric] for q, s in scores.items()}
@@ -76,7 +68,6 @@ def labels(runs: Sequence[str | Path]) -> list[str]:
     from omegaconf import OmegaConf
 
     from ragtrain.config import changed_keys, flatten
-
     from ragtrain.search import SearchError
 
     for r in runs:

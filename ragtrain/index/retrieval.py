@@ -192,15 +192,19 @@ class Retrieval:
         _, rows = built.index.search(self.encode_queries(built, qids), k)
         return run_from_scores(qids, built.index.doc_ids, rows)
 
-    def evaluate(self, built: BuiltIndex) -> dict[str, float]:
-        """Retrieval metrics of `built` on the evaluated split."""
+    def ranked(self, built: BuiltIndex) -> dict[str, list[str]]:
+        """The evaluated split's rankings under `built`: top `index.top_k` documents per query."""
         qids = sorted(self.data.eval_qrels)
         k = self.cfg.index.top_k
         if not self.data.doc_of:
-            return evaluate(self.search(built, qids, k), self.data.eval_qrels)
+            return self.search(built, qids, k)
         # Chunks: MaxP (a document ranks at its best chunk) before the cut-offs, so qrels stay on documents
         run = self.search(built, qids, min(len(self.doc_ids), k * MAXP_DEPTH_FACTOR))
-        return evaluate(maxp_run(run, self.data.doc_of, depth=k), self.data.eval_qrels)
+        return maxp_run(run, self.data.doc_of, depth=k)
+
+    def evaluate(self, built: BuiltIndex) -> dict[str, float]:
+        """Retrieval metrics of `built` on the evaluated split."""
+        return evaluate(self.ranked(built), self.data.eval_qrels)
 
     def evaluate_stale(self, stale: BuiltIndex, trained: BuiltIndex, step: int) -> dict[str, dict[str, float]]:
         """The stale (zero-shot) vectors searched with the trained query encoder, as is and after an orthogonal map

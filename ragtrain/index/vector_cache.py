@@ -23,13 +23,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ragtrain.console import get_logger
-
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig, RetrieverConfig
     from ragtrain.corpus.encode import ShardSet
-
-log = get_logger(__name__)
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 # The code between a text and its stored vector: tokenising, the forward pass and pooling, the Ray Data encode
