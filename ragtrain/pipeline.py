@@ -86,8 +86,9 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
     return data
 
 
-def prepare_output_dir(path: str) -> Path:
-    """Create the run's output folder, failing early (before any work) if it cannot be written."""
+def prepare_output_dir(path: str, key: str = "output_dir") -> Path:
+    """Create the run's output folder (or another folder the run writes, named by its config `key`), failing early
+    (before any work) if it cannot be written."""
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +96,7 @@ def prepare_output_dir(path: str) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"output_dir={str(out)!r} is not writable ({e.strerror}): choose another output_dir") from None
+        raise ConfigError(f"{key}={str(out)!r} is not writable ({e.strerror}): choose another {key}") from None
     return out
 
 
@@ -203,6 +204,8 @@ def run(
     # Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
     # folder that failed them is never taken for a run by resume=true.
     out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
+    if cfg.index.cache_dir:  # the cache is written after the first encode: refuse an unwritable one now
+        prepare_output_dir(cfg.index.cache_dir, "index.cache_dir")
     if cfg.resume:
         check_resume(cfg, out)
     if cfg.logger.backend == LoggerBackend.mlflow:  # a store that cannot work fails in seconds, not after training

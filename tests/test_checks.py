@@ -130,3 +130,17 @@ def test_cli_user_error_is_one_line_and_exit_2(tmp_path) -> None:
     r = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**env, "HYDRA_FULL_ERROR": "1"},
                        cwd=REPO)
     assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+
+
+def test_unwritable_cache_dir_fails_before_any_work(tmp_path) -> None:
+    """index.cache_dir is written after the first encode: a folder that cannot be created is refused up front."""
+    from ragtrain.config import to_typed
+    from ragtrain.pipeline import run
+    from tests.conftest import compose, tiny_overrides
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = to_typed(compose(tiny_overrides(tmp_path) + [f"index.cache_dir={blocker / 'cache'}"]))
+    with pytest.raises(ConfigError, match=r"index.cache_dir='.*/file/cache' is not writable .*choose another index.cache_dir"):
+        run(cfg)
+    assert not (tmp_path / "out" / "config.yaml").exists()  # nothing of a run was written
