@@ -55,6 +55,12 @@ class OnError(str, Enum):
     skip = "skip"
 
 
+class Prepare(str, Enum):
+    auto = "auto"  # on Ray Data once the corpus files hold 64 MiB or more (ragtrain/corpus/prepare.py)
+    driver = "driver"
+    ray = "ray"
+
+
 class LoggerBackend(str, Enum):
     mlflow = "mlflow"
     none = "none"
@@ -92,6 +98,9 @@ class DataConfig:
     # <output_dir>/docs and read it; data.root must then stay unset
     generate: bool = False
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
+    # beir/documents: read + clean (documents) and chunk on Ray Data tasks and actors (ray), in the driver before
+    # Ray starts (driver), or on Ray Data once the corpus files hold >= 64 MiB (auto). The store is the same.
+    prepare: Prepare = Prepare.auto
 
     def __post_init__(self) -> None:
         choices = [s.value for s in DataSource]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,33 +15,49 @@ from .chunk import chunk_document
 from .clean import check_id, clean, dedupe_stream
 from .read import FileError, list_documents, read_file
 
-__all__ = ["check_chunk_budget", "check_corpus_ids", "chunk_data", "load_documents", "passage_qrels"]
+__all__ = ["beir_corpus_files", "check_chunk_budget", "check_corpus_ids", "chunk_data", "load_documents", "passage_qrels"]
 
 
 def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail", split: str = "dev",
                    dev_size: float = 100, seed: int = 0, log: Callable[[str], None] = print,
-                   store_path: str | Path | None = None) -> tuple[RetrievalData, dict[str, int]]:
+                   store_path: str | Path | None = None, on_ray: bool = False,
+                   files: Sequence[Path] | None = None) -> tuple[RetrievalData, dict[str, int]]:
     """(whole-document RetrievalData, report counts) of a documents folder with queries.jsonl + qrels/<split>.tsv.
 
-    Files are read, cleaned and deduplicated one at a time; with `store_path` the documents stream into a
-    `PassageStore` there (only ids and content hashes stay in memory), else into a dict.
+    Files are read and cleaned one at a time in this process, or (`on_ray`) in parallel by Ray Data tasks that
+    stream the documents back in file order; either way they are deduplicated here; with `store_path` they stream
+    into a `PassageStore` there (only ids and content hashes stay in memory), else into a dict. `files`: the
+    already listed document files (`list_documents`), to list them once.
     """
     if on_error not in ("fail", "skip"):
         raise ConfigError(f"data.on_error must be one of ['fail', 'skip'], got {on_error!r}")
     root = Path(root)
-    files = list_documents(root, glob)
+    files = list(files) if files is not None else list_documents(root, glob)
     skipped: list[str] = []
     read = [0]
 
+    def file_failed(message: str) -> None:
+        if on_error == "fail":
+            raise DataError(f"{message} (data.on_error=fail; data.on_error=skip skips such files)")
+        skipped.append(message)
+
     def documents() -> Iterator[dict[str, str]]:
+        if on_ray:
+            from .prepare import read_on_ray
+
+            for doc in read_on_ray(files, root):
+                if "file_error" in doc:
+                    file_failed(doc["file_error"])
+                    continue
+                read[0] += 1
+                yield doc
+            return
         for path in files:
             try:
                 # a list per file, so a file failing half-way contributes nothing (all of it or none of it)
                 docs = [clean(d) for d in read_file(path, root)]
             except FileError as e:
-                if on_error == "fail":
-                    raise DataError(f"{e} (data.on_error=fail; data.on_error=skip skips such files)") from None
-                skipped.append(str(e))
+                file_failed(str(e))
                 continue
             read[0] += len(docs)
             yield from docs
@@ -63,6 +79,11 @@ def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail",
     return data, report
 
 
+def beir_corpus_files(root: str | Path) -> list[Path]:
+    """A BEIR folder's corpus file (corpus.jsonl or .gz) as a list, empty when absent (load_beir says so)."""
+    return [p for p in (Path(root) / "corpus.jsonl", Path(root) / "corpus.jsonl.gz") if p.is_file()][:1]
+
+
 def check_corpus_ids(data: RetrievalData, where: str) -> None:
     """Reject document and query ids with tabs or line breaks (BEIR folders included)."""
     for doc_id in data.corpus:
@@ -81,12 +102,26 @@ def check_chunk_budget(max_tokens: int, model_max: int, passage_max_length: int,
 
 
 def chunk_data(data: RetrievalData, tokenizer: Any, max_tokens: int, overlap: int,
-               store_path: str | Path | None = None) -> RetrievalData:
+               store_path: str | Path | None = None, ray_tasks: int = 0, retriever: Any = None) -> RetrievalData:
     """The same dataset with every document split into chunk passages; qrels stay on documents (doc_of).
-    Documents are read and chunked one at a time; with `store_path` the chunks stream into a `PassageStore`."""
+    Documents are chunked one at a time here, or (`ray_tasks` > 0, the documents in a `PassageStore`) by up to that
+    many Ray Data tasks at a time with `retriever`'s tokenizer, streamed back in order; with `store_path` the chunks
+    stream into a `PassageStore`."""
     doc_of: dict[str, str] = {}
 
     def chunks() -> Iterator[Passage]:
+        if ray_tasks > 0:
+            from ragtrain.data.store import PassageStore
+
+            from .prepare import chunk_on_ray
+
+            if not isinstance(data.corpus, PassageStore):
+                raise ValueError("chunk_data on Ray needs the documents in a PassageStore (the actors read it)")
+
+            for c in chunk_on_ray(data.corpus, retriever, max_tokens, overlap, ray_tasks):
+                doc_of[c["id"]] = c["doc_id"]
+                yield Passage(**c)
+            return
         for doc in data.corpus.values():
             record = {"id": doc.id, "title": doc.title, "text": doc.text, "source": f"document {doc.id!r}"}
             for c in chunk_document(record, tokenizer, max_tokens, overlap):

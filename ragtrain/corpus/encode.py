@@ -52,6 +52,20 @@ def peak_rss_mb() -> float:
     return 0.0
 
 
+def rss_breakdown_mb() -> dict[str, float]:
+    """This process's resident set now, by kind (Linux; {} elsewhere): anonymous (heap: what the process itself
+    holds), file (mapped libraries) and shmem (shared memory, e.g. Ray's object store pages it touched), in MB."""
+    out: dict[str, float] = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key = line.split(":")[0]
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                out[key[3:].lower()] = int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return out
+
+
 def encoder_dim(cfg: RetrieverConfig) -> int:
     """The vector dimension the configured encoder produces, without building it (checks before encoding)."""
     if cfg.model == "tiny":
@@ -109,6 +123,8 @@ class EncodeBatch:
         self.role = "passage"  # the corpus; LocalEncoder switches it to "query" (retriever.query_prefix)
         self.batches = self.rows = 0
         self.seconds = 0.0
+        self.rss_peaks: dict[str, float] = {}  # per kind, sampled after each batch (benchmarks: where RSS goes)
+        self.anon_series: list[tuple[int, float]] = []
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """[len(texts), dim] fp32 unit vectors in input order (the shared encode function)."""
@@ -133,10 +149,15 @@ class EncodeBatch:
         self.seconds += time.perf_counter() - start
         self.batches += 1
         self.rows += len(vecs)
-        if self.stats_dir:  # per-actor figures for benchmarks: rows, encode seconds, peak RSS
+        if self.stats_dir:  # per-actor figures for benchmarks: rows, encode seconds, peak RSS (and by kind)
+            rss = rss_breakdown_mb()
+            for kind, mb in rss.items():
+                self.rss_peaks[kind] = max(mb, self.rss_peaks.get(kind, 0.0))
+            if self.batches % 25 == 1:  # the heap's course over the run: growth with rows, or a plateau
+                self.anon_series.append((self.rows, round(rss.get("anon", 0.0), 1)))
             Path(self.stats_dir, f"{os.getpid()}.json").write_text(json.dumps(
                 {"pid": os.getpid(), "batches": self.batches, "rows": self.rows, "seconds": self.seconds,
-                 "peak_rss_mb": peak_rss_mb()}))
+                 "peak_rss_mb": peak_rss_mb(), "rss_peaks_mb": self.rss_peaks, "anon_series": self.anon_series}))
         dim = vecs.shape[1] if vecs.ndim == 2 else 0
         flat = pa.array(vecs.reshape(-1), type=pa.from_numpy_dtype(self.vector_dtype))
         return pa.table({"id": pa.array([str(i) for i in batch["id"]], type=pa.string()),

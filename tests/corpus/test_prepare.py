@@ -1,0 +1,65 @@
+"""Corpus preparation on Ray Data (data.prepare=ray): the same store as the driver's, the same errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ragtrain.config import to_typed
+from ragtrain.corpus.prepare import RAY_MIN_BYTES, use_ray
+from ragtrain.data.types import DataError
+from ragtrain.pipeline import load_data
+from tests.conftest import compose
+
+from .helpers import small_folder, write_folder
+
+
+def test_auto_prepares_on_ray_from_the_threshold_up() -> None:
+    assert not use_ray("auto", RAY_MIN_BYTES - 1) and use_ray("auto", RAY_MIN_BYTES)
+    assert use_ray("ray", 0) and not use_ray("driver", 10 * RAY_MIN_BYTES)
+    with pytest.raises(ValueError, match=r"data.prepare must be one of \['auto', 'driver', 'ray'\]"):
+        use_ray("cluster", 0)
+
+
+def _folder(root: Path) -> Path:
+    """small_folder plus many files (several read tasks), a duplicate, a jsonl of two, and a binary file."""
+    small_folder(root)
+    files: dict[str, str | bytes] = {f"many/{i:02d}.txt": f"Document {i} talks about topic {i % 7}. " * (3 + i % 5)
+                                     for i in range(40)}
+    files["dup.txt"] = "Alpha is the first letter. It starts the alphabet."  # same content as a.txt: dropped
+    files["more.jsonl"] = "".join(json.dumps({"_id": f"j{i}", "title": f"J {i}", "text": f"Jay {i} text."}) + "\n"
+                                  for i in range(2))
+    files["zz.txt"] = b"bin\x00ary"
+    return write_folder(root, files)
+
+
+def test_ray_prepare_writes_the_drivers_store_and_reports_the_same(ray_session, tmp_path: Path) -> None:
+    root = _folder(tmp_path / "docs")
+    base = ["data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=8",
+            "data.chunk.overlap=2", "data.on_error=skip", f"output_dir={tmp_path / 'out'}"]
+    driver = load_data(to_typed(compose(base + ["data.prepare=driver"])).data,
+                       to_typed(compose(base)).retriever, tmp_path / "driver")
+    cfg = to_typed(compose(base + ["data.prepare=ray"]))
+    on_ray = load_data(cfg.data, cfg.retriever, tmp_path / "ray", ray_tasks=2)
+    for name in ("documents.arrow", "passages.arrow"):  # byte for byte: same rows, same order, same fingerprint
+        assert (tmp_path / "ray" / "corpus" / name).read_bytes() == (tmp_path / "driver" / "corpus" / name).read_bytes()
+    assert on_ray.fingerprint() == driver.fingerprint() and on_ray.doc_of == driver.doc_of
+    assert len(set(on_ray.doc_of.values())) == 45 and "dup" not in set(on_ray.doc_of.values())  # the duplicate dropped
+    assert (on_ray.train_qrels, on_ray.eval_qrels) == (driver.train_qrels, driver.eval_qrels)
+
+    with pytest.raises(DataError, match=r"zz\.txt: binary file \(NUL byte at byte offset 3\) \(data.on_error=fail"):
+        cfg = to_typed(compose([b for b in base if b != "data.on_error=skip"] + ["data.prepare=ray"]))
+        load_data(cfg.data, cfg.retriever, tmp_path / "fail")
+    assert not (tmp_path / "fail" / "corpus" / "documents.arrow").exists()  # nothing half-written
+
+
+def test_a_document_that_cannot_be_chunked_fails_on_ray_as_in_the_driver(ray_session, tmp_path: Path) -> None:
+    root = write_folder(tmp_path / "docs", {"long.md": "# " + "word " * 20 + "\n\nbody text here."},
+                        queries={"q": "x"}, qrels={"dev": [("q", "long")], "train": [("q", "long")]})
+    for prepare in ("driver", "ray"):
+        cfg = to_typed(compose(["data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=16",
+                                "data.chunk.overlap=2", f"data.prepare={prepare}", f"output_dir={tmp_path}"]))
+        with pytest.raises(DataError, match=r"the title of document 'long' takes \d+ of data.chunk.max_tokens=16"):
+            load_data(cfg.data, cfg.retriever, tmp_path / prepare)
