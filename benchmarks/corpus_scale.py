@@ -64,6 +64,33 @@ def make_docs(batch: dict) -> dict:
     return {"id": ids, "title": titles, "text": texts, "source": ["generated"] * len(ids)}
 
 
+class RssSampler:
+    """This process's RSS by kind (anon / file / shmem), sampled every 50 ms on a thread: the first sample and the
+    peak of each kind (VmHWM is only their sum)."""
+
+    def __init__(self, every_s: float = 0.05):
+        import threading
+
+        from ragtrain.corpus.encode import rss_breakdown_mb
+
+        self.first = rss_breakdown_mb()
+        self.peak = dict(self.first)
+        self._halt = threading.Event()
+
+        def run() -> None:
+            while not self._halt.wait(every_s):
+                for k, v in rss_breakdown_mb().items():
+                    self.peak[k] = max(v, self.peak.get(k, 0.0))
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict:
+        self._halt.set()
+        self._thread.join()
+        return {"start": self.first, "peak": self.peak}
+
+
 def write_corpus_folder(root: Path, n: int, per_file: int = 1000) -> None:
     """N generated documents as a data=documents folder: jsonl files of `per_file` documents (written a file at a
     time), plus the queries.jsonl and qrels a documents folder needs (ten queries, judged on the first documents)."""
@@ -137,6 +164,7 @@ def scale(args) -> None:
     index = IndexConfig(factory=args.factory, batch_size=64, shard_size=512)
     weights_ref = ray.put(initial_weights(cfg))  # the driver keeps only the ObjectRef
     rss_init = peak_rss_mb()
+    sampler = RssSampler()  # the driver's RSS by kind: its own heap (anon) vs object-store pages it maps (shmem)
     stats_dir = work / "actor_stats"
     stats_dir.mkdir()
     load0 = os.getloadavg()[0]
@@ -164,6 +192,7 @@ def scale(args) -> None:
         "per_core_encode_docs_per_s": shards.docs_per_s / cores,
         "actor_steady_docs_per_s": shards.rows / max(max(a["seconds"] for a in actors), 1e-9),
         "driver_rss_after_init_mb": rss_init, "driver_peak_rss_mb": peak_rss_mb(),
+        "driver_rss_by_kind_mb": sampler.stop(),
         "encode_actor_peak_rss_mb": max(a["peak_rss_mb"] for a in actors), "index_worker_peak_rss_mb": meta["peak_rss_mb"],
         "worker_peak_rss_mb": max(max(a["peak_rss_mb"] for a in actors), meta["peak_rss_mb"]),
         "encode_actor_rows": [a["rows"] for a in actors], "encode_actor_seconds": [a["seconds"] for a in actors],
