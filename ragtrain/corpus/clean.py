@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Optional
 
 from ragtrain.data.types import DataError
 
@@ -59,19 +60,30 @@ def content_hash(doc: dict[str, str]) -> bytes:
 
 def dedupe(docs: Iterable[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, str]]:
     """(kept documents in order, {dropped id: kept id}) for cleaned docs; repeated ids raise DataError."""
+    docs = list(docs)
     dropped: dict[str, str] = {}
-    return list(dedupe_stream(docs, dropped)), dropped
+
+    def locate(doc_id: str) -> str:
+        return next(d.get("source", "?") for d in docs if d["id"] == doc_id)
+
+    return list(dedupe_stream(docs, dropped, locate)), dropped
 
 
-def dedupe_stream(docs: Iterable[dict[str, str]], dropped: dict[str, str]) -> Iterator[dict[str, str]]:
-    """Yield the cleaned docs whose content is new, recording {dropped id: kept id} in `dropped` as it goes; only
-    ids and content hashes are kept, so a corpus of any size streams through. Repeated ids raise DataError."""
-    source_of: dict[str, str] = {}
+def dedupe_stream(docs: Iterable[dict[str, str]], dropped: dict[str, str],
+                  locate: Optional[Callable[[str], str]] = None) -> Iterator[dict[str, str]]:
+    """Yield the cleaned docs whose content is new, recording {dropped id: kept id} in `dropped` as it goes.
+
+    Only ids and content digests are kept, so a corpus of any size streams through. A repeated id raises DataError
+    naming both places; the first is found again by `locate(id)` (a re-scan, paid only on that error) rather than
+    kept for every document: a source string a document would double the driver's memory per document.
+    """
+    seen: set[str] = set()
     first_with: dict[bytes, str] = {}
     for doc in docs:
-        if doc["id"] in source_of:
-            raise DataError(f"duplicate document id {doc['id']!r}: in {source_of[doc['id']]} and in {doc['source']}")
-        source_of[doc["id"]] = doc.get("source", "?")
+        if doc["id"] in seen:
+            first = locate(doc["id"]) if locate is not None else "an earlier document"
+            raise DataError(f"duplicate document id {doc['id']!r}: in {first} and in {doc['source']}")
+        seen.add(doc["id"])
         digest = content_hash(doc)
         if digest in first_with:  # exact duplicate content: index it once; its qrels point at the kept copy
             dropped[doc["id"]] = first_with[digest]

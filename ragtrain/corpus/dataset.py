@@ -63,8 +63,20 @@ def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail",
             yield from docs
 
     dropped: dict[str, str] = {}
-    kept = (Passage(id=d["id"], title=d["title"], text=d["text"]) for d in dedupe_stream(documents(), dropped))
-    corpus: Mapping[str, Passage] = ({p.id: p for p in kept} if store_path is None else write_store(store_path, kept))
+    def locate(doc_id: str) -> str:  # a duplicate id's first place, found again only when that error is raised
+        for path in files:
+            try:
+                for d in read_file(path, root):
+                    if d["id"] == doc_id:
+                        return d["source"]
+            except DataError:
+                continue
+        return "an earlier document"
+
+    kept = (Passage(id=d["id"], title=d["title"], text=d["text"]) for d in dedupe_stream(documents(), dropped, locate))
+    # ids are unique once deduplicated: the store need not keep a set of them to check
+    corpus: Mapping[str, Passage] = ({p.id: p for p in kept} if store_path is None
+                                     else write_store(store_path, kept, check_ids=False))
     for msg in skipped[:5]:
         log(f"[data] skipped {msg}")
     if not len(corpus):
@@ -129,8 +141,9 @@ def chunk_data(data: RetrievalData, tokenizer: Any, max_tokens: int, overlap: in
                 yield Passage(id=c["id"], title=c["title"], text=c["text"], doc_id=doc.id, start=c["start"],
                               end=c["end"])
 
+    # chunk ids are <document id>#<k> of unique document ids: unique, so the store keeps no set of them to check
     corpus: Mapping[str, Passage] = ({p.id: p for p in chunks()} if store_path is None
-                                     else write_store(store_path, chunks()))
+                                     else write_store(store_path, chunks(), check_ids=False))
     return RetrievalData(name=data.name, corpus=corpus, queries=data.queries, train_qrels=data.train_qrels,
                          eval_qrels=data.eval_qrels, split=data.split, answers=data.answers, doc_of=doc_of)
 

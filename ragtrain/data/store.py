@@ -40,10 +40,11 @@ def _full_text(title: str, text: str) -> str:
 class StoreWriter:
     """Append passages a batch at a time; `close()` renames the file into place and returns the open store."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, check_ids: bool = True):
         import pyarrow as pa
 
         self.path = Path(path)
+        self.check_ids = check_ids  # False: the caller guarantees unique ids (no set of every id kept here)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self._sink = pa.OSFile(str(self._tmp), "wb")
@@ -54,9 +55,10 @@ class StoreWriter:
 
     def add(self, p: Passage, where: str = "") -> None:
         """Append one passage (its id must be new)."""
-        if p.id in self._ids:
-            raise DataError(f"{where or self.path}: duplicate passage id {p.id!r}")
-        self._ids.add(p.id)
+        if self.check_ids:
+            if p.id in self._ids:
+                raise DataError(f"{where or self.path}: duplicate passage id {p.id!r}")
+            self._ids.add(p.id)
         for c, v in zip(COLUMNS, (p.id, p.title, p.text, p.doc_id, p.start, p.end)):
             self._buf[c].append(v)
         self.count += 1
@@ -116,9 +118,10 @@ def _fingerprint(count: int, path: Path) -> str:
     return corpus_fingerprint(count, rows())
 
 
-def write_store(path: str | Path, passages: Iterable[Passage]) -> "PassageStore":
-    """Write passages (any iterable, consumed once) into a store at `path` and open it."""
-    with StoreWriter(path) as w:
+def write_store(path: str | Path, passages: Iterable[Passage], check_ids: bool = True) -> "PassageStore":
+    """Write passages (any iterable, consumed once) into a store at `path` and open it; `check_ids=False` when the
+    ids are unique by construction."""
+    with StoreWriter(path, check_ids) as w:
         for p in passages:
             w.add(p)
         return w.close()

@@ -53,6 +53,9 @@ def test_ray_prepare_writes_the_drivers_store_and_reports_the_same(ray_session, 
         cfg = to_typed(compose([b for b in base if b != "data.on_error=skip"] + ["data.prepare=ray"]))
         load_data(cfg.data, cfg.retriever, tmp_path / "fail")
     assert not (tmp_path / "fail" / "corpus" / "documents.arrow").exists()  # nothing half-written
+    write_folder(root, {"zz.txt": "fine now", "zz2.jsonl": json.dumps({"_id": "c", "text": "another c"}) + "\n"})
+    with pytest.raises(DataError, match=r"duplicate document id 'c': in .*c\.html and in .*zz2\.jsonl:1"):
+        load_data(cfg.data, cfg.retriever, tmp_path / "dup")  # both places named, the first found by a re-scan
 
 
 def test_a_document_that_cannot_be_chunked_fails_on_ray_as_in_the_driver(ray_session, tmp_path: Path) -> None:
