@@ -57,6 +57,9 @@ def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> dict[str, np.nd
         except FileError as e:  # subject to data.on_error
             emit({"source": str(path)}, str(e), True)
             continue
+        except DataError as e:  # a bad record (invalid JSON, a missing id): fails the run whatever on_error says
+            emit({"source": str(path)}, str(e))
+            continue
         for d in docs:
             try:
                 emit(clean(d))

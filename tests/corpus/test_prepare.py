@@ -56,6 +56,11 @@ def test_ray_prepare_writes_the_drivers_store_and_reports_the_same(ray_session, 
     write_folder(root, {"zz.txt": "fine now", "zz2.jsonl": json.dumps({"_id": "c", "text": "another c"}) + "\n"})
     with pytest.raises(DataError, match=r"duplicate document id 'c': in .*c\.html and in .*zz2\.jsonl:1"):
         load_data(cfg.data, cfg.retriever, tmp_path / "dup")  # both places named, the first found by a re-scan
+    write_folder(root, {"zz2.jsonl": '{"_id": "z", "text": "ok"}\n{not json\n'})
+    with pytest.raises(DataError, match=r"zz2\.jsonl:2: invalid JSON") as e:  # a bad record: the reader's own line
+        load_data(cfg.data, cfg.retriever, tmp_path / "json")
+    # the driver's own DataError, one line: not Ray's task error (a DataError subclass carrying a remote traceback)
+    assert e.type is DataError and "\n" not in str(e.value)
 
 
 def test_a_document_that_cannot_be_chunked_fails_on_ray_as_in_the_driver(ray_session, tmp_path: Path) -> None:
