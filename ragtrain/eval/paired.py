@@ -60,7 +60,7 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     return {q: s[metric] for q, s in scores.items()}
 
 
-NOT_A_RECIPE = ("output_dir", "logger", "resume", "resume_allow_changes", "experiment_name", "tune")
+NOT_A_RECIPE = ("output_dir", "logger", "resume", "resume_allow_changes", "experiment_name", "tune", "index.cache_dir")
 
 
 def labels(runs: Sequence[str | Path]) -> list[str]:
@@ -77,7 +77,9 @@ def labels(runs: Sequence[str | Path]) -> list[str]:
     out = [Path(runs[0]).name]
     for r, f in zip(runs[1:], flat[1:]):
         keys = changed_keys(flat[0], f, NOT_A_RECIPE)
-        out.append(" ".join(f"{k.split('.')[-1]}={f.get(k, '<unset>')}" for k in keys) or f"{Path(r).name} (same)")
+        # the key's last two parts: short, and still saying which `enabled` or `rank` it is (chunk.enabled, lora.rank)
+        out.append(" ".join(f"{'.'.join(k.split('.')[-2:])}={f.get(k, '<unset>')}" for k in keys)
+                   or f"{Path(r).name} (same)")
     return out
 
 
