@@ -37,6 +37,38 @@ def verbose(cfg: DictConfig) -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1" or bool(HydraConfig.get().verbose)
 
 
+def check_overrides(argv: list[str]) -> None:
+    """Compose once before `@hydra.main` does: an override Hydra cannot merge (a value outside an enum's choices, a
+    key the config lacks, an unknown group option) becomes one `config error:` line and exit 2, not Hydra's
+    multi-line report and exit 1. Hydra's own flags (--help, --cfg, -m) and HYDRA_FULL_ERROR=1 are left to Hydra."""
+    if any(a.startswith("-") for a in argv) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            compose(config_name="config", overrides=argv, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"config error: {override_error_line(e)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def override_error_line(e: BaseException) -> str:
+    """Hydra's / OmegaConf's report of a bad override as one line: the headline and its causes (the reason, e.g.
+    "expected one of [...]"), and a missing group option's available options; not the search path or full_key."""
+    parts: list[str] = []
+    while e is not None:
+        text = str(e).split("Config search path:")[0]
+        head, _, options = text.partition("Available options in ")
+        parts += [ln.strip() for ln in head.splitlines() if ln.strip() and not ln[:1].isspace()]
+        if options:  # "'sync':\n\tasync_ps\n\tddp ..." -> "valid choices: async_ps, ddp, ..."
+            parts.append("valid choices: " + ", ".join(ln.strip() for ln in options.splitlines()[1:] if ln.strip()))
+        e = e.__cause__  # type: ignore[assignment]
+    return "; ".join(parts)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point: every user error is one line on stderr and exit code 2 (the traceback with -v)."""
@@ -79,4 +111,5 @@ def dispatch(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_overrides(sys.argv[1:])
     main()

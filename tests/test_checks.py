@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -144,3 +145,22 @@ def test_unwritable_cache_dir_fails_before_any_work(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"index.cache_dir='.*/file/cache' is not writable .*choose another index.cache_dir"):
         run(cfg)
     assert not (tmp_path / "out" / "config.yaml").exists()  # nothing of a run was written
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.prepare=cluster", r"data.prepare=cluster; Invalid value 'cluster', expected one of \[auto, driver, ray\]$"),
+    ("data.foo=1", r"Could not override 'data.foo'.*Key 'foo' not in 'DataConfig'$"),
+    ("sync=nope", r"Could not find 'sync/nope'; valid choices: async_ps, ddp, .*vector_avg$"),
+])
+def test_an_override_hydra_cannot_merge_is_one_line_and_exit_2(override, message, capsys, monkeypatch) -> None:
+    """Before @hydra.main: Hydra itself would print a multi-line report and exit 1."""
+    from ragtrain.__main__ import check_overrides
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as e:
+        check_overrides(["data=documents", "data.root=/tmp", override])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("config error: ")
+    assert re.search(message, err.strip())
+    check_overrides(["experiment=quickstart", "retriever.train.lr=1e-3"])  # good overrides pass silently
+    assert capsys.readouterr().err == ""
