@@ -99,7 +99,7 @@ class EncodeBatch:
         import torch
 
         from ragtrain.console import worker_setup
-        from ragtrain.retriever.encoder import build_encoder, load_tokenizer
+        from ragtrain.retriever.encoder import build_encoder, inference_weights, load_tokenizer
 
         worker_setup()
         if vector_dtype not in VECTOR_DTYPES:
@@ -113,12 +113,12 @@ class EncodeBatch:
         # A GPU only where Ray assigned one (an actor with num_gpus); in-process use (the search CLI) stays on CPU
         gpu = torch.cuda.is_available() and ray.is_initialized() and ray.get_gpu_ids()
         self.device = torch.device("cuda" if gpu else "cpu")
+        self.precision, self.vector_dtype = Precision(precision), np.dtype(vector_dtype)
         self.model = build_encoder(retriever)
         self.model.load_state_dict(weights, strict=True)
-        self.model.to(self.device).eval()
+        self.model = inference_weights(self.model.to(self.device).eval(), self.precision)
         self.tokenizer = load_tokenizer(retriever)
         self.max_length, self.batch_size = int(max_length), int(batch_size)
-        self.precision, self.vector_dtype = Precision(precision), np.dtype(vector_dtype)
         self.fault, self.stats_dir = fault, stats_dir
         self.role = "passage"  # the corpus; LocalEncoder switches it to "query" (retriever.query_prefix)
         self.batches = self.rows = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from typing import Any, Sequence
@@ -32,12 +33,13 @@ class EncoderActor:
         self.model = build_encoder(retriever).eval()
         self.tokenizer = load_tokenizer(retriever)
         self.version = None
+        self.bf16_model = None  # a bf16-weight copy of this version, made on the first bf16 encode
 
     def set_weights(self, version: Any, weights: dict[str, torch.Tensor]) -> None:
         """Load a snapshot (Ray resolves the ObjectRef argument: each actor fetches it once)."""
         # A strict load that fails has already copied the matching tensors: forget the version first, so a failed
         # load can never serve a silent mix of old and new weights (encode results are version-checked).
-        self.version = None
+        self.version, self.bf16_model = None, None
         self.model.load_state_dict(weights, strict=True)
         self.model.eval()
         self.version = version
@@ -48,13 +50,18 @@ class EncoderActor:
     ) -> tuple[int, Any, np.ndarray]:
         """Embed one shard (length-sorted batches inside; `role` picks the configured query / passage prefix);
         returns (shard id, weights version, [n, dim] fp32)."""
-        from ragtrain.retriever.encoder import encode_texts
+        from ragtrain.retriever.encoder import encode_texts, inference_weights
 
         if die:  # fault.kill_pool_actor_at_shard: the process dies as in a crash (no cleanup, no exception)
             import os
 
             os._exit(1)
-        vecs = encode_texts(self.model, self.tokenizer, texts, max_length, batch_size, Precision(precision), role=role)
+        model = self.model
+        if Precision(precision) == Precision.bf16:  # as the Ray Data actors encode: bf16 weights, not autocast
+            if self.bf16_model is None:
+                self.bf16_model = inference_weights(copy.deepcopy(self.model), Precision.bf16)
+            model = self.bf16_model
+        vecs = encode_texts(model, self.tokenizer, texts, max_length, batch_size, Precision(precision), role=role)
         return shard_id, self.version, vecs.numpy()
 
     def node_id(self) -> str:

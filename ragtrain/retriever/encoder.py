@@ -102,7 +102,8 @@ class BiEncoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Embed a tokenised batch: [B, L] -> [B, dim] (fp32, unit norm when normalize)."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # Pool in fp32: a model held in bf16 for inference (`inference_weights`) sums up to 512 bf16 rows otherwise
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()
         if self.pooling == Pooling.cls:
             emb = hidden[:, 0]
         else:
@@ -115,6 +116,18 @@ class BiEncoder(nn.Module):
 def build_encoder(cfg: RetrieverConfig) -> BiEncoder:
     """Build the bi-encoder described by the retriever config."""
     return BiEncoder(build_backbone(cfg), cfg.pooling, cfg.normalize)
+
+
+def inference_weights(model: BiEncoder, precision: Precision) -> BiEncoder:
+    """Cast an embed-only encoder's weights to bf16 in place under precision=bf16 (unchanged for fp32).
+
+    Autocast re-casts every weight on every forward: on a CPU with AMX, MiniLM at 32 x 32 tokens runs 3.5x fp32 with
+    bf16 weights against 2.4x under autocast (benchmarks/bf16_ceiling.py); layer norms stay bf16, pooling fp32.
+    Only for encoders that never train (corpus / query encoders): training keeps fp32 weights under autocast.
+    """
+    if Precision(precision) == Precision.bf16:
+        model.to(dtype=torch.bfloat16)
+    return model
 
 
 def autocast(precision: Precision, device: torch.device) -> ContextManager:

@@ -49,6 +49,25 @@ def test_bf16_close_to_fp32(texts, minilm) -> None:
     assert (fp32 * bf16).sum(-1).min().item() > 0.999
 
 
+def test_corpus_encoder_holds_bf16_weights_and_stays_close_to_fp32(texts, minilm) -> None:
+    """index.precision=bf16: the embed-only encoder (EncodeBatch, the query side too) holds bf16 weights instead of
+    re-casting them under autocast on every forward; its vectors stay fp32 unit vectors close to fp32's."""
+    from ragtrain.corpus.encode import EncodeBatch
+
+    cfg, model, tok = minilm
+    fp32 = encode_texts(model, tok, texts, cfg.passage_max_length, batch_size=16)
+    enc = EncodeBatch(cfg, model.state_dict(), cfg.passage_max_length, batch_size=16, precision="bf16")
+    assert {p.dtype for p in enc.model.parameters()} == {torch.bfloat16}
+    bf16 = torch.from_numpy(enc.encode(texts))
+    assert bf16.dtype == torch.float32
+    torch.testing.assert_close(bf16.norm(dim=-1), torch.ones(len(texts)))
+    assert (fp32 * bf16).sum(-1).min().item() > 0.999
+    assert not torch.equal(fp32, bf16)  # bf16 really ran
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the source model is untouched
+    fp32_enc = EncodeBatch(cfg, model.state_dict(), cfg.passage_max_length, batch_size=16, precision="fp32")
+    assert {p.dtype for p in fp32_enc.model.parameters()} == {torch.float32}
+
+
 def test_order_preserved_under_length_sorting(minilm) -> None:
     cfg, model, tok = minilm
     texts = ["a short one", "a much longer text " * 20, "medium length text here"]
