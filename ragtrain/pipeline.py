@@ -208,7 +208,8 @@ def run(
     every log window, so schedulers see learning curves) and its sweep's `parent_run_id` (MLflow child run).
     """
     from ragtrain.cluster.resources import check_config, init_ray
-    from ragtrain.index.shards import save_atomic
+    from ragtrain.corpus.encode import encoder_dim
+    from ragtrain.index.shards import check_index_config, save_atomic
     from ragtrain.retriever.batching import TrainData, build_examples
     from ragtrain.retriever.encoder import build_encoder, check_model_offline
     from ragtrain.retriever.train import fit_retriever, save_weights
@@ -233,6 +234,8 @@ def run(
     data = load_data(cfg.data, cfg.retriever, out, start_ray=lambda: init_ray(cfg.resources),
                      ray_tasks=cfg.resources.pool.num_actors)
     check_qrels(data)
+    # Also when no zero-shot index is built first: a bad factory must not wait for the end of training to fail
+    check_index_config(cfg.index.factory, encoder_dim(cfg.retriever), len(data.corpus))
     if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training
         from ragtrain.generator.stage import preflight
 

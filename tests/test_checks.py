@@ -77,6 +77,18 @@ def test_a_model_that_is_not_offline_fails_before_data_or_ray(tmp_path) -> None:
     assert not (out / "config.yaml").exists() and not (out / "status.json").exists()  # not taken for a run
 
 
+@pytest.mark.parametrize(("factory", "match"), [("IVF4096,Flat", "4096 IVF lists"), ("IVF8,Nope", "not a valid faiss")])
+def test_a_bad_index_factory_fails_before_training_without_a_zeroshot_index(tmp_path, factory, match) -> None:
+    """zeroshot_eval=false and no mining: the first index would be built after training; the check runs first."""
+    from ragtrain.pipeline import run
+
+    cfg = _cfg(tmp_path, "zeroshot_eval=false", "retriever.train.hard_negatives=0", f"index.factory='{factory}'")
+    with pytest.raises(ConfigError, match=match):
+        run(cfg)
+    out = Path(cfg.output_dir)
+    assert not (out / "config.yaml").exists() and not (out / "status.json").exists()  # no training started
+
+
 def test_resume_refuses_another_config_naming_the_keys(tmp_path) -> None:
     from omegaconf import OmegaConf
 

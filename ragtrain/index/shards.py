@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import faiss
 import numpy as np
 
+from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, seed_training
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def _make(factory: str, dim: int) -> faiss.Index:
     try:
         return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as e:
-        raise ValueError(
+        raise ConfigError(
             f"index.factory={factory!r} is not a valid faiss index_factory string for dim {dim} "
             f"(e.g. Flat, IVF64,Flat, HNSW32, IVF64,PQ16 — PQ's M must divide the dim): {str(e).strip().splitlines()[-1]}"
         ) from None
@@ -65,13 +66,13 @@ def check_index_config(factory: str, dim: int, rows: int) -> None:
         return
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None and ivf.nlist > rows:
-        raise ValueError(
+        raise ConfigError(
             f"index.factory={factory!r} asks for {ivf.nlist} IVF lists but the corpus has only {rows} "
             "vectors: use fewer lists (faiss recommends >= 39 training vectors per list)"
         )
     pq = _pq(index)
     if pq is not None and pq.ksub > rows:
-        raise ValueError(
+        raise ConfigError(
             f"index.factory={factory!r}: its product quantiser needs >= {pq.ksub} training vectors ({pq.nbits}-bit "
             f"codes) but the corpus has only {rows}: use fewer bits (e.g. PQ16x4) or a Flat index"
         )
