@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import faiss
 import numpy as np
 
+from ragtrain.errors import ConfigError
+
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig
 
@@ -102,6 +104,43 @@ class DenseIndex:
         return folder
 
 
+def make_index(factory: str, dim: int) -> faiss.Index:
+    """An empty inner-product index from a factory string; one a FAISS rejects is a ConfigError naming it."""
+    try:
+        return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:
+        raise ConfigError(
+            f"index.factory={factory!r} is not a valid faiss index_factory string for dim {dim} "
+            f"(e.g. Flat, IVF64,Flat, HNSW32, IVF64,PQ16 — PQ's M must divide the dim): {str(e).strip().splitlines()[-1]}"
+        ) from None
+
+
+def product_quantizer(index: faiss.Index):
+    """The product quantiser of an index (IVF-PQ or PQ), or None."""
+    ivf = faiss.try_extract_index_ivf(index)
+    inner = faiss.downcast_index(ivf if ivf is not None else index)
+    return getattr(inner, "pq", None)
+
+
+def check_index_config(factory: str, dim: int, rows: int) -> None:
+    """Refuse, before any encoding or training, a factory FAISS rejects or one the corpus is too small to train."""
+    index = make_index(factory, dim)
+    if index.is_trained:
+        return
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None and ivf.nlist > rows:
+        raise ConfigError(
+            f"index.factory={factory!r} asks for {ivf.nlist} IVF lists but the corpus has only {rows} "
+            "vectors: use fewer lists (faiss recommends >= 39 training vectors per list)"
+        )
+    pq = product_quantizer(index)
+    if pq is not None and pq.ksub > rows:
+        raise ConfigError(
+            f"index.factory={factory!r}: its product quantiser needs >= {pq.ksub} training vectors ({pq.nbits}-bit "
+            f"codes) but the corpus has only {rows}: use fewer bits (e.g. PQ16x4) or a Flat index"
+        )
+
+
 def build_index(
     vectors: np.ndarray,
     doc_ids: Sequence[str],
@@ -117,25 +156,14 @@ def build_index(
     if x.ndim != 2 or x.shape[0] != len(doc_ids):
         raise ValueError(f"vectors shape {x.shape} does not match {len(doc_ids)} doc ids")
     start = time.perf_counter()
-    try:
-        index = faiss.index_factory(x.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
-    except RuntimeError as e:
-        raise ValueError(
-            f"index.factory={factory!r} is not a valid faiss index_factory string for dim {x.shape[1]} "
-            f"(e.g. Flat, IVF64,Flat, HNSW32, IVF64,PQ16 — PQ's M must divide the dim): {str(e).strip().splitlines()[-1]}"
-        ) from None
+    check_index_config(factory, x.shape[1], x.shape[0])
+    index = make_index(factory, x.shape[1])
     if not index.is_trained:
-        ivf = faiss.try_extract_index_ivf(index)
-        if ivf is not None and ivf.nlist > x.shape[0]:
-            raise ValueError(
-                f"index.factory={factory!r} asks for {ivf.nlist} IVF lists but the corpus has only {x.shape[0]} "
-                "vectors: use fewer lists (faiss recommends >= 39 training vectors per list)"
-            )
         seed_training(index, seed)
         try:
             index.train(x)
         except RuntimeError as e:
-            raise ValueError(
+            raise ConfigError(
                 f"index.factory={factory!r} could not be trained on {x.shape[0]} vectors: "
                 f"{str(e).strip().splitlines()[-1]} (use a smaller index type for a small corpus, e.g. Flat)"
             ) from None
@@ -152,6 +180,14 @@ def build_index(
         build_seconds=time.perf_counter() - start,
     )
     return DenseIndex(index, list(doc_ids), meta)
+
+
+def exact_search(queries: np.ndarray, passages: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k (scores, rows) of queries against a small in-memory passage sample (training probes, validation):
+    a Flat index searched through `DenseIndex.search`, so probes rank the way every index does."""
+    p = np.ascontiguousarray(passages, dtype=np.float32)
+    index = build_index(p, [str(i) for i in range(len(p))], "Flat", corpus_fingerprint="probe", encoder="probe")
+    return index.search(queries, k)
 
 
 def seed_training(index, seed: int) -> None:

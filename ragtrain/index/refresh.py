@@ -127,7 +127,9 @@ def staleness(stale: np.ndarray, fresh: np.ndarray, queries: np.ndarray, gold: S
     cos = (stale * fresh).sum(1) / (np.linalg.norm(stale, axis=1) * np.linalg.norm(fresh, axis=1)).clip(min=1e-12)
 
     def recall(passages: np.ndarray) -> float:
-        top = np.argsort(-(queries @ passages.T), axis=1, kind="stable")[:, :k]
+        from ragtrain.index.faiss_index import exact_search
+
+        top = exact_search(queries, passages, k)[1]
         return float(np.mean([len(set(top[i].tolist()) & set(g)) / len(g) for i, g in enumerate(gold) if g]))
 
     rs, rf = recall(stale), recall(fresh)

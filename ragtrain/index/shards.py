@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Optional
 import faiss
 import numpy as np
 
-from ragtrain.errors import ConfigError
-from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, seed_training
+from ragtrain.index.faiss_index import (  # noqa: F401  (check_index_config: imported from here too)
+    METRIC, DenseIndex, IndexMeta, check_index_config, make_index, product_quantizer, seed_training,
+)
 
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig
@@ -27,55 +28,19 @@ if TYPE_CHECKING:
 POINTS_PER_CENTROID = 256  # faiss k-means subsamples to this many points per centroid anyway
 
 
-def _make(factory: str, dim: int) -> faiss.Index:
-    try:
-        return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-    except RuntimeError as e:
-        raise ConfigError(
-            f"index.factory={factory!r} is not a valid faiss index_factory string for dim {dim} "
-            f"(e.g. Flat, IVF64,Flat, HNSW32, IVF64,PQ16 — PQ's M must divide the dim): {str(e).strip().splitlines()[-1]}"
-        ) from None
-
-
-def _pq(index: faiss.Index):
-    """The product quantiser of an index (IVF-PQ or PQ), or None."""
-    ivf = faiss.try_extract_index_ivf(index)
-    inner = faiss.downcast_index(ivf if ivf is not None else index)
-    return getattr(inner, "pq", None)
-
-
 def training_points(factory: str, dim: int) -> int:
     """How many training vectors the factory's quantisers can use (0: the type needs no training)."""
-    index = _make(factory, dim)
+    index = make_index(factory, dim)
     if index.is_trained:
         return 0
     need = 1
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         need = max(need, POINTS_PER_CENTROID * ivf.nlist)
-    pq = _pq(index)
+    pq = product_quantizer(index)
     if pq is not None:
         need = max(need, POINTS_PER_CENTROID * pq.ksub)
     return need
-
-
-def check_index_config(factory: str, dim: int, rows: int) -> None:
-    """Refuse, before any encoding or training, a factory FAISS rejects or one the corpus is too small to train."""
-    index = _make(factory, dim)
-    if index.is_trained:
-        return
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None and ivf.nlist > rows:
-        raise ConfigError(
-            f"index.factory={factory!r} asks for {ivf.nlist} IVF lists but the corpus has only {rows} "
-            "vectors: use fewer lists (faiss recommends >= 39 training vectors per list)"
-        )
-    pq = _pq(index)
-    if pq is not None and pq.ksub > rows:
-        raise ConfigError(
-            f"index.factory={factory!r}: its product quantiser needs >= {pq.ksub} training vectors ({pq.nbits}-bit "
-            f"codes) but the corpus has only {rows}: use fewer bits (e.g. PQ16x4) or a Flat index"
-        )
 
 
 def _sample(shards: "ShardSet", size: int, seed: int) -> np.ndarray:
@@ -113,7 +78,7 @@ def build_from_shards(
         shards = ShardSet.load(shards)
     check_index_config(factory, shards.dim, shards.rows)
     start = time.perf_counter()
-    index = _make(factory, shards.dim)
+    index = make_index(factory, shards.dim)
     sampled = 0
     if not index.is_trained:
         seed_training(index, seed)

@@ -52,12 +52,13 @@ def make_val_set(data: RetrievalData, num_queries: int, num_passages: int, seed:
 def validate(encoder, tokenizer, val: ValSet, query_max_length: int, passage_max_length: int, precision,
              device: torch.device) -> dict[str, float]:
     """val/ndcg@10 and val/recall@10 of `encoder` on the sample."""
+    from ragtrain.index.faiss_index import exact_search
     from ragtrain.retriever.encoder import encode_texts
 
     p = encode_texts(encoder, tokenizer, val.passages, passage_max_length, 32, precision, device, role="passage")
     q = encode_texts(encoder, tokenizer, val.queries, query_max_length, 32, precision, device, role="query")
     depth = min(len(val.pids), VAL_DEPTH * (10 if val.doc_of else 1))
-    top = torch.topk(q @ p.T, depth, dim=1).indices.tolist()
+    top = exact_search(q.numpy(), p.numpy(), depth)[1].tolist()  # the index search, on the fixed sample
     run = {qid: [val.pids[i] for i in row] for qid, row in zip(val.qids, top)}
     if val.doc_of:
         run = maxp_run(run, val.doc_of, depth=VAL_DEPTH)

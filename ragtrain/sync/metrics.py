@@ -41,7 +41,10 @@ def topk_jaccard(q: torch.Tensor, p: torch.Tensor, k: int = 10) -> float:
     w = world_size()
     if w == 1:
         return 1.0
-    top = (q @ p.T).topk(min(k, p.shape[0]), dim=-1).indices.contiguous()  # [Q, k]
+    from ragtrain.index.faiss_index import exact_search
+
+    rows = exact_search(q.float().cpu().numpy(), p.float().cpu().numpy(), k)[1]  # [Q, k], as every index ranks
+    top = torch.from_numpy(rows).to(q.device).contiguous()  # NCCL gathers device tensors
     parts = [torch.empty_like(top) for _ in range(w)]
     dist.all_gather(parts, top)
     scores = []
