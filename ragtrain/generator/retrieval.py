@@ -178,15 +178,18 @@ def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, t
     return [load_weights(path.parent, path.stem)]
 
 
-def check_encoder(payload: IndexPayload, passages: Sequence[str], index, n: int, min_cosine: float = 0.99) -> float:
+def check_encoder(retriever: RetrieverConfig, weights: list[dict[str, torch.Tensor]], precision: str,
+                  passages: Sequence[str], index, n: int, min_cosine: float = 0.99) -> float:
     """Re-encode the first `n` indexed passages and compare with the stored vectors (IndexMismatchError if off).
 
+    Only the query encoder and the index's first `n` rows are needed, never the whole index.
     Returns the smallest cosine, or NaN when the index type cannot give its vectors back (e.g. PQ codes)."""
+    from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.index.faiss_index import IndexMismatchError
 
-    searcher = Searcher(payload)
-    if searcher.encoder.dim != index.meta.dim:
-        raise IndexMismatchError(f"the retriever encoder gives {searcher.encoder.dim}-dim vectors but the index "
+    encoder = QueryEncoder(retriever, weights, precision=Precision(precision).value)
+    if encoder.dim != index.meta.dim:
+        raise IndexMismatchError(f"the retriever encoder gives {encoder.dim}-dim vectors but the index "
                                  f"holds {index.meta.dim}-dim ones (built by {index.meta.encoder!r})")
     n = min(n, len(passages))
     if n == 0:
@@ -194,7 +197,7 @@ def check_encoder(payload: IndexPayload, passages: Sequence[str], index, n: int,
     stored = index.reconstruct_first(n)
     if stored is None:
         return float("nan")
-    fresh = searcher.encode(passages[:n], payload.retriever.passage_max_length, role="passage")
+    fresh = encoder.encode(passages[:n], retriever.passage_max_length, role="passage")
     cos = (fresh * stored).sum(1) / (np.linalg.norm(fresh, axis=1) * np.linalg.norm(stored, axis=1)).clip(min=1e-12)
     worst = float(cos.min())
     if worst < min_cosine:

@@ -55,7 +55,7 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Optional[Path] = None) 
     check_model(cfg)
     if "index" not in cfg.stages:  # no index will be built by this run: the configured one must exist and fit
         try:
-            resolve_index(cfg, data, None, out_dir or Path(cfg.output_dir))
+            resolve_index(cfg, data, None, out_dir or Path(cfg.output_dir), check_only=True)
         except FileNotFoundError as e:  # a user's missing folder, not a bug: a config error (exit 2 on the CLI)
             raise ConfigError(f"generator.retrieval.index_dir: {e}") from None
 
@@ -76,16 +76,20 @@ def check_model(cfg: Config) -> None:
                           ) from None
 
 
-def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path):
+def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, check_only: bool = False):
     """The index to retrieve from and the encoder snapshot(s) that built it, checked against each other.
 
     `built` given (this run's `BuiltIndex`): its index and snapshots. Otherwise the index is loaded from
-    generator.retrieval.index_dir (default <out_dir>/index) and its metadata names the encoder.
-    Returns an IndexPayload; raises FileNotFoundError / IndexMismatchError with the reason.
+    generator.retrieval.index_dir (default <out_dir>/index) and its metadata names the encoder. The driver checks a
+    saved index memory-mapped and loads it for searching into an index host, so it never holds the vectors.
+    Returns an IndexPayload (None with check_only); raises FileNotFoundError / IndexMismatchError with the reason.
     """
+    import ray
+
     from ragtrain.generator.retrieval import IndexPayload, check_encoder, load_snapshots
     from ragtrain.index.faiss_index import IndexMismatchError, load_index
 
+    folder = None
     if built is None:
         folder = Path(cfg.generator.retrieval.index_dir or out_dir / "index")
         if not (folder / "index_meta.json").exists():
@@ -93,16 +97,28 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path):
                 f"the generator stage needs a retrieval index and there is none at {folder}: run the 'index' stage "
                 "before 'generator' (stages: [retriever, index, generator]) or set generator.retrieval.index_dir "
                 "to a saved index")
-        index = load_index(folder, expect_corpus=data.fingerprint())
+        index = load_index(folder, expect_corpus=data.fingerprint(), mmap=True)
         weights = load_snapshots(cfg, index.meta.encoder, out_dir)
     else:
         index, weights = built.index, built.snapshots
         if index.meta.corpus_fingerprint != data.fingerprint():
             raise IndexMismatchError("the index was built from a different corpus than the loaded data")
-    payload = IndexPayload.from_index(index, cfg, weights)
     # Dims always; then re-encode a few passages: a wrong encoder fails here, not as a silently poor RAG score.
     n = cfg.generator.retrieval.encoder_check
-    check_encoder(payload, [data.corpus[d].full_text() for d in index.doc_ids[:n]], index, n)
+    check_encoder(cfg.retriever, weights, cfg.index.precision, [data.corpus[d].full_text() for d in index.doc_ids[:n]],
+                  index, n)
+    if check_only:
+        return None
+    if folder is not None:
+        if ray.is_initialized():  # searchers fetch the index from a host's object, never through the driver
+            from ragtrain.index.host import IndexHost, RemoteIndex
+
+            index = RemoteIndex.load(IndexHost.remote(), "generator", folder)
+        else:
+            index = load_index(folder, expect_corpus=data.fingerprint())
+    payload = IndexPayload.from_index(index, cfg, weights)
+    if isinstance(payload.index_bytes, ray.ObjectRef):  # made before the host goes out of scope with this frame
+        ray.wait([payload.index_bytes], fetch_local=False)
     return payload
 
 

@@ -216,8 +216,12 @@ def load_index(
     expect_dim: Optional[int] = None,
     expect_corpus: Optional[str] = None,
     expect_metric: str = METRIC,
+    mmap: bool = False,
 ) -> DenseIndex:
-    """Load an index saved by `DenseIndex.save`, failing clearly if it does not match what the caller needs."""
+    """Load an index saved by `DenseIndex.save`, failing clearly if it does not match what the caller needs.
+
+    mmap=True maps the vectors read-only instead of reading them (faiss IO_FLAG_MMAP_IFC): a driver that only
+    checks an index (metadata, its first rows) keeps its RSS flat whatever the index's size."""
     folder = Path(folder)
     meta_path = folder / META_FILE
     for p in (folder / INDEX_FILE, meta_path, folder / IDS_FILE):
@@ -239,7 +243,8 @@ def load_index(
             f"{meta_path}: index was built from a different corpus (fingerprint {meta.corpus_fingerprint}, "
             f"this corpus is {expect_corpus}): rebuild the index"
         )
-    index = faiss.read_index(str(folder / INDEX_FILE))
+    index = faiss.read_index(str(folder / INDEX_FILE),
+                             faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if mmap else 0)
     doc_ids = (folder / IDS_FILE).read_text(encoding="utf-8").split("\n")[:-1]  # not splitlines: ids may hold \x85 etc.
     if index.ntotal != meta.ntotal or len(doc_ids) != meta.ntotal or index.d != meta.dim:
         raise IndexMismatchError(

@@ -42,6 +42,15 @@ class _Host:
         self.indexes[tag] = index
         return index.doc_ids, asdict(index.meta)
 
+    def load(self, tag: str, folder: str) -> tuple[list[str], dict]:
+        """Load a saved index as `tag` (the caller checked it); returns its row ids and metadata."""
+        from ragtrain.index.faiss_index import load_index
+
+        self.indexes.pop(tag, None)
+        index = load_index(folder)
+        self.indexes[tag] = index
+        return index.doc_ids, asdict(index.meta)
+
     def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """`DenseIndex.search` on the build `tag`."""
         return self.indexes[tag].search(queries, k)
@@ -87,6 +96,12 @@ class RemoteIndex:
               encoder: str, step: int, seed: int) -> "RemoteIndex":
         """Build `tag` in `host` from a shard folder."""
         ids, meta = ray.get(host.build.remote(tag, str(shard_folder), idx, fingerprint, encoder, step, seed))
+        return cls(host, tag, ids, IndexMeta(**meta))
+
+    @classmethod
+    def load(cls, host: Any, tag: str, folder: str | Path) -> "RemoteIndex":
+        """Load a saved index folder into `host` as `tag` (the folder is on storage the host's node reads)."""
+        ids, meta = ray.get(host.load.remote(tag, str(folder)))
         return cls(host, tag, ids, IndexMeta(**meta))
 
     @property

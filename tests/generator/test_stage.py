@@ -232,6 +232,22 @@ def test_encoder_index_mismatch_fails_clearly(built, tmp_path, override: str, ma
         preflight(cfg, data)
 
 
+def test_a_saved_index_is_searched_from_a_host_not_through_the_driver(built, tmp_path) -> None:
+    import ray
+
+    from ragtrain.generator.retrieval import Searcher
+    from ragtrain.generator.stage import resolve_index
+
+    _, cfg0, data, _, index = built
+    cfg = _cfg(tmp_path, "stages=[generator]", f"generator.retrieval.index_dir={Path(cfg0.output_dir) / 'index'}")
+    assert resolve_index(cfg, data, None, tmp_path, check_only=True) is None
+    payload = resolve_index(cfg, data, None, tmp_path)
+    assert isinstance(payload.index_bytes, ray.ObjectRef)  # the host's serialised copy: the driver never fetched it
+    questions = [data.queries[q] for q in list(data.eval_qrels)[:5]]
+    expected = Searcher(resolve_index(cfg0, data, index, tmp_path)).search(questions, 5)
+    assert Searcher(payload).search(questions, 5) == expected
+
+
 def test_bad_config_and_data_fail_clearly(built, tmp_path) -> None:
     from dataclasses import replace
 

@@ -65,3 +65,24 @@ def test_stored_vectors_come_back_where_the_index_type_keeps_them(tmp_path) -> N
     np.testing.assert_allclose(h.reconstruct_first("flat", 3), x[:3], atol=1e-6)
     h.build("flat", shards.folder, IndexConfig(factory="HNSW8"), "fp", "enc", 0, 0)  # a rebuild replaces the tag
     assert h.indexes["flat"].meta.factory == "HNSW8" and sorted(h.indexes) == ["flat", "ivfpq"]
+
+
+@pytest.mark.parametrize("factory", ["Flat", "HNSW8", "IVF4,Flat"])
+def test_a_saved_index_loads_into_a_host_and_memory_mapped_with_the_same_answers(host, tmp_path, factory) -> None:
+    """The generator stage's path for a saved index: checked memory-mapped in the driver, searched from a host."""
+    from ragtrain.index.host import RemoteIndex
+
+    x, ids = _vectors(300), [f"d{i}" for i in range(300)]
+    shards = _write_shards(tmp_path / "s", ids, x, per_file=100)
+    local = build_configured_from_shards(shards, IndexConfig(factory=factory), "fp", "enc", 0, seed=0)
+    folder = local.save(tmp_path / "saved")
+    q = _vectors(9, seed=2)
+    mapped = load_index(folder, expect_corpus="fp", mmap=True)
+    remote = RemoteIndex.load(host, "loaded", folder)
+    assert mapped.doc_ids == remote.doc_ids == ids and remote.meta == local.meta == mapped.meta
+    for other in (mapped, remote):
+        for a, b in zip(other.search(q, 5), local.search(q, 5)):
+            np.testing.assert_array_equal(a, b)
+    if factory != "IVF4,Flat":  # IVF keeps no row -> vector map
+        np.testing.assert_array_equal(mapped.reconstruct_first(3), local.reconstruct_first(3))
+    remote.drop()
