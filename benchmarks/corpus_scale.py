@@ -168,7 +168,7 @@ def scale(args) -> None:
     stats_dir = work / "actor_stats"
     stats_dir.mkdir()
     load0 = os.getloadavg()[0]
-    # The pipeline's own data path (pipeline.load_data with data.prepare=ray): Ray Data tasks read + clean the
+    # The pipeline's own data path (corpus.load.load_data with data.prepare=ray): Ray Data tasks read + clean the
     # files and chunk the documents; the driver deduplicates and writes the stores
     t0 = time.perf_counter()
     data, _ = load_documents(work / "docs", split="dev", dev_size=2, log=lambda m: None,

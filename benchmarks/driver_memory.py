@@ -66,7 +66,8 @@ def child(root: str, mode: str, out: str, overrides: list[str]) -> None:
     rss_imports = peak_rss_mb()
     import ragtrain.index.retrieval  # noqa: F401  (torch, transformers, faiss: counted before any data)
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import load_data, run
+    from ragtrain.corpus.load import load_data
+    from ragtrain.pipeline import run
     from tests.conftest import compose
 
     rss_imports = peak_rss_mb()
@@ -75,8 +76,8 @@ def child(root: str, mode: str, out: str, overrides: list[str]) -> None:
     if mode == "memory":  # the same run, with the corpus loaded as a dict (no store)
         import ragtrain.pipeline as pipeline
 
-        pipeline.load_data = lambda data_cfg, retriever=None, out_dir=None: load_data(data_cfg, retriever, out_dir,
-                                                                                       store=False)
+        pipeline.load_data = lambda data_cfg, retriever=None, out_dir=None, **kw: load_data(
+            data_cfg, retriever, out_dir, store=False, **kw)
     t = time.perf_counter()
     results = run(cfg)
     wall = time.perf_counter() - t

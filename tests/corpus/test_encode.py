@@ -84,7 +84,7 @@ def test_pipeline_refuses_a_bad_index_before_encoding(tmp_path, factory, match) 
     """Retrieval.build checks the factory against the encoder's dim and the corpus size before any encode."""
     from ragtrain.config import to_typed
     from ragtrain.index.retrieval import Retrieval
-    from ragtrain.pipeline import load_data
+    from ragtrain.corpus.load import load_data
     from tests.conftest import compose, tiny_overrides
 
     cfg = to_typed(compose(tiny_overrides(tmp_path) + [f"index.factory='{factory}'"]))
@@ -100,7 +100,8 @@ def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_pa
     once, built from the shards under <output_dir>/vectors/zeroshot."""
     from ragtrain.config import to_typed
     from ragtrain.index.faiss_index import load_index
-    from ragtrain.pipeline import load_data, run
+    from ragtrain.corpus.load import load_data
+    from ragtrain.pipeline import run
     from tests.conftest import compose, tiny_overrides
 
     over = tiny_overrides(tmp_path) + ["stages=[index]", "logger=none", "index.shard_size=16",

@@ -1,4 +1,4 @@
-"""`data=documents` / `data=beir` composed the way users compose them, through pipeline.load_data; config errors."""
+"""`data=documents` / `data=beir` composed the way users compose them, through corpus.load.load_data; config errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from ragtrain.config import ConfigError, to_typed
 from ragtrain.data.types import DataError
-from ragtrain.pipeline import load_data
+from ragtrain.corpus.load import load_data
 from tests.conftest import REPO, compose
 
 from .helpers import small_folder

@@ -23,7 +23,8 @@ def test_rag_quickstart_composes(tmp_path) -> None:
 def test_rag_quickstart_end_to_end(ray_session, tmp_path) -> None:
     """Retriever -> index -> generator on 2 CPUs; RAG EM >= 0.5 and >= closed-book + 0.3 on unseen entities."""
     from ragtrain.generator.stage import run_generator_stage
-    from ragtrain.pipeline import load_data, run
+    from ragtrain.corpus.load import load_data
+    from ragtrain.pipeline import run
     from ragtrain.track.mlflow import RunLogger
 
     cfg = to_typed(compose(["experiment=rag_quickstart", f"output_dir={tmp_path / 'out'}",

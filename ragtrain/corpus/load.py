@@ -1,0 +1,84 @@
+"""Stage 0, corpus preparation: the configured dataset (synthetic KB, BEIR folder or documents folder), read,
+cleaned, deduplicated and chunked (in the driver or as Ray Data tasks), streamed into the run's passage store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+from ragtrain.config import DataConfig, DataSource, RetrieverConfig
+from ragtrain.console import get_logger
+from ragtrain.data import RetrievalData, load_beir, make_synthetic
+
+log = get_logger(__name__)
+
+
+def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
+              out_dir: Optional[Path] = None, store: bool = True,
+              start_ray: Optional[Callable[[], None]] = None, ray_tasks: int = 2) -> RetrievalData:
+    """The configured dataset: the synthetic KB, a BEIR folder or a documents folder, chunked when configured.
+
+    `retriever` (its tokenizer) is needed for data.chunk.enabled; `out_dir` receives the generated documents
+    (data.generate=true; a temporary folder when None) and, with `store`, the corpus as a `PassageStore`
+    (`<out_dir>/corpus/passages.arrow`): corpus files and chunks stream into it, and every later stage reads texts
+    from it, so the driver keeps ids and metadata only. Without `out_dir` (or `store=False`) the corpus is a dict.
+    """
+    from ragtrain.corpus.dataset import (
+        beir_corpus_files,
+        check_chunk_budget,
+        check_corpus_ids,
+        chunk_data,
+        load_documents,
+    )
+    from ragtrain.corpus.prepare import use_ray
+    from ragtrain.corpus.read import list_documents
+    from ragtrain.data.store import write_store
+
+    corpus_dir = Path(out_dir) / "corpus" if (out_dir is not None and store) else None
+    # Chunked corpora keep the documents in their own store; the passages store is what the run reads
+    docs_store = (corpus_dir / ("documents.arrow" if cfg.chunk.enabled else "passages.arrow")) if corpus_dir else None
+    if cfg.source == DataSource.synthetic:
+        data = make_synthetic(num_entities=cfg.num_entities, seed=cfg.seed, split=cfg.split)
+        if corpus_dir is not None:
+            data.corpus = write_store(corpus_dir / "passages.arrow", data.corpus.values())
+        return data
+    if cfg.chunk.enabled:  # a chunk the encoder would truncate is a config error: check before reading anything
+        if retriever is None:
+            raise ValueError("load_data: data.chunk.enabled needs the retriever config (its tokenizer)")
+        from ragtrain.retriever.encoder import load_tokenizer
+
+        tokenizer = load_tokenizer(retriever)
+        check_chunk_budget(cfg.chunk.max_tokens, tokenizer.model_max_length, retriever.passage_max_length)
+    root = cfg.root
+    if cfg.source == DataSource.documents and cfg.generate:  # ragtrain's own article folder, written deterministically
+        import tempfile
+
+        from ragtrain.corpus.docs_synthetic import write_docs_synthetic
+
+        root = str(Path(out_dir or tempfile.mkdtemp(prefix="ragtrain-docs-")) / "docs")
+        write_docs_synthetic(root, num_entities=cfg.num_entities, seed=cfg.seed)
+    assert root is not None  # checked by DataConfig
+    files = list_documents(root, cfg.glob) if cfg.source == DataSource.documents else beir_corpus_files(root)
+    on_ray = docs_store is not None and use_ray(cfg.prepare.value, sum(f.stat().st_size for f in files))
+    if on_ray:  # Ray Data tasks and actors read, clean and chunk; bad files now fail after Ray has started
+        if start_ray is not None:
+            start_ray()
+        import ray
+
+        if not ray.is_initialized():
+            log.info(f"[data] data.prepare={cfg.prepare.value}: Ray is not running here, preparing in the driver")
+            on_ray = False
+    if cfg.source == DataSource.beir:
+        data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, store_path=docs_store)
+        check_corpus_ids(data, root)
+    else:
+        data, _ = load_documents(root, cfg.glob, cfg.on_error.value, cfg.split, cfg.dev_size, cfg.seed,
+                                 store_path=docs_store, on_ray=on_ray, files=files)
+    if cfg.chunk.enabled:
+        n_docs = len(data.corpus)
+        data = chunk_data(data, tokenizer, cfg.chunk.max_tokens, cfg.chunk.overlap,
+                          store_path=corpus_dir / "passages.arrow" if corpus_dir else None,
+                          ray_tasks=ray_tasks if on_ray else 0, retriever=retriever)
+        log.info(f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {cfg.chunk.max_tokens} tokens "
+                 f"(overlap {cfg.chunk.overlap})")
+    return data
