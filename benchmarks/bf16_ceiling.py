@@ -7,7 +7,8 @@ does not speed up at all. This measures, side by side in one process and one thr
 
 1. a square GEMM (torch.matmul) in fp32 and bf16, the ceiling of any bf16 speed-up here;
 2. MiniLM's own linear-layer shapes ([tokens, 384] x [384, 1536]);
-3. MiniLM's whole forward pass, fp32 against bf16 autocast (what `index.precision=bf16` runs).
+3. MiniLM's whole forward pass, fp32 against bf16 autocast and against bf16 weights (what `index.precision=bf16`
+   runs since 2026-12-02: the embed-only encoders hold bf16 weights, `ragtrain.retriever.encoder.inference_weights`).
 
     python benchmarks/bf16_ceiling.py [--threads 2] [--seq 256] [--batch 32] [--reps 5] [--profile]
 """
