@@ -270,7 +270,7 @@ class RetrieverConfig:
 @dataclass
 class IndexConfig:
     factory: str = "Flat"  # any faiss.index_factory string: Flat, IVF64,Flat, HNSW32, IVF64,PQ16, ...
-    precision: Precision = Precision.fp32  # encoding precision (bf16: the embed-only encoders hold bf16 weights; ~1e-4 cosine off)
+    precision: Precision = Precision.fp32  # bf16: embed-only encoders hold bf16 weights (~1e-4 cosine off)
     batch_size: int = 64
     shard_size: int = 512  # passages per pool task / per Ray Data encode call (one parquet shard each)
     vector_dtype: str = "float32"  # stored vector shards: float32 | float16 (half the disk; FAISS adds them as fp32)

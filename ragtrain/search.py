@@ -62,7 +62,7 @@ def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
     """Passages by id: the run's passage store (`<out>/corpus/passages.arrow`, read on demand), or for a run
     folder without one, reloaded the way the run loaded them ({} with a note on stderr when that fails)."""
     from ragtrain.data.store import PassageStore
-    from ragtrain.pipeline import load_data
+    from ragtrain.corpus.load import load_data
 
     if (out / "corpus" / "passages.arrow").is_file():
         return PassageStore(out / "corpus" / "passages.arrow")

@@ -36,7 +36,7 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     from ragtrain.eval.retrieval import per_query
     from ragtrain.index.faiss_index import IndexMismatchError, load_index
     from ragtrain.index.retrieval import BuiltIndex, Retrieval
-    from ragtrain.pipeline import load_data
+    from ragtrain.corpus.load import load_data
     from ragtrain.search import SearchError, encoder_weights, load_run_config
 
     out = Path(out)

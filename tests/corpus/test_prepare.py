@@ -10,7 +10,7 @@ import pytest
 from ragtrain.config import to_typed
 from ragtrain.corpus.prepare import RAY_MIN_BYTES, use_ray
 from ragtrain.data.types import DataError
-from ragtrain.pipeline import load_data
+from ragtrain.corpus.load import load_data
 from tests.conftest import compose
 
 from .helpers import small_folder, write_folder

@@ -35,7 +35,7 @@ def built(ray_session, tmp_path_factory):
     from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.index.host import RemoteIndex
     from ragtrain.index.retrieval import BuiltIndex, Retrieval
-    from ragtrain.pipeline import load_data
+    from ragtrain.corpus.load import load_data
     from ragtrain.retriever.encoder import build_encoder
     from tests.index.test_shards import _write_shards
 

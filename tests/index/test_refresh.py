@@ -191,7 +191,7 @@ def _until(condition, what: str, deadline_s: float = 120.0) -> None:
 def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tmp_path) -> None:
     import ray
 
-    from ragtrain.pipeline import load_data
+    from ragtrain.corpus.load import load_data
 
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.train.hard_negatives=2",
                             "refresh.enabled=true", "refresh.every_steps=2"]))

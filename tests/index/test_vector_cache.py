@@ -92,7 +92,7 @@ def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
     from ragtrain.config import to_typed
     from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.index.retrieval import Retrieval
-    from ragtrain.pipeline import load_data
+    from ragtrain.corpus.load import load_data
     from ragtrain.retriever.encoder import build_encoder
     from tests.conftest import compose, tiny_overrides
     from tests.index.test_shards import _write_shards

@@ -121,7 +121,7 @@ def test_run_trains_the_teacher_scores_candidates_and_distils(ray_session, tmp_p
     """A tiny quickstart with a teacher: trained on Ray Train, scores on Ray Data cached in the run folder, the
     bi-encoder trained with the KL term, the teacher's reranking evaluated."""
     from ragtrain.data.store import PassageStore
-    from ragtrain.pipeline import load_data
+    from ragtrain.corpus.load import load_data
     from ragtrain.reranker.model import build_cross_encoder, check_teacher, score_pairs
     from ragtrain.reranker.score import SCORES_FILE
     from ragtrain.retriever.encoder import load_tokenizer
