@@ -161,7 +161,7 @@ def scale(args) -> None:
     start_ray(args.num_cpus, args.ray_worker_niceness0)
     cfg = RetrieverConfig(model=args.retriever, passage_max_length=64)
     pool = PoolResources(num_actors=args.actors, cpus_per_actor=args.cpus_per_actor)
-    index = IndexConfig(factory=args.factory, batch_size=64, shard_size=512)
+    index = IndexConfig(factory=args.factory, batch_size=64, shard_size=512, precision=args.precision)
     weights_ref = ray.put(initial_weights(cfg))  # the driver keeps only the ObjectRef
     rss_init = peak_rss_mb()
     sampler = RssSampler()  # the driver's RSS by kind: its own heap (anon) vs object-store pages it maps (shmem)
@@ -185,6 +185,7 @@ def scale(args) -> None:
     cores = args.actors * args.cpus_per_actor
     row = {
         "passages": shards.rows, "retriever": args.retriever, "actor_env": actor_env, "dim": shards.dim,
+        "precision": args.precision,
         "factory": args.factory, "actors": args.actors, "cpus_per_actor": args.cpus_per_actor,
         "ray_num_cpus": args.num_cpus, "write_files_s": write_s, "prepare_s": prepare_s,
         "prepare_docs_per_s": shards.rows / prepare_s, "encode_s": shards.seconds,
@@ -212,8 +213,9 @@ def scale(args) -> None:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "corpus_scale.json"
     rows = json.loads(path.read_text()) if path.exists() else []
-    key = ("passages", "retriever", "actor_env")  # one entry per N, retriever and actor environment
-    rows = [r for r in rows if tuple(r.get(k, {}) for k in key) != tuple(row[k] for k in key)] + [row]
+    key = ("passages", "retriever", "actor_env", "precision")  # one entry per N, retriever, environment, precision
+    rows = [r for r in rows if tuple(r.get(k, {} if k == "actor_env" else "fp32") for k in key)
+            != tuple(row[k] for k in key)] + [row]
     path.write_text(json.dumps(sorted(rows, key=lambda r: (r["retriever"], str(r.get("actor_env", {})), r["passages"])),
                                indent=2))
     print(json.dumps(row, indent=2))
@@ -311,7 +313,8 @@ def plot(args) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in json.loads((RESULTS / "corpus_scale.json").read_text())
-            if r["retriever"] == args.retriever and not r.get("actor_env")]  # the default environment only
+            if r["retriever"] == args.retriever and not r.get("actor_env")
+            and r.get("precision", "fp32") == args.precision]  # the default environment only
     n = [r["passages"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(n, [r["driver_peak_rss_mb"] for r in rows], "o-", label="driver peak RSS")
@@ -334,6 +337,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--passages", type=int, default=0)
     p.add_argument("--retriever", default="tiny", choices=["tiny", "minilm"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="scale mode: index.precision")
     p.add_argument("--factory", default="Flat")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--cpus-per-actor", type=float, default=1.0)
