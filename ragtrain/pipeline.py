@@ -136,7 +136,8 @@ def run(
     """
     from ragtrain.cluster.resources import check_config, init_ray
     from ragtrain.corpus.encode import encoder_dim
-    from ragtrain.index.shards import check_index_config, save_atomic
+    from ragtrain.index.faiss_index import check_index_config
+    from ragtrain.index.shards import save_atomic
     from ragtrain.retriever.batching import TrainData, build_examples
     from ragtrain.retriever.encoder import build_encoder, check_model_offline
     from ragtrain.retriever.train import fit_retriever, save_weights

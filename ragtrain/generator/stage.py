@@ -109,13 +109,10 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
                   index, n)
     if check_only:
         return None
-    if folder is not None:
-        if ray.is_initialized():  # searchers fetch the index from a host's object, never through the driver
-            from ragtrain.index.host import IndexHost, RemoteIndex
+    if folder is not None and ray.is_initialized():  # searchers fetch it from a host's object, not via the driver
+        from ragtrain.index.host import IndexHost, RemoteIndex
 
-            index = RemoteIndex.load(IndexHost.remote(), "generator", folder)
-        else:
-            index = load_index(folder, expect_corpus=data.fingerprint())
+        index = RemoteIndex.load(IndexHost.remote(), "generator", folder)
     payload = IndexPayload.from_index(index, cfg, weights)
     if isinstance(payload.index_bytes, ray.ObjectRef):  # made before the host goes out of scope with this frame
         ray.wait([payload.index_bytes], fetch_local=False)

@@ -104,29 +104,18 @@ class DenseIndex:
         return folder
 
 
-def make_index(factory: str, dim: int) -> faiss.Index:
-    """An empty inner-product index from a factory string; one a FAISS rejects is a ConfigError naming it."""
+def make_index(factory: str, dim: int, rows: Optional[int] = None) -> faiss.Index:
+    """An empty inner-product index from a factory string; one FAISS rejects is a ConfigError naming it. With
+    `rows`, also one the corpus is too small to train (more IVF lists or PQ centroids than vectors)."""
     try:
-        return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as e:
         raise ConfigError(
             f"index.factory={factory!r} is not a valid faiss index_factory string for dim {dim} "
             f"(e.g. Flat, IVF64,Flat, HNSW32, IVF64,PQ16 — PQ's M must divide the dim): {str(e).strip().splitlines()[-1]}"
         ) from None
-
-
-def product_quantizer(index: faiss.Index):
-    """The product quantiser of an index (IVF-PQ or PQ), or None."""
-    ivf = faiss.try_extract_index_ivf(index)
-    inner = faiss.downcast_index(ivf if ivf is not None else index)
-    return getattr(inner, "pq", None)
-
-
-def check_index_config(factory: str, dim: int, rows: int) -> None:
-    """Refuse, before any encoding or training, a factory FAISS rejects or one the corpus is too small to train."""
-    index = make_index(factory, dim)
-    if index.is_trained:
-        return
+    if rows is None or index.is_trained:
+        return index
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None and ivf.nlist > rows:
         raise ConfigError(
@@ -139,6 +128,19 @@ def check_index_config(factory: str, dim: int, rows: int) -> None:
             f"index.factory={factory!r}: its product quantiser needs >= {pq.ksub} training vectors ({pq.nbits}-bit "
             f"codes) but the corpus has only {rows}: use fewer bits (e.g. PQ16x4) or a Flat index"
         )
+    return index
+
+
+def product_quantizer(index: faiss.Index):
+    """The product quantiser of an index (IVF-PQ or PQ), or None."""
+    ivf = faiss.try_extract_index_ivf(index)
+    inner = faiss.downcast_index(ivf if ivf is not None else index)
+    return getattr(inner, "pq", None)
+
+
+def check_index_config(factory: str, dim: int, rows: int) -> None:
+    """Refuse, before any encoding or training, a factory FAISS rejects or one the corpus is too small to train."""
+    make_index(factory, dim, rows)
 
 
 def build_index(
@@ -156,8 +158,7 @@ def build_index(
     if x.ndim != 2 or x.shape[0] != len(doc_ids):
         raise ValueError(f"vectors shape {x.shape} does not match {len(doc_ids)} doc ids")
     start = time.perf_counter()
-    check_index_config(factory, x.shape[1], x.shape[0])
-    index = make_index(factory, x.shape[1])
+    index = make_index(factory, x.shape[1], x.shape[0])
     if not index.is_trained:
         seed_training(index, seed)
         try:

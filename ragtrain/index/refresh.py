@@ -126,9 +126,9 @@ def staleness(stale: np.ndarray, fresh: np.ndarray, queries: np.ndarray, gold: S
     """
     cos = (stale * fresh).sum(1) / (np.linalg.norm(stale, axis=1) * np.linalg.norm(fresh, axis=1)).clip(min=1e-12)
 
-    def recall(passages: np.ndarray) -> float:
-        from ragtrain.index.faiss_index import exact_search
+    from ragtrain.index.faiss_index import exact_search
 
+    def recall(passages: np.ndarray) -> float:
         top = exact_search(queries, passages, k)[1]
         return float(np.mean([len(set(top[i].tolist()) & set(g)) / len(g) for i, g in enumerate(gold) if g]))
 

@@ -124,7 +124,7 @@ class Retrieval:
         from ragtrain.corpus.encode import EncodeFault, encode_to_shards, encoder_dim
         from ragtrain.index.host import RemoteIndex
         from ragtrain.index.shard_ops import mean_shards
-        from ragtrain.index.shards import check_index_config
+        from ragtrain.index.faiss_index import check_index_config
 
         cfg, idx = self.cfg, self.cfg.index
         # A factory FAISS rejects, or more IVF lists than passages: fail before encoding anything

@@ -17,9 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import faiss
 import numpy as np
 
-from ragtrain.index.faiss_index import (  # noqa: F401  (check_index_config: imported from here too)
-    METRIC, DenseIndex, IndexMeta, check_index_config, make_index, product_quantizer, seed_training,
-)
+from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, make_index, product_quantizer, seed_training
 
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig
@@ -76,9 +74,8 @@ def build_from_shards(
 
     if not isinstance(shards, ShardSet):
         shards = ShardSet.load(shards)
-    check_index_config(factory, shards.dim, shards.rows)
     start = time.perf_counter()
-    index = make_index(factory, shards.dim)
+    index = make_index(factory, shards.dim, shards.rows)  # a bad factory fails before any shard is read
     sampled = 0
     if not index.is_trained:
         seed_training(index, seed)

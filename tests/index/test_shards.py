@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ragtrain.corpus.encode import SHARDS_META, ShardSet
-from ragtrain.index.faiss_index import DenseIndex, build_index, load_index
-from ragtrain.index.shards import build_from_shards, check_index_config, save_atomic
+from ragtrain.index.faiss_index import DenseIndex, build_index, check_index_config, load_index
+from ragtrain.index.shards import build_from_shards, save_atomic
 
 DIM = 16
 
