@@ -16,6 +16,7 @@ import sys
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "MLFLOW_LOGGING_LEVEL": "WARNING",
              "RAGTRAIN_QUIET": "1"}
 PG_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 QUIET_LOGGERS = ("faiss", "ray.data", "ray.train", "ray.tune", "mlflow", "transformers", "sentence_transformers")
 
 
@@ -40,6 +41,13 @@ def configure(verbose: bool) -> None:
     quiet_loggers()
 
 
+class _DropTokenAuthEnabled(logging.Filter):
+    """Drops Ray's "Token authentication is enabled for this Ray cluster" note, nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 def quiet_loggers() -> None:
     """Library loggers to WARNING: in the driver (configure) and in Ray workers when RAGTRAIN_QUIET=1."""
     for name in QUIET_LOGGERS:
@@ -47,6 +55,11 @@ def quiet_loggers() -> None:
     # ragtrain does not install ray[default] (README, "Ray's dashboard: not installed, deliberately"): without the
     # State API, Ray Train's placement-group cleaner warns at every check that it cannot see its controller
     logging.getLogger(PG_CLEANER_LOGGER).setLevel(logging.ERROR)
+    # Ray >= 2.59 turns token authentication on for every new local cluster and says so at each start: that note
+    # (only it: the warning that authentication is *disabled* stays) is dropped
+    auth = logging.getLogger(AUTH_LOGGER)
+    if not any(isinstance(f, _DropTokenAuthEnabled) for f in auth.filters):
+        auth.addFilter(_DropTokenAuthEnabled())
     # configure() turns Ray Data's bars off when stdout is not a terminal; Ray Data then warns that they are off
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     # Ray Train's worker context logs every report (a TrainingReport dump) under a logger named by its file path.

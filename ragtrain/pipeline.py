@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -39,6 +41,29 @@ def prepare_output_dir(path: str, key: str = "output_dir") -> Path:
     except OSError as e:
         raise ConfigError(f"{key}={str(out)!r} is not writable ({e.strerror}): choose another {key}") from None
     return out
+
+
+@contextlib.contextmanager
+def undo_on_failure(*folders: str | None) -> Iterator[None]:
+    """On an exception, remove what the block created in `folders` (entries that were not there before, and a
+    folder it created that is left empty): a run that failed its checks leaves nothing half-written behind."""
+    before: dict[Path, Optional[set[str]]] = {}
+    for f in folders:
+        if f:
+            p = Path(f)
+            before[p] = {e.name for e in p.iterdir()} if p.is_dir() else None
+    try:
+        yield
+    except BaseException:
+        for p, had in before.items():
+            if not p.is_dir():
+                continue
+            for e in p.iterdir():
+                if had is None or e.name not in had:
+                    shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+            if had is None and not any(p.iterdir()):
+                p.rmdir()
+        raise
 
 
 STATUS_FILE = "status.json"  # {"status": running | failed | complete, ...}: what a run folder holds
@@ -125,30 +150,14 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
     return tabulate(rows, headers=headers, floatfmt=".4f")
 
 
-def run(
-    cfg: Config, *, train_callbacks: Optional[list] = None, report_intermediate: bool = False,
-    parent_run_id: Optional[str] = None,
-) -> dict[str, dict[str, float]]:
-    """Run the configured stages end to end; returns {phase: metrics}.
-
-    A Tune trial passes `train_callbacks` (TuneReportCallback), `report_intermediate=True` (ray.train.report at
-    every log window, so schedulers see learning curves) and its sweep's `parent_run_id` (MLflow child run).
-    """
+def preflight_checks(cfg: Config, out: Path) -> RetrievalData:
+    """Every check that needs no training, in order of cost; returns the loaded (and stored) data."""
     from ragtrain.cluster.resources import check_config, init_ray
     from ragtrain.corpus.encode import encoder_dim
     from ragtrain.index.faiss_index import check_index_config
-    from ragtrain.index.shards import save_atomic
-    from ragtrain.retriever.batching import TrainData, build_examples
-    from ragtrain.retriever.encoder import build_encoder, check_model_offline
-    from ragtrain.retriever.train import fit_retriever, save_weights
-    from ragtrain.retriever.validation import make_val_set
-    from ragtrain.track.mlflow import RunLogger, check_tracking_uri, tracking_uri
+    from ragtrain.retriever.encoder import check_model_offline
+    from ragtrain.track.mlflow import check_tracking_uri, tracking_uri
 
-    # Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
-    # folder that failed them is never taken for a run by resume=true.
-    out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
-    if cfg.index.cache_dir:  # the cache is written after the first encode: refuse an unwritable one now
-        prepare_output_dir(cfg.index.cache_dir, "index.cache_dir")
     if cfg.resume:
         check_resume(cfg, out)
     if cfg.logger.backend == LoggerBackend.mlflow:  # a store that cannot work fails in seconds, not after training
@@ -175,6 +184,32 @@ def run(
     # the same time, so they must fit the cluster together. Without retriever training the trainer is not placed.
     check_config(cfg.resources, together="retriever" in cfg.stages and cfg.refresh.enabled,
                  trainer="retriever" in cfg.stages)
+    return data
+
+
+def run(
+    cfg: Config, *, train_callbacks: Optional[list] = None, report_intermediate: bool = False,
+    parent_run_id: Optional[str] = None,
+) -> dict[str, dict[str, float]]:
+    """Run the configured stages end to end; returns {phase: metrics}.
+
+    A Tune trial passes `train_callbacks` (TuneReportCallback), `report_intermediate=True` (ray.train.report at
+    every log window, so schedulers see learning curves) and its sweep's `parent_run_id` (MLflow child run).
+    """
+    from ragtrain.index.shards import save_atomic
+    from ragtrain.retriever.batching import TrainData, build_examples
+    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.retriever.train import fit_retriever, save_weights
+    from ragtrain.retriever.validation import make_val_set
+    from ragtrain.track.mlflow import RunLogger
+
+    # Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
+    # folder that failed them is never taken for a run by resume=true, and what the checks wrote is removed.
+    with undo_on_failure(cfg.output_dir, cfg.index.cache_dir):
+        out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
+        if cfg.index.cache_dir:  # the cache is written after the first encode: refuse an unwritable one now
+            prepare_output_dir(cfg.index.cache_dir, "index.cache_dir")
+        data = preflight_checks(cfg, out)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
     write_status(out, "running")
 

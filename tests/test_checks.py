@@ -85,8 +85,22 @@ def test_a_bad_index_factory_fails_before_training_without_a_zeroshot_index(tmp_
     cfg = _cfg(tmp_path, "zeroshot_eval=false", "retriever.train.hard_negatives=0", f"index.factory='{factory}'")
     with pytest.raises(ConfigError, match=match):
         run(cfg)
+    # The passage store the checks wrote (the corpus size is known only after it) is removed with the folder
+    assert not Path(cfg.output_dir).exists()
+
+
+def test_failed_checks_remove_only_what_they_wrote(tmp_path) -> None:
+    """A folder that held files before keeps them; the store this run wrote into it goes."""
+    from ragtrain.pipeline import run
+
+    cfg = _cfg(tmp_path, "zeroshot_eval=false", "retriever.train.hard_negatives=0", "index.factory='IVF4096,Flat'")
     out = Path(cfg.output_dir)
-    assert not (out / "config.yaml").exists() and not (out / "status.json").exists()  # no training started
+    (out / "notes").mkdir(parents=True)
+    (out / "notes" / "mine.txt").write_text("kept")
+    with pytest.raises(ConfigError, match="4096 IVF lists"):
+        run(cfg)
+    assert sorted(p.name for p in out.iterdir()) == ["notes"]
+    assert (out / "notes" / "mine.txt").read_text() == "kept"
 
 
 def test_resume_refuses_another_config_naming_the_keys(tmp_path) -> None:
