@@ -61,6 +61,11 @@ class Prepare(str, Enum):
     ray = "ray"
 
 
+class DistillLoss(str, Enum):
+    kl = "kl"  # KL(teacher || student) over each query's candidate list
+    margin_mse = "margin_mse"  # MSE of the (positive - negative) score margins (Hofstätter et al., 2020)
+
+
 class LoggerBackend(str, Enum):
     mlflow = "mlflow"
     none = "none"
@@ -215,10 +220,12 @@ class LoraConfig:
 class TeacherConfig:
     """Distillation from a cross-encoder teacher (ragtrain/reranker): trained in the run on the training split
     (or loaded from `path`), it scores every training query's positives and mined negatives once; the bi-encoder
-    then adds `weight` x KL(teacher || student) over each query's positive and sampled hard negatives."""
+    then adds `weight` x KL(teacher || student) over each query's positive and sampled hard negatives, or with
+    loss=margin_mse the mean squared difference of their (positive - negative) score margins."""
 
     weight: float = 0.0  # 0 = off
-    temperature: float = 1.0  # the teacher's logits are divided by it before the softmax
+    loss: DistillLoss = DistillLoss.kl  # kl: over the candidate list | margin_mse: per (positive, negative) margin
+    temperature: float = 1.0  # the teacher's logits are divided by it (before the softmax, or before the margins)
     path: str = ""  # "" = train one from retriever.model in this run (saved to <output_dir>/teacher); or a saved folder
     max_length: int = 256  # query + passage tokens of a cross-encoder input
     negatives: int = 3  # mined negatives per query in the teacher's listwise training

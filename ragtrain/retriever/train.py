@@ -24,7 +24,7 @@ from ragtrain.retriever.validation import ValSet, validate
 from ragtrain.retriever.gradcache import cached_step
 from ragtrain.retriever.lora import apply_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
-from ragtrain.retriever.teacher_loss import teacher_kl, teacher_matrix
+from ragtrain.retriever.teacher_loss import distill_term, teacher_matrix
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
 from ragtrain.sync.registry import build_sync
@@ -137,7 +137,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
 
     # --- train
     window_n, window_loss = 0, 0.0
-    distill_sum = [0.0, 0.0]  # this rank's teacher KL: the log window's, the run's (retriever.teacher.weight > 0)
+    distill_sum = [0.0, 0.0]  # this rank's distillation term (KL or MarginMSE): the log window's, the run's (retriever.teacher.weight > 0)
     last_bytes, last_comm_s = 0, 0.0
     drift_history: list[dict[str, float]] = []
     loop_start = time.perf_counter()
@@ -170,10 +170,10 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
                 grad_groups=strategy.gradient_groups(step),  # whose gathered passages carry gradients (loss.py)
             )
             if targets is not None:
-                kl = teacher_kl(q_emb, p_emb, targets, cfg.retriever.temperature, teach.temperature)
-                distill_sum[0] += kl.item()
-                distill_sum[1] += kl.item()
-                loss = loss + teach.weight * kl
+                term = distill_term(teach.loss)(q_emb, p_emb, targets, cfg.retriever.temperature, teach.temperature)
+                distill_sum[0] += term.item()
+                distill_sum[1] += term.item()
+                loss = loss + teach.weight * term
             return loss
 
         optim.zero_grad(set_to_none=True)
@@ -217,7 +217,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
                 **strategy.state(),
             }
             if teach.weight > 0:
-                metrics["train/teacher_kl"] = distill_sum[0] / n_steps
+                metrics[f"train/teacher_{teach.loss.value}"] = distill_sum[0] / n_steps
                 distill_sum[0] = 0.0
             if val is not None and rank == 0 and (done % t.val_every == 0 or done == steps):
                 with w.not_training():  # rank 0 encodes the validation sample: not training time
@@ -249,7 +249,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         **strategy.state(),
         **{f"{k}_mean": sum(d[k] for d in drift_history) / len(drift_history) for k in drift_history[0]},
         **(live.summary() if live is not None and rank == 0 else {}),
-        **({"train/teacher_kl": distill_sum[1] / ran} if teach.weight > 0 else {}),
+        **({f"train/teacher_{teach.loss.value}": distill_sum[1] / ran} if teach.weight > 0 else {}),
         "train/peak_rss_mb": peak_rss_mb(),  # this worker's (rank 0's) peak resident set: what a batch recipe costs
     }
     strategy.consensus(params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed

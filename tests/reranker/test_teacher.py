@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ragtrain.config import ConfigError, RetrieverConfig, to_typed
-from ragtrain.retriever.teacher_loss import teacher_kl, teacher_matrix
+from ragtrain.retriever.teacher_loss import distill_term, teacher_kl, teacher_margin_mse, teacher_matrix
 from tests.conftest import compose, tiny_overrides
 
 
@@ -48,6 +48,35 @@ def test_a_student_equal_to_the_teacher_pays_nothing() -> None:
     assert teacher_kl(q, p, logits * 0.1, 0.05, 1.0).item() > 1e-3  # a flatter teacher: the student is pulled
 
 
+def test_margin_mse_equals_the_hand_computed_value_over_scored_pairs_only() -> None:
+    torch.manual_seed(2)
+    b, h, d = 2, 2, 4
+    q = torch.nn.functional.normalize(torch.randn(b, d), dim=1)
+    p = torch.nn.functional.normalize(torch.randn(b + b * h, d), dim=1)
+    teacher = torch.tensor([[3.0, 1.0, -1.0], [2.0, float("nan"), 0.5]])  # query 1's first negative: unscored
+    got = teacher_margin_mse(q, p, teacher, temperature=0.5, teacher_temperature=2.0)
+    qn, pn = q.numpy().astype(np.float64), p.numpy().astype(np.float64)
+
+    def s(i: int, j: int) -> float:
+        return float(qn[i] @ pn[j]) / 0.5
+
+    # (query, positive, negative, teacher margin / T_t): query 0 with negatives 2 and 3, query 1 with negative 5
+    pairs = [(0, 0, 2, (3.0 - 1.0) / 2.0), (0, 0, 3, (3.0 + 1.0) / 2.0), (1, 1, 5, (2.0 - 0.5) / 2.0)]
+    want = np.mean([((s(i, pos) - s(i, neg)) - m) ** 2 for i, pos, neg, m in pairs])
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    qg = q.clone().requires_grad_(True)
+    teacher_margin_mse(qg, p, teacher, 0.5, 2.0).backward()
+    assert torch.isfinite(qg.grad).all() and qg.grad.abs().sum() > 0
+    # A student whose margins are the teacher's pays nothing, even with different absolute scores
+    cand = torch.cat([p[:b].unsqueeze(1), p[b:].view(b, h, -1)], 1)
+    logits = torch.einsum("bd,bkd->bk", q, cand) / 0.5
+    assert teacher_margin_mse(q, p, logits + 7.0, 0.5, 1.0).item() == pytest.approx(0.0, abs=1e-9)
+    # No pair scored: zero, with a graph
+    none = torch.full((b, 1 + h), float("nan"))
+    assert teacher_margin_mse(qg, p, none, 0.5, 1.0).item() == 0.0
+    assert distill_term("margin_mse") is teacher_margin_mse and distill_term("kl") is teacher_kl
+
+
 def test_teacher_matrix_follows_the_local_batch_layout() -> None:
     table = {7: {10: 1.0, 20: 2.0, 21: 3.0}, 8: {11: 4.0}}
     pids = [10, 11, 20, 21, 30, 31]  # positives of queries 7, 8; then 2 negatives each
@@ -67,6 +96,16 @@ def test_teacher_matrix_follows_the_local_batch_layout() -> None:
 def test_bad_teacher_settings_fail_in_the_config(tmp_path, extra, key) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace(">", ">")):
         to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *extra]))
+
+
+def test_distillation_loss_is_kl_or_margin_mse(tmp_path) -> None:
+    from hydra.errors import ConfigCompositionException
+
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.teacher.loss=margin_mse"]))
+    assert distill_term(cfg.retriever.teacher.loss) is teacher_margin_mse
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.teacher.loss=mse"])
+    assert "kl" in str(e.value.__cause__) and "margin_mse" in str(e.value.__cause__)
 
 
 def test_a_teacher_for_another_tokenizer_is_refused(tmp_path) -> None:
