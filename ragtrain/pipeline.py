@@ -59,8 +59,12 @@ def undo_on_failure(*folders: str | None) -> Iterator[None]:
             if not p.is_dir():
                 continue
             for e in p.iterdir():
-                if had is None or e.name not in had:
-                    shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+                if had is not None and e.name in had:
+                    continue  # it was there before this run
+                if e.is_dir() and not e.is_symlink():
+                    shutil.rmtree(e)
+                else:
+                    e.unlink()
             if had is None and not any(p.iterdir()):
                 p.rmdir()
         raise

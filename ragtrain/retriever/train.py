@@ -137,7 +137,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
 
     # --- train
     window_n, window_loss = 0, 0.0
-    distill_sum = [0.0, 0.0]  # this rank's distillation term (KL or MarginMSE): the log window's, the run's (retriever.teacher.weight > 0)
+    # this rank's distillation term (KL or MarginMSE; retriever.teacher.weight > 0): the log window's, the run's
+    distill_sum = [0.0, 0.0]
     last_bytes, last_comm_s = 0, 0.0
     drift_history: list[dict[str, float]] = []
     loop_start = time.perf_counter()
