@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 if not os.environ.get("RAY_ADDRESS"):
     # The embedded default starts its own Ray on 127.0.0.1: Ray reads this flag when it is first imported and
@@ -19,6 +21,9 @@ from ragtrain.config import ConfigError, override_variants, register_configs, sy
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
+# The run folder Hydra is about to make and those of its parents that exist already (set by check_overrides; None
+# when it did not compose): a run that stops on a user error removes only what Hydra made for it.
+_EXISTING_BEFORE: Optional[set[Path]] = None
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -49,10 +54,28 @@ def check_overrides(argv: list[str]) -> None:
 
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            compose(config_name="config", overrides=argv, return_hydra_config=True)
+            cfg = compose(config_name="config", overrides=argv, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as e:
         print(f"config error: {override_error_line(e)}", file=sys.stderr)
         raise SystemExit(2) from None
+    global _EXISTING_BEFORE
+    run_dir = Path(str(cfg.hydra.run.dir)).resolve()
+    _EXISTING_BEFORE = {p for p in (run_dir, *run_dir.parents) if p.exists()}
+
+
+def remove_run_folder(run_dir: Path) -> None:
+    """After a user error: a run folder Hydra made for this run that holds only Hydra's own files (`.hydra/`, the
+    job's log) is removed, with the empty parents made for it, so a mistyped value leaves nothing behind."""
+    run_dir = run_dir.resolve()
+    if _EXISTING_BEFORE is None or run_dir in _EXISTING_BEFORE or not run_dir.is_dir():
+        return
+    if any(p.name != ".hydra" and p.suffix != ".log" for p in run_dir.iterdir()):
+        return  # the run wrote something of its own: keep it all, with the log that explains it
+    shutil.rmtree(run_dir)
+    for parent in run_dir.parents:
+        if parent in _EXISTING_BEFORE or any(parent.iterdir()):
+            break
+        parent.rmdir()
 
 
 def override_error_line(e: BaseException) -> str:
@@ -83,6 +106,9 @@ def main(cfg: DictConfig) -> None:
         kind = {"ConfigError": "config", "DataError": "data", "InfeasibleResourcesError": "resources",
                 "IndexMismatchError": "index"}.get(type(e).__name__, "input")
         print(f"{kind} error: {e}", file=sys.stderr)
+        from hydra.core.hydra_config import HydraConfig
+
+        remove_run_folder(Path(HydraConfig.get().runtime.output_dir))
         raise SystemExit(2) from None
 
 

@@ -132,6 +132,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     uri = args.tracking_uri or tracking_uri(LoggerConfig())
     out = args.out or str(Path("outputs", "compare", args.experiment or args.parent_run_id))
     norm = lambda m: m.replace("@", "_at_")  # noqa: E731 - accept pipeline spelling (ndcg@10)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():  # MLflow would make an empty one
+        print(f"error: no MLflow store at {uri} (run an experiment first, or pass --tracking-uri)", file=sys.stderr)
+        return 2
     try:
         df, files = compare_runs(
             uri, experiment=args.experiment, parent_run_id=args.parent_run_id, out_dir=out,

@@ -104,6 +104,9 @@ def test_cli(store, tmp_path: Path, capsys) -> None:
     assert "no MLflow experiment 'nope'" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert main(["--parent-run-id", "0" * 32, "--tracking-uri", uri, "--out", str(tmp_path / "x")]) == 2
     assert "no MLflow run" in capsys.readouterr().err
+    missing = f"sqlite:///{tmp_path / 'none' / 'mlflow.db'}"
+    assert main(["--experiment", "cmp", "--tracking-uri", missing, "--out", str(tmp_path / "x")]) == 2
+    assert "no MLflow store at" in capsys.readouterr().err and not (tmp_path / "none").exists()
     with pytest.raises(SystemExit):
         main(["--tracking-uri", uri])  # argparse: one of --experiment / --parent-run-id is required
 

@@ -22,9 +22,17 @@ def default_tracking_uri() -> str:
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    root = Path("mlruns").resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{root / 'mlflow.db'}"
+    # Not created here: the checks before a run only read the URI, and a run that fails them leaves no folder behind
+    return f"sqlite:///{Path('mlruns').resolve() / 'mlflow.db'}"
+
+
+def open_client(uri: str, **kwargs: Any):  # -> MlflowClient
+    """An MlflowClient for `uri`; a SQLite store's folder is created first (SQLite creates the file, not its folder)."""
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(uri, **kwargs)
 
 
 def tracking_uri(cfg: LoggerConfig) -> str:
@@ -102,10 +110,8 @@ class MetricSink:
 
     def client(self):  # -> MlflowClient
         """The process's client for this URI, created once (the first one imports mlflow and opens the store)."""
-        from mlflow.tracking import MlflowClient
-
         if self.uri not in _CLIENTS:
-            _CLIENTS[self.uri] = MlflowClient(self.uri)
+            _CLIENTS[self.uri] = open_client(self.uri)
         return _CLIENTS[self.uri]
 
     def warm_up(self) -> None:
@@ -146,9 +152,7 @@ class RunLogger:
         self.uri = tracking_uri(cfg) if self.enabled else ""
         if not self.enabled:
             return
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(self.uri)
+        self.client = open_client(self.uri)
         if run_id is not None:  # attach to an existing run (a resumed sweep's parent) and mark it running again
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")

@@ -39,3 +39,14 @@ def test_backend_none_logs_nothing(tmp_path: Path) -> None:
     assert logger.sink() is None and not logger.enabled
     logger.log_metrics({"a": 1.0})
     logger.end()
+
+
+def test_the_default_store_folder_is_made_by_the_run_not_by_its_checks(tmp_path: Path, monkeypatch) -> None:
+    """Reading the default URI (what the checks before a run do) creates nothing; the run's logger creates ./mlruns."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = tracking_uri(LoggerConfig())
+    assert uri == f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}" and not (tmp_path / "mlruns").exists()
+    run = RunLogger(LoggerConfig(experiment_name="default-store"), "r")
+    assert (tmp_path / "mlruns" / "mlflow.db").is_file()
+    assert MlflowClient(uri).get_run(run.run_id).info.run_name == "r"
