@@ -19,7 +19,10 @@ import ray
 import torch
 
 from ragtrain.config import Config, Precision, RetrieverConfig
+from ragtrain.console import get_logger
 from ragtrain.generator.config import RetrievalMode
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -183,7 +186,8 @@ def check_encoder(retriever: RetrieverConfig, weights: list[dict[str, torch.Tens
     """Re-encode the first `n` indexed passages and compare with the stored vectors (IndexMismatchError if off).
 
     Only the query encoder and the index's first `n` rows are needed, never the whole index.
-    Returns the smallest cosine, or NaN when the index type cannot give its vectors back (e.g. PQ codes)."""
+    Returns the smallest cosine, or NaN (with a warning) when the index type cannot give its vectors back (an HNSW
+    graph over PQ codes)."""
     from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.index.faiss_index import IndexMismatchError
 
@@ -196,8 +200,11 @@ def check_encoder(retriever: RetrieverConfig, weights: list[dict[str, torch.Tens
         return float("nan")
     stored = index.reconstruct_first(n)
     if stored is None:
+        log.warning(f"[generator] the index ({index.meta.factory}) cannot give its vectors back: the encoder is "
+                    "checked by dimension only")
         return float("nan")
-    fresh = encoder.encode(passages[:n], retriever.passage_max_length, role="passage")
+    # Compared as stored: PQ / SQ codes round a matching encoder's vectors too, so both sides pass through the codec
+    fresh = index.as_stored(encoder.encode(passages[:n], retriever.passage_max_length, role="passage"))
     cos = (fresh * stored).sum(1) / (np.linalg.norm(fresh, axis=1) * np.linalg.norm(stored, axis=1)).clip(min=1e-12)
     worst = float(cos.min())
     if worst < min_cosine:

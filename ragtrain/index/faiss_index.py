@@ -81,11 +81,28 @@ class DenseIndex:
         return int(self.index.ntotal)
 
     def reconstruct_first(self, n: int) -> Optional[np.ndarray]:
-        """The stored vectors of the first `n` rows, or None for an index type that cannot give them back (PQ)."""
+        """The stored vectors of the first `n` rows, decoded (PQ / SQ codes give their approximation), or None for an
+        index type that cannot give them back. An IVF index gets a row -> list map for the call (8 bytes a row)."""
+        ivf = faiss.try_extract_index_ivf(self.index)
+        mapped = ivf is not None and ivf.direct_map.type == faiss.DirectMap.NoMap
+        if mapped:
+            ivf.make_direct_map()
         try:
             return np.stack([self.index.reconstruct(i) for i in range(min(n, self.index.ntotal))])
-        except RuntimeError:
+        except RuntimeError:  # e.g. an HNSW graph over PQ codes: no reconstruction
             return None
+        finally:
+            if mapped:
+                ivf.make_direct_map(False)
+
+    def as_stored(self, x: np.ndarray) -> np.ndarray:
+        """`x` as this index stores vectors: encoded and decoded by its codec (PQ / SQ rounding, a pre-transform and
+        back), to compare with `reconstruct_first`; `x` itself where the index has no standalone codec (HNSW)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        try:
+            return self.index.sa_decode(self.index.sa_encode(x))
+        except RuntimeError:  # faiss: "standalone codec not implemented for this type of index"
+            return x
 
     def serialize(self) -> np.ndarray:
         """faiss's serialised bytes of the index (for searchers that load their own copy)."""

@@ -60,8 +60,12 @@ class _Host:
         self.indexes[tag].set_search_params(nprobe, ef_search)
 
     def reconstruct_first(self, tag: str, n: int) -> Optional[np.ndarray]:
-        """The stored vectors of the first `n` rows, or None when the index type cannot give them back (PQ)."""
+        """`DenseIndex.reconstruct_first` of the build `tag`."""
         return self.indexes[tag].reconstruct_first(n)
+
+    def as_stored(self, tag: str, x: np.ndarray) -> np.ndarray:
+        """`DenseIndex.as_stored` of the build `tag`."""
+        return self.indexes[tag].as_stored(x)
 
     def serialize(self, tag: str) -> np.ndarray:
         """The index as faiss's serialised bytes (for searchers that load their own copy)."""
@@ -123,8 +127,12 @@ class RemoteIndex:
         ray.get(self.host.set_search_params.remote(self.tag, nprobe, ef_search))
 
     def reconstruct_first(self, n: int) -> Optional[np.ndarray]:
-        """The stored vectors of the first `n` rows, or None for an index type that cannot give them back."""
+        """The stored vectors of the first `n` rows (`DenseIndex.reconstruct_first`, in the host)."""
         return ray.get(self.host.reconstruct_first.remote(self.tag, n))
+
+    def as_stored(self, x: np.ndarray) -> np.ndarray:
+        """`x` through the index's codec (`DenseIndex.as_stored`, in the host)."""
+        return ray.get(self.host.as_stored.remote(self.tag, np.ascontiguousarray(x, dtype=np.float32)))
 
     def serialize(self) -> Any:
         """An ObjectRef to the serialised index: a searcher fetches it where it runs, not through the driver."""

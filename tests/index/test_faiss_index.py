@@ -184,6 +184,21 @@ def test_ivf_build_is_deterministic_for_a_seed(corpus, factory: str) -> None:
     assert not np.array_equal(cent_a, cent_c), "the seed does not reach the IVF k-means"
 
 
+@pytest.mark.parametrize("factory", ["Flat", "HNSW8", "IVF16,Flat", IVFPQ, "IVF16,SQ8", "OPQ8,IVF16,PQ8np"])
+def test_stored_vectors_come_back_equal_to_the_vectors_through_the_codec(corpus, built, factory: str) -> None:
+    """What the generator's encoder check compares: every index type gives its first rows back (IVF through a row
+    map made for the call), equal to the same vectors passed through the index's codec, lossy codes included."""
+    x = corpus[0][:8]
+    index = built(factory)
+    stored = index.reconstruct_first(8)
+    np.testing.assert_allclose(stored, index.as_stored(x), atol=1e-5)
+    ivf = faiss.try_extract_index_ivf(index.index)
+    assert ivf is None or ivf.direct_map.type == faiss.DirectMap.NoMap  # the map was for the call only
+    cos = (stored * x).sum(1) / np.linalg.norm(stored, axis=1)
+    # PQ codes: far from the raw vectors, so a raw comparison would fail a matching encoder
+    assert (cos.min() < 0.99) == ("PQ" in factory), cos.min()
+
+
 def test_search_clamps_k_to_ntotal(corpus) -> None:
     x, ids, q = corpus
     small = build_index(x[:5], ids[:5], "Flat", FINGERPRINT, "enc")
