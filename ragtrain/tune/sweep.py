@@ -24,6 +24,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ragtrain.config import Config, ConfigError, changed_keys, to_flat_dict
 from ragtrain.console import get_logger
 from ragtrain.tune import space as sp
+from ragtrain.tune.guard import MetricGuard
 from ragtrain.tune.results import close_orphans, finish
 from ragtrain.tune.trial import (  # noqa: F401  (re-exported: the sweep's public names stay importable from here)
     DONE_KEY,
@@ -297,6 +298,10 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
     # Trials lack the sweep metric until they end and ASHA's metric in their last report: Tune's strict check
     # (every result must carry every metric) does not fit a pipeline whose best figure comes last.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    # ... so a misspelled metric is caught here instead, at the first result that lacks it (a resumed sweep keeps
+    # the stopper it was started with)
+    guard = MetricGuard(normalize_metric(t.metric), normalize_metric(t.asha_metric) if t.scheduler == "asha" else None,
+                        DONE_KEY)
     if cfg.resume:
         close_orphans(plan.tracking_uri, parent)  # runs of trials cut off by the interruption: they start again
         # Errored trials start again from scratch too (their folder is cleared): an error that was the machine's
@@ -313,13 +318,15 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
             ),
             run_config=tune.RunConfig(name=NAME, storage_path=str(plan.experiment_path.parent),
                                       callbacks=[PlacementGroupReaper(str(plan.out_dir)), *(callbacks or [])],
-                                      failure_config=tune.FailureConfig(max_failures=0)),
+                                      failure_config=tune.FailureConfig(max_failures=0), stop=guard),
         )
     log.info(f"[tune] {len(plan.params)} swept key(s), up to {concurrency} trial(s) at once; "
              f"parent run {parent}; Tune state: {plan.experiment_path}")
     status = "FAILED"
     try:
         tuner.fit()
+        if guard.error:  # a misspelled metric: stopped at the first result that showed it
+            raise ConfigError(guard.error)
         result = finish(plan, parent)
         status = "KILLED" if result.interrupted else "FINISHED"
         return result

@@ -219,6 +219,35 @@ def test_trial_bigger_than_the_cluster_fails_before_the_sweep(ray_session, tmp_p
     assert not (tmp_path / "out" / "tune").exists() and not (tmp_path / "m.db").exists()  # no parent run either
 
 
+@pytest.mark.slow  # ~50 s: a trial's trainer starts and is stopped; the guard itself is tested below in-process
+def test_a_misspelled_asha_metric_stops_the_sweep_at_the_first_window(ray_session, tmp_path: Path) -> None:
+    """Tune would let ASHA ignore a metric no result carries (early stopping silently off): the first training
+    window stops the sweep with one line naming the key and what the window did report."""
+    cfg = sweep_cfg(tmp_path, f"sqlite:///{tmp_path / 'm.db'}", "tune.asha_metric=train/los")
+    with pytest.raises(ConfigError, match=r"tune.asha_metric='train/los' is not among a training window's metrics "
+                                          r"\(trial \w+\): \[.*'train/loss'"):
+        run_sweep(cfg, CONF_DIR)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    parent = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id],
+                                filter_string="tags.`ragtrain.role` = 'sweep'")[0]
+    assert parent.info.status == "FAILED"
+    assert len(list((tmp_path / "out" / "trials").iterdir())) == 1  # the second trial never started
+
+
+def test_the_guard_names_a_final_metric_no_trial_reports() -> None:
+    from ragtrain.tune.guard import MetricGuard
+    from ragtrain.tune.sweep import DONE_KEY
+
+    guard = MetricGuard("trained/ndcg@11", None, DONE_KEY)
+    assert not guard("t1", {"train/loss": 1.0, "step": 2}) and not guard.stop_all()  # windows: no ASHA metric to check
+    assert guard("t1", {DONE_KEY: 1, "trained/ndcg@10": 0.5, "run/train/seconds": 3.0}) and guard.stop_all()
+    assert guard.error == ("tune.metric='trained/ndcg@11' is not among its final metrics (trial t1): "
+                           "['run/train/seconds', 'trained/ndcg@10']")
+    ok = MetricGuard("trained/ndcg@10", "val/ndcg@10", DONE_KEY)
+    assert not ok("t", {"train/loss": 1.0, "val/ndcg@10": 0.3}) and not ok("t", {DONE_KEY: 1, "trained/ndcg@10": 0.5})
+    assert not ok.stop_all() and ok.error is None
+
+
 class InterruptOnce(Callback):
     """Tune callback: Ctrl+C (SIGINT to this process) when the first trial completes, once per marker file
     (a resumed sweep restores its callbacks too)."""
