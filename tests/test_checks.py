@@ -48,6 +48,9 @@ def test_tracking_uri_checks_fail_in_seconds_naming_the_setting(tmp_path) -> Non
         check_tracking_uri("foo://bar")
     blocker = tmp_path / "file"
     blocker.write_text("x")
+    for uri in (f"sqlite:///{blocker}/m.db", f"sqlite:///{blocker}/sub/m.db", str(blocker), f"file://{blocker}/runs"):
+        with pytest.raises(ConfigError, match=f"{blocker} is a file, not a folder"):  # root too: no mode bits involved
+            check_tracking_uri(uri)
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     if os.access(locked, os.W_OK):  # root ignores the mode bits: nothing to test with a read-only folder here

@@ -76,6 +76,8 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
         folder = path.parent if scheme == "sqlite" else path
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent  # the nearest existing folder: MLflow creates the rest
+        if not folder.is_dir():  # a file where a folder must go: nothing can be created under it
+            raise ConfigError(f"{where}={shown!r}: {folder} is a file, not a folder; choose another path")
         if not os.access(folder, os.W_OK):
             raise ConfigError(f"{where}={shown!r}: {folder} is not writable; choose a writable path")
         return
