@@ -128,6 +128,14 @@ class DataConfig:
         if self.dev_size >= 1:
             self.dev_size = int(self.dev_size)  # a count: the loaders treat a float as a fraction
         _check(self.num_entities >= 10, "data.num_entities", "must be >= 10", self.num_entities)
+        if self.source == DataSource.synthetic:  # keys only a folder reads: set with synthetic, they would do nothing
+            folders = "data=beir and data=documents"
+            for key, value, default, where in (("dev_size", self.dev_size, 100, folders),
+                                               ("prepare", self.prepare, Prepare.auto, folders),
+                                               ("glob", self.glob, "**/*", "data=documents"),
+                                               ("on_error", self.on_error, OnError.fail, "data=documents")):
+                _check(value == default, f"data.{key}", f"applies to {where} only (data=synthetic holds out a fixed "
+                       "15 % of its entities as dev and test, and reads no files)", value)
 
 
 @dataclass

@@ -25,20 +25,33 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # released on close: nothing listens there
 
 
-@pytest.mark.parametrize(("override", "key"), [
-    ("resources.num_cpus=0", "resources.num_cpus"),
-    ("data.dev_size=1.5", "data.dev_size"),
-    ("data.dev_size=0", "data.dev_size"),
+DOCS = ("data=documents", "data.generate=true")  # a source that carves dev from train (data.dev_size applies)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (("resources.num_cpus=0",), "resources.num_cpus"),
+    ((*DOCS, "data.dev_size=1.5"), r"data.dev_size must be a count of queries .* got 1.5"),
+    ((*DOCS, "data.dev_size=0"), r"data.dev_size must be a count of queries .* got 0"),
 ])
-def test_bad_values_name_the_key(tmp_path, override: str, key: str) -> None:
-    with pytest.raises(ConfigError, match=key):
-        _cfg(tmp_path, override)
+def test_bad_values_name_the_key(tmp_path, overrides: tuple, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        _cfg(tmp_path, *overrides)
 
 
 def test_dev_size_is_a_count_or_a_fraction(tmp_path) -> None:
-    assert _cfg(tmp_path, "data.dev_size=0.25").data.dev_size == 0.25
-    count = _cfg(tmp_path, "data.dev_size=40").data.dev_size
+    assert _cfg(tmp_path, *DOCS, "data.dev_size=0.25").data.dev_size == 0.25
+    count = _cfg(tmp_path, *DOCS, "data.dev_size=40").data.dev_size
     assert count == 40 and isinstance(count, int)  # the loaders read a float as a fraction
+
+
+@pytest.mark.parametrize(("override", "where"), [("data.dev_size=40", "data=beir and data=documents"),
+                                                 ("data.prepare=ray", "data=beir and data=documents"),
+                                                 ("data.glob=*.md", "data=documents"),
+                                                 ("data.on_error=skip", "data=documents")])
+def test_folder_keys_set_with_synthetic_data_are_refused(tmp_path, override: str, where: str) -> None:
+    """The synthetic KB reads no folder and has fixed splits: these keys would do nothing there."""
+    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]} applies to {where} only \(data=synthetic"):
+        _cfg(tmp_path, override)
 
 
 def test_tracking_uri_checks_fail_in_seconds_naming_the_setting(tmp_path) -> None:
