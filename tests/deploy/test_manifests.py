@@ -98,3 +98,8 @@ def test_entry_command_composes(read, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     job = yaml.safe_load(res.stdout)
     assert job["experiment_name"] == "scifact_finetune" and job["resources"]["trainer"]["use_gpu"] is True
+    # --cfg job only composes: the range checks and interpolations a real start runs must pass too
+    from ragtrain.config import to_typed
+
+    typed = to_typed(compose([a for a in args if not a.startswith("hydra.")] + [f"output_dir={tmp_path / 'out'}"]))
+    assert typed.resources.trainer.use_gpu and typed.experiment_name == "scifact_finetune"
