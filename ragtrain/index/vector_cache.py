@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ragtrain.console import get_logger
+
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig, RetrieverConfig
     from ragtrain.corpus.encode import ShardSet
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 _PACKAGE = Path(__file__).resolve().parents[1]
 # The code between a text and its stored vector: tokenising, the forward pass and pooling, the Ray Data encode
 CODE_FILES = ("retriever/encoder.py", "corpus/encode.py")
+
+log = get_logger(__name__)
 
 
 def _hash_weights(h: "hashlib._Hash", weights: dict[str, torch.Tensor]) -> None:
@@ -89,6 +93,10 @@ def store(cache_dir: str | Path, key: str, shards: "ShardSet") -> Path:
     _copy_tree(Path(shards.folder), tmp)
     try:
         tmp.rename(entry)
-    except OSError:  # someone else finished the same entry first: theirs holds the same vectors
+    except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not entry.exists():  # not a concurrent writer that finished first: the run goes on, uncached, and says so
+            log.warning(f"[index] index.cache_dir: could not store the encoded corpus as {entry} ({e}); the next run "
+                        "encodes it again")
+        # else someone else finished the same entry first: theirs holds the same vectors
     return entry

@@ -76,6 +76,21 @@ def test_store_then_lookup_copies_into_the_run_folder(tmp_path):
     assert vector_cache.lookup(cache, key, tmp_path / "run3") is not None
 
 
+def test_a_store_that_cannot_rename_says_so_and_leaves_no_temporary(tmp_path, monkeypatch, capsys):
+    """The cache is an optimisation: a failed rename (not a concurrent writer's) warns, and the run goes on."""
+    cache, key = tmp_path / "cache", "w" * 32
+    src = _shards(tmp_path / "encoded")
+
+    def cross_device(self, target):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(Path, "rename", cross_device)
+    vector_cache.store(cache, key, src)
+    monkeypatch.undo()
+    assert f"could not store the encoded corpus as {cache / key}" in capsys.readouterr().out
+    assert list(cache.iterdir()) == []  # neither an entry nor the temporary copy
+
+
 def test_unfinished_entry_is_a_miss(tmp_path):
     cache, key = tmp_path / "cache", "u" * 32
     (cache / key).mkdir(parents=True)  # a folder without shards.json: a writer died before the rename
