@@ -15,8 +15,12 @@ def _imports(module: str) -> set[str]:
     path = PKG.parent / (module.replace(".", "/") + ".py")
     if not path.exists():
         path = PKG.parent / module.replace(".", "/") / "__init__.py"
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:  # `from .chunk import x`: relative to the package
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            node.module = f"{base}.{node.module}" if node.module else base
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ragtrain"):
             for alias in node.names:  # `from ragtrain.tune import space` imports the module ragtrain.tune.space
                 sub = f"{node.module}.{alias.name}"
@@ -42,6 +46,13 @@ def _reaches_itself(start: str) -> list[str] | None:
 
 
 @pytest.mark.parametrize("module", ["ragtrain.sync.base", "ragtrain.sync.ddp", "ragtrain.sync.composed",
-                                    "ragtrain.sync.registry", "ragtrain.tune.sweep", "ragtrain.tune.results"])
+                                    "ragtrain.sync.registry", "ragtrain.tune.sweep", "ragtrain.tune.results",
+                                    "ragtrain.corpus.dataset", "ragtrain.data.store"])
 def test_no_import_cycle_through(module: str) -> None:
     assert _reaches_itself(module) is None, " -> ".join(_reaches_itself(module))
+
+
+def test_relative_imports_are_followed() -> None:
+    """`from .chunk import chunk_document` in ragtrain/corpus/dataset.py is an edge to ragtrain.corpus.chunk."""
+    assert {"ragtrain.corpus.chunk", "ragtrain.corpus.clean", "ragtrain.data.store"} <= _imports("ragtrain.corpus.dataset")
+    assert "ragtrain.data.types" in _imports("ragtrain.data.store")
