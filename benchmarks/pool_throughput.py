@@ -54,7 +54,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-DEFAULT_SCIFACT = REPO.parent / "shared" / "data" / "scifact"
+# $RAGTRAIN_DATA (relative: to the checkout, as the configs read it), else ../shared/data
+DEFAULT_SCIFACT = (HERE.parent / os.environ.get("RAGTRAIN_DATA", "../shared/data")).resolve() / "scifact"
 RESULTS = HERE / "results"
 
 

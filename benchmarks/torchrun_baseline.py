@@ -32,7 +32,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_SCIFACT = HERE.parent.parent / "shared" / "data" / "scifact"
+# $RAGTRAIN_DATA (relative: to the checkout, as the configs read it), else ../shared/data
+DEFAULT_SCIFACT = (HERE.parent / os.environ.get("RAGTRAIN_DATA", "../shared/data")).resolve() / "scifact"
 
 
 def scifact_available(root: str | Path) -> bool:
