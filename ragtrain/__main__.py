@@ -45,7 +45,8 @@ def verbose(cfg: DictConfig) -> bool:
 def check_overrides(argv: list[str]) -> None:
     """Compose once before `@hydra.main` does: an override Hydra cannot merge (a value outside an enum's choices, a
     key the config lacks, an unknown group option) becomes one `config error:` line and exit 2, not Hydra's
-    multi-line report and exit 1. Hydra's own flags (--help, --cfg, -m) and HYDRA_FULL_ERROR=1 are left to Hydra."""
+    multi-line report and exit 1. Hydra's own flags (--help, --cfg, -m) and HYDRA_FULL_ERROR=1 are left to Hydra.
+    It also notes which of the run folder's parents exist already (`remove_run_folder` keeps those)."""
     if any(a.startswith("-") for a in argv) or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return
     from hydra import compose, initialize_config_dir
@@ -59,7 +60,10 @@ def check_overrides(argv: list[str]) -> None:
         print(f"config error: {override_error_line(e)}", file=sys.stderr)
         raise SystemExit(2) from None
     global _EXISTING_BEFORE
-    run_dir = Path(str(cfg.hydra.run.dir)).resolve()
+    try:
+        run_dir = Path(str(cfg.hydra.run.dir)).resolve()
+    except OmegaConfBaseException:  # a run folder Hydra cannot name either: Hydra reports it; nothing to clean up
+        return
     _EXISTING_BEFORE = {p for p in (run_dir, *run_dir.parents) if p.exists()}
 
 
