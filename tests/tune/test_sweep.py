@@ -219,7 +219,7 @@ def test_trial_bigger_than_the_cluster_fails_before_the_sweep(ray_session, tmp_p
     assert not (tmp_path / "out" / "tune").exists() and not (tmp_path / "m.db").exists()  # no parent run either
 
 
-@pytest.mark.slow  # 25 s quiet (51 s beside another job): a trial's trainer starts and is stopped; the guard is tested below
+@pytest.mark.slow  # 25 s quiet (51 s beside another job): a trial starts and is stopped; the guard is tested below
 def test_a_misspelled_asha_metric_stops_the_sweep_at_the_first_window(ray_session, tmp_path: Path) -> None:
     """Tune would let ASHA ignore a metric no result carries (early stopping silently off): the first training
     window stops the sweep with one line naming the key and what the window did report."""
