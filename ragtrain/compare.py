@@ -116,7 +116,7 @@ def compare_runs(
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point; returns the exit status (2 for bad input)."""
     from ragtrain.config import LoggerConfig
-    from ragtrain.track.mlflow import tracking_uri
+    from ragtrain.track.mlflow import sqlite_file, tracking_uri
 
     ap = argparse.ArgumentParser(prog="python -m ragtrain.compare", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -132,7 +132,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     uri = args.tracking_uri or tracking_uri(LoggerConfig())
     out = args.out or str(Path("outputs", "compare", args.experiment or args.parent_run_id))
     norm = lambda m: m.replace("@", "_at_")  # noqa: E731 - accept pipeline spelling (ndcg@10)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():  # MLflow would make an empty one
+    db = sqlite_file(uri)
+    if db is not None and not db.is_file():  # MLflow would create an empty one
         print(f"error: no MLflow store at {uri} (run an experiment first, or pass --tracking-uri)", file=sys.stderr)
         return 2
     try:

@@ -89,6 +89,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
 
     cfg = args.cfg
     t, teach = cfg.retriever.train, cfg.retriever.teacher
+    distill = distill_term(teach.loss)  # KL or MarginMSE, chosen once
     # Dropout draws from torch's default generator: seed it per (seed, rank), or two runs of one config differ.
     w = Worker(args, seed=t.seed * 10007 + ray.train.get_context().get_world_rank())
     device, rank, world = w.device, w.rank, w.world
@@ -171,7 +172,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
                 grad_groups=strategy.gradient_groups(step),  # whose gathered passages carry gradients (loss.py)
             )
             if targets is not None:
-                term = distill_term(teach.loss)(q_emb, p_emb, targets, cfg.retriever.temperature, teach.temperature)
+                term = distill(q_emb, p_emb, targets, cfg.retriever.temperature, teach.temperature)
                 distill_sum[0] += term.item()
                 distill_sum[1] += term.item()
                 loss = loss + teach.weight * term

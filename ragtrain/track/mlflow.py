@@ -26,12 +26,18 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{Path('mlruns').resolve() / 'mlflow.db'}"
 
 
+def sqlite_file(uri: str) -> Optional[Path]:
+    """The database file of a `sqlite:///` tracking URI, else None (a server or a file store)."""
+    return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
+
+
 def open_client(uri: str, **kwargs: Any):  # -> MlflowClient
     """An MlflowClient for `uri`; a SQLite store's folder is created first (SQLite creates the file, not its folder)."""
     from mlflow.tracking import MlflowClient
 
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite_file(uri)
+    if db is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
     return MlflowClient(uri, **kwargs)
 
 
@@ -162,9 +168,8 @@ class RunLogger:
         exp = self.client.get_experiment_by_name(cfg.experiment_name)
         if exp is None:
             # Pin artifacts next to the SQLite file; a server URI decides its own artifact store.
-            loc = None
-            if self.uri.startswith("sqlite:///"):
-                loc = Path(self.uri[len("sqlite:///") :]).parent.joinpath("artifacts").as_uri()
+            db = sqlite_file(self.uri)
+            loc = db.parent.joinpath("artifacts").as_uri() if db is not None else None
             exp_id = self.client.create_experiment(cfg.experiment_name, artifact_location=artifact_root or loc)
         else:
             exp_id = exp.experiment_id
