@@ -8,21 +8,28 @@ the sync strategy and the data, so they are checked against what the first trial
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 from ray.tune.stopper import Stopper
 
-__all__ = ["MetricGuard"]
+__all__ = ["MetricGuard", "recorded_error"]
 
 SHOWN = 40  # names listed in the error at most
 
 
 class MetricGuard(Stopper):
     """Tune stopper: ends the sweep when a training window lacks `asha_metric` or a finished trial lacks `metric`;
-    `error` then says which, with the names the trial did report."""
+    `error` then says which, with the names the trial did report, and so does the file `record` when given.
 
-    def __init__(self, metric: str, asha_metric: Optional[str], done_key: str, window_key: str = "train/loss"):
+    The file is how a resumed sweep learns it: Tune restores the stopper the sweep was started with (a copy, not
+    this object), so only what that copy writes reaches the driver's code after `fit`.
+    """
+
+    def __init__(self, metric: str, asha_metric: Optional[str], done_key: str, window_key: str = "train/loss",
+                 record: Optional[str] = None):
         self.metric, self.asha_metric, self.done_key, self.window_key = metric, asha_metric, done_key, window_key
+        self.record = record
         self.error: Optional[str] = None
 
     def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
@@ -33,6 +40,8 @@ class MetricGuard(Stopper):
             elif self.asha_metric and self.window_key in result and self.asha_metric not in result:
                 self.error = self._missing("tune.asha_metric", self.asha_metric, "a training window's metrics",
                                            trial_id, result)
+            if self.error is not None and self.record:
+                Path(self.record).write_text(self.error)
         return self.error is not None
 
     def stop_all(self) -> bool:
@@ -44,3 +53,9 @@ class MetricGuard(Stopper):
         names = sorted(k for k in result if "/" in k)
         more = f" (+{len(names) - SHOWN} more)" if len(names) > SHOWN else ""
         return f"{key}={name!r} is not among {where} (trial {trial_id}): {names[:SHOWN]}{more}"
+
+
+def recorded_error(record: str | Path) -> Optional[str]:
+    """The error a `MetricGuard` (this one or the copy a resumed sweep restored) wrote to `record`, if any."""
+    path = Path(record)
+    return path.read_text() if path.is_file() else None

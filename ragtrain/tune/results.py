@@ -10,6 +10,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from ragtrain.console import get_logger
+from ragtrain.errors import ConfigError
 from ragtrain.tune import space as sp
 from ragtrain.tune.trial import (
     DONE_KEY,
@@ -160,9 +161,10 @@ def finish(plan: SweepPlan, parent: Optional[str]) -> SweepResult:
         return result
     best = best_trial(df, metric, t.mode)
     finished = [tr for tr in trials if (tr.last_result or {}).get(DONE_KEY)]
-    if best is None and finished:  # e.g. a misspelled tune.metric: say what the trials did report
+    if best is None and finished:  # the guard catches a misspelled metric first; this is its last line of defence
         names = sorted(k for k in finished[0].last_result if "/" in k)
-        log.warning(f"no finished trial reported tune.metric={t.metric!r}; they reported: {names}")
+        raise ConfigError(f"tune.metric={t.metric!r} is not among the finished trials' metrics: {names} "
+                          f"(the trials are in {plan.out_dir / 'trials.csv'})")
     if best is not None:
         values = {k: best[k] for k in ctx.keys}
         result.best = {"trial_id": best["trial_id"], "values": values, "metric": float(best[metric])}

@@ -24,7 +24,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ragtrain.config import Config, ConfigError, changed_keys, to_flat_dict
 from ragtrain.console import get_logger
 from ragtrain.tune import space as sp
-from ragtrain.tune.guard import MetricGuard
+from ragtrain.tune.guard import MetricGuard, recorded_error
 from ragtrain.tune.results import close_orphans, finish
 from ragtrain.tune.trial import (  # noqa: F401  (re-exported: the sweep's public names stay importable from here)
     DONE_KEY,
@@ -298,10 +298,12 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
     # Trials lack the sweep metric until they end and ASHA's metric in their last report: Tune's strict check
     # (every result must carry every metric) does not fit a pipeline whose best figure comes last.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    # ... so a misspelled metric is caught here instead, at the first result that lacks it (a resumed sweep keeps
-    # the stopper it was started with)
+    # ... so a misspelled metric is caught here instead, at the first result that lacks it. A resumed sweep runs the
+    # copy of the stopper it was started with, which reports through the same file.
+    record = plan.out_dir / "tune" / "metric_guard_error.txt"
+    record.unlink(missing_ok=True)
     guard = MetricGuard(normalize_metric(t.metric), normalize_metric(t.asha_metric) if t.scheduler == "asha" else None,
-                        DONE_KEY)
+                        DONE_KEY, record=str(record))
     if cfg.resume:
         close_orphans(plan.tracking_uri, parent)  # runs of trials cut off by the interruption: they start again
         # Errored trials start again from scratch too (their folder is cleared): an error that was the machine's
@@ -325,8 +327,9 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
     status = "FAILED"
     try:
         tuner.fit()
-        if guard.error:  # a misspelled metric: stopped at the first result that showed it
-            raise ConfigError(guard.error)
+        error = guard.error or recorded_error(record)
+        if error:  # a misspelled metric: stopped at the first result that showed it
+            raise ConfigError(error)
         result = finish(plan, parent)
         status = "KILLED" if result.interrupted else "FINISHED"
         return result

@@ -248,6 +248,22 @@ def test_the_guard_names_a_final_metric_no_trial_reports() -> None:
     assert not ok.stop_all() and ok.error is None
 
 
+def test_the_guard_a_resumed_sweep_restores_reports_through_its_file(tmp_path: Path) -> None:
+    """Tune restores a pickled copy of the stopper on resume: the driver reads what that copy found from its file."""
+    import pickle
+
+    from ragtrain.tune.guard import MetricGuard, recorded_error
+    from ragtrain.tune.sweep import DONE_KEY
+
+    record = tmp_path / "guard.txt"
+    restored = pickle.loads(pickle.dumps(MetricGuard("trained/ndcg@10", "val/ndcg@1O", DONE_KEY, record=str(record))))
+    assert recorded_error(record) is None
+    assert not restored("t", {"step": 1})  # no window yet: nothing to check
+    assert restored("t", {"train/loss": 1.0, "val/ndcg@10": 0.3}) and restored.stop_all()
+    assert recorded_error(record) == restored.error
+    assert recorded_error(record).startswith("tune.asha_metric='val/ndcg@1O' is not among a training window's")
+
+
 class InterruptOnce(Callback):
     """Tune callback: Ctrl+C (SIGINT to this process) when the first trial completes, once per marker file
     (a resumed sweep restores its callbacks too)."""
