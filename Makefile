@@ -4,7 +4,9 @@ VENV ?= .venv
 # torch is chosen deliberately, before the project, so pip never resolves a multi-GB CUDA build on a CPU box:
 #   CPU (default): torch==2.13.0 (a CPU wheel on these machines' disk; elsewhere add TORCH_INDEX below)
 #   CPU elsewhere: make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
-#   GPU:           make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128 EXTRAS=dev,gpu
+#   GPU:           make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# Changing any of these reruns the install (the stamp depends on $(VENV)/.choice), and an index replaces the torch
+# already there (a CPU build satisfies "torch==2.13.0" too, so pip alone would keep it).
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= dev
@@ -13,12 +15,19 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup quickstart test test-slow bench clean
+CHOICE := $(TORCH_SPEC) $(TORCH_INDEX) $(EXTRAS)
 
-$(VENV)/.installed: pyproject.toml Makefile
+.PHONY: setup quickstart test test-slow bench clean FORCE
+
+# Rewritten only when the choice changed, so an unchanged choice leaves the stamp up to date
+$(VENV)/.choice: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(CHOICE)' | cmp -s - $@ || echo '$(CHOICE)' > $@
+
+$(VENV)/.installed: pyproject.toml Makefile $(VENV)/.choice
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --force-reinstall)
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU smoke test of the generator stage: BERT2BERT-from-MiniLM on the synthetic KB, DDP over NCCL with bf16
+# GPU smoke test: tests/gpu (the code paths only a GPU runs), then the generator stage: BERT2BERT-from-MiniLM on the synthetic KB, DDP over NCCL with bf16
 # autocast, up to 2 workers (one GPU each: NCCL cannot put two ranks on one device), a short run; prints the
 # training tokens/s and samples/s and the EM of the three eval modes. The CPU test suite never needs this script.
 #
@@ -20,6 +20,12 @@ if [ "${CPU_DRY_RUN:-0}" = 1 ]; then  # check this script itself on a CPU box: t
 else
   NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
   if [ "$NGPU" -lt 1 ]; then
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+      # a GPU machine with a CPU torch (or a broken driver): a skip here would read as a pass
+      echo "FAIL: nvidia-smi lists a GPU but torch $("$PY" -c 'import torch; print(torch.__version__)') cannot use it:" \
+           "install a CUDA torch (README: GPU)" >&2
+      exit 1
+    fi
     echo "SKIP: no CUDA GPU visible (torch.cuda.is_available() is False)"
     exit 0
   fi
@@ -27,6 +33,8 @@ else
   [ "$WORKERS" -lt 2 ] && echo "note: $NGPU GPU visible: running 1 NCCL worker (2 workers need 2 GPUs)"
 fi
 OUT=${OUT:-outputs/gpu_smoke/$(date +%Y%m%d_%H%M%S)}
+# First the unit tests of the paths only a GPU runs (NCCL tensors, CUDA timing, GPU checkpoints; skipped on a CPU)
+"$PY" -m pytest -q -p no:cacheprovider tests/gpu
 
 "$PY" - "$WORKERS" "$STEPS" "$OUT" "${CPU_DRY_RUN:-0}" <<'EOF'
 import sys, time

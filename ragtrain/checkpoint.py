@@ -58,7 +58,9 @@ def load_train_state(folder: str | Path, rank: int, world: int, model: nn.Module
                               "set resources.trainer.num_workers to match, or start a new run (resume=false)")
     try:
         load_model(model, str(folder / f"rank{rank}.safetensors"), strict=True)
-        state = torch.load(folder / f"rank{rank}_state.pt", weights_only=True)
+        # On the CPU whatever device wrote it: the optimizer moves its state to the parameters' device, the sync
+        # strategy its own; a GPU index may differ after a restart, and a GPU checkpoint may resume on a CPU
+        state = torch.load(folder / f"rank{rank}_state.pt", weights_only=True, map_location="cpu")
         optim.load_state_dict(state["optim"])
         sched.load_state_dict(state["sched"])
     except Exception as e:  # a truncated file, a foreign architecture, a pickle that is not plain data

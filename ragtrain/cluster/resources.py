@@ -132,7 +132,8 @@ def check_config(res: ResourcesConfig, together: bool = False, nodes: Optional[l
     pool_what = "resources.pool (alongside resources.trainer: refresh.enabled runs both at once)" if together else "resources.pool"
     groups = [
         ("resources.trainer", {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {}), **t.resources}, t.num_workers),
-        (pool_what, {"CPU": p.cpus_per_actor, **p.resources}, p.num_actors),
+        (pool_what, {"CPU": p.cpus_per_actor, **({"GPU": p.gpus_per_actor} if p.gpus_per_actor else {}), **p.resources},
+         p.num_actors),
     ][0 if trainer else 1 :]
     # The group with more resource kinds (e.g. the pool's `index_node` label) is placed first: it can go to fewer
     # nodes, and the pipeline also reserves it first (the zero-shot index is built before training starts).

@@ -258,12 +258,14 @@ class LiveIndexClient:
     """Worker side of the live index: the step's version (rank 0 decides); on rank 0 also schedules refreshes.
 
     broadcast=True (several workers in a process group): rank 0's choice reaches the others as an 8-byte
-    broadcast; False (one worker, or async_ps where a per-step collective would make workers wait for each
+    broadcast (on `device`: the worker's GPU under NCCL); False (one worker, or async_ps where a per-step collective would make workers wait for each
     other): every rank asks the service, and the first to reach a step fixes its version for all.
     """
 
-    def __init__(self, service, cfg: Config, rank: int, broadcast: bool = False):
+    def __init__(self, service, cfg: Config, rank: int, broadcast: bool = False,
+                 device: Optional[torch.device] = None):
         self.service, self.cfg, self.rank, self.broadcast = service, cfg, rank, broadcast
+        self.device = device or torch.device("cpu")  # NCCL broadcasts only tensors on the worker's GPU
         self.live: LiveVersion = _call(service, "latest")
         self.switched = False
         if self.live is None:
@@ -279,7 +281,7 @@ class LiveIndexClient:
         it; every rank then holds that version. Returns the version."""
         if self.broadcast:
             v = torch.tensor([_call(self.service, "version_for_step", step) if self.rank == 0 else -1],
-                             dtype=torch.int64)
+                             dtype=torch.int64, device=self.device)
             dist.broadcast(v, src=0)  # tiny, and the step's first collective: every rank waits here anyway
             version = int(v.item())
         else:

@@ -35,6 +35,10 @@ class ScoreBatch:
         worker_setup()
         torch.set_num_threads(max(1, threads))
         self.model = build_cross_encoder(retriever, teacher).eval()
+        import ray
+
+        if torch.cuda.is_available() and ray.is_initialized() and ray.get_gpu_ids():  # an actor Ray gave a GPU
+            self.model.to("cuda")  # score_pairs follows the model's device
         self.tokenizer = load_tokenizer(retriever)
         self.queries, self.passages = queries, passages
         self.max_length, self.batch_size = max_length, batch_size

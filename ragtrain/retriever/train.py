@@ -111,6 +111,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     model = strategy.wrap(QPEncoder(encoder), device)  # DDP + comm hook, or the bare module (local steps)
     params = trainable(encoder)  # what the optimizer updates and parameter mixers send (LoRA: the adapters)
     STATS.reset()
+    STATS.cuda = device.type == "cuda"  # NCCL collectives: timed by CUDA events and synchronisation (sync/comm.py)
     probe_q, probe_p = probe_inputs(data, cfg, tokenizer, device)
     global_batch = t.batch_size * world
     steps = total_steps(t.max_steps, t.epochs, len(data.examples), global_batch)
@@ -125,7 +126,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     if args.refs.get("index_service") is not None:  # refresh.enabled: hard negatives from the live index
         # Rank 0 broadcasts each step's index version where the strategy has per-step collectives anyway;
         # async_ps has none (a broadcast would make its workers wait for each other): the service decides there.
-        live = LiveIndexClient(w.get("index_service"), cfg, rank, broadcast=world > 1 and strategy.gather_negatives)
+        live = LiveIndexClient(w.get("index_service"), cfg, rank, broadcast=world > 1 and strategy.gather_negatives,
+                               device=device)
         probe: Probe = w.get("probe")
         probe_texts = [data.passages[r] for r in probe.rows]
 
@@ -253,6 +255,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         **(live.summary() if live is not None and rank == 0 else {}),
         **({f"train/teacher_{teach.loss.value}": distill_sum[1] / ran} if teach.weight > 0 else {}),
         "train/peak_rss_mb": peak_rss_mb(),  # this worker's (rank 0's) peak resident set: what a batch recipe costs
+        # on a GPU the activations and optimizer state are device memory, which RSS does not see
+        **({"train/peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20} if device.type == "cuda" else {}),
     }
     strategy.consensus(params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed
     replicas = None

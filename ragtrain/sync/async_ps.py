@@ -97,7 +97,7 @@ class AsyncPSSync:
         flat = flat_params([p for p in model.parameters() if p.requires_grad])  # LoRA: the adapters only
         name = [f"ragtrain-ps-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
         if self.rank == 0:
-            self.server = ParameterServer.options(name=name[0]).remote(flat.numpy(), world_size(), self.cfg.max_staleness)
+            self.server = ParameterServer.options(name=name[0]).remote(flat.cpu().numpy(), world_size(), self.cfg.max_staleness)
         if world_size() > 1:
             dist.broadcast_object_list(name, src=0)
             dist.barrier()  # the named actor exists before anyone looks it up
@@ -109,7 +109,8 @@ class AsyncPSSync:
 
     def _pull(self, params: list[nn.Parameter]) -> None:
         start = STATS.clock()
-        fresh = torch.from_numpy(np.array(ray.get(self.server.pull.remote(self.rank))))
+        # The server holds numpy arrays: the replica (on a GPU, too) gets them back on its own device
+        fresh = torch.from_numpy(np.array(ray.get(self.server.pull.remote(self.rank)))).to(params[0].device)
         # The server sends the full parameters on this worker's behalf: counted here, like a push.
         STATS.add("params_pull", fresh.numel() * fresh.element_size(), start=start)
         set_flat_params(params, fresh)
@@ -123,7 +124,7 @@ class AsyncPSSync:
         flat = flat_params(params)
         delta = flat - self.anchor
         start = STATS.clock()
-        accepted, staleness = ray.get(self.server.push.remote(self.rank, delta.numpy()))
+        accepted, staleness = ray.get(self.server.push.remote(self.rank, delta.cpu().numpy()))
         STATS.add("params", delta.numel() * delta.element_size(), start=start)
         self.anchor = flat
         if not accepted or staleness + 1 > self.cfg.max_staleness:
@@ -156,7 +157,7 @@ class AsyncPSSync:
             saved = state.get("server_params")
             # A checkpoint without a server snapshot: rank 0's restored replica is the best estimate.
             params = saved if saved is not None else flat_params(self.params)
-            ray.get(self.server.restore.remote(params.numpy(), int(state.get("server_version", 0))))
+            ray.get(self.server.restore.remote(params.cpu().numpy(), int(state.get("server_version", 0))))
         if world_size() > 1:
             dist.barrier()  # nobody pushes before the server holds the checkpoint's parameters
         self.anchor = flat_params(self.params)

@@ -11,6 +11,10 @@ Seconds are wall time from issuing a collective to its completion ("in flight"),
 in flight at the same time (DDP's buckets) count once, so the in-flight seconds never exceed the wall time.
 DDP overlaps them with the backward pass, so `comm/time_share` (in-flight seconds / step seconds, <= 1) is an
 upper bound on the exposed cost. Measurement traffic (drift metrics, loss logging) is not counted.
+
+On a GPU (NCCL) a collective returns to the CPU, and its future's callback runs, once its kernels are queued, not
+done: there a blocking collective's block ends with a device synchronisation, and a future's interval is measured
+with CUDA events (start at issue, end on the stream its callback runs on), read back when the figures are asked for.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class CommStats:
         self.bytes: dict[str, int] = defaultdict(int)
         self.intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
         self._lock = threading.Lock()  # counted futures complete on the backend's own thread
+        self.cuda = False  # the collectives run on a GPU (set by the training loop from its device)
+        self._pending: list[tuple[str, float, "torch.cuda.Event", "torch.cuda.Event"]] = []  # GPU futures' spans
 
     def add(self, category: str, nbytes: int, start: float | None = None, end: float | None = None) -> None:
         """Record `nbytes` sent under `category`, and with `start` the in-flight interval [start, end or now]."""
@@ -75,12 +81,30 @@ class CommStats:
         """Record a blocking collective: its bytes and the wall time of the block."""
         start = self.clock()
         yield
+        if self.cuda:  # the kernels are only queued: wait for them, or the block measures the enqueue
+            torch.cuda.synchronize()
         self.add(category, nbytes, start=start)
+
+    def add_gpu(self, category: str, nbytes: int, start: float, begin: "torch.cuda.Event",
+                end: "torch.cuda.Event") -> None:
+        """Record a GPU collective: its bytes now, its interval [start, start + time from `begin` to `end`] once
+        the events have completed (`_settle`)."""
+        with self._lock:
+            self.bytes[category] += int(nbytes)
+            self._pending.append((category, start, begin, end))
+
+    def _settle(self) -> None:
+        """Turn the GPU collectives' events into intervals (waits for the last of them); under the lock."""
+        for category, start, begin, end in self._pending:
+            end.synchronize()
+            self.intervals[category].append((start, start + begin.elapsed_time(end) / 1000.0))
+        self._pending.clear()
 
     @property
     def seconds(self) -> dict[str, float]:
         """In-flight seconds per category (overlapping collectives of one category counted once)."""
         with self._lock:
+            self._settle()
             return {c: union_seconds(spans) for c, spans in self.intervals.items()}
 
     def total_bytes(self) -> int:
@@ -89,12 +113,14 @@ class CommStats:
     def total_seconds(self) -> float:
         """Seconds with any collective in flight (the union over categories: never more than the wall time)."""
         with self._lock:
+            self._settle()
             return union_seconds([iv for spans in self.intervals.values() for iv in spans])
 
     def reset(self) -> None:
         with self._lock:
             self.bytes.clear()
             self.intervals.clear()
+            self._pending.clear()
 
 
 def counted_future(fut: torch.futures.Future, category: str, nbytes: int,
@@ -102,6 +128,17 @@ def counted_future(fut: torch.futures.Future, category: str, nbytes: int,
     """Record `nbytes` and the interval from `start` (default: now) until `fut` completes under `category`;
     the result is `fut`'s value. Pass `start` when the collective was issued before this call."""
     begin = STATS.clock() if start is None else start
+    if STATS.cuda:
+        first = torch.cuda.Event(enable_timing=True)
+        first.record()  # on the stream the collective was queued from
+
+        def done_gpu(f: torch.futures.Future):
+            last = torch.cuda.Event(enable_timing=True)
+            last.record()  # the callback runs on streams that wait for the collective
+            STATS.add_gpu(category, nbytes, begin, first, last)
+            return f.value()
+
+        return fut.then(done_gpu)
 
     def done(f: torch.futures.Future):
         STATS.add(category, nbytes, start=begin)

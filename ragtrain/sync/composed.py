@@ -52,6 +52,7 @@ class ComposedSync:
 
     def __init__(self, cfg: SyncConfig, node_ids: list[str] | None = None):
         self.cfg = cfg
+        self.device = torch.device("cpu")  # wrap() sets the replica's device
         r, m, s = cfg.reducer, cfg.mixer, cfg.scope
         self.gather_negatives = m.kind != "async_ps"  # a gather would make async workers wait for each other
         self.keeps_replicas = cfg.consensus == "vectors"
@@ -90,6 +91,7 @@ class ComposedSync:
     # --- set-up
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         r, s = self.cfg.reducer, self.cfg.scope
+        self.device = device  # where a restored residual or PowerSGD memory must live (checkpoints load on the CPU)
         if s.reducer_params:
             self.reduced = matching_params(model, s.reducer_params)
         if self.ps is not None:
@@ -255,6 +257,6 @@ class ComposedSync:
         self.last_divergence = float(state.get("last_divergence", 0.0))
         self.rounds = int(state.get("rounds", 0))
         if self.topk is not None:  # older checkpoints keyed residuals by DDP bucket ("topk"): dropped
-            self.topk.residuals = {int(i): r for i, r in state.get("topk_by_param", {}).items()}
+            self.topk.residuals = {int(i): r.to(self.device) for i, r in state.get("topk_by_param", {}).items()}
         if self.powersgd is not None and "powersgd" in state:  # wrap() has created PowerSGD's state
-            load_powersgd_state(self.powersgd, state["powersgd"])
+            load_powersgd_state(self.powersgd, state["powersgd"], self.device)

@@ -37,8 +37,11 @@ def mix_with_peers(params: list[nn.Parameter], peers: list[int], mixing: float, 
     flat = flat_params(params)
     bufs = [torch.empty_like(flat) for _ in peers]
     with STATS.timed(category, flat.numel() * flat.element_size() * len(peers)):
-        # post every send and receive before waiting on any: no ordering deadlock between peers
-        reqs = [dist.isend(flat, p) for p in peers] + [dist.irecv(b, p) for b, p in zip(bufs, peers)]
+        # Every send and receive posted as one batch before waiting on any: separate isend/irecv calls deadlock
+        # under NCCL once a message outgrows its buffers (both peers' sends queue ahead of their receives)
+        ops = [dist.P2POp(dist.isend, flat, p) for p in peers] + [dist.P2POp(dist.irecv, b, p)
+                                                                    for b, p in zip(bufs, peers)]
+        reqs = dist.batch_isend_irecv(ops)
         for r in reqs:
             r.wait()
     set_flat_params(params, (1 - mixing) * flat + mixing * torch.stack(bufs).mean(0))

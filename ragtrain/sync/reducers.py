@@ -91,9 +91,11 @@ def powersgd_state_dict(s: Any) -> dict[str, Any]:
             "numel_before": s.total_numel_before_compression, "numel_after": s.total_numel_after_compression}
 
 
-def load_powersgd_state(s: Any, saved: dict[str, Any]) -> None:
+def load_powersgd_state(s: Any, saved: dict[str, Any], device: torch.device) -> None:
+    """Restore `powersgd_state_dict`'s memories onto `device` (the gradient buckets' device)."""
     s.iter = int(saved["iter"])
-    s.error_dict, s.p_memory_dict, s.q_memory_dict = dict(saved["error"]), dict(saved["p"]), dict(saved["q"])
+    s.error_dict, s.p_memory_dict, s.q_memory_dict = (
+        {k: v.to(device) for k, v in saved[name].items()} for name in ("error", "p", "q"))
     s.total_numel_before_compression = int(saved["numel_before"])
     s.total_numel_after_compression = int(saved["numel_after"])
 

@@ -87,6 +87,8 @@ def trial_need(cfg: Config) -> dict[str, float]:
     if t.use_gpu:
         trainer["GPU"] = float(t.num_workers)
     pool = {"CPU": p.num_actors * p.cpus_per_actor, **{k: v * p.num_actors for k, v in p.resources.items()}}
+    if p.gpus_per_actor:
+        pool["GPU"] = p.num_actors * p.gpus_per_actor
     refresh = getattr(cfg, "refresh", None)
     together = "retriever" in cfg.stages and bool(refresh and refresh.enabled)
     both = set(trainer) | set(pool)

@@ -134,6 +134,14 @@ def test_check_config_custom_resource_missing(ray_session) -> None:
         check_config(res)
 
 
+def test_a_pool_on_gpus_needs_gpu_nodes() -> None:
+    """resources.pool.gpus_per_actor is checked like the trainer's GPUs, not left to wait in Ray Data forever."""
+    res = ResourcesConfig(pool=PoolResources(num_actors=2, cpus_per_actor=1, gpus_per_actor=1.0))
+    with pytest.raises(InfeasibleResourcesError, match=r"^resources\.pool:.*'GPU': 1\.0"):
+        check_config(res, trainer=False, nodes=[{"CPU": 16.0}])
+    check_config(res, trainer=False, nodes=[{"CPU": 16.0, "GPU": 2.0}])
+
+
 def test_refresh_needs_trainer_and_pool_to_fit_together() -> None:
     """laptop_shared (2 workers + 2 actors) takes turns on 2 CPUs; with live refresh both run at once."""
     res = ResourcesConfig(trainer=TrainerResources(num_workers=2), pool=PoolResources(num_actors=2))

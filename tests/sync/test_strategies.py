@@ -504,3 +504,23 @@ def test_topk_error_feedback_stays_with_its_parameter(tmp_path: Path) -> None:
         for run in runs:
             torch.testing.assert_close(run["applied"][step], expected, atol=1e-6, rtol=1e-5, msg=f"step {step}")
     assert residual[0].abs().sum() > 0  # error feedback carried gradient between steps (not vacuous)
+
+
+def test_restored_sync_state_moves_to_the_replicas_device() -> None:
+    """Checkpoints load on the CPU (a GPU index may change across a restart): the strategy moves its top-k residuals
+    and PowerSGD memories to the device wrap() was given. The meta device stands in for a GPU here."""
+    from types import SimpleNamespace
+
+    from ragtrain.sync.reducers import load_powersgd_state
+
+    strategy = build_sync(sync_preset("topk", reducer={"ratio": 0.1}))
+    strategy.device = torch.device("meta")  # what wrap(model, device) records
+    strategy.load_state_dict({"topk_by_param": {"0": torch.ones(3), "2": torch.zeros(2)}})
+    assert {k: v.device.type for k, v in strategy.topk.residuals.items()} == {0: "meta", 2: "meta"}
+    saved = {"iter": 5, "error": {0: torch.ones(4)}, "p": {0: torch.ones(2, 1)}, "q": {0: torch.ones(2, 1)},
+             "numel_before": 10, "numel_after": 4}
+    state = SimpleNamespace()
+    load_powersgd_state(state, saved, torch.device("meta"))
+    assert state.iter == 5 and state.total_numel_after_compression == 4
+    assert all(t.device.type == "meta" for d in (state.error_dict, state.p_memory_dict, state.q_memory_dict)
+               for t in d.values())
