@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ragtrain.errors import ConfigError  # noqa: F401  (re-exported: callers catch ragtrain.config.ConfigError)
 from ragtrain.errors import check as _check
+from ragtrain.errors import driver_path, local_model
 from ragtrain.generator.config import GeneratorConfig
 from ragtrain.sync.config import (  # noqa: F401  (re-exported: the root schema's sync group)
     CONSENSUS, GOSSIP_TOPOLOGIES, MIXER_DEFAULTS, MIXER_KEYS, MIXER_SCOPES, MIXERS, REDUCER_DEFAULTS, REDUCER_KEYS,
@@ -108,6 +109,8 @@ class DataConfig:
     prepare: Prepare = Prepare.auto
 
     def __post_init__(self) -> None:
+        if self.root:  # read by Ray Data tasks and sweep trials, which run in other folders
+            self.root = driver_path(self.root)
         choices = [s.value for s in DataSource]
         _check(self.source != DataSource.synthetic or self.root is None, "data.root",
                f"is set but data=synthetic generates its data and would ignore it; choose data=beir (a BEIR "
@@ -251,6 +254,8 @@ class TeacherConfig:
             _check(getattr(self, key) > 0, k + key, "must be > 0", getattr(self, key))
         _check(self.lr > 0, k + "lr", "must be > 0", self.lr)
         _check(self.epochs > 0 or self.max_steps > 0, k + "epochs", "must be > 0 (or set max_steps > 0)", self.epochs)
+        if self.path:  # loaded by the scoring actors, which run in other folders
+            self.path = driver_path(self.path)
         _check(not self.path or Path(self.path).is_dir(), k + "path",
                "is not a folder: give a teacher a previous run saved (<output_dir>/teacher) or leave it empty to "
                "train one in this run", self.path)
@@ -277,6 +282,7 @@ class RetrieverConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
     def __post_init__(self) -> None:
+        self.model = local_model(self.model)  # a local folder: loaded by workers in other folders
         _check(self.query_max_length > 0, "retriever.query_max_length", "must be > 0", self.query_max_length)
         _check(self.passage_max_length > 0, "retriever.passage_max_length", "must be > 0", self.passage_max_length)
         _check(self.temperature > 0, "retriever.temperature", "must be > 0", self.temperature)
@@ -487,6 +493,9 @@ class Config:
     profile: bool = False
 
     def __post_init__(self) -> None:
+        # the run renames folders, appends to logs and memory-maps stores: a POSIX filesystem, not a bucket URL
+        _check("://" not in self.output_dir, "output_dir", "must be a folder path (on a cluster: a shared POSIX "
+               "filesystem such as NFS or EFS), not a URL", self.output_dir)
         bad = [s for s in self.stages if s not in STAGES]
         _check(not bad, "stages", f"has unknown stage(s) {bad}; valid choices: {list(STAGES)}", self.stages)
         _check(self.export or not self.logger.register_as, "logger.register_as",

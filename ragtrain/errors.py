@@ -13,3 +13,18 @@ def check(ok: bool, key: str, msg: str, value: Any) -> None:
     """Raise ConfigError("<key> <msg>, got <value>") unless `ok`."""
     if not ok:
         raise ConfigError(f"{key} {msg}, got {value!r}")
+
+
+def driver_path(path: str) -> str:
+    """`path` made absolute against the driver's working folder: Ray workers, Ray Data tasks and Tune trials run
+    in other folders (a trial in its own), so a relative path must not reach them as it was typed."""
+    from pathlib import Path
+
+    return str(Path(path).expanduser().resolve())
+
+
+def local_model(name: str) -> str:
+    """A model named by a local folder, made absolute (`driver_path`); a hub name or a ragtrain alias unchanged."""
+    from pathlib import Path
+
+    return driver_path(name) if name and Path(name).expanduser().exists() else name

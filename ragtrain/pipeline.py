@@ -188,6 +188,9 @@ def preflight_checks(cfg: Config, out: Path) -> RetrievalData:
     # the same time, so they must fit the cluster together. Without retriever training the trainer is not placed.
     check_config(cfg.resources, together="retriever" in cfg.stages and cfg.refresh.enabled,
                  trainer="retriever" in cfg.stages)
+    from ragtrain.cluster.storage import check_shared_paths, shared_paths
+
+    check_shared_paths(*shared_paths(cfg, out))  # several nodes: every shared path visible from each of them
     return data
 
 
@@ -223,8 +226,9 @@ def run(
     if logger.enabled:
         run_file.write_text(logger.run_id or "")
     if logger.enabled and os.environ.get("RAY_ADDRESS") and logger.uri.startswith(("sqlite:", "file:")):
-        log.warning(f"RAY_ADDRESS is set but MLflow logs to a local store ({logger.uri}); rank 0 may run on "
-                    "another node: set logger.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server")
+        # every node sees it (checked above), but SQLite's locks over a network filesystem are not to be trusted
+        log.warning(f"RAY_ADDRESS is set and MLflow logs to a file store ({logger.uri}) that rank 0 writes from "
+                    "another node: prefer an MLflow server (logger.tracking_uri or MLFLOW_TRACKING_URI)")
     status = "FAILED"
     run_log = attach_run_log(out)  # ragtrain's lines of this run, timestamped, in <output_dir>/ragtrain.log
     cleanup: list = [lambda: detach_run_log(run_log)]

@@ -164,3 +164,26 @@ def test_bad_override_variant_names_the_problem(tmp_path, variant, message) -> N
     cfg.compare.variants = {"bad": [variant]}
     with pytest.raises(ConfigError, match=message):
         override_variants(cfg)
+
+
+def test_relative_paths_are_made_absolute_on_the_driver(tmp_path: Path, monkeypatch) -> None:
+    """Ray Data tasks, scoring actors, index hosts and Tune trials run in other folders: every user path reaches
+    them absolute, resolved against the folder the command ran in."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "my-encoder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = to_typed(compose(["data=documents", "data.root=docs", "retriever.teacher.path=teacher",
+                            "retriever.model=my-encoder", "generator.retrieval.index_dir=idx",
+                            f"output_dir={tmp_path / 'out'}"]))
+    assert cfg.data.root == str(tmp_path / "docs")
+    assert cfg.retriever.teacher.path == str(tmp_path / "teacher")
+    assert cfg.retriever.model == str(tmp_path / "my-encoder")
+    assert cfg.generator.retrieval.index_dir == str(tmp_path / "idx")
+    hub = to_typed(compose(["retriever.model=sentence-transformers/all-MiniLM-L6-v2", f"output_dir={tmp_path}"]))
+    assert hub.retriever.model == "sentence-transformers/all-MiniLM-L6-v2"  # a hub name, not a folder here
+
+
+def test_an_output_dir_url_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^output_dir must be a folder path .* not a URL, got 's3://bucket/run'"):
+        to_typed(compose(["output_dir=s3://bucket/run"]))

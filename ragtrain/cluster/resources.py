@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ragtrain.config import ResourcesConfig
+from ragtrain.errors import ConfigError
 
 
 # Environment of Ray Train workers. Train V2 patches print() in workers to go to its logger *and* (Ray redirects
@@ -47,6 +48,12 @@ SWEEP_WORKER_START_TIMEOUT_S = 24 * 3600
 
 def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TIMEOUT_S) -> None:
     """Connect to $RAY_ADDRESS if set, else start a local Ray with resources.num_cpus logical CPUs."""
+    if os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
+        # Ray Client: the driver would stay on this machine, and the stores, shards and outputs with it, where the
+        # cluster's workers cannot read them
+        raise ConfigError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']!r} is a Ray Client address: run ragtrain on the "
+                          "cluster instead (a RayJob, `ray job submit`, `ray exec`), with RAY_ADDRESS=auto or the "
+                          "head's GCS address (README: Cluster)")
     import ray
 
     if ray.is_initialized():

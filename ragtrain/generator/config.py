@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
-from ragtrain.errors import check
+from ragtrain.errors import check, driver_path, local_model
 
 
 def _check(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -96,6 +96,8 @@ class GeneratorRetrievalConfig:
     encoder_check: int = 8  # re-encode this many passages and compare with the index's vectors (0 = skip)
 
     def __post_init__(self) -> None:
+        if self.index_dir:  # loaded by the index host, which runs in another folder
+            self.index_dir = driver_path(self.index_dir)
         _check(self.top_k > 0, "retrieval.top_k", "must be > 0", self.top_k)
         _check(self.num_actors > 0, "retrieval.num_actors", "must be > 0", self.num_actors)
         _check(self.cpus_per_actor >= 0, "retrieval.cpus_per_actor", "must be >= 0", self.cpus_per_actor)
@@ -147,6 +149,9 @@ class GeneratorConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.model.strip()), "model", "must name a model", self.model)
+        self.model = local_model(self.model)  # a local folder: loaded by workers in other folders
+        if self.tokenizer:
+            self.tokenizer = local_model(self.tokenizer)
         _check(self.encoder_layers >= 0, "encoder_layers", "must be >= 0", self.encoder_layers)
         _check(self.decoder_layers > 0, "decoder_layers", "must be > 0", self.decoder_layers)
         _check(self.cross_attention_init in ("self", "random"), "cross_attention_init", "must be one of ['self', "

@@ -56,7 +56,9 @@ def main(out_dir: str, part: str) -> None:
         train = TrainData([p.full_text() for p in data.corpus.values()], build_examples(data.queries, data.train_qrels, pos))
         observed = {"labelled_node": labelled.node_id,
                     "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
-        if part == "sync":
+        if part == "storage":
+            observed.update(storage_part(out_dir))
+        elif part == "sync":
             observed.update(sync_part(cfg, train))
         else:
             observed.update(refresh_part(cfg, out_dir))
@@ -64,6 +66,24 @@ def main(out_dir: str, part: str) -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def storage_part(out_dir: str) -> dict:
+    """check_shared_paths on both nodes: what the driver wrote and reads is seen (one filesystem here); a path
+    that no node has stands in for a folder only the driver's node mounts."""
+    from pathlib import Path
+
+    from ragtrain.errors import ConfigError
+    from ragtrain.cluster.storage import check_shared_paths
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    checked = check_shared_paths({"output_dir": out_dir}, {"data.root": str(Path(out_dir).parent)})
+    try:
+        check_shared_paths({"output_dir": out_dir}, {"data.root": str(Path(out_dir) / "only-on-the-driver")})
+        error = ""
+    except ConfigError as e:
+        error = str(e)
+    return {"checked_nodes": checked, "error": error, "left": sorted(p.name for p in Path(out_dir).iterdir())}
 
 
 def sync_part(cfg, train) -> dict:

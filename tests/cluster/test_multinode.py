@@ -32,6 +32,14 @@ def _job(out: Path, part: str) -> dict:
     return res
 
 
+def test_every_node_must_see_the_shared_paths(tmp_path: Path) -> None:
+    """A path some node cannot see fails up front, naming its key and the node; the probe files are removed."""
+    res = _job(tmp_path / "out", "storage")
+    assert res["checked_nodes"] == 2 and res["left"] == []
+    assert res["error"].startswith(f"data.root={str(tmp_path / 'out' / 'only-on-the-driver')!r} is not visible from "
+                                   "node ") and "on a cluster of 2 nodes" in res["error"]
+
+
 @pytest.mark.slow  # a second 2-node cluster and a pipeline run; single-node live refresh is in tests/index
 def test_live_refresh_builds_every_version_on_the_labelled_node(tmp_path: Path) -> None:
     res = _job(tmp_path / "out", "refresh")

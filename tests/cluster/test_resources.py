@@ -151,3 +151,13 @@ def test_refresh_needs_trainer_and_pool_to_fit_together() -> None:
     assert "only 0" in str(e.value)
     isolated = ResourcesConfig(trainer=TrainerResources(num_workers=1), pool=PoolResources(num_actors=1))
     check_config(isolated, together=True, nodes=[{"CPU": 2.0}])  # the laptop preset: 1 CPU each
+
+
+def test_a_ray_client_address_is_refused(monkeypatch) -> None:
+    """ray://: the driver, its stores and outputs would stay on this machine, out of the workers' reach."""
+    from ragtrain.cluster.resources import init_ray
+    from ragtrain.errors import ConfigError
+
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    with pytest.raises(ConfigError, match=r"^RAY_ADDRESS='ray://head:10001' is a Ray Client address"):
+        init_ray(ResourcesConfig())

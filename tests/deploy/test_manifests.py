@@ -103,3 +103,26 @@ def test_entry_command_composes(read, tmp_path: Path) -> None:
 
     typed = to_typed(compose([a for a in args if not a.startswith("hydra.")] + [f"output_dir={tmp_path / 'out'}"]))
     assert typed.resources.trainer.use_gpu and typed.experiment_name == "scifact_finetune"
+
+
+@pytest.mark.parametrize("read,shared", [(_rayjob, ("/outputs/", "/data/")), (_launcher, ("/shared/",))],
+                         ids=["kuberay", "cluster-launcher"])
+def test_every_path_is_on_shared_storage_and_mlflow_is_a_server(read, shared) -> None:
+    """Several nodes read and write these paths (ragtrain checks it at start-up; here, before a cluster exists)."""
+    args, _ = read()
+    values = dict(a.split("=", 1) for a in args if "=" in a)
+    for key in ("output_dir", "data.root", "index.cache_dir", "hydra.run.dir"):
+        assert values[key].startswith(shared), (key, values[key])
+    assert values["logger.tracking_uri"].startswith("http")
+
+
+def test_the_rayjob_repeats_none_of_ragtrains_worker_variables() -> None:
+    """Ray refuses a job whose runtime env sets a variable that ray.init's runtime env sets too (init_ray's)."""
+    import inspect
+
+    from ragtrain.cluster import resources
+
+    spec = yaml.safe_load(RAYJOB.read_text())["spec"]
+    job_vars = set((yaml.safe_load(spec.get("runtimeEnvYAML", "")) or {}).get("env_vars", {}))
+    source = inspect.getsource(resources.init_ray)
+    assert not {v for v in job_vars if f'"{v}"' in source}

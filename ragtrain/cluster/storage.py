@@ -1,0 +1,89 @@
+"""On a cluster of several nodes, every path the run shares must be visible from every node: checked up front.
+
+Ray Data read tasks open the passage store, encode actors write vector shards, the index is built from them in a
+Ray task, Ray Train workers checkpoint and rank 0 logs to a SQLite store, all by path. Without a filesystem that
+every node mounts, each of these fails in its own way, late, naming a file that exists on the driver. So before any
+work a tiny task pinned to each alive node looks for what the driver wrote or read, and a missing path is one line
+naming its config key and the node.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from ragtrain.errors import ConfigError
+
+__all__ = ["PROBE_TIMEOUT_S", "check_shared_paths", "shared_paths"]
+
+PROBE_TIMEOUT_S = 120.0  # one 0-CPU task per node; a node that cannot run one in this time is not usable anyway
+
+
+def shared_paths(cfg: Any, out: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """({config key: folder the run writes}, {config key: path the run reads}) that every node must see."""
+    from ragtrain.track.mlflow import sqlite_file, tracking_uri
+
+    written = {"output_dir": str(out)}
+    if cfg.index.cache_dir:
+        written["index.cache_dir"] = cfg.index.cache_dir
+    if cfg.logger.backend.value == "mlflow":  # rank 0 logs into the store from its own node
+        uri = tracking_uri(cfg.logger)
+        db = sqlite_file(uri)
+        if db is not None:
+            written["logger.tracking_uri"] = str(db.parent)
+        elif uri.startswith("file://") or ("://" not in uri and uri != "databricks"):  # a file store: a folder
+            written["logger.tracking_uri"] = str(Path(uri.removeprefix("file://")))
+    read = {}
+    if cfg.data.root and not cfg.data.generate:
+        read["data.root"] = cfg.data.root
+    if cfg.retriever.teacher.path:
+        read["retriever.teacher.path"] = cfg.retriever.teacher.path
+    if os.path.isabs(cfg.retriever.model):  # a local folder (made absolute by the config)
+        read["retriever.model"] = cfg.retriever.model
+    return written, read
+
+
+def _look(paths: list[str]) -> tuple[str, list[bool]]:
+    """On one node: its id and whether each path exists there."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), [os.path.exists(p) for p in paths]
+
+
+def check_shared_paths(written: dict[str, str], read: dict[str, str], timeout_s: float = PROBE_TIMEOUT_S,
+                       nodes: Optional[list[dict]] = None) -> int:
+    """ConfigError naming the key and the node when a path is not visible from every alive node; returns the
+    number of nodes checked (a single node: nothing to check). `written` folders get a probe file (removed after)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in (ray.nodes() if nodes is None else nodes) if n.get("Alive")]
+    if len(nodes) < 2:
+        return len(nodes)
+    probes: dict[str, str] = {}
+    try:
+        for key, folder in written.items():
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            probe = Path(folder) / f".ragtrain-probe-{uuid.uuid4().hex[:12]}"
+            probe.write_text("")
+            probes[key] = str(probe)
+        keys = list(probes) + list(read)
+        paths = [probes[k] for k in probes] + [read[k] for k in read]
+        look = ray.remote(num_cpus=0)(_look)
+        refs = [look.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(paths)
+                for n in nodes]
+        where = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in nodes}
+        for node_id, seen in ray.get(refs, timeout=timeout_s):
+            for key, ok in zip(keys, seen):
+                if not ok:
+                    shown = written.get(key) or read[key]
+                    raise ConfigError(
+                        f"{key}={shown!r} is not visible from node {node_id[:12]} ({where.get(node_id, '?')}): on a "
+                        f"cluster of {len(nodes)} nodes it must be on a filesystem every node mounts (NFS, EFS, a "
+                        "ReadWriteMany volume; README: Cluster)")
+    finally:
+        for probe in probes.values():
+            Path(probe).unlink(missing_ok=True)
+    return len(nodes)
