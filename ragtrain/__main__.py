@@ -47,7 +47,7 @@ def check_overrides(argv: list[str]) -> None:
     key the config lacks, an unknown group option) becomes one `config error:` line and exit 2, not Hydra's
     multi-line report and exit 1. Hydra's own flags (--help, --cfg, -m) and HYDRA_FULL_ERROR=1 are left to Hydra.
     It also notes which of the run folder's parents exist already (`remove_run_folder` keeps those)."""
-    if any(a.startswith("-") for a in argv) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+    if any(a.startswith("-") for a in argv):
         return
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -57,6 +57,8 @@ def check_overrides(argv: list[str]) -> None:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             cfg = compose(config_name="config", overrides=argv, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            return  # Hydra reports it in full
         print(f"config error: {override_error_line(e)}", file=sys.stderr)
         raise SystemExit(2) from None
     global _EXISTING_BEFORE
@@ -73,11 +75,33 @@ def remove_run_folder(run_dir: Path) -> None:
     run_dir = run_dir.resolve()
     if _EXISTING_BEFORE is None or run_dir in _EXISTING_BEFORE or not run_dir.is_dir():
         return
-    if any(p.name != ".hydra" and p.suffix != ".log" for p in run_dir.iterdir()):
+    if not hydra_files_only(run_dir):
         return  # the run wrote something of its own: keep it all, with the log that explains it
     shutil.rmtree(run_dir)
     for parent in run_dir.parents:
         if parent in _EXISTING_BEFORE or any(parent.iterdir()):
+            break
+        parent.rmdir()
+
+
+def hydra_files_only(folder: Path) -> bool:
+    """The folder holds only what Hydra writes for a job (`.hydra/`, the job's log)."""
+    return all(p.name == ".hydra" or p.suffix == ".log" for p in folder.iterdir())
+
+
+def remove_sweep_folder(job_dir: Path, sweep_dir: Path) -> None:
+    """After a user error in a `-m` run (Hydra stops the whole sweep there): the job's folder when it holds only
+    Hydra's files, then the sweep's folder when only Hydra's multirun.yaml is left in it (jobs that ran keep
+    theirs, and so the sweep's), and the empty parents Hydra made, up to the cwd."""
+    job_dir, sweep_dir = job_dir.resolve(), sweep_dir.resolve()
+    if job_dir.is_dir() and hydra_files_only(job_dir):
+        shutil.rmtree(job_dir)
+    if not sweep_dir.is_dir() or any(p.name != "multirun.yaml" for p in sweep_dir.iterdir()):
+        return
+    shutil.rmtree(sweep_dir)
+    cwd = Path.cwd().resolve()
+    for parent in sweep_dir.parents:
+        if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
             break
         parent.rmdir()
 
@@ -105,14 +129,21 @@ def main(cfg: DictConfig) -> None:
     try:
         dispatch(cfg)
     except user_errors() as e:
-        if verbose(cfg):
-            raise
+        if verbose(cfg):  # the traceback too, then the same line, clean-up and exit code
+            import traceback
+
+            traceback.print_exc()
         kind = {"ConfigError": "config", "DataError": "data", "InfeasibleResourcesError": "resources",
                 "IndexMismatchError": "index"}.get(type(e).__name__, "input")
         print(f"{kind} error: {e}", file=sys.stderr)
         from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
-        remove_run_folder(Path(HydraConfig.get().runtime.output_dir))
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:  # the job's folder, then the sweep's when only multirun.yaml is left
+            remove_sweep_folder(Path(hc.runtime.output_dir), Path(hc.sweep.dir))
+        else:
+            remove_run_folder(Path(hc.runtime.output_dir))
         raise SystemExit(2) from None
 
 

@@ -567,9 +567,31 @@ def _to_object(cfg: DictConfig, kind: type, expected: Optional[str] = None) -> A
     return obj
 
 
+def unknown_keys(node: Any, obj: Any, prefix: str = "") -> list[str]:
+    """Keys of the composed `node` that the typed `obj` has no field for (e.g. `+retriever.train.batch_sise=4`:
+    Hydra adds it, and building the dataclass would silently drop it)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(obj) or not isinstance(node, DictConfig):
+        return []
+    fields = {f.name for f in dataclasses.fields(obj)}
+    out = []
+    for key in node.keys():
+        if key not in fields:
+            out.append(f"{prefix}{key}")
+        else:
+            out += unknown_keys(node._get_node(key), getattr(obj, key), f"{prefix}{key}.")
+    return out
+
+
 def to_typed(cfg: DictConfig) -> Config:
     """Resolve interpolations (driver only) and build the typed config, running every range check."""
-    return _to_object(cfg, Config, "the ragtrain schema (conf/config.yaml defaults)")
+    typed = _to_object(cfg, Config, "the ragtrain schema (conf/config.yaml defaults)")
+    extra = [k for k in unknown_keys(cfg, typed) if k != "hydra"]
+    if extra:
+        raise ConfigError(f"unknown config key(s) {extra}: not in the ragtrain schema, so they would be ignored "
+                          "(a '+key=value' override adds a key; check its spelling)")
+    return typed
 
 
 def sync_variants(cfg: DictConfig, conf_dir: str) -> dict[str, Config]:

@@ -48,10 +48,12 @@ def undo_on_failure(*folders: str | None) -> Iterator[None]:
     """On an exception, remove what the block created in `folders` (entries that were not there before, and a
     folder it created that is left empty): a run that failed its checks leaves nothing half-written behind."""
     before: dict[Path, Optional[set[str]]] = {}
+    existed: set[Path] = set()  # the folders' ancestors that were there before (the others the block made)
     for f in folders:
         if f:
-            p = Path(f)
+            p = Path(f).resolve()
             before[p] = {e.name for e in p.iterdir()} if p.is_dir() else None
+            existed |= {a for a in p.parents if a.exists()}
     try:
         yield
     except BaseException:
@@ -67,6 +69,10 @@ def undo_on_failure(*folders: str | None) -> Iterator[None]:
                     e.unlink()
             if had is None and not any(p.iterdir()):
                 p.rmdir()
+                for parent in p.parents:  # and the empty parents made for it (mkdir parents=True)
+                    if parent in existed or not parent.is_dir() or any(parent.iterdir()):
+                        break
+                    parent.rmdir()
         raise
 
 

@@ -172,7 +172,8 @@ def test_cli_user_error_is_one_line_and_exit_2(tmp_path) -> None:
     # -v (HYDRA_FULL_ERROR=1) keeps the traceback
     r = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**env, "HYDRA_FULL_ERROR": "1"},
                        cwd=REPO)
-    assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+    assert r.returncode == 2 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("config error: logger.tracking_uri")
 
 
 def test_cli_user_error_leaves_no_folder_behind(tmp_path) -> None:
@@ -186,6 +187,26 @@ def test_cli_user_error_leaves_no_folder_behind(tmp_path) -> None:
     r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("config error: index.factory='IVF4096,Flat' asks for 4096")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["multirun", "hydra.verbose", "HYDRA_FULL_ERROR"])
+def test_cli_user_error_in_other_modes_leaves_no_folder_behind(how: str, tmp_path) -> None:
+    """A sweep of Hydra's own (-m) stopped by its first job's error, and the verbose modes: exit 2, no folder."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
+    for k in ("HYDRA_FULL_ERROR", "MLFLOW_TRACKING_URI"):
+        env.pop(k, None)
+    args = [sys.executable, "-m", "ragtrain", *(["-m"] if how == "multirun" else []), "experiment=quickstart",
+            "retriever=tiny"]
+    if how == "multirun":
+        args += ["retriever.train.lr=-1,-2"]
+    else:
+        args += ["retriever.train.lr=-1"] + (["hydra.verbose=true"] if how == "hydra.verbose" else [])
+        env.update({"HYDRA_FULL_ERROR": "1"} if how == "HYDRA_FULL_ERROR" else {})
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "config error: retriever.train.lr must be > 0, got -1.0"
+    assert ("Traceback" in r.stderr) == (how != "multirun")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -187,3 +187,11 @@ def test_relative_paths_are_made_absolute_on_the_driver(tmp_path: Path, monkeypa
 def test_an_output_dir_url_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^output_dir must be a folder path .* not a URL, got 's3://bucket/run'"):
         to_typed(compose(["output_dir=s3://bucket/run"]))
+
+
+def test_an_added_key_the_schema_lacks_is_refused(tmp_path: Path) -> None:
+    """Hydra's hint for an unknown key is '+key=value', which adds it; the typed config would drop it silently."""
+    with pytest.raises(ConfigError, match=r"^unknown config key\(s\) \['retriever.train.batch_sise'\]"):
+        to_typed(compose(["experiment=quickstart", "+retriever.train.batch_sise=4", f"output_dir={tmp_path}"]))
+    typed = to_typed(compose(["experiment=lora_compare", f"output_dir={tmp_path}"]))
+    assert len(typed.compare.variants) >= 2  # a dict field's keys are names, not schema keys

@@ -125,6 +125,20 @@ def test_unwritable_output_dir_fails_before_work(tmp_path: Path) -> None:
         run(cfg)
 
 
+def test_a_failed_check_removes_the_folders_it_made_with_their_new_parents(tmp_path: Path) -> None:
+    from ragtrain.pipeline import prepare_output_dir, undo_on_failure
+
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "mine.txt").write_text("x")
+    with pytest.raises(ConfigError):
+        with undo_on_failure(str(tmp_path / "new" / "a" / "b"), str(tmp_path / "kept")):
+            prepare_output_dir(str(tmp_path / "new" / "a" / "b"))
+            (tmp_path / "kept" / "written.txt").write_text("y")
+            raise ConfigError("a check failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]  # new/a/b and the parents made for it are gone
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["mine.txt"]
+
+
 def test_resume_without_an_earlier_run_names_the_folder(tmp_path) -> None:
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "resume=true"]))
     with pytest.raises(ConfigError, match="resume=true but output_dir=.* holds no earlier run"):
