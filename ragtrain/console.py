@@ -48,6 +48,16 @@ class _DropTokenAuthEnabled(logging.Filter):
         return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
 
 
+def quiet_cli() -> None:
+    """The helper commands (search, compare, paired): the same quiet libraries as a run, before they are imported,
+    unless HYDRA_FULL_ERROR=1 asks for everything."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+    quiet_loggers()
+
+
 def quiet_loggers() -> None:
     """Library loggers to WARNING: in the driver (configure) and in Ray workers when RAGTRAIN_QUIET=1."""
     for name in QUIET_LOGGERS:
@@ -135,6 +145,42 @@ def attach_run_log(out_dir, who: str = "driver") -> logging.Handler:
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{who}] %(name)s: %(message)s"))
     logging.getLogger("ragtrain").addHandler(handler)
     return handler
+
+
+class _Collect(logging.Handler):
+    """Keeps the records it is given (the lines of the checks, before the run's log file may be written)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def collect_log_lines():  # -> context manager yielding a list of LogRecord
+    """Collect ragtrain's log records while the block runs (the run's checks: its log file is only written once
+    they have passed), to be replayed into the file with `replay`."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def collecting():
+        handler = _Collect()
+        get_logger("ragtrain")
+        logging.getLogger("ragtrain").addHandler(handler)
+        try:
+            yield handler.records
+        finally:
+            logging.getLogger("ragtrain").removeHandler(handler)
+
+    return collecting()
+
+
+def replay(records: list[logging.LogRecord], handler: logging.Handler) -> None:
+    """Write collected records through `handler`, with their own times."""
+    for record in records:
+        if record.levelno >= handler.level:
+            handler.handle(record)
 
 
 def detach_run_log(handler: logging.Handler) -> None:

@@ -21,7 +21,7 @@ from ragtrain.config import (
     flatten,
     to_flat_dict,
 )
-from ragtrain.console import attach_run_log, detach_run_log, get_logger
+from ragtrain.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
 from ragtrain.corpus.load import load_data
 from ragtrain.data import RetrievalData
 from ragtrain.index.retrieval import Retrieval
@@ -222,13 +222,20 @@ def run(
         out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
         if cfg.index.cache_dir:  # the cache is written after the first encode: refuse an unwritable one now
             prepare_output_dir(cfg.index.cache_dir, "index.cache_dir")
-        data = preflight_checks(cfg, out)
+        with collect_log_lines() as check_lines:  # the [data] lines: into ragtrain.log once the checks pass
+            data = preflight_checks(cfg, out)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
     write_status(out, "running")
+    run_log = attach_run_log(out)  # ragtrain's lines of this run, timestamped, in <output_dir>/ragtrain.log
+    replay(check_lines, run_log)
 
     run_file = out / "mlflow_run_id"  # resume=true continues this run's MLflow run
     resume_id = run_file.read_text().strip() if cfg.resume and run_file.exists() else None
-    logger = RunLogger(cfg.logger, run_name=cfg.experiment_name, parent_run_id=parent_run_id, run_id=resume_id)
+    try:
+        logger = RunLogger(cfg.logger, run_name=cfg.experiment_name, parent_run_id=parent_run_id, run_id=resume_id)
+    except BaseException:
+        detach_run_log(run_log)
+        raise
     if logger.enabled:
         run_file.write_text(logger.run_id or "")
     if logger.enabled and os.environ.get("RAY_ADDRESS") and logger.uri.startswith(("sqlite:", "file:")):
@@ -236,7 +243,6 @@ def run(
         log.warning(f"RAY_ADDRESS is set and MLflow logs to a file store ({logger.uri}) that rank 0 writes from "
                     "another node: prefer an MLflow server (logger.tracking_uri or MLFLOW_TRACKING_URI)")
     status = "FAILED"
-    run_log = attach_run_log(out)  # ragtrain's lines of this run, timestamped, in <output_dir>/ragtrain.log
     cleanup: list = [lambda: detach_run_log(run_log)]
     try:
         if resume_id is None:  # a resumed run keeps the params it was started with

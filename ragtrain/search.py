@@ -123,8 +123,17 @@ def generate_answer(cfg: Config, out: Path, question: str, hits: Sequence[dict[s
     return AnswerDecoder(tokenizer)(ids[0])
 
 
+def hit_line(h: dict[str, Any], width: int = 160) -> str:
+    """One table line per hit: a chunk's line breaks become spaces, and a text cut at `width` ends in '...'."""
+    text = " ".join((f"{h['title']}: {h['text']}" if h["title"] else h["text"]).split())
+    return f"{h['rank']:>3}  {h['score']:.4f}  {h['id']}  {text if len(text) <= width else text[:width - 3] + '...'}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry; returns the exit code (2 on bad input)."""
+    from ragtrain.console import quiet_cli
+
+    quiet_cli()  # no Hugging Face loading bars around the answer
     ap = argparse.ArgumentParser(prog="python -m ragtrain.search", description=__doc__.splitlines()[0])
     ap.add_argument("output_dir", help="a finished run's folder (holds config.yaml and index/)")
     ap.add_argument("question")
@@ -153,8 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(payload, indent=2, ensure_ascii=False))
         return 0
     for h in hits:
-        text = f"{h['title']}: {h['text']}" if h["title"] else h["text"]
-        print(f"{h['rank']:>3}  {h['score']:.4f}  {h['id']}  {text[:160]}")
+        print(hit_line(h))
     if answer is not None:
         print(f"\nanswer: {answer}")
     return 0

@@ -250,3 +250,12 @@ def test_search_on_a_config_this_schema_cannot_read_fails_in_one_line(tmp_path: 
     res = _search(str(tmp_path), "who founded it?")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
     assert "config.yaml" in res.stderr and "no_such_key" in res.stderr
+
+
+def test_a_search_hit_is_one_line_and_a_cut_says_so() -> None:
+    from ragtrain.search import hit_line
+
+    h = {"rank": 1, "score": 0.5, "id": "doc#3", "title": "T", "text": "Namesakes\n\nNot to be   confused"}
+    assert hit_line(h) == "  1  0.5000  doc#3  T: Namesakes Not to be confused"
+    long = hit_line({**h, "text": "word " * 100}, width=40)
+    assert long.endswith("...") and len(long.split("  doc#3  ")[1]) == 40

@@ -68,7 +68,7 @@ def read_file(path: str | Path, root: str | Path) -> Iterator[dict[str, str]]:
     if suffix not in SUPPORTED:
         # Every matching file is meant to be a document: an image or PDF in the folder is a problem to report.
         raise FileError(f"{path}: unsupported file type {suffix or '(no extension)'!r} (supported: {', '.join(SUPPORTED)}); "
-                        "remove it, narrow data.glob, or set data.on_error=skip")
+                        "remove it or narrow data.glob")
     raw = _read_bytes(path)
     text = _decode(path, raw)
     doc_id = rel.with_suffix("").as_posix()

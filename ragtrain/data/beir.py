@@ -213,7 +213,9 @@ def load_beir(root: str | Path, split: str = "dev", dev_size: int | float = 100,
     """
     root = Path(root)
     if not root.exists():
-        raise DataError(f"data root {root} does not exist")
+        raise DataError(f"data.root={str(root)!r} does not exist: point data.root at a BEIR folder, or set "
+                        "RAGTRAIN_DATA to the folder that holds it (the data=scifact default is "
+                        "$RAGTRAIN_DATA/scifact, else ../shared/data/scifact next to the checkout)")
     if not root.is_dir():
         raise DataError(f"data root {root} is not a directory")
     corpus_path = _find_file(root, "corpus.jsonl")

@@ -119,8 +119,10 @@ def format_table(rows: Sequence[dict[str, float]], metric: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ragtrain.console import quiet_cli
     from ragtrain.search import SearchError
 
+    quiet_cli()
     p = argparse.ArgumentParser(prog="python -m ragtrain.eval.paired", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="finished run folders (output_dir); differences are against the first, "
                    "and each other run is named by the config keys it changes")

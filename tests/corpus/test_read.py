@@ -123,6 +123,7 @@ def test_binary_file_fails_or_is_skipped_and_counted(tmp_path: Path) -> None:
     data, report = load_documents(root, on_error="skip", log=logs.append)
     assert report["skipped_files"] == 2 and set(data.corpus) == {"a", "sub/b", "c"}
     assert any("2 files skipped" in m for m in logs) and any("nul.txt" in m for m in logs)
+    assert not any("on_error" in m for m in logs if "skipped" in m and "img.png" in m)  # no hint to set what is set
 
 
 def test_non_utf8_file_names_file_and_byte_offset(tmp_path: Path) -> None:

@@ -134,7 +134,7 @@ def test_eval_only_folder(tmp_path: Path) -> None:
 
 
 def test_missing_root_and_not_dir(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="nope.*does not exist"):
+    with pytest.raises(DataError, match=r"^data.root=.*nope. does not exist: point data.root at a BEIR folder, or set RAGTRAIN_DATA"):
         load_beir(tmp_path / "nope")
     f = _write(tmp_path / "file", "x")
     with pytest.raises(DataError, match="not a directory"):
