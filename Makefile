@@ -4,9 +4,9 @@ VENV ?= .venv
 # torch is chosen deliberately, before the project, so pip never resolves a multi-GB CUDA build on a CPU box:
 #   CPU (default): torch==2.13.0 (a CPU wheel on these machines' disk; elsewhere add TORCH_INDEX below)
 #   CPU elsewhere: make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
-#   GPU:           make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
-# Changing any of these reruns the install (the stamp depends on $(VENV)/.choice), and an index replaces the torch
-# already there (a CPU build satisfies "torch==2.13.0" too, so pip alone would keep it).
+#   GPU:           make setup TORCH_SPEC=torch==2.13.0+cu128 TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# Changing any of these reruns the install (the stamp depends on $(VENV)/.choice). The GPU spec names the build
+# (+cu128): a CPU torch already in .venv satisfies a bare "torch==2.13.0", so pip would keep it.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= dev
@@ -27,7 +27,7 @@ $(VENV)/.choice: FORCE
 $(VENV)/.installed: pyproject.toml Makefile $(VENV)/.choice
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --force-reinstall)
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 

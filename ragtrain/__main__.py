@@ -93,13 +93,15 @@ def remove_sweep_folder(job_dir: Path, sweep_dir: Path) -> None:
     """After a user error in a `-m` run (Hydra stops the whole sweep there): the job's folder when it holds only
     Hydra's files, then the sweep's folder when only Hydra's multirun.yaml is left in it (jobs that ran keep
     theirs, and so the sweep's), and the empty parents Hydra made, up to the cwd."""
-    job_dir, sweep_dir = job_dir.resolve(), sweep_dir.resolve()
-    if job_dir.is_dir() and hydra_files_only(job_dir):
+    job_dir, sweep_dir, cwd = job_dir.resolve(), sweep_dir.resolve(), Path.cwd().resolve()
+    if cwd in (job_dir, sweep_dir) or cwd.is_relative_to(sweep_dir):  # e.g. hydra.sweep.dir=.: never the cwd
+        return
+    # Hydra made the job's folder when it holds its .hydra/ and at most the job's log (not a user's own logs)
+    if job_dir.is_dir() and (job_dir / ".hydra").is_dir() and hydra_files_only(job_dir):
         shutil.rmtree(job_dir)
     if not sweep_dir.is_dir() or any(p.name != "multirun.yaml" for p in sweep_dir.iterdir()):
         return
     shutil.rmtree(sweep_dir)
-    cwd = Path.cwd().resolve()
     for parent in sweep_dir.parents:
         if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
             break

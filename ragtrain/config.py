@@ -567,6 +567,20 @@ def _to_object(cfg: DictConfig, kind: type, expected: Optional[str] = None) -> A
     return obj
 
 
+# Config keys holding a user path that the typed config makes absolute (folders; models and tokenizers only when a
+# local folder): a run or sweep saved before that wrote them as typed
+PATH_KEYS = {"data.root": driver_path, "retriever.teacher.path": driver_path, "generator.retrieval.index_dir":
+             driver_path, "retriever.model": local_model, "generator.model": local_model,
+             "generator.tokenizer": local_model}
+
+
+def absolute_paths(flat: dict[str, Any]) -> dict[str, Any]:
+    """A saved flat config with its PATH_KEYS made absolute as the typed config makes them (resume compares it)."""
+    unset = ("", "None")  # flatten() writes an unset value as "None"
+    return {k: (PATH_KEYS[k](v) if k in PATH_KEYS and isinstance(v, str) and v not in unset else v)
+            for k, v in flat.items()}
+
+
 def unknown_keys(node: Any, obj: Any, prefix: str = "") -> list[str]:
     """Keys of the composed `node` that the typed `obj` has no field for (e.g. `+retriever.train.batch_sise=4`:
     Hydra adds it, and building the dataclass would silently drop it)."""

@@ -17,6 +17,7 @@ from ragtrain.config import (
     Config,
     ConfigError,
     LoggerBackend,
+    absolute_paths,
     changed_keys,
     flatten,
     to_flat_dict,
@@ -101,7 +102,7 @@ def check_resume(cfg: Config, out: Path) -> None:
         raise ConfigError(f"resume=true but output_dir={str(out)!r} holds no earlier run (no config.yaml): "
                           "point output_dir at the interrupted run's folder")
 
-    saved = flatten(OmegaConf.to_container(OmegaConf.load(saved_file)))
+    saved = absolute_paths(flatten(OmegaConf.to_container(OmegaConf.load(saved_file))))  # older runs: paths as typed
     now = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     differ = changed_keys(saved, now, tuple(RESUME_IGNORED) + tuple(cfg.resume_allow_changes))
     if differ:
@@ -177,9 +178,18 @@ def preflight_checks(cfg: Config, out: Path) -> RetrievalData:
         from ragtrain.reranker.model import check_teacher
 
         check_teacher(cfg.retriever.teacher.path, cfg.retriever)
+
+    def start_ray() -> None:  # Ray up, and on several nodes every shared path seen from each, before any Ray work
+        from ragtrain.cluster.storage import check_shared_paths, shared_paths
+
+        if not started:
+            init_ray(cfg.resources)
+            check_shared_paths(*shared_paths(cfg, out))
+            started.append(True)
+
+    started: list[bool] = []
     # Bad data fails here, before Ray or MLflow start (a corpus prepared on Ray Data: just after Ray starts)
-    data = load_data(cfg.data, cfg.retriever, out, start_ray=lambda: init_ray(cfg.resources),
-                     ray_tasks=cfg.resources.pool.num_actors)
+    data = load_data(cfg.data, cfg.retriever, out, start_ray=start_ray, ray_tasks=cfg.resources.pool.num_actors)
     check_qrels(data)
     # Also when no zero-shot index is built first: a bad factory must not wait for the end of training to fail
     check_index_config(cfg.index.factory, encoder_dim(cfg.retriever), len(data.corpus))
@@ -189,14 +199,11 @@ def preflight_checks(cfg: Config, out: Path) -> RetrievalData:
         preflight(cfg, data, out)
     log.info(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
              f"{len(data.eval_qrels)} {data.split} queries")
-    init_ray(cfg.resources)
+    start_ray()
     # Infeasible requests fail in seconds, not as a pending hang; with live refresh the trainer and the pool run at
     # the same time, so they must fit the cluster together. Without retriever training the trainer is not placed.
     check_config(cfg.resources, together="retriever" in cfg.stages and cfg.refresh.enabled,
                  trainer="retriever" in cfg.stages)
-    from ragtrain.cluster.storage import check_shared_paths, shared_paths
-
-    check_shared_paths(*shared_paths(cfg, out))  # several nodes: every shared path visible from each of them
     return data
 
 

@@ -258,3 +258,25 @@ def test_an_override_hydra_cannot_merge_is_one_line_and_exit_2(override, message
     assert re.search(message, err.strip())
     check_overrides(["experiment=quickstart", "retriever.train.lr=1e-3"])  # good overrides pass silently
     assert capsys.readouterr().err == ""
+
+
+def test_a_sweep_folder_that_is_not_hydras_is_kept(tmp_path, monkeypatch) -> None:
+    """remove_sweep_folder never removes the cwd, nor a job folder without Hydra's .hydra/ (a user's own logs)."""
+    import ragtrain.__main__ as cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "notes.log").write_text("mine")
+    (tmp_path / "multirun.yaml").write_text("x")
+    cli.remove_sweep_folder(tmp_path / "0", tmp_path)  # hydra.sweep.dir=.
+    assert (tmp_path / "0" / "notes.log").exists() and (tmp_path / "multirun.yaml").exists()
+    sweep = tmp_path / "multirun" / "d" / "t"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "notes.log").write_text("mine")
+    (sweep / "multirun.yaml").write_text("x")
+    cli.remove_sweep_folder(sweep / "0", sweep)
+    assert (sweep / "0" / "notes.log").exists()
+    (sweep / "0" / ".hydra").mkdir()
+    (sweep / "0" / "notes.log").unlink()
+    cli.remove_sweep_folder(sweep / "0", sweep)  # Hydra's job folder: removed, then the sweep's and its parents
+    assert not (tmp_path / "multirun").exists() and (tmp_path / "0" / "notes.log").exists()

@@ -195,3 +195,16 @@ def test_an_added_key_the_schema_lacks_is_refused(tmp_path: Path) -> None:
         to_typed(compose(["experiment=quickstart", "+retriever.train.batch_sise=4", f"output_dir={tmp_path}"]))
     typed = to_typed(compose(["experiment=lora_compare", f"output_dir={tmp_path}"]))
     assert len(typed.compare.variants) >= 2  # a dict field's keys are names, not schema keys
+
+
+def test_a_saved_config_with_relative_paths_compares_equal_after_resolution(tmp_path: Path, monkeypatch) -> None:
+    """Runs and sweeps saved before paths were made absolute resume without a spurious difference."""
+    from ragtrain.config import absolute_paths, changed_keys
+
+    (tmp_path / "docs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    now = to_flat_dict(to_typed(compose(["data=documents", "data.root=docs", f"output_dir={tmp_path / 'o'}"])))
+    saved = {**now, "data.root": "docs"}  # as an older run wrote it
+    assert changed_keys(saved, now, ()) == ["data.root"]
+    assert changed_keys(absolute_paths(saved), now, ()) == []
+    assert absolute_paths({"generator.retrieval.index_dir": "None"}) == {"generator.retrieval.index_dir": "None"}

@@ -46,6 +46,20 @@ WORKER_START_TIMEOUT_S = 300  # one run: its trainer's CPUs are free unless some
 SWEEP_WORKER_START_TIMEOUT_S = 24 * 3600
 
 
+def worker_env(worker_start_timeout_s: int = WORKER_START_TIMEOUT_S) -> dict[str, str]:
+    """The environment variables every Ray worker of a run gets (init_ray's runtime env; a job's own runtime env
+    must not set them again: Ray refuses to merge the two)."""
+    from ragtrain.console import quiet_env
+
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_WAIT_POLICY": "PASSIVE",  # pool actors and the index service share cores with trainers
+           # Train V2 gives a worker group 60 s to start; on a loaded laptop importing torch + transformers in
+           # every worker can take longer, and the run would fail with WorkerGroupStartupTimeoutError.
+           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(worker_start_timeout_s)}
+    env.update(quiet_env())  # the console settings (ragtrain.console)
+    return env
+
+
 def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TIMEOUT_S) -> None:
     """Connect to $RAY_ADDRESS if set, else start a local Ray with resources.num_cpus logical CPUs."""
     if os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
@@ -58,14 +72,9 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
 
     if ray.is_initialized():
         return
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_WAIT_POLICY": "PASSIVE",  # pool actors and the index service share cores with trainers
-           # Train V2 gives a worker group 60 s to start; on a loaded laptop importing torch + transformers in
-           # every worker can take longer, and the run would fail with WorkerGroupStartupTimeoutError.
-           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(worker_start_timeout_s)}
-    from ragtrain.console import is_quiet, quiet_env
+    from ragtrain.console import is_quiet
 
-    env.update(quiet_env())  # the console settings (ragtrain.console)
+    env = worker_env(worker_start_timeout_s)
     # Every worker process of the job, Ray Train's own actors included (its placement-group cleaner), starts with
     # ragtrain's console settings
     hook = "ragtrain.console.worker_setup"

@@ -28,7 +28,9 @@ def shared_paths(cfg: Any, out: Path) -> tuple[dict[str, str], dict[str, str]]:
     written = {"output_dir": str(out)}
     if cfg.index.cache_dir:
         written["index.cache_dir"] = cfg.index.cache_dir
-    if cfg.logger.backend.value == "mlflow":  # rank 0 logs into the store from its own node
+    from ragtrain.config import LoggerBackend
+
+    if LoggerBackend(cfg.logger.backend) == LoggerBackend.mlflow:  # rank 0 logs into the store from its own node
         uri = tracking_uri(cfg.logger)
         db = sqlite_file(uri)
         if db is not None:
@@ -40,8 +42,12 @@ def shared_paths(cfg: Any, out: Path) -> tuple[dict[str, str], dict[str, str]]:
         read["data.root"] = cfg.data.root
     if cfg.retriever.teacher.path:
         read["retriever.teacher.path"] = cfg.retriever.teacher.path
-    if os.path.isabs(cfg.retriever.model):  # a local folder (made absolute by the config)
-        read["retriever.model"] = cfg.retriever.model
+    g = cfg.generator
+    for key, value in (("retriever.model", cfg.retriever.model), ("generator.model", g.model),
+                       ("generator.tokenizer", g.tokenizer or ""), ("generator.retrieval.index_dir",
+                                                                     g.retrieval.index_dir or "")):
+        if os.path.isabs(value):  # a local folder (the config made it absolute); hub names are not paths
+            read[key] = value
     return written, read
 
 
@@ -53,20 +59,23 @@ def _look(paths: list[str]) -> tuple[str, list[bool]]:
 
 
 def check_shared_paths(written: dict[str, str], read: dict[str, str], timeout_s: float = PROBE_TIMEOUT_S,
-                       nodes: Optional[list[dict]] = None) -> int:
-    """ConfigError naming the key and the node when a path is not visible from every alive node; returns the
-    number of nodes checked (a single node: nothing to check). `written` folders get a probe file (removed after)."""
+                       nodes: Optional[list[dict]] = None) -> list[str]:
+    """ConfigError naming the key and the node when a path is not visible from every alive node; returns the ids
+    of the nodes that looked (a single node: none, nothing to check). `written` folders get a probe file (removed
+    after)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = [n for n in (ray.nodes() if nodes is None else nodes) if n.get("Alive")]
     if len(nodes) < 2:
-        return len(nodes)
+        return []
     probes: dict[str, str] = {}
     try:
         for key, folder in written.items():
-            Path(folder).mkdir(parents=True, exist_ok=True)
-            probe = Path(folder) / f".ragtrain-probe-{uuid.uuid4().hex[:12]}"
+            place = Path(folder)
+            while not place.exists() and place != place.parent:
+                place = place.parent  # a store's folder made later: its nearest existing parent is what must be shared
+            probe = place / f".ragtrain-probe-{uuid.uuid4().hex[:12]}"
             probe.write_text("")
             probes[key] = str(probe)
         keys = list(probes) + list(read)
@@ -75,7 +84,8 @@ def check_shared_paths(written: dict[str, str], read: dict[str, str], timeout_s:
         refs = [look.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(paths)
                 for n in nodes]
         where = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in nodes}
-        for node_id, seen in ray.get(refs, timeout=timeout_s):
+        answers = ray.get(refs, timeout=timeout_s)
+        for node_id, seen in answers:
             for key, ok in zip(keys, seen):
                 if not ok:
                     shown = written.get(key) or read[key]
@@ -86,4 +96,4 @@ def check_shared_paths(written: dict[str, str], read: dict[str, str], timeout_s:
     finally:
         for probe in probes.values():
             Path(probe).unlink(missing_ok=True)
-    return len(nodes)
+    return [node_id for node_id, _ in answers]

@@ -13,8 +13,9 @@ DDP overlaps them with the backward pass, so `comm/time_share` (in-flight second
 upper bound on the exposed cost. Measurement traffic (drift metrics, loss logging) is not counted.
 
 On a GPU (NCCL) a collective returns to the CPU, and its future's callback runs, once its kernels are queued, not
-done: there a blocking collective's block ends with a device synchronisation, and a future's interval is measured
-with CUDA events (start at issue, end on the stream its callback runs on), read back when the figures are asked for.
+done: there every interval is measured with CUDA events on the stream (a blocking collective's between the block's
+start and end, a future's from its issue to the stream its callback runs on), read back when the figures are asked
+for, so timing adds no wait to training.
 """
 
 from __future__ import annotations
@@ -80,9 +81,15 @@ class CommStats:
     def timed(self, category: str, nbytes: int) -> Iterator[None]:
         """Record a blocking collective: its bytes and the wall time of the block."""
         start = self.clock()
+        if self.cuda:  # the kernels are only queued when the block ends: time them on the stream, without a wait
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            yield
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.add_gpu(category, nbytes, start, begin, end)
+            return
         yield
-        if self.cuda:  # the kernels are only queued: wait for them, or the block measures the enqueue
-            torch.cuda.synchronize()
         self.add(category, nbytes, start=start)
 
     def add_gpu(self, category: str, nbytes: int, start: float, begin: "torch.cuda.Event",

@@ -132,12 +132,11 @@ class TopK:
             residual = grad.clone()
             residual[idx] = 0
             self.residuals.update(zip(keys, residual.split(sizes)))
-        start = STATS.clock()
         all_vals = [torch.empty_like(vals) for _ in range(w)]
         all_idx = [torch.empty_like(idx, dtype=torch.int32) for _ in range(w)]
-        dist.all_gather(all_vals, vals, group=self.group)
-        dist.all_gather(all_idx, idx.to(torch.int32), group=self.group)
-        STATS.add(self.category, all_gather_bytes(k * (vals.element_size() + 4), w), start=start)
+        with STATS.timed(self.category, all_gather_bytes(k * (vals.element_size() + 4), w)):
+            dist.all_gather(all_vals, vals, group=self.group)
+            dist.all_gather(all_idx, idx.to(torch.int32), group=self.group)
         out = torch.zeros_like(grad)
         for v, i in zip(all_vals, all_idx):
             out.index_add_(0, i.long(), v)

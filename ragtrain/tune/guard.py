@@ -40,7 +40,7 @@ class MetricGuard(Stopper):
             elif self.asha_metric and self.window_key in result and self.asha_metric not in result:
                 self.error = self._missing("tune.asha_metric", self.asha_metric, "a training window's metrics",
                                            trial_id, result)
-            if self.error is not None and self.record:
+            if self.error is not None and getattr(self, "record", None):  # a guard pickled before `record` existed
                 Path(self.record).write_text(self.error)
         return self.error is not None
 

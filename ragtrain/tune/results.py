@@ -161,10 +161,12 @@ def finish(plan: SweepPlan, parent: Optional[str]) -> SweepResult:
         return result
     best = best_trial(df, metric, t.mode)
     finished = [tr for tr in trials if (tr.last_result or {}).get(DONE_KEY)]
-    if best is None and finished:  # the guard catches a misspelled metric first; this is its last line of defence
+    if best is None and finished and metric not in finished[0].last_result:  # the guard's last line of defence
         names = sorted(k for k in finished[0].last_result if "/" in k)
         raise ConfigError(f"tune.metric={t.metric!r} is not among the finished trials' metrics: {names} "
                           f"(the trials are in {plan.out_dir / 'trials.csv'})")
+    if best is None and finished:
+        log.warning(f"no finished trial reported a finite {metric} (see {plan.out_dir / 'trials.csv'}): no best trial")
     if best is not None:
         values = {k: best[k] for k in ctx.keys}
         result.best = {"trial_id": best["trial_id"], "values": values, "metric": float(best[metric])}

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from ragtrain.config import Config, ConfigError, changed_keys, to_flat_dict
+from ragtrain.config import Config, ConfigError, absolute_paths, changed_keys, to_flat_dict
 from ragtrain.console import get_logger
 from ragtrain.tune import space as sp
 from ragtrain.tune.guard import MetricGuard, recorded_error
@@ -258,7 +258,7 @@ def _start(plan: SweepPlan) -> Optional[str]:
             raise ConfigError(f"resume=true but {plan.out_dir} holds no sweep to resume: pass output_dir=<the "
                               "interrupted sweep's output_dir>")
         saved = json.loads(state.read_text())
-        changed = changed_keys(saved["config"], flat, cfg.resume_allow_changes)  # keys or groups the user accepts
+        changed = changed_keys(absolute_paths(saved["config"]), flat, cfg.resume_allow_changes)  # keys or groups the user accepts
         if changed:
             raise ConfigError(f"resume=true with a different config than the interrupted sweep: {changed[:10]}")
         parent = saved["parent_run_id"]

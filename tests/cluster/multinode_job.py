@@ -83,7 +83,7 @@ def storage_part(out_dir: str) -> dict:
         error = ""
     except ConfigError as e:
         error = str(e)
-    return {"checked_nodes": checked, "error": error, "left": sorted(p.name for p in Path(out_dir).iterdir())}
+    return {"looked_from": sorted(checked), "error": error, "left": sorted(p.name for p in Path(out_dir).iterdir())}
 
 
 def sync_part(cfg, train) -> dict:

@@ -22,5 +22,5 @@ def test_the_shared_paths_of_a_run(tmp_path: Path) -> None:
 
 
 def test_one_node_has_nothing_to_check(tmp_path: Path) -> None:
-    assert check_shared_paths({"output_dir": str(tmp_path / "x")}, {}, nodes=[{"Alive": True, "NodeID": "a"}]) == 1
-    assert not (tmp_path / "x").exists()  # nothing written either
+    assert check_shared_paths({"output_dir": str(tmp_path)}, {}, nodes=[{"Alive": True, "NodeID": "a"}]) == []
+    assert list(tmp_path.iterdir()) == []  # no probe written either

@@ -514,7 +514,7 @@ def test_restored_sync_state_moves_to_the_replicas_device() -> None:
     from ragtrain.sync.reducers import load_powersgd_state
 
     strategy = build_sync(sync_preset("topk", reducer={"ratio": 0.1}))
-    strategy.device = torch.device("meta")  # what wrap(model, device) records
+    strategy.wrap(nn.Linear(2, 2), torch.device("meta"))  # one process: no DDP, but the device is recorded
     strategy.load_state_dict({"topk_by_param": {"0": torch.ones(3), "2": torch.zeros(2)}})
     assert {k: v.device.type for k, v in strategy.topk.residuals.items()} == {0: "meta", 2: "meta"}
     saved = {"iter": 5, "error": {0: torch.ones(4)}, "p": {0: torch.ones(2, 1)}, "q": {0: torch.ones(2, 1)},
