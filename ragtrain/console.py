@@ -135,13 +135,13 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
-def attach_run_log(out_dir, who: str = "driver") -> logging.Handler:
-    """Append this process's ragtrain log lines to <out_dir>/ragtrain.log (`who`: the driver, or a stage's rank 0);
+def attach_run_log(out_dir, who: str = "driver", name: str = "ragtrain.log") -> logging.Handler:
+    """Append this process's ragtrain log lines to <out_dir>/<name> (`who`: the driver, or a stage's rank 0);
     detach the returned handler at the end."""
     from pathlib import Path
 
     get_logger("ragtrain")
-    handler = logging.FileHandler(Path(out_dir) / "ragtrain.log", encoding="utf-8")
+    handler = logging.FileHandler(Path(out_dir) / name, encoding="utf-8")
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{who}] %(name)s: %(message)s"))
     logging.getLogger("ragtrain").addHandler(handler)
     return handler

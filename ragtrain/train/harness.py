@@ -205,11 +205,14 @@ def _entry(config: dict[str, Any]) -> None:
 
     worker_setup()  # Ray Train's per-report INFO lines stay out of the console unless -v
     args: WorkerArgs = config["args"]
-    # Rank 0's lines (the step lines, resume notes) also go into the run's ragtrain.log, next to the driver's: the
-    # output folder is where every node writes anyway (checkpoints), and appends of whole lines do not interleave
+    # Rank 0's lines (the step lines, resume notes) also go into the run's ragtrain.log, next to the driver's: on
+    # the driver's node appends of whole lines do not interleave. From another node (a network filesystem, where
+    # appends of two machines may) they go to a file of their own beside it.
     run_log = None
     if ray.train.get_context().get_world_rank() == 0 and Path(args.cfg.output_dir).is_dir():
-        run_log = attach_run_log(args.cfg.output_dir, who=f"{args.stage} rank 0")
+        same_node = config.get("driver_node") in (None, ray.get_runtime_context().get_node_id())
+        run_log = attach_run_log(args.cfg.output_dir, who=f"{args.stage} rank 0",
+                                 name="ragtrain.log" if same_node else f"ragtrain.{args.stage}-rank0.log")
     try:
         config["loop"](args)
     finally:
@@ -240,6 +243,7 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
     Workers get the absolute output folder (checkpoint scans and fault markers must not depend on their cwd).
     A stage that had finished before (resume=true finds a final checkpoint) is not trained again.
     """
+    import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -256,7 +260,7 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
     r = cfg.resources.trainer
     trainer = TorchTrainer(
         _entry,
-        train_loop_config={"loop": loop, "args": args},
+        train_loop_config={"loop": loop, "args": args, "driver_node": ray.get_runtime_context().get_node_id()},
         torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=r.use_gpu,
