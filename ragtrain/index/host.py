@@ -22,13 +22,17 @@ import ray
 from ragtrain.index.faiss_index import DenseIndex, IndexMeta
 
 if TYPE_CHECKING:
-    from ragtrain.config import IndexConfig
+    from ragtrain.config import IndexConfig, PoolResources
 
 
 class _Host:
     """The actor's body (a plain class, so tests can use it in-process): indexes by tag."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 0) -> None:
+        if threads > 0:  # FAISS would use every core of the node, which it shares with trainers and actors
+            import faiss
+
+            faiss.omp_set_num_threads(threads)
         self.indexes: dict[str, DenseIndex] = {}
 
     def build(self, tag: str, shard_folder: str, idx: "IndexConfig", fingerprint: str, encoder: str, step: int,
@@ -87,6 +91,20 @@ class _Host:
 
 
 IndexHost = ray.remote(num_cpus=0)(_Host)
+
+
+def host_options(pool: "PoolResources", nodes: list[dict]) -> dict[str, Any]:
+    """Where the IndexHost goes: a 0-CPU actor would land on the driver's node (on KubeRay the head, meant for the
+    driver alone), so it goes next to the pool: to a node that carries the pool's custom resources (soft: any node
+    if none is alive), with the pool's CPU count as FAISS threads (the pool is idle while an index is built)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    opts: dict[str, Any] = {}
+    if pool.resources:
+        fit = [n["NodeID"] for n in nodes if n.get("Alive") and all(n["Resources"].get(k, 0) > 0 for k in pool.resources)]
+        if fit:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(fit[0], soft=True)
+    return opts
 
 
 class RemoteIndex:

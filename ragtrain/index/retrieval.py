@@ -93,9 +93,13 @@ class Retrieval:
     def host(self):
         """The IndexHost actor that holds this run's indexes, started on first use."""
         if self._host is None:
-            from ragtrain.index.host import IndexHost
+            import ray
 
-            self._host = IndexHost.remote()
+            from ragtrain.index.host import IndexHost, host_options
+
+            pool = self.cfg.resources.pool
+            threads = max(1, int(pool.cpus_per_actor * pool.num_actors))
+            self._host = IndexHost.options(**host_options(pool, ray.nodes())).remote(threads)
         return self._host
 
     def close(self) -> None:

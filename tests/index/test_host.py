@@ -86,3 +86,18 @@ def test_a_saved_index_loads_into_a_host_and_memory_mapped_with_the_same_answers
     np.testing.assert_array_equal(mapped.reconstruct_first(3), local.reconstruct_first(3))  # IVF: memory-mapped lists
     np.testing.assert_array_equal(remote.reconstruct_first(3), local.reconstruct_first(3))
     remote.drop()
+
+
+def test_the_host_goes_to_a_node_with_the_pools_resources() -> None:
+    """Not the driver's node (on KubeRay the head, for the driver alone): beside the pool, softly."""
+    from ragtrain.config import PoolResources
+    from ragtrain.index.host import host_options
+
+    head, gpu, idx = "aa" * 28, "bb" * 28, "cc" * 28  # Ray's node ids are hex
+    nodes = [{"NodeID": head, "Alive": True, "Resources": {"CPU": 0.0}},
+             {"NodeID": gpu, "Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0}},
+             {"NodeID": idx, "Alive": True, "Resources": {"CPU": 4.0, "index_node": 1.0}}]
+    opts = host_options(PoolResources(resources={"index_node": 0.5}), nodes)
+    assert opts["scheduling_strategy"].node_id == idx and opts["scheduling_strategy"].soft
+    assert host_options(PoolResources(), nodes) == {}  # no label: Ray places it
+    assert host_options(PoolResources(resources={"index_node": 0.5}), nodes[:2]) == {}  # none alive: anywhere
