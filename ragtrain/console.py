@@ -85,6 +85,13 @@ def worker_setup() -> None:
     and in Train workers and encode actors: the same quiet loggers when the driver asked for them."""
     if is_quiet():
         quiet_loggers()
+    # Ray's State API (Ray Train's placement-group cleaner asks it about its controller) finds its cluster by
+    # searching the machine when given no address; with a second Ray on the machine (another run) that search
+    # raises in the cleaner's thread and prints a traceback. This worker knows its own cluster: say which.
+    import ray
+
+    if ray.is_initialized() and "RAY_API_SERVER_ADDRESS" not in os.environ:
+        os.environ["RAY_API_SERVER_ADDRESS"] = ray.get_runtime_context().gcs_address
 
 
 def is_quiet() -> bool:

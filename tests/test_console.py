@@ -17,3 +17,22 @@ def test_only_rays_token_auth_enabled_note_is_dropped(caplog) -> None:
         auth.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["Token authentication is disabled for this Ray cluster. Anyone with network access ..."]
+
+
+def test_a_worker_names_its_own_cluster_to_rays_state_api(ray_session) -> None:
+    """With a second Ray on the machine, the State API's search for "the" cluster raised in Ray Train's
+    placement-group cleaner (a traceback on the console); each worker now names its own."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def setup_and_look() -> tuple[str, str]:
+        import os
+
+        os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+        from ragtrain.console import worker_setup
+
+        worker_setup()
+        return os.environ.get("RAY_API_SERVER_ADDRESS", ""), ray.get_runtime_context().gcs_address
+
+    named, own = ray.get(setup_and_look.remote())
+    assert named == own and own
