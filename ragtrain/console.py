@@ -90,7 +90,9 @@ def worker_setup() -> None:
     # raises in the cleaner's thread and prints a traceback. This worker knows its own cluster: say which.
     import ray
 
-    if ray.is_initialized() and "RAY_API_SERVER_ADDRESS" not in os.environ:
+    # Workers only: the driver also calls this (an in-process encoder) and may start another Ray later
+    if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE \
+            and "RAY_API_SERVER_ADDRESS" not in os.environ:
         os.environ["RAY_API_SERVER_ADDRESS"] = ray.get_runtime_context().gcs_address
 
 

@@ -36,3 +36,13 @@ def test_a_worker_names_its_own_cluster_to_rays_state_api(ray_session) -> None:
 
     named, own = ray.get(setup_and_look.remote())
     assert named == own and own
+
+
+def test_the_driver_does_not_pin_the_state_api_to_its_cluster(ray_session, monkeypatch) -> None:
+    import os
+
+    from ragtrain.console import worker_setup
+
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    worker_setup()  # the driver runs it too (an encoder in-process) and may start another Ray later
+    assert "RAY_API_SERVER_ADDRESS" not in os.environ
