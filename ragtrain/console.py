@@ -8,9 +8,11 @@ Ray worker and actor. Warnings and errors always show; Hydra still writes the ru
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 # Environment for the driver and every Ray process (forwarded by ragtrain.cluster.resources.init_ray)
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "MLFLOW_LOGGING_LEVEL": "WARNING",
@@ -167,22 +169,17 @@ class _Collect(logging.Handler):
         self.records.append(record)
 
 
-def collect_log_lines():  # -> context manager yielding a list of LogRecord
+@contextlib.contextmanager
+def collect_log_lines() -> Iterator[list[logging.LogRecord]]:
     """Collect ragtrain's log records while the block runs (the run's checks: its log file is only written once
     they have passed), to be replayed into the file with `replay`."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def collecting():
-        handler = _Collect()
-        get_logger("ragtrain")
-        logging.getLogger("ragtrain").addHandler(handler)
-        try:
-            yield handler.records
-        finally:
-            logging.getLogger("ragtrain").removeHandler(handler)
-
-    return collecting()
+    handler = _Collect()
+    get_logger("ragtrain")
+    logging.getLogger("ragtrain").addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        logging.getLogger("ragtrain").removeHandler(handler)
 
 
 def replay(records: list[logging.LogRecord], handler: logging.Handler) -> None:

@@ -23,7 +23,7 @@ PROBE_TIMEOUT_S = 120.0  # one 0-CPU task per node; a node that cannot run one i
 
 def shared_paths(cfg: Any, out: Path) -> tuple[dict[str, str], dict[str, str]]:
     """({config key: folder the run writes}, {config key: path the run reads}) that every node must see."""
-    from ragtrain.track.mlflow import sqlite_file, tracking_uri
+    from ragtrain.track.mlflow import store_folder, tracking_uri
 
     written = {"output_dir": str(out)}
     if cfg.index.cache_dir:
@@ -31,12 +31,9 @@ def shared_paths(cfg: Any, out: Path) -> tuple[dict[str, str], dict[str, str]]:
     from ragtrain.config import LoggerBackend
 
     if LoggerBackend(cfg.logger.backend) == LoggerBackend.mlflow:  # rank 0 logs into the store from its own node
-        uri = tracking_uri(cfg.logger)
-        db = sqlite_file(uri)
-        if db is not None:
-            written["logger.tracking_uri"] = str(db.parent)
-        elif uri.startswith("file://") or ("://" not in uri and uri != "databricks"):  # a file store: a folder
-            written["logger.tracking_uri"] = str(Path(uri.removeprefix("file://")))
+        folder = store_folder(tracking_uri(cfg.logger))
+        if folder is not None:  # a SQLite or file store (a server needs no shared disk)
+            written["logger.tracking_uri"] = str(folder)
     read = {}
     if cfg.data.root and not cfg.data.generate:
         read["data.root"] = cfg.data.root

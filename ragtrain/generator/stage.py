@@ -110,10 +110,9 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     if check_only:
         return None
     if folder is not None and ray.is_initialized():  # searchers fetch it from a host's object, not via the driver
-        from ragtrain.index.host import IndexHost, RemoteIndex, host_options
+        from ragtrain.index.host import RemoteIndex, start_host
 
-        host = IndexHost.options(**host_options(cfg.resources.pool, ray.nodes())).remote()
-        index = RemoteIndex.load(host, "generator", folder)
+        index = RemoteIndex.load(start_host(cfg.resources.pool), "generator", folder)
     payload = IndexPayload.from_index(index, cfg, weights)
     if isinstance(payload.index_bytes, ray.ObjectRef):  # made before the host goes out of scope with this frame
         ray.wait([payload.index_bytes], fetch_local=False)

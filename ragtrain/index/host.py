@@ -93,6 +93,11 @@ class _Host:
 IndexHost = ray.remote(num_cpus=0)(_Host)
 
 
+def start_host(pool: "PoolResources", threads: int = 0) -> Any:
+    """An IndexHost actor placed by `host_options` on the live cluster (`threads`: FAISS's, 0 = its default)."""
+    return IndexHost.options(**host_options(pool, ray.nodes())).remote(threads)
+
+
 def host_options(pool: "PoolResources", nodes: list[dict]) -> dict[str, Any]:
     """Where the IndexHost goes: a 0-CPU actor would land on the driver's node (on KubeRay the head, meant for the
     driver alone), so it goes next to the pool: to a node that carries the pool's custom resources (soft: any node

@@ -258,8 +258,9 @@ class LiveIndexClient:
     """Worker side of the live index: the step's version (rank 0 decides); on rank 0 also schedules refreshes.
 
     broadcast=True (several workers in a process group): rank 0's choice reaches the others as an 8-byte
-    broadcast (on `device`: the worker's GPU under NCCL); False (one worker, or async_ps where a per-step collective would make workers wait for each
-    other): every rank asks the service, and the first to reach a step fixes its version for all.
+    broadcast (on `device`: the worker's GPU under NCCL); False (one worker, or async_ps where a per-step
+    collective would make workers wait for each other): every rank asks the service, and the first to reach a step
+    fixes its version for all.
     """
 
     def __init__(self, service, cfg: Config, rank: int, broadcast: bool = False,

@@ -93,13 +93,10 @@ class Retrieval:
     def host(self):
         """The IndexHost actor that holds this run's indexes, started on first use."""
         if self._host is None:
-            import ray
-
-            from ragtrain.index.host import IndexHost, host_options
+            from ragtrain.index.host import start_host
 
             pool = self.cfg.resources.pool
-            threads = max(1, int(pool.cpus_per_actor * pool.num_actors))
-            self._host = IndexHost.options(**host_options(pool, ray.nodes())).remote(threads)
+            self._host = start_host(pool, threads=max(1, int(pool.cpus_per_actor * pool.num_actors)))
         return self._host
 
     def close(self) -> None:

@@ -31,6 +31,21 @@ def sqlite_file(uri: str) -> Optional[Path]:
     return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
 
 
+def store_folder(uri: str) -> Optional[Path]:
+    """The local folder a tracking URI's store lives in: a SQLite file's folder, a file store (`file://` or a bare
+    path) itself; None for a server or database URI (and MLflow's bare `databricks`)."""
+    from urllib.parse import urlsplit
+
+    if uri == "databricks":
+        return None
+    scheme = urlsplit(uri).scheme if "://" in uri or uri.startswith("sqlite:") else ""
+    if scheme == "sqlite":
+        return Path(uri.split(":///", 1)[1]).parent
+    if scheme in ("file", ""):
+        return Path(uri.removeprefix("file://"))
+    return None
+
+
 def open_client(uri: str, **kwargs: Any):  # -> MlflowClient
     """An MlflowClient for `uri`; a SQLite store's folder is created first (SQLite creates the file, not its folder)."""
     from mlflow.tracking import MlflowClient
@@ -77,9 +92,8 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
     if scheme and scheme.split("+")[0] not in TRACKING_SCHEMES:
         raise ConfigError(f"{where}={shown!r}: unknown scheme {scheme!r}; valid choices: {list(TRACKING_SCHEMES)} "
                           "or a local folder")
-    if scheme in ("sqlite", "file", ""):
-        path = Path(uri.split(":///", 1)[1] if scheme == "sqlite" else uri.removeprefix("file://"))
-        folder = path.parent if scheme == "sqlite" else path
+    folder = store_folder(uri)
+    if folder is not None:
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent  # the nearest existing folder: MLflow creates the rest
         if not folder.is_dir():  # a file where a folder must go: nothing can be created under it
