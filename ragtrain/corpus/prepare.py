@@ -23,7 +23,7 @@ from ragtrain.data.types import DataError
 
 from .chunk import chunk_document
 from .clean import clean
-from .read import FileError, read_file
+from .read import FileError, MissingFileError, read_file
 
 __all__ = ["RAY_MIN_BYTES", "chunk_batch", "chunk_on_ray", "read_clean_batch", "read_on_ray", "use_ray"]
 
@@ -56,6 +56,12 @@ def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> dict[str, np.nd
             docs = list(read_file(path, root))
         except FileError as e:  # subject to data.on_error
             emit({"source": str(path)}, str(e), True)
+            continue
+        except MissingFileError:  # not a bad file: name the node that cannot see it
+            import ray
+
+            node = ray.get_runtime_context().get_node_id()[:12] if ray.is_initialized() else "?"
+            emit({"source": str(path)}, str(MissingFileError(Path(path), f" on Ray node {node}")))
             continue
         except DataError as e:  # a bad record (invalid JSON, a missing id): fails the run whatever on_error says
             emit({"source": str(path)}, str(e))

@@ -16,7 +16,7 @@ from typing import Any
 
 from ragtrain.data.types import DataError
 
-__all__ = ["SUPPORTED", "FileError", "is_reserved", "list_documents", "read_file"]
+__all__ = ["SUPPORTED", "FileError", "MissingFileError", "is_reserved", "list_documents", "read_file"]
 
 SUPPORTED = (".txt", ".md", ".markdown", ".html", ".htm", ".jsonl", ".parquet")
 _RESERVED_FILES = ("queries.jsonl", "queries.jsonl.gz")
@@ -31,6 +31,16 @@ _BLOCKS = ("p", "div", "br", "li", "ul", "ol", "tr", "table", "section", "articl
 
 class FileError(DataError):
     """A whole file cannot be read (unreadable, binary, not UTF-8, corrupt): subject to `data.on_error`."""
+
+
+class MissingFileError(DataError):
+    """A listed file is gone when read: the folder changed during the run, or (on a cluster) the reading node does
+    not mount data.root. Not a bad file, so data.on_error=skip does not skip it: the corpus would silently shrink."""
+
+    def __init__(self, path: Path, where: str = ""):
+        super().__init__(f"{path}: listed when the run started but missing when read{where}: data.root must not "
+                         "change during a run, and on a Ray cluster every node must mount it (data.on_error=skip "
+                         "does not skip a missing file)")
 
 
 def is_reserved(rel: Path) -> bool:
@@ -88,6 +98,8 @@ def _read_bytes(path: Path) -> bytes:
     """The file's bytes; an OS error (permissions, a dangling link) becomes a FileError."""
     try:
         return path.read_bytes()
+    except FileNotFoundError:
+        raise MissingFileError(path) from None
     except OSError as e:
         raise FileError(f"{path}: cannot be read ({e.strerror or e})") from None
 
@@ -176,6 +188,8 @@ def _read_parquet(path: Path) -> Iterator[dict[str, str]]:
 
     try:
         table = pq.read_table(path)
+    except FileNotFoundError:
+        raise MissingFileError(path) from None
     except OSError as e:  # pyarrow's ArrowInvalid / ArrowIOError are OSError subclasses
         raise FileError(f"{path}: cannot be read as parquet ({e})") from None
     cols = set(table.column_names)

@@ -71,3 +71,21 @@ def test_a_document_that_cannot_be_chunked_fails_on_ray_as_in_the_driver(ray_ses
                                 "data.chunk.overlap=2", f"data.prepare={prepare}", f"output_dir={tmp_path}"]))
         with pytest.raises(DataError, match=r"the title of document 'long' takes \d+ of data.chunk.max_tokens=16"):
             load_data(cfg.data, cfg.retriever, tmp_path / prepare)
+
+
+@pytest.mark.parametrize("on_ray", [False, True], ids=["driver", "ray"])
+def test_a_listed_file_missing_when_read_fails_even_under_skip(ray_session, tmp_path: Path, on_ray: bool) -> None:
+    # On a cluster, a node that does not mount data.root sees none of the driver's files: skipping them would
+    # silently shrink the corpus, so a file gone between listing and reading is an error whatever on_error says
+    from ragtrain.corpus.dataset import load_documents
+    from ragtrain.corpus.read import list_documents
+
+    root = write_folder(small_folder(tmp_path / "docs"), {"extra.txt": "An unjudged document."})
+    files = list_documents(root)
+    gone = root / "extra.txt"
+    gone.unlink()
+    pattern = rf"{gone.name}: listed when the run started but missing when read{' on Ray node [0-9a-f]+' if on_ray else ''}: "
+    with pytest.raises(DataError, match=pattern) as e:
+        load_documents(root, on_error="skip", files=files, on_ray=on_ray, log=lambda _: None)
+    assert "data.on_error=skip does not skip a missing file" in str(e.value) and "\n" not in str(e.value)
+    assert len(load_documents(root, on_error="skip", on_ray=on_ray, log=lambda _: None)[0].corpus) == 3  # listed anew
