@@ -13,7 +13,7 @@ from ragtrain.errors import ConfigError
 
 from .chunk import chunk_document
 from .clean import check_id, clean, dedupe_stream
-from .read import FileError, list_documents, read_file
+from .read import FileError, list_documents, open_documents, read_file
 
 __all__ = ["beir_corpus_files", "check_chunk_budget", "check_corpus_ids", "chunk_data", "load_documents", "passage_qrels"]
 
@@ -53,14 +53,14 @@ def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail",
                 yield doc
             return
         for path in files:
-            try:
-                # a list per file, so a file failing half-way contributes nothing (all of it or none of it)
-                docs = [clean(d) for d in read_file(path, root)]
+            try:  # a file that cannot be used fails here, before its first document: all of it or none of it
+                docs = open_documents(path, root)
             except FileError as e:
                 file_failed(str(e))
                 continue
-            read[0] += len(docs)
-            yield from docs
+            for d in docs:  # streamed: a file of millions of records is never held whole
+                read[0] += 1
+                yield clean(d)
 
     dropped: dict[str, str] = {}
     def locate(doc_id: str) -> str:  # a duplicate id's first place, found again only when that error is raised

@@ -1,6 +1,6 @@
 """Corpus preparation on Ray Data: files -> read + clean, documents -> chunks, each on Ray Data tasks.
 
-The per-document work (`read_file`, `clean`, `chunk_document`) is the same code the driver runs for small corpora;
+The per-document work (`open_documents`, `clean`, `chunk_document`) is the same code the driver runs for small corpora;
 here it runs in parallel on the cluster and streams back, in order, to the driver's single store writer, which
 only deduplicates (ids and content hashes) and appends. So both ways give the same store, byte for byte, and the
 same errors. Errors travel as rows (`error` set), not exceptions: the driver raises the first one in corpus order
@@ -23,13 +23,14 @@ from ragtrain.data.types import DataError
 
 from .chunk import chunk_document
 from .clean import clean
-from .read import FileError, MissingFileError, read_file
+from .read import FileError, MissingFileError, open_documents
 
 __all__ = ["RAY_MIN_BYTES", "chunk_batch", "chunk_on_ray", "read_clean_batch", "read_on_ray", "use_ray"]
 
 RAY_MIN_BYTES = 64 << 20  # data.prepare=auto: corpora of at least this many file bytes are prepared on Ray Data
 FILES_PER_TASK = 16  # files one read task reads: small files amortise the task, large ones still spread out
 DOCS_PER_CALL = 512  # documents one chunk task tokenizes
+ROWS_PER_BLOCK = 4096  # documents a read task emits per block (a large .jsonl file becomes many blocks)
 PREP_CPUS = 0.25  # per read / chunk task: light next to an encode actor, and a 2-CPU laptop keeps its reserve
 FIELDS = ("id", "title", "text", "source", "error", "file_error")
 
@@ -41,8 +42,9 @@ def use_ray(prepare: str, corpus_bytes: int) -> bool:
     return prepare == "ray" or (prepare == "auto" and corpus_bytes >= RAY_MIN_BYTES)
 
 
-def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> dict[str, np.ndarray]:
-    """Ray Data (a task per batch of file paths): each file's cleaned documents as rows, or one error row."""
+def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> Iterator[dict[str, np.ndarray]]:
+    """Ray Data (a task per batch of file paths): each file's cleaned documents as rows, or one error row; yielded
+    `ROWS_PER_BLOCK` rows at a time, so a file of millions of records never becomes one block."""
     rows: dict[str, list] = {f: [] for f in FIELDS}
 
     def emit(doc: dict[str, str], error: str = "", file_error: bool = False) -> None:
@@ -51,9 +53,15 @@ def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> dict[str, np.nd
         rows["error"].append(error)
         rows["file_error"].append(file_error)
 
+    def block() -> dict[str, np.ndarray]:
+        out = {f: np.array(v, dtype=bool if f == "file_error" else object) for f, v in rows.items()}
+        for v in rows.values():
+            v.clear()
+        return out
+
     for path in batch["path"].tolist():
-        try:  # all of a file or none of it, as in the driver (load_documents)
-            docs = list(read_file(path, root))
+        try:  # whatever makes the whole file unusable fails here, before its first document (as in the driver)
+            docs = open_documents(path, root)
         except FileError as e:  # subject to data.on_error
             emit({"source": str(path)}, str(e), True)
             continue
@@ -63,16 +71,18 @@ def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> dict[str, np.nd
             node = ray.get_runtime_context().get_node_id()[:12] if ray.is_initialized() else "?"
             emit({"source": str(path)}, str(MissingFileError(Path(path), f" on Ray node {node}")))
             continue
-        except DataError as e:  # a bad record (invalid JSON, a missing id): fails the run whatever on_error says
+        except DataError as e:  # e.g. parquet columns without an id: fails the run whatever on_error says
             emit({"source": str(path)}, str(e))
             continue
-        for d in docs:
-            try:
+        try:
+            for d in docs:
                 emit(clean(d))
-            except DataError as e:  # a bad id or an empty document: fails the run whatever on_error says
-                emit({"source": str(path)}, str(e))
-                break
-    return {f: np.array(v, dtype=bool if f == "file_error" else object) for f, v in rows.items()}
+                if len(rows["id"]) >= ROWS_PER_BLOCK:
+                    yield block()
+        except DataError as e:  # a bad record, a bad id or an empty document: fails the run whatever on_error says
+            emit({"source": str(path)}, str(e))
+    if rows["id"]:
+        yield block()
 
 
 @contextmanager

@@ -8,6 +8,7 @@ extension. `queries.jsonl[.gz]` and `qrels/` at the root are BEIR queries and ju
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Iterator
@@ -16,9 +17,11 @@ from typing import Any
 
 from ragtrain.data.types import DataError
 
-__all__ = ["SUPPORTED", "FileError", "MissingFileError", "is_reserved", "list_documents", "read_file"]
+__all__ = ["SUPPORTED", "FileError", "MissingFileError", "is_reserved", "list_documents", "open_documents", "read_file"]
 
 SUPPORTED = (".txt", ".md", ".markdown", ".html", ".htm", ".jsonl", ".parquet")
+READ_BLOCK = 1 << 20  # bytes a .jsonl file's UTF-8 check reads at a time
+PARQUET_BATCH_ROWS = 4096  # rows of a .parquet file read at a time
 _RESERVED_FILES = ("queries.jsonl", "queries.jsonl.gz")
 _RESERVED_DIRS = ("qrels",)
 _H1 = re.compile(r"^#\s+(.+?)\s*#*\s*$")
@@ -69,29 +72,43 @@ def list_documents(root: str | Path, glob: str = "**/*") -> list[Path]:
 
 def read_file(path: str | Path, root: str | Path) -> Iterator[dict[str, str]]:
     """Yield the documents of one file as {id, title, text, source}; FileError if the file cannot be read."""
+    yield from open_documents(path, root)
+
+
+def open_documents(path: str | Path, root: str | Path) -> Iterator[dict[str, str]]:
+    """The documents of one file, as an iterator over {id, title, text, source}.
+
+    Whatever makes the whole file unusable (unsupported, unreadable, binary, not UTF-8, not parquet) raises its
+    FileError here, before the first document: so data.on_error=skip drops all of a file or none of it. A .jsonl or
+    .parquet file is then read a block at a time (memory bounded by the block, not the file: a corpus exported as
+    one multi-GB jsonl is common); a record that fails later raises a DataError, which fails the run anyway.
+    """
     path, root = Path(path), Path(root)
     suffix = path.suffix.lower()
     rel = path.relative_to(root)
     if suffix == ".parquet":
-        yield from _read_parquet(path)
-        return
+        return _read_parquet(path, _open_parquet(path))
     if suffix not in SUPPORTED:
         # Every matching file is meant to be a document: an image or PDF in the folder is a problem to report.
         raise FileError(f"{path}: unsupported file type {suffix or '(no extension)'!r} (supported: {', '.join(SUPPORTED)}); "
                         "remove it or narrow data.glob")
+    if suffix == ".jsonl":
+        _check_text(path)
+        return _read_jsonl(path)
+    return iter(_single_document(path, suffix, rel.with_suffix("").as_posix()))
+
+
+def _single_document(path: Path, suffix: str, doc_id: str) -> list[dict[str, str]]:
+    """The one document of a .txt / .md / .html file (read whole: it is one document)."""
     raw = _read_bytes(path)
     text = _decode(path, raw)
-    doc_id = rel.with_suffix("").as_posix()
-    if suffix == ".jsonl":
-        yield from _read_jsonl(path, text)
-    elif suffix in (".html", ".htm"):
+    if suffix in (".html", ".htm"):
         title, body = html_to_text(raw)
-        yield {"id": doc_id, "title": title, "text": body, "source": str(path)}
     elif suffix in (".md", ".markdown"):
         title, body = markdown_to_text(text)
-        yield {"id": doc_id, "title": title, "text": body, "source": str(path)}
     else:
-        yield {"id": doc_id, "title": "", "text": text, "source": str(path)}
+        title, body = "", text
+    return [{"id": doc_id, "title": title, "text": body, "source": str(path)}]
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -102,6 +119,36 @@ def _read_bytes(path: Path) -> bytes:
         raise MissingFileError(path) from None
     except OSError as e:
         raise FileError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _check_text(path: Path) -> None:
+    """FileError if the file is unreadable, binary (a NUL byte) or not strict UTF-8, read a block at a time (the
+    same checks and byte offsets as `_decode`, without holding the file)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(READ_BLOCK):
+                nul = block.find(b"\x00")
+                if nul >= 0:
+                    raise FileError(f"{path}: binary file (NUL byte at byte offset {offset + nul})")
+                _decode_block(path, decoder, block, offset)
+                offset += len(block)
+            _decode_block(path, decoder, b"", offset, final=True)
+    except FileNotFoundError:
+        raise MissingFileError(path) from None
+    except OSError as e:
+        raise FileError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _decode_block(path: Path, decoder: codecs.IncrementalDecoder, block: bytes, offset: int,
+                  final: bool = False) -> None:
+    """Feed one block to an incremental UTF-8 decoder; FileError with the file's byte offset of a bad sequence."""
+    pending = len(decoder.getstate()[0])  # bytes of an unfinished character carried over from the last block
+    try:
+        decoder.decode(block, final=final)
+    except UnicodeDecodeError as e:
+        raise FileError(f"{path}: not valid UTF-8 at byte offset {offset - pending + e.start} ({e.reason})") from None
 
 
 def _decode(path: Path, raw: bytes) -> str:
@@ -169,32 +216,48 @@ def _doc_from_record(obj: Any, where: str) -> dict[str, str]:
     return {"id": doc_id, "title": title, "text": text, "source": where}
 
 
-def _read_jsonl(path: Path, text: str) -> Iterator[dict[str, str]]:
-    """One document per non-blank line."""
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e})") from None
-        yield _doc_from_record(obj, where)
+def _read_jsonl(path: Path) -> Iterator[dict[str, str]]:
+    """One document per non-blank line, streamed (the file was checked by `_check_text` first)."""
+    try:
+        # utf-8-sig drops a leading BOM; lines end at \n, \r\n or \r only, as JSON Lines define them (a raw
+        # U+2028 inside a JSON string is valid JSON, and str.splitlines would have cut the record there)
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({e})") from None
+                yield _doc_from_record(obj, f"{path}:{lineno}")
+    except (OSError, UnicodeDecodeError) as e:  # checked a moment ago: the file changed while it was being read
+        raise DataError(f"{path}: changed or became unreadable while being read ({e})") from None
 
 
-def _read_parquet(path: Path) -> Iterator[dict[str, str]]:
-    """One document per row of a parquet file with columns _id|id, text, title (optional)."""
+def _open_parquet(path: Path) -> Any:
+    """The open pyarrow ParquetFile and the columns to read; FileError if it is not a parquet file."""
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        pf = pq.ParquetFile(path)
     except FileNotFoundError:
         raise MissingFileError(path) from None
     except OSError as e:  # pyarrow's ArrowInvalid / ArrowIOError are OSError subclasses
         raise FileError(f"{path}: cannot be read as parquet ({e})") from None
-    cols = set(table.column_names)
+    cols = set(pf.schema_arrow.names)
     if not ({"_id", "id"} & cols) or "text" not in cols:
         raise DataError(f"{path}: parquet columns {sorted(cols)} lack an id column ('_id' or 'id') or 'text'")
-    keep = [c for c in ("_id", "id", "title", "text") if c in cols]
-    for i, row in enumerate(table.select(keep).to_pylist()):
-        yield _doc_from_record(row, f"{path}:row {i}")
+    return pf
+
+
+def _read_parquet(path: Path, pf: Any) -> Iterator[dict[str, str]]:
+    """One document per row of a parquet file with columns _id|id, text, title (optional), a batch at a time."""
+    keep = [c for c in ("_id", "id", "title", "text") if c in pf.schema_arrow.names]
+    i = 0
+    try:
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=keep):
+            for row in batch.to_pylist():
+                yield _doc_from_record(row, f"{path}:row {i}")
+                i += 1
+    except OSError as e:  # opened a moment ago: a corrupt row group, or the file changed while being read
+        raise DataError(f"{path}: unreadable at row {i} ({e})") from None

@@ -147,3 +147,59 @@ def test_unreadable_file_fails_or_is_skipped(tmp_path: Path, monkeypatch: pytest
     # skipping a.txt leaves q1 (judged on a) unknown: qrels naming unknown documents is its own error
     with pytest.raises(DataError, match=r"train\.tsv: 1 unknown corpus id\(s\).*\['a'\]"):
         load_documents(root, on_error="skip", log=lambda m: None)
+
+
+# ---- large files: read a block at a time, with the same errors and byte offsets ----
+
+def test_jsonl_checks_span_blocks_with_the_files_byte_offsets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ragtrain.corpus.read as read
+
+    monkeypatch.setattr(read, "READ_BLOCK", 5)  # every multi-byte character below straddles a block boundary
+    good = '{"_id": "a", "text": "café ☕ naïve 𝔘"}\n{"_id": "b", "text": "second"}\n'.encode()
+    root = write_folder(tmp_path / "d", {"ok.jsonl": good,
+                                         "bad.jsonl": good + b'{"_id": "c", "text": "caf\xe9"}\n',
+                                         "cut.jsonl": good[:-1] + "é".encode()[:1],
+                                         "nul.jsonl": good + b"\x00"})
+    assert [d["text"] for d in _read(root, "ok.jsonl")] == ["café ☕ naïve 𝔘", "second"]
+    with pytest.raises(FileError, match=rf"bad\.jsonl: not valid UTF-8 at byte offset {len(good) + 25} "):
+        read.open_documents(root / "bad.jsonl", root)  # raised on opening, before any document (skip: none of it)
+    with pytest.raises(FileError, match=rf"cut\.jsonl: not valid UTF-8 at byte offset {len(good) - 1} "):
+        read.open_documents(root / "cut.jsonl", root)
+    with pytest.raises(FileError, match=rf"nul\.jsonl: binary file \(NUL byte at byte offset {len(good)}\)"):
+        read.open_documents(root / "nul.jsonl", root)
+
+
+def test_a_jsonl_record_may_hold_a_raw_line_separator(tmp_path: Path) -> None:
+    # JSON allows U+2028 / U+2029 / U+0085 raw inside strings; JSON Lines end records at \n (or \r\n) only
+    root = write_folder(tmp_path / "d", {"c.jsonl": '\ufeff{"_id": "a", "text": "one\u2028two\x85three"}\r\n'
+                                                     '{"_id": "b", "text": "x"}\n'})
+    docs = _read(root, "c.jsonl")
+    assert [d["id"] for d in docs] == ["a", "b"] and docs[0]["text"] == "one\u2028two\x85three"
+    assert docs[1]["source"].endswith("c.jsonl:2")
+
+
+def test_a_large_file_is_read_and_sent_in_bounded_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import ragtrain.corpus.prepare as prepare
+    import ragtrain.corpus.read as read
+
+    monkeypatch.setattr(prepare, "ROWS_PER_BLOCK", 4)
+    monkeypatch.setattr(read, "PARQUET_BATCH_ROWS", 3)
+    root = write_folder(tmp_path / "d", {"big.jsonl": "".join(f'{{"_id": "j{i}", "text": "doc {i}"}}\n'
+                                                              for i in range(10))})
+    pq.write_table(pa.table({"id": [f"p{i}" for i in range(7)], "text": [f"row {i}" for i in range(7)]}),
+                   root / "big.parquet", row_group_size=2)
+    seen = []
+    real = read._doc_from_record
+    monkeypatch.setattr(read, "_doc_from_record", lambda obj, where: seen.append(where) or real(obj, where))
+    docs = read.open_documents(root / "big.parquet", root)
+    assert seen == []  # opening checks the file; records are read only as they are asked for
+    assert [next(docs)["id"] for _ in range(2)] == ["p0", "p1"] and len(seen) <= 3
+    # On Ray, a read task yields blocks of ROWS_PER_BLOCK documents: one big file is many blocks, not one
+    blocks = list(prepare.read_clean_batch({"path": np.array([str(root / "big.jsonl"), str(root / "big.parquet")],
+                                                               dtype=object)}, str(root)))
+    assert [len(b["id"]) for b in blocks] == [4, 4, 4, 4, 1]
+    assert [str(i) for b in blocks for i in b["id"]] == [f"j{i}" for i in range(10)] + [f"p{i}" for i in range(7)]
