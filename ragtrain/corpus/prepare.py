@@ -30,7 +30,8 @@ __all__ = ["RAY_MIN_BYTES", "chunk_batch", "chunk_on_ray", "read_clean_batch", "
 RAY_MIN_BYTES = 64 << 20  # data.prepare=auto: corpora of at least this many file bytes are prepared on Ray Data
 FILES_PER_TASK = 16  # files one read task reads: small files amortise the task, large ones still spread out
 DOCS_PER_CALL = 512  # documents one chunk task tokenizes
-ROWS_PER_BLOCK = 4096  # documents a read task emits per block (a large .jsonl file becomes many blocks)
+ROWS_PER_BLOCK = 4096  # documents a read task emits per block at most (a large .jsonl file becomes many blocks),
+BLOCK_CHARS = 32 << 20  # and characters of text: 4,096 long documents would still make a large block
 PREP_CPUS = 0.25  # per read / chunk task: light next to an encode actor, and a 2-CPU laptop keeps its reserve
 FIELDS = ("id", "title", "text", "source", "error", "file_error")
 
@@ -44,8 +45,10 @@ def use_ray(prepare: str, corpus_bytes: int) -> bool:
 
 def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> Iterator[dict[str, np.ndarray]]:
     """Ray Data (a task per batch of file paths): each file's cleaned documents as rows, or one error row; yielded
-    `ROWS_PER_BLOCK` rows at a time, so a file of millions of records never becomes one block."""
+    a block of at most `ROWS_PER_BLOCK` rows or about `BLOCK_CHARS` characters at a time, so a file of millions of
+    records never becomes one block."""
     rows: dict[str, list] = {f: [] for f in FIELDS}
+    chars = [0]
 
     def emit(doc: dict[str, str], error: str = "", file_error: bool = False) -> None:
         for f in ("id", "title", "text", "source"):
@@ -57,6 +60,7 @@ def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> Iterator[dict[s
         out = {f: np.array(v, dtype=bool if f == "file_error" else object) for f, v in rows.items()}
         for v in rows.values():
             v.clear()
+        chars[0] = 0
         return out
 
     for path in batch["path"].tolist():
@@ -76,8 +80,10 @@ def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> Iterator[dict[s
             continue
         try:
             for d in docs:
-                emit(clean(d))
-                if len(rows["id"]) >= ROWS_PER_BLOCK:
+                doc = clean(d)
+                emit(doc)
+                chars[0] += len(doc["text"]) + len(doc["title"])
+                if len(rows["id"]) >= ROWS_PER_BLOCK or chars[0] >= BLOCK_CHARS:
                     yield block()
         except DataError as e:  # a bad record, a bad id or an empty document: fails the run whatever on_error says
             emit({"source": str(path)}, str(e))

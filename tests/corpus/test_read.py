@@ -203,3 +203,6 @@ def test_a_large_file_is_read_and_sent_in_bounded_blocks(tmp_path: Path, monkeyp
                                                                dtype=object)}, str(root)))
     assert [len(b["id"]) for b in blocks] == [4, 4, 4, 4, 1]
     assert [str(i) for b in blocks for i in b["id"]] == [f"j{i}" for i in range(10)] + [f"p{i}" for i in range(7)]
+    monkeypatch.setattr(prepare, "BLOCK_CHARS", 12)  # or fewer rows, once their text reaches BLOCK_CHARS
+    blocks = list(prepare.read_clean_batch({"path": np.array([str(root / "big.jsonl")], dtype=object)}, str(root)))
+    assert [len(b["id"]) for b in blocks] == [3, 3, 3, 1]  # 5 characters a document: a block closes at 15
