@@ -511,6 +511,11 @@ class Config:
         _check(not self.index.align_anchors or self.sync.strategy != "vector_avg", "index.align_anchors",
                "does not apply to sync=vector_avg (its index holds consensus vectors, no single trained encoder): "
                "set it to 0", self.index.align_anchors)
+        # A restart resumes at a checkpoint with an empty loss window: at a window's end, the loss logged after a
+        # restart is the uninterrupted run's; mid-window it would average only the steps since the checkpoint
+        every, log_every = self.checkpoint.every_steps, self.retriever.train.log_every
+        _check(every % log_every == 0, "checkpoint.every_steps", f"must be 0 or a multiple of "
+               f"retriever.train.log_every ({log_every}), so a restarted run logs the same loss windows", every)
         teacher = self.retriever.teacher
         if teacher.weight > 0:  # the teacher scores the mined candidates once: they must exist and stay fixed
             _check("retriever" in self.stages, "retriever.teacher.weight", f"needs the retriever stage (stages are "

@@ -45,6 +45,12 @@ class TinyGeneratorConfig:
     num_heads: int = 2
     d_ff: int = 128
 
+    def __post_init__(self) -> None:
+        for key in ("d_model", "num_layers", "num_heads", "d_ff"):
+            _check(getattr(self, key) > 0, "tiny." + key, "must be > 0", getattr(self, key))
+        _check(self.d_model % self.num_heads == 0, "tiny.d_model", f"must be divisible by generator.tiny.num_heads "
+               f"({self.num_heads})", self.d_model)
+
 
 @dataclass
 class GeneratorTrainConfig:
@@ -78,10 +84,18 @@ class GeneratorTrainConfig:
         _check(self.warmup_steps >= 0, k + "warmup_steps", "must be >= 0", self.warmup_steps)
         _check(self.max_steps >= 0, k + "max_steps", "must be >= 0", self.max_steps)
         _check(self.max_steps > 0 or self.epochs > 0, k + "epochs", "must be > 0 (or set max_steps > 0)", self.epochs)
+        # epochs is 0 unless set: both set means one would be silently ignored (max_steps would win)
+        _check(not (self.max_steps > 0 and self.epochs > 0), k + "epochs", f"and generator.{k}max_steps="
+               f"{self.max_steps} are both set: set generator.{k}max_steps=0 to train by epochs, or drop epochs",
+               self.epochs)
         _check(self.grad_clip >= 0, k + "grad_clip", "must be >= 0", self.grad_clip)
         _check(self.oracle_steps >= 0, k + "oracle_steps", "must be >= 0", self.oracle_steps)
         _check(self.checkpoint_every >= 0, k + "checkpoint_every", "must be >= 0", self.checkpoint_every)
         _check(self.log_every > 0, k + "log_every", "must be > 0", self.log_every)
+        # a restart resumes at a checkpoint with an empty loss window (see Config: checkpoint.every_steps)
+        _check(self.checkpoint_every % self.log_every == 0, k + "checkpoint_every", f"must be 0 or a multiple of "
+               f"generator.{k}log_every ({self.log_every}), so a restarted run logs the same loss windows",
+               self.checkpoint_every)
         _check(self.num_workers >= 0, k + "num_workers", "must be >= 0", self.num_workers)
         _check(self.cpus_per_worker >= 0, k + "cpus_per_worker", "must be >= 0", self.cpus_per_worker)
 
@@ -149,6 +163,10 @@ class GeneratorConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.model.strip()), "model", "must name a model", self.model)
+        # "tiny" builds a small T5 / GPT-2 from generator.tiny; BERT2BERT is always built from a BERT checkpoint
+        _check(not (self.model == "tiny" and Arch(self.arch) == Arch.bert2bert), "model", "'tiny' is a small T5 or "
+               "GPT-2 (generator.arch=seq2seq or causal); generator.arch=bert2bert needs a BERT checkpoint such as "
+               "'minilm'", self.model)
         self.model = local_model(self.model)  # a local folder: loaded by workers in other folders
         if self.tokenizer:
             self.tokenizer = local_model(self.tokenizer)

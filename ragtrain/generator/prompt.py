@@ -87,8 +87,8 @@ class PromptBuilder:
             self._cache[text] = ids
         return ids
 
-    def source(self, question: str, passages: Sequence[str] = ()) -> list[int]:
-        """Source token ids: the whole question, then as many passages as fit in max_source_length."""
+    def _fixed(self, question: str) -> tuple[list[int], list[int]]:
+        """(tokens before the passages, tokens after them); PromptTooLongError if they alone exceed the budget."""
         head = self.start + self.q_prefix + self._ids(question) + self.sep
         tail = self.end + self.a_prefix  # fixed tokens after the passages
         if len(head) + len(tail) > self.max_len:
@@ -97,6 +97,21 @@ class PromptBuilder:
                 f"generator.max_source_length={self.max_len}: raise max_source_length (questions are never cut): "
                 f"{question[:80]!r}"
             )
+        return head, tail
+
+    def whole_passages(self, question: str, passages: Sequence[str]) -> int:
+        """How many of `passages`, in this order, `source` would include whole (not cut, not dropped)."""
+        head, tail = self._fixed(question)
+        used = len(head) + len(tail)
+        for i, text in enumerate(passages):
+            used += len(self.p_prefix) + len(self.passage_ids(text)) + len(self.sep)
+            if used > self.max_len:
+                return i
+        return len(passages)
+
+    def source(self, question: str, passages: Sequence[str] = ()) -> list[int]:
+        """Source token ids: the whole question, then as many passages as fit in max_source_length."""
+        head, tail = self._fixed(question)
         ids = list(head)
         for text in passages:
             left = self.max_len - len(ids) - len(tail)

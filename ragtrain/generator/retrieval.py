@@ -107,6 +107,11 @@ class RetrievalClient:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["mode"], state["actors"], state["payload_ref"])
 
+    def start_at(self, rank: int) -> None:
+        """Service mode: send the first call to actor `rank` (mod the actor count), then round-robin from there;
+        every rank calls once per step, so starting all of them on actor 0 would leave the other actors idle."""
+        self._next = int(rank)
+
     def _searcher(self) -> Searcher:
         if self._local is None:
             payload = self.payload_ref if isinstance(self.payload_ref, IndexPayload) else ray.get(self.payload_ref)

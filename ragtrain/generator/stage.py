@@ -51,8 +51,9 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Optional[Path] = None) 
     if GenPrecision(g.train.precision) == GenPrecision.fp16 and not cfg.resources.trainer.use_gpu:
         raise ConfigError("generator.train.precision=fp16 needs a GPU (resources.trainer.use_gpu=true); "
                           "use bf16 or fp32 on CPU")
-    build_gen_data(cfg, data)
-    check_model(cfg)
+    gen = build_gen_data(cfg, data)
+    tokenizer = check_model(cfg)
+    check_prompts(cfg, gen, tokenizer)
     if "index" not in cfg.stages:  # no index will be built by this run: the configured one must exist and fit
         try:
             resolve_index(cfg, data, None, out_dir or Path(cfg.output_dir), check_only=True)
@@ -60,20 +61,57 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Optional[Path] = None) 
             raise ConfigError(f"generator.retrieval.index_dir: {e}") from None
 
 
-def check_model(cfg: Config) -> None:
-    """The generator's tokenizer and model config load offline (a typo fails now, not after retriever training)."""
+def check_model(cfg: Config) -> Any:
+    """The generator's tokenizer and model config load offline and fit the configured architecture and lengths (a
+    typo or a mismatch fails now, not after retriever training); returns the tokenizer."""
     from transformers import AutoConfig
 
+    from ragtrain.generator.config import Arch
     from ragtrain.generator.model import load_tokenizer, resolve_path
 
     g = cfg.generator
     try:
-        load_tokenizer(g)
-        AutoConfig.from_pretrained(resolve_path(g.model))
+        tokenizer = load_tokenizer(g)
+        hf = AutoConfig.from_pretrained(resolve_path(g.model))
     except (OSError, ValueError) as e:
         raise ConfigError(f"generator.model={g.model!r} (tokenizer {g.tokenizer or g.model!r}) cannot be loaded "
                           f"offline: give a local path or a name in the local HF cache ({str(e).splitlines()[0]})"
                           ) from None
+    if g.model == "tiny" and g.arch != Arch.bert2bert:
+        return tokenizer  # built from generator.tiny: T5 (relative positions) or GPT-2 with enough positions
+    if g.arch == Arch.bert2bert:
+        fits, kind = hf.model_type == "bert", "a BERT checkpoint"
+    else:
+        from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                            MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+
+        names = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if g.arch == Arch.seq2seq else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        fits, kind = hf.model_type in names, f"a {'seq2seq' if g.arch == Arch.seq2seq else 'causal'} LM"
+    if not fits:
+        choices = [a.value for a in Arch]
+        raise ConfigError(f"generator.arch={Arch(g.arch).value} needs {kind}, and generator.model={g.model!r} is a "
+                          f"{hf.model_type!r} model: set generator.arch to the model's kind (choices: {choices})")
+    # Learned position tables end somewhere: a longer input fails inside a worker, after the retriever trained
+    limit = getattr(hf, "n_positions", None) or getattr(hf, "max_position_embeddings", None)
+    need, what = g.max_source_length, "generator.max_source_length"
+    if g.arch == Arch.causal:  # prompt and answer are one sequence
+        need, what = g.max_source_length + g.max_target_length, what + " + generator.max_target_length"
+    if hf.model_type != "t5" and isinstance(limit, int) and need > limit:  # T5's positions are relative: no limit
+        raise ConfigError(f"{what} = {need} is more than generator.model={g.model!r} has positions for ({limit})")
+    return tokenizer
+
+
+def check_prompts(cfg: Config, gen: Any, tokenizer: Any) -> None:
+    """Every training and evaluated question fits the prompt budget with the template (questions are never cut)."""
+    from ragtrain.generator.prompt import PromptTooLongError
+    from ragtrain.generator.train import prompt_builder
+
+    builder = prompt_builder(cfg.generator, tokenizer)
+    for ex in list(gen.train) + list(gen.eval):
+        try:
+            builder.source(ex.question)
+        except PromptTooLongError as e:
+            raise ConfigError(f"question {ex.qid!r}: {e}") from None
 
 
 def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, check_only: bool = False):

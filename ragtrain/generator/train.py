@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,15 +74,31 @@ class Sampler:
         return self._perms[epoch][pos % self.n]
 
 
-def train_passages(ex: GenExample, hits: list[str], k: int, include_gold: bool, shuffle: bool, rng: random.Random
-                   ) -> list[str]:
-    """Top-k retrieved ids; the gold passage replaces the lowest-ranked hit when missing; optionally shuffled."""
+def train_passages(ex: GenExample, hits: list[str], k: int, include_gold: bool, shuffle: bool, rng: random.Random,
+                   whole: Optional[Callable[[list[str]], int]] = None) -> list[str]:
+    """Top-k retrieved ids; the gold passage replaces the lowest-ranked hit when missing; optionally shuffled.
+
+    `whole(ids)`: how many leading ids the prompt holds whole (`PromptBuilder.whole_passages`). With it, the gold
+    passage is kept among those: it is counted first, the others in rank order fill the rest of the budget, and
+    only the passages that fit whole are shuffled, ahead of the rest (of which the prompt may hold a cut piece). So
+    neither a shuffle nor a long higher-ranked hit can push the gold passage out of its own training prompt.
+    """
     ids = list(hits[:k])
-    if include_gold and ex.gold and not set(ex.gold) & set(ids):
-        ids = ids[: k - 1] + [ex.gold[0]]
+    gold = [p for p in ids if p in ex.gold][:1] if include_gold and ex.gold else []
+    if include_gold and ex.gold and not gold:
+        ids, gold = ids[: k - 1] + [ex.gold[0]], [ex.gold[0]]
+    if whole is None or not gold:
+        if shuffle:
+            rng.shuffle(ids)
+        return ids
+    ordered = gold + [p for p in ids if p != gold[0]]
+    n = max(1, whole(ordered))  # 0: even the gold passage alone is longer than the budget (then it is cut)
+    fits, rest = ordered[:n], ordered[n:]
     if shuffle:
-        rng.shuffle(ids)
-    return ids
+        rng.shuffle(fits)
+    else:
+        fits.sort(key=ids.index)  # rank order among the passages that fit
+    return fits + rest
 
 
 def prompt_builder(g: GeneratorConfig, tokenizer) -> PromptBuilder:
@@ -171,6 +187,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     device, rank, world = w.device, w.rank, w.world
     data: GenData = w.get("data")
     client: RetrievalClient = w.get("retrieval")
+    client.start_at(rank)  # service mode: the ranks start on different actors, so every actor serves a step
 
     # --- set-up
     tokenizer = load_tokenizer(g)
@@ -210,7 +227,9 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         else:
             hits = client.search([e.question for e in exs], g.retrieval.top_k)
             pids = [train_passages(e, h, g.retrieval.top_k, t.include_gold, t.shuffle_passages,
-                                   random.Random(f"{t.seed}-{first + j}")) for e, h, j in zip(exs, hits, mine)]
+                                   random.Random(f"{t.seed}-{first + j}"),
+                                   lambda ps, q=e.question: builder.whole_passages(q, [data.passages[p] for p in ps]))
+                    for e, h, j in zip(exs, hits, mine)]
         src = [builder.source(e.question, [data.passages[p] for p in ps]) for e, ps in zip(exs, pids)]
         tgt = [targets[idx[j]] for j in mine]
         seq_tokens = sum(map(len, src)) + sum(map(len, tgt))  # non-pad tokens through the model

@@ -32,3 +32,45 @@ def test_train_passages_gold_and_order() -> None:
     shuffled = train_passages(ex, ["a", "b", "c", "d"], 3, True, True, random.Random(1))
     assert sorted(shuffled) == ["a", "b", "g"]
     assert shuffled == train_passages(ex, ["a", "b", "c", "d"], 3, True, True, random.Random(1))  # seeded
+
+
+def test_the_gold_passage_is_never_pushed_out_of_its_training_prompt() -> None:
+    # Passages of different lengths under a budget that holds two of them: a shuffle (or a long higher-ranked hit)
+    # would put the gold passage last, where the prompt cuts or drops it
+    length = {"a": 5, "b": 6, "c": 4, "g": 5}
+
+    def whole(ids: list[str]) -> int:  # passages that fit whole, in this order, in 11 tokens
+        used = 0
+        for i, p in enumerate(ids):
+            used += length[p]
+            if used > 11:
+                return i
+        return len(ids)
+
+    ex = GenExample("q1", "who?", ["x"], ["g"])
+    for seed in range(20):
+        ids = train_passages(ex, ["a", "b", "g"], 3, True, True, random.Random(seed), whole)
+        assert "g" in ids[: whole(ids)] and sorted(ids) == ["a", "b", "g"]  # whole, whatever the order drawn
+    # rank order without shuffling: the gold passage and the best-ranked hit that fits beside it; the rest after
+    assert train_passages(ex, ["a", "b", "g"], 3, True, False, random.Random(0), whole) == ["a", "g", "b"]
+    assert train_passages(ex, ["b", "a", "c"], 3, True, False, random.Random(0), whole) == ["b", "g", "a"]  # c replaced
+    # no gold to keep (include_gold=false): the old behaviour, every id shuffled
+    assert sorted(train_passages(ex, ["a", "b", "c"], 3, False, True, random.Random(0), whole)) == ["a", "b", "c"]
+
+
+def test_a_real_prompt_holds_the_gold_passage_whole() -> None:
+    from transformers import AutoTokenizer
+
+    from ragtrain.generator.prompt import PromptBuilder, Template
+    from ragtrain.retriever.encoder import minilm_path
+
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    b = PromptBuilder(tok, 40, 0, Template("question:", "context:"))
+    texts = {"a": "alpha " * 12, "b": "bravo " * 9, "c": "charlie " * 3, "g": "golf is the answer here"}
+    ex = GenExample("q1", "who plays golf?", ["golf"], ["g"])
+    gold_ids = b.passage_ids(texts["g"])
+    for seed in range(10):
+        ids = train_passages(ex, ["a", "b", "c", "g"], 4, True, True, random.Random(seed),
+                             lambda ps: b.whole_passages(ex.question, [texts[p] for p in ps]))
+        src = b.source(ex.question, [texts[p] for p in ids])
+        assert any(src[i:i + len(gold_ids)] == gold_ids for i in range(len(src)))  # the whole gold passage

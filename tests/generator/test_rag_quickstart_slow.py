@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
@@ -22,21 +21,13 @@ def test_rag_quickstart_composes(tmp_path) -> None:
 @pytest.mark.slow
 def test_rag_quickstart_end_to_end(ray_session, tmp_path) -> None:
     """Retriever -> index -> generator on 2 CPUs; RAG EM >= 0.5 and >= closed-book + 0.3 on unseen entities."""
-    from ragtrain.generator.stage import run_generator_stage
-    from ragtrain.corpus.load import load_data
     from ragtrain.pipeline import run
-    from ragtrain.track.mlflow import RunLogger
 
     cfg = to_typed(compose(["experiment=rag_quickstart", f"output_dir={tmp_path / 'out'}",
                             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]))
     start = time.perf_counter()
     results = run(cfg)
-    if "gen_rag" not in results:  # a pipeline without the generator stage wired in: run it on the saved index
-        logger = RunLogger(cfg.logger, run_name="rag_quickstart/generator")
-        try:
-            results.update(run_generator_stage(cfg, load_data(cfg.data), None, None, Path(cfg.output_dir), logger))
-        finally:
-            logger.end()
+    assert {"gen_closed_book", "gen_rag", "gen_oracle"} <= set(results)  # the pipeline ran the generator stage
     wall = time.perf_counter() - start
     rag, closed = results["gen_rag"]["em"], results["gen_closed_book"]["em"]
     print(f"rag_quickstart: {wall:.0f} s; EM closed-book {closed:.3f}, RAG {rag:.3f}, "

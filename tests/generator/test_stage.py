@@ -260,3 +260,39 @@ def test_bad_config_and_data_fail_clearly(built, tmp_path) -> None:
         preflight(_cfg(tmp_path, "generator=t5_pretrained", "generator.model=/nonexistent/t5"), data)
     with pytest.raises(ConfigError, match="needs short answers"):
         preflight(_cfg(tmp_path), replace(data, answers={}))
+
+
+def test_a_model_the_architecture_or_lengths_cannot_use_fails_before_training(built, tmp_path) -> None:
+    # each of these used to pass the checks and fail inside a Ray worker, after the retriever had trained
+    from transformers import GPT2Config
+
+    from ragtrain.generator.stage import preflight
+
+    _, _, data, _, _ = built
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=64, vocab_size=30522).save_pretrained(gpt2)
+    use = [f"generator.model={gpt2}", "generator.tokenizer=minilm"]
+    with pytest.raises(ConfigError, match=r"generator.arch=seq2seq needs a seq2seq LM, and generator.model=.* is a "
+                                          r"'gpt2' model: set generator.arch .*choices: \['bert2bert', 'seq2seq', "):
+        preflight(_cfg(tmp_path, *use), data)
+    with pytest.raises(ConfigError, match=r"generator.arch=bert2bert needs a BERT checkpoint"):
+        preflight(_cfg(tmp_path, "generator=bert2bert_minilm", *use), data)
+    with pytest.raises(ConfigError, match=r"generator.max_source_length \+ generator.max_target_length = 108 is more "
+                                          r"than generator.model=.* has positions for \(64\)"):
+        preflight(_cfg(tmp_path, "generator=tiny_gpt2", *use), data)
+    with pytest.raises(ConfigError, match=r"question '.*': the question takes \d+ tokens with the template's fixed "
+                                          r"tokens, more than generator.max_source_length=8"):
+        preflight(_cfg(tmp_path, "generator.max_source_length=8"), data)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (("generator=bert2bert_minilm", "generator.model=tiny"), r"generator.model 'tiny' is a small T5 or GPT-2"),
+    (("generator.train.epochs=3",), r"generator.train.epochs and generator.train.max_steps=6 are both set"),
+    (("generator.train.log_every=2",), r"generator.train.checkpoint_every must be 0 or a multiple of "
+                                       r"generator.train.log_every \(2\)"),
+    (("generator.tiny.num_heads=3",), r"generator.tiny.d_model must be divisible by generator.tiny.num_heads \(3\)"),
+    (("checkpoint.every_steps=3", "retriever.train.log_every=2"), r"checkpoint.every_steps must be 0 or a multiple"),
+])
+def test_settings_that_would_be_ignored_or_log_wrongly_are_refused(tmp_path, overrides: tuple, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        _cfg(tmp_path, *overrides)
