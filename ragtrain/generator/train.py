@@ -87,12 +87,13 @@ def train_passages(ex: GenExample, hits: list[str], k: int, include_gold: bool, 
     gold = [p for p in ids if p in ex.gold][:1] if include_gold and ex.gold else []
     if include_gold and ex.gold and not gold:
         ids, gold = ids[: k - 1] + [ex.gold[0]], [ex.gold[0]]
-    if whole is None or not gold:
+    ordered = gold + [p for p in ids if p != gold[0]] if gold else ids
+    n = whole(ordered) if whole is not None and gold else len(ids)
+    if n >= len(ids):  # every passage fits whole (or there is no gold passage to keep): any order keeps them all
         if shuffle:
             rng.shuffle(ids)
         return ids
-    ordered = gold + [p for p in ids if p != gold[0]]
-    n = max(1, whole(ordered))  # 0: even the gold passage alone is longer than the budget (then it is cut)
+    n = max(1, n)  # 0: even the gold passage alone is longer than the budget (then it is cut)
     fits, rest = ordered[:n], ordered[n:]
     if shuffle:
         rng.shuffle(fits)
