@@ -26,7 +26,8 @@ DEFAULT_COST = "run/comm/bytes_per_step"
 DEFAULT_SIZE = "run/drift/replica_cosine_mean"
 DEFAULT_CURVE = "train/loss"
 # Params that differ between any two runs without saying anything about them.
-NOISE = ("output_dir", "logger.run_name", "logger.tracking_uri", "resume", "experiment_name")
+# (Not experiment_name: one MLflow experiment may hold runs of several ragtrain experiments, and that must show.)
+NOISE = ("output_dir", "logger.run_name", "logger.tracking_uri", "resume")
 MAX_TABLE_PARAMS = 6
 
 
@@ -82,9 +83,11 @@ def table_columns(df: pd.DataFrame, metric: str, cost: str, size: str) -> list[s
 def compare_runs(
     uri: str, *, experiment: Optional[str] = None, parent_run_id: Optional[str] = None, out_dir: str | Path,
     metric: str = DEFAULT_METRIC, cost: str = DEFAULT_COST, size: str = DEFAULT_SIZE, curve: str = DEFAULT_CURVE,
+    required: Sequence[str] = (),
     title: Optional[str] = None,
 ) -> tuple[pd.DataFrame, list[Path]]:
-    """Read the runs, write comparison.csv/.md/.png and learning_curves.png to out_dir; returns (table, files)."""
+    """Read the runs, write comparison.csv/.md/.png and learning_curves.png to out_dir; returns (table, files).
+    `required`: metrics that must exist under the source (ValueError naming those that do, before writing)."""
     if bool(experiment) == bool(parent_run_id):
         raise ValueError("give exactly one of an experiment name or a parent run id")
     records = find_runs(uri, experiment=experiment, parent_run_id=parent_run_id)
@@ -92,6 +95,10 @@ def compare_runs(
     source = f"experiment {experiment!r}" if experiment else f"parent run {parent_run_id}"
     if df.empty:
         raise ValueError(f"no runs with metrics under {source} in {uri}")
+    logged = [c for c in df.columns if "/" in c]
+    missing = [m for m in required if m not in df]
+    if missing:  # a misspelled metric asked for by name: an empty plot and exit 0 would hide it
+        raise ValueError(f"no run under {source} logged {missing}; metrics there: {logged}")
     for name in (metric, cost):
         if name not in df:
             print(f"warning: no run under {source} logged {name!r}; metrics there: "
@@ -124,25 +131,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     src.add_argument("--parent-run-id", help="a sweep's parent run id: compare its trials")
     ap.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else sqlite:///./mlruns/mlflow.db")
     ap.add_argument("--out", help="output folder (default: outputs/compare/<experiment or run id>)")
-    ap.add_argument("--metric", default=DEFAULT_METRIC, help=f"y axis (default {DEFAULT_METRIC})")
-    ap.add_argument("--cost", default=DEFAULT_COST, help=f"x axis (default {DEFAULT_COST})")
-    ap.add_argument("--size", default=DEFAULT_SIZE, help=f"marker size (default {DEFAULT_SIZE})")
-    ap.add_argument("--curve", default=DEFAULT_CURVE, help=f"learning-curve metric (default {DEFAULT_CURVE})")
+    # No argparse defaults: a metric given by name must exist (exit 2), a default one may be missing (a warning)
+    ap.add_argument("--metric", help=f"y axis (default {DEFAULT_METRIC})")
+    ap.add_argument("--cost", help=f"x axis (default {DEFAULT_COST})")
+    ap.add_argument("--size", help=f"marker size (default {DEFAULT_SIZE})")
+    ap.add_argument("--curve", help=f"learning-curve metric (default {DEFAULT_CURVE})")
     args = ap.parse_args(argv)
+    norm = lambda m: m.replace("@", "_at_")  # noqa: E731 - accept pipeline spelling (ndcg@10)
+    required = [norm(m) for m in (args.metric, args.cost, args.size, args.curve) if m]
+    args.metric, args.cost = args.metric or DEFAULT_METRIC, args.cost or DEFAULT_COST
+    args.size, args.curve = args.size or DEFAULT_SIZE, args.curve or DEFAULT_CURVE
     uri = args.tracking_uri or tracking_uri(LoggerConfig())
     out = args.out or str(Path("outputs", "compare", args.experiment or args.parent_run_id))
-    norm = lambda m: m.replace("@", "_at_")  # noqa: E731 - accept pipeline spelling (ndcg@10)
     db = sqlite_file(uri)
     if db is not None and not db.is_file():  # MLflow would create an empty one
         print(f"error: no MLflow store at {uri} (run an experiment first, or pass --tracking-uri)", file=sys.stderr)
         return 2
+    from mlflow.exceptions import MlflowException
+
+    from ragtrain.errors import ConfigError
+    from ragtrain.track.mlflow import check_tracking_uri
+
     try:
+        check_tracking_uri(uri)  # an unknown scheme or an unreachable server: one line, in seconds
         df, files = compare_runs(
             uri, experiment=args.experiment, parent_run_id=args.parent_run_id, out_dir=out,
             metric=norm(args.metric), cost=norm(args.cost), size=norm(args.size), curve=norm(args.curve),
+            required=required,
         )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, ConfigError, MlflowException) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(df[table_columns(df, norm(args.metric), norm(args.cost), norm(args.size))].to_markdown(index=False, floatfmt=".4g"))
     print(f"report: {', '.join(str(f) for f in files)}")

@@ -123,9 +123,12 @@ def export_retriever(cfg: Config, weights: dict[str, torch.Tensor], folder: str 
                                        "cls" if r.pooling == Pooling.cls else "mean")]
         if r.normalize:
             mods.append(Normalize())
-        prompts = {k: v for k, v in (("query", r.query_prefix), ("document", r.passage_prefix)) if v}
-        model = SentenceTransformer(modules=mods, prompts=prompts or None, device="cpu",
-                                    similarity_fn_name="cosine" if r.normalize else "dot")
+        # Both prompts whenever either prefix is set (an empty one is "no prefix"), and "document" by default: a
+        # plain encode() embeds as the corpus was embedded; queries take prompt_name="query" (or encode_query)
+        prompts = {"query": r.query_prefix, "document": r.passage_prefix} if (r.query_prefix or r.passage_prefix) \
+            else None
+        model = SentenceTransformer(modules=mods, prompts=prompts, default_prompt_name="document" if prompts else None,
+                                    device="cpu", similarity_fn_name="cosine" if r.normalize else "dot")
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save(str(tmp), create_model_card=card is None)

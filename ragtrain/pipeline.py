@@ -380,9 +380,11 @@ def run(
         write_status(out, "failed", error=f"{type(e).__name__}: {e}"[:2000])
         raise
     finally:
-        for fn in cleanup:
-            fn()
-        if cfg.profile:  # a failed run's timeline is the one most worth reading
-            write_timeline(out, logger)
-        logger.end(status)
+        try:  # a clean-up that fails (Ray gone, say) must not leave the MLflow run RUNNING
+            for fn in cleanup:
+                fn()
+            if cfg.profile:  # a failed run's timeline is the one most worth reading
+                write_timeline(out, logger)
+        finally:
+            logger.end(status)
 

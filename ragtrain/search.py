@@ -89,7 +89,12 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
         raise SearchError(str(e)) from None
     # vector_avg: the index holds the replicas' re-normalised mean vectors, and queries are averaged the same way
     snapshots = encoder_weights(cfg, index.meta.encoder, out)
-    qv = QueryEncoder(cfg.retriever, snapshots, precision=cfg.index.precision.value).encode([question], role="query")
+    encoder = QueryEncoder(cfg.retriever, snapshots, precision=cfg.index.precision.value)
+    if index.meta.dim != encoder.dim:  # e.g. a run folder whose config was edited after the index was built
+        raise SearchError(f"{out / 'index'}: the index holds {index.meta.dim}-dim vectors but the run's encoder "
+                          f"({cfg.retriever.model}) produces {encoder.dim}-dim ones: search the folder the index was "
+                          "built in, with its config")
+    qv = encoder.encode([question], role="query")
     index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
     scores, rows = index.search(qv, k)
     passages = passage_texts(cfg, out)

@@ -37,6 +37,10 @@ def _log_comparison(cfg: Config, files: list[Path]) -> None:
     from ragtrain.track.mlflow import RunLogger
 
     logger = RunLogger(replace(cfg.logger, run_name=f"{cfg.experiment_name}/comparison"), cfg.experiment_name)
-    for f in files:
-        logger.log_artifact(f)
-    logger.end("FINISHED")
+    status = "FAILED"
+    try:
+        for f in files:
+            logger.log_artifact(f)
+        status = "FINISHED"
+    finally:
+        logger.end(status)

@@ -68,6 +68,11 @@ def test_experiment_table_matches_logged_values(store) -> None:
     assert csv["trained/ndcg_at_10"].tolist() == pytest.approx(df["trained/ndcg_at_10"].tolist())
     by = df.set_index("run_id")
     assert by.loc[ids["topk"], "sync"] == "topk" and by.loc[ids["adaptive"], "sync"] == "local_sgd_adaptive"
+    for name, (_, final, curve) in RUNS.items():  # against what was logged, not MLflow's own summary of it
+        row = by.loc[ids[name]]
+        assert {k: row[k] for k in final} == pytest.approx(final) and row["train/loss"] == curve[-1][1]
+        # runs of different ragtrain experiments in one MLflow experiment say so
+        assert row["experiment_name"] == name
     assert {"sync.strategy", "sync.label", "sync.mixer.period"} <= set(df.columns)  # params that differ between runs
     assert "output_dir" not in df.columns  # ... but not the ones that always differ
     names = {f.name: f for f in files}
@@ -109,6 +114,15 @@ def test_cli(store, tmp_path: Path, capsys) -> None:
     assert "no MLflow store at" in capsys.readouterr().err and not (tmp_path / "none").exists()
     with pytest.raises(SystemExit):
         main(["--tracking-uri", uri])  # argparse: one of --experiment / --parent-run-id is required
+    # a metric asked for by name that no run logged: exit 2 naming it and what was logged, nothing written
+    for flag in ("--metric", "--curve"):
+        assert main(["--experiment", "cmp", "--tracking-uri", uri, "--out", str(tmp_path / "typo"), flag,
+                     "trained/ndcg_at_1O"]) == 2
+        err = capsys.readouterr().err
+        assert "logged ['trained/ndcg_at_1O']; metrics there: [" in err and "'trained/ndcg_at_10'" in err
+        assert not (tmp_path / "typo").exists()
+    assert main(["--experiment", "cmp", "--tracking-uri", "foo://x", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown scheme 'foo'" in capsys.readouterr().err
 
 
 def test_sync_label_inference() -> None:

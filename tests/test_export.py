@@ -259,3 +259,45 @@ def test_a_search_hit_is_one_line_and_a_cut_says_so() -> None:
     assert hit_line(h) == "  1  0.5000  doc#3  T: Namesakes Not to be confused"
     long = hit_line({**h, "text": "word " * 100}, width=40)
     assert long.endswith("...") and len(long.split("  doc#3  ")[1]) == 40
+
+
+def test_the_mlflow_model_embeds_documents_and_queries_with_their_prefixes(tmp_path: Path) -> None:
+    # MLflow's default signature has no params: a prompt_name passed to predict() was dropped, and neither side
+    # got its prefix (cosine 0.96 against ragtrain's vectors)
+    import mlflow.pyfunc
+
+    from ragtrain.track.mlflow import save_retriever_model
+
+    r = RetrieverConfig(model="tiny", tiny=TINY, query_prefix="query: ", passage_prefix="passage: ",
+                        query_max_length=48, passage_max_length=48)
+    folder, ours, _ = _export_and_compare(tmp_path, r)
+    save_retriever_model(folder, tmp_path / "mlflow_model")
+    pyfunc = mlflow.pyfunc.load_model(str(tmp_path / "mlflow_model"))
+    torch.manual_seed(0)
+    model = build_encoder(r)
+    q_ours = encode_texts(model, load_tokenizer(r), TEXTS[:1], r.query_max_length, role="query")
+    docs = torch.tensor(pyfunc.predict(TEXTS), dtype=torch.float32)  # the default: documents
+    query = torch.tensor(pyfunc.predict(TEXTS[:1], params={"prompt_name": "query"}), dtype=torch.float32)
+    assert torch.nn.functional.cosine_similarity(docs, ours).min().item() >= 0.9999
+    assert torch.nn.functional.cosine_similarity(query, q_ours).min().item() >= 0.9999
+
+
+def test_search_on_an_index_of_another_dimension_fails_in_one_line(finished_run, tmp_path: Path) -> None:
+    # an index folder from another run (or a config edited after the index was built): a FAISS assertion before
+    import shutil
+
+    import numpy as np
+
+    from ragtrain.index.faiss_index import build_index, load_index
+
+    cfg, _, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(cfg.output_dir, run, ignore=shutil.ignore_patterns("mlflow*", "checkpoints"))
+    saved = load_index(run / "index")
+    other = np.random.default_rng(0).standard_normal((len(saved.doc_ids), 8)).astype(np.float32)
+    built = build_index(other, saved.doc_ids, "Flat", saved.meta.corpus_fingerprint, saved.meta.encoder)
+    shutil.rmtree(run / "index")
+    built.save(run / "index")
+    res = _search(str(run), "who founded it?")
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert "the index holds 8-dim vectors but the run's encoder" in res.stderr

@@ -243,19 +243,10 @@ class RunLogger:
         under the run's artifacts); `register_as` also registers it in the Model Registry. Returns the model URI."""
         if not self.enabled:
             return None
-        import mlflow.sentence_transformers
-        from sentence_transformers import SentenceTransformer
-
-        model = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
         with tempfile.TemporaryDirectory() as d:
             # save_model + the run's client, not log_model: log_model works through mlflow's global tracking URI
             # and active run, which would leak into this process (and its MLFLOW_TRACKING_URI) after the call.
-            mlflow.sentence_transformers.save_model(
-                model, str(Path(d) / "retriever"),
-                # explicit requirements: inferring them starts a subprocess that re-imports the model (slow)
-                pip_requirements=[f"sentence-transformers=={_version('sentence-transformers')}",
-                                  f"torch=={_version('torch').split('+')[0]}",
-                                  f"transformers=={_version('transformers')}"])
+            save_retriever_model(folder, Path(d) / "retriever")
             self.client.log_artifacts(self.run_id, str(Path(d) / "retriever"), "retriever")
         uri = f"runs:/{self.run_id}/retriever"
         self.set_tags({"ragtrain.retriever_model": uri})
@@ -266,8 +257,9 @@ class RunLogger:
             registry = MlflowClient(self.uri, registry_uri=self.uri)  # SQLite stores hold the registry too
             try:
                 registry.create_registered_model(register_as)
-            except MlflowException:  # already registered: add a version
-                pass
+            except MlflowException as e:  # already registered: add a version; anything else is the real error
+                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
             version = registry.create_model_version(register_as, uri, run_id=self.run_id)
             self.set_tags({"ragtrain.registered_model": f"models:/{register_as}/{version.version}"})
             log.info(f"[export] registered the retriever as models:/{register_as}/{version.version}")
@@ -289,6 +281,31 @@ class RunLogger:
         """Close the run (FINISHED or FAILED)."""
         if self.enabled and self.run_id:
             self.client.set_terminated(self.run_id, status)
+
+
+def save_retriever_model(folder: str | Path, out: str | Path) -> None:
+    """Save a sentence-transformers folder as an MLflow model (sentence_transformers flavour) at `out`.
+
+    With query/passage prefixes the pyfunc takes a `prompt_name` param ("document" by default, "query" for
+    queries): MLflow's default signature has no params and would drop it, so no prefix would reach encode().
+    """
+    import mlflow.sentence_transformers
+    import numpy as np
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema, TensorSpec
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    signature = None
+    if model.prompts.get("query") or model.prompts.get("document"):
+        signature = ModelSignature(inputs=Schema([ColSpec("string")]),
+                                   outputs=Schema([TensorSpec(np.dtype("float64"), [-1])]),
+                                   params=ParamSchema([ParamSpec("prompt_name", "string", "document")]))
+    mlflow.sentence_transformers.save_model(
+        model, str(out), signature=signature,
+        # explicit requirements: inferring them starts a subprocess that re-imports the model (slow)
+        pip_requirements=[f"sentence-transformers=={_version('sentence-transformers')}",
+                          f"torch=={_version('torch').split('+')[0]}", f"transformers=={_version('transformers')}"])
 
 
 def _version(dist: str) -> str:
