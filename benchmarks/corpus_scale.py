@@ -92,14 +92,16 @@ class RssSampler:
 
 
 def write_corpus_folder(root: Path, n: int, per_file: int = 1000) -> None:
-    """N generated documents as a data=documents folder: jsonl files of `per_file` documents (written a file at a
-    time), plus the queries.jsonl and qrels a documents folder needs (ten queries, judged on the first documents)."""
+    """N generated documents as a data=documents folder: jsonl files of `per_file` documents (0: one file of all N;
+    written 1,000 documents at a time), plus the queries.jsonl and qrels a documents folder needs (ten queries,
+    judged on the first documents)."""
     import numpy as np
 
     (root / "qrels").mkdir(parents=True)
-    for s in range(0, n, per_file):
-        docs = make_docs({"id": np.arange(s, min(n, s + per_file))})
-        with open(root / f"part-{s // per_file:05d}.jsonl", "w", encoding="utf-8") as f:
+    per_file = per_file or n
+    for s in range(0, n, 1000):
+        docs = make_docs({"id": np.arange(s, min(n, s + 1000))})
+        with open(root / f"part-{s // per_file:05d}.jsonl", "a", encoding="utf-8") as f:
             for i, t, x in zip(docs["id"], docs["title"], docs["text"]):
                 f.write(json.dumps({"_id": i, "title": t, "text": x}) + "\n")
     (root / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": f"entity {i}"}) + "\n"
@@ -155,7 +157,7 @@ def scale(args) -> None:
     encode_mod.ACTOR_ENV.update(actor_env)  # encode_to_shards reads it when it starts the actor pool
     work = Path(tempfile.mkdtemp(prefix="corpus_scale-", dir=args.workdir))
     t0 = time.perf_counter()
-    write_corpus_folder(work / "docs", args.passages)  # the user's files: not part of the pipeline's time
+    write_corpus_folder(work / "docs", args.passages, args.per_file)  # the user's files: not the pipeline's time
     write_s = time.perf_counter() - t0
     wall0 = time.perf_counter()
     start_ray(args.num_cpus, args.ray_worker_niceness0)
@@ -172,9 +174,9 @@ def scale(args) -> None:
     # files and chunk the documents; the driver deduplicates and writes the stores
     t0 = time.perf_counter()
     data, _ = load_documents(work / "docs", split="dev", dev_size=2, log=lambda m: None,
-                             store_path=work / "corpus" / "documents.arrow", on_ray=True)
+                             store_path=work / "corpus" / "documents.arrow", on_ray=args.prepare == "ray")
     data = chunk_data(data, load_tokenizer(cfg), 64, 8, store_path=work / "corpus" / "passages.arrow",
-                      ray_tasks=args.actors, retriever=cfg)
+                      ray_tasks=args.actors if args.prepare == "ray" else 0, retriever=cfg)
     prepare_s = time.perf_counter() - t0
     shards = encode_to_shards(data.corpus, weights_ref, cfg, index, pool, work / "vectors", max_length=64,
                               stats_dir=str(stats_dir))
@@ -185,6 +187,7 @@ def scale(args) -> None:
     cores = args.actors * args.cpus_per_actor
     row = {
         "passages": shards.rows, "retriever": args.retriever, "actor_env": actor_env, "dim": shards.dim,
+        "per_file": args.per_file, "prepare": args.prepare,
         "precision": args.precision,
         "factory": args.factory, "actors": args.actors, "cpus_per_actor": args.cpus_per_actor,
         "ray_num_cpus": args.num_cpus, "write_files_s": write_s, "prepare_s": prepare_s,
@@ -213,9 +216,10 @@ def scale(args) -> None:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "corpus_scale.json"
     rows = json.loads(path.read_text()) if path.exists() else []
-    key = ("passages", "retriever", "actor_env", "precision")  # one entry per N, retriever, environment, precision
-    rows = [r for r in rows if tuple(r.get(k, {} if k == "actor_env" else "fp32") for k in key)
-            != tuple(row[k] for k in key)] + [row]
+    # one entry per N, retriever, environment, precision and input layout
+    key = ("passages", "retriever", "actor_env", "precision", "per_file", "prepare")
+    old = {"actor_env": {}, "precision": "fp32", "per_file": 1000, "prepare": "ray"}  # rows written before the key
+    rows = [r for r in rows if tuple(r.get(k, old.get(k)) for k in key) != tuple(row[k] for k in key)] + [row]
     path.write_text(json.dumps(sorted(rows, key=lambda r: (r["retriever"], str(r.get("actor_env", {})), r["passages"])),
                                indent=2))
     print(json.dumps(row, indent=2))
@@ -248,11 +252,14 @@ def compare(args) -> None:
     st = SentenceTransformer(minilm_path(), device="cpu")
     st.max_seq_length = args.max_length
     st.encode(texts[:64], batch_size=64)  # warm-up
-    pool = EncoderPool(cfg, pool_res)
-    pool.set_weights("v0", ref)
+    sides = set(args.sides.split(","))
     fp32 = IndexConfig(batch_size=64, shard_size=256, precision=Precision.fp32)
     bf16 = IndexConfig(batch_size=64, shard_size=256, precision=Precision.bf16)
-    pool.encode(texts[:64], args.max_length, fp32, progress=False)  # warm-up
+    pool = None
+    if "pool" in sides:
+        pool = EncoderPool(cfg, pool_res)
+        pool.set_weights("v0", ref)
+        pool.encode(texts[:64], args.max_length, fp32, progress=False)  # warm-up
 
     def ray_data(index: IndexConfig, tag: str, docs=None):
         i, t = (ids, texts) if docs is None else (ids[:docs], texts[:docs])
@@ -275,34 +282,40 @@ def compare(args) -> None:
         s, steady = ray_data(fp32, "fp32")
         r["raydata_fp32_docs_per_s"], r["raydata_fp32_steady_docs_per_s"] = s.docs_per_s, steady
         b = s.read_all(order=ids)[1]
-        t = time.perf_counter()
-        pool.encode(texts, args.max_length, fp32, progress=False)
-        r["pool_fp32_docs_per_s"] = len(texts) / (time.perf_counter() - t)
-        s, steady = ray_data(bf16, "bf16")
-        r["raydata_bf16_docs_per_s"], r["raydata_bf16_steady_docs_per_s"] = s.docs_per_s, steady
+        if pool is not None:
+            t = time.perf_counter()
+            pool.encode(texts, args.max_length, fp32, progress=False)
+            r["pool_fp32_docs_per_s"] = len(texts) / (time.perf_counter() - t)
+        if "bf16" in sides:
+            s, steady = ray_data(bf16, "bf16")
+            r["raydata_bf16_docs_per_s"], r["raydata_bf16_steady_docs_per_s"] = s.docs_per_s, steady
         cos = np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
         r["min_cosine_st_vs_raydata"] = float(cos.min())
         print(f"rep {rep}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.items()), flush=True)
         out["reps"].append(r)
-    # Start-up on a small corpus: what one live refresh of 64 texts would cost on each path
-    t = time.perf_counter()
-    ray_data(fp32, "small", docs=64)
-    out["raydata_64_texts_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    pool.encode(texts[:64], args.max_length, fp32, progress=False)
-    out["pool_warm_64_texts_s"] = time.perf_counter() - t
+    if pool is not None:  # start-up on a small corpus: what one live refresh of 64 texts would cost on each path
+        t = time.perf_counter()
+        ray_data(fp32, "small", docs=64)
+        out["raydata_64_texts_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        pool.encode(texts[:64], args.max_length, fp32, progress=False)
+        out["pool_warm_64_texts_s"] = time.perf_counter() - t
     med = {k: statistics.median(r[k] for r in out["reps"]) for k in out["reps"][0]}
     out["median"] = med
     out["ratio_raydata_vs_st"] = med["raydata_fp32_docs_per_s"] / med["st_fp32_docs_per_s"]
     out["ratio_raydata_steady_vs_st"] = med["raydata_fp32_steady_docs_per_s"] / med["st_fp32_docs_per_s"]
-    out["ratio_pool_vs_st"] = med["pool_fp32_docs_per_s"] / med["st_fp32_docs_per_s"]
-    out["ratio_bf16_vs_fp32_raydata"] = med["raydata_bf16_docs_per_s"] / med["raydata_fp32_docs_per_s"]
-    out["ratio_bf16_vs_fp32_raydata_steady"] = med["raydata_bf16_steady_docs_per_s"] / med["raydata_fp32_steady_docs_per_s"]
+    if pool is not None:
+        out["ratio_pool_vs_st"] = med["pool_fp32_docs_per_s"] / med["st_fp32_docs_per_s"]
+        pool.shutdown()
+    if "bf16" in sides:
+        out["ratio_bf16_vs_fp32_raydata"] = med["raydata_bf16_docs_per_s"] / med["raydata_fp32_docs_per_s"]
+        out["ratio_bf16_vs_fp32_raydata_steady"] = (med["raydata_bf16_steady_docs_per_s"]
+                                                    / med["raydata_fp32_steady_docs_per_s"])
+    out["sides"] = sorted(sides)
     out["load_avg_end"] = os.getloadavg()[0]
     out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    pool.shutdown()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "corpus_scale_throughput.json").write_text(json.dumps(out, indent=2))
+    (RESULTS / args.out).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: v for k, v in out.items() if k != "reps"}, indent=2))
 
 
@@ -314,7 +327,8 @@ def plot(args) -> None:
 
     rows = [r for r in json.loads((RESULTS / "corpus_scale.json").read_text())
             if r["retriever"] == args.retriever and not r.get("actor_env")
-            and r.get("precision", "fp32") == args.precision]  # the default environment only
+            and r.get("precision", "fp32") == args.precision  # the default environment and layout only
+            and r.get("per_file", 1000) == 1000 and r.get("prepare", "ray") == "ray"]
     n = [r["passages"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(n, [r["driver_peak_rss_mb"] for r in rows], "o-", label="driver peak RSS")
@@ -339,11 +353,17 @@ def main() -> None:
     p.add_argument("--retriever", default="tiny", choices=["tiny", "minilm"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="scale mode: index.precision")
     p.add_argument("--factory", default="Flat")
+    p.add_argument("--per-file", type=int, default=1000, help="scale mode: documents per jsonl file (0: one file)")
+    p.add_argument("--prepare", default="ray", choices=["ray", "driver"],
+                   help="scale mode: read, clean and chunk on Ray Data tasks (data.prepare=ray) or in the driver")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--cpus-per-actor", type=float, default=1.0)
     p.add_argument("--num-cpus", type=int, default=2, help="logical CPUs of the benchmark's private local Ray")
     p.add_argument("--compare-docs", type=int, default=0)
     p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--sides", default="st,raydata,pool,bf16",
+                   help="compare mode: comma list; sentence-transformers (st) and Ray Data fp32 always run, "
+                        "'pool' adds the EncoderPool and the 64-text start-up figures, 'bf16' Ray Data in bf16")
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--workdir", default=None)
     p.add_argument("--keep", action="store_true", help="keep the shards and the index")
@@ -351,7 +371,10 @@ def main() -> None:
     p.add_argument("--plot", action="store_true")
     p.add_argument("--actor-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment of the encode actors (e.g. MALLOC_ARENA_MAX=2); the row records it")
+    p.add_argument("--out", default="corpus_scale_throughput.json", help="compare mode: file under benchmarks/results")
     args = p.parse_args()
+    if not set(args.sides.split(",")) <= {"st", "raydata", "pool", "bf16"}:
+        p.error(f"--sides: choose from st, raydata, pool, bf16; got {args.sides!r}")
     if args.plot:
         plot(args)
     elif args.compare_docs:

@@ -109,9 +109,9 @@ def _rows(ds: Any) -> Iterator[dict[str, Any]]:
     """A dataset's rows as dicts, in order, converted to Python one row at a time.
 
     Ray Data merges the batches a task yields into blocks of up to `target_max_block_size` (128 MiB), and turning a
-    whole block into numpy object arrays or Python lists holds all its texts at once: measured on 100k documents of
-    300 words (297 MB of jsonl), the driver's heap peaked at +420 MB that way and at +107 MB row by row, in the same
-    time (benchmarks/large_file.py). Arrow blocks are read zero-copy from the object store.
+    whole block into numpy object arrays or Python lists holds all its texts at once: the driver's heap grew by
+    ~1.3x the corpus text that way (benchmarks/README.md, `large_file.py`). Arrow blocks are read zero-copy from
+    the object store.
     """
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         columns = {name: batch.column(name) for name in batch.column_names}
