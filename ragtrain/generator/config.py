@@ -135,6 +135,11 @@ class GeneratorEvalConfig:
         _check(self.max_questions >= 0, "eval.max_questions", "must be >= 0", self.max_questions)
 
 
+# generator.arch=bert2bert's own keys and their defaults (see GeneratorConfig)
+BERT2BERT_DEFAULTS: dict[str, Any] = {"encoder_layers": 0, "decoder_layers": 2, "tie_embeddings": True,
+                                      "cross_attention_init": "self"}
+
+
 @dataclass
 class GeneratorConfig:
     arch: Arch = Arch.bert2bert
@@ -143,12 +148,14 @@ class GeneratorConfig:
     model: str = "minilm"
     tokenizer: Optional[str] = None  # default: the model's own ("minilm" for bert2bert=minilm and tiny)
     tiny: TinyGeneratorConfig = field(default_factory=TinyGeneratorConfig)
-    encoder_layers: int = 0  # bert2bert: keep the first N layers of the checkpoint in the encoder (0 = all)
-    decoder_layers: int = 2  # bert2bert: the decoder is the checkpoint's first N layers + new cross-attention
-    tie_embeddings: bool = True  # bert2bert: decoder input/output embeddings = the encoder's word embeddings
-    # bert2bert: the new cross-attention starts as a copy of the layer's pretrained self-attention ("self") or
-    # from a random init ("random", transformers' default)
-    cross_attention_init: str = "self"
+    # bert2bert only (None = the default in BERT2BERT_DEFAULTS; set under another arch, they are refused, since
+    # nothing would read them):
+    encoder_layers: Optional[int] = None  # keep the first N layers of the checkpoint in the encoder (0 = all)
+    decoder_layers: Optional[int] = None  # the decoder is the checkpoint's first N layers + new cross-attention
+    tie_embeddings: Optional[bool] = None  # decoder input/output embeddings = the encoder's word embeddings
+    # the new cross-attention starts as a copy of the layer's pretrained self-attention ("self") or from a random
+    # init ("random", transformers' default)
+    cross_attention_init: Optional[str] = None
     dropout: Optional[float] = None  # override the model's dropout (0 for the DDP-equivalence tests)
     max_source_length: int = 128
     max_target_length: int = 16
@@ -161,19 +168,37 @@ class GeneratorConfig:
     train: GeneratorTrainConfig = field(default_factory=GeneratorTrainConfig)
     eval: GeneratorEvalConfig = field(default_factory=GeneratorEvalConfig)
 
+    def bert2bert(self, key: str) -> Any:
+        """A bert2bert-only setting: its value, or its default (BERT2BERT_DEFAULTS) when unset."""
+        value = getattr(self, key)
+        return BERT2BERT_DEFAULTS[key] if value is None else value
+
     def __post_init__(self) -> None:
         _check(bool(self.model.strip()), "model", "must name a model", self.model)
         # "tiny" builds a small T5 / GPT-2 from generator.tiny; BERT2BERT is always built from a BERT checkpoint
         _check(not (self.model == "tiny" and Arch(self.arch) == Arch.bert2bert), "model", "'tiny' is a small T5 or "
                "GPT-2 (generator.arch=seq2seq or causal); generator.arch=bert2bert needs a BERT checkpoint such as "
                "'minilm'", self.model)
+        # generator.tiny is read only to build model=tiny: a changed value with another model would be ignored
+        changed = [k for k, v in vars(TinyGeneratorConfig()).items() if getattr(self.tiny, k) != v]
+        _check(self.model == "tiny" or not changed, f"tiny.{changed[0] if changed else ''}", "applies to "
+               f"generator.model=tiny only (this is {self.model!r}); remove it",
+               getattr(self.tiny, changed[0]) if changed else None)
         self.model = local_model(self.model)  # a local folder: loaded by workers in other folders
         if self.tokenizer:
             self.tokenizer = local_model(self.tokenizer)
-        _check(self.encoder_layers >= 0, "encoder_layers", "must be >= 0", self.encoder_layers)
-        _check(self.decoder_layers > 0, "decoder_layers", "must be > 0", self.decoder_layers)
-        _check(self.cross_attention_init in ("self", "random"), "cross_attention_init", "must be one of ['self', "
-               "'random']", self.cross_attention_init)
+        set_keys = [k for k in BERT2BERT_DEFAULTS if getattr(self, k) is not None]
+        _check(Arch(self.arch) == Arch.bert2bert or not set_keys, set_keys[0] if set_keys else "arch",
+               f"applies to generator.arch=bert2bert only (this is {Arch(self.arch).value}); remove it",
+               getattr(self, set_keys[0]) if set_keys else None)
+        # unset keys stay None (not filled in here: the schema's default instance is built as bert2bert, and a
+        # filled-in value would then reach every other arch as if set); bert2bert reads them through `bert2bert()`
+        _check(self.encoder_layers is None or self.encoder_layers >= 0, "encoder_layers", "must be >= 0",
+               self.encoder_layers)
+        _check(self.decoder_layers is None or self.decoder_layers > 0, "decoder_layers", "must be > 0",
+               self.decoder_layers)
+        _check(self.cross_attention_init in (None, "self", "random"), "cross_attention_init", "must be one of "
+               "['self', 'random']", self.cross_attention_init)
         _check(self.dropout is None or 0 <= self.dropout < 1, "dropout", "must be in [0, 1)", self.dropout)
         _check(8 <= self.max_source_length <= 4096, "max_source_length", "must be in [8, 4096]", self.max_source_length)
         _check(self.max_target_length > 1, "max_target_length", "must be > 1", self.max_target_length)

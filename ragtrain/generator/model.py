@@ -54,19 +54,21 @@ def _bert2bert(g: GeneratorConfig, tok) -> nn.Module:
     enc_cfg = BertConfig.from_pretrained(path)
     if enc_cfg.model_type != "bert":
         raise ValueError(f"generator.arch=bert2bert needs a BERT checkpoint, {path} is {enc_cfg.model_type!r}")
-    if g.encoder_layers:
-        enc_cfg.num_hidden_layers = min(g.encoder_layers, enc_cfg.num_hidden_layers)
+    if g.bert2bert("encoder_layers"):
+        enc_cfg.num_hidden_layers = min(g.bert2bert("encoder_layers"), enc_cfg.num_hidden_layers)
     _set_dropout(enc_cfg, g.dropout)
     encoder = BertModel.from_pretrained(path, config=enc_cfg, add_pooling_layer=False)  # no pooler: DDP-unused
     dec_cfg = BertConfig.from_pretrained(path, is_decoder=True, add_cross_attention=True)
     # A shallow decoder: answers are a few tokens copied from the source, so depth buys little and costs time.
-    dec_cfg.num_hidden_layers = min(g.decoder_layers, dec_cfg.num_hidden_layers)
+    dec_cfg.num_hidden_layers = min(g.bert2bert("decoder_layers"), dec_cfg.num_hidden_layers)
     _set_dropout(dec_cfg, g.dropout)
     decoder = BertLMHeadModel.from_pretrained(path, config=dec_cfg)  # cross-attention: new, seeded init
-    if g.cross_attention_init == "self":  # pretrained Q/K/V/output instead of noise: the new block starts useful
+    # pretrained Q/K/V/output instead of noise: the new block starts useful
+    if g.bert2bert("cross_attention_init") == "self":
         for layer in decoder.bert.encoder.layer:
             layer.crossattention.load_state_dict(layer.attention.state_dict())
-    if g.tie_embeddings:  # one 30k x d matrix for encoder input, decoder input and output: fewer params to sync
+    # one 30k x d matrix for encoder input, decoder input and output: fewer params to sync
+    if g.bert2bert("tie_embeddings"):
         decoder.bert.embeddings.word_embeddings = encoder.embeddings.word_embeddings
         decoder.cls.predictions.decoder.weight = encoder.embeddings.word_embeddings.weight
     model = EncoderDecoderModel(encoder=encoder, decoder=decoder)

@@ -68,8 +68,13 @@ class PromptBuilder:
         sep = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else None
         self.sep = [sep] if sep is not None else []
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else sep
+        if not self.sep and not template.passage_prefix:
+            # No [SEP] (GPT-2, T5) and no passage prefix: without a marker the question and the passages would run
+            # into one another, so pieces end with a newline, or EOS where the tokenizer drops newlines (T5).
+            self.sep = self._ids("\n") or ([eos] if eos is not None else [])
         # Seq2seq sources end with EOS (T5 is trained that way) unless the [SEP] after each piece already ends it.
-        self.end = [] if self.sep or causal or eos is None else [eos]
+        ended = self.sep[-1:] in ([sep], [eos])  # the last piece's marker already ends the source
+        self.end = [] if ended or causal or eos is None else [eos]
         self.eos = eos
         self.q_prefix = self._ids(template.question_prefix)
         self.p_prefix = self._ids(template.passage_prefix)

@@ -61,7 +61,8 @@ def test_bert2bert_shares_one_embedding_matrix() -> None:
 @pytest.mark.parametrize("arch,model", [("seq2seq", "tiny"), ("bert2bert", "minilm")])
 def test_checkpoint_round_trip_safetensors(tmp_path, arch: str, model: str) -> None:
     cfg = Config()
-    cfg.generator = GeneratorConfig(arch=Arch(arch), model=model, decoder_layers=1, encoder_layers=1, dropout=0.0)
+    layers = {"decoder_layers": 1, "encoder_layers": 1} if arch == "bert2bert" else {}
+    cfg.generator = GeneratorConfig(arch=Arch(arch), model=model, dropout=0.0, **layers)
     tok = load_tokenizer(cfg.generator)
     torch.manual_seed(0)
     m = build_generator(cfg.generator, tok)

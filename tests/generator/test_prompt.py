@@ -89,3 +89,36 @@ def test_question_alone_too_long_is_a_clear_error(tok) -> None:
     b = PromptBuilder(tok, 8, 0, Template())
     with pytest.raises(PromptTooLongError, match="max_source_length=8"):
         b.source("one two three four five six seven", ["p"])
+
+
+def _bpe_tokenizer(keep_newlines: bool):
+    """A GPT-2-style byte-level BPE tokenizer (no [CLS]/[SEP], EOS only) trained here on a few words; with
+    keep_newlines=False its normaliser drops newlines as T5's SentencePiece does."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    if not keep_newlines:
+        t.normalizer = normalizers.Replace("\n", "")
+    trainer = trainers.BpeTrainer(special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(["who plays the oboe", "ann plays the oboe", "bob sings", "answer:"], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_pieces_are_separated_when_the_tokenizer_has_no_sep_and_no_prefix_is_set(causal: bool) -> None:
+    """GPT-2 and T5 tokenizers have no [SEP]: with empty prefixes the question and passages used to run together."""
+    tok = _bpe_tokenizer(keep_newlines=True)
+    b = PromptBuilder(tok, 64, 0, Template("", "", "answer:"), causal=causal)
+    text = tok.decode(b.source("who plays the oboe", ["ann plays the oboe", "bob sings"]))
+    assert text == ("who plays the oboe\nann plays the oboe\nbob sings\nanswer:" if causal else
+                    "who plays the oboe\nann plays the oboe\nbob sings\n<eos>")  # seq2seq sources still end with EOS
+    # a passage prefix separates the pieces itself: no marker added (T5's "question: ... context: ..." layout)
+    b = PromptBuilder(tok, 64, 0, Template("", "bob", ""), causal=False)
+    assert tok.decode(b.source("who", ["sings"])) == "whobobsings<eos>"
+    # a tokenizer that drops newlines (T5) separates with EOS instead, and does not end twice
+    t5ish = _bpe_tokenizer(keep_newlines=False)
+    b = PromptBuilder(t5ish, 64, 0, Template("", "", ""), causal=False)
+    assert t5ish.decode(b.source("who", ["sings"])) == "who<eos>sings<eos>"

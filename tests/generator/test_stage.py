@@ -292,6 +292,13 @@ def test_a_model_the_architecture_or_lengths_cannot_use_fails_before_training(bu
                                        r"generator.train.log_every \(2\)"),
     (("generator.tiny.num_heads=3",), r"generator.tiny.d_model must be divisible by generator.tiny.num_heads \(3\)"),
     (("checkpoint.every_steps=3", "retriever.train.log_every=2"), r"checkpoint.every_steps must be 0 or a multiple"),
+    # keys that only one architecture or model reads
+    (("generator.decoder_layers=3",), r"generator.decoder_layers applies to generator.arch=bert2bert only \(this is "
+                                      r"seq2seq\); remove it"),
+    (("generator=tiny_gpt2", "generator.tie_embeddings=false"), r"generator.tie_embeddings applies to "
+                                                                r"generator.arch=bert2bert only \(this is causal\)"),
+    (("generator=bert2bert_minilm", "generator.tiny.d_model=32"), r"generator.tiny.d_model applies to "
+                                                                  r"generator.model=tiny only \(this is 'minilm'\)"),
 ])
 def test_settings_that_would_be_ignored_or_log_wrongly_are_refused(tmp_path, overrides: tuple, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
