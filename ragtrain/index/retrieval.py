@@ -199,9 +199,20 @@ class Retrieval:
         k = self.cfg.index.top_k
         if not self.data.doc_of:
             return self.search(built, qids, k)
-        # Chunks: MaxP (a document ranks at its best chunk) before the cut-offs, so qrels stay on documents
-        run = self.search(built, qids, min(len(self.doc_ids), k * MAXP_DEPTH_FACTOR))
-        return maxp_run(run, self.data.doc_of, depth=k)
+        # Chunks: MaxP (a document ranks at its best chunk) before the cut-offs, so qrels stay on documents. A
+        # document with many chunks can fill a fixed passage depth on its own, so a query whose passages name
+        # fewer than k documents is searched again deeper, up to the whole index: every query gets its true top k.
+        vectors, total = self.encode_queries(built, qids), len(self.doc_ids)
+        out: dict[str, list[str]] = {}
+        todo, depth = list(range(len(qids))), min(total, k * MAXP_DEPTH_FACTOR)
+        while todo:
+            _, rows = built.index.search(vectors[todo], depth)
+            run = maxp_run(run_from_scores([qids[i] for i in todo], built.index.doc_ids, rows), self.data.doc_of,
+                           depth=k)
+            out.update(run)
+            todo = [i for i in todo if len(run[qids[i]]) < k and depth < total]
+            depth = min(total, depth * 4)
+        return out
 
     def evaluate(self, built: BuiltIndex) -> dict[str, float]:
         """Retrieval metrics of `built` on the evaluated split."""

@@ -57,7 +57,9 @@ def validate(encoder, tokenizer, val: ValSet, query_max_length: int, passage_max
 
     p = encode_texts(encoder, tokenizer, val.passages, passage_max_length, 32, precision, device, role="passage")
     q = encode_texts(encoder, tokenizer, val.queries, query_max_length, 32, precision, device, role="query")
-    depth = min(len(val.pids), VAL_DEPTH * (10 if val.doc_of else 1))
+    # chunks: the whole sample, so MaxP always finds VAL_DEPTH documents (one long document's chunks could fill any
+    # fixed passage depth on their own)
+    depth = len(val.pids) if val.doc_of else min(len(val.pids), VAL_DEPTH)
     top = exact_search(q.numpy(), p.numpy(), depth)[1].tolist()  # the index search, on the fixed sample
     run = {qid: [val.pids[i] for i in row] for qid, row in zip(val.qids, top)}
     if val.doc_of:

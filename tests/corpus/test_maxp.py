@@ -50,23 +50,55 @@ def _chunked_data() -> RetrievalData:
                          split="dev", doc_of=dict(DOC_OF))
 
 
+def _one_hot_index(r, chunks: list[str], scores: list[list[float]], tmp_path):
+    """A real Flat index whose inner products are exactly `scores` (one-hot passage vectors, query vectors = the
+    scores), and `r`'s query encoder answering with them."""
+    from ragtrain.index.faiss_index import build_configured
+    from ragtrain.index.retrieval import BuiltIndex
+
+    index = build_configured(np.eye(len(chunks), dtype=np.float32), chunks, r.cfg.index, "fp", "one-hot", 0, 0)
+    queries = np.array(scores, dtype=np.float32)
+    r.encode_queries = lambda built, qids: queries[: len(qids)]
+    return BuiltIndex("one-hot", index, [], list(chunks), {})
+
+
 def test_pipeline_evaluate_uses_maxp_and_retrieves_deeper(tmp_path) -> None:
     from ragtrain.config import Config
     from ragtrain.index.retrieval import Retrieval
 
     cfg = Config(output_dir=str(tmp_path))
-    cfg.index.top_k = 3  # 3 documents: all of them; 3 x 10 passages capped at the 5 there are
+    cfg.index.top_k = 3  # 3 documents: all of them
     r = Retrieval(cfg, _chunked_data())
-    asked = []
-
-    def search(built, qids, k):
-        asked.append(k)
-        return {q: _passage_run()[q][:k] for q in qids}
-
-    r.search = search
-    m = r.evaluate(None)
-    assert asked == [5]  # top_k x MAXP_DEPTH_FACTOR, capped at the number of passages
+    built = _one_hot_index(r, CHUNKS, [SCORES[q] for q in sorted(QRELS)], tmp_path)
+    assert r.ranked(built) == {"q1": ["d2", "d1", "d3"], "q2": ["d3", "d1", "d2"]}
+    m = r.evaluate(built)
     assert m["ndcg@10"] == pytest.approx((NDCG["q1"] + NDCG["q2"]) / 2, abs=1e-12)
+
+
+def test_a_document_with_more_chunks_than_the_first_search_depth_does_not_hide_the_others(tmp_path) -> None:
+    """One long document whose 50 chunks all outrank 5 short documents: a fixed passage depth of top_k x 10 = 30
+    holds only the long one, so MaxP must search deeper to give every query its true top k documents."""
+    from ragtrain.config import Config
+    from ragtrain.index.retrieval import MAXP_DEPTH_FACTOR, Retrieval
+
+    long_doc = [f"big#{k}" for k in range(50)]
+    short = [f"s{i}" for i in range(5)]
+    chunks = long_doc + short
+    corpus = {p: Passage(p, "", f"text {p}", doc_id=p.split("#")[0]) for p in chunks}
+    doc_of = {p: p.split("#")[0] for p in long_doc}
+    qrels = {"q1": {"s0": 1}, "q2": {"s3": 1}}
+    data = RetrievalData("x", corpus, {"q1": "one?", "q2": "two?"}, train_qrels=qrels, eval_qrels=qrels,
+                         split="dev", doc_of=doc_of)
+    cfg = Config(output_dir=str(tmp_path))
+    cfg.index.top_k = 3
+    assert cfg.index.top_k * MAXP_DEPTH_FACTOR < len(long_doc)
+    r = Retrieval(cfg, data)
+    # q1: the long document, then s0 > s1 > ...; q2: the long document, then s3 > s2 > ...
+    q1 = [1.0 - k / 1000 for k in range(50)] + [0.5, 0.4, 0.3, 0.2, 0.1]
+    q2 = [1.0 - k / 1000 for k in range(50)] + [0.1, 0.2, 0.3, 0.5, 0.05]
+    built = _one_hot_index(r, chunks, [q1, q2], tmp_path)
+    assert r.ranked(built) == {"q1": ["big", "s0", "s1"], "q2": ["big", "s3", "s2"]}
+    assert r.evaluate(built)["recall@10"] == 1.0  # the relevant short documents are found
 
 
 def test_hard_negatives_never_pick_a_chunk_of_a_gold_document(tmp_path) -> None:
