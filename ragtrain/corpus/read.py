@@ -236,13 +236,14 @@ def _read_jsonl(path: Path) -> Iterator[dict[str, str]]:
 
 def _open_parquet(path: Path) -> Any:
     """The open pyarrow ParquetFile and the columns to read; FileError if it is not a parquet file."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
     except FileNotFoundError:
         raise MissingFileError(path) from None
-    except OSError as e:  # pyarrow's ArrowInvalid / ArrowIOError are OSError subclasses
+    except (OSError, pa.ArrowException) as e:  # ArrowInvalid (not parquet at all) is a ValueError, not an OSError
         raise FileError(f"{path}: cannot be read as parquet ({e})") from None
     cols = set(pf.schema_arrow.names)
     if not ({"_id", "id"} & cols) or "text" not in cols:
@@ -252,6 +253,8 @@ def _open_parquet(path: Path) -> Any:
 
 def _read_parquet(path: Path, pf: Any) -> Iterator[dict[str, str]]:
     """One document per row of a parquet file with columns _id|id, text, title (optional), a batch at a time."""
+    import pyarrow as pa
+
     keep = [c for c in ("_id", "id", "title", "text") if c in pf.schema_arrow.names]
     i = 0
     try:
@@ -259,5 +262,5 @@ def _read_parquet(path: Path, pf: Any) -> Iterator[dict[str, str]]:
             for row in batch.to_pylist():
                 yield _doc_from_record(row, f"{path}:row {i}")
                 i += 1
-    except OSError as e:  # opened a moment ago: a corrupt row group, or the file changed while being read
+    except (OSError, pa.ArrowException) as e:  # opened a moment ago: a corrupt row group, or the file changed
         raise DataError(f"{path}: unreadable at row {i} ({e})") from None

@@ -52,23 +52,28 @@ def _find_file(root: Path, name: str) -> Path | None:
     return None
 
 
-def _open_text(path: Path) -> IO[str]:
-    """Open a text file for reading, gunzipping transparently when it ends in ``.gz``."""
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+def _open_bytes(path: Path) -> IO[bytes]:
+    """Open a file for reading bytes, gunzipping transparently when it ends in ``.gz``."""
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
 def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """Yield ``(1-based line number, line)`` for non-blank lines; decoding errors become DataError."""
+    """Yield ``(1-based line number, line)`` for non-blank lines; a UTF-8 error names its line and byte offset
+    (decoded a line at a time, so the offset is the file's, not a decoder buffer's); a leading BOM is dropped."""
+    offset = 0
     try:
-        with _open_text(path) as f:
+        with _open_bytes(path) as f:
             # Numbering counts blank lines too, so messages match what an editor shows.
-            for lineno, line in enumerate(f, start=1):
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    at = offset + e.start + (3 if lineno == 1 and raw.startswith(b"\xef\xbb\xbf") else 0)
+                    gz = " of the uncompressed text" if path.suffix == ".gz" else ""
+                    raise DataError(f"{path}:{lineno}: not valid UTF-8 at byte offset {at}{gz} ({e.reason})") from None
+                offset += len(raw)
                 if line.strip():
                     yield lineno, line
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid UTF-8 ({e})") from e
     except (gzip.BadGzipFile, EOFError) as e:
         raise DataError(f"{path}: corrupt gzip file ({e})") from e
 

@@ -83,6 +83,10 @@ def test_parquet_via_pyarrow(tmp_path: Path) -> None:
     pq.write_table(pa.table({"name": ["x"], "text": ["y"]}), tmp_path / "d" / "bad.parquet")
     with pytest.raises(DataError, match=r"bad\.parquet: parquet columns .* lack an id column"):
         _read(tmp_path / "d", "bad.parquet")
+    # not parquet at all: pyarrow raises ArrowInvalid, a ValueError, not an OSError; a FileError (on_error applies)
+    (tmp_path / "d" / "fake.parquet").write_text("not parquet")
+    with pytest.raises(FileError, match=r"fake\.parquet: cannot be read as parquet \(.*magic bytes"):
+        _read(tmp_path / "d", "fake.parquet")
 
 
 # ---- bad input: each a one-line error naming the file or key ----

@@ -239,3 +239,26 @@ def test_scifact() -> None:
     assert not set(data.train_qrels) & set(data.eval_qrels)
     with pytest.raises(DataError, match=r"valid splits .*: dev, train"):
         load_beir(SCIFACT, split="test")
+
+
+def test_a_bom_is_dropped_and_bad_utf8_names_its_line_and_the_files_byte_offset(tmp_path: Path) -> None:
+    """Files saved by Windows tools start with a BOM; a bad byte is reported at its offset in the file (the
+    text reader's offsets were those of its internal buffer), gzipped or not."""
+    root = _folder(tmp_path, extra={"test": "\ufeffquery-id\tcorpus-id\tscore\nq0\td0\t1\n"})
+    for name in ("corpus.jsonl", "queries.jsonl"):
+        (root / name).write_bytes(b"\xef\xbb\xbf" + (root / name).read_bytes())
+    data = load_beir(root, split="test", dev_size=1)
+    assert data.eval_qrels == {"q0": {"d0": 1}} and "d0" in data.corpus and "q0" in data.queries
+    body = (root / "corpus.jsonl").read_bytes()
+    lines = body.splitlines(keepends=True)
+    bad = lines[2].replace(b"text", b"t\xe9xt", 1)
+    (root / "corpus.jsonl").write_bytes(b"".join(lines[:2]) + bad + b"".join(lines[3:]))
+    at = len(b"".join(lines[:2])) + bad.index(b"\xe9")
+    with pytest.raises(DataError, match=rf"corpus\.jsonl:3: not valid UTF-8 at byte offset {at} \("):
+        load_beir(root, split="test", dev_size=1)
+    (root / "corpus.jsonl").unlink()
+    with gzip.open(root / "corpus.jsonl.gz", "wb") as f:
+        f.write(b"".join(lines[:2]) + bad)
+    with pytest.raises(DataError, match=rf"corpus\.jsonl\.gz:3: not valid UTF-8 at byte offset {at} of the "
+                                        r"uncompressed text"):
+        load_beir(root, split="test", dev_size=1)
