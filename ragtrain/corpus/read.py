@@ -46,6 +46,60 @@ class MissingFileError(DataError):
                          "does not skip a missing file)")
 
 
+def _not_found(path: Path) -> DataError:
+    """A file that vanished after listing (MissingFileError), or a symbolic link to nothing: a bad file, which
+    data.on_error decides about (FileError)."""
+    if path.is_symlink():
+        import os
+
+        return FileError(f"{path}: a symbolic link to a missing target ({os.readlink(path)})")
+    return MissingFileError(path)
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """`pattern` (pathlib glob syntax: `**` = any folders, `*` `?` `[...]` within one name) as a regex on root-relative
+    POSIX paths."""
+    regex = ""
+    for seg in pattern.split("/"):
+        if seg == "**":
+            regex += "(?:[^/]+/)*"  # zero or more folders (a trailing `**` names folders only, so no file)
+            continue
+        i = 0
+        while i < len(seg):
+            c = seg[i]
+            if c == "*":
+                regex += "[^/]*"
+            elif c == "?":
+                regex += "[^/]"
+            elif c == "[" and "]" in seg[i + 2:]:
+                end = seg.index("]", i + 2)
+                inner = seg[i + 1:end]
+                regex += "[" + ("^" + inner[1:] if inner.startswith("!") else inner) + "]"
+                i = end
+            else:
+                regex += re.escape(c)
+            i += 1
+        regex += "/"
+    return re.compile(regex.removesuffix("/") + r"\Z")
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    """Every non-folder entry under `root`, following symbolic links to folders (a linked folder of documents is
+    part of the corpus; pathlib's glob on Python < 3.13 skips them), each real folder once (no cycles)."""
+    import os
+
+    seen: set[tuple[int, int]] = set()
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        st = os.stat(folder)
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # hidden folders (.git) are never documents
+        for name in files:
+            yield Path(folder, name)
+
+
 def is_reserved(rel: Path) -> bool:
     """Whether a root-relative path is BEIR queries/qrels or hidden (never a document)."""
     if any(part.startswith(".") for part in rel.parts):
@@ -60,10 +114,18 @@ def list_documents(root: str | Path, glob: str = "**/*") -> list[Path]:
         raise DataError(f"data.root={str(root)!r} does not exist")
     if not root.is_dir():
         raise DataError(f"data.root={str(root)!r} is not a directory")
-    try:
-        files = sorted(p for p in root.glob(glob) if p.is_file() and not is_reserved(p.relative_to(root)))
-    except (ValueError, NotImplementedError) as e:  # an absolute or empty pattern
-        raise DataError(f"data.glob={glob!r} is not a pattern relative to data.root ({e})") from None
+    if not glob or glob.startswith("/") or ".." in glob.split("/"):
+        raise DataError(f"data.glob={glob!r} is not a pattern relative to data.root (e.g. '**/*.md')")
+    match = _glob_regex(glob)
+    files = []
+    for p in _walk(root):  # files, links to files, and links to nothing (read as a bad file: data.on_error)
+        rel = p.relative_to(root)
+        if match.match(rel.as_posix()) and not is_reserved(rel):
+            if rel.name in _RESERVED_FILES:  # another folder's BEIR queries: not documents, and not read as queries
+                raise DataError(f"{p}: a queries file below data.root is not read (only data.root/{rel.name} "
+                                "is): move it out of data.root or narrow data.glob")
+            files.append(p)
+    files.sort()
     if not files:
         raise DataError(f"data.root={str(root)!r} with data.glob={glob!r} matches no document file "
                         f"(supported: {', '.join(SUPPORTED)}; queries.jsonl, qrels/ and hidden files are not documents)")
@@ -116,7 +178,7 @@ def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError:
-        raise MissingFileError(path) from None
+        raise _not_found(path) from None
     except OSError as e:
         raise FileError(f"{path}: cannot be read ({e.strerror or e})") from None
 
@@ -136,7 +198,7 @@ def _check_text(path: Path) -> None:
                 offset += len(block)
             _decode_block(path, decoder, b"", offset, final=True)
     except FileNotFoundError:
-        raise MissingFileError(path) from None
+        raise _not_found(path) from None
     except OSError as e:
         raise FileError(f"{path}: cannot be read ({e.strerror or e})") from None
 
@@ -242,7 +304,7 @@ def _open_parquet(path: Path) -> Any:
     try:
         pf = pq.ParquetFile(path)
     except FileNotFoundError:
-        raise MissingFileError(path) from None
+        raise _not_found(path) from None
     except (OSError, pa.ArrowException) as e:  # ArrowInvalid (not parquet at all) is a ValueError, not an OSError
         raise FileError(f"{path}: cannot be read as parquet ({e})") from None
     cols = set(pf.schema_arrow.names)

@@ -24,6 +24,34 @@ def test_list_documents_skips_queries_qrels_and_hidden_files(tmp_path: Path) -> 
     assert [p.name for p in list_documents(root, "sub/*.md")] == ["b.md"]  # data.glob narrows
 
 
+def test_linked_folders_are_followed_once_and_a_link_to_nothing_is_a_bad_file(tmp_path: Path) -> None:
+    """A folder of documents linked into data.root is part of the corpus (pathlib's glob skipped it silently); a
+    link cycle is walked once; a link to nothing is a FileError (data.on_error decides), not silently dropped."""
+    import os
+
+    root = small_folder(tmp_path / "d")
+    ext = write_folder(tmp_path / "ext", {"x.txt": "Xray is a letter.", "y/z.txt": "Zulu is a letter."})
+    os.symlink(ext, root / "linked")
+    os.symlink(root, root / "sub" / "loop")  # a cycle back to the root
+    os.symlink(tmp_path / "gone.txt", root / "dangling.txt")
+    files = [p.relative_to(root).as_posix() for p in list_documents(root)]
+    assert files == ["a.txt", "c.html", "dangling.txt", "linked/x.txt", "linked/y/z.txt", "sub/b.md"]
+    assert [p.relative_to(root).as_posix() for p in list_documents(root, "linked/**/*.txt")] == [
+        "linked/x.txt", "linked/y/z.txt"]
+    assert [d["id"] for d in _read(root, "linked/y/z.txt")] == ["linked/y/z"]
+    with pytest.raises(FileError, match=r"dangling\.txt: a symbolic link to a missing target"):
+        _read(root, "dangling.txt")
+
+
+def test_a_queries_file_below_the_root_is_refused(tmp_path: Path) -> None:
+    root = small_folder(tmp_path / "d")
+    write_folder(root, {"sub/queries.jsonl": '{"_id": "zz", "text": "a question"}\n'})
+    with pytest.raises(DataError, match=r"sub/queries\.jsonl: a queries file below data.root is not read \(only "
+                                        r"data.root/queries\.jsonl is\)"):
+        list_documents(root)
+    assert [p.name for p in list_documents(root, "*.txt")] == ["a.txt"]  # unless data.glob leaves it out
+
+
 def test_txt_md_ids_are_relative_paths_without_extension(tmp_path: Path) -> None:
     root = small_folder(tmp_path / "d")
     [a] = _read(root, "a.txt")
