@@ -175,8 +175,9 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
     from tabulate import tabulate
 
     modes = [p for p in PHASES.values() if p in results]
-    rows = [[k] + [results[m].get(k, float("nan")) for m in modes] for k in ("em", "f1")]
-    return tabulate(rows, headers=["metric"] + [m.removeprefix("gen_") for m in modes], floatfmt=".4f")
+    rows = [[k] + [results[m].get(k) for m in modes] for k in ("em", "f1", "gold_in_top_k")]
+    return tabulate(rows, headers=["metric"] + [m.removeprefix("gen_") for m in modes], floatfmt=".4f",
+                    missingval="")
 
 
 def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, built: Any, out_dir: Path,
@@ -204,7 +205,8 @@ def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, built:
     results: dict[str, dict[str, float]] = {}
     for mode, phase in PHASES.items():
         if f"{mode}/em" in m:
-            results[phase] = {k: m[f"{mode}/{k}"] for k in ("em", "f1", "n", "seconds")}
+            results[phase] = {k: m[f"{mode}/{k}"] for k in ("em", "f1", "n", "seconds", "gold_in_top_k")
+                              if f"{mode}/{k}" in m}
     # seconds = the training loop (rank 0, without eval and checkpoint writes); wall_seconds = the whole fit
     results["gen_train"] = {"steps": fit.steps, "wall_seconds": fit.seconds,
                             **{k.removeprefix("train/"): v for k, v in m.items() if k.startswith("train/")}}

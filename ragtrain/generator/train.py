@@ -153,7 +153,7 @@ def evaluate(model: GenModel, builder: PromptBuilder, data: GenData, client: Ret
     model.eval()
     results, predictions = {}, {}
     for mode in [m for m in EVAL_MODES if m in g.eval.modes]:
-        start, preds = time.perf_counter(), []
+        start, preds, used = time.perf_counter(), [], []
         for i in range(0, len(mine), g.eval.batch_size):
             batch = mine[i: i + g.eval.batch_size]
             if mode == "rag":
@@ -166,16 +166,21 @@ def evaluate(model: GenModel, builder: PromptBuilder, data: GenData, client: Ret
                 out = model.generate(b["input_ids"].to(device), b["attention_mask"].to(device), g.eval.num_beams,
                                      g.eval.max_new_tokens)
             preds += [decode(o) for o in out]
-        rows = [(e.qid, p) for e, p in zip(mine, preds)]
+            used += [list(p) for p in pids]
+        rows = [(e.qid, (p, u)) for e, p, u in zip(mine, preds, used)]
         if world > 1:
             gathered: list = [None] * world
             torch.distributed.all_gather_object(gathered, rows)
             rows = [r for part in gathered for r in part]
         by_qid = dict(rows)
-        ordered = [by_qid[e.qid] for e in exs]
+        ordered = [by_qid[e.qid][0] for e in exs]
+        passages = [by_qid[e.qid][1] for e in exs]
         results[mode] = {**score(ordered, [e.answers for e in exs]), "seconds": time.perf_counter() - start}
-        predictions[mode] = [{"qid": e.qid, "question": e.question, "prediction": p, "answers": e.answers}
-                             for e, p in zip(exs, ordered)]
+        if mode == "rag":  # how often retrieval put the gold passage in the prompt: EM's ceiling from retrieval
+            results[mode]["gold_in_top_k"] = sum(bool(set(e.gold) & set(u)) for e, u in zip(exs, passages)) / max(
+                1, len(exs))
+        predictions[mode] = [{"qid": e.qid, "question": e.question, "prediction": p, "answers": e.answers,
+                              "passages": u} for e, p, u in zip(exs, ordered, passages)]
     model.train()
     return results, predictions
 

@@ -92,6 +92,14 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
         assert client.get_metric_history(logger.run_id, key)[-1].value > 0
     preds = json.loads((Path(cfg.output_dir) / "generator" / "predictions.json").read_text())
     assert set(preds) == {"closed_book", "rag", "oracle"} and all(len(v) == n_eval for v in preds.values())
+    # each prediction names the passages of its prompt; gen_rag/gold_in_top_k counts the gold one among them
+    gold = {q: {p for p, grade in rel.items() if grade > 0} for q, rel in data.eval_qrels.items()}
+    assert all(r["passages"] == [] for r in preds["closed_book"])
+    assert all(len(r["passages"]) == 1 and r["passages"][0] in gold[r["qid"]] for r in preds["oracle"])
+    assert all(len(r["passages"]) == cfg.generator.retrieval.top_k for r in preds["rag"])
+    hit = sum(bool(gold[r["qid"]] & set(r["passages"])) for r in preds["rag"]) / n_eval
+    assert results["gen_rag"]["gold_in_top_k"] == pytest.approx(hit) and run.data.metrics["gen_rag/gold_in_top_k"] == \
+        pytest.approx(hit)
 
 
 @pytest.mark.integration
