@@ -21,8 +21,9 @@ from ragtrain.data.types import DataError
 
 __all__ = ["chunk_document", "sentence_starts", "token_spans"]
 
-# A sentence starts after . ! ? (and closing quotes/brackets) plus whitespace, and at every line start.
-_SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+|\n+")
+# A sentence starts after . ! ? (and closing quotes/brackets) plus whitespace, after the CJK full stops 。！？
+# (no space follows them), and at every line start.
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+|[。！？][」』）\"')]*\s*|\n+")
 
 
 def token_spans(tokenizer: Any, text: str) -> list[tuple[int, int]]:

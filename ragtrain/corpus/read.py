@@ -270,7 +270,8 @@ def _doc_from_record(obj: Any, where: str) -> dict[str, str]:
         doc_id = str(doc_id)  # numeric ids are common in exported tables
     if not isinstance(doc_id, str) or not doc_id:
         raise DataError(f"{where}: missing or non-string document id (key '_id' or 'id'), got {doc_id!r}")
-    text, title = obj.get("text"), obj.get("title") or ""
+    text, title = obj.get("text"), obj.get("title")
+    title = "" if title is None else title  # absent or null: no title; anything else must be a string
     if not isinstance(text, str):
         raise DataError(f"{where}: key 'text' must be a string, got {type(text).__name__}")
     if not isinstance(title, str):

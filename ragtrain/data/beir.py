@@ -37,6 +37,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from ragtrain.corpus.clean import check_id
+
 from .types import DataError, Passage, RetrievalData
 
 __all__ = ["load_beir", "write_beir"]
@@ -99,16 +101,16 @@ def _read_jsonl(
                 raise DataError(f"{where}: key '{key}' must be a string, got {type(obj[key]).__name__}")
         if obj["_id"] in seen:
             raise DataError(f"{where}: duplicate _id '{obj['_id']}'")
-        bad = [c for c in "\t\n\r" if c in obj["_id"]]
-        if bad:  # qrels are tab-separated and a saved index lists one id a line: such an id cannot round-trip
-            raise DataError(f"{where}: _id {obj['_id']!r} contains {bad[0]!r} (tabs and line breaks are not allowed in ids)")
+        check_id(obj["_id"], where, kind="document" if "text" in required and "title" in optional else "query")
         seen.add(obj["_id"])
         yield lineno, obj
 
 
 def _corpus_passages(path: Path) -> Iterator[Passage]:
     """The passages of a BEIR corpus file in file order, one line at a time."""
-    for _, obj in _read_jsonl(path, required=("_id", "text"), optional=("title",)):
+    for lineno, obj in _read_jsonl(path, required=("_id", "text"), optional=("title",)):
+        if not (obj["text"].strip() or obj.get("title", "").strip()):  # it would be indexed as an empty passage
+            raise DataError(f"{path}:{lineno}: document {obj['_id']!r} has no text (empty title and text)")
         yield Passage(id=obj["_id"], title=obj.get("title", ""), text=obj["text"])
 
 
@@ -130,7 +132,9 @@ def _read_queries(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     """Parse a BEIR queries file into ``({qid: text}, {qid: answer from metadata})``."""
     queries: dict[str, str] = {}
     answers: dict[str, str] = {}
-    for _, obj in _read_jsonl(path, required=("_id", "text"), optional=()):
+    for lineno, obj in _read_jsonl(path, required=("_id", "text"), optional=()):
+        if not obj["text"].strip():
+            raise DataError(f"{path}:{lineno}: query {obj['_id']!r} has no text")
         queries[obj["_id"]] = obj["text"]
         meta = obj.get("metadata")
         if isinstance(meta, dict) and isinstance(meta.get("answer"), str):

@@ -108,3 +108,16 @@ def test_chunk_data_maps_passages_to_documents_and_qrels_expand() -> None:
     assert ch.train_qrels == {"q": {"d1": 1}}  # qrels stay on documents
     assert passage_qrels(ch.train_qrels, ch.doc_of) == {"q": {"d1#0": 1, "d1#1": 1, "d1#2": 1}}
     assert passage_qrels({"q": {"d1": 1}}, {}) == {"q": {"d1": 1}}
+
+
+def test_cjk_full_stops_are_sentence_boundaries() -> None:
+    """。！？ end sentences with no space after them: before, CJK text was always cut at the token budget."""
+    from transformers import AutoTokenizer
+
+    from ragtrain.retriever.encoder import minilm_path
+
+    tok = AutoTokenizer.from_pretrained(minilm_path())  # one token per CJK character
+    text = "一二三。四五六七！八九十"
+    out = chunk_document({"id": "d", "title": "", "text": text}, tok, 6, 0)
+    assert [c["text"] for c in out] == ["一二三。", "四五六七！", "八九十"]
+    assert all(text[c["start"]:c["end"]] == c["text"] for c in out)

@@ -83,7 +83,16 @@ def test_beir_doc_id_with_a_newline_is_rejected(tmp_path: Path) -> None:
     (root / "queries.jsonl").write_text(json.dumps({"_id": "q", "text": "x"}) + "\n")
     (root / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\nq\ta\\nb\t1\n")
     cfg = _typed(tmp_path, "data=beir", f"data.root={root}")
-    with pytest.raises(DataError, match=r"corpus\.jsonl:1: _id 'a\\nb' contains '\\n'"):
+    with pytest.raises(DataError, match=r"corpus\.jsonl:1: document id 'a\\nb' contains '\\n'"):
+        load_data(cfg.data)
+    # a Unicode line separator too, with the file and line (before: the folder only, after loading)
+    (root / "corpus.jsonl").write_text(json.dumps({"_id": "a", "text": "x"}) + "\n" +
+                                       json.dumps({"_id": "a\u2028b", "text": "y"}) + "\n")
+    with pytest.raises(DataError, match=r"corpus\.jsonl:2: document id 'a\\u2028b' contains"):
+        load_data(cfg.data)
+    (root / "corpus.jsonl").write_text(json.dumps({"_id": "a", "text": "x"}) + "\n")
+    (root / "queries.jsonl").write_text(json.dumps({"_id": "q\tr", "text": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"queries\.jsonl:1: query id 'q\\tr' contains"):
         load_data(cfg.data)
 
 

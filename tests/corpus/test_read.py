@@ -99,6 +99,13 @@ def test_jsonl_without_id_names_file_and_line(tmp_path: Path) -> None:
         _read(root, "c.jsonl")
 
 
+def test_a_title_that_is_not_a_string_is_an_error_not_dropped(tmp_path: Path) -> None:
+    root = write_folder(tmp_path / "d", {"t.jsonl": '{"_id": "a", "title": null, "text": "x"}\n'
+                                                    '{"_id": "b", "title": 0, "text": "y"}\n'})
+    with pytest.raises(DataError, match=r"t\.jsonl:2: key 'title' must be a string, got int"):
+        _read(root, "t.jsonl")
+
+
 def test_parquet_via_pyarrow(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -164,6 +164,8 @@ def test_missing_files(tmp_path: Path) -> None:
         ('{"_id": "a", "text": "x"}\n\n\n{"_id": "a", "text": "y"}\n', r"corpus\.jsonl:4: duplicate _id 'a'"),
         ('[1, 2]\n', r"corpus\.jsonl:1: expected a JSON object"),
         ("\n\n", r"corpus\.jsonl: corpus is empty"),
+        ('{"_id": "a", "text": "x"}\n{"_id": "b", "title": " ", "text": " \\n "}\n',
+         r"corpus\.jsonl:2: document 'b' has no text \(empty title and text\)"),
     ],
 )
 def test_corpus_errors(tmp_path: Path, body: str, expected: str) -> None:
@@ -177,6 +179,9 @@ def test_queries_errors(tmp_path: Path) -> None:
     root = _folder(tmp_path)
     _write(root / "queries.jsonl", '{"_id": "q0", "text": "a"}\n{"_id": "q1"}\n')
     with pytest.raises(DataError, match=r"queries\.jsonl:2: missing key 'text'"):
+        load_beir(root)
+    _write(root / "queries.jsonl", '{"_id": "q0", "text": "a"}\n{"_id": "q1", "text": "  "}\n')
+    with pytest.raises(DataError, match=r"queries\.jsonl:2: query 'q1' has no text"):
         load_beir(root)
 
 
