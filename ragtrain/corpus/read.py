@@ -26,6 +26,7 @@ _RESERVED_FILES = ("queries.jsonl", "queries.jsonl.gz")
 _RESERVED_DIRS = ("qrels",)
 _H1 = re.compile(r"^#\s+(.+?)\s*#*\s*$")
 _HEADING = re.compile(r"^#{1,6}\s+")
+_SETEXT_H1 = re.compile(r"^ {0,3}=+\s*$")
 # Elements whose text is never document text (lxml keeps a dropped element's tail, i.e. the text after it).
 _DROP = "//script | //style | //noscript | //template | //head | //svg | //iframe"
 _BLOCKS = ("p", "div", "br", "li", "ul", "ol", "tr", "table", "section", "article", "header", "footer", "pre",
@@ -250,12 +251,25 @@ def html_to_text(raw: bytes) -> tuple[str, str]:
 
 
 def markdown_to_text(text: str) -> tuple[str, str]:
-    """(title, text) of a Markdown file: the first `# ` heading is the title; heading markers are dropped."""
-    title, lines = "", []
+    """(title, text) of a Markdown file: the first level-1 heading (`# T`, or `T` underlined with `===`) is the
+    title; heading markers are dropped, except inside fenced code blocks, which are kept as written."""
+    title, lines, fence = "", [], ""
     for line in text.splitlines():
+        marker = line.lstrip()[:3]
+        if fence:  # inside ``` / ~~~: code, where a leading '#' is a comment, not a heading
+            fence = "" if marker == fence else fence
+            lines.append(line)
+            continue
+        if marker in ("```", "~~~"):
+            fence = marker
+            lines.append(line)
+            continue
         m = _H1.match(line)
         if m and not title:
             title = m.group(1)
+            continue
+        if not title and _SETEXT_H1.match(line) and lines and lines[-1].strip():
+            title = lines.pop().strip()  # a setext heading: the line above the ===
             continue
         lines.append(_HEADING.sub("", line))
     return title, "\n".join(lines)

@@ -52,6 +52,16 @@ def test_a_queries_file_below_the_root_is_refused(tmp_path: Path) -> None:
     assert [p.name for p in list_documents(root, "*.txt")] == ["a.txt"]  # unless data.glob leaves it out
 
 
+def test_markdown_setext_titles_and_code_fences() -> None:
+    from ragtrain.corpus.read import markdown_to_text
+
+    title, body = markdown_to_text("Bravo Guide\n===========\n\nIntro.\n\n## Use\n\n```sh\n# install it\nmake\n```\n"
+                                   "# Not the title\n")
+    assert title == "Bravo Guide"
+    assert body.splitlines() == ["", "Intro.", "", "Use", "", "```sh", "# install it", "make", "```", "Not the title"]
+    assert markdown_to_text("# Alpha\ntext")[0] == "Alpha"
+
+
 def test_txt_md_ids_are_relative_paths_without_extension(tmp_path: Path) -> None:
     root = small_folder(tmp_path / "d")
     [a] = _read(root, "a.txt")
