@@ -86,19 +86,20 @@ def _glob_regex(pattern: str) -> re.Pattern:
 
 def _walk(root: Path) -> Iterator[Path]:
     """Every non-folder entry under `root`, following symbolic links to folders (a linked folder of documents is
-    part of the corpus; pathlib's glob on Python < 3.13 skips them), each real folder once (no cycles)."""
+    part of the corpus; pathlib's glob on Python < 3.13 skips them), never into a link back to one of its own
+    ancestors (a cycle). A folder that cannot be listed is an error, not silently skipped."""
     import os
 
-    seen: set[tuple[int, int]] = set()
-    for folder, dirs, files in os.walk(root, followlinks=True):
-        st = os.stat(folder)
-        if (st.st_dev, st.st_ino) in seen:
-            dirs[:] = []
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # hidden folders (.git) are never documents
+    def fail(e: OSError) -> None:
+        raise DataError(f"{e.filename}: cannot list this folder under data.root ({e.strerror or e})")
+
+    for folder, dirs, files in os.walk(root, followlinks=True, onerror=fail):
+        here = Path(folder)
+        ancestors = {os.path.realpath(p) for p in [here, *here.parents] if p == root or root in p.parents}
+        # hidden folders (.git) are never documents; a link to an ancestor would loop forever
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(here / d) not in ancestors)
         for name in files:
-            yield Path(folder, name)
+            yield here / name
 
 
 def is_reserved(rel: Path) -> bool:

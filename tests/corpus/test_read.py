@@ -26,7 +26,8 @@ def test_list_documents_skips_queries_qrels_and_hidden_files(tmp_path: Path) -> 
 
 def test_linked_folders_are_followed_once_and_a_link_to_nothing_is_a_bad_file(tmp_path: Path) -> None:
     """A folder of documents linked into data.root is part of the corpus (pathlib's glob skipped it silently); a
-    link cycle is walked once; a link to nothing is a FileError (data.on_error decides), not silently dropped."""
+    link back to an ancestor is not followed (no cycle); a link to nothing is a FileError (data.on_error decides),
+    not silently dropped."""
     import os
 
     root = small_folder(tmp_path / "d")
