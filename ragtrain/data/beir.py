@@ -37,8 +37,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from ragtrain.corpus.clean import check_id
-
 from .types import DataError, Passage, RetrievalData
 
 __all__ = ["load_beir", "write_beir"]
@@ -101,6 +99,8 @@ def _read_jsonl(
                 raise DataError(f"{where}: key '{key}' must be a string, got {type(obj[key]).__name__}")
         if obj["_id"] in seen:
             raise DataError(f"{where}: duplicate _id '{obj['_id']}'")
+        from ragtrain.corpus.clean import check_id  # here: ragtrain.corpus.clean imports this package
+
         check_id(obj["_id"], where, kind="document" if "text" in required and "title" in optional else "query")
         seen.add(obj["_id"])
         yield lineno, obj
@@ -145,6 +145,7 @@ def _read_queries(path: Path) -> tuple[dict[str, str], dict[str, str]]:
 def _read_qrels(path: Path, doc_alias: dict[str, str] | None = None) -> Qrels:
     """Parse a ``query-id<TAB>corpus-id<TAB>score`` file into ``{qid: {docid: score}}`` (aliases resolved)."""
     qrels: Qrels = {}
+    named_as: dict[tuple[str, str], str] = {}  # (query, kept document) -> the id its first judgment named
     first = True
     for lineno, line in _numbered_lines(path):
         where = f"{path}:{lineno}"
@@ -164,14 +165,20 @@ def _read_qrels(path: Path, doc_alias: dict[str, str] | None = None) -> Qrels:
             score = int(raw_score)
         except ValueError:
             raise DataError(f"{where}: score {raw_score!r} is not an integer") from None
-        docid = (doc_alias or {}).get(docid, docid)  # a dropped duplicate document: judge its kept copy
+        named, docid = docid, (doc_alias or {}).get(docid, docid)  # a dropped duplicate: judge its kept copy
         grades = qrels.setdefault(qid, {})
         # An exact repeat is harmless; conflicting grades mean the file is wrong.
         if docid in grades and grades[docid] != score:
+            first = named_as[(qid, docid)]
+            if first != named:  # the conflict comes from deduplication: say so, the pair is not repeated as such
+                raise DataError(f"{where}: ({qid!r}, {named!r}) has score {score}, but this query scores "
+                                f"{first!r} {grades[docid]}, and the two are exact duplicates (one document after "
+                                f"deduplication): score the copies alike or remove one")
             raise DataError(
                 f"{where}: pair ({qid!r}, {docid!r}) repeated with a different score ({grades[docid]} vs {score})"
             )
         grades[docid] = score
+        named_as.setdefault((qid, docid), named)
     return qrels
 
 

@@ -70,6 +70,11 @@ def test_exact_duplicates_are_dropped_counted_and_their_qrels_follow(tmp_path: P
     assert report["duplicates_dropped"] == 1 and "copy" not in data.corpus
     assert data.train_qrels["q5"] == {"a": 1}
     assert any("1 exact duplicates dropped" in m for m in logs)
+    # the two copies judged differently for one query: the message says deduplication made them one document
+    (root / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq5\tcopy\t1\nq5\ta\t0\n")
+    with pytest.raises(DataError, match=r"train\.tsv:3: \('q5', 'a'\) has score 0, but this query scores 'copy' 1, "
+                                        r"and the two are exact duplicates"):
+        load_documents(root, log=logs.append)
 
 
 def test_dedupe_keeps_first_and_maps_the_rest() -> None:
