@@ -30,6 +30,7 @@ Every problem raises ``DataError`` naming the file (and line) and the reason.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import random
@@ -65,12 +66,14 @@ def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
         with _open_bytes(path) as f:
             # Numbering counts blank lines too, so messages match what an editor shows.
             for lineno, raw in enumerate(f, start=1):
+                if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                    raw, offset = raw[len(codecs.BOM_UTF8):], len(codecs.BOM_UTF8)
                 try:
-                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                    line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    at = offset + e.start + (3 if lineno == 1 and raw.startswith(b"\xef\xbb\xbf") else 0)
                     gz = " of the uncompressed text" if path.suffix == ".gz" else ""
-                    raise DataError(f"{path}:{lineno}: not valid UTF-8 at byte offset {at}{gz} ({e.reason})") from None
+                    raise DataError(f"{path}:{lineno}: not valid UTF-8 at byte offset {offset + e.start}{gz} "
+                                    f"({e.reason})") from None
                 offset += len(raw)
                 if line.strip():
                     yield lineno, line
@@ -79,9 +82,10 @@ def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def _read_jsonl(
-    path: Path, required: tuple[str, ...], optional: tuple[str, ...]
+    path: Path, required: tuple[str, ...], optional: tuple[str, ...], kind: str
 ) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line, object)`` from a JSONL file, checking required/optional string keys and unique ``_id``."""
+    """Yield ``(line, object)`` from a JSONL file, checking required/optional string keys and unique ``_id``s (of
+    a `kind`: "document" or "query")."""
     seen: set[str] = set()
     for lineno, line in _numbered_lines(path):
         where = f"{path}:{lineno}"
@@ -101,14 +105,14 @@ def _read_jsonl(
             raise DataError(f"{where}: duplicate _id '{obj['_id']}'")
         from ragtrain.corpus.clean import check_id  # here: ragtrain.corpus.clean imports this package
 
-        check_id(obj["_id"], where, kind="document" if "text" in required and "title" in optional else "query")
+        check_id(obj["_id"], where, kind=kind)
         seen.add(obj["_id"])
         yield lineno, obj
 
 
 def _corpus_passages(path: Path) -> Iterator[Passage]:
     """The passages of a BEIR corpus file in file order, one line at a time."""
-    for lineno, obj in _read_jsonl(path, required=("_id", "text"), optional=("title",)):
+    for lineno, obj in _read_jsonl(path, required=("_id", "text"), optional=("title",), kind="document"):
         if not (obj["text"].strip() or obj.get("title", "").strip()):  # it would be indexed as an empty passage
             raise DataError(f"{path}:{lineno}: document {obj['_id']!r} has no text (empty title and text)")
         yield Passage(id=obj["_id"], title=obj.get("title", ""), text=obj["text"])
@@ -132,7 +136,7 @@ def _read_queries(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     """Parse a BEIR queries file into ``({qid: text}, {qid: answer from metadata})``."""
     queries: dict[str, str] = {}
     answers: dict[str, str] = {}
-    for lineno, obj in _read_jsonl(path, required=("_id", "text"), optional=()):
+    for lineno, obj in _read_jsonl(path, required=("_id", "text"), optional=(), kind="query"):
         if not obj["text"].strip():
             raise DataError(f"{path}:{lineno}: query {obj['_id']!r} has no text")
         queries[obj["_id"]] = obj["text"]
@@ -169,10 +173,10 @@ def _read_qrels(path: Path, doc_alias: dict[str, str] | None = None) -> Qrels:
         grades = qrels.setdefault(qid, {})
         # An exact repeat is harmless; conflicting grades mean the file is wrong.
         if docid in grades and grades[docid] != score:
-            first = named_as[(qid, docid)]
-            if first != named:  # the conflict comes from deduplication: say so, the pair is not repeated as such
+            earlier = named_as[(qid, docid)]
+            if earlier != named:  # the conflict comes from deduplication: say so, the pair is not repeated as such
                 raise DataError(f"{where}: ({qid!r}, {named!r}) has score {score}, but this query scores "
-                                f"{first!r} {grades[docid]}, and the two are exact duplicates (one document after "
+                                f"{earlier!r} {grades[docid]}, and the two are exact duplicates (one document after "
                                 f"deduplication): score the copies alike or remove one")
             raise DataError(
                 f"{where}: pair ({qid!r}, {docid!r}) repeated with a different score ({grades[docid]} vs {score})"

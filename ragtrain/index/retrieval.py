@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -188,9 +188,11 @@ class Retrieval:
         """The queries' vectors under `built`'s snapshot(s), encoded as its passages were."""
         return built.query_encoder(self.cfg).encode([self.data.queries[q] for q in qids], role="query")
 
-    def search(self, built: BuiltIndex, qids: list[str], k: int) -> dict[str, list[str]]:
-        """Top-k doc ids for each query (the index's row order is shard order, so rows are named by the index)."""
-        _, rows = built.index.search(self.encode_queries(built, qids), k)
+    def search(self, built: BuiltIndex, qids: list[str], k: int,
+               vectors: Optional[np.ndarray] = None) -> dict[str, list[str]]:
+        """Top-k doc ids for each query (the index's row order is shard order, so rows are named by the index);
+        `vectors`: the queries' vectors when already encoded."""
+        _, rows = built.index.search(self.encode_queries(built, qids) if vectors is None else vectors, k)
         return run_from_scores(qids, built.index.doc_ids, rows)
 
     def ranked(self, built: BuiltIndex) -> dict[str, list[str]]:
@@ -206,8 +208,7 @@ class Retrieval:
         out: dict[str, list[str]] = {}
         todo, depth = list(range(len(qids))), min(total, k * MAXP_DEPTH_FACTOR)
         while todo:
-            _, rows = built.index.search(vectors[todo], depth)
-            run = maxp_run(run_from_scores([qids[i] for i in todo], built.index.doc_ids, rows), self.data.doc_of,
+            run = maxp_run(self.search(built, [qids[i] for i in todo], depth, vectors[todo]), self.data.doc_of,
                            depth=k)
             out.update(run)
             todo = [i for i in todo if len(run[qids[i]]) < k and depth < total]
