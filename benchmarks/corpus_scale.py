@@ -1,6 +1,8 @@
 """Corpus scale: files -> read + clean -> chunk -> store -> encode -> shards -> FAISS on local Ray, with RSS.
 
-Scale mode (one N per process, so the driver's peak RSS is this N's):
+Scale mode (one N per process, so the driver's peak RSS is this N's; `--prepare stream` runs the same corpus as
+one Ray Data stream, read -> clean -> chunk -> encode -> the driver's store and shard writers, as a run does for its
+zero-shot index: `ragtrain.corpus.stream`; prepare_s is then 0 and encode_s the stream's wall time):
     python benchmarks/corpus_scale.py --passages 20000 [--retriever tiny] [--actors 2 --cpus-per-actor 1]
   N short documents (12-30 words, one chunk each) are generated deterministically into jsonl files of 1,000 (a
   data=documents folder; not timed as pipeline work), then run through the pipeline's own data path as
@@ -149,7 +151,7 @@ def scale(args) -> None:
     from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
     from ragtrain.corpus import encode as encode_mod
     from ragtrain.corpus.dataset import chunk_data, load_documents
-    from ragtrain.corpus.encode import encode_to_shards, peak_rss_mb
+    from ragtrain.corpus.encode import ShardSet, encode_to_shards, peak_rss_mb
     from ragtrain.index.shards import build_and_save_remote
     from ragtrain.retriever.encoder import load_tokenizer
 
@@ -162,6 +164,8 @@ def scale(args) -> None:
     wall0 = time.perf_counter()
     start_ray(args.num_cpus, args.ray_worker_niceness0)
     cfg = RetrieverConfig(model=args.retriever, passage_max_length=64)
+    if args.tiny_dim:  # a cheap encoder with MiniLM's vector size: what the driver relays in stream mode
+        cfg.tiny.hidden_size = args.tiny_dim
     pool = PoolResources(num_actors=args.actors, cpus_per_actor=args.cpus_per_actor)
     index = IndexConfig(factory=args.factory, batch_size=64, shard_size=512, precision=args.precision)
     weights_ref = ray.put(initial_weights(cfg))  # the driver keeps only the ObjectRef
@@ -173,13 +177,27 @@ def scale(args) -> None:
     # The pipeline's own data path (corpus.load.load_data with data.prepare=ray): Ray Data tasks read + clean the
     # files and chunk the documents; the driver deduplicates and writes the stores
     t0 = time.perf_counter()
-    data, _ = load_documents(work / "docs", split="dev", dev_size=2, log=lambda m: None,
-                             store_path=work / "corpus" / "documents.arrow", on_ray=args.prepare == "ray")
-    data = chunk_data(data, load_tokenizer(cfg), 64, 8, store_path=work / "corpus" / "passages.arrow",
-                      ray_tasks=args.actors if args.prepare == "ray" else 0, retriever=cfg)
-    prepare_s = time.perf_counter() - t0
-    shards = encode_to_shards(data.corpus, weights_ref, cfg, index, pool, work / "vectors", max_length=64,
-                              stats_dir=str(stats_dir))
+    if args.prepare == "stream":  # one Ray Data stream: read -> clean -> chunk -> encode -> the driver's writers
+        from ragtrain.config import ChunkConfig, DataConfig, DataSource
+        from ragtrain.corpus.read import list_documents
+        from ragtrain.corpus.stream import StreamEncode, stream_documents
+
+        dcfg = DataConfig(source=DataSource.documents, root=str(work / "docs"), dev_size=2,
+                          chunk=ChunkConfig(enabled=True, max_tokens=64, overlap=8))
+        enc = StreamEncode(weights=lambda: ray.get(weights_ref), index=index, pool=pool, folder=work / "vectors",
+                           stats_dir=str(stats_dir))
+        data = stream_documents(list_documents(work / "docs"), work / "docs", dcfg, cfg, enc,
+                                work / "corpus" / "passages.arrow", log=lambda m: None)
+        prepare_s = 0.0  # fused with the encode: the stream's wall time is encode_s
+        shards = ShardSet.load(work / "vectors")
+    else:
+        data, _ = load_documents(work / "docs", split="dev", dev_size=2, log=lambda m: None,
+                                 store_path=work / "corpus" / "documents.arrow", on_ray=args.prepare == "ray")
+        data = chunk_data(data, load_tokenizer(cfg), 64, 8, store_path=work / "corpus" / "passages.arrow",
+                          ray_tasks=args.actors if args.prepare == "ray" else 0, retriever=cfg)
+        prepare_s = time.perf_counter() - t0
+        shards = encode_to_shards(data.corpus, weights_ref, cfg, index, pool, work / "vectors", max_length=64,
+                                  stats_dir=str(stats_dir))
     actors = actor_stats(stats_dir)
     t0 = time.perf_counter()
     meta = build_and_save_remote(shards.folder, args.factory, str(work / "index"), "generated", f"{args.retriever}@init")
@@ -217,7 +235,7 @@ def scale(args) -> None:
     path = RESULTS / "corpus_scale.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     # one entry per N, retriever, environment, precision and input layout
-    key = ("passages", "retriever", "actor_env", "precision", "per_file", "prepare")
+    key = ("passages", "retriever", "dim", "actor_env", "precision", "per_file", "prepare")
     old = {"actor_env": {}, "precision": "fp32", "per_file": 1000, "prepare": "ray"}  # rows written before the key
     rows = [r for r in rows if tuple(r.get(k, old.get(k)) for k in key) != tuple(row[k] for k in key)] + [row]
     path.write_text(json.dumps(sorted(rows, key=lambda r: (r["retriever"], str(r.get("actor_env", {})), r["passages"])),
@@ -353,9 +371,12 @@ def main() -> None:
     p.add_argument("--retriever", default="tiny", choices=["tiny", "minilm"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="scale mode: index.precision")
     p.add_argument("--factory", default="Flat")
+    p.add_argument("--tiny-dim", type=int, default=0, help="scale mode: the tiny encoder's hidden size (e.g. 384)")
     p.add_argument("--per-file", type=int, default=1000, help="scale mode: documents per jsonl file (0: one file)")
-    p.add_argument("--prepare", default="ray", choices=["ray", "driver"],
-                   help="scale mode: read, clean and chunk on Ray Data tasks (data.prepare=ray) or in the driver")
+    p.add_argument("--prepare", default="ray", choices=["ray", "driver", "stream"],
+                   help="scale mode: read, clean and chunk on Ray Data tasks into the store, then encode it (ray); "
+                        "the same in the driver (driver); or read, clean, chunk and encode as one Ray Data stream "
+                        "(stream: what a run does when its first index is zero-shot)")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--cpus-per-actor", type=float, default=1.0)
     p.add_argument("--num-cpus", type=int, default=2, help="logical CPUs of the benchmark's private local Ray")

@@ -161,6 +161,45 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
     return tabulate(rows, headers=headers, floatfmt=".4f")
 
 
+def initial_weights(cfg: Config) -> dict[str, torch.Tensor]:
+    """The retriever's weights before training (the tiny encoder's init is seeded; pretrained weights ignore it)."""
+    from ragtrain.retriever.encoder import build_encoder
+
+    torch.manual_seed(cfg.seed)
+    encoder = build_encoder(cfg.retriever)
+    return {k: v.detach().clone() for k, v in encoder.state_dict().items()}
+
+
+def first_index_is_zeroshot(cfg: Config) -> bool:
+    """Whether the run's first index encodes the corpus with the initial weights (`run` builds "zeroshot" first)."""
+    if "retriever" not in cfg.stages:
+        return "index" in cfg.stages
+    t = cfg.retriever.train
+    return bool(cfg.zeroshot_eval or t.hard_negatives > 0 or cfg.refresh.enabled or cfg.index.align_anchors)
+
+
+def stream_encode(cfg: Config, out: Path):
+    """The zero-shot encode, to run inside the corpus stream of a documents folder prepared on Ray (None when the
+    first index is not zero-shot, or with index.cache_dir: a cache hit needs the corpus fingerprint first)."""
+    from ragtrain.corpus.encode import EncodeFault
+    from ragtrain.corpus.stream import StreamEncode
+    from ragtrain.index import vector_cache
+
+    if not first_index_is_zeroshot(cfg) or cfg.index.cache_dir:
+        return None
+    vec_dir = out.resolve() / "vectors"
+    fault = None
+    if cfg.fault.kill_encode_actor_at_batch >= 0:  # fault injection (tests): one encode actor dies, once per run
+        vec_dir.mkdir(parents=True, exist_ok=True)
+        fault = EncodeFault(cfg.fault.kill_encode_actor_at_batch, str(vec_dir / ".encode_actor_killed"))
+
+    def key(weights: dict, fingerprint: str) -> str:
+        return vector_cache.cache_key(weights, cfg.retriever, cfg.index, fingerprint, cfg.retriever.passage_max_length)
+
+    return StreamEncode(weights=lambda: initial_weights(cfg), index=cfg.index, pool=cfg.resources.pool,
+                        folder=vec_dir / "zeroshot", fault=fault, key=key)
+
+
 def preflight_checks(cfg: Config, out: Path) -> RetrievalData:
     """Every check that needs no training, in order of cost; returns the loaded (and stored) data."""
     from ragtrain.cluster.resources import check_config, init_ray
@@ -186,13 +225,21 @@ def preflight_checks(cfg: Config, out: Path) -> RetrievalData:
             init_ray(cfg.resources)
             check_shared_paths(*shared_paths(cfg, out))
             started.append(True)
+            # Infeasible requests fail in seconds, not as a pending hang (the corpus stream's actors included); with
+            # live refresh the trainer and the pool run at the same time, so they must fit the cluster together.
+            # Without retriever training the trainer is not placed.
+            check_config(cfg.resources, together="retriever" in cfg.stages and cfg.refresh.enabled,
+                         trainer="retriever" in cfg.stages)
 
     started: list[bool] = []
+    dim = encoder_dim(cfg.retriever)
+    check_index_config(cfg.index.factory, dim)  # a factory string FAISS rejects: before reading anything
     # Bad data fails here, before Ray or MLflow start (a corpus prepared on Ray Data: just after Ray starts)
-    data = load_data(cfg.data, cfg.retriever, out, start_ray=start_ray, ray_tasks=cfg.resources.pool.num_actors)
+    data = load_data(cfg.data, cfg.retriever, out, start_ray=start_ray, ray_tasks=cfg.resources.pool.num_actors,
+                     stream=stream_encode(cfg, out))
     check_qrels(data)
     # Also when no zero-shot index is built first: a bad factory must not wait for the end of training to fail
-    check_index_config(cfg.index.factory, encoder_dim(cfg.retriever), len(data.corpus))
+    check_index_config(cfg.index.factory, dim, len(data.corpus))
     if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training
         from ragtrain.generator.stage import preflight
 
@@ -200,10 +247,6 @@ def preflight_checks(cfg: Config, out: Path) -> RetrievalData:
     log.info(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
              f"{len(data.eval_qrels)} {data.split} queries")
     start_ray()
-    # Infeasible requests fail in seconds, not as a pending hang; with live refresh the trainer and the pool run at
-    # the same time, so they must fit the cluster together. Without retriever training the trainer is not placed.
-    check_config(cfg.resources, together="retriever" in cfg.stages and cfg.refresh.enabled,
-                 trainer="retriever" in cfg.stages)
     return data
 
 
@@ -218,7 +261,6 @@ def run(
     """
     from ragtrain.index.shards import save_atomic
     from ragtrain.retriever.batching import TrainData, build_examples
-    from ragtrain.retriever.encoder import build_encoder
     from ragtrain.retriever.train import fit_retriever, save_weights
     from ragtrain.retriever.validation import make_val_set
     from ragtrain.track.mlflow import RunLogger
@@ -255,11 +297,8 @@ def run(
         if resume_id is None:  # a resumed run keeps the params it was started with
             logger.log_params(to_flat_dict(cfg))
         logger.log_artifact(out / "config.yaml")
-        torch.manual_seed(cfg.seed)  # the tiny encoder's init; pretrained weights ignore it
-        encoder = build_encoder(cfg.retriever)
-        weights = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
+        weights = initial_weights(cfg)
         encoder_name, step = f"{cfg.retriever.model}@init", 0
-        del encoder
 
         retrieval = Retrieval(cfg, data)
         cleanup.append(retrieval.close)

@@ -15,7 +15,8 @@ from .chunk import chunk_document
 from .clean import check_id, clean, dedupe_stream
 from .read import FileError, list_documents, open_documents, read_file
 
-__all__ = ["beir_corpus_files", "check_chunk_budget", "check_corpus_ids", "chunk_data", "load_documents", "passage_qrels"]
+__all__ = ["beir_corpus_files", "check_chunk_budget", "check_corpus_ids", "chunk_data", "load_documents", "locate",
+           "passage_qrels"]
 
 
 def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail", split: str = "dev",
@@ -63,17 +64,8 @@ def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail",
                 yield clean(d)
 
     dropped: dict[str, str] = {}
-    def locate(doc_id: str) -> str:  # a duplicate id's first place, found again only when that error is raised
-        for path in files:
-            try:
-                for d in read_file(path, root):
-                    if d["id"] == doc_id:
-                        return d["source"]
-            except DataError:
-                continue
-        return "an earlier document"
-
-    kept = (Passage(id=d["id"], title=d["title"], text=d["text"]) for d in dedupe_stream(documents(), dropped, locate))
+    kept = (Passage(id=d["id"], title=d["title"], text=d["text"])
+            for d in dedupe_stream(documents(), dropped, lambda doc_id: locate(files, root, doc_id)))
     # ids are unique once deduplicated: the store need not keep a set of them to check
     corpus: Mapping[str, Passage] = ({p.id: p for p in kept} if store_path is None
                                      else write_store(store_path, kept, check_ids=False))
@@ -89,6 +81,18 @@ def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail",
     log(f"[data] {root}: {len(files)} files, {read[0]} documents, {len(dropped)} exact duplicates dropped, "
         f"{len(skipped)} files skipped")
     return data, report
+
+
+def locate(files: Sequence[Path], root: str | Path, doc_id: str) -> str:
+    """Where a document id first occurs among `files` (a re-scan, paid only when a duplicate id is reported)."""
+    for path in files:
+        try:
+            for d in read_file(path, root):
+                if d["id"] == doc_id:
+                    return d["source"]
+        except DataError:
+            continue
+    return "an earlier document"
 
 
 def beir_corpus_files(root: str | Path) -> list[Path]:

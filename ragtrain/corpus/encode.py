@@ -94,7 +94,8 @@ class EncodeBatch:
 
     def __init__(self, retriever: RetrieverConfig, weights: Any, max_length: int, batch_size: int = 64,
                  precision: str = "fp32", vector_dtype: str = "float32", num_threads: Optional[int] = None,
-                 fault: Optional[EncodeFault] = None, stats_dir: Optional[str] = None):
+                 fault: Optional[EncodeFault] = None, stats_dir: Optional[str] = None, text_column: str = "text",
+                 keep_columns: bool = False):
         import ray
         import torch
 
@@ -120,6 +121,9 @@ class EncodeBatch:
         self.tokenizer = load_tokenizer(retriever)
         self.max_length, self.batch_size = int(max_length), int(batch_size)
         self.fault, self.stats_dir = fault, stats_dir
+        # The corpus stream (corpus/stream.py) embeds its "embed" column and passes every other column through, so
+        # the driver gets each passage with its vector; rows with an `error` are passed through unencoded
+        self.text_column, self.keep_columns = text_column, keep_columns
         self.role = "passage"  # the corpus; LocalEncoder switches it to "query" (retriever.query_prefix)
         self.batches = self.rows = 0
         self.seconds = 0.0
@@ -145,10 +149,15 @@ class EncodeBatch:
             except FileExistsError:
                 pass  # it already fired once
         start = time.perf_counter()
-        vecs = self.encode([str(t) for t in batch["text"]]).astype(self.vector_dtype, copy=False)
+        texts = batch[self.text_column]
+        ok = np.array([not e for e in batch["error"]], dtype=bool) if "error" in batch else np.ones(len(texts), bool)
+        dim = int(self.model.dim)
+        vecs = np.zeros((len(texts), dim), dtype=self.vector_dtype)
+        if ok.any():
+            vecs[ok] = self.encode([str(t) for t in texts[ok]])
         self.seconds += time.perf_counter() - start
         self.batches += 1
-        self.rows += len(vecs)
+        self.rows += int(ok.sum())
         if self.stats_dir:  # per-actor figures for benchmarks: rows, encode seconds, peak RSS (and by kind)
             rss = rss_breakdown_mb()
             for kind, mb in rss.items():
@@ -158,10 +167,12 @@ class EncodeBatch:
             Path(self.stats_dir, f"{os.getpid()}.json").write_text(json.dumps(
                 {"pid": os.getpid(), "batches": self.batches, "rows": self.rows, "seconds": self.seconds,
                  "peak_rss_mb": peak_rss_mb(), "rss_peaks_mb": self.rss_peaks, "anon_series": self.anon_series}))
-        dim = vecs.shape[1] if vecs.ndim == 2 else 0
         flat = pa.array(vecs.reshape(-1), type=pa.from_numpy_dtype(self.vector_dtype))
-        return pa.table({"id": pa.array([str(i) for i in batch["id"]], type=pa.string()),
-                         "vector": pa.FixedSizeListArray.from_arrays(flat, dim)})
+        vector = pa.FixedSizeListArray.from_arrays(flat, dim)
+        if self.keep_columns:
+            cols = {k: pa.array(v.tolist()) for k, v in batch.items() if k != self.text_column}
+            return pa.table({**cols, "vector": vector})
+        return pa.table({"id": pa.array([str(i) for i in batch["id"]], type=pa.string()), "vector": vector})
 
 
 class LocalEncoder:
@@ -338,6 +349,38 @@ def store_dataset(store: Any, rows_per_block: int = 4096):
         num_cpus=IO_CPU_RESERVE / 2)
 
 
+def encode_stage(rows: Any, weights_ref: Any, retriever: RetrieverConfig, index: IndexConfig, pool: PoolResources,
+                 per_call: int, *, max_length: Optional[int] = None, vector_dtype: str = "float32",
+                 fault: Optional[EncodeFault] = None, stats_dir: Optional[str] = None, num_gpus_per_actor: float = 0.0,
+                 text_column: str = "text", keep_columns: bool = False) -> Any:
+    """`rows.map_batches(EncodeBatch)` on the encode actor pool: `pool.num_actors` actors x `actor_cpus(pool)` CPUs
+    (+ `num_gpus_per_actor`, + custom resources such as index_node), `per_call` rows per call; a dataset of
+    (id, vector) rows, or of every input column but `text_column` plus vector (`keep_columns`)."""
+    from ray.data import ActorPoolStrategy
+
+    # Bounded retries (Ray Data's default is unlimited: a batch that kills every actor would loop forever). Ray
+    # 2.60 has no named parameter for these yet, so they go through ray_remote_args (its deprecation warning is muted).
+    remote_args: dict[str, Any] = {"max_restarts": MAX_ACTOR_RESTARTS, "max_task_retries": MAX_ACTOR_RESTARTS}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return rows.map_batches(
+            EncodeBatch,
+            fn_constructor_kwargs=dict(
+                retriever=retriever, weights=[weights_ref], max_length=max_length or retriever.passage_max_length,
+                batch_size=index.batch_size, precision=Precision(index.precision).value, vector_dtype=vector_dtype,
+                num_threads=max(1, int(pool.cpus_per_actor)), fault=fault, stats_dir=stats_dir,
+                text_column=text_column, keep_columns=keep_columns),
+            batch_size=per_call,
+            batch_format="numpy",
+            compute=ActorPoolStrategy(size=pool.num_actors),
+            num_cpus=actor_cpus(pool),
+            num_gpus=num_gpus_per_actor or None,
+            resources={k: float(v) for k, v in pool.resources.items()} or None,  # e.g. index_node
+            runtime_env={"env_vars": ACTOR_ENV},
+            **remote_args,
+        )
+
+
 def encode_to_shards(
     rows: Any,
     weights_ref: Any,
@@ -362,7 +405,7 @@ def encode_to_shards(
     `actor_cpus(pool)` CPUs (+ `num_gpus_per_actor`, + custom resources such as index_node), `index.shard_size` rows
     per call, `index.batch_size` texts per forward pass, `index.precision`.
     """
-    from ray.data import ActorPoolStrategy, DataContext
+    from ray.data import DataContext
 
     if vector_dtype not in VECTOR_DTYPES:
         raise ValueError(f"vector_dtype={vector_dtype!r} must be one of {list(VECTOR_DTYPES)}")
@@ -379,37 +422,20 @@ def encode_to_shards(
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Bounded retries (Ray Data's default is unlimited: a batch that kills every actor would loop forever). Ray
-    # 2.60 has no named parameter for these yet, so they go through ray_remote_args (its deprecation warning is muted).
-    remote_args: dict[str, Any] = {"max_restarts": MAX_ACTOR_RESTARTS, "max_task_retries": MAX_ACTOR_RESTARTS}
     ctx = DataContext.get_current()
     saved = ctx.enable_progress_bars, ctx.execution_options.preserve_order
     ctx.enable_progress_bars, ctx.execution_options.preserve_order = progress, preserve_order
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-            ds = rows.map_batches(
-                EncodeBatch,
-                fn_constructor_kwargs=dict(
-                    retriever=retriever, weights=[weights_ref], max_length=max_length or retriever.passage_max_length,
-                    batch_size=index.batch_size, precision=Precision(index.precision).value, vector_dtype=vector_dtype,
-                    num_threads=max(1, int(pool.cpus_per_actor)), fault=fault, stats_dir=stats_dir),
-                batch_size=per_call,
-                batch_format="numpy",
-                compute=ActorPoolStrategy(size=pool.num_actors),
-                num_cpus=actor_cpus(pool),
-                num_gpus=num_gpus_per_actor or None,
-                resources={k: float(v) for k, v in pool.resources.items()} or None,  # e.g. index_node
-                runtime_env={"env_vars": ACTOR_ENV},
-                **remote_args,
-            )
-            # The write tasks ask for a quarter of the reserve: with 1 CPU each they could never start beside an actor
-            # pool that holds all but IO_CPU_RESERVE of a small cluster (the stream would stall)
-            # max_rows_per_file: without it Ray Data may gather every block into one file (seen: 20k rows, 1 file),
-            # and then one write task holds all vectors and the index is built from a single "shard"
-            ds.write_parquet(str(out), max_rows_per_file=SHARD_FILE_ROWS,
-                             ray_remote_args={"num_cpus": IO_CPU_RESERVE / 2})
+        ds = encode_stage(rows, weights_ref, retriever, index, pool, per_call, max_length=max_length,
+                          vector_dtype=vector_dtype, fault=fault, stats_dir=stats_dir,
+                          num_gpus_per_actor=num_gpus_per_actor)
+        # The write tasks ask for a quarter of the reserve: with 1 CPU each they could never start beside an actor
+        # pool that holds all but IO_CPU_RESERVE of a small cluster (the stream would stall)
+        # max_rows_per_file: without it Ray Data may gather every block into one file (seen: 20k rows, 1 file),
+        # and then one write task holds all vectors and the index is built from a single "shard"
+        ds.write_parquet(str(out), max_rows_per_file=SHARD_FILE_ROWS,
+                         ray_remote_args={"num_cpus": IO_CPU_RESERVE / 2})
     finally:
         ctx.enable_progress_bars, ctx.execution_options.preserve_order = saved
     seconds = time.perf_counter() - start

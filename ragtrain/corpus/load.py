@@ -4,24 +4,30 @@ cleaned, deduplicated and chunked (in the driver or as Ray Data tasks), streamed
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ragtrain.config import DataConfig, DataSource, RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData, load_beir, make_synthetic
+
+if TYPE_CHECKING:
+    from ragtrain.corpus.stream import StreamEncode
 
 log = get_logger(__name__)
 
 
 def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
               out_dir: Optional[Path] = None, store: bool = True,
-              start_ray: Optional[Callable[[], None]] = None, ray_tasks: int = 2) -> RetrievalData:
+              start_ray: Optional[Callable[[], None]] = None, ray_tasks: int = 2,
+              stream: Optional["StreamEncode"] = None) -> RetrievalData:
     """The configured dataset: the synthetic KB, a BEIR folder or a documents folder, chunked when configured.
 
     `retriever` (its tokenizer) is needed for data.chunk.enabled; `out_dir` receives the generated documents
     (data.generate=true; a temporary folder when None) and, with `store`, the corpus as a `PassageStore`
     (`<out_dir>/corpus/passages.arrow`): corpus files and chunks stream into it, and every later stage reads texts
     from it, so the driver keeps ids and metadata only. Without `out_dir` (or `store=False`) the corpus is a dict.
+    With `stream` (the run's first encode), a documents folder prepared on Ray is read, cleaned, chunked and encoded
+    as one Ray Data stream (`corpus/stream.py`).
     """
     from ragtrain.corpus.dataset import (
         beir_corpus_files,
@@ -68,6 +74,11 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
         if not ray.is_initialized():
             log.info(f"[data] data.prepare={cfg.prepare.value}: Ray is not running here, preparing in the driver")
             on_ray = False
+    if on_ray and stream is not None and cfg.source == DataSource.documents:
+        from ragtrain.corpus.stream import stream_documents
+
+        assert corpus_dir is not None and retriever is not None  # on_ray needs a store; the encoder its config
+        return stream_documents(files, root, cfg, retriever, stream, corpus_dir / "passages.arrow", log=log.info)
     if cfg.source == DataSource.beir:
         data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, store_path=docs_store)
         check_corpus_ids(data, root)

@@ -155,8 +155,9 @@ def product_quantizer(index: faiss.Index):
     return getattr(inner, "pq", None)
 
 
-def check_index_config(factory: str, dim: int, rows: int) -> None:
-    """Refuse, before any encoding or training, a factory FAISS rejects or one the corpus is too small to train."""
+def check_index_config(factory: str, dim: int, rows: Optional[int] = None) -> None:
+    """Refuse, before any encoding or training, a factory FAISS rejects or (given the corpus size `rows`) one the
+    corpus is too small to train."""
     make_index(factory, dim, rows)
 
 

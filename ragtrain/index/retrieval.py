@@ -143,6 +143,11 @@ class Retrieval:
         for i, weights in enumerate(snapshots):
             folder = vec_dir / (tag if len(snapshots) == 1 else f"{tag}_{i}")
             key = cached = None
+            streamed = self._streamed(folder, weights) if len(snapshots) == 1 else None
+            if streamed is not None:  # encoded as the corpus was read (corpus/stream.py): the same weights, corpus
+                log.info(f"[{tag}] {streamed.rows} passage vectors from the corpus stream ({folder})")
+                sets.append(streamed)
+                continue
             if idx.cache_dir and fault is None:  # the same weights on the same corpus were encoded before: reuse
                 from ragtrain.index import vector_cache
 
@@ -173,6 +178,20 @@ class Retrieval:
             stats["docs_per_s"] = len(self.doc_ids) * len(sets) / seconds
         stats["index_host_peak_rss_mb"] = ray.get(self.host.peak_rss_mb.remote())  # where the index's memory went
         return BuiltIndex(tag, index, list(snapshots), self.doc_ids, stats, shards)
+
+    def _streamed(self, folder: Path, weights: dict[str, torch.Tensor]) -> Any:
+        """The ShardSet the corpus stream wrote in `folder` when it holds this corpus under these weights, else None."""
+        from ragtrain.corpus.encode import SHARDS_META, ShardSet
+        from ragtrain.index import vector_cache
+
+        if not (folder / SHARDS_META).exists():
+            return None
+        shards = ShardSet.load(folder)
+        if not shards.stats.get("streamed") or shards.stats.get("corpus") != self.fingerprint:
+            return None
+        cfg = self.cfg
+        key = vector_cache.cache_key(weights, cfg.retriever, cfg.index, self.fingerprint, cfg.retriever.passage_max_length)
+        return shards if shards.stats.get("key") == key else None
 
     def build_and_evaluate(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str,
                            step: int) -> tuple[BuiltIndex, dict[str, float]]:

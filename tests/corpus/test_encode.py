@@ -35,6 +35,7 @@ def _local(weights, texts: list[str], index: IndexConfig) -> np.ndarray:
     return QueryEncoder(CFG, [weights], index.batch_size, index.precision.value).encode(texts, MAX_LENGTH, "passage")
 
 
+@pytest.mark.slow  # ~24 s; by default an actor dies in the corpus stream instead (tests/corpus/test_stream.py)
 def test_killed_encode_actor_every_passage_exactly_once_equal_to_in_process(ray_session, tmp_path, weights) -> None:
     """An encode actor dies (os._exit) on its second batch; Ray Data restarts it and retries the batch. The input is
     a PassageStore read by Ray Data's tasks (what every run encodes); the shards equal in-process encoding."""

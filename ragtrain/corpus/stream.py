@@ -1,0 +1,241 @@
+"""A documents folder as one streaming Ray Data pipeline: read -> clean -> chunk -> encode -> write.
+
+Used when the corpus is prepared on Ray (data.prepare=ray, or auto from `RAY_MIN_BYTES` of files) and the run's
+first index is encoded with the initial weights (the zero-shot index): files are read and cleaned by Ray Data
+tasks, chunked by tasks with the retriever's tokenizer, and embedded by the encode actor pool
+(`corpus.encode.encode_stage`, the same `EncodeBatch` as every corpus encode), while later files are still being read.
+The driver is the single writer at the end of the stream: rows arrive in corpus order, each passage with its
+vector; it keeps ids and content digests only, drops exact duplicate documents, appends the passages to the run's
+passage store and the vectors to parquet shards (`<output_dir>/vectors/zeroshot/`), which `Retrieval.build` then
+indexes without encoding again (the shards carry the key of the weights and corpus they hold).
+
+The store and the vectors are the same as the two-step path's (prepare into the store, then encode it): same
+passages in the same order, same fingerprint (tests/corpus/test_stream.py). What changes is when errors surface:
+a bad file or document fails the run as soon as its row reaches the driver, in corpus order, with the same one-line
+message, and whatever the stream wrote is removed; the checks that need the whole corpus (a duplicate id in the
+last file, qrels naming unknown documents, more IVF lists than passages) run at its end, after the encoding they
+would have saved. data.prepare=driver keeps every check before any encoding.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from ragtrain.config import DataConfig, IndexConfig, PoolResources, RetrieverConfig
+from ragtrain.data.types import DataError, Passage, RetrievalData
+
+from .chunk import chunk_document
+from .clean import content_hash
+from .prepare import FILES_PER_TASK, PREP_CPUS, _ordered, _tokenizer, read_clean_batch
+
+__all__ = ["StreamEncode", "passages_batch", "stream_documents"]
+
+SHARD_ROWS = 16384  # vectors per shard file the driver writes (as encode_to_shards' SHARD_FILE_ROWS)
+PASSAGE_COLUMNS = ("id", "title", "text", "doc_id", "start", "end", "doc", "first", "digest", "embed", "source",
+                   "error", "file_error")
+
+
+@dataclass
+class StreamEncode:
+    """The run's first encode, done inside the corpus stream: the initial weights (built only if the stream runs),
+    the index and pool settings, the shard folder, and the fault injection of the tests."""
+
+    weights: Callable[[], dict]
+    index: IndexConfig
+    pool: PoolResources
+    folder: Path
+    fault: Any = None  # EncodeFault
+    key: Optional[Callable[[dict, str], str]] = None  # (weights, corpus fingerprint) -> the shards' key
+    stats_dir: Optional[str] = None  # benchmarks: per-actor rows, seconds and RSS (EncodeBatch)
+
+
+def passages_batch(batch: dict[str, np.ndarray], retriever: RetrieverConfig,
+                   chunk: Optional[tuple[int, int]]) -> dict[str, np.ndarray]:
+    """Ray Data (a task per block of cleaned documents): the passage rows of each document, chunked with the
+    retriever's tokenizer when `chunk` = (max_tokens, overlap), else the document itself; error rows pass through."""
+    from ragtrain.data.store import _full_text
+
+    cols: dict[str, list] = {c: [] for c in PASSAGE_COLUMNS}
+
+    def emit(p: dict[str, Any], doc: str, first: bool, digest: bytes, source: str, error: str = "",
+             file_error: bool = False) -> None:
+        for k in ("id", "title", "text", "doc_id"):
+            cols[k].append(p.get(k, ""))
+        cols["start"].append(int(p.get("start", 0)))
+        cols["end"].append(int(p.get("end", 0)))
+        cols["embed"].append(_full_text(p.get("title", ""), p.get("text", "")) if not error else "")
+        for k, v in (("doc", doc), ("first", first), ("digest", digest), ("source", source), ("error", error),
+                     ("file_error", file_error)):
+            cols[k].append(v)
+
+    tokenizer = _tokenizer(retriever) if chunk else None
+    for i in range(len(batch["id"])):
+        source = str(batch["source"][i])
+        if batch["error"][i]:
+            emit({}, "", False, b"", source, str(batch["error"][i]), bool(batch["file_error"][i]))
+            continue
+        doc = {k: str(batch[k][i]) for k in ("id", "title", "text", "source")}
+        digest = content_hash(doc)
+        if chunk is None:
+            parts = [{"id": doc["id"], "title": doc["title"], "text": doc["text"]}]
+        else:
+            try:
+                parts = chunk_document(doc, tokenizer, *chunk)
+            except DataError as e:
+                emit({}, doc["id"], True, digest, source, str(e))
+                continue
+        for k, p in enumerate(parts):
+            emit(p, doc["id"], k == 0, digest, source)
+    types = {"start": np.int64, "end": np.int64, "first": bool, "file_error": bool}
+    return {k: np.array(v, dtype=types.get(k, object)) for k, v in cols.items()}
+
+
+def _dataset(files: Sequence[Path], root: str, retriever: RetrieverConfig, chunk: Optional[tuple[int, int]],
+             weights_ref: Any, enc: StreamEncode, per_call: int) -> Any:
+    """read (tasks) -> clean (tasks) -> chunk (tasks) -> encode (the actor pool): rows with their vectors."""
+    import ray
+
+    from .encode import encode_stage
+
+    items = [{"path": str(p)} for p in files]
+    ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // FILES_PER_TASK)))
+    ds = ds.map_batches(read_clean_batch, fn_kwargs={"root": root}, batch_size=FILES_PER_TASK,
+                        batch_format="numpy", num_cpus=PREP_CPUS)
+    ds = ds.map_batches(passages_batch, fn_kwargs={"retriever": retriever, "chunk": chunk}, batch_size=None,
+                        batch_format="numpy", num_cpus=PREP_CPUS)
+    return encode_stage(ds, weights_ref, retriever, enc.index, enc.pool, per_call, vector_dtype=enc.index.vector_dtype,
+                        fault=enc.fault, stats_dir=enc.stats_dir, num_gpus_per_actor=enc.pool.gpus_per_actor,
+                        text_column="embed",
+                        keep_columns=True)
+
+
+def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, retriever: RetrieverConfig,
+                     enc: StreamEncode, store_path: Path, log: Callable[[str], None] = print) -> RetrievalData:
+    """Read, clean, chunk and encode a documents folder in one Ray Data stream into the passage store at
+    `store_path` and vector shards in `enc.folder`; returns the dataset (queries and qrels read after the corpus).
+    On any error nothing of the stream is left: no store, no shard folder."""
+    import ray
+
+    from ragtrain.data.beir import load_beir
+    from ragtrain.data.store import StoreWriter
+    from ragtrain.errors import ConfigError
+    from ragtrain.index.shard_ops import write_shards
+
+    from .dataset import check_corpus_ids, locate
+    from .encode import SHARDS_META
+
+    if cfg.on_error.value not in ("fail", "skip"):
+        raise ConfigError(f"data.on_error must be one of ['fail', 'skip'], got {cfg.on_error.value!r}")
+    chunk = (cfg.chunk.max_tokens, cfg.chunk.overlap) if cfg.chunk.enabled else None
+    start = time.perf_counter()
+    weights = enc.weights()
+    per_call = max(1, enc.index.shard_size)
+    skipped: list[str] = []
+    dropped: dict[str, str] = {}
+    doc_of: dict[str, str] = {}
+    counts = {"documents": 0}
+    kept_docs: set[str] = set()  # chunked: the qrels are checked against document ids, not the store's chunk ids
+    writer = StoreWriter(store_path, check_ids=False)  # ids unique: document ids are checked below, chunk ids derive
+
+    def rows() -> Iterator[tuple[list[str], np.ndarray]]:
+        """(ids, vectors) of the kept passages, a shard at a time, while their texts go to the store."""
+        seen: set[str] = set()
+        first_with: dict[bytes, str] = {}
+        keep = False
+        ids: list[str] = []
+        vecs: list[np.ndarray] = []
+        n_buf = 0
+        with _ordered():  # corpus order: the store, the shards and the first error do not depend on timing
+            ds = _dataset(files, str(root), retriever, chunk, ray.put(weights), enc, per_call)
+            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                vec = batch.column("vector").combine_chunks()  # a block of the encode's output: `per_call` rows
+                mat = vec.flatten().to_numpy(zero_copy_only=False).reshape(len(vec), -1) if len(vec) else None
+                col = {name: batch.column(name).to_pylist() for name in PASSAGE_COLUMNS if name != "embed"}
+                rows_kept: list[int] = []
+                for i in range(batch.num_rows):
+                    error = col["error"][i]
+                    if error:
+                        if not col["file_error"][i]:
+                            raise DataError(error)
+                        if cfg.on_error.value == "fail":
+                            raise DataError(f"{error} (data.on_error=fail; data.on_error=skip skips such files)")
+                        skipped.append(error)
+                        continue
+                    doc = col["doc"][i]
+                    if col["first"][i]:  # a document's first passage decides for all of its passages
+                        counts["documents"] += 1
+                        if doc in seen:
+                            raise DataError(f"duplicate document id {doc!r}: in {locate(files, root, doc)} and in "
+                                            f"{col['source'][i]}")
+                        seen.add(doc)
+                        digest = col["digest"][i]
+                        keep = digest not in first_with
+                        if not keep:  # exact duplicate content: index it once; its qrels point at the kept copy
+                            dropped[doc] = first_with[digest]
+                            continue
+                        first_with[digest] = doc
+                        if chunk is not None:
+                            kept_docs.add(doc)
+                    if not keep:
+                        continue
+                    p = Passage(id=col["id"][i], title=col["title"][i], text=col["text"][i], doc_id=col["doc_id"][i],
+                                start=col["start"][i], end=col["end"][i])
+                    writer.add(p)
+                    if chunk is not None:
+                        doc_of[p.id] = doc
+                    ids.append(p.id)
+                    rows_kept.append(i)
+                if rows_kept and mat is not None:
+                    vecs.append(mat[rows_kept])
+                    n_buf += len(rows_kept)
+                if n_buf >= SHARD_ROWS:
+                    yield ids, np.concatenate(vecs)
+                    ids, vecs, n_buf = [], [], 0
+        if not writer.count:
+            raise DataError(f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
+                            f"({len(skipped)} skipped with data.on_error=skip)")
+        if ids:
+            yield ids, np.concatenate(vecs)
+
+    folder = Path(enc.folder).resolve()
+    store = None
+    try:
+        shards = write_shards(folder, rows(), enc.index.vector_dtype)
+        store = writer.close()
+        for msg in skipped[:5]:
+            log(f"[data] skipped {msg}")
+        docs: Any = store if chunk is None else dict.fromkeys(kept_docs)  # ids only: what qrels may name
+        data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=docs, doc_alias=dropped)
+        check_corpus_ids(data, str(root))
+        data.corpus = store
+    except BaseException:
+        if store is None:
+            writer.abort()
+        shutil.rmtree(folder, ignore_errors=True)
+        Path(store_path).unlink(missing_ok=True)
+        Path(str(store_path) + ".json").unlink(missing_ok=True)
+        raise
+    data.doc_of = doc_of
+    seconds = time.perf_counter() - start
+    shards.seconds = seconds
+    fingerprint = data.fingerprint()
+    shards.stats = {"streamed": True, "key": enc.key(weights, fingerprint) if enc.key else "",
+                    "corpus": fingerprint}
+    meta = {k: v for k, v in shards.__dict__.items() if k != "folder"}
+    (folder / SHARDS_META).write_text(json.dumps(meta, indent=2))
+    log(f"[data] {root}: {len(files)} files, {counts['documents']} documents, {len(dropped)} exact duplicates "
+        f"dropped, {len(skipped)} files skipped")
+    if chunk is not None:
+        log(f"[data] {len(set(doc_of.values()))} documents -> {len(store)} chunks of <= {cfg.chunk.max_tokens} "
+            f"tokens (overlap {cfg.chunk.overlap})")
+    log(f"[data] read, cleaned, {'chunked, ' if chunk else ''}encoded {len(store)} passages in one Ray Data stream "
+        f"in {seconds:.1f}s ({enc.pool.num_actors} encode actors): vectors in {folder}")
+    return data

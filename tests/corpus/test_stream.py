@@ -1,0 +1,154 @@
+"""One Ray Data stream (read -> clean -> chunk -> encode -> write) gives the two-step path's store and vectors, survives
+a killed encode actor with every passage once, and leaves nothing behind when a bad file or id fails it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ragtrain.config import IndexConfig, PoolResources, to_typed
+from ragtrain.corpus.encode import EncodeFault, ShardSet
+from ragtrain.corpus.load import load_data
+from ragtrain.corpus.stream import StreamEncode
+from ragtrain.data.types import DataError
+from tests.conftest import compose
+
+from .helpers import small_folder, write_folder
+
+POOL = PoolResources(num_actors=2, cpus_per_actor=1)
+INDEX = IndexConfig(batch_size=8, shard_size=16)  # many encode calls: the injected death lands mid-stream
+
+
+def _folder(root: Path) -> Path:
+    """small_folder plus 30 files (several read tasks), an exact duplicate, a jsonl of two, and a binary file."""
+    small_folder(root)
+    files: dict[str, str | bytes] = {f"many/{i:02d}.txt": f"Document {i} talks about topic {i % 7}. " * (3 + i % 5)
+                                     for i in range(30)}
+    files["dup.txt"] = "Alpha is the first letter. It starts the alphabet."  # same content as a.txt: dropped
+    files["more.jsonl"] = "".join(json.dumps({"_id": f"j{i}", "title": f"J {i}", "text": f"Jay {i} text."}) + "\n"
+                                  for i in range(2))
+    files["zz.txt"] = b"bin\x00ary"
+    return write_folder(root, files)
+
+
+def _cfg(root: Path, tmp_path: Path, *extra: str):
+    return to_typed(compose(["data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=8",
+                             "data.chunk.overlap=2", "data.prepare=ray", f"output_dir={tmp_path / 'out'}", *extra]))
+
+
+def _weights(cfg) -> dict[str, torch.Tensor]:
+    from ragtrain.retriever.encoder import build_encoder
+
+    torch.manual_seed(0)
+    return {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
+
+
+def _stream(cfg, out: Path, weights, fault=None) -> StreamEncode:
+    return StreamEncode(weights=lambda: weights, index=INDEX, pool=POOL, folder=out / "vectors" / "zeroshot",
+                        fault=fault, key=lambda w, fp: f"key-of-{fp}")
+
+
+def _same_as_two_steps(root: Path, tmp_path: Path, out: Path, weights):
+    """Assert the stream's store and shards in `out` equal the two-step path's: the store prepared in the driver
+    (byte-identical to Ray's: test_prepare.py) and encoded in this process by the corpus actors' own class.
+    Returns (the two-step data, the stream's shards)."""
+    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.index.faiss_index import build_index
+    from ragtrain.index.shards import build_from_shards
+
+    cfg = _cfg(root, tmp_path, "data.on_error=skip")
+    driver = to_typed(compose(["data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=8",
+                               "data.chunk.overlap=2", "data.prepare=driver", "data.on_error=skip",
+                               f"output_dir={tmp_path / 'o'}"]))
+    two = load_data(driver.data, driver.retriever, tmp_path / "two")
+    texts = [p.full_text() for p in two.corpus.values()]
+    want = QueryEncoder(cfg.retriever, [weights], INDEX.batch_size).encode(texts, role="passage")
+    # the same passage store byte for byte: rows, order, fingerprint
+    store = "corpus/passages.arrow"
+    assert (out / store).read_bytes() == (tmp_path / "two" / store).read_bytes()
+    # every passage exactly once, in corpus order, with the vector the two-step encode gave it
+    shards = ShardSet.load(out / "vectors" / "zeroshot")
+    ids = list(two.corpus)
+    assert shards.ids() == ids and shards.rows == len(ids) > 36
+    assert shards.stats["streamed"] and shards.stats["corpus"] == two.fingerprint()
+    _, got = shards.read_all()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # a Flat index from the streamed shards answers as one from the two-step vectors: the same scores, and its ids
+    # score the same under the two-step vectors (repeated sentences make exact ties, whose order floats decide)
+    a = build_from_shards(shards, "Flat", "fp", "tiny")
+    b = build_index(want, ids, "Flat", "fp", "tiny")
+    queries = want[::7] + 0.01
+    (sa, ia), (sb, _) = a.search(queries, 10), b.search(queries, 10)
+    np.testing.assert_allclose(sa, sb, atol=1e-5)
+    row = {p: i for i, p in enumerate(ids)}
+    rescored = np.array([[want[row[a.doc_ids[j]]] @ q for j in hits] for q, hits in zip(queries, ia)])
+    np.testing.assert_allclose(rescored, sb, atol=1e-5)
+    return two, shards
+
+
+@pytest.mark.slow  # the same through pipeline.run runs by default (below); this one also compares doc_of and qrels
+def test_one_stream_equals_prepare_then_encode_even_when_an_actor_dies(ray_session, tmp_path: Path) -> None:
+    root = _folder(tmp_path / "docs")
+    cfg = _cfg(root, tmp_path, "data.on_error=skip")
+    weights = _weights(cfg)
+    marker = tmp_path / "killed"
+    one = load_data(cfg.data, cfg.retriever, tmp_path / "one", ray_tasks=2,
+                    stream=_stream(cfg, tmp_path / "one", weights, EncodeFault(at_batch=1, marker=str(marker))))
+    assert marker.exists(), "the injected actor death never fired"
+    two, shards = _same_as_two_steps(root, tmp_path, tmp_path / "one", weights)
+    assert shards.stats["key"] == f"key-of-{one.fingerprint()}"
+    assert one.fingerprint() == two.fingerprint() and one.doc_of == two.doc_of  # the chunk map and qrels too
+    assert (one.train_qrels, one.eval_qrels) == (two.train_qrels, two.eval_qrels)
+    assert "dup" not in set(one.doc_of.values()) and len(set(one.doc_of.values())) == 35  # 36 read, 1 duplicate
+
+
+def test_a_repeated_id_fails_the_stream_naming_both_files_and_leaves_nothing(ray_session, tmp_path: Path) -> None:
+    root = _folder(tmp_path / "docs")
+    write_folder(root, {"zz.txt": "fine now", "zz2.jsonl": json.dumps({"_id": "c", "text": "another c"}) + "\n"})
+    cfg = _cfg(root, tmp_path)
+    out = tmp_path / "dup"
+    with pytest.raises(DataError, match=r"duplicate document id 'c': in .*c\.html and in .*zz2\.jsonl:1") as e:
+        load_data(cfg.data, cfg.retriever, out, stream=_stream(cfg, out, _weights(cfg)))
+    assert e.type is DataError and "\n" not in str(e.value)  # the driver's one line, not Ray's task error
+    assert not (out / "vectors" / "zeroshot").exists() and not list((out / "corpus").glob("*passages*"))
+
+
+@pytest.mark.slow  # one more stream; the driver path's test of the same file runs by default (test_prepare.py)
+def test_a_bad_file_fails_the_stream_under_on_error_fail_and_leaves_nothing(ray_session, tmp_path: Path) -> None:
+    root = _folder(tmp_path / "docs")
+    cfg = _cfg(root, tmp_path)  # data.on_error=fail
+    out = tmp_path / "bin"
+    with pytest.raises(DataError, match=r"zz\.txt: binary file \(NUL byte at byte offset 3\) \(data.on_error=fail"):
+        load_data(cfg.data, cfg.retriever, out, stream=_stream(cfg, out, _weights(cfg)))
+    assert not (out / "vectors" / "zeroshot").exists() and not list((out / "corpus").glob("*passages*"))
+
+
+def test_a_run_indexes_what_the_stream_encoded_without_encoding_again(ray_session, tmp_path: Path, caplog) -> None:
+    """stages=[index] on a documents folder prepared on Ray, one encode actor killed mid-stream: every passage is
+    encoded once, as the two-step path encodes it, and the zero-shot index is built from the stream's shards."""
+    import logging
+
+    from ragtrain.index.faiss_index import load_index
+    from ragtrain.pipeline import initial_weights, run
+    from tests.conftest import tiny_overrides
+
+    root = _folder(tmp_path / "docs")
+    cfg = _cfg(root, tmp_path, "data.on_error=skip", *tiny_overrides(tmp_path)[4:], "stages=[index]", "logger=none",
+               "index.shard_size=16", "fault.kill_encode_actor_at_batch=1")
+    with caplog.at_level(logging.INFO, logger="ragtrain"):
+        results = run(cfg)
+    out = Path(cfg.output_dir)
+    assert (out / "vectors" / ".encode_actor_killed").exists(), "the injected actor death never fired"
+    text = caplog.text
+    assert "in one Ray Data stream" in text and "passage vectors from the corpus stream" in text
+    assert "encoding" not in text  # Retrieval.build encoded nothing itself
+    shards = ShardSet.load(out / "vectors" / "zeroshot")
+    store_ids = (out / "index" / "doc_ids.txt").read_text().split("\n")
+    assert shards.stats["streamed"] and shards.ids() == [i for i in store_ids if i]
+    assert load_index(out / "index").ntotal == shards.rows
+    assert 0.0 < results["zeroshot"]["ndcg@10"] <= 1.0 and results["zeroshot"]["encode_docs_per_s"] > 0
+    _same_as_two_steps(root, tmp_path, out, initial_weights(cfg))
