@@ -209,7 +209,7 @@ def scale(args) -> None:
         "precision": args.precision,
         "factory": args.factory, "actors": args.actors, "cpus_per_actor": args.cpus_per_actor,
         "ray_num_cpus": args.num_cpus, "write_files_s": write_s, "prepare_s": prepare_s,
-        "prepare_docs_per_s": shards.rows / prepare_s, "encode_s": shards.seconds,
+        "prepare_docs_per_s": shards.rows / prepare_s if prepare_s else None, "encode_s": shards.seconds,
         "docs_per_s": shards.rows / (prepare_s + shards.seconds), "encode_docs_per_s": shards.docs_per_s,
         "per_core_encode_docs_per_s": shards.docs_per_s / cores,
         "actor_steady_docs_per_s": shards.rows / max(max(a["seconds"] for a in actors), 1e-9),

@@ -23,6 +23,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -34,11 +35,17 @@ from ragtrain.data.types import DataError, Passage, RetrievalData
 
 from .chunk import chunk_document
 from .clean import content_hash
+from .dataset import locate
 from .prepare import FILES_PER_TASK, PREP_CPUS, _ordered, _tokenizer, read_clean_batch
 
 __all__ = ["StreamEncode", "passages_batch", "stream_documents"]
 
 SHARD_ROWS = 16384  # vectors per shard file the driver writes (as encode_to_shards' SHARD_FILE_ROWS)
+# Ray Data merges what a task yields into blocks of up to DataContext.target_max_block_size (128 MiB), and an encode
+# actor takes whole blocks: a 20,000-document corpus made five blocks, and one of two actors encoded all of them
+# (benchmarks/README.md, "One stream against two"). Blocks of about 1 MiB (~500 encoded rows of 384 dims) keep every
+# actor fed and the driver's share of the stream small.
+STREAM_BLOCK_BYTES = 1 << 20
 PASSAGE_COLUMNS = ("id", "title", "text", "doc_id", "start", "end", "doc", "first", "digest", "embed", "source",
                    "error", "file_error")
 
@@ -98,6 +105,19 @@ def passages_batch(batch: dict[str, np.ndarray], retriever: RetrieverConfig,
     return {k: np.array(v, dtype=types.get(k, object)) for k, v in cols.items()}
 
 
+@contextmanager
+def _block_bytes(size: int):
+    """Ray Data's target block size is `size` while this is open."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    saved, ctx.target_max_block_size = ctx.target_max_block_size, size
+    try:
+        yield
+    finally:
+        ctx.target_max_block_size = saved
+
+
 def _dataset(files: Sequence[Path], root: str, retriever: RetrieverConfig, chunk: Optional[tuple[int, int]],
              weights_ref: Any, enc: StreamEncode, per_call: int) -> Any:
     """read (tasks) -> clean (tasks) -> chunk (tasks) -> encode (the actor pool): rows with their vectors."""
@@ -117,6 +137,48 @@ def _dataset(files: Sequence[Path], root: str, retriever: RetrieverConfig, chunk
                         keep_columns=True)
 
 
+class _Gate:
+    """The driver's decisions on the stream's rows, in corpus order, keeping ids and content digests only: the first
+    error fails (a file's, unless data.on_error=skip), a repeated document id fails naming both places, and every
+    passage of a document whose content came before is dropped."""
+
+    def __init__(self, files: Sequence[Path], root: str | Path, on_error: str):
+        self.files, self.root, self.on_error = files, root, on_error
+        self.seen: set[str] = set()
+        self.first_with: dict[bytes, str] = {}
+        self.dropped: dict[str, str] = {}  # dropped document id -> the kept one (their qrels move to it)
+        self.skipped: list[str] = []
+        self.documents = 0
+        self._keep = False  # the current document's verdict, which its later passages share
+
+    def keep(self, row: dict[str, Any]) -> bool:
+        """Whether this passage row goes into the store and the shards."""
+        if row["error"]:
+            if not row["file_error"]:
+                raise DataError(row["error"])
+            if self.on_error == "fail":
+                raise DataError(f"{row['error']} (data.on_error=fail; data.on_error=skip skips such files)")
+            self.skipped.append(row["error"])
+            return False
+        if not row["first"]:
+            return self._keep
+        doc = row["doc"]
+        self.documents += 1
+        if doc in self.seen:
+            raise DataError(f"duplicate document id {doc!r}: in {locate(self.files, self.root, doc)} and in "
+                            f"{row['source']}")
+        self.seen.add(doc)
+        kept = self.first_with.setdefault(row["digest"], doc)
+        self._keep = kept == doc
+        if not self._keep:  # exact duplicate content: indexed once; its qrels point at the kept copy
+            self.dropped[doc] = kept
+        return self._keep
+
+    def kept_documents(self) -> dict[str, None]:
+        """The ids of the documents kept (what qrels may name when the store holds their chunks)."""
+        return dict.fromkeys(d for d in self.seen if d not in self.dropped)
+
+
 def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, retriever: RetrieverConfig,
                      enc: StreamEncode, store_path: Path, log: Callable[[str], None] = print) -> RetrievalData:
     """Read, clean, chunk and encode a documents folder in one Ray Data stream into the passage store at
@@ -126,82 +188,52 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
 
     from ragtrain.data.beir import load_beir
     from ragtrain.data.store import StoreWriter
-    from ragtrain.errors import ConfigError
     from ragtrain.index.shard_ops import write_shards
 
-    from .dataset import check_corpus_ids, locate
+    from .dataset import check_corpus_ids
     from .encode import SHARDS_META
 
-    if cfg.on_error.value not in ("fail", "skip"):
-        raise ConfigError(f"data.on_error must be one of ['fail', 'skip'], got {cfg.on_error.value!r}")
     chunk = (cfg.chunk.max_tokens, cfg.chunk.overlap) if cfg.chunk.enabled else None
     start = time.perf_counter()
     weights = enc.weights()
     per_call = max(1, enc.index.shard_size)
-    skipped: list[str] = []
-    dropped: dict[str, str] = {}
+    gate = _Gate(files, root, cfg.on_error.value)
     doc_of: dict[str, str] = {}
-    counts = {"documents": 0}
-    kept_docs: set[str] = set()  # chunked: the qrels are checked against document ids, not the store's chunk ids
-    writer = StoreWriter(store_path, check_ids=False)  # ids unique: document ids are checked below, chunk ids derive
+    writer = StoreWriter(store_path, check_ids=False)  # ids unique: document ids are checked, chunk ids derive
 
     def rows() -> Iterator[tuple[list[str], np.ndarray]]:
         """(ids, vectors) of the kept passages, a shard at a time, while their texts go to the store."""
-        seen: set[str] = set()
-        first_with: dict[bytes, str] = {}
-        keep = False
         ids: list[str] = []
         vecs: list[np.ndarray] = []
-        n_buf = 0
-        with _ordered():  # corpus order: the store, the shards and the first error do not depend on timing
+        # corpus order: the store, the shards and the first error do not depend on timing
+        with _ordered(), _block_bytes(STREAM_BLOCK_BYTES):
             ds = _dataset(files, str(root), retriever, chunk, ray.put(weights), enc, per_call)
-            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                vec = batch.column("vector").combine_chunks()  # a block of the encode's output: `per_call` rows
-                mat = vec.flatten().to_numpy(zero_copy_only=False).reshape(len(vec), -1) if len(vec) else None
-                col = {name: batch.column(name).to_pylist() for name in PASSAGE_COLUMNS if name != "embed"}
-                rows_kept: list[int] = []
+            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):  # a block
+                if not batch.num_rows:
+                    continue
+                vec = batch.column("vector").combine_chunks()
+                mat = vec.flatten().to_numpy(zero_copy_only=False).reshape(len(vec), -1)
+                cols = {name: batch.column(name).to_pylist() for name in PASSAGE_COLUMNS if name != "embed"}
+                kept = []
                 for i in range(batch.num_rows):
-                    error = col["error"][i]
-                    if error:
-                        if not col["file_error"][i]:
-                            raise DataError(error)
-                        if cfg.on_error.value == "fail":
-                            raise DataError(f"{error} (data.on_error=fail; data.on_error=skip skips such files)")
-                        skipped.append(error)
+                    row = {name: values[i] for name, values in cols.items()}
+                    if not gate.keep(row):
                         continue
-                    doc = col["doc"][i]
-                    if col["first"][i]:  # a document's first passage decides for all of its passages
-                        counts["documents"] += 1
-                        if doc in seen:
-                            raise DataError(f"duplicate document id {doc!r}: in {locate(files, root, doc)} and in "
-                                            f"{col['source'][i]}")
-                        seen.add(doc)
-                        digest = col["digest"][i]
-                        keep = digest not in first_with
-                        if not keep:  # exact duplicate content: index it once; its qrels point at the kept copy
-                            dropped[doc] = first_with[digest]
-                            continue
-                        first_with[digest] = doc
-                        if chunk is not None:
-                            kept_docs.add(doc)
-                    if not keep:
-                        continue
-                    p = Passage(id=col["id"][i], title=col["title"][i], text=col["text"][i], doc_id=col["doc_id"][i],
-                                start=col["start"][i], end=col["end"][i])
+                    p = Passage(id=row["id"], title=row["title"], text=row["text"], doc_id=row["doc_id"],
+                                start=row["start"], end=row["end"])
                     writer.add(p)
                     if chunk is not None:
-                        doc_of[p.id] = doc
+                        doc_of[p.id] = row["doc"]
                     ids.append(p.id)
-                    rows_kept.append(i)
-                if rows_kept and mat is not None:
-                    vecs.append(mat[rows_kept])
-                    n_buf += len(rows_kept)
-                if n_buf >= SHARD_ROWS:
+                    kept.append(i)
+                if kept:
+                    vecs.append(mat[kept])
+                if len(ids) >= SHARD_ROWS:
                     yield ids, np.concatenate(vecs)
-                    ids, vecs, n_buf = [], [], 0
+                    ids, vecs = [], []
         if not writer.count:
             raise DataError(f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
-                            f"({len(skipped)} skipped with data.on_error=skip)")
+                            f"({len(gate.skipped)} skipped with data.on_error=skip)")
         if ids:
             yield ids, np.concatenate(vecs)
 
@@ -210,10 +242,12 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
     try:
         shards = write_shards(folder, rows(), enc.index.vector_dtype)
         store = writer.close()
-        for msg in skipped[:5]:
+        for msg in gate.skipped[:5]:
             log(f"[data] skipped {msg}")
-        docs: Any = store if chunk is None else dict.fromkeys(kept_docs)  # ids only: what qrels may name
-        data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=docs, doc_alias=dropped)
+        # chunked: qrels name documents, not the store's chunks (ids only)
+        docs: Any = store if chunk is None else gate.kept_documents()
+        data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=docs,
+                         doc_alias=gate.dropped)
         check_corpus_ids(data, str(root))
         data.corpus = store
     except BaseException:
@@ -231,8 +265,8 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
                     "corpus": fingerprint}
     meta = {k: v for k, v in shards.__dict__.items() if k != "folder"}
     (folder / SHARDS_META).write_text(json.dumps(meta, indent=2))
-    log(f"[data] {root}: {len(files)} files, {counts['documents']} documents, {len(dropped)} exact duplicates "
-        f"dropped, {len(skipped)} files skipped")
+    log(f"[data] {root}: {len(files)} files, {gate.documents} documents, {len(gate.dropped)} exact duplicates "
+        f"dropped, {len(gate.skipped)} files skipped")
     if chunk is not None:
         log(f"[data] {len(set(doc_of.values()))} documents -> {len(store)} chunks of <= {cfg.chunk.max_tokens} "
             f"tokens (overlap {cfg.chunk.overlap})")

@@ -48,3 +48,16 @@ def small_folder(root: Path) -> Path:
         queries={"q1": "first letter", "q2": "second letter", "q3": "third letter", "q4": "pilots"},
         qrels={"train": [("q1", "a"), ("q2", "sub/b")], "dev": [("q3", "c"), ("q4", "sub/b")]},
     )
+
+
+def mixed_folder(root: Path, many: int = 40) -> Path:
+    """small_folder plus `many` text files (several read tasks), an exact duplicate of a.txt, a jsonl of two, and a
+    binary file (zz.txt)."""
+    small_folder(root)
+    files: dict[str, str | bytes] = {f"many/{i:02d}.txt": f"Document {i} talks about topic {i % 7}. " * (3 + i % 5)
+                                     for i in range(many)}
+    files["dup.txt"] = "Alpha is the first letter. It starts the alphabet."  # same content as a.txt: dropped
+    files["more.jsonl"] = "".join(json.dumps({"_id": f"j{i}", "title": f"J {i}", "text": f"Jay {i} text."}) + "\n"
+                                  for i in range(2))
+    files["zz.txt"] = b"bin\x00ary"
+    return write_folder(root, files)

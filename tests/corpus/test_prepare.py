@@ -13,7 +13,7 @@ from ragtrain.data.types import DataError
 from ragtrain.corpus.load import load_data
 from tests.conftest import compose
 
-from .helpers import small_folder, write_folder
+from .helpers import mixed_folder, small_folder, write_folder
 
 
 def test_auto_prepares_on_ray_from_the_threshold_up() -> None:
@@ -24,15 +24,7 @@ def test_auto_prepares_on_ray_from_the_threshold_up() -> None:
 
 
 def _folder(root: Path) -> Path:
-    """small_folder plus many files (several read tasks), a duplicate, a jsonl of two, and a binary file."""
-    small_folder(root)
-    files: dict[str, str | bytes] = {f"many/{i:02d}.txt": f"Document {i} talks about topic {i % 7}. " * (3 + i % 5)
-                                     for i in range(40)}
-    files["dup.txt"] = "Alpha is the first letter. It starts the alphabet."  # same content as a.txt: dropped
-    files["more.jsonl"] = "".join(json.dumps({"_id": f"j{i}", "title": f"J {i}", "text": f"Jay {i} text."}) + "\n"
-                                  for i in range(2))
-    files["zz.txt"] = b"bin\x00ary"
-    return write_folder(root, files)
+    return mixed_folder(root, many=40)
 
 
 def test_ray_prepare_writes_the_drivers_store_and_reports_the_same(ray_session, tmp_path: Path) -> None:

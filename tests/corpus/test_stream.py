@@ -17,22 +17,14 @@ from ragtrain.corpus.stream import StreamEncode
 from ragtrain.data.types import DataError
 from tests.conftest import compose
 
-from .helpers import small_folder, write_folder
+from .helpers import mixed_folder, write_folder
 
 POOL = PoolResources(num_actors=2, cpus_per_actor=1)
 INDEX = IndexConfig(batch_size=8, shard_size=16)  # many encode calls: the injected death lands mid-stream
 
 
 def _folder(root: Path) -> Path:
-    """small_folder plus 30 files (several read tasks), an exact duplicate, a jsonl of two, and a binary file."""
-    small_folder(root)
-    files: dict[str, str | bytes] = {f"many/{i:02d}.txt": f"Document {i} talks about topic {i % 7}. " * (3 + i % 5)
-                                     for i in range(30)}
-    files["dup.txt"] = "Alpha is the first letter. It starts the alphabet."  # same content as a.txt: dropped
-    files["more.jsonl"] = "".join(json.dumps({"_id": f"j{i}", "title": f"J {i}", "text": f"Jay {i} text."}) + "\n"
-                                  for i in range(2))
-    files["zz.txt"] = b"bin\x00ary"
-    return write_folder(root, files)
+    return mixed_folder(root, many=30)
 
 
 def _cfg(root: Path, tmp_path: Path, *extra: str):
