@@ -223,6 +223,8 @@ def scale(args) -> None:
                                       for k in ("anon", "file", "shmem")},
         "encode_actor_anon_series": max(actors, key=lambda a: a["rows"]).get("anon_series", []),
         "index_build_s": index_s, "index_ntotal": meta["ntotal"], "shard_files": len(shards.files),
+        # stream mode: seconds the driver spent deciding on rows and appending them (its serial part, not waiting)
+        "driver_rows_s": shards.stats.get("driver_rows_s"),
         "wall_s": time.perf_counter() - wall0, "load_avg_start": load0, "load_avg_end": os.getloadavg()[0],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }

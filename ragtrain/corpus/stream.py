@@ -150,6 +150,7 @@ class _Gate:
         self.skipped: list[str] = []
         self.documents = 0
         self._keep = False  # the current document's verdict, which its later passages share
+        self.doc = ""  # the current document's id: one string object for all of its passages' doc_of entries
 
     def keep(self, row: dict[str, Any]) -> bool:
         """Whether this passage row goes into the store and the shards."""
@@ -162,7 +163,7 @@ class _Gate:
             return False
         if not row["first"]:
             return self._keep
-        doc = row["doc"]
+        doc = self.doc = row["doc"]
         self.documents += 1
         if doc in self.seen:
             raise DataError(f"duplicate document id {doc!r}: in {locate(self.files, self.root, doc)} and in "
@@ -173,10 +174,6 @@ class _Gate:
         if not self._keep:  # exact duplicate content: indexed once; its qrels point at the kept copy
             self.dropped[doc] = kept
         return self._keep
-
-    def kept_documents(self) -> dict[str, None]:
-        """The ids of the documents kept (what qrels may name when the store holds their chunks)."""
-        return dict.fromkeys(d for d in self.seen if d not in self.dropped)
 
 
 def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, retriever: RetrieverConfig,
@@ -199,6 +196,7 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
     per_call = max(1, enc.index.shard_size)
     gate = _Gate(files, root, cfg.on_error.value)
     doc_of: dict[str, str] = {}
+    busy = [0.0]  # seconds the driver spent on the rows (not waiting for them): the stream's serial part
     writer = StoreWriter(store_path, check_ids=False)  # ids unique: document ids are checked, chunk ids derive
 
     def rows() -> Iterator[tuple[list[str], np.ndarray]]:
@@ -211,6 +209,7 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):  # a block
                 if not batch.num_rows:
                     continue
+                t0 = time.perf_counter()
                 vec = batch.column("vector").combine_chunks()
                 mat = vec.flatten().to_numpy(zero_copy_only=False).reshape(len(vec), -1)
                 cols = {name: batch.column(name).to_pylist() for name in PASSAGE_COLUMNS if name != "embed"}
@@ -223,14 +222,17 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
                                 start=row["start"], end=row["end"])
                     writer.add(p)
                     if chunk is not None:
-                        doc_of[p.id] = row["doc"]
+                        doc_of[p.id] = gate.doc
                     ids.append(p.id)
                     kept.append(i)
                 if kept:
                     vecs.append(mat[kept])
+                busy[0] += time.perf_counter() - t0
                 if len(ids) >= SHARD_ROWS:
-                    yield ids, np.concatenate(vecs)
+                    t0 = time.perf_counter()
+                    yield ids, np.concatenate(vecs)  # written by write_shards before the next block is asked for
                     ids, vecs = [], []
+                    busy[0] += time.perf_counter() - t0
         if not writer.count:
             raise DataError(f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
                             f"({len(gate.skipped)} skipped with data.on_error=skip)")
@@ -244,8 +246,9 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
         store = writer.close()
         for msg in gate.skipped[:5]:
             log(f"[data] skipped {msg}")
-        # chunked: qrels name documents, not the store's chunks (ids only)
-        docs: Any = store if chunk is None else gate.kept_documents()
+        # chunked: qrels name documents, not the store's chunks; every id read will do, as the qrels of a dropped
+        # duplicate are moved to its kept copy (doc_alias) before they are checked
+        docs: Any = store if chunk is None else gate.seen
         data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=docs,
                          doc_alias=gate.dropped)
         check_corpus_ids(data, str(root))
@@ -262,7 +265,7 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
     shards.seconds = seconds
     fingerprint = data.fingerprint()
     shards.stats = {"streamed": True, "key": enc.key(weights, fingerprint) if enc.key else "",
-                    "corpus": fingerprint}
+                    "corpus": fingerprint, "driver_rows_s": round(busy[0], 3)}
     meta = {k: v for k, v in shards.__dict__.items() if k != "folder"}
     (folder / SHARDS_META).write_text(json.dumps(meta, indent=2))
     log(f"[data] {root}: {len(files)} files, {gate.documents} documents, {len(gate.dropped)} exact duplicates "
@@ -271,5 +274,5 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
         log(f"[data] {len(set(doc_of.values()))} documents -> {len(store)} chunks of <= {cfg.chunk.max_tokens} "
             f"tokens (overlap {cfg.chunk.overlap})")
     log(f"[data] read, cleaned, {'chunked, ' if chunk else ''}encoded {len(store)} passages in one Ray Data stream "
-        f"in {seconds:.1f}s ({enc.pool.num_actors} encode actors): vectors in {folder}")
+        f"in {seconds:.1f}s ({enc.pool.num_actors} encode actors; the driver's share {busy[0]:.1f}s): vectors in {folder}")
     return data
