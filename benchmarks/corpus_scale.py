@@ -340,31 +340,38 @@ def compare(args) -> None:
 
 
 def plot(args) -> None:
+    """RSS and docs/s vs N, one line per input path (two steps: prepare=ray; one stream: prepare=stream)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    dim = args.tiny_dim or (64 if args.retriever == "tiny" else 384)
     rows = [r for r in json.loads((RESULTS / "corpus_scale.json").read_text())
-            if r["retriever"] == args.retriever and not r.get("actor_env")
+            if r["retriever"] == args.retriever and r["dim"] == dim and not r.get("actor_env")
             and r.get("precision", "fp32") == args.precision  # the default environment and layout only
-            and r.get("per_file", 1000) == 1000 and r.get("prepare", "ray") == "ray"]
-    n = [r["passages"] for r in rows]
+            and r.get("per_file", 1000) == 1000 and r.get("prepare", "ray") in ("ray", "stream")]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(n, [r["driver_peak_rss_mb"] for r in rows], "o-", label="driver peak RSS")
-    a.plot(n, [r["worker_peak_rss_mb"] for r in rows], "s-", label="worker peak RSS (max)")
+    for mode, label in (("ray", "two steps"), ("stream", "one stream")):
+        sel = sorted((r for r in rows if r.get("prepare", "ray") == mode), key=lambda r: r["passages"])
+        if not sel:
+            continue
+        n = [r["passages"] for r in sel]
+        a.plot(n, [r["driver_peak_rss_mb"] for r in sel], "o-", label=f"driver peak RSS ({label})")
+        a.plot(n, [r["worker_peak_rss_mb"] for r in sel], "s--", label=f"worker peak RSS, max ({label})")
+        b.plot(n, [r["docs_per_s"] for r in sel], "o-", label=f"end-to-end docs/s ({label})")
     a.set_xlabel("passages")
     a.set_ylabel("MB")
-    a.legend()
+    a.legend(fontsize=8)
     a.set_title("peak RSS vs corpus size")
-    b.plot(n, [r["docs_per_s"] for r in rows], "o-", label="end-to-end docs/s")
     b.set_xlabel("passages")
     b.set_ylabel("docs/s")
-    b.set_title(f"throughput ({args.retriever}, {rows[0]['actors']}x{rows[0]['cpus_per_actor']:g} CPU actors)")
-    b.legend()
+    b.set_title(f"throughput ({args.retriever}, {dim}-dim, {rows[0]['actors']}x{rows[0]['cpus_per_actor']:g} CPU actors)")
+    b.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(HERE / "corpus_scale.png", dpi=110)
-    print(f"wrote {HERE / 'corpus_scale.png'}")
+    out = HERE / (args.plot_name or "corpus_scale.png")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 def main() -> None:
@@ -392,6 +399,7 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the shards and the index")
     p.add_argument("--ray-worker-niceness0", action="store_true")
     p.add_argument("--plot", action="store_true")
+    p.add_argument("--plot-name", default="", help="plot mode: the PNG's name under benchmarks/ (corpus_scale.png)")
     p.add_argument("--actor-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment of the encode actors (e.g. MALLOC_ARENA_MAX=2); the row records it")
     p.add_argument("--out", default="corpus_scale_throughput.json", help="compare mode: file under benchmarks/results")

@@ -40,7 +40,9 @@ from .prepare import FILES_PER_TASK, PREP_CPUS, _ordered, _tokenizer, read_clean
 
 __all__ = ["StreamEncode", "passages_batch", "stream_documents"]
 
-SHARD_ROWS = 16384  # vectors per shard file the driver writes (as encode_to_shards' SHARD_FILE_ROWS)
+# vectors per shard file the driver writes: it buffers one file's worth (6 MB at 384 dims), so fewer than
+# encode_to_shards' SHARD_FILE_ROWS, whose files Ray Data's write tasks write
+SHARD_ROWS = 4096
 # Ray Data merges what a task yields into blocks of up to DataContext.target_max_block_size (128 MiB), and an encode
 # actor takes whole blocks: a 20,000-document corpus made five blocks, and one of two actors encoded all of them
 # (benchmarks/README.md, "One stream against two"). Blocks of about 1 MiB (~500 encoded rows of 384 dims) keep every
