@@ -105,7 +105,8 @@ class DataConfig:
     generate: bool = False
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
     # beir/documents: read + clean (documents) and chunk on Ray Data tasks and actors (ray), in the driver before
-    # Ray starts (driver), or on Ray Data once the corpus files hold >= 64 MiB (auto). The store is the same.
+    # Ray starts (driver), or on Ray Data once the corpus files hold >= 64 MiB (auto). The store is the same. On Ray,
+    # a documents folder is also encoded in the same stream when the first index is zero-shot (corpus/stream.py).
     prepare: Prepare = Prepare.auto
 
     def __post_init__(self) -> None:
