@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -178,9 +179,10 @@ def first_index_is_zeroshot(cfg: Config) -> bool:
     return bool(cfg.zeroshot_eval or t.hard_negatives > 0 or cfg.refresh.enabled or cfg.index.align_anchors)
 
 
-def stream_encode(cfg: Config, out: Path):
-    """The zero-shot encode, to run inside the corpus stream of a documents folder prepared on Ray (None when the
-    first index is not zero-shot, or with index.cache_dir: a cache hit needs the corpus fingerprint first)."""
+def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.Tensor]]):
+    """The zero-shot encode of `weights()`, to run inside the corpus stream of a documents folder prepared on Ray
+    (None when the first index is not zero-shot, or with index.cache_dir: a cache hit needs the corpus fingerprint
+    first)."""
     from ragtrain.corpus.encode import EncodeFault
     from ragtrain.corpus.stream import StreamEncode
     from ragtrain.index import vector_cache
@@ -196,12 +198,13 @@ def stream_encode(cfg: Config, out: Path):
     def key(weights: dict, fingerprint: str) -> str:
         return vector_cache.cache_key(weights, cfg.retriever, cfg.index, fingerprint, cfg.retriever.passage_max_length)
 
-    return StreamEncode(weights=lambda: initial_weights(cfg), index=cfg.index, pool=cfg.resources.pool,
+    return StreamEncode(weights=weights, index=cfg.index, pool=cfg.resources.pool,
                         folder=vec_dir / "zeroshot", fault=fault, key=key)
 
 
-def preflight_checks(cfg: Config, out: Path) -> RetrievalData:
-    """Every check that needs no training, in order of cost; returns the loaded (and stored) data."""
+def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.Tensor]]) -> RetrievalData:
+    """Every check that needs no training, in order of cost; returns the loaded (and stored) data. `weights()`: the
+    initial weights, called only when the corpus stream encodes the zero-shot index."""
     from ragtrain.cluster.resources import check_config, init_ray
     from ragtrain.corpus.encode import encoder_dim
     from ragtrain.index.faiss_index import check_index_config
@@ -236,7 +239,7 @@ def preflight_checks(cfg: Config, out: Path) -> RetrievalData:
     check_index_config(cfg.index.factory, dim)  # a factory string FAISS rejects: before reading anything
     # Bad data fails here, before Ray or MLflow start (a corpus prepared on Ray Data: just after Ray starts)
     data = load_data(cfg.data, cfg.retriever, out, start_ray=start_ray, ray_tasks=cfg.resources.pool.num_actors,
-                     stream=stream_encode(cfg, out))
+                     stream=stream_encode(cfg, out, weights))
     check_qrels(data)
     # Also when no zero-shot index is built first: a bad factory must not wait for the end of training to fail
     check_index_config(cfg.index.factory, dim, len(data.corpus))
@@ -265,6 +268,8 @@ def run(
     from ragtrain.retriever.validation import make_val_set
     from ragtrain.track.mlflow import RunLogger
 
+    # Built once, when first needed: by the corpus stream (the zero-shot encode) or below
+    initial = functools.cache(lambda: initial_weights(cfg))
     # Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
     # folder that failed them is never taken for a run by resume=true, and what the checks wrote is removed.
     with undo_on_failure(cfg.output_dir, cfg.index.cache_dir):
@@ -272,7 +277,7 @@ def run(
         if cfg.index.cache_dir:  # the cache is written after the first encode: refuse an unwritable one now
             prepare_output_dir(cfg.index.cache_dir, "index.cache_dir")
         with collect_log_lines() as check_lines:  # the [data] lines: into ragtrain.log once the checks pass
-            data = preflight_checks(cfg, out)
+            data = preflight_checks(cfg, out, initial)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
     write_status(out, "running")
     run_log = attach_run_log(out)  # ragtrain's lines of this run, timestamped, in <output_dir>/ragtrain.log
@@ -297,7 +302,7 @@ def run(
         if resume_id is None:  # a resumed run keeps the params it was started with
             logger.log_params(to_flat_dict(cfg))
         logger.log_artifact(out / "config.yaml")
-        weights = initial_weights(cfg)
+        weights = initial()
         encoder_name, step = f"{cfg.retriever.model}@init", 0
 
         retrieval = Retrieval(cfg, data)
@@ -308,12 +313,13 @@ def run(
         needs_negatives = train and cfg.retriever.train.hard_negatives > 0
         negatives: Optional[dict[str, list[int]]] = None
         zeroshot = None
-        if train and (cfg.zeroshot_eval or needs_negatives or live):
-            zeroshot, results["zeroshot"] = retrieval.build_and_evaluate("zeroshot", [weights], encoder_name, step)
-            if needs_negatives and not live:  # static negatives, mined once from the zero-shot index
-                negatives = retrieval.mine_negatives(zeroshot)
-        elif train and cfg.index.align_anchors:  # zeroshot_eval=false (e.g. sync_compare's later variants):
-            zeroshot = retrieval.build("zeroshot", [weights], encoder_name, step)  # the stale vectors, not evaluated
+        if train and first_index_is_zeroshot(cfg):
+            if cfg.zeroshot_eval or needs_negatives or live:
+                zeroshot, results["zeroshot"] = retrieval.build_and_evaluate("zeroshot", [weights], encoder_name, step)
+                if needs_negatives and not live:  # static negatives, mined once from the zero-shot index
+                    negatives = retrieval.mine_negatives(zeroshot)
+            else:  # index.align_anchors with zeroshot_eval=false (e.g. sync_compare's later variants): the stale
+                zeroshot = retrieval.build("zeroshot", [weights], encoder_name, step)  # vectors, not evaluated
         stale = zeroshot if train and cfg.index.align_anchors else None
 
         if train:

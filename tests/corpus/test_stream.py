@@ -8,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-
 from ragtrain.config import IndexConfig, PoolResources, to_typed
 from ragtrain.corpus.encode import EncodeFault, ShardSet
 from ragtrain.corpus.load import load_data
 from ragtrain.corpus.stream import StreamEncode
 from ragtrain.data.types import DataError
+from ragtrain.pipeline import initial_weights
 from tests.conftest import compose
 
 from .helpers import mixed_folder, write_folder
@@ -32,13 +31,6 @@ def _cfg(root: Path, tmp_path: Path, *extra: str):
                              "data.chunk.overlap=2", "data.prepare=ray", f"output_dir={tmp_path / 'out'}", *extra]))
 
 
-def _weights(cfg) -> dict[str, torch.Tensor]:
-    from ragtrain.retriever.encoder import build_encoder
-
-    torch.manual_seed(0)
-    return {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
-
-
 def _stream(cfg, out: Path, weights, fault=None) -> StreamEncode:
     return StreamEncode(weights=lambda: weights, index=INDEX, pool=POOL, folder=out / "vectors" / "zeroshot",
                         fault=fault, key=lambda w, fp: f"key-of-{fp}")
@@ -52,13 +44,12 @@ def _same_as_two_steps(root: Path, tmp_path: Path, out: Path, weights):
     from ragtrain.index.faiss_index import build_index
     from ragtrain.index.shards import build_from_shards
 
-    cfg = _cfg(root, tmp_path, "data.on_error=skip")
     driver = to_typed(compose(["data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=8",
                                "data.chunk.overlap=2", "data.prepare=driver", "data.on_error=skip",
                                f"output_dir={tmp_path / 'o'}"]))
     two = load_data(driver.data, driver.retriever, tmp_path / "two")
     texts = [p.full_text() for p in two.corpus.values()]
-    want = QueryEncoder(cfg.retriever, [weights], INDEX.batch_size).encode(texts, role="passage")
+    want = QueryEncoder(driver.retriever, [weights], INDEX.batch_size).encode(texts, role="passage")
     # the same passage store byte for byte: rows, order, fingerprint
     store = "corpus/passages.arrow"
     assert (out / store).read_bytes() == (tmp_path / "two" / store).read_bytes()
@@ -86,7 +77,7 @@ def _same_as_two_steps(root: Path, tmp_path: Path, out: Path, weights):
 def test_one_stream_equals_prepare_then_encode_even_when_an_actor_dies(ray_session, tmp_path: Path) -> None:
     root = _folder(tmp_path / "docs")
     cfg = _cfg(root, tmp_path, "data.on_error=skip")
-    weights = _weights(cfg)
+    weights = initial_weights(cfg)
     marker = tmp_path / "killed"
     one = load_data(cfg.data, cfg.retriever, tmp_path / "one", ray_tasks=2,
                     stream=_stream(cfg, tmp_path / "one", weights, EncodeFault(at_batch=1, marker=str(marker))))
@@ -104,7 +95,7 @@ def test_a_repeated_id_fails_the_stream_naming_both_files_and_leaves_nothing(ray
     cfg = _cfg(root, tmp_path)
     out = tmp_path / "dup"
     with pytest.raises(DataError, match=r"duplicate document id 'c': in .*c\.html and in .*zz2\.jsonl:1") as e:
-        load_data(cfg.data, cfg.retriever, out, stream=_stream(cfg, out, _weights(cfg)))
+        load_data(cfg.data, cfg.retriever, out, stream=_stream(cfg, out, initial_weights(cfg)))
     assert e.type is DataError and "\n" not in str(e.value)  # the driver's one line, not Ray's task error
     assert not (out / "vectors" / "zeroshot").exists() and not list((out / "corpus").glob("*passages*"))
 
@@ -115,7 +106,7 @@ def test_a_bad_file_fails_the_stream_under_on_error_fail_and_leaves_nothing(ray_
     cfg = _cfg(root, tmp_path)  # data.on_error=fail
     out = tmp_path / "bin"
     with pytest.raises(DataError, match=r"zz\.txt: binary file \(NUL byte at byte offset 3\) \(data.on_error=fail"):
-        load_data(cfg.data, cfg.retriever, out, stream=_stream(cfg, out, _weights(cfg)))
+        load_data(cfg.data, cfg.retriever, out, stream=_stream(cfg, out, initial_weights(cfg)))
     assert not (out / "vectors" / "zeroshot").exists() and not list((out / "corpus").glob("*passages*"))
 
 
@@ -125,7 +116,7 @@ def test_a_run_indexes_what_the_stream_encoded_without_encoding_again(ray_sessio
     import logging
 
     from ragtrain.index.faiss_index import load_index
-    from ragtrain.pipeline import initial_weights, run
+    from ragtrain.pipeline import run
     from tests.conftest import tiny_overrides
 
     root = _folder(tmp_path / "docs")
