@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 
 # Environment for the driver and every Ray process (forwarded by ragtrain.cluster.resources.init_ray)
@@ -74,6 +75,10 @@ def quiet_loggers() -> None:
         auth.addFilter(_DropTokenAuthEnabled())
     # configure() turns Ray Data's bars off when stdout is not a terminal; Ray Data then warns that they are off
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # A small corpus makes fewer blocks than the pool has actors (or the chunk step has tasks), and Ray Data warns
+    # at every such pipeline that the rest stay idle: nothing a user has to act on
+    warnings.filterwarnings("ignore", message=r"The (minimum|maximum) number of concurrent (actors|tasks) for",
+                            category=UserWarning)
     # Ray Train's worker context logs every report (a TrainingReport dump) under a logger named by its file path.
     # Only where Train has loaded it (its workers; an encode actor need not import Ray Train for this), and an
     # internal module: where a Ray version moves it, those lines simply stay.
