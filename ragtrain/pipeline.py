@@ -123,6 +123,28 @@ def check_qrels(data: RetrievalData) -> None:
                             "relevant passages need grade >= 1 in qrels/<split>.tsv")
 
 
+def check_train_batch(cfg: Config, data: RetrievalData) -> None:
+    """Retriever training needs one global batch of examples (a relevant passage per example: every chunk of a
+    relevant document counts); fewer would fail inside the trainer workers after start-up: fail now, in one line."""
+    from ragtrain.corpus.dataset import passage_qrels
+    from ragtrain.retriever.batching import steps_per_epoch
+
+    if "retriever" not in cfg.stages:
+        return
+    global_batch = cfg.retriever.train.batch_size * cfg.resources.trainer.num_workers
+
+    def positives(qrels: dict[str, dict[str, int]]) -> int:
+        return sum(1 for judged in qrels.values() for g in judged.values() if g > 0)
+
+    # documents are a lower bound on passages: the chunk map is expanded only when that bound is short
+    if positives(data.train_qrels) >= global_batch:
+        return
+    try:
+        steps_per_epoch(positives(passage_qrels(data.train_qrels, data.doc_of)), global_batch)
+    except ValueError as e:
+        raise ConfigError(f"{e} ({len(data.train_qrels)} training queries in {data.name})") from None
+
+
 def write_timeline(out: Path, logger) -> Path:
     """profile=true: Ray's Chrome-trace timeline of this run's tasks and actor calls, into the output folder and
     the MLflow run."""
@@ -241,6 +263,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     data = load_data(cfg.data, cfg.retriever, out, start_ray=start_ray, ray_tasks=cfg.resources.pool.num_actors,
                      stream=stream_encode(cfg, out, weights))
     check_qrels(data)
+    check_train_batch(cfg, data)
     # Also when no zero-shot index is built first: a bad factory must not wait for the end of training to fail
     check_index_config(cfg.index.factory, dim, len(data.corpus))
     if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training

@@ -148,6 +148,24 @@ def test_all_grade_zero_qrels_fail_before_encoding() -> None:
         check_qrels(data)
 
 
+def test_fewer_training_examples_than_one_global_batch_fail_before_training(tmp_path) -> None:
+    from ragtrain.data import make_synthetic
+    from ragtrain.pipeline import check_train_batch
+
+    data = make_synthetic(num_entities=12)
+    n = sum(1 for judged in data.train_qrels.values() for g in judged.values() if g > 0)
+    check_train_batch(_cfg(tmp_path, f"retriever.train.batch_size={n // 2}", "resources.trainer.num_workers=2"), data)
+    with pytest.raises(ConfigError, match=rf"^{n} training examples < one global batch of {2 * (n // 2 + 1)} "
+                                          r"\(retriever.train.batch_size x resources.trainer.num_workers\)"):
+        check_train_batch(_cfg(tmp_path, f"retriever.train.batch_size={n // 2 + 1}",
+                               "resources.trainer.num_workers=2"), data)
+    check_train_batch(_cfg(tmp_path, f"retriever.train.batch_size={n + 1}", "stages=[index]"), data)  # no training
+    # chunks: every chunk of a relevant document is an example, so a short document count is not the answer yet
+    pairs = {q: {d: g for d, g in judged.items()} for q, judged in data.train_qrels.items()}
+    data.doc_of = {f"{d}#{k}": d for judged in pairs.values() for d in judged for k in range(2)}
+    check_train_batch(_cfg(tmp_path, f"retriever.train.batch_size={n}", "resources.trainer.num_workers=2"), data)
+
+
 def test_the_trainer_is_not_checked_without_retriever_training() -> None:
     from ragtrain.cluster.resources import InfeasibleResourcesError, check_config
     from ragtrain.config import PoolResources, ResourcesConfig, TrainerResources
