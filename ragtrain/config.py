@@ -31,6 +31,7 @@ RECALL_DEPTH = 100  # the deepest recall cut-off reported (ragtrain.eval.retriev
 
 
 class Precision(str, Enum):
+    auto = "auto"  # bf16 where the device runs it natively (GPU with bf16, AVX512-BF16/AMX CPU), else fp32
     fp32 = "fp32"
     bf16 = "bf16"
 
@@ -172,7 +173,7 @@ class RetrieverTrainConfig:
     # > 0: GradCache (ragtrain/retriever/gradcache.py): embed the batch in chunks of this many texts without
     # gradients, then re-run each chunk with the loss's embedding gradients; same gradients, less memory
     cache_chunk_size: int = 0
-    precision: Precision = Precision.fp32  # bf16 = autocast on CPU / GPU
+    precision: Precision = Precision.auto  # bf16 = autocast on CPU / GPU; auto: ragtrain/precision.py
     grad_clip: float = 1.0
     log_every: int = 5
     # validation during training (rank 0, every val_every steps, a multiple of log_every; 0 = off): dev nDCG@10 of the
@@ -292,7 +293,7 @@ class RetrieverConfig:
 @dataclass
 class IndexConfig:
     factory: str = "Flat"  # any faiss.index_factory string: Flat, IVF64,Flat, HNSW32, IVF64,PQ16, ...
-    precision: Precision = Precision.fp32  # bf16: embed-only encoders hold bf16 weights (~1e-4 cosine off)
+    precision: Precision = Precision.auto  # bf16: embed-only encoders hold bf16 weights (~1e-4 cosine off)
     batch_size: int = 64
     shard_size: int = 512  # passages per pool task / per Ray Data encode call (one parquet shard each)
     vector_dtype: str = "float32"  # stored vector shards: float32 | float16 (half the disk; FAISS adds them as fp32)

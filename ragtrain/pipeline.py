@@ -217,8 +217,11 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
         vec_dir.mkdir(parents=True, exist_ok=True)
         fault = EncodeFault(cfg.fault.kill_encode_actor_at_batch, str(vec_dir / ".encode_actor_killed"))
 
-    def key(weights: dict, fingerprint: str) -> str:
-        return vector_cache.cache_key(weights, cfg.retriever, cfg.index, fingerprint, cfg.retriever.passage_max_length)
+    def key(weights: dict, fingerprint: str) -> str:  # called once Ray is up: auto resolved for the encode actors
+        from ragtrain.precision import resolved_index
+
+        return vector_cache.cache_key(weights, cfg.retriever, resolved_index(cfg), fingerprint,
+                                      cfg.retriever.passage_max_length)
 
     return StreamEncode(weights=weights, index=cfg.index, pool=cfg.resources.pool,
                         folder=vec_dir / "zeroshot", fault=fault, key=key)
@@ -323,7 +326,9 @@ def run(
     cleanup: list = [lambda: detach_run_log(run_log)]
     try:
         if resume_id is None:  # a resumed run keeps the params it was started with
-            logger.log_params(to_flat_dict(cfg))
+            from ragtrain.precision import resolved_params
+
+            logger.log_params({**to_flat_dict(cfg), **resolved_params(cfg)})  # with what `auto` means here
         logger.log_artifact(out / "config.yaml")
         weights = initial()
         encoder_name, step = f"{cfg.retriever.model}@init", 0

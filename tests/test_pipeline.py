@@ -110,6 +110,12 @@ def test_mlflow_run_read_back(quickstart_run) -> None:
     assert r.data.params["retriever.train.batch_size"] == "4"
     assert r.data.params["retriever.model"] == "tiny"
     assert r.data.params["data.source"] == "synthetic"
+    # precision=auto is logged next to what it ran in here (the encode actors and trainers run on this CPU)
+    from ragtrain.precision import cpu_bf16_native
+
+    here = "bf16" if cpu_bf16_native() else "fp32"
+    assert r.data.params["index.precision"] == "auto"
+    assert (r.data.params["precision/index"], r.data.params["precision/retriever_train"]) == (here, here)
     for phase in ("zeroshot", "trained"):
         assert r.data.metrics[f"{phase}/ndcg_at_10"] == pytest.approx(results[phase]["ndcg@10"])
     # Per-step training metrics, logged by rank 0 only (one point per logged step, no duplicates).

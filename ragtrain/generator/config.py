@@ -23,6 +23,7 @@ class Arch(str, Enum):
 
 
 class GenPrecision(str, Enum):
+    auto = "auto"  # bf16 where the device runs it natively, else fp32 (ragtrain/precision.py)
     fp32 = "fp32"
     bf16 = "bf16"  # autocast on CPU and GPU
     fp16 = "fp16"  # autocast + GradScaler, GPU only
@@ -61,7 +62,7 @@ class GeneratorTrainConfig:
     warmup_steps: int = 100
     max_steps: int = 1000  # > 0: this many optimizer steps; 0: `epochs` over the training questions
     epochs: float = 0.0
-    precision: GenPrecision = GenPrecision.fp32
+    precision: GenPrecision = GenPrecision.auto
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     checkpoint_every: int = 0  # ray.train.report a safetensors checkpoint every N steps (0 = only the final one)
     log_every: int = 20

@@ -33,7 +33,7 @@ class IndexPayload:
     doc_ids: list[str]
     retriever: RetrieverConfig
     weights: list[dict[str, torch.Tensor]]  # encoder snapshot(s); several = vector_avg (mean of query vectors)
-    precision: Precision = Precision.fp32  # query-encoding precision (as the index pool encoded passages)
+    precision: Precision = Precision.auto  # query-encoding precision (auto: resolved where the encoder runs)
     nprobe: int = 16
     ef_search: int = 128
     meta: dict = field(default_factory=dict)

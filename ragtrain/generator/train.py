@@ -24,6 +24,7 @@ import torch
 
 from ragtrain.config import Config
 from ragtrain.generator.config import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
+from ragtrain.precision import resolve
 from ragtrain.generator.metrics import score
 from ragtrain.generator.model import (
     AnswerDecoder,
@@ -109,8 +110,8 @@ def prompt_builder(g: GeneratorConfig, tokenizer) -> PromptBuilder:
 
 
 def autocast(precision: GenPrecision, device: torch.device) -> ContextManager:
-    """bf16 / fp16 autocast on the device type, or nothing for fp32."""
-    p = GenPrecision(precision)
+    """bf16 / fp16 autocast on the device type, or nothing for fp32 (auto: bf16 where `device` runs it natively)."""
+    p = GenPrecision(resolve(precision, device, "generator.train.precision", announce=False))
     if p == GenPrecision.fp32:
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16 if p == GenPrecision.bf16 else torch.float16)
@@ -191,6 +192,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     g, t = cfg.generator, cfg.generator.train
     w = Worker(args, seed=t.seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
     device, rank, world = w.device, w.rank, w.world
+    resolve(t.precision, device, "generator.train.precision", announce=rank == 0)  # auto: said once, by rank 0
     data: GenData = w.get("data")
     client: RetrievalClient = w.get("retrieval")
     client.start_at(rank)  # service mode: the ranks start on different actors, so every actor serves a step

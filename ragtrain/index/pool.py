@@ -12,6 +12,7 @@ import ray
 import torch
 
 from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
+from ragtrain.precision import resolve
 from ragtrain.console import get_logger
 
 log = get_logger(__name__)
@@ -57,6 +58,7 @@ class EncoderActor:
 
             os._exit(1)
         model = self.model
+        precision = resolve(precision, next(model.parameters()).device, "index.precision", announce=False)
         if Precision(precision) == Precision.bf16:  # as the Ray Data actors encode: bf16 weights, not autocast
             if self.bf16_model is None:
                 self.bf16_model = inference_weights(copy.deepcopy(self.model), Precision.bf16)

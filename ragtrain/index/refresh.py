@@ -26,6 +26,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from ragtrain.precision import resolved_index
 from ragtrain.config import Config
 from ragtrain.console import get_logger, progress_bars
 
@@ -181,7 +182,7 @@ class IndexService:
         try:
             version = self.book.version() + 1
             self.pool.set_weights(("refresh", version, step), weights_ref)
-            r, idx = self.cfg.retriever, self.cfg.index
+            r, idx = self.cfg.retriever, resolved_index(self.cfg)  # the pool's precision, as the first build's
             if vectors is None:
                 # a bar per refresh where training draws one (console.progress_bars: the quiet console on a terminal)
                 vectors, _ = self.pool.encode(self.passages, r.passage_max_length, idx, progress=progress_bars(),

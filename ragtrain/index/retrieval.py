@@ -23,6 +23,7 @@ from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import passage_qrels
 from ragtrain.data import RetrievalData
 from ragtrain.eval.retrieval import evaluate, maxp_run, run_from_scores
+from ragtrain.precision import resolved_index
 
 log = get_logger(__name__)
 
@@ -127,7 +128,7 @@ class Retrieval:
         from ragtrain.index.shard_ops import mean_shards
         from ragtrain.index.faiss_index import check_index_config
 
-        cfg, idx = self.cfg, self.cfg.index
+        cfg, idx = self.cfg, resolved_index(self.cfg)  # auto: as the encode actors will run it (key, index meta)
         # A factory FAISS rejects, or more IVF lists than passages: fail before encoding anything
         check_index_config(idx.factory, encoder_dim(cfg.retriever), len(self.doc_ids))
         vec_dir = Path(cfg.output_dir).resolve() / "vectors"
@@ -190,7 +191,8 @@ class Retrieval:
         if not shards.stats.get("streamed") or shards.stats.get("corpus") != self.fingerprint:
             return None
         cfg = self.cfg
-        key = vector_cache.cache_key(weights, cfg.retriever, cfg.index, self.fingerprint, cfg.retriever.passage_max_length)
+        key = vector_cache.cache_key(weights, cfg.retriever, resolved_index(cfg), self.fingerprint,
+                                     cfg.retriever.passage_max_length)
         return shards if shards.stats.get("key") == key else None
 
     def build_and_evaluate(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str,
@@ -247,7 +249,7 @@ class Retrieval:
         from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, map_shards, sample_ids
         from ragtrain.repair.align import fit_alignment
 
-        idx, seed = self.cfg.index, self.cfg.seed
+        idx, seed = resolved_index(self.cfg), self.cfg.seed
         anchors = sample_ids(self.doc_ids, idx.align_anchors, seed)
         align = fit_alignment(stale.shards.vectors_of(anchors), trained.shards.vectors_of(anchors), "orthogonal")
         aligned = map_shards(stale.shards, align.apply, Path(stale.shards.folder).parent / "stale_aligned")

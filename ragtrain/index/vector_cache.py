@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ragtrain.console import get_logger
+from ragtrain.precision import resolve_with_reason
 
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig, RetrieverConfig
@@ -49,7 +50,9 @@ def cache_key(weights: dict[str, torch.Tensor], retriever: "RetrieverConfig", in
     settings = asdict(retriever)
     for unused in ("train", "teacher", "temperature", "query_max_length"):  # training-only: never reach the vectors
         settings.pop(unused, None)
-    settings.update(max_length=max_length, precision=str(getattr(index.precision, "value", index.precision)),
+    # the precision the vectors were encoded in (auto resolved: bf16 and fp32 vectors differ), never "auto"
+    precision = resolve_with_reason(index.precision, "cpu")[0]  # callers pass it resolved for the encode actors
+    settings.update(max_length=max_length, precision=precision,
                     batch_size=index.batch_size, vector_dtype=index.vector_dtype, corpus=corpus_fingerprint)
     h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     for rel in CODE_FILES:

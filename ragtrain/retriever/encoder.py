@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragtrain.config import Pooling, Precision, RetrieverConfig
+from ragtrain.precision import resolve
 
 # Never reach for the Hub at run time: models come from installed packages, local paths or the local cache.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -125,14 +126,15 @@ def inference_weights(model: BiEncoder, precision: Precision) -> BiEncoder:
     bf16 weights against 2.4x under autocast (benchmarks/bf16_ceiling.py); layer norms stay bf16, pooling fp32.
     Only for encoders that never train (corpus / query encoders): training keeps fp32 weights under autocast.
     """
-    if Precision(precision) == Precision.bf16:
+    device = next(model.parameters()).device
+    if resolve(precision, device, announce=False) == Precision.bf16.value:
         model.to(dtype=torch.bfloat16)
     return model
 
 
 def autocast(precision: Precision, device: torch.device) -> ContextManager:
-    """bf16 autocast on the given device type, or nothing for fp32."""
-    if Precision(precision) == Precision.bf16:
+    """bf16 autocast on the given device type, or nothing for fp32 (auto: bf16 where `device` runs it natively)."""
+    if resolve(precision, device, announce=False) == Precision.bf16.value:
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
 

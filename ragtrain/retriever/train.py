@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ragtrain.config import Config
+from ragtrain.precision import resolve
 from ragtrain.retriever.batching import TrainData, local_batch, local_indices
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
@@ -93,6 +94,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     # Dropout draws from torch's default generator: seed it per (seed, rank), or two runs of one config differ.
     w = Worker(args, seed=t.seed * 10007 + ray.train.get_context().get_world_rank())
     device, rank, world = w.device, w.rank, w.world
+    resolve(t.precision, device, "retriever.train.precision", announce=rank == 0)  # auto: said once, by rank 0
 
     # --- set-up
     data: TrainData = w.get("data")

@@ -111,3 +111,14 @@ def test_a_gpu_checkpoint_restores_on_the_cpu(tmp_path) -> None:
     step, extra = load_train_state(tmp_path, 0, 1, cpu_model, cpu_optim,
                                    torch.optim.lr_scheduler.LambdaLR(cpu_optim, lambda s: 1.0))
     assert step == 5 and extra["residual"].device.type == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(), reason="needs a bf16 GPU")
+def test_auto_precision_is_bf16_on_a_bf16_gpu() -> None:
+    """precision=auto on a GPU with bf16 (as a Ray worker given one resolves it): bf16, and autocast is on."""
+    from ragtrain.precision import resolve
+    from ragtrain.retriever.encoder import autocast
+
+    assert resolve("auto", "cuda", "retriever.train.precision") == "bf16"
+    with autocast("auto", torch.device("cuda", 0)):
+        assert torch.is_autocast_enabled("cuda")

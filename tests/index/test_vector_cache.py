@@ -20,7 +20,7 @@ def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def test_key_covers_weights_settings_and_corpus():
-    r, i = RetrieverConfig(model="tiny"), IndexConfig()
+    r, i = RetrieverConfig(model="tiny"), IndexConfig(precision="fp32")
     base = vector_cache.cache_key(_weights(), r, i, "corpus-a", 128)
     assert base == vector_cache.cache_key(_weights(), r, i, "corpus-a", 128)  # deterministic
     changed = {
@@ -30,7 +30,8 @@ def test_key_covers_weights_settings_and_corpus():
         "corpus": vector_cache.cache_key(_weights(), r, i, "corpus-b", 128),
         "max_length": vector_cache.cache_key(_weights(), r, i, "corpus-a", 256),
         "precision": vector_cache.cache_key(_weights(), r, IndexConfig(precision="bf16"), "corpus-a", 128),
-        "vector dtype": vector_cache.cache_key(_weights(), r, IndexConfig(vector_dtype="float16"), "corpus-a", 128),
+        "vector dtype": vector_cache.cache_key(_weights(), r, IndexConfig(precision="fp32", vector_dtype="float16"),
+                                               "corpus-a", 128),
         "pooling": vector_cache.cache_key(_weights(), RetrieverConfig(model="tiny", pooling="cls"), i, "corpus-a", 128),
         "prefix": vector_cache.cache_key(_weights(), RetrieverConfig(model="tiny", passage_prefix="passage: "), i,
                                          "corpus-a", 128),
@@ -42,6 +43,18 @@ def test_key_covers_weights_settings_and_corpus():
     trained.train.lr = 1e-3
     trained.train.hard_negatives = 3
     assert vector_cache.cache_key(_weights(), trained, i, "corpus-a", 128) == base
+
+
+def test_key_holds_the_resolved_precision_not_auto():
+    """index.precision=auto is keyed as what it runs in on this CPU: an auto run and an explicit run of the same
+    precision share the entry; a machine where auto means the other precision misses it (other vectors)."""
+    from ragtrain.precision import cpu_bf16_native
+
+    r = RetrieverConfig(model="tiny")
+    here, other = ("bf16", "fp32") if cpu_bf16_native() else ("fp32", "bf16")
+    auto = vector_cache.cache_key(_weights(), r, IndexConfig(precision="auto"), "corpus-a", 128)
+    assert auto == vector_cache.cache_key(_weights(), r, IndexConfig(precision=here), "corpus-a", 128)
+    assert auto != vector_cache.cache_key(_weights(), r, IndexConfig(precision=other), "corpus-a", 128)
 
 
 def _shards(folder, rows: int = 3) -> ShardSet:
