@@ -55,7 +55,7 @@ def machine() -> dict[str, str]:
         load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         load = "unknown"
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": model,
+    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": model,
             "torch cpu capability": cpu_capability(), "oneDNN native bf16": str(cpu_bf16_native()),
             "torch": torch.__version__, "threads": str(torch.get_num_threads()), "load average (1/5/15 min)": load,
             "commit": commit}
@@ -87,8 +87,14 @@ def run_phases(precision: str, retriever, train, passages: dict[str, str], queri
     import faiss
     import torch.nn.functional as F
 
-    from ragtrain.retriever.encoder import autocast, build_encoder, encode_texts, inference_weights, load_tokenizer
-    from ragtrain.retriever.encoder import tokenize
+    from ragtrain.retriever.encoder import (
+        autocast,
+        build_encoder,
+        encode_texts,
+        inference_weights,
+        load_tokenizer,
+        tokenize,
+    )
 
     torch.manual_seed(0)
     model, tok = build_encoder(retriever), load_tokenizer(retriever)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from enum import Enum
-from typing import Union
 
 import torch
 
@@ -27,7 +26,7 @@ EMULATED_BF16_SPEED = "0.17x the speed of fp32 under autocast, 0.21x with bf16 w
 
 _said: set[str] = set()  # lines already logged by this process (once per key and outcome)
 
-PrecisionLike = Union[str, Enum]
+PrecisionLike = str | Enum
 
 
 def _value(precision: PrecisionLike) -> str:
@@ -80,16 +79,18 @@ def _once(line: str, warning: bool = False) -> None:
         (log.warning if warning else log.info)(line)
 
 
-def resolve(precision: PrecisionLike, device: torch.device | str, key: str = "precision", announce: bool = True) -> str:
+def resolve(precision: PrecisionLike, device: torch.device | str, key: str = "precision",
+            announce: bool = True) -> str:
     """The precision to run `precision` in on `device`: fp32 / bf16 (fp16 passes through). `auto` -> bf16 where the
-    device runs it natively, else fp32, logged once per process (`announce`); an explicit bf16 on a CPU without
-    native bf16 logs one warning with the expected slow-down."""
+    device runs it natively, else fp32; with `announce`, the choice and why are logged once per process, and an
+    explicit bf16 on a CPU without native bf16 logs one warning with the expected slow-down (the per-batch calls
+    inside the models pass announce=False: the driver or a trainer's rank 0 speaks for them)."""
     device = torch.device(device)
     value = _value(precision)
     chosen, why = resolve_with_reason(value, device)
     if value == AUTO and announce:
         _once(f"[precision] {key} auto -> {chosen} ({why})")
-    if value == BF16 and device.type == "cpu" and not cpu_bf16_native():
+    if announce and value == BF16 and device.type == "cpu" and not cpu_bf16_native():
         _once(f"[precision] {key}=bf16 on a CPU without native bf16 ({cpu_capability()}): expect about "
               f"{EMULATED_BF16_SPEED}; {key}=auto picks fp32 here", warning=True)
     return chosen
