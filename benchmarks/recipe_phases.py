@@ -10,7 +10,8 @@ the table: seconds per phase per precision and bf16 / fp32 speed (> 1: bf16 is f
 
     python benchmarks/recipe_phases.py [--docs 256] [--queries 64] [--steps 2] [--threads 2]
 
-Needs SciFact in ../shared/data/scifact (or --data); without it the script says so and exits 0.
+Needs SciFact in ../shared/data/scifact (or --data); without it the script prints `SKIP: ...` and exits 0. The
+figures also go to benchmarks/results/recipe_phases.json.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # ../shared/data/scifact next to the checkout (or next to the folder of a git worktree's checkout)
 CANDIDATES = [ROOT.parent / "shared" / "data" / "scifact", ROOT.parents[1] / "shared" / "data" / "scifact"]
 DEFAULT_DATA = next((p for p in CANDIDATES if p.exists()), CANDIDATES[0])
+RESULTS = Path(__file__).parent / "results" / "recipe_phases.json"
 PHASES = ("zero-shot encode", "mining", "training steps", "trained encode")
 
 
@@ -153,7 +155,7 @@ def main() -> int:
     ap.add_argument("--precisions", default="fp32,bf16")
     args = ap.parse_args()
     if not (args.data / "corpus.jsonl.gz").exists():
-        print(f"SciFact not found in {args.data} (corpus.jsonl.gz): nothing to time (--data <folder>)")
+        print(f"SKIP: SciFact not found in {args.data} (corpus.jsonl.gz): nothing to time (--data <folder>)")
         return 0
     sys.path.insert(0, str(ROOT))
     from hydra import compose, initialize_config_dir
@@ -188,6 +190,9 @@ def main() -> int:
         rows.append([phase, *secs, *ratio])
     headers = ["phase", *(f"{p} s" for p in precs), *(f"{p} speed vs {precs[0]}" for p in precs[1:])]
     print(tabulate(rows, headers=headers, floatfmt=".2f", tablefmt="github"))
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
+                                   "seconds": results}, indent=2))
     return 0
 
 

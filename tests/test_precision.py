@@ -142,3 +142,25 @@ def test_index_config_is_resolved_for_the_encode_actors(no_native_bf16, tmp_path
     assert cfg.index.precision.value == "auto"
     assert precision.resolved_index(cfg).precision.value == "fp32"
     assert precision.resolved_params(cfg)["precision/index"] == "fp32"
+    cfg.stages = ["retriever", "index", "generator"]
+    assert precision.resolved_params(cfg) == {"precision/index": "fp32", "precision/retriever_train": "fp32",
+                                              "precision/generator_train": "fp32"}
+
+
+def test_generator_autocast_follows_auto(no_native_bf16) -> None:
+    from ragtrain.generator.train import autocast
+
+    with autocast("auto", torch.device("cpu")):
+        assert not torch.is_autocast_enabled("cpu")
+    with autocast("bf16", torch.device("cpu")):
+        assert torch.is_autocast_enabled("cpu")
+
+
+def test_per_batch_calls_stay_quiet(lines, no_native_bf16) -> None:
+    """autocast / inference_weights run every batch: the driver or rank 0 speaks for them, once."""
+    from ragtrain.retriever.encoder import autocast
+
+    for _ in range(3):
+        with autocast("bf16", torch.device("cpu")), autocast("auto", torch.device("cpu")):
+            pass
+    assert lines == []
