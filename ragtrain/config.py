@@ -500,6 +500,12 @@ class Config:
                "filesystem such as NFS or EFS), not a URL", self.output_dir)
         bad = [s for s in self.stages if s not in STAGES]
         _check(not bad, "stages", f"has unknown stage(s) {bad}; valid choices: {list(STAGES)}", self.stages)
+        twice = sorted({s for s in self.stages if self.stages.count(s) > 1})
+        _check(not twice, "stages", f"lists {twice} more than once: each stage runs once", self.stages)
+        # the pipeline runs its stages in one order, whatever the list says: a list in another order misleads
+        in_order = [s for s in STAGES if s in self.stages]
+        _check(list(self.stages) == in_order, "stages", f"must be in the order the pipeline runs them "
+               f"({' -> '.join(STAGES)}): write {in_order}", self.stages)
         _check(self.export or not self.logger.register_as, "logger.register_as",
                "needs export=true (the registered model is the exported retriever)", self.logger.register_as)
         _check(bool(self.stages), "stages", f"is empty: nothing to do; valid choices: {list(STAGES)}", self.stages)
@@ -530,6 +536,26 @@ class Config:
                    "zero-shot index's once): turn one off", teacher.weight)
         _check(not self.index.distill_steps or vector_avg, "index.distill_steps",
                "needs sync=vector_avg (the student learns the replicas' consensus vectors)", self.index.distill_steps)
+        # refresh.* keys are read only by a live refresh during retriever training: otherwise they would be ignored
+        changed = [k for k, v in vars(RefreshConfig()).items() if k != "enabled" and getattr(self.refresh, k) != v]
+        _check(self.refresh.enabled or not changed, f"refresh.{changed[0] if changed else ''}",
+               "applies only with refresh.enabled=true (the live index refresh is off): remove it or enable refresh",
+               getattr(self.refresh, changed[0]) if changed else None)
+        _check(not self.refresh.enabled or "retriever" in self.stages, "refresh.enabled", f"refreshes the index "
+               f"during retriever training, and stages {self.stages} train no retriever: add the retriever stage or "
+               "set refresh.enabled=false", self.refresh.enabled)
+
+
+def ineffective_settings(cfg: Config) -> list[str]:
+    """Settings that are legal but do less than they seem to (one warning line each, logged before any work)."""
+    out = []
+    if cfg.sync.strategy != "ddp" and cfg.resources.trainer.num_workers == 1 and "retriever" in cfg.stages:
+        out.append(f"sync={cfg.sync.strategy} is a no-op with resources.trainer.num_workers=1: one replica has "
+                   "nothing to exchange (0 bytes sent); use 2 or more workers to compare sync strategies")
+    if cfg.data.split == "train":
+        out.append("data.split=train: the figures are measured on the training queries, not held-out ones "
+                   "(use dev or test to measure generalisation)")
+    return out
 
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the checkout (holds conf/); data paths are relative to it

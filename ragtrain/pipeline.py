@@ -21,6 +21,7 @@ from ragtrain.config import (
     absolute_paths,
     changed_keys,
     flatten,
+    ineffective_settings,
     to_flat_dict,
 )
 from ragtrain.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
@@ -236,6 +237,8 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     from ragtrain.retriever.encoder import check_model_offline
     from ragtrain.track.mlflow import check_tracking_uri, tracking_uri
 
+    for line in ineffective_settings(cfg):
+        log.warning(line)
     if cfg.resume:
         check_resume(cfg, out)
     if cfg.logger.backend == LoggerBackend.mlflow:  # a store that cannot work fails in seconds, not after training

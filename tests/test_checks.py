@@ -298,3 +298,50 @@ def test_a_sweep_folder_that_is_not_hydras_is_kept(tmp_path, monkeypatch) -> Non
     (sweep / "0" / "notes.log").unlink()
     cli.remove_sweep_folder(sweep / "0", sweep)  # Hydra's job folder: removed, then the sweep's and its parents
     assert not (tmp_path / "multirun").exists() and (tmp_path / "0" / "notes.log").exists()
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (("refresh.every_steps=5",), r"refresh.every_steps applies only with refresh.enabled=true"),
+    (("refresh.probe_queries=8",), r"refresh.probe_queries applies only with refresh.enabled=true"),
+    (("stages=[index]", "refresh.enabled=true", "refresh.every_steps=5"),
+     r"refresh.enabled refreshes the index during retriever training, and stages \['index'\] train no retriever"),
+    (("stages=[index,index]",), r"stages lists \['index'\] more than once"),
+    (("stages=[index,retriever]",), r"stages must be in the order the pipeline runs them "
+                                    r"\(retriever -> index -> generator\): write \['retriever', 'index'\]"),
+])
+def test_settings_that_would_be_ignored_or_misread_are_refused(tmp_path, overrides: tuple, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        _cfg(tmp_path, *overrides)
+
+
+def test_refresh_settings_of_a_variant_that_enables_refresh_compose(tmp_path) -> None:
+    """scifact_refresh sets the schedule in the one variant that refreshes: the others carry no refresh keys."""
+    from ragtrain.config import override_variants
+
+    variants = override_variants(compose(["experiment=scifact_refresh", f"output_dir={tmp_path}"]))
+    assert variants["live_refresh"].refresh.every_steps == 15 and variants["in_batch"].refresh.every_steps == 0
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (("sync=gossip", "resources.trainer.num_workers=1"),
+     "sync=gossip is a no-op with resources.trainer.num_workers=1"),
+    (("sync=async_ps", "resources.trainer.num_workers=1"),
+     "sync=async_ps is a no-op with resources.trainer.num_workers=1"),
+    (("data.split=train",), "data.split=train: the figures are measured on the training queries"),
+])
+def test_legal_settings_that_do_less_than_they_seem_warn(tmp_path, overrides: tuple, line: str) -> None:
+    from ragtrain.config import ineffective_settings
+
+    assert any(w.startswith(line) for w in ineffective_settings(_cfg(tmp_path, *overrides)))
+    assert ineffective_settings(_cfg(tmp_path)) == []  # the quickstart itself: nothing to say
+
+
+def test_cli_stage_order_error_is_one_line_and_exit_2(tmp_path) -> None:
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    args = [sys.executable, "-m", "ragtrain", "experiment=quickstart", *tiny_overrides(tmp_path),
+            "stages=[index,retriever]"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("config error: stages must be in the order")
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
