@@ -235,6 +235,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     from ragtrain.corpus.encode import encoder_dim
     from ragtrain.index.faiss_index import check_index_config
     from ragtrain.retriever.encoder import check_model_offline
+    from ragtrain.retriever.lora import check_lora_targets
     from ragtrain.track.mlflow import check_tracking_uri, tracking_uri
 
     for line in ineffective_settings(cfg):
@@ -244,6 +245,8 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     if cfg.logger.backend == LoggerBackend.mlflow:  # a store that cannot work fails in seconds, not after training
         check_tracking_uri(tracking_uri(cfg.logger))
     check_model_offline(cfg.retriever)
+    if "retriever" in cfg.stages:
+        check_lora_targets(cfg.retriever)
     if cfg.retriever.teacher.weight > 0 and cfg.retriever.teacher.path:  # a teacher for another tokenizer: now
         from ragtrain.reranker.model import check_teacher
 

@@ -345,3 +345,22 @@ def test_cli_stage_order_error_is_one_line_and_exit_2(tmp_path) -> None:
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("config error: stages must be in the order")
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_lora_target_modules_the_model_lacks_fail_before_any_work(tmp_path) -> None:
+    """PEFT would refuse them in every trainer worker after the zero-shot encode: the driver checks them first."""
+    from ragtrain.retriever.lora import check_lora_targets
+
+    cfg = _cfg(tmp_path, "retriever.lora.rank=4", "retriever.lora.target_modules=[query,no_such_module]")
+    with pytest.raises(ConfigError, match=r"retriever.lora.target_modules names \['no_such_module'\], which this model "
+                                          r"\(tiny\) has no Linear layer for; valid module names: \[.*'query'.*\]"):
+        check_lora_targets(cfg.retriever)
+    check_lora_targets(_cfg(tmp_path, "retriever.lora.rank=4", "retriever.lora.target_modules=[query,value]").retriever)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    r = subprocess.run([sys.executable, "-m", "ragtrain", "experiment=quickstart", *tiny_overrides(tmp_path),
+                        "retriever.lora.rank=4", "retriever.lora.target_modules=[no_such_module]"],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("config error: retriever.lora.target_modules names")
+    assert "[data]" not in r.stderr + r.stdout  # failed before the data were read

@@ -16,7 +16,8 @@ import warnings
 import torch
 from torch import nn
 
-from ragtrain.config import LoraConfig
+from ragtrain.config import ConfigError, LoraConfig, RetrieverConfig
+from ragtrain.retriever.encoder import build_backbone
 
 
 def apply_lora(encoder: nn.Module, cfg: LoraConfig) -> nn.Module:
@@ -35,6 +36,20 @@ def apply_lora(encoder: nn.Module, cfg: LoraConfig) -> nn.Module:
     except ValueError as e:  # e.g. target modules that this architecture does not have
         raise ValueError(f"retriever.lora.target_modules={list(cfg.target_modules)}: {e}") from None
     return encoder
+
+
+def check_lora_targets(cfg: RetrieverConfig) -> None:
+    """retriever.lora.target_modules against the model's own Linear layers, on the driver before any work (PEFT
+    would refuse them in every trainer worker, after the zero-shot encode). PEFT matches a name to a module whose
+    dotted path is the name or ends with '.' + name."""
+    if cfg.lora.rank <= 0:
+        return
+    linear = [n for n, m in build_backbone(cfg).named_modules() if isinstance(m, nn.Linear)]
+    missing = [t for t in cfg.lora.target_modules if not any(n == t or n.endswith("." + t) for n in linear)]
+    if missing:
+        valid = sorted({n.rsplit(".", 1)[-1] for n in linear})
+        raise ConfigError(f"retriever.lora.target_modules names {missing}, which this model "
+                          f"({cfg.model}) has no Linear layer for; valid module names: {valid}")
 
 
 def has_lora(encoder: nn.Module) -> bool:
