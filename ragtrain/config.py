@@ -498,6 +498,11 @@ class Config:
         # the run renames folders, appends to logs and memory-maps stores: a POSIX filesystem, not a bucket URL
         _check("://" not in self.output_dir, "output_dir", "must be a folder path (on a cluster: a shared POSIX "
                "filesystem such as NFS or EFS), not a URL", self.output_dir)
+        if self.data.root:  # a run writes corpus/, vectors/ and logs: a documents walk of the root would read them
+            root, out = Path(self.data.root).resolve(), Path(self.output_dir).resolve()
+            _check(not out.is_relative_to(root), "output_dir", f"is inside data.root ({root}): the next run on that "
+                   "root would read this run's outputs as its data; choose an output_dir outside data.root",
+                   self.output_dir)
         bad = [s for s in self.stages if s not in STAGES]
         _check(not bad, "stages", f"has unknown stage(s) {bad}; valid choices: {list(STAGES)}", self.stages)
         twice = sorted({s for s in self.stages if self.stages.count(s) > 1})

@@ -364,3 +364,15 @@ def test_lora_target_modules_the_model_lacks_fail_before_any_work(tmp_path) -> N
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("config error: retriever.lora.target_modules names")
     assert "[data]" not in r.stderr + r.stdout  # failed before the data were read
+
+
+def test_an_output_dir_inside_data_root_is_refused(tmp_path) -> None:
+    """The next run on that root would read this run's outputs (corpus/, logs, exports) as documents."""
+    root = tmp_path / "docs"
+    root.mkdir()
+    (root / "a.txt").write_text("A document.")
+    over = ["experiment=docs_quickstart", "retriever=tiny", f"data.root={root}", "data.generate=false",
+            f"logger.tracking_uri=sqlite:///{tmp_path / 'm.db'}"]
+    with pytest.raises(ConfigError, match=r"output_dir is inside data.root \(.*docs\): the next run on that root"):
+        to_typed(compose([*over, f"output_dir={root / 'runs' / 'one'}"]))
+    assert to_typed(compose([*over, f"output_dir={tmp_path / 'out'}"])).output_dir == str(tmp_path / "out")
