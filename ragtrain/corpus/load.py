@@ -65,7 +65,7 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
         write_docs_synthetic(root, num_entities=cfg.num_entities, seed=cfg.seed)
     assert root is not None  # checked by DataConfig
     files = list_documents(root, cfg.glob) if cfg.source == DataSource.documents else beir_corpus_files(root)
-    on_ray = docs_store is not None and use_ray(cfg.prepare.value, sum(f.stat().st_size for f in files))
+    on_ray = docs_store is not None and use_ray(cfg.prepare.value, sum(file_size(f) for f in files))
     if on_ray:  # Ray Data tasks and actors read, clean and chunk; bad files now fail after Ray has started
         if start_ray is not None:
             start_ray()
@@ -93,3 +93,12 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
         log.info(f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {cfg.chunk.max_tokens} tokens "
                  f"(overlap {cfg.chunk.overlap})")
     return data
+
+
+def file_size(path: Path) -> int:
+    """Bytes of a listed document file; 0 for one that cannot be stat'ed (a link cycle or a link to nothing): it is
+    reported, under data.on_error, when it is read."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -93,13 +93,31 @@ def _walk(root: Path) -> Iterator[Path]:
     def fail(e: OSError) -> None:
         raise DataError(f"{e.filename}: cannot list this folder under data.root ({e.strerror or e})")
 
+    real_root = Path(os.path.realpath(root))
     for folder, dirs, files in os.walk(root, followlinks=True, onerror=fail):
         here = Path(folder)
         ancestors = {os.path.realpath(p) for p in [here, *here.parents] if p == root or root in p.parents}
         # hidden folders (.git) are never documents; a link to an ancestor would loop forever
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(here / d) not in ancestors)
-        for name in files:
+        outside = [d for d in dirs if not Path(os.path.realpath(here / d)).is_relative_to(real_root)]
+        dirs[:] = [d for d in dirs if d not in outside]
+        for name in [*files, *outside]:  # a link out of data.root is listed, and refused when read (check_link)
             yield here / name
+
+
+def check_link(path: Path, root: Path) -> None:
+    """A FileError (data.on_error decides) for a path that is, or goes through, a symbolic link that loops, points
+    to nothing, or resolves outside data.root: the corpus is what lies under data.root, never /etc or /dev."""
+    try:
+        target = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise _not_found(path) from None
+    except (OSError, RuntimeError) as e:  # ELOOP (Python raises RuntimeError for a loop it detects itself)
+        raise FileError(f"{path}: a symbolic link cycle ({getattr(e, 'strerror', None) or e})") from None
+    real_root = root.resolve()
+    if not target.is_relative_to(real_root):
+        raise FileError(f"{path}: a symbolic link to {target}, outside data.root ({real_root}): links may only "
+                        "point inside data.root")
 
 
 def is_reserved(rel: Path) -> bool:
@@ -148,6 +166,7 @@ def open_documents(path: str | Path, root: str | Path) -> Iterator[dict[str, str
     one multi-GB jsonl is common); a record that fails later raises a DataError, which fails the run anyway.
     """
     path, root = Path(path), Path(root)
+    check_link(path, root)
     suffix = path.suffix.lower()
     rel = path.relative_to(root)
     if suffix == ".parquet":

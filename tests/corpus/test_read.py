@@ -25,23 +25,48 @@ def test_list_documents_skips_queries_qrels_and_hidden_files(tmp_path: Path) -> 
 
 
 def test_linked_folders_are_followed_once_and_a_link_to_nothing_is_a_bad_file(tmp_path: Path) -> None:
-    """A folder of documents linked into data.root is part of the corpus (pathlib's glob skipped it silently); a
-    link back to an ancestor is not followed (no cycle); a link to nothing is a FileError (data.on_error decides),
-    not silently dropped."""
+    """A folder of documents linked in from elsewhere under data.root is part of the corpus (pathlib's glob skipped it
+    silently); a link back to an ancestor is not followed (no cycle); a link to nothing is a FileError (data.on_error
+    decides), not silently dropped."""
     import os
 
     root = small_folder(tmp_path / "d")
-    ext = write_folder(tmp_path / "ext", {"x.txt": "Xray is a letter.", "y/z.txt": "Zulu is a letter."})
-    os.symlink(ext, root / "linked")
+    write_folder(root, {"shelf/x.txt": "Xray is a letter.", "shelf/y/z.txt": "Zulu is a letter."})
+    os.symlink(root / "shelf", root / "linked")
     os.symlink(root, root / "sub" / "loop")  # a cycle back to the root
     os.symlink(tmp_path / "gone.txt", root / "dangling.txt")
     files = [p.relative_to(root).as_posix() for p in list_documents(root)]
-    assert files == ["a.txt", "c.html", "dangling.txt", "linked/x.txt", "linked/y/z.txt", "sub/b.md"]
+    assert files == ["a.txt", "c.html", "dangling.txt", "linked/x.txt", "linked/y/z.txt", "shelf/x.txt",
+                     "shelf/y/z.txt", "sub/b.md"]
     assert [p.relative_to(root).as_posix() for p in list_documents(root, "linked/**/*.txt")] == [
         "linked/x.txt", "linked/y/z.txt"]
     assert [d["id"] for d in _read(root, "linked/y/z.txt")] == ["linked/y/z"]
     with pytest.raises(FileError, match=r"dangling\.txt: a symbolic link to a missing target"):
         _read(root, "dangling.txt")
+
+
+def test_links_out_of_data_root_and_link_cycles_are_bad_files(tmp_path: Path) -> None:
+    """A link may only resolve inside data.root: a link to / walked into /dev before. A cycle of file links is one
+    line, not an OSError traceback. Both are bad files, which data.on_error decides about."""
+    import os
+
+    root = small_folder(tmp_path / "d")
+    ext = write_folder(tmp_path / "ext", {"x.txt": "Xray is a letter."})
+    os.symlink("/", root / "system")
+    os.symlink(ext, root / "elsewhere")
+    os.symlink(ext / "x.txt", root / "x.txt")
+    os.symlink(root / "loop_b.txt", root / "loop_a.txt")
+    os.symlink(root / "loop_a.txt", root / "loop_b.txt")
+    files = [p.relative_to(root).as_posix() for p in list_documents(root)]
+    assert files == ["a.txt", "c.html", "elsewhere", "loop_a.txt", "loop_b.txt", "sub/b.md", "system", "x.txt"]
+    for rel, target in [("system", "/"), ("elsewhere", str(ext)), ("x.txt", str(ext / "x.txt"))]:
+        with pytest.raises(FileError, match=rf"{rel}: a symbolic link to {target}, outside data.root"):
+            _read(root, rel)
+    with pytest.raises(FileError, match=r"loop_a\.txt: a symbolic link cycle"):
+        _read(root, "loop_a.txt")
+    with pytest.raises(DataError, match=r"elsewhere: a symbolic link to .*ext, outside data.root .*data.on_error=fail"):
+        load_documents(root)
+    assert sorted(load_documents(root, on_error="skip")[0].corpus) == ["a", "c", "sub/b"]
 
 
 def test_a_queries_file_below_the_root_is_refused(tmp_path: Path) -> None:
