@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from ragtrain.config import (
     Config,
     ConfigError,
+    DataSource,
     LoggerBackend,
     absolute_paths,
     changed_keys,
@@ -25,7 +26,7 @@ from ragtrain.config import (
     to_flat_dict,
 )
 from ragtrain.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
-from ragtrain.corpus.load import load_data
+from ragtrain.corpus.load import load_data, truncation_report
 from ragtrain.data import RetrievalData
 from ragtrain.index.retrieval import Retrieval
 
@@ -273,6 +274,10 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
                      stream=stream_encode(cfg, out, weights))
     check_qrels(data)
     check_train_batch(cfg, data)
+    if not cfg.data.chunk.enabled and cfg.data.source != DataSource.synthetic:  # synthetic passages are one fact
+        line = truncation_report(data.corpus, cfg.retriever, cfg.seed)
+        if line:
+            log.warning(line)
     # Also when no zero-shot index is built first: a bad factory must not wait for the end of training to fail
     check_index_config(cfg.index.factory, dim, len(data.corpus))
     if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training

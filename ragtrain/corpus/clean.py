@@ -15,11 +15,13 @@ __all__ = ["check_id", "clean", "clean_text", "content_hash", "dedupe", "dedupe_
 _SPACES = re.compile(r"[^\S\n]+")  # any whitespace but a newline (tabs, NBSP, thin spaces, ...)
 _BLANKS = re.compile(r"\n{3,}")
 _BAD_ID = re.compile(r"[\t\n\r\v\f\x85\u2028\u2029]")
+# Control characters carry no text (C0 and C1, but tab, line breaks, form feeds and NEL, which are whitespace)
+_CONTROLS = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x84\x86-\x9f]")
 
 
 def clean_text(text: str) -> str:
-    """NFC; line breaks unified; runs of spaces collapsed; lines stripped; at most one blank line in a row."""
-    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
+    """NFC; control characters removed; line breaks unified; runs of spaces collapsed; lines stripped; at most one blank line in a row."""
+    text = _CONTROLS.sub("", unicodedata.normalize("NFC", text)).replace("\r\n", "\n").replace("\r", "\n")
     # Paragraph breaks survive (one blank line): the chunker prefers them as boundaries.
     lines = [_SPACES.sub(" ", line).strip() for line in text.split("\n")]
     return _BLANKS.sub("\n\n", "\n".join(lines)).strip()

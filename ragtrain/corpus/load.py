@@ -4,7 +4,7 @@ cleaned, deduplicated and chunked (in the driver or as Ray Data tasks), streamed
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from ragtrain.config import DataConfig, DataSource, RetrieverConfig
 from ragtrain.console import get_logger
@@ -102,3 +102,34 @@ def file_size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+TRUNCATION_SAMPLE = 20_000  # passages tokenised to report truncation (all of a smaller corpus; else a seeded sample)
+
+
+def truncation_report(corpus: Mapping[str, Any], retriever: RetrieverConfig, seed: int = 0) -> Optional[str]:
+    """One warning line when passages are longer than retriever.passage_max_length tokens (the encoder cuts them
+    silently), or None: how many, the longest, and how to chunk them. Counted on every passage of a corpus of up to
+    TRUNCATION_SAMPLE passages, else on a seeded sample of that many (the line says so)."""
+    import random
+
+    from ragtrain.retriever.encoder import load_tokenizer
+
+    n, limit = len(corpus), retriever.passage_max_length
+    rows = range(n) if n <= TRUNCATION_SAMPLE else sorted(random.Random(seed).sample(range(n), TRUNCATION_SAMPLE))
+    if hasattr(corpus, "full_texts"):  # a PassageStore: read by position, never the whole corpus
+        texts = [t for i in range(0, len(rows), 1024) for t in corpus.full_texts(rows[i:i + 1024])]
+    else:
+        values = list(corpus.values())
+        texts = [values[i].full_text() for i in rows]
+    tokenizer = load_tokenizer(retriever)
+    lengths = [len(ids) for i in range(0, len(texts), 1024)
+               for ids in tokenizer(texts[i:i + 1024], add_special_tokens=True)["input_ids"]]
+    over = [x for x in lengths if x > limit]
+    if not over:
+        return None
+    of = f"{len(over):,} of {n:,} passages" if n <= TRUNCATION_SAMPLE else \
+        f"{len(over):,} of a sample of {len(rows):,} passages ({len(over) / len(rows):.1%} of {n:,})"
+    return (f"{of} exceed retriever.passage_max_length={limit} tokens (longest {max(over):,}, median of those "
+            f"{sorted(over)[len(over) // 2]:,}): the encoder sees only their first {limit} tokens; set "
+            "data.chunk.enabled=true to split them into passages")

@@ -15,12 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ragtrain.corpus.clean import clean_text
 from ragtrain.data.types import DataError
 
 __all__ = ["SUPPORTED", "FileError", "MissingFileError", "is_reserved", "list_documents", "open_documents", "read_file"]
 
 SUPPORTED = (".txt", ".md", ".markdown", ".html", ".htm", ".jsonl", ".parquet")
 READ_BLOCK = 1 << 20  # bytes a .jsonl file's UTF-8 check reads at a time
+# A .txt/.md/.html file is one document, read whole and chunked: past this it is a dump (a 45.6 MB one-line .txt
+# became 176,070 chunks of one "document"), and a bad file under data.on_error. Records of a .jsonl have no such limit.
+MAX_DOCUMENT_BYTES = 16 << 20
 PARQUET_BATCH_ROWS = 4096  # rows of a .parquet file read at a time
 _RESERVED_FILES = ("queries.jsonl", "queries.jsonl.gz")
 _RESERVED_DIRS = ("qrels",)
@@ -183,6 +187,11 @@ def open_documents(path: str | Path, root: str | Path) -> Iterator[dict[str, str
 
 def _single_document(path: Path, suffix: str, doc_id: str) -> list[dict[str, str]]:
     """The one document of a .txt / .md / .html file (read whole: it is one document)."""
+    size = path.stat().st_size
+    if size > MAX_DOCUMENT_BYTES:
+        raise FileError(f"{path}: one document of {size / 2**20:.1f} MiB, over the {MAX_DOCUMENT_BYTES // 2**20} MiB "
+                        f"a single {suffix} file may hold (a dump rather than a document); split it into files, or into "
+                        ".jsonl records")
     raw = _read_bytes(path)
     text = _decode(path, raw)
     if suffix in (".html", ".htm"):
@@ -191,6 +200,8 @@ def _single_document(path: Path, suffix: str, doc_id: str) -> list[dict[str, str
         title, body = markdown_to_text(text)
     else:
         title, body = "", text
+    if not clean_text(body):  # e.g. only control characters: nothing to index, a bad file (data.on_error)
+        raise FileError(f"{path}: no text to index ({len(text):,} characters, none of them text after cleaning)")
     return [{"id": doc_id, "title": title, "text": body, "source": str(path)}]
 
 

@@ -34,8 +34,9 @@ def test_document_without_text_after_cleaning_names_file_and_id() -> None:
 def test_html_without_text_is_an_error(tmp_path: Path) -> None:
     root = small_folder(tmp_path / "d")
     write_folder(root, {"blank.html": "<html><head><title>T</title><script>x()</script></head><body> </body></html>"})
-    with pytest.raises(DataError, match=r"blank\.html: document 'blank' has no text after cleaning"):
+    with pytest.raises(DataError, match=r"blank\.html: no text to index .* \(data.on_error=fail; data.on_error=skip"):
         load_documents(root, log=lambda m: None)
+    assert "blank" not in load_documents(root, on_error="skip", log=lambda m: None)[0].corpus  # a bad file: skipped
 
 
 @pytest.mark.parametrize("bad", ["a\nb", "a\tb", "a\rb", ""])

@@ -135,3 +135,33 @@ def test_cli_bad_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("data error: data.root=") and "matches no document file" in lines[-1]
     assert "Traceback" not in r.stderr
+
+
+def test_passages_longer_than_the_encoder_are_reported_when_not_chunked(tmp_path: Path, monkeypatch) -> None:
+    """Without chunking, a 2,100-word document was cut to passage_max_length tokens without a word."""
+    import ragtrain.corpus.load as load
+    from ragtrain.corpus.load import truncation_report
+    from ragtrain.data.store import write_store
+    from ragtrain.data.types import Passage
+
+    root = small_folder(tmp_path / "docs")
+    (root / "long.txt").write_text(" ".join(f"word{i % 50}" for i in range(2100)))
+    cfg = _typed(tmp_path, "data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.enabled=false",
+                 "retriever.passage_max_length=64")
+    data = load_data(cfg.data, cfg.retriever)
+    line = truncation_report(data.corpus, cfg.retriever)
+    assert line is not None and line.startswith(f"1 of {len(data.corpus)} passages exceed "
+                                                "retriever.passage_max_length=64 tokens (longest ")
+    assert "set data.chunk.enabled=true to split them" in line
+    assert int(line.split("(longest ")[1].split(", median")[0].replace(",", "")) > 2100  # word pieces, specials
+    # a store is read by position, and a corpus larger than the sample is counted on a seeded sample
+    store = write_store(tmp_path / "p.arrow", [Passage(id=f"p{i}", title="", text="word " * (80 if i % 2 else 5))
+                                               for i in range(40)])
+    monkeypatch.setattr(load, "TRUNCATION_SAMPLE", 10)
+    import random
+
+    odd = sum(i % 2 for i in random.Random(0).sample(range(40), 10))  # the seeded sample's long passages
+    assert truncation_report(store, cfg.retriever).startswith(f"{odd} of a sample of 10 passages ({odd / 10:.1%} of 40)")
+    short = _typed(tmp_path, "data=documents", f"data.root={small_folder(tmp_path / 'short')}", "retriever=tiny",
+                   "data.chunk.enabled=false")
+    assert truncation_report(load_data(short.data, short.retriever).corpus, short.retriever) is None

@@ -281,3 +281,23 @@ def test_a_large_file_is_read_and_sent_in_bounded_blocks(tmp_path: Path, monkeyp
     monkeypatch.setattr(prepare, "BLOCK_CHARS", 12)  # or fewer rows, once their text reaches BLOCK_CHARS
     blocks = list(prepare.read_clean_batch({"path": np.array([str(root / "big.jsonl")], dtype=object)}, str(root)))
     assert [len(b["id"]) for b in blocks] == [3, 3, 3, 1]  # 5 characters a document: a block closes at 15
+
+
+def test_a_document_of_only_control_characters_is_a_bad_file(tmp_path: Path) -> None:
+    root = small_folder(tmp_path / "d")
+    write_folder(root, {"ctl.txt": "\x01\x02\x03\n\x04\x05\x06\x07\x08", "mixed.txt": "Alpha\x01 is\x07 a letter."})
+    with pytest.raises(FileError, match=r"ctl\.txt: no text to index \(9 characters, none of them text"):
+        _read(root, "ctl.txt")
+    data = load_documents(root, on_error="skip")[0]
+    assert "ctl" not in data.corpus and data.corpus["mixed"].text == "Alpha is a letter."
+
+
+def test_a_single_document_file_past_the_limit_is_a_bad_file(tmp_path: Path, monkeypatch) -> None:
+    import ragtrain.corpus.read as read
+
+    monkeypatch.setattr(read, "MAX_DOCUMENT_BYTES", 1 << 20)  # the same rule at 1 MiB, to keep the test small
+    root = small_folder(tmp_path / "d")
+    write_folder(root, {"dump.txt": "word " * 300_000})  # 1.4 MiB on one line
+    with pytest.raises(FileError, match=r"dump\.txt: one document of 1\.4 MiB, over the 1 MiB a single \.txt file"):
+        _read(root, "dump.txt")
+    assert "dump" not in load_documents(root, on_error="skip")[0].corpus
