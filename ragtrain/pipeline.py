@@ -225,8 +225,17 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
         return vector_cache.cache_key(weights, cfg.retriever, resolved_index(cfg), fingerprint,
                                       cfg.retriever.passage_max_length)
 
+    def precheck(data: RetrievalData, passages: int) -> None:  # the stream's first pass, before it encodes
+        from ragtrain.corpus.encode import encoder_dim
+        from ragtrain.index.faiss_index import check_index_config
+
+        check_qrels(data)
+        if not cfg.data.chunk.enabled:  # chunked, the training examples are counted on chunks: after the stream
+            check_train_batch(cfg, data)
+        check_index_config(cfg.index.factory, encoder_dim(cfg.retriever), passages)
+
     return StreamEncode(weights=weights, index=cfg.index, pool=cfg.resources.pool,
-                        folder=vec_dir / "zeroshot", fault=fault, key=key)
+                        folder=vec_dir / "zeroshot", fault=fault, key=key, precheck=precheck)
 
 
 def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.Tensor]]) -> RetrievalData:

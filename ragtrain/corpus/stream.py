@@ -11,10 +11,10 @@ indexes without encoding again (the shards carry the key of the weights and corp
 
 The store and the vectors are the same as the two-step path's (prepare into the store, then encode it): same
 passages in the same order, same fingerprint (tests/corpus/test_stream.py). What changes is when errors surface:
-a bad file or document fails the run as soon as its row reaches the driver, in corpus order, with the same one-line
-message, and whatever the stream wrote is removed; the checks that need the whole corpus (a duplicate id in the
-last file, qrels naming unknown documents, more IVF lists than passages) run at its end, after the encoding they
-would have saved. data.prepare=driver keeps every check before any encoding.
+the checks that need the whole corpus (a bad file under data.on_error=fail, a duplicate id in the last file, qrels
+naming unknown documents, more IVF lists than passages, fewer training examples than one batch) run first, on a
+pass of read -> clean -> chunk that sends the driver ids and digests only, before anything is encoded; whatever a
+failing stream wrote is removed.
 """
 
 from __future__ import annotations
@@ -63,13 +63,17 @@ class StreamEncode:
     folder: Path
     fault: Any = None  # EncodeFault
     key: Optional[Callable[[dict, str], str]] = None  # (weights, corpus fingerprint) -> the shards' key
+    # the run's whole-corpus checks (qrels, the training batch, IVF lists against the passage count): called with the
+    # dataset (ids only) and the passage count by the first pass, before anything is encoded
+    precheck: Optional[Callable[[RetrievalData, int], None]] = None
     stats_dir: Optional[str] = None  # benchmarks: per-actor rows, seconds and RSS (EncodeBatch)
 
 
-def passages_batch(batch: dict[str, np.ndarray], retriever: RetrieverConfig,
-                   chunk: Optional[tuple[int, int]]) -> dict[str, np.ndarray]:
+def passages_batch(batch: dict[str, np.ndarray], retriever: RetrieverConfig, chunk: Optional[tuple[int, int]],
+                   columns: Sequence[str] = PASSAGE_COLUMNS) -> dict[str, np.ndarray]:
     """Ray Data (a task per block of cleaned documents): the passage rows of each document, chunked with the
-    retriever's tokenizer when `chunk` = (max_tokens, overlap), else the document itself; error rows pass through."""
+    retriever's tokenizer when `chunk` = (max_tokens, overlap), else the document itself; error rows pass through.
+    `columns`: the ones returned (the checks' first pass sends the driver no text)."""
     from ragtrain.data.store import _full_text
 
     cols: dict[str, list] = {c: [] for c in PASSAGE_COLUMNS}
@@ -104,7 +108,7 @@ def passages_batch(batch: dict[str, np.ndarray], retriever: RetrieverConfig,
         for k, p in enumerate(parts):
             emit(p, doc["id"], k == 0, digest, source)
     types = {"start": np.int64, "end": np.int64, "first": bool, "file_error": bool}
-    return {k: np.array(v, dtype=types.get(k, object)) for k, v in cols.items()}
+    return {k: np.array(cols[k], dtype=types.get(k, object)) for k in columns}
 
 
 @contextmanager
@@ -120,19 +124,25 @@ def _block_bytes(size: int):
         ctx.target_max_block_size = saved
 
 
-def _dataset(files: Sequence[Path], root: str, retriever: RetrieverConfig, chunk: Optional[tuple[int, int]],
-             weights_ref: Any, enc: StreamEncode, per_call: int) -> Any:
-    """read (tasks) -> clean (tasks) -> chunk (tasks) -> encode (the actor pool): rows with their vectors."""
+def _passages(files: Sequence[Path], root: str, retriever: RetrieverConfig, chunk: Optional[tuple[int, int]],
+              columns: Sequence[str] = PASSAGE_COLUMNS) -> Any:
+    """read (tasks) -> clean (tasks) -> chunk (tasks): passage rows, error rows included."""
     import ray
-
-    from .encode import encode_stage
 
     items = [{"path": str(p)} for p in files]
     ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // FILES_PER_TASK)))
     ds = ds.map_batches(read_clean_batch, fn_kwargs={"root": root}, batch_size=FILES_PER_TASK,
                         batch_format="numpy", num_cpus=PREP_CPUS)
-    ds = ds.map_batches(passages_batch, fn_kwargs={"retriever": retriever, "chunk": chunk}, batch_size=None,
-                        batch_format="numpy", num_cpus=PREP_CPUS)
+    return ds.map_batches(passages_batch, fn_kwargs={"retriever": retriever, "chunk": chunk, "columns": columns},
+                          batch_size=None, batch_format="numpy", num_cpus=PREP_CPUS)
+
+
+def _dataset(files: Sequence[Path], root: str, retriever: RetrieverConfig, chunk: Optional[tuple[int, int]],
+             weights_ref: Any, enc: StreamEncode, per_call: int) -> Any:
+    """read (tasks) -> clean (tasks) -> chunk (tasks) -> encode (the actor pool): rows with their vectors."""
+    from .encode import encode_stage
+
+    ds = _passages(files, root, retriever, chunk)
     return encode_stage(ds, weights_ref, retriever, enc.index, enc.pool, per_call, vector_dtype=enc.index.vector_dtype,
                         fault=enc.fault, stats_dir=enc.stats_dir, num_gpus_per_actor=enc.pool.gpus_per_actor,
                         text_column="embed",
@@ -178,6 +188,37 @@ class _Gate:
         return self._keep
 
 
+CHECK_COLUMNS = ("doc", "first", "digest", "source", "error", "file_error")
+
+
+def check_before_encoding(files: Sequence[Path], root: str | Path, cfg: DataConfig, retriever: RetrieverConfig,
+                          chunk: Optional[tuple[int, int]], precheck: Callable[[RetrievalData, int], None]) -> None:
+    """The checks that need the whole corpus, before any encoding: a first pass of read -> clean -> chunk sends the
+    driver each passage's document id, digest and error only (no text), through the same gate as the stream (bad
+    files, repeated ids, duplicate content), then qrels and `precheck` (the passage count against the index, the
+    training batch) run on the ids. It costs a second read of the files, a fraction of the encode it can save."""
+    from ragtrain.data.beir import load_beir
+
+    from .dataset import check_corpus_ids
+
+    gate = _Gate(files, root, cfg.on_error.value)
+    passages = 0
+    with _ordered(), _block_bytes(STREAM_BLOCK_BYTES):
+        ds = _passages(files, str(root), retriever, chunk, CHECK_COLUMNS)
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            cols = {name: batch.column(name).to_pylist() for name in CHECK_COLUMNS}
+            for i in range(batch.num_rows):
+                passages += gate.keep({name: values[i] for name, values in cols.items()})
+    if not passages:
+        raise DataError(f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
+                        f"({len(gate.skipped)} skipped with data.on_error=skip)")
+    # every document id read will do for the qrels: those of a dropped duplicate move to its kept copy first
+    data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=gate.seen,
+                     doc_alias=gate.dropped)
+    check_corpus_ids(data, str(root))
+    precheck(data, passages)
+
+
 def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, retriever: RetrieverConfig,
                      enc: StreamEncode, store_path: Path, log: Callable[[str], None] = print) -> RetrievalData:
     """Read, clean, chunk and encode a documents folder in one Ray Data stream into the passage store at
@@ -194,6 +235,10 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
 
     chunk = (cfg.chunk.max_tokens, cfg.chunk.overlap) if cfg.chunk.enabled else None
     start = time.perf_counter()
+    if enc.precheck is not None:
+        check_before_encoding(files, root, cfg, retriever, chunk, enc.precheck)
+        log(f"[data] {root}: the whole-corpus checks passed in {time.perf_counter() - start:.1f}s on ids, before any vector is "
+            "computed")
     weights = enc.weights()
     per_call = max(1, enc.index.shard_size)
     gate = _Gate(files, root, cfg.on_error.value)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ragtrain.config import IndexConfig, PoolResources, to_typed
+from ragtrain.config import ConfigError, IndexConfig, PoolResources, Precision, to_typed
 from ragtrain.corpus.encode import EncodeFault, ShardSet
 from ragtrain.corpus.load import load_data
 from ragtrain.corpus.stream import StreamEncode
@@ -19,7 +19,8 @@ from tests.conftest import compose
 from .helpers import mixed_folder, write_folder
 
 POOL = PoolResources(num_actors=2, cpus_per_actor=1)
-INDEX = IndexConfig(batch_size=8, shard_size=16)  # many encode calls: the injected death lands mid-stream
+# many encode calls: the injected death lands mid-stream; fp32 as the in-process reference encodes (auto may be bf16)
+INDEX = IndexConfig(batch_size=8, shard_size=16, precision=Precision.fp32)
 
 
 def _folder(root: Path) -> Path:
@@ -89,14 +90,27 @@ def test_one_stream_equals_prepare_then_encode_even_when_an_actor_dies(ray_sessi
     assert "dup" not in set(one.doc_of.values()) and len(set(one.doc_of.values())) == 35  # 36 read, 1 duplicate
 
 
-def test_a_repeated_id_fails_the_stream_naming_both_files_and_leaves_nothing(ray_session, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["repeated_id", "ivf_lists"])
+def test_whole_corpus_checks_fail_the_stream_before_encoding_and_leave_nothing(ray_session, tmp_path: Path,
+                                                                               case: str) -> None:
+    """A repeated id in the last file, or more IVF lists than the corpus has passages, fails in the stream's first
+    pass (ids and digests only), before the encoder's weights are even built; nothing is left."""
+    from ragtrain.pipeline import stream_encode
+
     root = _folder(tmp_path / "docs")
-    write_folder(root, {"zz.txt": "fine now", "zz2.jsonl": json.dumps({"_id": "c", "text": "another c"}) + "\n"})
-    cfg = _cfg(root, tmp_path)
-    out = tmp_path / "dup"
-    with pytest.raises(DataError, match=r"duplicate document id 'c': in .*c\.html and in .*zz2\.jsonl:1") as e:
-        load_data(cfg.data, cfg.retriever, out, stream=_stream(cfg, out, initial_weights(cfg)))
-    assert e.type is DataError and "\n" not in str(e.value)  # the driver's one line, not Ray's task error
+    extra: tuple[str, ...] = ()
+    if case == "repeated_id":
+        write_folder(root, {"zz.txt": "fine now", "zz2.jsonl": json.dumps({"_id": "c", "text": "another c"}) + "\n"})
+        match = r"duplicate document id 'c': in .*c\.html and in .*zz2\.jsonl:1"
+    else:
+        extra, match = ("index=ivf", "index.factory='IVF4096,Flat'", "data.on_error=skip"), r"asks for 4096 IVF lists but the corpus has only \d+ vectors"
+    cfg = _cfg(root, tmp_path, *extra)
+    out = tmp_path / case
+    built = []
+    enc = stream_encode(cfg, out, lambda: built.append(1) or initial_weights(cfg))
+    with pytest.raises((DataError, ConfigError), match=match) as e:
+        load_data(cfg.data, cfg.retriever, out, stream=enc)
+    assert "\n" not in str(e.value) and not built  # the driver's one line, before any weights or encoding
     assert not (out / "vectors" / "zeroshot").exists() and not list((out / "corpus").glob("*passages*"))
 
 
@@ -121,7 +135,7 @@ def test_a_run_indexes_what_the_stream_encoded_without_encoding_again(ray_sessio
 
     root = _folder(tmp_path / "docs")
     cfg = _cfg(root, tmp_path, "data.on_error=skip", *tiny_overrides(tmp_path)[4:], "stages=[index]", "logger=none",
-               "index.shard_size=16", "fault.kill_encode_actor_at_batch=1")
+               "index.shard_size=16", "index.precision=fp32", "fault.kill_encode_actor_at_batch=1")
     with caplog.at_level(logging.INFO, logger="ragtrain"):
         results = run(cfg)
     out = Path(cfg.output_dir)
