@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -128,6 +129,7 @@ def main(cfg: DictConfig) -> None:
     from ragtrain.console import configure
 
     configure(verbose(cfg))  # library chatter off unless -v (hydra.verbose=true / HYDRA_FULL_ERROR=1)
+    scrub_hydra_files()
     try:
         dispatch(cfg)
     except user_errors() as e:
@@ -147,6 +149,23 @@ def main(cfg: DictConfig) -> None:
         else:
             remove_run_folder(Path(hc.runtime.output_dir))
         raise SystemExit(2) from None
+
+
+_USERINFO = re.compile(r"(://)[^/\s@'\"]+@")
+
+
+def scrub_hydra_files() -> None:
+    """Hydra saved the command line (<run>/.hydra: overrides, config) before ragtrain read it: a URI's
+    user:password@ part (logger.tracking_uri's basic auth) is replaced there, as nowhere else holds it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    if not hc.output_subdir:
+        return
+    for f in Path(hc.runtime.output_dir, hc.output_subdir).glob("*.yaml"):
+        text = f.read_text()
+        if _USERINFO.search(text):
+            f.write_text(_USERINFO.sub(r"\1***@", text))
 
 
 def dispatch(cfg: DictConfig) -> None:

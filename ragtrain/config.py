@@ -9,6 +9,7 @@ and `to_typed()` runs the range checks below before any work starts. Workers rec
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -359,10 +360,21 @@ class ResourcesConfig:
     num_cpus: Optional[int] = None  # CPUs of a local Ray started by ragtrain (ignored when RAY_ADDRESS is set)
     trainer: TrainerResources = field(default_factory=TrainerResources)
     pool: PoolResources = field(default_factory=PoolResources)
+    # start Ray's dashboard with the local Ray, on 127.0.0.1 (its URL is printed); needs the dashboard extra
+    dashboard: bool = False
 
     def __post_init__(self) -> None:
         _check(self.num_cpus is None or self.num_cpus > 0, "resources.num_cpus",
                "must be > 0 (or null: every CPU of this machine)", self.num_cpus)
+        _check(not self.dashboard or dashboard_installed(), "resources.dashboard", "needs Ray's dashboard packages, "
+               "which are not installed: `make setup EXTRAS=dev,dashboard` installs them (ray[default])", True)
+
+
+def dashboard_installed() -> bool:
+    """Whether Ray's dashboard can start here (ray[default] brings these; plain ray does not)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) for m in ("aiohttp_cors", "opencensus", "prometheus_client"))
 
 
 @dataclass
@@ -376,6 +388,36 @@ class LoggerConfig:
     def __post_init__(self) -> None:
         _check(not self.register_as or LoggerBackend(self.backend) == LoggerBackend.mlflow, "logger.register_as",
                "needs logger=mlflow (the Model Registry lives in the MLflow store)", self.register_as)
+        if self.tracking_uri:
+            self.tracking_uri = take_credentials(self.tracking_uri)
+
+
+# MLflow's own settings for an HTTP server's basic auth: every MLflow client reads them from the environment
+AUTH_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
+def auth_env() -> dict[str, str]:
+    """The tracking server's basic-auth variables of this process, for the Ray workers that log to MLflow."""
+    return {k: os.environ[k] for k in AUTH_ENV if k in os.environ}
+
+
+def take_credentials(uri: str) -> str:
+    """The tracking URI without its user:password@ part, which moves into MLflow's basic-auth environment variables
+    (AUTH_ENV) of this process and the Ray workers it starts: the config, and every file, parameter and log line made
+    from it, then never holds the password. Only an http(s) server takes them so; a database URI with a password
+    is refused (its client reads the password from the environment instead, e.g. PGPASSWORD)."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    _check(parts.scheme in ("http", "https"), "logger.tracking_uri", f"holds credentials for a {parts.scheme} "
+           "store, which would be written into config.yaml and MLflow's params: put them in the environment "
+           "(e.g. PGPASSWORD for postgresql) and remove them from the URI", f"{parts.scheme}://***@{host}")
+    user, _, password = userinfo.partition(":")
+    os.environ[AUTH_ENV[0]], os.environ[AUTH_ENV[1]] = unquote(user), unquote(password)
+    return urlunsplit(parts._replace(netloc=host))
 
 
 def sync_preset(name: str, conf_dir: str | Path | None = None, **overrides: Any) -> SyncConfig:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 # Keep Ray on 127.0.0.1 (not the machine's interface address); must be set before Ray starts.
@@ -76,7 +84,44 @@ def quickstart_run(ray_session, tmp_path_factory):
                             "logger.experiment_name=qs-test", f"logger.register_as={REGISTERED_MODEL}", "profile=true",
                             "retriever.train.log_every=2", "retriever.train.val_every=2",
                             f"index.cache_dir={tmp / 'vector_cache'}"]))
-    return cfg, run(cfg), tmp
+    with ListeningSockets() as sockets:  # what the run's processes listen on, sampled while it runs
+        results = run(cfg)
+    (tmp / "listening.json").write_text(json.dumps(sorted(sockets.seen)))
+    return cfg, results, tmp
+
+
+class ListeningSockets:
+    """Samples, every 0.2 s while open, the listening TCP sockets of this process and its descendants (the local
+    Ray's raylet, workers, Train workers and actors are children of the process that started it): `seen` holds
+    (address, process name) pairs."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str]] = set()
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                conns, name = proc.net_connections(kind="tcp"), proc.name()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            self.seen |= {(c.laddr.ip, name) for c in conns if c.status == psutil.CONN_LISTEN}
+
+    def __enter__(self) -> "ListeningSockets":
+        def loop() -> None:
+            while not self._stop.wait(0.2):
+                self._sample()
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 # A tiny quickstart that mines one hard negative per query and distils a cross-encoder teacher trained for 3 steps
@@ -87,3 +132,41 @@ TEACHER = ["retriever.train.hard_negatives=1", "retriever.teacher.weight=0.5", "
 
 REGISTERED_MODEL = "ragtrain-test-retriever"  # quickstart_run registers its retriever under this name
 
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server (SQLite backend, proxied artifacts) in its own process group."""
+    tmp = tmp_path_factory.mktemp("mlflow_server")
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no background job workers
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp / 'server.db'}",
+         "--artifacts-destination", str(tmp / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        cwd=tmp, env=env, stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"mlflow server did not start: {(tmp / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its uvicorn worker: this group only
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -158,6 +158,7 @@ def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
 
     from ragtrain.data import make_synthetic
     from ragtrain.index.faiss_index import load_index
+    from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.retriever.train import load_weights
 
     cfg, _, _ = finished_run
@@ -172,7 +173,8 @@ def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
     # the same ranking as the trained encoder + the saved index in this process
     model = build_encoder(cfg.retriever)
     model.load_state_dict(load_weights(out / "encoder"))
-    q = encode_texts(model, load_tokenizer(cfg.retriever), [question], cfg.retriever.query_max_length).numpy()
+    # encoded as the CLI encodes queries: the index's precision (auto: bf16 weights where the CPU runs bf16)
+    q = QueryEncoder(cfg.retriever, [model.state_dict()], precision=cfg.index.precision.value).encode([question])
     index = load_index(out / "index")
     scores, rows = index.search(np.ascontiguousarray(q), 3)
     assert [h["id"] for h in hits] == [index.doc_ids[r] for r in rows[0]]

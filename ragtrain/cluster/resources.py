@@ -6,8 +6,11 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from ragtrain.config import ResourcesConfig
+from ragtrain.config import ResourcesConfig, auth_env
+from ragtrain.console import get_logger
 from ragtrain.errors import ConfigError
+
+log = get_logger(__name__)
 
 
 # Environment of Ray Train workers. Train V2 patches print() in workers to go to its logger *and* (Ray redirects
@@ -75,6 +78,9 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
     from ragtrain.console import is_quiet
 
     env = worker_env(worker_start_timeout_s)
+    # the tracking server's credentials (logger.tracking_uri's user:password, config.take_credentials) reach every
+    # worker that logs to MLflow through the job's environment, never through a config or a file
+    env.update(auth_env())
     # Every worker process of the job, Ray Train's own actors included (its placement-group cleaner), starts with
     # ragtrain's console settings
     hook = "ragtrain.console.worker_setup"
@@ -91,10 +97,13 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
         import logging
 
         env["PYTHONPATH"] = worker_pythonpath()  # the workers run the driver's ragtrain (e.g. a frozen copy)
-        ray.init(address="local", num_cpus=res.num_cpus,
-                 runtime_env={"env_vars": env, "worker_process_setup_hook": hook},
-                 # "Started a local Ray instance." is Ray's INFO line; -v keeps it
-                 logging_level=logging.WARNING if is_quiet() else logging.INFO)
+        context = ray.init(address="local", num_cpus=res.num_cpus,
+                           runtime_env={"env_vars": env, "worker_process_setup_hook": hook},
+                           # "Started a local Ray instance." is Ray's INFO line; -v keeps it
+                           logging_level=logging.WARNING if is_quiet() else logging.INFO,
+                           include_dashboard=res.dashboard, dashboard_host="127.0.0.1")
+        if res.dashboard:
+            log.info(f"[ray] dashboard: http://{context.dashboard_url}")
 
 
 def node_capacities() -> list[dict[str, float]]:

@@ -102,10 +102,25 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
             raise ConfigError(f"{where}={shown!r}: {folder} is not writable; choose a writable path")
         return
     if scheme in ("http", "https"):
+        import base64
+
+        from ragtrain.config import AUTH_ENV
+
+        request = urllib.request.Request(uri.rstrip("/") + "/health")
+        user, password = (os.environ.get(k) for k in AUTH_ENV)
+        if user or password:  # the server's basic auth, as MLflow's client sends it
+            token = base64.b64encode(f"{user or ''}:{password or ''}".encode()).decode()
+            request.add_header("Authorization", f"Basic {token}")
         try:
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as r:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
                 if r.status != 200:
                     raise OSError(f"HTTP {r.status}")
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                raise ConfigError(f"{where}={shown!r} refused the credentials (HTTP {e.code}): check the user and "
+                                  f"password in the URI or in {' / '.join(AUTH_ENV)}") from None
+            raise ConfigError(f"{where}={shown!r} answers /health with HTTP {e.code}: is it an MLflow server?") \
+                from None
         except (OSError, urllib.error.URLError) as e:
             raise ConfigError(f"{where}={shown!r} does not answer within {timeout:.0f}s ({e}): start the MLflow "
                               "server, fix the URI, or use logger=none") from None

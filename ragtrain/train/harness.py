@@ -30,7 +30,7 @@ from ragtrain.checkpoint import (
     save_train_state,
 )
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
-from ragtrain.config import Config
+from ragtrain.config import Config, auth_env
 from ragtrain.console import FILE_ONLY, get_logger, is_quiet, progress_bars, quiet_env
 from ragtrain.track.mlflow import MetricSink
 
@@ -245,7 +245,9 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
     """
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
+
+    from ragtrain.train.process_group import LoopbackTorchConfig
 
     cfg = replace(args.cfg, output_dir=str(Path(args.cfg.output_dir).resolve()))
     args = replace(args, cfg=cfg)
@@ -261,7 +263,7 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
     trainer = TorchTrainer(
         _entry,
         train_loop_config={"loop": loop, "args": args, "driver_node": ray.get_runtime_context().get_node_id()},
-        torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
+        torch_config=LoopbackTorchConfig(backend="nccl" if r.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=r.use_gpu,
             resources_per_worker={"CPU": args.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {}), **r.resources}),
@@ -270,7 +272,7 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
             callbacks=callbacks or None,
-            worker_runtime_env={"env_vars": {**WORKER_ENV, **quiet_env()}},
+            worker_runtime_env={"env_vars": {**WORKER_ENV, **quiet_env(), **auth_env()}},
             # Ray Train's controller and workers configure their own loggers (worker-group start, process group
             # set-up): under ragtrain's quiet console they print warnings and errors only; -v shows the rest
             logging_config=LoggingConfig(log_level="WARNING" if is_quiet() else "INFO")),

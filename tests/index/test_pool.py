@@ -99,7 +99,7 @@ def test_make_shards_cover_every_position_once(texts) -> None:
 
 
 def test_pool_matches_in_process_encoding_in_input_order(pool, texts, weights, capsys) -> None:
-    index = IndexConfig(shard_size=SHARD, batch_size=8)
+    index = IndexConfig(precision=Precision.fp32, shard_size=SHARD, batch_size=8)
     vecs, stats = pool.encode(texts, MAX_LENGTH, index, progress=True, desc="pool-bar")
     assert "pool-bar" in capsys.readouterr().err  # in the driver, a plain tqdm bar (in an actor: Ray's tqdm_ray)
     assert vecs.shape == (len(texts), CFG.tiny.hidden_size) and vecs.dtype == np.float32
@@ -113,7 +113,7 @@ def test_pool_matches_in_process_encoding_in_input_order(pool, texts, weights, c
 
 def test_pool_uses_the_weights_it_was_given(pool, texts, weights, ray_session) -> None:
     """A new snapshot changes the vectors; the pool follows versions and returns to the first snapshot."""
-    index = IndexConfig(shard_size=SHARD)
+    index = IndexConfig(precision=Precision.fp32, shard_size=SHARD)
     other = _weights(seed=1)
     try:
         pool.set_weights(2, ray_session.put(other))
@@ -125,7 +125,7 @@ def test_pool_uses_the_weights_it_was_given(pool, texts, weights, ray_session) -
 
 
 def test_bf16_close_to_fp32(pool, texts) -> None:
-    fp32, _ = pool.encode(texts, MAX_LENGTH, IndexConfig(shard_size=SHARD), progress=False)
+    fp32, _ = pool.encode(texts, MAX_LENGTH, IndexConfig(precision=Precision.fp32, shard_size=SHARD), progress=False)
     bf16, _ = pool.encode(texts, MAX_LENGTH, IndexConfig(shard_size=SHARD, precision=Precision.bf16), progress=False)
     assert bf16.dtype == np.float32
     assert not np.array_equal(bf16, fp32)  # autocast really ran
@@ -139,7 +139,7 @@ def test_pool_encodes_queries_and_passages_with_their_prefixes(ray_session, weig
     from ragtrain.corpus.encode import QueryEncoder
 
     cfg = RetrieverConfig(model="tiny", query_prefix="query: ", passage_prefix="passage: ")
-    index = IndexConfig(shard_size=SHARD, batch_size=8)
+    index = IndexConfig(precision=Precision.fp32, shard_size=SHARD, batch_size=8)
     p = EncoderPool(cfg, PoolResources(num_actors=1, cpus_per_actor=0.5))
     try:
         p.set_weights(1, ray_session.put(weights))
@@ -158,7 +158,7 @@ def test_encode_before_set_weights_raises(ray_session) -> None:
     p = EncoderPool(CFG, PoolResources(num_actors=1, cpus_per_actor=0.5))
     try:
         with pytest.raises(RuntimeError, match="before set_weights"):
-            p.encode(["a passage"], MAX_LENGTH, IndexConfig(shard_size=SHARD), progress=False)
+            p.encode(["a passage"], MAX_LENGTH, IndexConfig(precision=Precision.fp32, shard_size=SHARD), progress=False)
     finally:
         p.shutdown()
 
@@ -197,7 +197,7 @@ def test_set_weights_with_missing_key_names_it(pool, ray_session, weights) -> No
         assert missing in str(e.value) and "Missing key" in str(e.value)
         assert pool.version is None  # actors may hold a partial load: no snapshot is trusted until the next one
         with pytest.raises(RuntimeError, match="before set_weights"):
-            pool.encode(["a passage"], MAX_LENGTH, IndexConfig(shard_size=SHARD), progress=False)
+            pool.encode(["a passage"], MAX_LENGTH, IndexConfig(precision=Precision.fp32, shard_size=SHARD), progress=False)
     finally:
         pool.set_weights(1, ray.put(weights))
 
@@ -206,7 +206,7 @@ def test_after_a_failed_set_weights_the_next_snapshot_is_served_whole(pool, ray_
     """A failed load leaves actors half-loaded (the pool then refuses to encode: the test above); the next good
     snapshot replaces every tensor, so the vectors are that snapshot's alone, not a mix."""
     ray = ray_session
-    index = IndexConfig(shard_size=SHARD)
+    index = IndexConfig(precision=Precision.fp32, shard_size=SHARD)
     newer = _weights(seed=1)
     bad = {k: v for k, v in newer.items() if k != "backbone.encoder.layer.1.output.dense.weight"}
     try:
@@ -239,7 +239,7 @@ def test_shutdown_returns_the_actor_cpus(pool, ray_session) -> None:
 def test_killed_actor_shard_is_retried_and_every_passage_indexed_once(ray_session, weights, texts) -> None:
     from ragtrain.index.faiss_index import build_index
 
-    index = IndexConfig(shard_size=SHARD)
+    index = IndexConfig(precision=Precision.fp32, shard_size=SHARD)
     p = EncoderPool(CFG, PoolResources(num_actors=2, cpus_per_actor=0.5))
     try:
         p.set_weights(1, ray_session.put(weights))

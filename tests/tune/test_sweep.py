@@ -7,12 +7,9 @@ The tiny encoder keeps each trial to a few steps; trials run one at a time so AS
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pandas as pd
@@ -24,7 +21,7 @@ from ray.tune import Callback
 from ragtrain.cluster.resources import InfeasibleResourcesError
 from ragtrain.config import Config, ConfigError, to_typed
 from ragtrain.tune.sweep import run_sweep
-from tests.conftest import CONF_DIR, REPO, compose, tiny_overrides
+from tests.conftest import CONF_DIR, REPO, compose, free_port, tiny_overrides
 
 GOOD_LR, BAD_LR = 1e-3, 1e3
 
@@ -42,44 +39,6 @@ def sweep_cfg(tmp: Path, uri: str, *extra: str, lrs: tuple = (GOOD_LR, BAD_LR), 
     # Set on the typed config: a Hydra override of tune.space would merge into conf/tune/sync_sweep.yaml's space.
     cfg.tune.space = {"sync": {"choice": ["ddp", "local_sgd"]}, "retriever.train.lr": {"grid": list(lrs)}, **(space or {})}
     return cfg
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """A real MLflow tracking server (SQLite backend, proxied artifacts) in its own process group."""
-    tmp = tmp_path_factory.mktemp("mlflow_server")
-    port = _free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no background job workers
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp / 'server.db'}",
-         "--artifacts-destination", str(tmp / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        cwd=tmp, env=env, stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"mlflow server did not start: {(tmp / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield uri
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its uvicorn worker: this group only
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
