@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 
 CHOICE := $(TORCH_SPEC) $(TORCH_INDEX) $(EXTRAS)
 
-.PHONY: setup quickstart test test-slow bench clean FORCE
+.PHONY: setup quickstart test test-slow bench image clean FORCE
 
 # Rewritten only when the choice changed, so an unchanged choice leaves the stamp up to date
 $(VENV)/.choice: FORCE
@@ -45,6 +45,12 @@ test-slow: setup
 bench: setup
 	$(PY) benchmarks/pool_throughput.py
 	$(PY) benchmarks/train_throughput.py
+
+# The RayJob's image (deploy/Dockerfile): the official Ray image of .venv's Ray version + the committed tree
+RAY_VERSION = $(shell $(PY) -c "import ray; print(ray.__version__)" 2>/dev/null)
+IMAGE ?= ragtrain:$(RAY_VERSION)-py311-gpu
+image: setup
+	git archive --format=tar HEAD | docker build -f deploy/Dockerfile --build-arg RAY_VERSION=$(RAY_VERSION) -t $(IMAGE) -
 
 clean:
 	rm -rf outputs mlruns .pytest_cache

@@ -58,6 +58,8 @@ def main(out_dir: str, part: str) -> None:
                     "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
         if part == "storage":
             observed.update(storage_part(out_dir))
+        elif part == "distributed":
+            observed.update(distributed_part(out_dir))
         elif part == "sync":
             observed.update(sync_part(cfg, train))
         else:
@@ -139,6 +141,41 @@ def refresh_part(cfg, out_dir: str) -> dict:
     results = run(live)
     history = json.load(open(os.path.join(out_dir, "live", "refresh_history.json")))["history"]
     return {"refresh_nodes": sorted({h["node"] for h in history}), "refreshes": results["train"]["index/refreshes"]}
+
+
+def distributed_part(out_dir: str) -> dict:
+    """docs_quickstart made small (12 generated documents, chunked; the tiny encoder) on the 2 nodes, with a live index
+    refresh on the labelled node while 2 trainer workers train, and trainer rank 1 killed at step 3: Ray Train
+    restarts the worker group from the step-2 checkpoint and training finishes its 6 steps."""
+    from ragtrain.config import to_typed
+    from ragtrain.pipeline import run
+    from tests.conftest import compose
+
+    out = os.path.join(out_dir, "docs")
+    cfg = to_typed(compose([
+        "experiment=docs_quickstart", "retriever=tiny", "data.num_entities=12", "data.chunk.max_tokens=32",
+        "data.chunk.overlap=8", "retriever.passage_max_length=34", "retriever.train.max_steps=6",
+        "retriever.train.batch_size=4", "retriever.train.log_every=2", "retriever.train.hard_negatives=1",
+        "retriever.train.hard_negative_depth=8", "resources.num_cpus=null", "resources.trainer.num_workers=2",
+        "resources.trainer.cpus_per_worker=1", "resources.pool.num_actors=1", "resources.pool.cpus_per_actor=1",
+        "+resources.pool.resources.index_node=0.5", "refresh.enabled=true", "refresh.every_steps=2",
+        "refresh.check_every=2", "refresh.probe_passages=16", "refresh.probe_queries=4", "checkpoint.every_steps=2",
+        "fault.max_failures=1", "fault.kill_worker_at_step=3", "fault.kill_rank=1", "logger=none", "export=false",
+        f"output_dir={out}"]))
+    results = run(cfg)
+    history = json.load(open(os.path.join(out, "refresh_history.json")))["history"]
+    return {"refresh_nodes": sorted({h["node"] for h in history}), "refreshes": results["train"]["index/refreshes"],
+            "killed": os.path.exists(os.path.join(out, "ray", ".fault_injected_retriever_rank1_step3")),
+            "steps": results["train"]["steps"], "chunks": len(run_doc_of(out)),
+            "ndcg": {k: results[k]["ndcg@10"] for k in ("zeroshot", "trained")}}
+
+
+def run_doc_of(out: str) -> dict:
+    """The run's chunk -> document map (its store holds chunks of the generated documents)."""
+    from ragtrain.data.store import PassageStore
+
+    store = PassageStore(os.path.join(out, "corpus", "passages.arrow"))
+    return {p.id: p.doc_id for p in store.values() if p.doc_id}
 
 
 if __name__ == "__main__":

@@ -42,7 +42,18 @@ def test_every_node_must_see_the_shared_paths(tmp_path: Path) -> None:
                                    "node ") and "on a cluster of 2 nodes" in res["error"]
 
 
-@pytest.mark.slow  # a second 2-node cluster and a pipeline run; single-node live refresh is in tests/index
+def test_docs_pipeline_with_live_refresh_and_a_killed_worker_on_two_nodes(tmp_path: Path) -> None:
+    """The distributed paths in one small run on a real 2-raylet cluster: a documents folder generated, chunked and
+    streamed; training on 2 workers while the live refresh builds every index version on the index_node-labelled
+    node; trainer rank 1 killed at step 3 and the group restarted from its checkpoint; both indexes evaluated."""
+    res = _job(tmp_path / "out", "distributed")
+    assert res["killed"] and res["steps"] == 6  # it really died, and training still ran every step
+    assert res["refresh_nodes"] == [res["labelled_node"]] and res["refreshes"] >= 1
+    assert res["chunks"] > 12  # 12 documents, chunked
+    assert all(0.0 < v <= 1.0 for v in res["ndcg"].values())
+
+
+@pytest.mark.slow  # a second 2-node cluster and a pipeline run; the default suite's is the docs run above
 def test_live_refresh_builds_every_version_on_the_labelled_node(tmp_path: Path) -> None:
     res = _job(tmp_path / "out", "refresh")
     # every index version was built on the labelled node while training ran on the cluster

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import time
 
 import pytest
 
 from ragtrain.cluster.resources import InfeasibleResourcesError, check_config, check_feasible, node_capacities
 from ragtrain.config import PoolResources, ResourcesConfig, TrainerResources
+from tests.conftest import REPO, compose
 
 CPU_NODE = {"CPU": 4.0, "memory": 8e9, "object_store_memory": 2e9, "node:10.0.0.1": 1.0}
 
@@ -161,3 +166,35 @@ def test_a_ray_client_address_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     with pytest.raises(ConfigError, match=r"^RAY_ADDRESS='ray://head:10001' is a Ray Client address"):
         init_ray(ResourcesConfig())
+
+
+def test_the_dashboard_extra_pins_the_installed_ray() -> None:
+    import ray
+
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(rf'^dashboard = \["ray\[default\]=={re.escape(ray.__version__)}"\]$', pyproject, re.M)
+
+
+def test_the_dashboard_without_its_extra_is_one_line(tmp_path) -> None:
+    from ragtrain.config import ConfigError, dashboard_installed, to_typed
+
+    if dashboard_installed():
+        pytest.skip("Ray's dashboard packages are installed here")
+    with pytest.raises(ConfigError, match=r"resources.dashboard needs Ray's dashboard packages, which are not "
+                                          r"installed: `make setup EXTRAS=dev,dashboard`"):
+        to_typed(compose(["experiment=quickstart", f"output_dir={tmp_path}", "resources.dashboard=true"]))
+
+
+def test_the_dashboard_starts_on_loopback_and_prints_its_url(tmp_path) -> None:
+    """A Ray of its own (another process): the session's Ray runs without a dashboard."""
+    from ragtrain.config import dashboard_installed
+
+    if not dashboard_installed():
+        pytest.skip("the dashboard extra is not installed (make setup EXTRAS=dev,dashboard)")
+    code = ("import logging, ray\nfrom ragtrain.config import ResourcesConfig\nfrom ragtrain.cluster.resources import "
+            "init_ray\nlogging.basicConfig(level=logging.INFO)\ninit_ray(ResourcesConfig(num_cpus=1, dashboard=True))\n"
+            "ray.shutdown()\n")
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"\[ray\] dashboard: http://127\.0\.0\.1:\d+", r.stdout + r.stderr)

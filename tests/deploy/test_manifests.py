@@ -125,3 +125,24 @@ def test_the_rayjob_repeats_none_of_ragtrains_worker_variables() -> None:
     job_vars = set((yaml.safe_load(spec.get("runtimeEnvYAML", "")) or {}).get("env_vars", {}))
     ours = set(worker_env()) | set(QUIET_ENV) | {PROGRESS_ENV}  # the console's, whatever this process set
     assert {"HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"} <= ours and not job_vars & ours, job_vars & ours
+
+
+def test_the_rayjob_image_is_built_from_the_official_ray_image_of_the_installed_ray() -> None:
+    """The RayJob runs `make image`'s image: deploy/Dockerfile on rayproject/ray of the Ray version ragtrain is
+    installed with, tagged with it; a Ray upgrade that leaves the manifests behind fails here."""
+    import re
+
+    import ray
+
+    job = yaml.safe_load(RAYJOB.read_text())
+    cluster = job["spec"]["rayClusterSpec"]
+    assert cluster["rayVersion"] == ray.__version__
+    pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    images = {c["image"] for g in pods for c in g["template"]["spec"]["containers"]}
+    assert images == {f"ragtrain:{ray.__version__}-py311-gpu"}
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    assert re.search(rf"^ARG RAY_VERSION={re.escape(ray.__version__)}$", dockerfile, re.M)
+    assert "FROM rayproject/ray:${RAY_VERSION}-py311-gpu" in dockerfile
+    make = subprocess.run(["make", "-n", "image", "PY=" + sys.executable], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "VENV": str(Path(sys.executable).parent.parent)})
+    assert f"-t ragtrain:{ray.__version__}-py311-gpu -" in make.stdout, make.stdout + make.stderr
