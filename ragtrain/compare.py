@@ -12,6 +12,7 @@ read back from MLflow, nothing from the run folders.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -120,6 +121,13 @@ def compare_runs(
     return df, [csv, md, png, lc]
 
 
+def folder_name(name: str) -> str:
+    """A name (an MLflow experiment's, a run id) as one safe folder name: never a path that leaves its parent
+    (`../../tmp/x` wrote reports outside outputs/compare), nor hidden or empty."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")
+    return safe or "experiment"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point; returns the exit status (2 for bad input)."""
     from ragtrain.config import LoggerConfig
@@ -142,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.metric, args.cost = args.metric or DEFAULT_METRIC, args.cost or DEFAULT_COST
     args.size, args.curve = args.size or DEFAULT_SIZE, args.curve or DEFAULT_CURVE
     uri = args.tracking_uri or tracking_uri(LoggerConfig())
-    out = args.out or str(Path("outputs", "compare", args.experiment or args.parent_run_id))
+    out = args.out or str(Path("outputs", "compare", folder_name(args.experiment or args.parent_run_id)))
     db = sqlite_file(uri)
     if db is not None and not db.is_file():  # MLflow would create an empty one
         print(f"error: no MLflow store at {uri} (run an experiment first, or pass --tracking-uri)", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -530,6 +531,9 @@ class Config:
     # keys (or whole groups, e.g. fault) that may differ from the resumed run's config.yaml; any other difference
     # is refused with the keys named
     resume_allow_changes: list[str] = field(default_factory=list)
+    # write a new run into an output_dir that holds a finished or running one (its files are replaced); without it,
+    # that is refused
+    overwrite: bool = False
     # write <output_dir>/export (sentence-transformers retriever, transformers generator) and log them to MLflow
     export: bool = True
     # write <output_dir>/ray_timeline.json at the end: Ray's timeline of every task and actor method of the run
@@ -537,6 +541,9 @@ class Config:
     profile: bool = False
 
     def __post_init__(self) -> None:
+        # experiment_name names the run's folder (outputs/<experiment_name>/<time>): one folder, never a path out
+        _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.experiment_name)), "experiment_name",
+               "must be one folder name (letters, digits, '.', '_', '-'; no '/' or '..')", self.experiment_name)
         # the run renames folders, appends to logs and memory-maps stores: a POSIX filesystem, not a bucket URL
         _check("://" not in self.output_dir, "output_dir", "must be a folder path (on a cluster: a shared POSIX "
                "filesystem such as NFS or EFS), not a URL", self.output_dir)

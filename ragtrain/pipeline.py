@@ -107,12 +107,44 @@ def check_resume(cfg: Config, out: Path) -> None:
 
     saved = absolute_paths(flatten(OmegaConf.to_container(OmegaConf.load(saved_file))))  # older runs: paths as typed
     now = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    unknown = [k for k in cfg.resume_allow_changes if not any(n == k or n.startswith(k + ".") for n in now)]
+    if unknown:
+        raise ConfigError(f"resume_allow_changes names {unknown}, which are not config keys or groups (e.g. "
+                          "retriever.train.max_steps, fault): check their spelling")
     differ = changed_keys(saved, now, tuple(RESUME_IGNORED) + tuple(cfg.resume_allow_changes))
     if differ:
         shown = "; ".join(f"{k}: {saved.get(k, '<unset>')} -> {now.get(k, '<unset>')}" for k in differ[:8])
         more = f" (and {len(differ) - 8} more)" if len(differ) > 8 else ""
         raise ConfigError(f"resume=true: the run in {saved_file} was started with another config ({shown}{more}); "
                           "resume with its config, or accept these keys with resume_allow_changes=[...]")
+    run_file = out / "mlflow_run_id"
+    run_id = run_file.read_text().strip() if run_file.exists() else ""
+    if cfg.logger.backend == LoggerBackend.mlflow and run_id:  # the run it continues must be in this store
+        from ragtrain.track.mlflow import open_client, redact_uri, tracking_uri
+
+        uri = tracking_uri(cfg.logger)
+        try:
+            open_client(uri).get_run(run_id)
+        except Exception as e:  # MlflowException (RESOURCE_DOES_NOT_EXIST), or a store that cannot answer
+            raise ConfigError(f"resume=true: the MLflow run {run_id} of {out} ({run_file}) is not in "
+                              f"logger.tracking_uri={redact_uri(uri)!r} ({str(e).splitlines()[0][:120]}): resume "
+                              "with the tracking store the run was logged to") from None
+
+
+def check_fresh_output(cfg: Config) -> None:
+    """Without resume, a folder that holds a finished (or running) run is not written over: its metrics, index and
+    exports would be replaced without a word. overwrite=true allows it; a failed run's folder may be reused."""
+    path = Path(cfg.output_dir) / STATUS_FILE
+    if cfg.resume or cfg.overwrite or not path.is_file():
+        return
+    try:
+        status = json.loads(path.read_text()).get("status")
+    except (OSError, ValueError):
+        status = "unknown"
+    if status != "failed":
+        raise ConfigError(f"output_dir={cfg.output_dir!r} holds a {status} run ({path}): a new run would replace "
+                          "its results; choose another output_dir, continue it with resume=true, or replace it with "
+                          "overwrite=true")
 
 
 def check_qrels(data: RetrievalData) -> None:
@@ -250,10 +282,10 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
 
     for line in ineffective_settings(cfg):
         log.warning(line)
-    if cfg.resume:
-        check_resume(cfg, out)
     if cfg.logger.backend == LoggerBackend.mlflow:  # a store that cannot work fails in seconds, not after training
         check_tracking_uri(tracking_uri(cfg.logger))
+    if cfg.resume:  # before anything in the folder is touched (the store it was logged to is asked too)
+        check_resume(cfg, out)
     check_model_offline(cfg.retriever)
     if "retriever" in cfg.stages:
         check_lora_targets(cfg.retriever)
@@ -318,6 +350,7 @@ def run(
     initial = functools.cache(lambda: initial_weights(cfg))
     # Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
     # folder that failed them is never taken for a run by resume=true, and what the checks wrote is removed.
+    check_fresh_output(cfg)
     with undo_on_failure(cfg.output_dir, cfg.index.cache_dir):
         out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
         if cfg.index.cache_dir:  # the cache is written after the first encode: refuse an unwritable one now

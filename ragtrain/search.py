@@ -64,13 +64,36 @@ def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
     from ragtrain.data.store import PassageStore
     from ragtrain.corpus.load import load_data
 
-    if (out / "corpus" / "passages.arrow").is_file():
-        return PassageStore(out / "corpus" / "passages.arrow")
+    store = out / "corpus" / "passages.arrow"
+    if store.is_file():
+        try:
+            passages = PassageStore(store)
+            len(passages)  # the Arrow file is opened (memory-mapped) on first use
+            return passages
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError: truncated, not Arrow
+            raise SearchError(f"{store}: not a readable passage store, the file is corrupt or truncated "
+                              f"({str(e).splitlines()[0][:160]})") from None
     try:
         return load_data(cfg.data, cfg.retriever, out, store=False).corpus
     except Exception as e:  # the data moved or changed: scores and ids are still right, texts are not available
         print(f"note: passage texts unavailable ({type(e).__name__}: {str(e).splitlines()[0]})", file=sys.stderr)
         return {}
+
+
+def warn_unfinished(out: Path) -> None:
+    """One line on stderr when the run did not finish (status.json says running or failed): its index may be a
+    zero-shot one, or the run may still be writing."""
+    import json
+
+    path = out / "status.json"
+    try:
+        status = json.loads(path.read_text()).get("status")
+    except (OSError, ValueError):
+        return  # folders written before status.json existed
+    if status != "complete":
+        why = "it failed" if status == "failed" else "it is still running or was stopped before it finished"
+        print(f"warning: {path} says the run is {status!r}: {why}, so its index may not be the trained one",
+              file=sys.stderr)
 
 
 def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dict[str, Any]]]:
@@ -83,6 +106,7 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
         raise SearchError(f"{out} holds no index ({out / 'index' / 'index_meta.json'} is missing): search a run "
                           "folder whose stages included 'index'")
     cfg = load_run_config(out)
+    warn_unfinished(out)
     try:
         index = load_index(out / "index")
     except (FileNotFoundError, IndexMismatchError) as e:

@@ -69,7 +69,7 @@ def test_tracking_uri_checks_fail_in_seconds_naming_the_setting(tmp_path) -> Non
     if os.access(locked, os.W_OK):  # root ignores the mode bits: nothing to test with a read-only folder here
         locked = None
     for uri in [f"sqlite:///{locked}/m.db"] if locked else []:
-        with pytest.raises(ConfigError, match="not writable"):
+        with pytest.raises(ConfigError, match="nothing can be created in"):
             check_tracking_uri(uri)
     with pytest.raises(ConfigError, match=r"MLFLOW_TRACKING_URI\)='http://127.0.0.1:\d+' does not answer"):
         check_tracking_uri(f"http://127.0.0.1:{_closed_port()}", timeout=2)
@@ -376,3 +376,81 @@ def test_an_output_dir_inside_data_root_is_refused(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"output_dir is inside data.root \(.*docs\): the next run on that root"):
         to_typed(compose([*over, f"output_dir={root / 'runs' / 'one'}"]))
     assert to_typed(compose([*over, f"output_dir={tmp_path / 'out'}"])).output_dir == str(tmp_path / "out")
+
+
+def test_a_sqlite_store_that_is_a_folder_or_cannot_be_created_fails_in_one_line(tmp_path) -> None:
+    """An OperationalError / FileNotFoundError traceback after the data were prepared, the run left 'running'."""
+    from ragtrain.track.mlflow import check_tracking_uri
+
+    (tmp_path / "m.db").mkdir()
+    with pytest.raises(ConfigError, match=r"m.db is a folder, not a database file; name a file in it"):
+        check_tracking_uri(f"sqlite:///{tmp_path / 'm.db'}")
+    with pytest.raises(ConfigError, match=r"sqlite:////proc/x/m.db'\: nothing can be created in /proc"):
+        check_tracking_uri("sqlite:////proc/x/m.db")
+
+
+def test_a_sweep_probes_its_tracking_store_before_anything_starts(tmp_path) -> None:
+    from ragtrain.tune.sweep import plan_sweep
+    from tests.conftest import CONF_DIR
+
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "tune=sync_sweep",
+                            "logger.tracking_uri=sqlite:////proc/x/m.db"]))
+    with pytest.raises(ConfigError, match=r"nothing can be created in /proc"):
+        plan_sweep(cfg, CONF_DIR)
+
+
+def test_experiment_name_is_one_folder_name(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"experiment_name must be one folder name .* got '\.\./\.\./tmp/escaped'"):
+        _cfg(tmp_path, "experiment_name=../../tmp/escaped")
+    from ragtrain.compare import folder_name
+
+    assert folder_name("../../../../tmp/escaped") == "tmp_escaped"
+    assert folder_name("..") == "experiment" and folder_name("sweep-test") == "sweep-test"
+
+
+def _copy_of_finished_run(quickstart_run, tmp_path: Path) -> tuple:
+    import shutil
+
+    cfg, _, _ = quickstart_run
+    copy = tmp_path / "run"
+    shutil.copytree(cfg.output_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "ray"))
+    return cfg, copy, {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+
+
+def _unchanged(copy: Path, before: dict) -> None:
+    now = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    assert now.keys() == before.keys() and all(now[p] == before[p] for p in before)
+
+
+def test_a_new_run_into_a_finished_runs_folder_is_refused(quickstart_run, tmp_path) -> None:
+    """It silently replaced the finished run's metrics.json, index and exports."""
+    from dataclasses import replace
+
+    from ragtrain.pipeline import check_fresh_output, run
+
+    cfg, copy, before = _copy_of_finished_run(quickstart_run, tmp_path)
+    with pytest.raises(ConfigError, match=rf"output_dir='{copy}' holds a complete run \(.*status.json\): a new run "
+                                          "would replace its results; .* or replace it with overwrite=true"):
+        run(replace(cfg, output_dir=str(copy)))
+    _unchanged(copy, before)
+    check_fresh_output(replace(cfg, output_dir=str(copy), overwrite=True))  # asked for: allowed
+
+
+@pytest.mark.parametrize("case", ["another_store", "misspelled_key"])
+def test_a_resume_checks_everything_before_touching_the_folder(quickstart_run, tmp_path, case: str) -> None:
+    """resume=true under another tracking store failed with MlflowException after rewriting corpus/ and config.yaml
+    and leaving status.json 'running'; a misspelled resume_allow_changes key was accepted."""
+    from dataclasses import replace
+
+    from ragtrain.pipeline import run
+
+    cfg, copy, before = _copy_of_finished_run(quickstart_run, tmp_path)
+    allow = ["output_dir", "logger.tracking_uri"] if case == "another_store" else ["output_dir", "retriever.trian"]
+    other = f"sqlite:///{tmp_path / 'other' / 'mlflow.db'}" if case == "another_store" else cfg.logger.tracking_uri
+    resumed = replace(cfg, output_dir=str(copy), resume=True, resume_allow_changes=allow,
+                      logger=replace(cfg.logger, tracking_uri=other))
+    match = (r"resume=true: the MLflow run \w+ of .*run \(.*mlflow_run_id\) is not in logger.tracking_uri=.*other"
+             if case == "another_store" else r"resume_allow_changes names \['retriever.trian'\], which are not config")
+    with pytest.raises(ConfigError, match=match):
+        run(resumed)
+    _unchanged(copy, before)

@@ -303,3 +303,33 @@ def test_search_on_an_index_of_another_dimension_fails_in_one_line(finished_run,
     res = _search(str(run), "who founded it?")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
     assert "the index holds 8-dim vectors but the run's encoder" in res.stderr
+
+
+@pytest.mark.parametrize("broken", ["corpus/passages.arrow", "index/index.faiss"])
+def test_search_on_a_truncated_file_names_it_in_one_line(finished_run, tmp_path: Path, broken: str) -> None:
+    """Arrow's and FAISS's own tracebacks before."""
+    import shutil
+
+    cfg, _, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(cfg.output_dir, run, ignore=shutil.ignore_patterns("mlflow*", "checkpoints"))
+    data = (run / broken).read_bytes()
+    (run / broken).write_bytes(data[: len(data) // 2])
+    res = _search(str(run), "who founded it?")
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert res.stderr.startswith(f"search error: {run / broken}: not a readable ") and "corrupt or truncated" in res.stderr
+
+
+def test_search_of_a_run_that_did_not_finish_says_so(finished_run, tmp_path: Path) -> None:
+    import shutil
+
+    cfg, _, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(cfg.output_dir, run, ignore=shutil.ignore_patterns("mlflow*", "checkpoints"))
+    assert json.loads((run / "status.json").read_text())["status"] == "complete"
+    assert "warning" not in _search(str(run), "who founded it?", "--json").stderr
+    (run / "status.json").write_text(json.dumps({"status": "running"}))
+    res = _search(str(run), "who founded it?", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["hits"]  # it still answers
+    assert res.stderr.strip() == f"warning: {run / 'status.json'} says the run is 'running': it is still running or " \
+        "was stopped before it finished, so its index may not be the trained one"

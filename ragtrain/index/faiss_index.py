@@ -262,8 +262,12 @@ def load_index(
             f"{meta_path}: index was built from a different corpus (fingerprint {meta.corpus_fingerprint}, "
             f"this corpus is {expect_corpus}): rebuild the index"
         )
-    index = faiss.read_index(str(folder / INDEX_FILE),
-                             faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if mmap else 0)
+    try:
+        index = faiss.read_index(str(folder / INDEX_FILE),
+                                 faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if mmap else 0)
+    except RuntimeError as e:  # FAISS's own reader: a truncated or overwritten file
+        raise IndexMismatchError(f"{folder / INDEX_FILE}: not a readable FAISS index, the file is corrupt or "
+                                 f"truncated ({str(e).strip().splitlines()[-1][:160]}): rebuild the index") from None
     doc_ids = (folder / IDS_FILE).read_text(encoding="utf-8").split("\n")[:-1]  # not splitlines: ids may hold \x85 etc.
     if index.ntotal != meta.ntotal or len(doc_ids) != meta.ntotal or index.d != meta.dim:
         raise IndexMismatchError(

@@ -94,12 +94,21 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
                           "or a local folder")
     folder = store_folder(uri)
     if folder is not None:
+        db = sqlite_file(uri)
+        if db is not None and db.is_dir():
+            raise ConfigError(f"{where}={shown!r}: {db} is a folder, not a database file; name a file in it, e.g. "
+                              f"sqlite:///{db / 'mlflow.db'}")
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent  # the nearest existing folder: MLflow creates the rest
         if not folder.is_dir():  # a file where a folder must go: nothing can be created under it
             raise ConfigError(f"{where}={shown!r}: {folder} is a file, not a folder; choose another path")
-        if not os.access(folder, os.W_OK):
-            raise ConfigError(f"{where}={shown!r}: {folder} is not writable; choose a writable path")
+        try:  # os.access says yes to root everywhere, /proc included: create (and remove) a file to be sure
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".ragtrain-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(f"{where}={shown!r}: nothing can be created in {folder} ({e.strerror}); choose a "
+                              "writable path") from None
         return
     if scheme in ("http", "https"):
         import base64

@@ -50,7 +50,7 @@ UNCAPPED_T = 10**6  # ASHA needs a max_t for its rungs; a trial reaching it woul
 
 def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
     """Validate the sweep without starting anything: keys, values, metrics, scheduler/searcher combination."""
-    from ragtrain.track.mlflow import absolute_tracking_uri, tracking_uri
+    from ragtrain.track.mlflow import absolute_tracking_uri, check_tracking_uri, tracking_uri
 
     t = cfg.tune
     if t is None:
@@ -77,6 +77,8 @@ def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
     opts = sp.sync_options(conf_dir)
     sp.validate(params, base, opts, t.searcher)
     uri = absolute_tracking_uri(tracking_uri(cfg.logger)) if cfg.logger.backend.value == "mlflow" else ""
+    if uri:  # a store that cannot work fails now, in one line, not in every trial
+        check_tracking_uri(uri)
     return SweepPlan(cfg, params, base, opts, Path(cfg.output_dir).resolve(), uri)
 
 
