@@ -37,6 +37,8 @@ quickstart: setup
 	$(PY) -m ragtrain experiment=quickstart
 
 test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q --durations=15
 
 test-slow: setup

@@ -1,6 +1,6 @@
 """How much faster can bf16 be than fp32 on this CPU? The matmul ceiling next to MiniLM's forward pass.
 
-Issue 13 asked for bf16 encoding >= 2.5x fp32. Whether that is reachable depends on the CPU: with AVX512-BF16 but no
+The goal is bf16 encoding >= 2.5x fp32. Whether that is reachable depends on the CPU: with AVX512-BF16 but no
 AMX, a bf16 dot product (VDPBF16PS) does twice the multiply-adds of an fp32 FMA per instruction, so ~2x is the
 hardware's ceiling for the matmuls, and the rest of the forward pass (softmax, layer norm, GELU, the conversions)
 does not speed up at all. This measures, side by side in one process and one thread setting:
@@ -54,8 +54,13 @@ def gemm_ratio(m: int, k: int, n: int, reps: int) -> dict[str, float]:
     a16, b16 = a.bfloat16(), b.bfloat16()
     t32 = best_of(lambda: torch.matmul(a, b), reps)
     t16 = best_of(lambda: torch.matmul(a16, b16), reps)
-    return {"fp32_s": t32, "bf16_s": t16, "ratio": t32 / t16, "fp32_gflops": 2 * m * k * n / t32 / 1e9,
-            "bf16_gflops": 2 * m * k * n / t16 / 1e9}
+    return {
+        "fp32_s": t32,
+        "bf16_s": t16,
+        "ratio": t32 / t16,
+        "fp32_gflops": 2 * m * k * n / t32 / 1e9,
+        "bf16_gflops": 2 * m * k * n / t16 / 1e9,
+    }
 
 
 def forward_ratio(batch: int, seq: int, reps: int) -> dict[str, float]:
@@ -85,9 +90,17 @@ def forward_ratio(batch: int, seq: int, reps: int) -> dict[str, float]:
     with torch.inference_mode():
         whole = model(input_ids=ids, attention_mask=mask).last_hidden_state.float().mean(1)
     cos = torch.nn.functional.cosine_similarity
-    return {"fp32_s": t32, "bf16_s": t16, "ratio": t32 / t16, "fp32_texts_per_s": batch / t32,
-            "bf16_texts_per_s": batch / t16, "bf16_weights_s": tw, "bf16_weights_ratio": t32 / tw,
-            "autocast_min_cos": float(cos(ref, auto).min()), "bf16_weights_min_cos": float(cos(ref, whole).min())}
+    return {
+        "fp32_s": t32,
+        "bf16_s": t16,
+        "ratio": t32 / t16,
+        "fp32_texts_per_s": batch / t32,
+        "bf16_texts_per_s": batch / t16,
+        "bf16_weights_s": tw,
+        "bf16_weights_ratio": t32 / tw,
+        "autocast_min_cos": float(cos(ref, auto).min()),
+        "bf16_weights_min_cos": float(cos(ref, whole).min()),
+    }
 
 
 def profile_ops(batch: int, seq: int, top: int = 6) -> dict[str, dict[str, float]]:
@@ -129,17 +142,23 @@ def main() -> None:
         "gemm_minilm_qkv": gemm_ratio(tokens, 384, 384, args.reps),
         "minilm_forward": forward_ratio(args.batch, args.seq, args.reps),
     }
-    print(f"CPU flags: {' '.join(out['cpu_flags']) or '(unknown)'}; {args.threads} threads; "
-          f"batch {args.batch} x {args.seq} tokens")
+    print(
+        f"CPU flags: {' '.join(out['cpu_flags']) or '(unknown)'}; {args.threads} threads; "
+        f"batch {args.batch} x {args.seq} tokens"
+    )
     print(f"{'what':<34}{'fp32 s':>10}{'bf16 s':>10}{'bf16 speed-up':>15}")
     for name in ("gemm_2048", "gemm_minilm_ffn", "gemm_minilm_qkv", "minilm_forward"):
         r = out[name]
         print(f"{name:<34}{r['fp32_s']:>10.4f}{r['bf16_s']:>10.4f}{r['ratio']:>14.2f}x")
     f = out["minilm_forward"]
-    print(f"{'minilm_forward, bf16 weights':<34}{f['fp32_s']:>10.4f}{f['bf16_weights_s']:>10.4f}"
-          f"{f['bf16_weights_ratio']:>14.2f}x")
-    print(f"min cosine to fp32 (mean-pooled): autocast {f['autocast_min_cos']:.6f}, "
-          f"bf16 weights {f['bf16_weights_min_cos']:.6f}")
+    print(
+        f"{'minilm_forward, bf16 weights':<34}{f['fp32_s']:>10.4f}{f['bf16_weights_s']:>10.4f}"
+        f"{f['bf16_weights_ratio']:>14.2f}x"
+    )
+    print(
+        f"min cosine to fp32 (mean-pooled): autocast {f['autocast_min_cos']:.6f}, "
+        f"bf16 weights {f['bf16_weights_min_cos']:.6f}"
+    )
     if args.profile:  # where the forward's time goes: the matmuls speed up, attention and the casts do not
         out["profile_ms"] = profile_ops(args.batch, args.seq)
         names = list(dict.fromkeys([*out["profile_ms"]["fp32"], *out["profile_ms"]["bf16"]]))

@@ -47,16 +47,21 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 RESULTS = HERE / "results"
-WORDS = ("alpha beta gamma delta river mountain archive protein lattice quantum harbor violet ledger orbit cascade "
-         "meadow tungsten carbon signal museum author painter village bridge season winter summer garden station "
-         "library history market engine").split()
+WORDS = (
+    "alpha beta gamma delta river mountain archive protein lattice quantum harbor violet ledger orbit cascade "
+    "meadow tungsten carbon signal museum author painter village bridge season winter summer garden station "
+    "library history market engine"
+).split()
 
 
 def make_docs(batch: dict) -> dict:
     """Deterministic documents from row ids (or {start, n} ranges of them): {id, title, text, source}, 12-30 words."""
     ids, titles, texts = [], [], []
-    rows = batch["id"].tolist() if "id" in batch else \
-        [i for s, k in zip(batch["start"].tolist(), batch["n"].tolist()) for i in range(s, s + k)]
+    rows = (
+        batch["id"].tolist()
+        if "id" in batch
+        else [i for s, k in zip(batch["start"].tolist(), batch["n"].tolist()) for i in range(s, s + k)]
+    )
     for i in rows:
         n = 12 + (i * 7919) % 19
         words = [WORDS[(i * 2654435761 + k * 40503) % len(WORDS)] for k in range(n)]
@@ -106,10 +111,12 @@ def write_corpus_folder(root: Path, n: int, per_file: int = 1000) -> None:
         with open(root / f"part-{s // per_file:05d}.jsonl", "a", encoding="utf-8") as f:
             for i, t, x in zip(docs["id"], docs["title"], docs["text"]):
                 f.write(json.dumps({"_id": i, "title": t, "text": x}) + "\n")
-    (root / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": f"entity {i}"}) + "\n"
-                                                for i in range(10)))
-    (root / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" +
-                                              "".join(f"q{i}\td{i:08d}\t1\n" for i in range(10)))
+    (root / "queries.jsonl").write_text(
+        "".join(json.dumps({"_id": f"q{i}", "text": f"entity {i}"}) + "\n" for i in range(10))
+    )
+    (root / "qrels" / "train.tsv").write_text(
+        "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i:08d}\t1\n" for i in range(10))
+    )
 
 
 def texts_list(n: int) -> tuple[list[str], list[str]]:
@@ -124,8 +131,13 @@ def start_ray(num_cpus: int, niceness0: bool) -> None:
 
     if niceness0:
         os.environ["RAY_worker_niceness"] = "0"
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO)}
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "PYTHONPATH": str(REPO),
+    }
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
     from ray.data import DataContext
 
@@ -182,50 +194,100 @@ def scale(args) -> None:
         from ragtrain.corpus.read import list_documents
         from ragtrain.corpus.stream import StreamEncode, stream_documents
 
-        dcfg = DataConfig(source=DataSource.documents, root=str(work / "docs"), dev_size=2,
-                          chunk=ChunkConfig(enabled=True, max_tokens=64, overlap=8))
-        enc = StreamEncode(weights=lambda: ray.get(weights_ref), index=index, pool=pool, folder=work / "vectors",
-                           stats_dir=str(stats_dir))
-        data = stream_documents(list_documents(work / "docs"), work / "docs", dcfg, cfg, enc,
-                                work / "corpus" / "passages.arrow", log=lambda m: None)
+        dcfg = DataConfig(
+            source=DataSource.documents,
+            root=str(work / "docs"),
+            dev_size=2,
+            chunk=ChunkConfig(enabled=True, max_tokens=64, overlap=8),
+        )
+        enc = StreamEncode(
+            weights=lambda: ray.get(weights_ref),
+            index=index,
+            pool=pool,
+            folder=work / "vectors",
+            stats_dir=str(stats_dir),
+        )
+        data = stream_documents(
+            list_documents(work / "docs"),
+            work / "docs",
+            dcfg,
+            cfg,
+            enc,
+            work / "corpus" / "passages.arrow",
+            log=lambda m: None,
+        )
         prepare_s = 0.0  # fused with the encode: the stream's wall time is encode_s
         shards = ShardSet.load(work / "vectors")
     else:
-        data, _ = load_documents(work / "docs", split="dev", dev_size=2, log=lambda m: None,
-                                 store_path=work / "corpus" / "documents.arrow", on_ray=args.prepare == "ray")
-        data = chunk_data(data, load_tokenizer(cfg), 64, 8, store_path=work / "corpus" / "passages.arrow",
-                          ray_tasks=args.actors if args.prepare == "ray" else 0, retriever=cfg)
+        data, _ = load_documents(
+            work / "docs",
+            split="dev",
+            dev_size=2,
+            log=lambda m: None,
+            store_path=work / "corpus" / "documents.arrow",
+            on_ray=args.prepare == "ray",
+        )
+        data = chunk_data(
+            data,
+            load_tokenizer(cfg),
+            64,
+            8,
+            store_path=work / "corpus" / "passages.arrow",
+            ray_tasks=args.actors if args.prepare == "ray" else 0,
+            retriever=cfg,
+        )
         prepare_s = time.perf_counter() - t0
-        shards = encode_to_shards(data.corpus, weights_ref, cfg, index, pool, work / "vectors", max_length=64,
-                                  stats_dir=str(stats_dir))
+        shards = encode_to_shards(
+            data.corpus, weights_ref, cfg, index, pool, work / "vectors", max_length=64, stats_dir=str(stats_dir)
+        )
     actors = actor_stats(stats_dir)
     t0 = time.perf_counter()
-    meta = build_and_save_remote(shards.folder, args.factory, str(work / "index"), "generated", f"{args.retriever}@init")
+    meta = build_and_save_remote(
+        shards.folder, args.factory, str(work / "index"), "generated", f"{args.retriever}@init"
+    )
     index_s = time.perf_counter() - t0
     cores = args.actors * args.cpus_per_actor
     row = {
-        "passages": shards.rows, "retriever": args.retriever, "actor_env": actor_env, "dim": shards.dim,
-        "per_file": args.per_file, "prepare": args.prepare,
+        "passages": shards.rows,
+        "retriever": args.retriever,
+        "actor_env": actor_env,
+        "dim": shards.dim,
+        "per_file": args.per_file,
+        "prepare": args.prepare,
         "precision": args.precision,
-        "factory": args.factory, "actors": args.actors, "cpus_per_actor": args.cpus_per_actor,
-        "ray_num_cpus": args.num_cpus, "write_files_s": write_s, "prepare_s": prepare_s,
-        "prepare_docs_per_s": shards.rows / prepare_s if prepare_s else None, "encode_s": shards.seconds,
-        "docs_per_s": shards.rows / (prepare_s + shards.seconds), "encode_docs_per_s": shards.docs_per_s,
+        "factory": args.factory,
+        "actors": args.actors,
+        "cpus_per_actor": args.cpus_per_actor,
+        "ray_num_cpus": args.num_cpus,
+        "write_files_s": write_s,
+        "prepare_s": prepare_s,
+        "prepare_docs_per_s": shards.rows / prepare_s if prepare_s else None,
+        "encode_s": shards.seconds,
+        "docs_per_s": shards.rows / (prepare_s + shards.seconds),
+        "encode_docs_per_s": shards.docs_per_s,
         "per_core_encode_docs_per_s": shards.docs_per_s / cores,
         "actor_steady_docs_per_s": shards.rows / max(max(a["seconds"] for a in actors), 1e-9),
-        "driver_rss_after_init_mb": rss_init, "driver_peak_rss_mb": peak_rss_mb(),
+        "driver_rss_after_init_mb": rss_init,
+        "driver_peak_rss_mb": peak_rss_mb(),
         "driver_rss_by_kind_mb": sampler.stop(),
-        "encode_actor_peak_rss_mb": max(a["peak_rss_mb"] for a in actors), "index_worker_peak_rss_mb": meta["peak_rss_mb"],
+        "encode_actor_peak_rss_mb": max(a["peak_rss_mb"] for a in actors),
+        "index_worker_peak_rss_mb": meta["peak_rss_mb"],
         "worker_peak_rss_mb": max(max(a["peak_rss_mb"] for a in actors), meta["peak_rss_mb"]),
-        "encode_actor_rows": [a["rows"] for a in actors], "encode_actor_seconds": [a["seconds"] for a in actors],
+        "encode_actor_rows": [a["rows"] for a in actors],
+        "encode_actor_seconds": [a["seconds"] for a in actors],
         # where an actor's RSS is: anon (its own heap), file (libraries), shmem (object-store pages it touched)
-        "encode_actor_rss_peaks_mb": {k: max(a.get("rss_peaks_mb", {}).get(k, 0.0) for a in actors)
-                                      for k in ("anon", "file", "shmem")},
+        "encode_actor_rss_peaks_mb": {
+            k: max(a.get("rss_peaks_mb", {}).get(k, 0.0) for a in actors) for k in ("anon", "file", "shmem")
+        },
         "encode_actor_anon_series": max(actors, key=lambda a: a["rows"]).get("anon_series", []),
-        "index_build_s": index_s, "index_ntotal": meta["ntotal"], "shard_files": len(shards.files),
+        "index_build_s": index_s,
+        "index_ntotal": meta["ntotal"],
+        "shard_files": len(shards.files),
         # stream mode: seconds the driver spent deciding on rows and appending them (its serial part, not waiting)
         "driver_rows_s": shards.stats.get("driver_rows_s"),
-        "wall_s": time.perf_counter() - wall0, "load_avg_start": load0, "load_avg_end": os.getloadavg()[0],
+        "wall_s": time.perf_counter() - wall0,
+        "load_avg_start": load0,
+        "load_avg_end": os.getloadavg()[0],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     assert meta["ntotal"] == shards.rows, "the index must hold every passage"
@@ -240,8 +302,9 @@ def scale(args) -> None:
     key = ("passages", "retriever", "dim", "actor_env", "precision", "per_file", "prepare")
     old = {"actor_env": {}, "precision": "fp32", "per_file": 1000, "prepare": "ray"}  # rows written before the key
     rows = [r for r in rows if tuple(r.get(k, old.get(k)) for k in key) != tuple(row[k] for k in key)] + [row]
-    path.write_text(json.dumps(sorted(rows, key=lambda r: (r["retriever"], str(r.get("actor_env", {})), r["passages"])),
-                               indent=2))
+    path.write_text(
+        json.dumps(sorted(rows, key=lambda r: (r["retriever"], str(r.get("actor_env", {})), r["passages"])), indent=2)
+    )
     print(json.dumps(row, indent=2))
 
 
@@ -287,13 +350,19 @@ def compare(args) -> None:
         sd.mkdir(exist_ok=True)
         for p in sd.glob("*.json"):
             p.unlink()
-        s = encode_to_shards((i, t), ref, cfg, index, pool_res, work / tag, max_length=args.max_length,
-                             stats_dir=str(sd))
+        s = encode_to_shards(
+            (i, t), ref, cfg, index, pool_res, work / tag, max_length=args.max_length, stats_dir=str(sd)
+        )
         steady = s.rows / max(max(a["seconds"] for a in actor_stats(sd)), 1e-9)
         return s, steady
 
-    out: dict = {"docs": len(texts), "cores": cores, "max_length": args.max_length, "load_avg_start": os.getloadavg()[0],
-                 "reps": []}
+    out: dict = {
+        "docs": len(texts),
+        "cores": cores,
+        "max_length": args.max_length,
+        "load_avg_start": os.getloadavg()[0],
+        "reps": [],
+    }
     for rep in range(args.reps):  # alternate the sides
         r: dict = {}
         t = time.perf_counter()
@@ -329,8 +398,9 @@ def compare(args) -> None:
         pool.shutdown()
     if "bf16" in sides:
         out["ratio_bf16_vs_fp32_raydata"] = med["raydata_bf16_docs_per_s"] / med["raydata_fp32_docs_per_s"]
-        out["ratio_bf16_vs_fp32_raydata_steady"] = (med["raydata_bf16_steady_docs_per_s"]
-                                                    / med["raydata_fp32_steady_docs_per_s"])
+        out["ratio_bf16_vs_fp32_raydata_steady"] = (
+            med["raydata_bf16_steady_docs_per_s"] / med["raydata_fp32_steady_docs_per_s"]
+        )
     out["sides"] = sorted(sides)
     out["load_avg_end"] = os.getloadavg()[0]
     out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -347,10 +417,16 @@ def plot(args) -> None:
     import matplotlib.pyplot as plt
 
     dim = args.tiny_dim or (64 if args.retriever == "tiny" else 384)
-    rows = [r for r in json.loads((RESULTS / "corpus_scale.json").read_text())
-            if r["retriever"] == args.retriever and r["dim"] == dim and not r.get("actor_env")
-            and r.get("precision", "fp32") == args.precision  # the default environment and layout only
-            and r.get("per_file", 1000) == 1000 and r.get("prepare", "ray") in ("ray", "stream")]
+    rows = [
+        r
+        for r in json.loads((RESULTS / "corpus_scale.json").read_text())
+        if r["retriever"] == args.retriever
+        and r["dim"] == dim
+        and not r.get("actor_env")
+        and r.get("precision", "fp32") == args.precision  # the default environment and layout only
+        and r.get("per_file", 1000) == 1000
+        and r.get("prepare", "ray") in ("ray", "stream")
+    ]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for mode, label in (("ray", "two steps"), ("stream", "one stream")):
         sel = sorted((r for r in rows if r.get("prepare", "ray") == mode), key=lambda r: r["passages"])
@@ -366,7 +442,9 @@ def plot(args) -> None:
     a.set_title("peak RSS vs corpus size")
     b.set_xlabel("passages")
     b.set_ylabel("docs/s")
-    b.set_title(f"throughput ({args.retriever}, {dim}-dim, {rows[0]['actors']}x{rows[0]['cpus_per_actor']:g} CPU actors)")
+    b.set_title(
+        f"throughput ({args.retriever}, {dim}-dim, {rows[0]['actors']}x{rows[0]['cpus_per_actor']:g} CPU actors)"
+    )
     b.legend(fontsize=8)
     fig.tight_layout()
     out = HERE / (args.plot_name or "corpus_scale.png")
@@ -382,26 +460,38 @@ def main() -> None:
     p.add_argument("--factory", default="Flat")
     p.add_argument("--tiny-dim", type=int, default=0, help="scale mode: the tiny encoder's hidden size (e.g. 384)")
     p.add_argument("--per-file", type=int, default=1000, help="scale mode: documents per jsonl file (0: one file)")
-    p.add_argument("--prepare", default="ray", choices=["ray", "driver", "stream"],
-                   help="scale mode: read, clean and chunk on Ray Data tasks into the store, then encode it (ray); "
-                        "the same in the driver (driver); or read, clean, chunk and encode as one Ray Data stream "
-                        "(stream: what a run does when its first index is zero-shot)")
+    p.add_argument(
+        "--prepare",
+        default="ray",
+        choices=["ray", "driver", "stream"],
+        help="scale mode: read, clean and chunk on Ray Data tasks into the store, then encode it (ray); "
+        "the same in the driver (driver); or read, clean, chunk and encode as one Ray Data stream "
+        "(stream: what a run does when its first index is zero-shot)",
+    )
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--cpus-per-actor", type=float, default=1.0)
     p.add_argument("--num-cpus", type=int, default=2, help="logical CPUs of the benchmark's private local Ray")
     p.add_argument("--compare-docs", type=int, default=0)
     p.add_argument("--reps", type=int, default=1)
-    p.add_argument("--sides", default="st,raydata,pool,bf16",
-                   help="compare mode: comma list; sentence-transformers (st) and Ray Data fp32 always run, "
-                        "'pool' adds the EncoderPool and the 64-text start-up figures, 'bf16' Ray Data in bf16")
+    p.add_argument(
+        "--sides",
+        default="st,raydata,pool,bf16",
+        help="compare mode: comma list; sentence-transformers (st) and Ray Data fp32 always run, "
+        "'pool' adds the EncoderPool and the 64-text start-up figures, 'bf16' Ray Data in bf16",
+    )
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--workdir", default=None)
     p.add_argument("--keep", action="store_true", help="keep the shards and the index")
     p.add_argument("--ray-worker-niceness0", action="store_true")
     p.add_argument("--plot", action="store_true")
     p.add_argument("--plot-name", default="", help="plot mode: the PNG's name under benchmarks/ (corpus_scale.png)")
-    p.add_argument("--actor-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment of the encode actors (e.g. MALLOC_ARENA_MAX=2); the row records it")
+    p.add_argument(
+        "--actor-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment of the encode actors (e.g. MALLOC_ARENA_MAX=2); the row records it",
+    )
     p.add_argument("--out", default="corpus_scale_throughput.json", help="compare mode: file under benchmarks/results")
     args = p.parse_args()
     if not set(args.sides.split(",")) <= {"st", "raydata", "pool", "bf16"}:

@@ -50,10 +50,14 @@ def child(model_name: str, batch: int, chunk: int, query_len: int, passage_len: 
     torch.manual_seed(0)
     model = QPEncoder(build_encoder(RetrieverConfig(model=model_name))).train()
     vocab = model.encoder.backbone.config.vocab_size
-    q = {"input_ids": torch.randint(1000, vocab, (batch, query_len)),
-         "attention_mask": torch.ones(batch, query_len, dtype=torch.long)}
-    p = {"input_ids": torch.randint(1000, vocab, (batch, passage_len)),
-         "attention_mask": torch.ones(batch, passage_len, dtype=torch.long)}
+    q = {
+        "input_ids": torch.randint(1000, vocab, (batch, query_len)),
+        "attention_mask": torch.ones(batch, query_len, dtype=torch.long),
+    }
+    p = {
+        "input_ids": torch.randint(1000, vocab, (batch, passage_len)),
+        "attention_mask": torch.ones(batch, passage_len, dtype=torch.long),
+    }
 
     def loss_fn(qe, pe):
         return contrastive_loss(qe, pe, 0.05, gather=False)
@@ -83,14 +87,32 @@ def child(model_name: str, batch: int, chunk: int, query_len: int, passage_len: 
     stop.set()
     t.join()
     peak[0] = max(peak[0], rss())
-    return {"batch": batch, "chunk": chunk, "base_rss": base, "peak_rss": peak[0], "step_peak": peak[0] - base,
-            "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "loss": float(loss),
-            "seconds": seconds}
+    return {
+        "batch": batch,
+        "chunk": chunk,
+        "base_rss": base,
+        "peak_rss": peak[0],
+        "step_peak": peak[0] - base,
+        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "loss": float(loss),
+        "seconds": seconds,
+    }
 
 
 def run_point(args, batch: int, chunk: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(batch), str(chunk), "--model", args.model,
-           "--query-len", str(args.query_len), "--passage-len", str(args.passage_len)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        str(batch),
+        str(chunk),
+        "--model",
+        args.model,
+        "--query-len",
+        str(args.query_len),
+        "--passage-len",
+        str(args.passage_len),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode != 0:
@@ -114,11 +136,13 @@ def main() -> None:
         print(json.dumps(child(args.model, args.child[0], args.child[1], args.query_len, args.passage_len)))
         return
 
-    gib = 1024 ** 3
+    gib = 1024**3
     budget = args.budget_gib * gib
     load = os.getloadavg()[0]
-    print(f"{args.model}: queries {args.query_len} tokens, passages {args.passage_len} tokens, chunk {args.chunk}, "
-          f"budget {args.budget_gib} GiB peak RSS; load average {load:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"{args.model}: queries {args.query_len} tokens, passages {args.passage_len} tokens, chunk {args.chunk}, "
+        f"budget {args.budget_gib} GiB peak RSS; load average {load:.1f} on {os.cpu_count()} CPUs"
+    )
     rows, uncached_fits = [], True
     batch = args.min_batch
     while batch <= args.max_batch:
@@ -135,18 +159,22 @@ def main() -> None:
             fits = r["peak_rss"] <= budget
             if chunk == 0 and not fits:
                 uncached_fits = False
-            print(f"batch {batch:5d} {'cached ' + str(chunk) if chunk else 'uncached':>10}: step peak "
-                  f"+{r['step_peak'] / gib:6.3f} GiB over {r['base_rss'] / gib:.3f} GiB -> peak RSS "
-                  f"{r['peak_rss'] / gib:6.3f} GiB ({'fits' if fits else 'over budget'}), {r['seconds']:.1f} s",
-                  flush=True)
+            print(
+                f"batch {batch:5d} {'cached ' + str(chunk) if chunk else 'uncached':>10}: step peak "
+                f"+{r['step_peak'] / gib:6.3f} GiB over {r['base_rss'] / gib:.3f} GiB -> peak RSS "
+                f"{r['peak_rss'] / gib:6.3f} GiB ({'fits' if fits else 'over budget'}), {r['seconds']:.1f} s",
+                flush=True,
+            )
         batch *= 2
     ok = [r for r in rows if "error" not in r and r["peak_rss"] <= budget]
     for chunk, name in ((0, "uncached"), (args.chunk, f"cached (chunk {args.chunk})")):
         fit = [r for r in ok if r["chunk"] == chunk]
         if fit:
             best = max(fit, key=lambda r: r["batch"])
-            print(f"largest batch within {args.budget_gib} GiB, {name}: {best['batch']} "
-                  f"(peak RSS {best['peak_rss'] / gib:.3f} GiB, step +{best['step_peak'] / gib:.3f} GiB)")
+            print(
+                f"largest batch within {args.budget_gib} GiB, {name}: {best['batch']} "
+                f"(peak RSS {best['peak_rss'] / gib:.3f} GiB, step +{best['step_peak'] / gib:.3f} GiB)"
+            )
     out = ROOT / "benchmarks" / "results" / "gradcache_memory.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "load_average": load, "rows": rows}, indent=1))

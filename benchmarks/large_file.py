@@ -47,11 +47,13 @@ def write_folder(root: Path, docs: int, words: int, per_file: int) -> None:
         f.write(json.dumps({"_id": f"d{i:08d}", "title": f"Document {i}", "text": text}) + "\n")
     if f:
         f.close()
-    (root / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": f"entity {i}"}) + "\n"
-                                                for i in range(10)))
+    (root / "queries.jsonl").write_text(
+        "".join(json.dumps({"_id": f"q{i}", "text": f"entity {i}"}) + "\n" for i in range(10))
+    )
     for split in ("train", "dev"):
-        (root / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" +
-                                                     "".join(f"q{i}\td{i:08d}\t1\n" for i in range(10)))
+        (root / "qrels" / f"{split}.tsv").write_text(
+            "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i:08d}\t1\n" for i in range(10))
+        )
 
 
 def one_run(root: str, prepare: str, out: str) -> None:
@@ -59,6 +61,7 @@ def one_run(root: str, prepare: str, out: str) -> None:
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(HERE))
     from corpus_scale import RssSampler
+
     from ragtrain.config import DataConfig, DataSource, Prepare
     from ragtrain.corpus.encode import peak_rss_mb
     from ragtrain.corpus.load import load_data
@@ -66,8 +69,13 @@ def one_run(root: str, prepare: str, out: str) -> None:
     def start_ray() -> None:
         import ray
 
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+        )
         from ray.data import DataContext
 
         DataContext.get_current().enable_progress_bars = False
@@ -79,10 +87,18 @@ def one_run(root: str, prepare: str, out: str) -> None:
     data = load_data(cfg, out_dir=Path(out), start_ray=start_ray)
     seconds = time.perf_counter() - t
     kinds = sampler.stop()
-    print(json.dumps({"docs": len(data.corpus), "seconds": seconds, "driver_peak_rss_mb": peak_rss_mb(),
-                      "driver_anon_peak_mb": kinds["peak"].get("anon", 0.0),
-                      "driver_file_peak_mb": kinds["peak"].get("file", 0.0),
-                      "driver_shmem_peak_mb": kinds["peak"].get("shmem", 0.0)}))
+    print(
+        json.dumps(
+            {
+                "docs": len(data.corpus),
+                "seconds": seconds,
+                "driver_peak_rss_mb": peak_rss_mb(),
+                "driver_anon_peak_mb": kinds["peak"].get("anon", 0.0),
+                "driver_file_peak_mb": kinds["peak"].get("file", 0.0),
+                "driver_shmem_peak_mb": kinds["peak"].get("shmem", 0.0),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -100,32 +116,63 @@ def main() -> None:
     for name, (docs, per_file) in folders.items():
         write_folder(work / name.replace(" ", "_").replace(",", ""), docs, args.words, per_file)
     mb = sum(f.stat().st_size for f in (work / "one_file").glob("*.jsonl")) / 2**20
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "?"
+    commit = (
+        subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "?"
+    )
     rows = []
     for prepare in ("driver", "ray"):
         for name in folders:
             folder = work / name.replace(" ", "_").replace(",", "")
-            r = subprocess.run([sys.executable, __file__, "--one-run", str(folder), prepare,
-                                str(work / f"out-{prepare}-{folder.name}")], capture_output=True, text=True)
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one-run",
+                    str(folder),
+                    prepare,
+                    str(work / f"out-{prepare}-{folder.name}"),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if r.returncode:
                 sys.exit(f"{name} / {prepare} failed:\n{r.stderr[-3000:]}")
             row = json.loads(r.stdout.strip().splitlines()[-1]) | {"layout": name, "prepare": prepare}
             rows.append(row)
     print(f"{args.docs} documents of {args.words} words, {mb:.0f} MB of jsonl; commit {commit}")
-    print(f"{'prepare':8} {'layout':16} {'docs':>8} {'s':>7} {'peak RSS MB':>12} {'anon / file / shmem peak MB':>28} "
-          f"{'anon over small':>16}")
+    print(
+        f"{'prepare':8} {'layout':16} {'docs':>8} {'s':>7} {'peak RSS MB':>12} {'anon / file / shmem peak MB':>28} "
+        f"{'anon over small':>16}"
+    )
     for r in rows:
         small = next(x for x in rows if x["prepare"] == r["prepare"] and x["layout"] == "small")
         r["anon_growth_over_small_mb"] = r["driver_anon_peak_mb"] - small["driver_anon_peak_mb"]
         kinds = f"{r['driver_anon_peak_mb']:.0f} / {r['driver_file_peak_mb']:.0f} / {r['driver_shmem_peak_mb']:.0f}"
-        print(f"{r['prepare']:8} {r['layout']:16} {r['docs']:8d} {r['seconds']:7.1f} {r['driver_peak_rss_mb']:12.1f} "
-              f"{kinds:>28} {r['anon_growth_over_small_mb']:+16.1f}")
+        print(
+            f"{r['prepare']:8} {r['layout']:16} {r['docs']:8d} {r['seconds']:7.1f} {r['driver_peak_rss_mb']:12.1f} "
+            f"{kinds:>28} {r['anon_growth_over_small_mb']:+16.1f}"
+        )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
-    RESULTS.write_text(json.dumps(old + [{"commit": commit, "docs": args.docs, "words": args.words, "jsonl_mb": mb,
-                                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                          "rows": rows}], indent=2))
+    RESULTS.write_text(
+        json.dumps(
+            old
+            + [
+                {
+                    "commit": commit,
+                    "docs": args.docs,
+                    "words": args.words,
+                    "jsonl_mb": mb,
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "rows": rows,
+                }
+            ],
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

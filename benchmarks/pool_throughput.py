@@ -129,7 +129,9 @@ def load_texts(args) -> tuple[list[str], str] | None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--data", choices=["scifact", "synthetic"], default="scifact")
     ap.add_argument("--scifact-root", default=str(DEFAULT_SCIFACT))
     ap.add_argument("--docs", type=int, default=1000, help="first N passages of the corpus")
@@ -140,14 +142,26 @@ def main() -> int:
     ap.add_argument("--st-threads", type=int, default=2, help="torch threads of the sentence-transformers process")
     ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--shard-size", type=int, default=None,
-                    help="IndexConfig.shard_size (default: ragtrain's; the pool may still cut smaller shards)")
-    ap.add_argument("--shards-per-actor", type=int, default=None,
-                    help="experiment: override ragtrain.index.pool.SHARDS_PER_ACTOR in this process (default: keep)")
+    ap.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        help="IndexConfig.shard_size (default: ragtrain's; the pool may still cut smaller shards)",
+    )
+    ap.add_argument(
+        "--shards-per-actor",
+        type=int,
+        default=None,
+        help="experiment: override ragtrain.index.pool.SHARDS_PER_ACTOR in this process (default: keep)",
+    )
     ap.add_argument("--warmup-docs", type=int, default=64, help="texts encoded once per side before timing")
-    ap.add_argument("--ray-worker-niceness", type=int, default=None,
-                    help="set RAY_worker_niceness for our Ray (Ray's default: workers run at nice 15, the baseline at "
-                         "nice 0; on a loaded machine pass 0 to compare like for like)")
+    ap.add_argument(
+        "--ray-worker-niceness",
+        type=int,
+        default=None,
+        help="set RAY_worker_niceness for our Ray (Ray's default: workers run at nice 15, the baseline at "
+        "nice 0; on a loaded machine pass 0 to compare like for like)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "pool_throughput.json"))
     args = ap.parse_args()
     if args.ray_worker_niceness is not None:
@@ -163,8 +177,10 @@ def main() -> int:
 
     load_start = os.getloadavg()[0]
     if load_start > (os.cpu_count() or 1):
-        print(f"WARNING: 1-min load average {load_start:.1f} > {os.cpu_count()} CPUs: other work is running, "
-              "figures will be noisy (the ratio of alternated medians is the robust number)")
+        print(
+            f"WARNING: 1-min load average {load_start:.1f} > {os.cpu_count()} CPUs: other work is running, "
+            "figures will be noisy (the ratio of alternated medians is the robust number)"
+        )
 
     import numpy as np
     import ray
@@ -188,8 +204,9 @@ def main() -> int:
     assert st.max_seq_length == args.max_length
 
     def st_encode(tx: list[str]) -> np.ndarray:
-        return st.encode(tx, batch_size=args.batch_size, normalize_embeddings=True, convert_to_numpy=True,
-                         show_progress_bar=False)
+        return st.encode(
+            tx, batch_size=args.batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+        )
 
     # --- side B: ragtrain's pool on a private local Ray (ray.init(address="local", num_cpus=2))
     t0 = time.perf_counter()
@@ -231,8 +248,10 @@ def main() -> int:
             raise SystemExit("--shards-per-actor: this ragtrain's EncoderPool has no SHARDS_PER_ACTOR")
         pool_module.SHARDS_PER_ACTOR = args.shards_per_actor
     tok_len = [len(x) for x in st.tokenizer(texts, truncation=True, max_length=args.max_length)["input_ids"]]
-    print(f"[setup] ray.init {ray_start_s:.1f}s, {args.actors} actor(s) x {args.cpus_per_actor:g} CPU up in "
-          f"{actor_start_s:.1f}s (excluded)")
+    print(
+        f"[setup] ray.init {ray_start_s:.1f}s, {args.actors} actor(s) x {args.cpus_per_actor:g} CPU up in "
+        f"{actor_start_s:.1f}s (excluded)"
+    )
 
     # Warm-up both sides (first-call allocations, lazy imports) outside the timed region.
     send_weights("warmup")
@@ -275,8 +294,11 @@ def main() -> int:
             per_actor = [y - x for x, y in zip(a0, a1)]
             actor_cpu.append(per_actor)
             pool_cpu_rates.append(len(texts) / (sum(per_actor) + driver_cpu))
-        print(f"[rep {rep + 1}/{args.reps}] sentence-transformers {st_rates[-1]:7.1f} docs/s ({st_s:.1f}s) | "
-              f"EncoderPool {pool_rates[-1]:7.1f} docs/s ({pool_s:.1f}s) | set_weights {set_s * 1e3:.0f} ms | load avg {os.getloadavg()[0]:.1f}")
+        print(
+            f"[rep {rep + 1}/{args.reps}] sentence-transformers {st_rates[-1]:7.1f} docs/s ({st_s:.1f}s) | "
+            f"EncoderPool {pool_rates[-1]:7.1f} docs/s ({pool_s:.1f}s) | set_weights {set_s * 1e3:.0f} ms | load "
+            f"avg {os.getloadavg()[0]:.1f}"
+        )
 
     pool.shutdown()
     ray.shutdown()
@@ -308,19 +330,32 @@ def main() -> int:
     print(tabulate(rows, headers=headers))
     print(f"ratio pool/ST (medians): {ratio:.3f}  (goal >= 0.95: {'OK' if ratio >= 0.95 else 'BELOW'})")
     if shards:
-        show = (lambda v: str(v) if len(v) <= 8 else f"{v[:4]} ... {v[-2:]}")
-        print(f"shards used by EncoderPool.encode: {len(shards)} for {args.actors} actor(s); docs {show(shard_docs)}; "
-              f"tokens after truncation {show(shard_tokens)}")
-    print(f"vectors: max |diff| = {max_abs:.2e}, min cosine = {min_cos:.6f}  "
-          f"(goal >= 0.9999: {'OK' if min_cos >= 0.9999 else 'FAIL'})")
+
+        def show(v: list) -> str:
+            return str(v) if len(v) <= 8 else f"{v[:4]} ... {v[-2:]}"
+
+        print(
+            f"shards used by EncoderPool.encode: {len(shards)} for {args.actors} actor(s); docs {show(shard_docs)}; "
+            f"tokens after truncation {show(shard_tokens)}"
+        )
+    print(
+        f"vectors: max |diff| = {max_abs:.2e}, min cosine = {min_cos:.6f}  "
+        f"(goal >= 0.9999: {'OK' if min_cos >= 0.9999 else 'FAIL'})"
+    )
     if pool_cpu_rates:
         st_cpu_med, pool_cpu_med = statistics.median(st_cpu_rates), statistics.median(pool_cpu_rates)
-        print(f"CPU efficiency (docs per CPU-second; less sensitive to other load): ST {st_cpu_med:.2f}, "
-              f"pool {pool_cpu_med:.2f} (actors + driver), ratio {pool_cpu_med / st_cpu_med:.3f}")
-        print("actor CPU-seconds per rep (balance of the shards over the actors): "
-              + "; ".join("/".join(f"{x:.1f}" for x in r) for r in actor_cpu))
-    print(f"weight transfer (excluded): ray.put median {statistics.median(put_times) * 1e3:.0f} ms, "
-          f"set_weights median {statistics.median(set_times) * 1e3:.0f} ms")
+        print(
+            f"CPU efficiency (docs per CPU-second; less sensitive to other load): ST {st_cpu_med:.2f}, "
+            f"pool {pool_cpu_med:.2f} (actors + driver), ratio {pool_cpu_med / st_cpu_med:.3f}"
+        )
+        print(
+            "actor CPU-seconds per rep (balance of the shards over the actors): "
+            + "; ".join("/".join(f"{x:.1f}" for x in r) for r in actor_cpu)
+        )
+    print(
+        f"weight transfer (excluded): ray.put median {statistics.median(put_times) * 1e3:.0f} ms, "
+        f"set_weights median {statistics.median(set_times) * 1e3:.0f} ms"
+    )
 
     result = {
         "benchmark": "pool_throughput",
@@ -333,19 +368,30 @@ def main() -> int:
         "shards": {"count": len(shards), "docs": shard_docs, "tokens": shard_tokens},
         "precision": "fp32",
         "reps": args.reps,
-        "pool": {"actors": args.actors, "cpus_per_actor": args.cpus_per_actor, "ray_num_cpus": args.ray_cpus,
-                 "docs_per_s": pool_rates, "median_docs_per_s": pool_med},
-        "sentence_transformers": {"torch_threads": args.st_threads, "docs_per_s": st_rates,
-                                  "median_docs_per_s": st_med},
+        "pool": {
+            "actors": args.actors,
+            "cpus_per_actor": args.cpus_per_actor,
+            "ray_num_cpus": args.ray_cpus,
+            "docs_per_s": pool_rates,
+            "median_docs_per_s": pool_med,
+        },
+        "sentence_transformers": {
+            "torch_threads": args.st_threads,
+            "docs_per_s": st_rates,
+            "median_docs_per_s": st_med,
+        },
         "ratio_pool_over_st": ratio,
-        "cpu_efficiency_docs_per_cpu_s": {"st": st_cpu_rates, "pool": pool_cpu_rates,
-                                          "pool_actor_cpu_s": actor_cpu},
+        "cpu_efficiency_docs_per_cpu_s": {"st": st_cpu_rates, "pool": pool_cpu_rates, "pool_actor_cpu_s": actor_cpu},
         "vectors": {"max_abs_diff": max_abs, "min_cosine": min_cos},
         "nice": {"st_process": os.nice(0), "pool_actors": actor_nice},
         "weight_transfer_s": {"ray_put": put_times, "set_weights": set_times},
         "startup_s": {"ray_init": ray_start_s, "actors": actor_start_s},
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                 "ray": ray.__version__},
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "ray": ray.__version__,
+        },
         "loadavg_1min": {"start": load_start, "end": os.getloadavg()[0]},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

@@ -49,18 +49,25 @@ def machine() -> dict[str, str]:
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     try:
         load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         load = "unknown"
-    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": model,
-            "torch cpu capability": cpu_capability(), "oneDNN native bf16": str(cpu_bf16_native()),
-            "torch": torch.__version__, "threads": str(torch.get_num_threads()), "load average (1/5/15 min)": load,
-            "commit": commit}
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": model,
+        "torch cpu capability": cpu_capability(),
+        "oneDNN native bf16": str(cpu_bf16_native()),
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "load average (1/5/15 min)": load,
+        "commit": commit,
+    }
 
 
 def load_slice(data: Path, docs: int, queries: int) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
@@ -83,8 +90,16 @@ def load_slice(data: Path, docs: int, queries: int) -> tuple[dict[str, str], dic
     return {d: corpus[d] for d in keep}, {q: texts[q] for q in chosen}, {q: qrels[q] for q in chosen}
 
 
-def run_phases(precision: str, retriever, train, passages: dict[str, str], queries: dict[str, str],
-               gold: dict[str, list[str]], steps: int, encode_batch: int) -> dict[str, float]:
+def run_phases(
+    precision: str,
+    retriever,
+    train,
+    passages: dict[str, str],
+    queries: dict[str, str],
+    gold: dict[str, list[str]],
+    steps: int,
+    encode_batch: int,
+) -> dict[str, float]:
     """Seconds of each recipe phase in `precision` (fp32 / bf16), with the same seed and data."""
     import faiss
     import torch.nn.functional as F
@@ -117,8 +132,12 @@ def run_phases(precision: str, retriever, train, passages: dict[str, str], queri
     index = faiss.IndexFlatIP(p_vec.shape[1])
     index.add(p_vec.numpy())
     _, rows = index.search(q_vec.numpy(), train.hard_negative_depth)
-    negatives = {q: [ids[r] for r in row[train.hard_negative_skip_top:] if r >= 0 and ids[r] not in gold[q]]
-                 [: train.hard_negatives] for q, row in zip(qids, rows)}
+    negatives = {
+        q: [ids[r] for r in row[train.hard_negative_skip_top :] if r >= 0 and ids[r] not in gold[q]][
+            : train.hard_negatives
+        ]
+        for q, row in zip(qids, rows)
+    }
     out["mining"] = time.perf_counter() - t0
 
     model.train()
@@ -172,13 +191,16 @@ def main() -> int:
     info = machine()
     for k, v in info.items():
         print(f"{k}: {v}")
-    print(f"slice: {len(passages)} passages, {len(queries)} training queries, {args.steps} steps of "
-          f"{retriever.train.batch_size} queries x (1 + {retriever.train.hard_negatives}) passages; "
-          f"passage_max_length {retriever.passage_max_length}, encode batch {cfg.index.batch_size}")
+    print(
+        f"slice: {len(passages)} passages, {len(queries)} training queries, {args.steps} steps of "
+        f"{retriever.train.batch_size} queries x (1 + {retriever.train.hard_negatives}) passages; "
+        f"passage_max_length {retriever.passage_max_length}, encode batch {cfg.index.batch_size}"
+    )
     results = {}
     for prec in args.precisions.split(","):
-        results[prec] = run_phases(prec, retriever, retriever.train, passages, queries, gold, args.steps,
-                                   int(cfg.index.batch_size))
+        results[prec] = run_phases(
+            prec, retriever, retriever.train, passages, queries, gold, args.steps, int(cfg.index.batch_size)
+        )
         print(f"{prec}: " + ", ".join(f"{k} {v:.1f}s" for k, v in results[prec].items()), flush=True)
     from tabulate import tabulate
 
@@ -191,8 +213,9 @@ def main() -> int:
     headers = ["phase", *(f"{p} s" for p in precs), *(f"{p} speed vs {precs[0]}" for p in precs[1:])]
     print(tabulate(rows, headers=headers, floatfmt=".2f", tablefmt="github"))
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
-                                   "seconds": results}, indent=2))
+    RESULTS.write_text(
+        json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "seconds": results}, indent=2)
+    )
     return 0
 
 

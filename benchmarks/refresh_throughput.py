@@ -34,8 +34,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-KEYS = ["index/samples_per_s_refreshing", "index/samples_per_s_idle", "index/refresh_throughput_ratio",
-        "index/steps_during_refresh", "index/refreshes", "train/samples_per_s"]
+KEYS = [
+    "index/samples_per_s_refreshing",
+    "index/samples_per_s_idle",
+    "index/refresh_throughput_ratio",
+    "index/steps_during_refresh",
+    "index/refreshes",
+    "train/samples_per_s",
+]
 
 
 def run_side(name: str, extra: list[str], args: argparse.Namespace, tmp: Path) -> dict[str, float]:
@@ -48,11 +54,19 @@ def run_side(name: str, extra: list[str], args: argparse.Namespace, tmp: Path) -
 
     register_configs()
     overrides = [
-        "experiment=quickstart", "resources=laptop", "logger=none", "zeroshot_eval=false",
-        f"data.num_entities={args.entities}", f"retriever.train.batch_size={args.batch_size}",
-        f"retriever.train.max_steps={args.steps}", "retriever.train.hard_negatives=1",
-        "refresh.enabled=true", f"refresh.every_steps={args.every}", f"refresh.check_every={args.every}",
-        f"output_dir={tmp / name}", *extra,
+        "experiment=quickstart",
+        "resources=laptop",
+        "logger=none",
+        "zeroshot_eval=false",
+        f"data.num_entities={args.entities}",
+        f"retriever.train.batch_size={args.batch_size}",
+        f"retriever.train.max_steps={args.steps}",
+        "retriever.train.hard_negatives=1",
+        "refresh.enabled=true",
+        f"refresh.every_steps={args.every}",
+        f"refresh.check_every={args.every}",
+        f"output_dir={tmp / name}",
+        *extra,
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = to_typed(compose(config_name="config", overrides=overrides))
@@ -90,8 +104,7 @@ def ceiling(seconds: float = 10.0) -> dict[str, float]:
         time.sleep(2)
         together = _matmuls(seconds)
         other.get()
-    return {"matmuls_per_s_alone": alone, "matmuls_per_s_beside_another": together,
-            "ceiling_ratio": together / alone}
+    return {"matmuls_per_s_alone": alone, "matmuls_per_s_beside_another": together, "ceiling_ratio": together / alone}
 
 
 def main() -> None:
@@ -116,13 +129,17 @@ def main() -> None:
 
     rows = [[name, *[v[k] for k in KEYS]] for name, v in out.items()]
     print(tabulate(rows, headers=["side", *KEYS], floatfmt=".3g"))
-    print(f"C ceiling: one busy thread beside another busy process runs at {roof['ceiling_ratio']:.3f}x its speed "
-          f"alone ({roof['matmuls_per_s_beside_another']:.1f} vs {roof['matmuls_per_s_alone']:.1f} matmuls/s); "
-          f"isolated ratio / ceiling = {out['A isolated (1+1 CPU)']['index/refresh_throughput_ratio'] / roof['ceiling_ratio']:.3f}")
+    print(
+        f"C ceiling: one busy thread beside another busy process runs at {roof['ceiling_ratio']:.3f}x its speed "
+        f"alone ({roof['matmuls_per_s_beside_another']:.1f} vs {roof['matmuls_per_s_alone']:.1f} matmuls/s); "
+        f"isolated ratio / ceiling = "
+        f"{out['A isolated (1+1 CPU)']['index/refresh_throughput_ratio'] / roof['ceiling_ratio']:.3f}"
+    )
     results = REPO / "benchmarks" / "results"
     results.mkdir(exist_ok=True)
-    (results / "refresh_throughput.json").write_text(json.dumps(
-        {"args": vars(args), "load": load, "sides": out, "ceiling": roof}, indent=2))
+    (results / "refresh_throughput.json").write_text(
+        json.dumps({"args": vars(args), "load": load, "sides": out, "ceiling": roof}, indent=2)
+    )
 
 
 if __name__ == "__main__":

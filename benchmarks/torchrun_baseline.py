@@ -92,8 +92,12 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    rcfg = RetrieverConfig(model=args.model, query_max_length=args.query_max_length,
-                           passage_max_length=args.passage_max_length, temperature=args.temperature)
+    rcfg = RetrieverConfig(
+        model=args.model,
+        query_max_length=args.query_max_length,
+        passage_max_length=args.passage_max_length,
+        temperature=args.temperature,
+    )
     data = load_train_data(args.data, args.scifact_root, args.num_entities)
     encoder = build_encoder(rcfg)
     encoder.train()
@@ -106,7 +110,9 @@ def main() -> int:
     sched_warm = int(args.warmup_ratio * steps)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim,
-        lambda s: (s + 1) / max(1, sched_warm) if s < sched_warm else max(0.0, (steps - s) / max(1, steps - sched_warm)),
+        lambda s: (
+            (s + 1) / max(1, sched_warm) if s < sched_warm else max(0.0, (steps - s) / max(1, steps - sched_warm))
+        ),
     )
 
     dist.barrier()
@@ -149,8 +155,10 @@ def main() -> int:
             "losses": mean_losses,
             "threads": torch.get_num_threads(),
         }
-        print(f"[torchrun] {args.steps} steps x {global_batch} samples in {measured_s:.2f}s: "
-              f"{result['samples_per_s']:.2f} samples/s")
+        print(
+            f"[torchrun] {args.steps} steps x {global_batch} samples in {measured_s:.2f}s: "
+            f"{result['samples_per_s']:.2f} samples/s"
+        )
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
     dist.destroy_process_group()

@@ -105,8 +105,19 @@ class TimedMlflowSink:
         t, cpu = time.time(), time.process_time()
         MetricSink(self.uri, self.run_id).log(metrics, step)
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "time": t, "cpu": cpu, "nice": os.nice(0), "log_s": time.time() - t,
-                                "metrics": metrics}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "time": t,
+                        "cpu": cpu,
+                        "nice": os.nice(0),
+                        "log_s": time.time() - t,
+                        "metrics": metrics,
+                    }
+                )
+                + "\n"
+            )
 
 
 def start_local_ray(num_cpus: int) -> None:
@@ -129,8 +140,17 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
     import ray
 
     from ragtrain.cluster.resources import check_config
-    from ragtrain.config import (Config, DataConfig, DataSource, LoggerBackend, LoggerConfig, ResourcesConfig,
-                                 RetrieverConfig, RetrieverTrainConfig, TrainerResources)
+    from ragtrain.config import (
+        Config,
+        DataConfig,
+        DataSource,
+        LoggerBackend,
+        LoggerConfig,
+        ResourcesConfig,
+        RetrieverConfig,
+        RetrieverTrainConfig,
+        TrainerResources,
+    )
     from ragtrain.retriever.train import fit_retriever
 
     sync_kw = {}
@@ -140,17 +160,20 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
         sync_kw["sync"] = sync_preset(args.sync)  # a conf/sync option name
     with tempfile.TemporaryDirectory(prefix="ragtrain_bench_") as tmp:
         cfg = Config(
-            data=DataConfig(source=DataSource.beir, root=str(args.scifact_root)) if args.data == "scifact"
+            data=DataConfig(source=DataSource.beir, root=str(args.scifact_root))
+            if args.data == "scifact"
             else DataConfig(num_entities=args.num_entities),
             retriever=RetrieverConfig(
                 model="minilm",
                 query_max_length=args.query_max_length,
                 passage_max_length=args.passage_max_length,
-                train=RetrieverTrainConfig(batch_size=args.batch_size, max_steps=args.warmup + args.steps,
-                                           log_every=args.warmup, seed=0),
+                train=RetrieverTrainConfig(
+                    batch_size=args.batch_size, max_steps=args.warmup + args.steps, log_every=args.warmup, seed=0
+                ),
             ),
-            resources=ResourcesConfig(num_cpus=args.ray_cpus,
-                                      trainer=TrainerResources(num_workers=args.workers, cpus_per_worker=1.0)),
+            resources=ResourcesConfig(
+                num_cpus=args.ray_cpus, trainer=TrainerResources(num_workers=args.workers, cpus_per_worker=1.0)
+            ),
             logger=LoggerConfig(backend=LoggerBackend.none),
             output_dir=str(Path(tmp) / "out"),
             **sync_kw,
@@ -161,8 +184,10 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
         if args.sink == "mlflow":
             from ragtrain.track.mlflow import RunLogger
 
-            logger = RunLogger(LoggerConfig(tracking_uri=f"sqlite:///{tmp}/mlflow.db", experiment_name="bench"),
-                               run_name=f"train_throughput_{rep}")
+            logger = RunLogger(
+                LoggerConfig(tracking_uri=f"sqlite:///{tmp}/mlflow.db", experiment_name="bench"),
+                run_name=f"train_throughput_{rep}",
+            )
             sink = TimedMlflowSink(sink_path, logger.uri, logger.run_id)
         else:
             sink = FileSink(sink_path)
@@ -197,8 +222,14 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
         "fit_steps": fit.steps,
         "sink": args.sink,
         "sink_log_seconds": [r["log_s"] for r in recs if "log_s" in r],
-        "windows": [{"step": r["step"], "loss": r["metrics"]["train/loss"],
-                     "samples_per_s": r["metrics"]["train/samples_per_s"]} for r in recs],
+        "windows": [
+            {
+                "step": r["step"],
+                "loss": r["metrics"]["train/loss"],
+                "samples_per_s": r["metrics"]["train/samples_per_s"],
+            }
+            for r in recs
+        ],
     }
 
 
@@ -206,13 +237,38 @@ def run_torchrun(args, rep: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="torchrun_bench_") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(args.workers),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            str(args.workers),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
             str(HERE / "torchrun_baseline.py"),
-            "--data", args.data, "--scifact-root", str(args.scifact_root), "--num-entities", str(args.num_entities),
-            "--batch-size", str(args.batch_size), "--warmup", str(args.warmup), "--steps", str(args.steps),
-            "--query-max-length", str(args.query_max_length), "--passage-max-length", str(args.passage_max_length),
-            "--threads", "1", "--out", str(out),
+            "--data",
+            args.data,
+            "--scifact-root",
+            str(args.scifact_root),
+            "--num-entities",
+            str(args.num_entities),
+            "--batch-size",
+            str(args.batch_size),
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.steps),
+            "--query-max-length",
+            str(args.query_max_length),
+            "--passage-max-length",
+            str(args.passage_max_length),
+            "--threads",
+            "1",
+            "--out",
+            str(out),
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         t0 = time.perf_counter()
@@ -230,7 +286,9 @@ def run_torchrun(args, rep: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--data", choices=["synthetic", "scifact"], default="synthetic")
     ap.add_argument("--scifact-root", default=str(DEFAULT_SCIFACT))
     ap.add_argument("--num-entities", type=int, default=200, help="synthetic KB size")
@@ -242,14 +300,25 @@ def main() -> int:
     ap.add_argument("--query-max-length", type=int, default=64)
     ap.add_argument("--passage-max-length", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--sync", default=None,
-                    help="ragtrain sync.strategy (default: the config's default, ddp); the baseline is always DDP")
-    ap.add_argument("--sink", choices=["file", "mlflow"], default="file",
-                    help="ragtrain's metric sink: a file (no tracking cost) or ragtrain's MLflow MetricSink (SQLite)")
+    ap.add_argument(
+        "--sync",
+        default=None,
+        help="ragtrain sync.strategy (default: the config's default, ddp); the baseline is always DDP",
+    )
+    ap.add_argument(
+        "--sink",
+        choices=["file", "mlflow"],
+        default="file",
+        help="ragtrain's metric sink: a file (no tracking cost) or ragtrain's MLflow MetricSink (SQLite)",
+    )
     ap.add_argument("--timeout", type=int, default=1800, help="per torchrun run (s)")
-    ap.add_argument("--ray-worker-niceness", type=int, default=None,
-                    help="set RAY_worker_niceness for our Ray (Ray's default: workers run at nice 15, the baseline at "
-                         "nice 0; on a loaded machine pass 0 to compare like for like)")
+    ap.add_argument(
+        "--ray-worker-niceness",
+        type=int,
+        default=None,
+        help="set RAY_worker_niceness for our Ray (Ray's default: workers run at nice 15, the baseline at "
+        "nice 0; on a loaded machine pass 0 to compare like for like)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "train_throughput.json"))
     args = ap.parse_args()
     if args.ray_worker_niceness is not None:
@@ -261,8 +330,10 @@ def main() -> int:
 
     load_start = os.getloadavg()[0]
     if load_start > (os.cpu_count() or 1):
-        print(f"WARNING: 1-min load average {load_start:.1f} > {os.cpu_count()} CPUs: other work is running, "
-              "figures will be noisy (the ratio of alternated medians is the robust number)")
+        print(
+            f"WARNING: 1-min load average {load_start:.1f} > {os.cpu_count()} CPUs: other work is running, "
+            "figures will be noisy (the ratio of alternated medians is the robust number)"
+        )
 
     import torch
 
@@ -270,8 +341,10 @@ def main() -> int:
     from ragtrain.retriever.encoder import build_encoder
 
     data = load_train_data(args.data, args.scifact_root, args.num_entities)
-    print(f"[data] {args.data}: {len(data.passages)} passages, {len(data.examples)} training examples; "
-          f"{args.workers} workers x batch {args.batch_size}, {args.warmup} warm-up + {args.steps} timed steps")
+    print(
+        f"[data] {args.data}: {len(data.passages)} passages, {len(data.examples)} training examples; "
+        f"{args.workers} workers x batch {args.batch_size}, {args.warmup} warm-up + {args.steps} timed steps"
+    )
     weights = {k: v.detach().clone() for k, v in build_encoder(RetrieverConfig(model="minilm")).state_dict().items()}
 
     rag, base = [], []
@@ -281,8 +354,10 @@ def main() -> int:
         print(f"[rep {rep + 1}] ragtrain {rag[-1]['samples_per_s']:.2f} samples/s", flush=True)
         print(f"\n--- rep {rep + 1}/{args.reps}: torchrun baseline ---", flush=True)
         base.append(run_torchrun(args, rep))
-        print(f"[rep {rep + 1}] torchrun {base[-1]['samples_per_s']:.2f} samples/s "
-              f"(load avg {os.getloadavg()[0]:.1f})", flush=True)
+        print(
+            f"[rep {rep + 1}] torchrun {base[-1]['samples_per_s']:.2f} samples/s (load avg {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
 
     rag_med = statistics.median(r["samples_per_s"] for r in rag)
     rag_inloop_med = statistics.median(r["inloop_samples_per_s"] for r in rag)
@@ -294,31 +369,47 @@ def main() -> int:
     headers = ["samples/s"] + [f"rep {i + 1}" for i in range(args.reps)] + ["median"]
     rows = [
         ["ragtrain TorchTrainer (wall)"] + [f"{r['samples_per_s']:.2f}" for r in rag] + [f"{rag_med:.2f}"],
-        ["ragtrain (loop's own figure)"] + [f"{r['inloop_samples_per_s']:.2f}" for r in rag] + [f"{rag_inloop_med:.2f}"],
+        ["ragtrain (loop's own figure)"]
+        + [f"{r['inloop_samples_per_s']:.2f}" for r in rag]
+        + [f"{rag_inloop_med:.2f}"],
         ["torchrun DDP"] + [f"{r['samples_per_s']:.2f}" for r in base] + [f"{base_med:.2f}"],
     ]
     gb = args.batch_size * args.workers
     print()
-    print(f"== retriever train throughput: {args.data}, {args.workers} workers x 1 CPU, global batch {gb}, "
-          f"q/p max len {args.query_max_length}/{args.passage_max_length}, {args.steps} timed steps ==")
+    print(
+        f"== retriever train throughput: {args.data}, {args.workers} workers x 1 CPU, global batch {gb}, "
+        f"q/p max len {args.query_max_length}/{args.passage_max_length}, {args.steps} timed steps =="
+    )
     print(tabulate(rows, headers=headers))
     print(f"ratio ragtrain/torchrun (medians): {ratio:.3f}  (goal >= 0.95: {'OK' if ratio >= 0.95 else 'BELOW'})")
     print(f"nice: ragtrain rank-0 worker {rag[0].get('rank0_nice')}, torchrun ranks {os.nice(0)} (inherited)")
-    print(f"start-up + checkpoint (not timed): ragtrain fit_retriever total median "
-          f"{statistics.median(r['fit_seconds_total'] for r in rag):.1f}s, torchrun process total median "
-          f"{statistics.median(r['process_seconds_total'] for r in base):.1f}s")
+    print(
+        f"start-up + checkpoint (not timed): ragtrain fit_retriever total median "
+        f"{statistics.median(r['fit_seconds_total'] for r in rag):.1f}s, torchrun process total median "
+        f"{statistics.median(r['process_seconds_total'] for r in base):.1f}s"
+    )
     if args.sink == "mlflow":
         calls = [[f"{x:.3f}" for x in r["sink_log_seconds"]] for r in rag]
         print(f"MetricSink.log seconds per report (rank 0, in the training loop): {calls}")
     rag_cpu = statistics.median(r["rank0_cpu_s_per_step"] for r in rag)
     base_cpu = statistics.median(r["rank0_cpu_s_per_step"] for r in base)
-    print(f"rank-0 CPU seconds per step (medians; less sensitive to other load): ragtrain {rag_cpu:.3f}, "
-          f"torchrun {base_cpu:.3f}, efficiency ratio torchrun/ragtrain {base_cpu / rag_cpu:.3f}")
-    lrows = [[w["step"]] + [f"{r['windows'][i]['loss']:.4f}" for r in rag] + [f"{r['windows'][i]['loss']:.4f}" for r in base]
-             for i, w in enumerate(rag[0]["windows"])]
+    print(
+        f"rank-0 CPU seconds per step (medians; less sensitive to other load): ragtrain {rag_cpu:.3f}, "
+        f"torchrun {base_cpu:.3f}, efficiency ratio torchrun/ragtrain {base_cpu / rag_cpu:.3f}"
+    )
+    lrows = [
+        [w["step"]] + [f"{r['windows'][i]['loss']:.4f}" for r in rag] + [f"{r['windows'][i]['loss']:.4f}" for r in base]
+        for i, w in enumerate(rag[0]["windows"])
+    ]
     print("window mean loss (sanity: same weights and batches; dropout is unseeded, so only roughly equal):")
-    print(tabulate(lrows, headers=["step"] + [f"ragtrain {i + 1}" for i in range(args.reps)]
-                   + [f"torchrun {i + 1}" for i in range(args.reps)]))
+    print(
+        tabulate(
+            lrows,
+            headers=["step"]
+            + [f"ragtrain {i + 1}" for i in range(args.reps)]
+            + [f"torchrun {i + 1}" for i in range(args.reps)],
+        )
+    )
 
     result = {
         "benchmark": "train_throughput",
@@ -337,8 +428,11 @@ def main() -> int:
         "ragtrain": {"median_samples_per_s": rag_med, "median_inloop_samples_per_s": rag_inloop_med, "runs": rag},
         "torchrun": {"median_samples_per_s": base_med, "runs": base},
         "ratio_ragtrain_over_torchrun": ratio,
-        "rank0_cpu_s_per_step": {"ragtrain": rag_cpu, "torchrun": base_cpu,
-                                 "ratio_torchrun_over_ragtrain": base_cpu / rag_cpu},
+        "rank0_cpu_s_per_step": {
+            "ragtrain": rag_cpu,
+            "torchrun": base_cpu,
+            "ratio_torchrun_over_ragtrain": base_cpu / rag_cpu,
+        },
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "loadavg_1min": {"start": load_start, "end": os.getloadavg()[0]},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

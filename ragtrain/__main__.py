@@ -7,7 +7,6 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
 
 if not os.environ.get("RAY_ADDRESS"):
     # The embedded default starts its own Ray on 127.0.0.1: Ray reads this flag when it is first imported and
@@ -24,7 +23,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
 # The run folder Hydra is about to make and those of its parents that exist already (set by check_overrides; None
 # when it did not compose): a run that stops on a user error removes only what Hydra made for it.
-_EXISTING_BEFORE: Optional[set[Path]] = None
+_EXISTING_BEFORE: set[Path] | None = None
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -137,8 +136,12 @@ def main(cfg: DictConfig) -> None:
             import traceback
 
             traceback.print_exc()
-        kind = {"ConfigError": "config", "DataError": "data", "InfeasibleResourcesError": "resources",
-                "IndexMismatchError": "index"}.get(type(e).__name__, "input")
+        kind = {
+            "ConfigError": "config",
+            "DataError": "data",
+            "InfeasibleResourcesError": "resources",
+            "IndexMismatchError": "index",
+        }.get(type(e).__name__, "input")
         print(f"{kind} error: {e}", file=sys.stderr)
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode

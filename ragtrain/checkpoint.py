@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,8 +29,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used: corrupt, incomplete, or written by a different run layout."""
 
 
-def save_train_state(folder: str | Path, rank: int, world: int, step: int, model: nn.Module,
-                     optim: torch.optim.Optimizer, sched: Any, extra: dict[str, Any], fit_id: str = "") -> None:
+def save_train_state(
+    folder: str | Path,
+    rank: int,
+    world: int,
+    step: int,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    sched: Any,
+    extra: dict[str, Any],
+    fit_id: str = "",
+) -> None:
     """Write this rank's part of the checkpoint at `step` (completed optimizer steps) into `folder`."""
     from safetensors.torch import save_model
 
@@ -40,22 +49,27 @@ def save_train_state(folder: str | Path, rank: int, world: int, step: int, model
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save({"optim": optim.state_dict(), "sched": sched.state_dict(), "extra": extra, "rng": rng, "step": step},
-               folder / f"rank{rank}_state.pt")
+    torch.save(
+        {"optim": optim.state_dict(), "sched": sched.state_dict(), "extra": extra, "rng": rng, "step": step},
+        folder / f"rank{rank}_state.pt",
+    )
     if rank == 0:
         (folder / "meta.json").write_text(json.dumps({"step": step, "world": world, "fit_id": fit_id}))
 
 
-def load_train_state(folder: str | Path, rank: int, world: int, model: nn.Module,
-                     optim: torch.optim.Optimizer, sched: Any) -> tuple[int, dict[str, Any]]:
+def load_train_state(
+    folder: str | Path, rank: int, world: int, model: nn.Module, optim: torch.optim.Optimizer, sched: Any
+) -> tuple[int, dict[str, Any]]:
     """Restore this rank's part of a checkpoint; returns (step to continue from, the stage's extra state)."""
     from safetensors.torch import load_model
 
     folder = Path(folder)
     meta = read_meta(folder)
     if meta["world"] != world:
-        raise CheckpointError(f"{folder} was written by {meta['world']} workers, this run has {world}: "
-                              "set resources.trainer.num_workers to match, or start a new run (resume=false)")
+        raise CheckpointError(
+            f"{folder} was written by {meta['world']} workers, this run has {world}: "
+            "set resources.trainer.num_workers to match, or start a new run (resume=false)"
+        )
     try:
         load_model(model, str(folder / f"rank{rank}.safetensors"), strict=True)
         # On the CPU whatever device wrote it: the optimizer moves its state to the parameters' device, the sync
@@ -64,8 +78,10 @@ def load_train_state(folder: str | Path, rank: int, world: int, model: nn.Module
         optim.load_state_dict(state["optim"])
         sched.load_state_dict(state["sched"])
     except Exception as e:  # a truncated file, a foreign architecture, a pickle that is not plain data
-        raise CheckpointError(f"checkpoint {folder} is corrupt or incompatible ({type(e).__name__}: {e}); "
-                              "delete it to fall back to an earlier one, or start a new run (resume=false)") from None
+        raise CheckpointError(
+            f"checkpoint {folder} is corrupt or incompatible ({type(e).__name__}: {e}); "
+            "delete it to fall back to an earlier one, or start a new run (resume=false)"
+        ) from None
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng"]["cuda"])
@@ -88,11 +104,13 @@ def is_complete(folder: Path, meta: dict[str, Any]) -> bool:
     """Every rank's files are there (a worker that died while uploading leaves a partial folder)."""
     if meta.get("final"):
         return (folder / meta.get("weights", "encoder.safetensors")).exists()
-    return all((folder / f"rank{r}.safetensors").exists() and (folder / f"rank{r}_state.pt").exists()
-               for r in range(meta["world"]))
+    return all(
+        (folder / f"rank{r}.safetensors").exists() and (folder / f"rank{r}_state.pt").exists()
+        for r in range(meta["world"])
+    )
 
 
-def latest_checkpoint(storage: str | Path, fit_id: Optional[str] = None) -> Optional[Path]:
+def latest_checkpoint(storage: str | Path, fit_id: str | None = None) -> Path | None:
     """The complete checkpoint with the highest step under a Ray Train run's storage folder (None if none);
     with `fit_id`, only checkpoints written by that fit."""
     found = []
@@ -103,7 +121,7 @@ def latest_checkpoint(storage: str | Path, fit_id: Optional[str] = None) -> Opti
     return Path(max(found)[1]) if found else None
 
 
-def restart_checkpoint(storage: str | Path, fit_id: str, resume_from: Optional[str]) -> Optional[Path]:
+def restart_checkpoint(storage: str | Path, fit_id: str, resume_from: str | None) -> Path | None:
     """Inside a Train worker: the checkpoint to continue from -- the latest complete one this fit wrote, else the
     one the fit was started from (resume=true). Ray Train's own registry can miss a checkpoint that was uploaded
     just before a worker died (its controller had not polled the report yet), so `storage` is scanned too."""
@@ -119,8 +137,17 @@ def restart_checkpoint(storage: str | Path, fit_id: str, resume_from: Optional[s
     return max(candidates, key=lambda p: read_meta(p)["step"]) if candidates else None
 
 
-def restore_in_worker(storage: str | Path, config: dict[str, Any], rank: int, world: int, model: nn.Module,
-                      optim: torch.optim.Optimizer, sched: Any, sink: Any, stage: str) -> tuple[int, dict[str, Any], Any]:
+def restore_in_worker(
+    storage: str | Path,
+    config: dict[str, Any],
+    rank: int,
+    world: int,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    sched: Any,
+    sink: Any,
+    stage: str,
+) -> tuple[int, dict[str, Any], Any]:
     """Inside a Train worker: continue from `restart_checkpoint` if there is one (a worker-group restart under
     fault.max_failures, or resume=true). Returns (first step to run, the stage's extra state or {}, the metric
     sink), the sink set to skip (key, step) pairs the run already holds, since the steps after the checkpoint are
@@ -136,7 +163,7 @@ def restore_in_worker(storage: str | Path, config: dict[str, Any], rank: int, wo
     return step, extra, sink
 
 
-def resume_point(storage: str | Path, resume: bool) -> tuple[Optional[Path], dict[str, Any]]:
+def resume_point(storage: str | Path, resume: bool) -> tuple[Path | None, dict[str, Any]]:
     """On the driver, resume=true: the stage's latest complete checkpoint and its meta (None, {} otherwise)."""
     path = latest_checkpoint(storage) if resume else None
     return path, (read_meta(path) if path is not None else {})

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import pandas as pd
 
@@ -82,10 +82,17 @@ def table_columns(df: pd.DataFrame, metric: str, cost: str, size: str) -> list[s
 
 
 def compare_runs(
-    uri: str, *, experiment: Optional[str] = None, parent_run_id: Optional[str] = None, out_dir: str | Path,
-    metric: str = DEFAULT_METRIC, cost: str = DEFAULT_COST, size: str = DEFAULT_SIZE, curve: str = DEFAULT_CURVE,
+    uri: str,
+    *,
+    experiment: str | None = None,
+    parent_run_id: str | None = None,
+    out_dir: str | Path,
+    metric: str = DEFAULT_METRIC,
+    cost: str = DEFAULT_COST,
+    size: str = DEFAULT_SIZE,
+    curve: str = DEFAULT_CURVE,
     required: Sequence[str] = (),
-    title: Optional[str] = None,
+    title: str | None = None,
 ) -> tuple[pd.DataFrame, list[Path]]:
     """Read the runs, write comparison.csv/.md/.png and learning_curves.png to out_dir; returns (table, files).
     `required`: metrics that must exist under the source (ValueError naming those that do, before writing)."""
@@ -102,8 +109,10 @@ def compare_runs(
         raise ValueError(f"no run under {source} logged {missing}; metrics there: {logged}")
     for name in (metric, cost):
         if name not in df:
-            print(f"warning: no run under {source} logged {name!r}; metrics there: "
-                  f"{[c for c in df.columns if '/' in c]}", file=sys.stderr)
+            print(
+                f"warning: no run under {source} logged {name!r}; metrics there: {[c for c in df.columns if '/' in c]}",
+                file=sys.stderr,
+            )
     title = title or source
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,8 +121,16 @@ def compare_runs(
     shown = df[table_columns(df, metric, cost, size)]
     md.write_text(f"# {title}\n\n{shown.to_markdown(index=False, floatfmt='.4g')}\n")
     png = scatter_plot(
-        df, cost, metric, out / "comparison.png", label="run", color="sync", size=size,
-        title=f"{title}\nmarker size: {size}", xlabel=cost, ylabel=metric,
+        df,
+        cost,
+        metric,
+        out / "comparison.png",
+        label="run",
+        color="sync",
+        size=size,
+        title=f"{title}\nmarker size: {size}",
+        xlabel=cost,
+        ylabel=metric,
     )
     curves = {r: metric_history(uri, i, curve) for r, i in zip(df["run"], df["run_id"])}
     groups = dict(zip(df["run"], df["sync"]))
@@ -128,7 +145,7 @@ def folder_name(name: str) -> str:
     return safe or "experiment"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 for bad input)."""
     from ragtrain.config import LoggerConfig
     from ragtrain.track.mlflow import sqlite_file, tracking_uri
@@ -163,14 +180,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         check_tracking_uri(uri)  # an unknown scheme or an unreachable server: one line, in seconds
         df, files = compare_runs(
-            uri, experiment=args.experiment, parent_run_id=args.parent_run_id, out_dir=out,
-            metric=norm(args.metric), cost=norm(args.cost), size=norm(args.size), curve=norm(args.curve),
+            uri,
+            experiment=args.experiment,
+            parent_run_id=args.parent_run_id,
+            out_dir=out,
+            metric=norm(args.metric),
+            cost=norm(args.cost),
+            size=norm(args.size),
+            curve=norm(args.curve),
             required=required,
         )
     except (ValueError, ConfigError, MlflowException) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(df[table_columns(df, norm(args.metric), norm(args.cost), norm(args.size))].to_markdown(index=False, floatfmt=".4g"))
+    print(
+        df[table_columns(df, norm(args.metric), norm(args.cost), norm(args.size))].to_markdown(
+            index=False, floatfmt=".4g"
+        )
+    )
     print(f"report: {', '.join(str(f) for f in files)}")
     return 0
 

@@ -10,24 +10,38 @@ from __future__ import annotations
 
 import copy
 import os
-import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ragtrain.errors import ConfigError  # noqa: F401  (re-exported: callers catch ragtrain.config.ConfigError)
+from ragtrain.errors import (
+    ConfigError,  # noqa: F401  (re-exported: callers catch ragtrain.config.ConfigError)
+    driver_path,
+    local_model,
+)
 from ragtrain.errors import check as _check
-from ragtrain.errors import driver_path, local_model
 from ragtrain.generator.config import GeneratorConfig
 from ragtrain.sync.config import (  # noqa: F401  (re-exported: the root schema's sync group)
-    CONSENSUS, GOSSIP_TOPOLOGIES, MIXER_DEFAULTS, MIXER_KEYS, MIXER_SCOPES, MIXERS, REDUCER_DEFAULTS, REDUCER_KEYS,
-    REDUCER_SCOPES, REDUCERS, MixerConfig, ReducerConfig, ScopeConfig, SyncConfig,
+    CONSENSUS,
+    GOSSIP_TOPOLOGIES,
+    MIXER_DEFAULTS,
+    MIXER_KEYS,
+    MIXER_SCOPES,
+    MIXERS,
+    REDUCER_DEFAULTS,
+    REDUCER_KEYS,
+    REDUCER_SCOPES,
+    REDUCERS,
+    MixerConfig,
+    ReducerConfig,
+    ScopeConfig,
+    SyncConfig,
 )
 from ragtrain.tune.config import TUNE_SCHEDULERS, TUNE_SEARCHERS, TUNE_TIME_ATTRS, TuneConfig  # noqa: F401
-
 
 RECALL_DEPTH = 100  # the deepest recall cut-off reported (ragtrain.eval.retrieval.DEFAULT_KS)
 
@@ -86,8 +100,12 @@ class ChunkConfig:
     def __post_init__(self) -> None:
         _check(self.max_tokens > 0, "data.chunk.max_tokens", "must be > 0", self.max_tokens)
         _check(self.overlap >= 0, "data.chunk.overlap", "must be >= 0", self.overlap)
-        _check(self.overlap < self.max_tokens, "data.chunk.overlap",
-               f"must be < data.chunk.max_tokens ({self.max_tokens})", self.overlap)
+        _check(
+            self.overlap < self.max_tokens,
+            "data.chunk.overlap",
+            f"must be < data.chunk.max_tokens ({self.max_tokens})",
+            self.overlap,
+        )
 
 
 @dataclass
@@ -95,7 +113,7 @@ class DataConfig:
     source: DataSource = DataSource.synthetic
     # beir: a BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/<split>.tsv); documents: a folder of documents
     # (+ queries.jsonl, qrels/<split>.tsv); synthetic: must stay unset (the KB is generated)
-    root: Optional[str] = None
+    root: str | None = None
     split: str = "dev"  # evaluated split; dev is carved from train (seeded) when qrels/dev.tsv is absent
     # dev queries carved from train when qrels/<split>.tsv is absent: a count (>= 1) or a fraction in (0, 1)
     dev_size: float = 100
@@ -116,33 +134,69 @@ class DataConfig:
         if self.root:  # read by Ray Data tasks and sweep trials, which run in other folders
             self.root = driver_path(self.root)
         choices = [s.value for s in DataSource]
-        _check(self.source != DataSource.synthetic or self.root is None, "data.root",
-               f"is set but data=synthetic generates its data and would ignore it; choose data=beir (a BEIR "
-               f"folder) or data=documents (a folder of documents); data.source choices: {choices}", self.root)
-        _check(self.source != DataSource.beir or bool(self.root), "data.root", "must be set for data.source=beir", self.root)
+        _check(
+            self.source != DataSource.synthetic or self.root is None,
+            "data.root",
+            f"is set but data=synthetic generates its data and would ignore it; choose data=beir (a BEIR "
+            f"folder) or data=documents (a folder of documents); data.source choices: {choices}",
+            self.root,
+        )
+        _check(
+            self.source != DataSource.beir or bool(self.root),
+            "data.root",
+            "must be set for data.source=beir",
+            self.root,
+        )
         if self.source == DataSource.documents:
-            _check(bool(self.root) or self.generate, "data.root",
-                   "must be set for data.source=documents (or data.generate=true)", self.root)
-            _check(not (self.root and self.generate), "data.root",
-                   "must stay unset with data.generate=true (the folder is written to <output_dir>/docs)", self.root)
-        _check(not self.generate or self.source == DataSource.documents, "data.generate",
-               "needs data.source=documents", self.generate)
+            _check(
+                bool(self.root) or self.generate,
+                "data.root",
+                "must be set for data.source=documents (or data.generate=true)",
+                self.root,
+            )
+            _check(
+                not (self.root and self.generate),
+                "data.root",
+                "must stay unset with data.generate=true (the folder is written to <output_dir>/docs)",
+                self.root,
+            )
+        _check(
+            not self.generate or self.source == DataSource.documents,
+            "data.generate",
+            "needs data.source=documents",
+            self.generate,
+        )
         _check(bool(self.glob.strip()), "data.glob", "must be a glob pattern relative to data.root", self.glob)
-        _check(not self.chunk.enabled or self.source != DataSource.synthetic, "data.chunk.enabled",
-               "needs data=documents or data=beir (synthetic passages are single facts)", self.chunk.enabled)
-        _check(0 < self.dev_size < 1 or (self.dev_size >= 1 and float(self.dev_size).is_integer()), "data.dev_size",
-               "must be a count of queries (an integer >= 1) or a fraction in (0, 1)", self.dev_size)
+        _check(
+            not self.chunk.enabled or self.source != DataSource.synthetic,
+            "data.chunk.enabled",
+            "needs data=documents or data=beir (synthetic passages are single facts)",
+            self.chunk.enabled,
+        )
+        _check(
+            0 < self.dev_size < 1 or (self.dev_size >= 1 and float(self.dev_size).is_integer()),
+            "data.dev_size",
+            "must be a count of queries (an integer >= 1) or a fraction in (0, 1)",
+            self.dev_size,
+        )
         if self.dev_size >= 1:
             self.dev_size = int(self.dev_size)  # a count: the loaders treat a float as a fraction
         _check(self.num_entities >= 10, "data.num_entities", "must be >= 10", self.num_entities)
         if self.source == DataSource.synthetic:  # keys only a folder reads: set with synthetic, they would do nothing
             folders = "data=beir and data=documents"
-            for key, value, default, where in (("dev_size", self.dev_size, 100, folders),
-                                               ("prepare", self.prepare, Prepare.auto, folders),
-                                               ("glob", self.glob, "**/*", "data=documents"),
-                                               ("on_error", self.on_error, OnError.fail, "data=documents")):
-                _check(value == default, f"data.{key}", f"applies to {where} only (data=synthetic holds out a fixed "
-                       "15 % of its entities as dev and test, and reads no files)", value)
+            for key, value, default, where in (
+                ("dev_size", self.dev_size, 100, folders),
+                ("prepare", self.prepare, Prepare.auto, folders),
+                ("glob", self.glob, "**/*", "data=documents"),
+                ("on_error", self.on_error, OnError.fail, "data=documents"),
+            ):
+                _check(
+                    value == default,
+                    f"data.{key}",
+                    f"applies to {where} only (data=synthetic holds out a fixed "
+                    "15 % of its entities as dev and test, and reads no files)",
+                    value,
+                )
 
 
 @dataclass
@@ -169,8 +223,8 @@ class RetrieverTrainConfig:
     hard_negative_skip_top: int = 0  # skip the top ranks (false-negative guard)
     # false-negative control (ragtrain/index/mining.py): drop candidates scoring above (1 - margin) x the query's
     # positive score (NV-Retriever), or above an absolute score; null = off
-    hard_negative_margin: Optional[float] = None
-    hard_negative_max_score: Optional[float] = None
+    hard_negative_margin: float | None = None
+    hard_negative_max_score: float | None = None
     hard_negative_sampling: NegativeSampling = NegativeSampling.random
     # > 0: GradCache (ragtrain/retriever/gradcache.py): embed the batch in chunks of this many texts without
     # gradients, then re-run each chunk with the loss's embedding gradients; same gradients, less memory
@@ -201,17 +255,27 @@ class RetrieverTrainConfig:
             self.hard_negative_depth,
         )
         _check(self.log_every > 0, k + "log_every", "must be > 0", self.log_every)
-        _check(self.val_every >= 0 and (self.val_every % self.log_every == 0), k + "val_every",
-               f"must be 0 (off) or a multiple of {k}log_every ({self.log_every}): it is reported with a log window",
-               self.val_every)
+        _check(
+            self.val_every >= 0 and (self.val_every % self.log_every == 0),
+            k + "val_every",
+            f"must be 0 (off) or a multiple of {k}log_every ({self.log_every}): it is reported with a log window",
+            self.val_every,
+        )
         _check(self.val_queries > 0, k + "val_queries", "must be > 0", self.val_queries)
         _check(self.val_passages > 0, k + "val_passages", "must be > 0", self.val_passages)
-        _check(self.hard_negative_margin is None or 0 <= self.hard_negative_margin < 1, k + "hard_negative_margin",
-               "must be in [0, 1) (or null: off)", self.hard_negative_margin)
+        _check(
+            self.hard_negative_margin is None or 0 <= self.hard_negative_margin < 1,
+            k + "hard_negative_margin",
+            "must be in [0, 1) (or null: off)",
+            self.hard_negative_margin,
+        )
         _check(self.cache_chunk_size >= 0, k + "cache_chunk_size", "must be > 0 (or 0: off)", self.cache_chunk_size)
-        _check(self.cache_chunk_size <= self.batch_size, k + "cache_chunk_size",
-               f"must be <= retriever.train.batch_size ({self.batch_size}): a chunk is part of one worker's batch",
-               self.cache_chunk_size)
+        _check(
+            self.cache_chunk_size <= self.batch_size,
+            k + "cache_chunk_size",
+            f"must be <= retriever.train.batch_size ({self.batch_size}): a chunk is part of one worker's batch",
+            self.cache_chunk_size,
+        )
 
 
 @dataclass
@@ -227,8 +291,12 @@ class LoraConfig:
         _check(self.rank >= 0, "retriever.lora.rank", "must be > 0 (or 0: off)", self.rank)
         _check(self.alpha > 0, "retriever.lora.alpha", "must be > 0", self.alpha)
         _check(0 <= self.dropout < 1, "retriever.lora.dropout", "must be in [0, 1)", self.dropout)
-        _check(bool(self.target_modules), "retriever.lora.target_modules", "must name at least one module",
-               self.target_modules)
+        _check(
+            bool(self.target_modules),
+            "retriever.lora.target_modules",
+            "must name at least one module",
+            self.target_modules,
+        )
 
 
 @dataclass
@@ -260,9 +328,13 @@ class TeacherConfig:
         _check(self.epochs > 0 or self.max_steps > 0, k + "epochs", "must be > 0 (or set max_steps > 0)", self.epochs)
         if self.path:  # loaded by the scoring actors, which run in other folders
             self.path = driver_path(self.path)
-        _check(not self.path or Path(self.path).is_dir(), k + "path",
-               "is not a folder: give a teacher a previous run saved (<output_dir>/teacher) or leave it empty to "
-               "train one in this run", self.path)
+        _check(
+            not self.path or Path(self.path).is_dir(),
+            k + "path",
+            "is not a folder: give a teacher a previous run saved (<output_dir>/teacher) or leave it empty to "
+            "train one in this run",
+            self.path,
+        )
 
 
 @dataclass
@@ -306,18 +378,23 @@ class IndexConfig:
     # orthogonal Procrustes map fitted on this many anchor passages (ragtrain/repair/align.py), and evaluate it
     align_anchors: int = 0
     # > 0 (sync=vector_avg): after training, distill one student encoder (initialised from the replicas'
-    # parameter mean) onto the consensus vectors for this many steps, index it and evaluate it (ragtrain/repair/distill.py)
+    # parameter mean) onto the consensus vectors for this many steps, index it and evaluate it
+    # (ragtrain/repair/distill.py)
     distill_steps: int = 0
     distill_lr: float = 5e-5
     distill_batch_size: int = 32
     # a folder: encoded corpora are kept there and reused when the same weights, corpus and encode settings come
     # again (a sweep's zero-shot index, repeated runs; ragtrain/index/vector_cache.py). null: always encode
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.factory.strip()), "index.factory", "must be a faiss index_factory string", self.factory)
-        _check(self.vector_dtype in ("float32", "float16"), "index.vector_dtype", "must be float32 or float16",
-               self.vector_dtype)
+        _check(
+            self.vector_dtype in ("float32", "float16"),
+            "index.vector_dtype",
+            "must be float32 or float16",
+            self.vector_dtype,
+        )
         _check(self.align_anchors >= 0, "index.align_anchors", "must be >= 0", self.align_anchors)
         _check(self.distill_steps >= 0, "index.distill_steps", "must be >= 0", self.distill_steps)
         _check(self.distill_lr > 0, "index.distill_lr", "must be > 0", self.distill_lr)
@@ -327,8 +404,12 @@ class IndexConfig:
         for key in ("batch_size", "shard_size", "top_k", "nprobe", "ef_search"):
             _check(getattr(self, key) > 0, f"index.{key}", "must be > 0", getattr(self, key))
         # Recall@100 is read off the top_k hits: a shallower search would report recall@top_k under its name.
-        _check(self.top_k >= RECALL_DEPTH, "index.top_k", f"must be >= {RECALL_DEPTH} (recall@{RECALL_DEPTH} is "
-               f"reported from the top_k hits)", self.top_k)
+        _check(
+            self.top_k >= RECALL_DEPTH,
+            "index.top_k",
+            f"must be >= {RECALL_DEPTH} (recall@{RECALL_DEPTH} is reported from the top_k hits)",
+            self.top_k,
+        )
 
 
 @dataclass
@@ -358,17 +439,26 @@ class PoolResources:
 
 @dataclass
 class ResourcesConfig:
-    num_cpus: Optional[int] = None  # CPUs of a local Ray started by ragtrain (ignored when RAY_ADDRESS is set)
+    num_cpus: int | None = None  # CPUs of a local Ray started by ragtrain (ignored when RAY_ADDRESS is set)
     trainer: TrainerResources = field(default_factory=TrainerResources)
     pool: PoolResources = field(default_factory=PoolResources)
     # start Ray's dashboard with the local Ray, on 127.0.0.1 (its URL is printed); needs the dashboard extra
     dashboard: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.num_cpus is None or self.num_cpus > 0, "resources.num_cpus",
-               "must be > 0 (or null: every CPU of this machine)", self.num_cpus)
-        _check(not self.dashboard or dashboard_installed(), "resources.dashboard", "needs Ray's dashboard packages, "
-               "which are not installed: `make setup EXTRAS=dev,dashboard` installs them (ray[default])", True)
+        _check(
+            self.num_cpus is None or self.num_cpus > 0,
+            "resources.num_cpus",
+            "must be > 0 (or null: every CPU of this machine)",
+            self.num_cpus,
+        )
+        _check(
+            not self.dashboard or dashboard_installed(),
+            "resources.dashboard",
+            "needs Ray's dashboard packages, "
+            "which are not installed: `make setup EXTRAS=dev,dashboard` installs them (ray[default])",
+            True,
+        )
 
 
 def dashboard_installed() -> bool:
@@ -381,14 +471,18 @@ def dashboard_installed() -> bool:
 @dataclass
 class LoggerConfig:
     backend: LoggerBackend = LoggerBackend.mlflow
-    tracking_uri: Optional[str] = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db
+    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db
     experiment_name: str = "ragtrain"
-    run_name: Optional[str] = None
-    register_as: Optional[str] = None  # register the exported retriever in the MLflow Model Registry under this name
+    run_name: str | None = None
+    register_as: str | None = None  # register the exported retriever in the MLflow Model Registry under this name
 
     def __post_init__(self) -> None:
-        _check(not self.register_as or LoggerBackend(self.backend) == LoggerBackend.mlflow, "logger.register_as",
-               "needs logger=mlflow (the Model Registry lives in the MLflow store)", self.register_as)
+        _check(
+            not self.register_as or LoggerBackend(self.backend) == LoggerBackend.mlflow,
+            "logger.register_as",
+            "needs logger=mlflow (the Model Registry lives in the MLflow store)",
+            self.register_as,
+        )
         if self.tracking_uri:
             self.tracking_uri = take_credentials(self.tracking_uri)
 
@@ -413,9 +507,14 @@ def take_credentials(uri: str) -> str:
     if "@" not in parts.netloc:
         return uri
     userinfo, host = parts.netloc.rsplit("@", 1)
-    _check(parts.scheme in ("http", "https"), "logger.tracking_uri", f"holds credentials for a {parts.scheme} "
-           "store, which would be written into config.yaml and MLflow's params: put them in the environment "
-           "(e.g. PGPASSWORD for postgresql) and remove them from the URI", f"{parts.scheme}://***@{host}")
+    _check(
+        parts.scheme in ("http", "https"),
+        "logger.tracking_uri",
+        f"holds credentials for a {parts.scheme} "
+        "store, which would be written into config.yaml and MLflow's params: put them in the environment "
+        "(e.g. PGPASSWORD for postgresql) and remove them from the URI",
+        f"{parts.scheme}://***@{host}",
+    )
     user, _, password = userinfo.partition(":")
     os.environ[AUTH_ENV[0]], os.environ[AUTH_ENV[1]] = unquote(user), unquote(password)
     return urlunsplit(parts._replace(netloc=host))
@@ -516,7 +615,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
-    tune: Optional[TuneConfig] = None  # set (tune=NAME): run a Ray Tune sweep instead of one run
+    tune: TuneConfig | None = None  # set (tune=NAME): run a Ray Tune sweep instead of one run
     refresh: RefreshConfig = field(default_factory=RefreshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -541,74 +640,143 @@ class Config:
     profile: bool = False
 
     def __post_init__(self) -> None:
-        # experiment_name names the run's folder (outputs/<experiment_name>/<time>): one folder, never a path out
-        _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.experiment_name)), "experiment_name",
-               "must be one folder name (letters, digits, '.', '_', '-'; no '/' or '..')", self.experiment_name)
+        # experiment_name names the run's folder (outputs/<experiment_name>/<time>): a folder below outputs/, never a
+        # path out of it (`../../tmp/x`) nor an absolute one
+        parts = self.experiment_name.replace("\\", "/").split("/")
+        _check(
+            bool(self.experiment_name.strip())
+            and not self.experiment_name.startswith(("/", "~"))
+            and ".." not in parts
+            and "" not in parts,
+            "experiment_name",
+            "must name a folder below outputs/ (no absolute path, no '..' and no empty part)",
+            self.experiment_name,
+        )
         # the run renames folders, appends to logs and memory-maps stores: a POSIX filesystem, not a bucket URL
-        _check("://" not in self.output_dir, "output_dir", "must be a folder path (on a cluster: a shared POSIX "
-               "filesystem such as NFS or EFS), not a URL", self.output_dir)
+        _check(
+            "://" not in self.output_dir,
+            "output_dir",
+            "must be a folder path (on a cluster: a shared POSIX filesystem such as NFS or EFS), not a URL",
+            self.output_dir,
+        )
         if self.data.root:  # a run writes corpus/, vectors/ and logs: a documents walk of the root would read them
             root, out = Path(self.data.root).resolve(), Path(self.output_dir).resolve()
-            _check(not out.is_relative_to(root), "output_dir", f"is inside data.root ({root}): the next run on that "
-                   "root would read this run's outputs as its data; choose an output_dir outside data.root",
-                   self.output_dir)
+            _check(
+                not out.is_relative_to(root),
+                "output_dir",
+                f"is inside data.root ({root}): the next run on that "
+                "root would read this run's outputs as its data; choose an output_dir outside data.root",
+                self.output_dir,
+            )
         bad = [s for s in self.stages if s not in STAGES]
         _check(not bad, "stages", f"has unknown stage(s) {bad}; valid choices: {list(STAGES)}", self.stages)
         twice = sorted({s for s in self.stages if self.stages.count(s) > 1})
         _check(not twice, "stages", f"lists {twice} more than once: each stage runs once", self.stages)
         # the pipeline runs its stages in one order, whatever the list says: a list in another order misleads
         in_order = [s for s in STAGES if s in self.stages]
-        _check(list(self.stages) == in_order, "stages", f"must be in the order the pipeline runs them "
-               f"({' -> '.join(STAGES)}): write {in_order}", self.stages)
-        _check(self.export or not self.logger.register_as, "logger.register_as",
-               "needs export=true (the registered model is the exported retriever)", self.logger.register_as)
+        _check(
+            list(self.stages) == in_order,
+            "stages",
+            f"must be in the order the pipeline runs them ({' -> '.join(STAGES)}): write {in_order}",
+            self.stages,
+        )
+        _check(
+            self.export or not self.logger.register_as,
+            "logger.register_as",
+            "needs export=true (the registered model is the exported retriever)",
+            self.logger.register_as,
+        )
         _check(bool(self.stages), "stages", f"is empty: nothing to do; valid choices: {list(STAGES)}", self.stages)
-        _check(not (self.data.chunk.enabled and "generator" in self.stages), "data.chunk.enabled",
-               "is not supported with the generator stage yet (its gold contexts are whole passages)", True)
+        _check(
+            not (self.data.chunk.enabled and "generator" in self.stages),
+            "data.chunk.enabled",
+            "is not supported with the generator stage yet (its gold contexts are whole passages)",
+            True,
+        )
         vector_avg = self.sync.strategy == "vector_avg" or "vector_avg" in self.compare.strategies
         # align_anchors maps the zero-shot index onto the trained index: both must be built, by one encoder
-        _check(not self.index.align_anchors or {"retriever", "index"} <= set(self.stages), "index.align_anchors",
-               f"needs stages [retriever, index] (it maps the zero-shot index onto the trained one; stages are "
-               f"{self.stages}): add them or set it to 0", self.index.align_anchors)
-        _check(not self.index.align_anchors or self.sync.strategy != "vector_avg", "index.align_anchors",
-               "does not apply to sync=vector_avg (its index holds consensus vectors, no single trained encoder): "
-               "set it to 0", self.index.align_anchors)
+        _check(
+            not self.index.align_anchors or {"retriever", "index"} <= set(self.stages),
+            "index.align_anchors",
+            f"needs stages [retriever, index] (it maps the zero-shot index onto the trained one; stages are "
+            f"{self.stages}): add them or set it to 0",
+            self.index.align_anchors,
+        )
+        _check(
+            not self.index.align_anchors or self.sync.strategy != "vector_avg",
+            "index.align_anchors",
+            "does not apply to sync=vector_avg (its index holds consensus vectors, no single trained encoder): "
+            "set it to 0",
+            self.index.align_anchors,
+        )
         # A restart resumes at a checkpoint with an empty loss window: at a window's end, the loss logged after a
         # restart is the uninterrupted run's; mid-window it would average only the steps since the checkpoint
         every, log_every = self.checkpoint.every_steps, self.retriever.train.log_every
-        _check(every % log_every == 0, "checkpoint.every_steps", f"must be 0 or a multiple of "
-               f"retriever.train.log_every ({log_every}), so a restarted run logs the same loss windows", every)
+        _check(
+            every % log_every == 0,
+            "checkpoint.every_steps",
+            f"must be 0 or a multiple of "
+            f"retriever.train.log_every ({log_every}), so a restarted run logs the same loss windows",
+            every,
+        )
         teacher = self.retriever.teacher
         if teacher.weight > 0:  # the teacher scores the mined candidates once: they must exist and stay fixed
-            _check("retriever" in self.stages, "retriever.teacher.weight", f"needs the retriever stage (stages are "
-                   f"{self.stages})", teacher.weight)
-            _check(self.retriever.train.hard_negatives > 0, "retriever.teacher.weight",
-                   "needs retriever.train.hard_negatives > 0 (the teacher scores each query's mined negatives)",
-                   teacher.weight)
-            _check(not self.refresh.enabled, "retriever.teacher.weight",
-                   "does not work with refresh.enabled (the live index's negatives change; the teacher scored the "
-                   "zero-shot index's once): turn one off", teacher.weight)
-        _check(not self.index.distill_steps or vector_avg, "index.distill_steps",
-               "needs sync=vector_avg (the student learns the replicas' consensus vectors)", self.index.distill_steps)
+            _check(
+                "retriever" in self.stages,
+                "retriever.teacher.weight",
+                f"needs the retriever stage (stages are {self.stages})",
+                teacher.weight,
+            )
+            _check(
+                self.retriever.train.hard_negatives > 0,
+                "retriever.teacher.weight",
+                "needs retriever.train.hard_negatives > 0 (the teacher scores each query's mined negatives)",
+                teacher.weight,
+            )
+            _check(
+                not self.refresh.enabled,
+                "retriever.teacher.weight",
+                "does not work with refresh.enabled (the live index's negatives change; the teacher scored the "
+                "zero-shot index's once): turn one off",
+                teacher.weight,
+            )
+        _check(
+            not self.index.distill_steps or vector_avg,
+            "index.distill_steps",
+            "needs sync=vector_avg (the student learns the replicas' consensus vectors)",
+            self.index.distill_steps,
+        )
         # refresh.* keys are read only by a live refresh during retriever training: otherwise they would be ignored
         changed = [k for k, v in vars(RefreshConfig()).items() if k != "enabled" and getattr(self.refresh, k) != v]
-        _check(self.refresh.enabled or not changed, f"refresh.{changed[0] if changed else ''}",
-               "applies only with refresh.enabled=true (the live index refresh is off): remove it or enable refresh",
-               getattr(self.refresh, changed[0]) if changed else None)
-        _check(not self.refresh.enabled or "retriever" in self.stages, "refresh.enabled", f"refreshes the index "
-               f"during retriever training, and stages {self.stages} train no retriever: add the retriever stage or "
-               "set refresh.enabled=false", self.refresh.enabled)
+        _check(
+            self.refresh.enabled or not changed,
+            f"refresh.{changed[0] if changed else ''}",
+            "applies only with refresh.enabled=true (the live index refresh is off): remove it or enable refresh",
+            getattr(self.refresh, changed[0]) if changed else None,
+        )
+        _check(
+            not self.refresh.enabled or "retriever" in self.stages,
+            "refresh.enabled",
+            f"refreshes the index "
+            f"during retriever training, and stages {self.stages} train no retriever: add the retriever stage or "
+            "set refresh.enabled=false",
+            self.refresh.enabled,
+        )
 
 
 def ineffective_settings(cfg: Config) -> list[str]:
     """Settings that are legal but do less than they seem to (one warning line each, logged before any work)."""
     out = []
     if cfg.sync.strategy != "ddp" and cfg.resources.trainer.num_workers == 1 and "retriever" in cfg.stages:
-        out.append(f"sync={cfg.sync.strategy} is a no-op with resources.trainer.num_workers=1: one replica has "
-                   "nothing to exchange (0 bytes sent); use 2 or more workers to compare sync strategies")
+        out.append(
+            f"sync={cfg.sync.strategy} is a no-op with resources.trainer.num_workers=1: one replica has "
+            "nothing to exchange (0 bytes sent); use 2 or more workers to compare sync strategies"
+        )
     if cfg.data.split == "train":
-        out.append("data.split=train: the figures are measured on the training queries, not held-out ones "
-                   "(use dev or test to measure generalisation)")
+        out.append(
+            "data.split=train: the figures are measured on the training queries, not held-out ones "
+            "(use dev or test to measure generalisation)"
+        )
     return out
 
 
@@ -638,7 +806,7 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="ragtrain_schema", node=Config)
 
 
-def _to_object(cfg: DictConfig, kind: type, expected: Optional[str] = None) -> Any:
+def _to_object(cfg: DictConfig, kind: type, expected: str | None = None) -> Any:
     """OmegaConf.to_object with our ConfigError surfaced unwrapped; the result must be a `kind`."""
     try:
         obj = OmegaConf.to_object(cfg)
@@ -656,16 +824,22 @@ def _to_object(cfg: DictConfig, kind: type, expected: Optional[str] = None) -> A
 
 # Config keys holding a user path that the typed config makes absolute (folders; models and tokenizers only when a
 # local folder): a run or sweep saved before that wrote them as typed
-PATH_KEYS = {"data.root": driver_path, "retriever.teacher.path": driver_path, "generator.retrieval.index_dir":
-             driver_path, "retriever.model": local_model, "generator.model": local_model,
-             "generator.tokenizer": local_model}
+PATH_KEYS = {
+    "data.root": driver_path,
+    "retriever.teacher.path": driver_path,
+    "generator.retrieval.index_dir": driver_path,
+    "retriever.model": local_model,
+    "generator.model": local_model,
+    "generator.tokenizer": local_model,
+}
 
 
 def absolute_paths(flat: dict[str, Any]) -> dict[str, Any]:
     """A saved flat config with its PATH_KEYS made absolute as the typed config makes them (resume compares it)."""
     unset = ("", "None")  # flatten() writes an unset value as "None"
-    return {k: (PATH_KEYS[k](v) if k in PATH_KEYS and isinstance(v, str) and v not in unset else v)
-            for k, v in flat.items()}
+    return {
+        k: (PATH_KEYS[k](v) if k in PATH_KEYS and isinstance(v, str) and v not in unset else v) for k, v in flat.items()
+    }
 
 
 def unknown_keys(node: Any, obj: Any, prefix: str = "") -> list[str]:
@@ -690,8 +864,10 @@ def to_typed(cfg: DictConfig) -> Config:
     typed = _to_object(cfg, Config, "the ragtrain schema (conf/config.yaml defaults)")
     extra = [k for k in unknown_keys(cfg, typed) if k != "hydra"]
     if extra:
-        raise ConfigError(f"unknown config key(s) {extra}: not in the ragtrain schema, so they would be ignored "
-                          "(a '+key=value' override adds a key; check its spelling)")
+        raise ConfigError(
+            f"unknown config key(s) {extra}: not in the ragtrain schema, so they would be ignored "
+            "(a '+key=value' override adds a key; check its spelling)"
+        )
     return typed
 
 
@@ -706,7 +882,9 @@ def sync_variants(cfg: DictConfig, conf_dir: str) -> dict[str, Config]:
         if not path.exists():
             raise ConfigError(f"compare.strategies has unknown sync option {name!r}; valid choices: {choices}")
         variant = copy.deepcopy(cfg)
-        variant.sync = with_sync_preset(cfg.sync, OmegaConf.load(path))  # keeps e.g. sync.eval_every set by the experiment
+        variant.sync = with_sync_preset(
+            cfg.sync, OmegaConf.load(path)
+        )  # keeps e.g. sync.eval_every set by the experiment
         variant.compare.strategies = []
         variant.output_dir = str(Path(cfg.output_dir, name))
         variant.logger.run_name = f"{cfg.experiment_name}/{name}"
@@ -750,14 +928,21 @@ def _has_key(cfg: DictConfig, dotted: str) -> bool:
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:
     """A nested config container (dicts of plain values) as dotted keys with string values."""
     if isinstance(node, dict):
-        return {k: v for key, sub in node.items() for k, v in flatten(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
+        return {
+            k: v
+            for key, sub in node.items()
+            for k, v in flatten(sub, f"{prefix}.{key}" if prefix else str(key)).items()
+        }
     return {prefix: str(node.value if isinstance(node, Enum) else node)}
 
 
 def changed_keys(before: dict[str, str], after: dict[str, str], allowed: Sequence[str] = ()) -> list[str]:
     """Dotted keys whose values differ between two flat configs, except `allowed` keys or groups (a prefix)."""
-    return sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)
-                  and not any(k == a or k.startswith(a + ".") for a in allowed))
+    return sorted(
+        k
+        for k in set(before) | set(after)
+        if before.get(k) != after.get(k) and not any(k == a or k.startswith(a + ".") for a in allowed)
+    )
 
 
 def to_flat_dict(cfg: Config) -> dict[str, str]:

@@ -16,8 +16,12 @@ import warnings
 from collections.abc import Iterator
 
 # Environment for the driver and every Ray process (forwarded by ragtrain.cluster.resources.init_ray)
-QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "MLFLOW_LOGGING_LEVEL": "WARNING",
-             "RAGTRAIN_QUIET": "1"}
+QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",
+    "RAGTRAIN_QUIET": "1",
+}
 PG_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 QUIET_LOGGERS = ("faiss", "ray.data", "ray.train", "ray.tune", "mlflow", "transformers", "sentence_transformers")
@@ -77,8 +81,9 @@ def quiet_loggers() -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     # A small corpus makes fewer blocks than the pool has actors (or the chunk step has tasks), and Ray Data warns
     # at every such pipeline that the rest stay idle: nothing a user has to act on
-    warnings.filterwarnings("ignore", message=r"The (minimum|maximum) number of concurrent (actors|tasks) for",
-                            category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"The (minimum|maximum) number of concurrent (actors|tasks) for", category=UserWarning
+    )
     # Ray Train's worker context logs every report (a TrainingReport dump) under a logger named by its file path.
     # Only where Train has loaded it (its workers; an encode actor need not import Ray Train for this), and an
     # internal module: where a Ray version moves it, those lines simply stay.
@@ -98,8 +103,11 @@ def worker_setup() -> None:
     import ray
 
     # Workers only: the driver also calls this (an in-process encoder) and may start another Ray later
-    if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE \
-            and "RAY_API_SERVER_ADDRESS" not in os.environ:
+    if (
+        ray.is_initialized()
+        and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+        and "RAY_API_SERVER_ADDRESS" not in os.environ
+    ):
         os.environ["RAY_API_SERVER_ADDRESS"] = ray.get_runtime_context().gcs_address
 
 

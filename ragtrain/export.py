@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -53,13 +53,19 @@ def model_card(cfg: Config, data_desc: str, table: str, command: str) -> str:
     r = cfg.retriever
     trained = "retriever" in cfg.stages
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    how = (f"Fine-tuned by ragtrain: InfoNCE (temperature {r.temperature}) with in-batch negatives gathered from "
-           f"{cfg.resources.trainer.num_workers} worker(s), {r.train.hard_negatives} hard negative(s) per query "
-           "(the sync settings are in the config below)." if trained else "Not trained by this run: the base model as indexed.")
+    how = (
+        f"Fine-tuned by ragtrain: InfoNCE (temperature {r.temperature}) with in-batch negatives gathered from "
+        f"{cfg.resources.trainer.num_workers} worker(s), {r.train.hard_negatives} hard negative(s) per query "
+        "(the sync settings are in the config below)."
+        if trained
+        else "Not trained by this run: the base model as indexed."
+    )
     prefixes = ""
     if r.query_prefix or r.passage_prefix:
-        prefixes = (f"\nQueries are encoded as `{r.query_prefix}` + text and passages as `{r.passage_prefix}` + text: "
-                    "use `model.encode_query(...)` / `model.encode_document(...)` (the saved prompts add them).\n")
+        prefixes = (
+            f"\nQueries are encoded as `{r.query_prefix}` + text and passages as `{r.passage_prefix}` + text: "
+            "use `model.encode_query(...)` / `model.encode_document(...)` (the saved prompts add them).\n"
+        )
     return f"""---
 library_name: sentence-transformers
 pipeline_tag: sentence-similarity
@@ -98,8 +104,9 @@ vectors = model.encode_document(["a passage"]); query = model.encode_query("a qu
 """
 
 
-def export_retriever(cfg: Config, weights: dict[str, torch.Tensor], folder: str | Path,
-                     card: Optional[str] = None) -> Path:
+def export_retriever(
+    cfg: Config, weights: dict[str, torch.Tensor], folder: str | Path, card: str | None = None
+) -> Path:
     """Write the bi-encoder with `weights` as a sentence-transformers folder (and `card` as its README.md)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import (
@@ -119,16 +126,24 @@ def export_retriever(cfg: Config, weights: dict[str, torch.Tensor], folder: str 
         with_pooler(encoder.backbone, r, cfg.seed).save_pretrained(hf_dir)
         load_tokenizer(r).save_pretrained(hf_dir)
         transformer = Transformer(hf_dir, max_seq_length=r.passage_max_length)
-        mods = [transformer, STPooling(transformer.get_embedding_dimension(),
-                                       "cls" if r.pooling == Pooling.cls else "mean")]
+        mods = [
+            transformer,
+            STPooling(transformer.get_embedding_dimension(), "cls" if r.pooling == Pooling.cls else "mean"),
+        ]
         if r.normalize:
             mods.append(Normalize())
         # Both prompts whenever either prefix is set (an empty one is "no prefix"), and "document" by default: a
         # plain encode() embeds as the corpus was embedded; queries take prompt_name="query" (or encode_query)
-        prompts = {"query": r.query_prefix, "document": r.passage_prefix} if (r.query_prefix or r.passage_prefix) \
-            else None
-        model = SentenceTransformer(modules=mods, prompts=prompts, default_prompt_name="document" if prompts else None,
-                                    device="cpu", similarity_fn_name="cosine" if r.normalize else "dot")
+        prompts = (
+            {"query": r.query_prefix, "document": r.passage_prefix} if (r.query_prefix or r.passage_prefix) else None
+        )
+        model = SentenceTransformer(
+            modules=mods,
+            prompts=prompts,
+            default_prompt_name="document" if prompts else None,
+            device="cpu",
+            similarity_fn_name="cosine" if r.normalize else "dot",
+        )
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save(str(tmp), create_model_card=card is None)
@@ -152,19 +167,24 @@ def with_pooler(backbone: Any, r: Any, seed: int) -> Any:
     if not hasattr(backbone, "pooler"):  # an architecture without a pooler: nothing to restore
         return backbone
     torch.manual_seed(seed)
-    full = type(backbone)(backbone.config) if r.model == "tiny" else AutoModel.from_pretrained(resolve_model_path(r.model))
+    full = (
+        type(backbone)(backbone.config) if r.model == "tiny" else AutoModel.from_pretrained(resolve_model_path(r.model))
+    )
     missing, unexpected = full.load_state_dict(backbone.state_dict(), strict=False)
     extra = [k for k in missing if not k.startswith("pooler.")]
     if extra or unexpected:
-        raise RuntimeError(f"export: the trained backbone does not match {type(full).__name__} "
-                           f"(missing {extra[:5]}, unexpected {unexpected[:5]})")
+        raise RuntimeError(
+            f"export: the trained backbone does not match {type(full).__name__} "
+            f"(missing {extra[:5]}, unexpected {unexpected[:5]})"
+        )
     return full
 
 
 def _untie_encoder_decoder_embeddings(hf: Any) -> None:
     """BERT2BERT with generator.tie_embeddings shares one word-embedding matrix between the encoder and the decoder,
     a tie `save_pretrained` does not know and refuses to save: give the decoder its own copy (same values, so the
-    exported model computes the same logits) and keep the decoder's own input/output tie, which transformers declares."""
+    exported model computes the same logits) and keep the decoder's own input/output tie, which transformers
+    declares."""
     from transformers import EncoderDecoderModel
 
     if not isinstance(hf, EncoderDecoderModel):
@@ -193,8 +213,9 @@ def export_generator(cfg: Config, weights_dir: str | Path, folder: str | Path) -
     return folder
 
 
-def export_run(cfg: Config, weights: Optional[dict[str, torch.Tensor]], out: Path, data_desc: str, table: str,
-               logger: Any) -> dict[str, Path]:
+def export_run(
+    cfg: Config, weights: dict[str, torch.Tensor] | None, out: Path, data_desc: str, table: str, logger: Any
+) -> dict[str, Path]:
     """Export what this run produced and log it to its MLflow run; returns {"retriever"|"generator": folder}.
 
     `weights` is the encoder that built the run's index (None: the run used no encoder of its own).

@@ -7,9 +7,9 @@ import functools
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -51,7 +51,7 @@ def prepare_output_dir(path: str, key: str = "output_dir") -> Path:
 def undo_on_failure(*folders: str | None) -> Iterator[None]:
     """On an exception, remove what the block created in `folders` (entries that were not there before, and a
     folder it created that is left empty): a run that failed its checks leaves nothing half-written behind."""
-    before: dict[Path, Optional[set[str]]] = {}
+    before: dict[Path, set[str] | None] = {}
     existed: set[Path] = set()  # the folders' ancestors that were there before (the others the block made)
     for f in folders:
         if f:
@@ -102,21 +102,27 @@ def check_resume(cfg: Config, out: Path) -> None:
     are named (resume_allow_changes=[key, ...] accepts those keys, or whole groups such as `fault`)."""
     saved_file = out / "config.yaml"
     if not saved_file.exists():
-        raise ConfigError(f"resume=true but output_dir={str(out)!r} holds no earlier run (no config.yaml): "
-                          "point output_dir at the interrupted run's folder")
+        raise ConfigError(
+            f"resume=true but output_dir={str(out)!r} holds no earlier run (no config.yaml): "
+            "point output_dir at the interrupted run's folder"
+        )
 
     saved = absolute_paths(flatten(OmegaConf.to_container(OmegaConf.load(saved_file))))  # older runs: paths as typed
     now = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     unknown = [k for k in cfg.resume_allow_changes if not any(n == k or n.startswith(k + ".") for n in now)]
     if unknown:
-        raise ConfigError(f"resume_allow_changes names {unknown}, which are not config keys or groups (e.g. "
-                          "retriever.train.max_steps, fault): check their spelling")
+        raise ConfigError(
+            f"resume_allow_changes names {unknown}, which are not config keys or groups (e.g. "
+            "retriever.train.max_steps, fault): check their spelling"
+        )
     differ = changed_keys(saved, now, tuple(RESUME_IGNORED) + tuple(cfg.resume_allow_changes))
     if differ:
         shown = "; ".join(f"{k}: {saved.get(k, '<unset>')} -> {now.get(k, '<unset>')}" for k in differ[:8])
         more = f" (and {len(differ) - 8} more)" if len(differ) > 8 else ""
-        raise ConfigError(f"resume=true: the run in {saved_file} was started with another config ({shown}{more}); "
-                          "resume with its config, or accept these keys with resume_allow_changes=[...]")
+        raise ConfigError(
+            f"resume=true: the run in {saved_file} was started with another config ({shown}{more}); "
+            "resume with its config, or accept these keys with resume_allow_changes=[...]"
+        )
     run_file = out / "mlflow_run_id"
     run_id = run_file.read_text().strip() if run_file.exists() else ""
     if cfg.logger.backend == LoggerBackend.mlflow and run_id:  # the run it continues must be in this store
@@ -126,9 +132,11 @@ def check_resume(cfg: Config, out: Path) -> None:
         try:
             open_client(uri).get_run(run_id)
         except Exception as e:  # MlflowException (RESOURCE_DOES_NOT_EXIST), or a store that cannot answer
-            raise ConfigError(f"resume=true: the MLflow run {run_id} of {out} ({run_file}) is not in "
-                              f"logger.tracking_uri={redact_uri(uri)!r} ({str(e).splitlines()[0][:120]}): resume "
-                              "with the tracking store the run was logged to") from None
+            raise ConfigError(
+                f"resume=true: the MLflow run {run_id} of {out} ({run_file}) is not in "
+                f"logger.tracking_uri={redact_uri(uri)!r} ({str(e).splitlines()[0][:120]}): resume "
+                "with the tracking store the run was logged to"
+            ) from None
 
 
 def check_fresh_output(cfg: Config) -> None:
@@ -142,9 +150,11 @@ def check_fresh_output(cfg: Config) -> None:
     except (OSError, ValueError):
         status = "unknown"
     if status != "failed":
-        raise ConfigError(f"output_dir={cfg.output_dir!r} holds a {status} run ({path}): a new run would replace "
-                          "its results; choose another output_dir, continue it with resume=true, or replace it with "
-                          "overwrite=true")
+        raise ConfigError(
+            f"output_dir={cfg.output_dir!r} holds a {status} run ({path}): a new run would replace "
+            "its results; choose another output_dir, continue it with resume=true, or replace it with "
+            "overwrite=true"
+        )
 
 
 def check_qrels(data: RetrievalData) -> None:
@@ -153,8 +163,10 @@ def check_qrels(data: RetrievalData) -> None:
 
     for what, qrels in (("evaluated (" + data.split + ")", data.eval_qrels), ("training", data.train_qrels)):
         if qrels and not any(g > 0 for judged in qrels.values() for g in judged.values()):
-            raise DataError(f"{data.name}: every qrel of the {what} queries has grade 0 (no relevant passage); "
-                            "relevant passages need grade >= 1 in qrels/<split>.tsv")
+            raise DataError(
+                f"{data.name}: every qrel of the {what} queries has grade 0 (no relevant passage); "
+                "relevant passages need grade >= 1 in qrels/<split>.tsv"
+            )
 
 
 def check_train_batch(cfg: Config, data: RetrievalData) -> None:
@@ -254,8 +266,9 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
     def key(weights: dict, fingerprint: str) -> str:  # called once Ray is up: auto resolved for the encode actors
         from ragtrain.precision import resolved_index
 
-        return vector_cache.cache_key(weights, cfg.retriever, resolved_index(cfg), fingerprint,
-                                      cfg.retriever.passage_max_length)
+        return vector_cache.cache_key(
+            weights, cfg.retriever, resolved_index(cfg), fingerprint, cfg.retriever.passage_max_length
+        )
 
     def precheck(data: RetrievalData, passages: int) -> None:  # the stream's first pass, before it encodes
         from ragtrain.corpus.encode import encoder_dim
@@ -266,8 +279,15 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
             check_train_batch(cfg, data)
         check_index_config(cfg.index.factory, encoder_dim(cfg.retriever), passages)
 
-    return StreamEncode(weights=weights, index=cfg.index, pool=cfg.resources.pool,
-                        folder=vec_dir / "zeroshot", fault=fault, key=key, precheck=precheck)
+    return StreamEncode(
+        weights=weights,
+        index=cfg.index,
+        pool=cfg.resources.pool,
+        folder=vec_dir / "zeroshot",
+        fault=fault,
+        key=key,
+        precheck=precheck,
+    )
 
 
 def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.Tensor]]) -> RetrievalData:
@@ -304,15 +324,24 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
             # Infeasible requests fail in seconds, not as a pending hang (the corpus stream's actors included); with
             # live refresh the trainer and the pool run at the same time, so they must fit the cluster together.
             # Without retriever training the trainer is not placed.
-            check_config(cfg.resources, together="retriever" in cfg.stages and cfg.refresh.enabled,
-                         trainer="retriever" in cfg.stages)
+            check_config(
+                cfg.resources,
+                together="retriever" in cfg.stages and cfg.refresh.enabled,
+                trainer="retriever" in cfg.stages,
+            )
 
     started: list[bool] = []
     dim = encoder_dim(cfg.retriever)
     check_index_config(cfg.index.factory, dim)  # a factory string FAISS rejects: before reading anything
     # Bad data fails here, before Ray or MLflow start (a corpus prepared on Ray Data: just after Ray starts)
-    data = load_data(cfg.data, cfg.retriever, out, start_ray=start_ray, ray_tasks=cfg.resources.pool.num_actors,
-                     stream=stream_encode(cfg, out, weights))
+    data = load_data(
+        cfg.data,
+        cfg.retriever,
+        out,
+        start_ray=start_ray,
+        ray_tasks=cfg.resources.pool.num_actors,
+        stream=stream_encode(cfg, out, weights),
+    )
     check_qrels(data)
     check_train_batch(cfg, data)
     if not cfg.data.chunk.enabled and cfg.data.source != DataSource.synthetic:  # synthetic passages are one fact
@@ -325,15 +354,20 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
         from ragtrain.generator.stage import preflight
 
         preflight(cfg, data, out)
-    log.info(f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
-             f"{len(data.eval_qrels)} {data.split} queries")
+    log.info(
+        f"[data] {data.name}: {len(data.corpus)} passages, {len(data.train_qrels)} train queries, "
+        f"{len(data.eval_qrels)} {data.split} queries"
+    )
     start_ray()
     return data
 
 
 def run(
-    cfg: Config, *, train_callbacks: Optional[list] = None, report_intermediate: bool = False,
-    parent_run_id: Optional[str] = None,
+    cfg: Config,
+    *,
+    train_callbacks: list | None = None,
+    report_intermediate: bool = False,
+    parent_run_id: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Run the configured stages end to end; returns {phase: metrics}.
 
@@ -373,8 +407,10 @@ def run(
         run_file.write_text(logger.run_id or "")
     if logger.enabled and os.environ.get("RAY_ADDRESS") and logger.uri.startswith(("sqlite:", "file:")):
         # every node sees it (checked above), but SQLite's locks over a network filesystem are not to be trusted
-        log.warning(f"RAY_ADDRESS is set and MLflow logs to a file store ({logger.uri}) that rank 0 writes from "
-                    "another node: prefer an MLflow server (logger.tracking_uri or MLFLOW_TRACKING_URI)")
+        log.warning(
+            f"RAY_ADDRESS is set and MLflow logs to a file store ({logger.uri}) that rank 0 writes from "
+            "another node: prefer an MLflow server (logger.tracking_uri or MLFLOW_TRACKING_URI)"
+        )
     status = "FAILED"
     cleanup: list = [lambda: detach_run_log(run_log)]
     try:
@@ -392,7 +428,7 @@ def run(
         train = "retriever" in cfg.stages
         live = train and cfg.refresh.enabled  # the pool refreshes the index while training steps
         needs_negatives = train and cfg.retriever.train.hard_negatives > 0
-        negatives: Optional[dict[str, list[int]]] = None
+        negatives: dict[str, list[int]] | None = None
         zeroshot = None
         if train and first_index_is_zeroshot(cfg):
             if cfg.zeroshot_eval or needs_negatives or live:
@@ -425,9 +461,16 @@ def run(
                 t = cfg.retriever.train
                 val = make_val_set(data, t.val_queries, t.val_passages, cfg.seed) if t.val_every else None
                 fit = fit_retriever(
-                    cfg, TrainData(retrieval.passages(), examples, teacher), weights, sink, resume=cfg.resume,
-                    callbacks=train_callbacks, report_intermediate=report_intermediate,
-                    index_service=service, probe=probe, val=val,
+                    cfg,
+                    TrainData(retrieval.passages(), examples, teacher),
+                    weights,
+                    sink,
+                    resume=cfg.resume,
+                    callbacks=train_callbacks,
+                    report_intermediate=report_intermediate,
+                    index_service=service,
+                    probe=probe,
+                    val=val,
                 )
             finally:
                 refresh_report = retrieval.stop_service(service) if service is not None else None
@@ -450,15 +493,17 @@ def run(
             phase = "trained" if train else "zeroshot"
             replicas = fit.replicas if train else []
             if replicas:  # vector_avg: first the parameter mean, for comparison; then the mean of the vectors
-                param_avg, results["param_avg"] = retrieval.build_and_evaluate("param_avg", [weights], encoder_name,
-                                                                               step)
+                param_avg, results["param_avg"] = retrieval.build_and_evaluate(
+                    "param_avg", [weights], encoder_name, step
+                )
             name = f"vector_avg of {len(replicas)} replicas in {out / 'encoder'}" if replicas else encoder_name
             built, results[phase] = retrieval.build_and_evaluate(phase, replicas or [weights], name, step)
             if replicas:  # mean 1 - cos on a seeded sample of passages, read from both builds' shards
                 from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
 
                 results["param_avg"]["drift_vs_consensus"] = drift(
-                    param_avg.shards, built.shards, sample_ids(built.corpus_ids, DRIFT_SAMPLE, cfg.seed + 1))
+                    param_avg.shards, built.shards, sample_ids(built.corpus_ids, DRIFT_SAMPLE, cfg.seed + 1)
+                )
             if replicas and cfg.index.distill_steps:  # one student encoder that serves the consensus index
                 from ragtrain.repair.distill import distill_consensus
 
@@ -489,16 +534,27 @@ def run(
             )
 
             encoded = bool({"retriever", "index"} & set(cfg.stages))  # this run trained or indexed with `weights`
-            export_run(cfg, weights if encoded else None, out, f"{data.name}: {len(data.corpus)} passages, "
-                       f"{len(data.train_qrels)} training queries, evaluated on {len(data.eval_qrels)} {data.split} "
-                       "queries", summary_table(results), logger)
+            export_run(
+                cfg,
+                weights if encoded else None,
+                out,
+                f"{data.name}: {len(data.corpus)} passages, "
+                f"{len(data.train_qrels)} training queries, evaluated on {len(data.eval_qrels)} {data.split} "
+                "queries",
+                summary_table(results),
+                logger,
+            )
         log.info(f"\n== {cfg.experiment_name}: {data.name} split={data.split} index={cfg.index.factory} ==")
         log.info(summary_table(results))
         if "train" in results:
             t = results["train"]
-            log.info(f"training: {t['steps']:.0f} steps, {t['train/samples_per_s']:.1f} samples/s, "
-                     f"{t['comm/bytes_per_step'] / 1e6:.2f} MB sent/step/worker, comm time share {t['comm/time_share']:.2f}")
-        log.info(f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else ""))
+            log.info(
+                f"training: {t['steps']:.0f} steps, {t['train/samples_per_s']:.1f} samples/s, "
+                f"{t['comm/bytes_per_step'] / 1e6:.2f} MB sent/step/worker, comm time share {t['comm/time_share']:.2f}"
+            )
+        log.info(
+            f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else "")
+        )
         status = "FINISHED"
         write_status(out, "complete")
         return results
@@ -513,4 +569,3 @@ def run(
                 write_timeline(out, logger)
         finally:
             logger.end(status)
-

@@ -79,8 +79,7 @@ def _once(line: str, warning: bool = False) -> None:
         (log.warning if warning else log.info)(line)
 
 
-def resolve(precision: PrecisionLike, device: torch.device | str, key: str = "precision",
-            announce: bool = True) -> str:
+def resolve(precision: PrecisionLike, device: torch.device | str, key: str = "precision", announce: bool = True) -> str:
     """The precision to run `precision` in on `device`: fp32 / bf16 (fp16 passes through). `auto` -> bf16 where the
     device runs it natively, else fp32; with `announce`, the choice and why are logged once per process, and an
     explicit bf16 on a CPU without native bf16 logs one warning with the expected slow-down (the per-batch calls
@@ -91,8 +90,11 @@ def resolve(precision: PrecisionLike, device: torch.device | str, key: str = "pr
     if value == AUTO and announce:
         _once(f"[precision] {key} auto -> {chosen} ({why})")
     if announce and value == BF16 and device.type == "cpu" and not cpu_bf16_native():
-        _once(f"[precision] {key}=bf16 on a CPU without native bf16 ({cpu_capability()}): expect about "
-              f"{EMULATED_BF16_SPEED}; {key}=auto picks fp32 here", warning=True)
+        _once(
+            f"[precision] {key}=bf16 on a CPU without native bf16 ({cpu_capability()}): expect about "
+            f"{EMULATED_BF16_SPEED}; {key}=auto picks fp32 here",
+            warning=True,
+        )
     return chosen
 
 
@@ -130,9 +132,11 @@ def resolved_params(cfg: Config) -> dict[str, str]:
     gpus = 1.0 if cfg.resources.trainer.use_gpu else 0.0
     out = {"precision/index": _value(resolved_index(cfg).precision)}
     if "retriever" in cfg.stages:
-        out["precision/retriever_train"] = expected(cfg.retriever.train.precision, gpus, "retriever.train.precision",
-                                                    announce=False)
+        out["precision/retriever_train"] = expected(
+            cfg.retriever.train.precision, gpus, "retriever.train.precision", announce=False
+        )
     if "generator" in cfg.stages:
-        out["precision/generator_train"] = expected(cfg.generator.train.precision, gpus, "generator.train.precision",
-                                                    announce=False)
+        out["precision/generator_train"] = expected(
+            cfg.generator.train.precision, gpus, "generator.train.precision", announce=False
+        )
     return out

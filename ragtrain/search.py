@@ -11,9 +11,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub when querying a run
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,8 +38,10 @@ def load_run_config(out: Path) -> Config:
     try:
         return to_typed(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
     except (ConfigError, ValueError, OmegaConfBaseException) as e:  # e.g. written by an older ragtrain's schema
-        raise SearchError(f"{path}: not a config this ragtrain can read ({str(e).splitlines()[0]}); the "
-                          "sentence-transformers export in export/retriever still loads on its own") from None
+        raise SearchError(
+            f"{path}: not a config this ragtrain can read ({str(e).splitlines()[0]}); the "
+            "sentence-transformers export in export/retriever still loads on its own"
+        ) from None
 
 
 def encoder_weights(cfg: Config, encoder: str, out: Path) -> list:
@@ -61,8 +63,8 @@ def encoder_weights(cfg: Config, encoder: str, out: Path) -> list:
 def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
     """Passages by id: the run's passage store (`<out>/corpus/passages.arrow`, read on demand), or for a run
     folder without one, reloaded the way the run loaded them ({} with a note on stderr when that fails)."""
-    from ragtrain.data.store import PassageStore
     from ragtrain.corpus.load import load_data
+    from ragtrain.data.store import PassageStore
 
     store = out / "corpus" / "passages.arrow"
     if store.is_file():
@@ -71,8 +73,10 @@ def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
             len(passages)  # the Arrow file is opened (memory-mapped) on first use
             return passages
         except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError: truncated, not Arrow
-            raise SearchError(f"{store}: not a readable passage store, the file is corrupt or truncated "
-                              f"({str(e).splitlines()[0][:160]})") from None
+            raise SearchError(
+                f"{store}: not a readable passage store, the file is corrupt or truncated "
+                f"({str(e).splitlines()[0][:160]})"
+            ) from None
     try:
         return load_data(cfg.data, cfg.retriever, out, store=False).corpus
     except Exception as e:  # the data moved or changed: scores and ids are still right, texts are not available
@@ -92,8 +96,10 @@ def warn_unfinished(out: Path) -> None:
         return  # folders written before status.json existed
     if status != "complete":
         why = "it failed" if status == "failed" else "it is still running or was stopped before it finished"
-        print(f"warning: {path} says the run is {status!r}: {why}, so its index may not be the trained one",
-              file=sys.stderr)
+        print(
+            f"warning: {path} says the run is {status!r}: {why}, so its index may not be the trained one",
+            file=sys.stderr,
+        )
 
 
 def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dict[str, Any]]]:
@@ -103,8 +109,10 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
 
     out = Path(out)
     if not (out / "index" / "index_meta.json").exists():
-        raise SearchError(f"{out} holds no index ({out / 'index' / 'index_meta.json'} is missing): search a run "
-                          "folder whose stages included 'index'")
+        raise SearchError(
+            f"{out} holds no index ({out / 'index' / 'index_meta.json'} is missing): search a run "
+            "folder whose stages included 'index'"
+        )
     cfg = load_run_config(out)
     warn_unfinished(out)
     try:
@@ -115,9 +123,11 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
     snapshots = encoder_weights(cfg, index.meta.encoder, out)
     encoder = QueryEncoder(cfg.retriever, snapshots, precision=cfg.index.precision.value)
     if index.meta.dim != encoder.dim:  # e.g. a run folder whose config was edited after the index was built
-        raise SearchError(f"{out / 'index'}: the index holds {index.meta.dim}-dim vectors but the run's encoder "
-                          f"({cfg.retriever.model}) produces {encoder.dim}-dim ones: search the folder the index was "
-                          "built in, with its config")
+        raise SearchError(
+            f"{out / 'index'}: the index holds {index.meta.dim}-dim vectors but the run's encoder "
+            f"({cfg.retriever.model}) produces {encoder.dim}-dim ones: search the folder the index was "
+            "built in, with its config"
+        )
     qv = encoder.encode([question], role="query")
     index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
     scores, rows = index.search(qv, k)
@@ -128,8 +138,15 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
             continue
         pid = index.doc_ids[row]
         p = passages.get(pid)
-        hits.append({"rank": rank, "score": float(score), "id": pid, "title": getattr(p, "title", "") if p else "",
-                     "text": getattr(p, "text", "") if p else ""})
+        hits.append(
+            {
+                "rank": rank,
+                "score": float(score),
+                "id": pid,
+                "title": getattr(p, "title", "") if p else "",
+                "text": getattr(p, "text", "") if p else "",
+            }
+        )
     return cfg, hits
 
 
@@ -155,10 +172,10 @@ def generate_answer(cfg: Config, out: Path, question: str, hits: Sequence[dict[s
 def hit_line(h: dict[str, Any], width: int = 160) -> str:
     """One table line per hit: a chunk's line breaks become spaces, and a text cut at `width` ends in '...'."""
     text = " ".join((f"{h['title']}: {h['text']}" if h["title"] else h["text"]).split())
-    return f"{h['rank']:>3}  {h['score']:.4f}  {h['id']}  {text if len(text) <= width else text[:width - 3] + '...'}"
+    return f"{h['rank']:>3}  {h['score']:.4f}  {h['id']}  {text if len(text) <= width else text[: width - 3] + '...'}"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry; returns the exit code (2 on bad input)."""
     from ragtrain.console import quiet_cli
 
@@ -177,8 +194,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.question.strip():
             raise SearchError("the question is empty")
         if args.generate and not (out / "generator" / "generator.safetensors").exists():
-            raise SearchError(f"--generate: this run has no generator ({out / 'generator' / 'generator.safetensors'} "
-                              "is missing): run with stages [retriever, index, generator], or drop --generate")
+            raise SearchError(
+                f"--generate: this run has no generator ({out / 'generator' / 'generator.safetensors'} "
+                "is missing): run with stages [retriever, index, generator], or drop --generate"
+            )
         cfg, hits = search(out, args.question, args.k)
         answer = generate_answer(cfg, out, args.question, hits) if args.generate else None
     except SearchError as e:

@@ -23,7 +23,9 @@ def run_sync_compare(variants: dict[str, Config], out_dir: str | Path) -> pd.Dat
         rows.append({"strategy": name, **results["trained"], **results["train"]})
     df = comparison_frame(rows)
     first = next(iter(variants.values()))
-    files = write_comparison(df, out_dir, f"{first.experiment_name}: {first.data.source.value} split={first.data.split}")
+    files = write_comparison(
+        df, out_dir, f"{first.experiment_name}: {first.data.source.value} split={first.data.split}"
+    )
     _log_comparison(first, files)
     log.info("\n" + df.to_markdown(index=False, floatfmt=".4g"))
     log.info(f"comparison: {', '.join(str(f) for f in files)}")

@@ -38,8 +38,12 @@ def ray_session():
 
     if not ray.is_initialized():
         # PYTHONPATH: Ray workers must import functions defined in test modules (tests.sync.test_async_ps, ...).
-        env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO),
-               "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}  # a loaded CI box starts workers slowly
+        env = {
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(REPO),
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300",
+        }  # a loaded CI box starts workers slowly
         ray.init(address="local", num_cpus=RAY_CPUS, runtime_env={"env_vars": env})  # never join another Ray
     yield ray
     ray.shutdown()
@@ -67,23 +71,41 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
         "resources.num_cpus=4",
         f"output_dir={tmp_path / 'out'}",
         f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        # fp32 whatever the CPU: the same numbers on every test machine, and the tiny encoder's matrices are too
+        # small for bf16 to pay (auto is tested in tests/test_precision.py)
+        "retriever.train.precision=fp32",
+        "index.precision=fp32",
+        "generator.train.precision=fp32",
     ]
 
 
 @pytest.fixture(scope="session")
 def quickstart_run(ray_session, tmp_path_factory):
     """ONE finished tiny quickstart (2 gloo workers, ddp, 4 steps, zero-shot + trained indexes, the stale index aligned
-    on 32 anchors, export, MLflow with a registered model, profile=true, validation every 2 steps, encoded corpora kept in
+    on 32 anchors, export, MLflow with a registered model, profile=true, validation every 2 steps, encoded corpora
+    kept in
     <tmp>/vector_cache), shared by every module that only reads a finished run: each Train worker-group and encode
     start costs seconds, and the suite must stay short. Returns (typed cfg, results, tmp folder)."""
     from ragtrain.config import to_typed
     from ragtrain.pipeline import run
 
     tmp = tmp_path_factory.mktemp("quickstart")
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp), "generator=tiny_t5", "index.align_anchors=32",
-                            "logger.experiment_name=qs-test", f"logger.register_as={REGISTERED_MODEL}", "profile=true",
-                            "retriever.train.log_every=2", "retriever.train.val_every=2",
-                            f"index.cache_dir={tmp / 'vector_cache'}"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=quickstart",
+                *tiny_overrides(tmp),
+                "generator=tiny_t5",
+                "index.align_anchors=32",
+                "logger.experiment_name=qs-test",
+                f"logger.register_as={REGISTERED_MODEL}",
+                "profile=true",
+                "retriever.train.log_every=2",
+                "retriever.train.val_every=2",
+                f"index.cache_dir={tmp / 'vector_cache'}",
+            ]
+        )
+    )
     with ListeningSockets() as sockets:  # what the run's processes listen on, sampled while it runs
         results = run(cfg)
     (tmp / "listening.json").write_text(json.dumps(sorted(sockets.seen)))
@@ -91,7 +113,7 @@ def quickstart_run(ray_session, tmp_path_factory):
 
 
 class ListeningSockets:
-    """Samples, every 0.2 s while open, the listening TCP sockets of this process and its descendants (the local
+    """Samples, every 0.5 s while open, the listening TCP sockets of this process and its descendants (the local
     Ray's raylet, workers, Train workers and actors are children of the process that started it): `seen` holds
     (address, process name) pairs."""
 
@@ -103,16 +125,22 @@ class ListeningSockets:
         import psutil
 
         me = psutil.Process()
+        names = {}
         for proc in [me, *me.children(recursive=True)]:
             try:
-                conns, name = proc.net_connections(kind="tcp"), proc.name()
+                names[proc.pid] = proc.name()
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-            self.seen |= {(c.laddr.ip, name) for c in conns if c.status == psutil.CONN_LISTEN}
+        # one read of the system's TCP table per sample (per-process queries read it once per process)
+        self.seen |= {
+            (c.laddr.ip, names[c.pid])
+            for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in names
+        }
 
-    def __enter__(self) -> "ListeningSockets":
+    def __enter__(self) -> ListeningSockets:
         def loop() -> None:
-            while not self._stop.wait(0.2):
+            while not self._stop.wait(0.5):
                 self._sample()
 
         self._thread = threading.Thread(target=loop, daemon=True)
@@ -125,9 +153,15 @@ class ListeningSockets:
 
 
 # A tiny quickstart that mines one hard negative per query and distils a cross-encoder teacher trained for 3 steps
-TEACHER = ["retriever.train.hard_negatives=1", "retriever.teacher.weight=0.5", "retriever.teacher.max_steps=3",
-           "retriever.teacher.negatives=2", "retriever.teacher.batch_size=4", "retriever.teacher.max_length=64",
-           "retriever.teacher.lr=1e-3"]
+TEACHER = [
+    "retriever.train.hard_negatives=1",
+    "retriever.teacher.weight=0.5",
+    "retriever.teacher.max_steps=3",
+    "retriever.teacher.negatives=2",
+    "retriever.teacher.batch_size=4",
+    "retriever.teacher.max_length=64",
+    "retriever.teacher.lr=1e-3",
+]
 
 
 REGISTERED_MODEL = "ragtrain-test-retriever"  # quickstart_run registers its retriever under this name
@@ -140,9 +174,27 @@ def mlflow_server(tmp_path_factory):
     port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no background job workers
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp / 'server.db'}",
-         "--artifacts-destination", str(tmp / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        cwd=tmp, env=env, stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{tmp / 'server.db'}",
+            "--artifacts-destination",
+            str(tmp / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        cwd=tmp,
+        env=env,
+        stdout=open(tmp / "server.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     uri = f"http://127.0.0.1:{port}"
     try:

@@ -1,4 +1,4 @@
-"""Checks that need no training run before any work, and a user error is one line with exit code 2 (issue 15 §3)."""
+"""Checks that need no training run before any work, and a user error is one line with exit code 2."""
 
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ def _closed_port() -> int:
 DOCS = ("data=documents", "data.generate=true")  # a source that carves dev from train (data.dev_size applies)
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    (("resources.num_cpus=0",), "resources.num_cpus"),
-    ((*DOCS, "data.dev_size=1.5"), r"data.dev_size must be a count of queries .* got 1.5"),
-    ((*DOCS, "data.dev_size=0"), r"data.dev_size must be a count of queries .* got 0"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (("resources.num_cpus=0",), "resources.num_cpus"),
+        ((*DOCS, "data.dev_size=1.5"), r"data.dev_size must be a count of queries .* got 1.5"),
+        ((*DOCS, "data.dev_size=0"), r"data.dev_size must be a count of queries .* got 0"),
+    ],
+)
 def test_bad_values_name_the_key(tmp_path, overrides: tuple, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         _cfg(tmp_path, *overrides)
@@ -44,10 +47,15 @@ def test_dev_size_is_a_count_or_a_fraction(tmp_path) -> None:
     assert count == 40 and isinstance(count, int)  # the loaders read a float as a fraction
 
 
-@pytest.mark.parametrize(("override", "where"), [("data.dev_size=40", "data=beir and data=documents"),
-                                                 ("data.prepare=ray", "data=beir and data=documents"),
-                                                 ("data.glob=*.md", "data=documents"),
-                                                 ("data.on_error=skip", "data=documents")])
+@pytest.mark.parametrize(
+    ("override", "where"),
+    [
+        ("data.dev_size=40", "data=beir and data=documents"),
+        ("data.prepare=ray", "data=beir and data=documents"),
+        ("data.glob=*.md", "data=documents"),
+        ("data.on_error=skip", "data=documents"),
+    ],
+)
 def test_folder_keys_set_with_synthetic_data_are_refused(tmp_path, override: str, where: str) -> None:
     """The synthetic KB reads no folder and has fixed splits: these keys would do nothing there."""
     with pytest.raises(ConfigError, match=rf"{override.split('=')[0]} applies to {where} only \(data=synthetic"):
@@ -155,10 +163,14 @@ def test_fewer_training_examples_than_one_global_batch_fail_before_training(tmp_
     data = make_synthetic(num_entities=12)
     n = sum(1 for judged in data.train_qrels.values() for g in judged.values() if g > 0)
     check_train_batch(_cfg(tmp_path, f"retriever.train.batch_size={n // 2}", "resources.trainer.num_workers=2"), data)
-    with pytest.raises(ConfigError, match=rf"^{n} training examples < one global batch of {2 * (n // 2 + 1)} "
-                                          r"\(retriever.train.batch_size x resources.trainer.num_workers\)"):
-        check_train_batch(_cfg(tmp_path, f"retriever.train.batch_size={n // 2 + 1}",
-                               "resources.trainer.num_workers=2"), data)
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{n} training examples < one global batch of {2 * (n // 2 + 1)} "
+        r"\(retriever.train.batch_size x resources.trainer.num_workers\)",
+    ):
+        check_train_batch(
+            _cfg(tmp_path, f"retriever.train.batch_size={n // 2 + 1}", "resources.trainer.num_workers=2"), data
+        )
     check_train_batch(_cfg(tmp_path, f"retriever.train.batch_size={n + 1}", "stages=[index]"), data)  # no training
     # chunks: every chunk of a relevant document is an example, so a short document count is not the answer yet
     pairs = {q: {d: g for d, g in judged.items()} for q, judged in data.train_qrels.items()}
@@ -170,8 +182,9 @@ def test_the_trainer_is_not_checked_without_retriever_training() -> None:
     from ragtrain.cluster.resources import InfeasibleResourcesError, check_config
     from ragtrain.config import PoolResources, ResourcesConfig, TrainerResources
 
-    res = ResourcesConfig(trainer=TrainerResources(num_workers=8, cpus_per_worker=1),
-                          pool=PoolResources(num_actors=1, cpus_per_actor=1))
+    res = ResourcesConfig(
+        trainer=TrainerResources(num_workers=8, cpus_per_worker=1), pool=PoolResources(num_actors=1, cpus_per_actor=1)
+    )
     nodes = [{"CPU": 2.0}]
     with pytest.raises(InfeasibleResourcesError, match="resources.trainer"):
         check_config(res, nodes=nodes)
@@ -181,15 +194,22 @@ def test_the_trainer_is_not_checked_without_retriever_training() -> None:
 def test_cli_user_error_is_one_line_and_exit_2(tmp_path) -> None:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    args = [sys.executable, "-m", "ragtrain", "experiment=quickstart", *tiny_overrides(tmp_path),
-            f"logger.tracking_uri=http://127.0.0.1:{_closed_port()}"]
+    args = [
+        sys.executable,
+        "-m",
+        "ragtrain",
+        "experiment=quickstart",
+        *tiny_overrides(tmp_path),
+        f"logger.tracking_uri=http://127.0.0.1:{_closed_port()}",
+    ]
     r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("config error: logger.tracking_uri")
     assert "Traceback" not in r.stderr
     # -v (HYDRA_FULL_ERROR=1) keeps the traceback
-    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**env, "HYDRA_FULL_ERROR": "1"},
-                       cwd=REPO)
+    r = subprocess.run(
+        args, capture_output=True, text=True, timeout=120, env={**env, "HYDRA_FULL_ERROR": "1"}, cwd=REPO
+    )
     assert r.returncode == 2 and "Traceback" in r.stderr and "ConfigError" in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("config error: logger.tracking_uri")
 
@@ -200,8 +220,15 @@ def test_cli_user_error_leaves_no_folder_behind(tmp_path) -> None:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
     for k in ("HYDRA_FULL_ERROR", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
-    args = [sys.executable, "-m", "ragtrain", "experiment=quickstart", "retriever=tiny", "data.num_entities=24",
-            "index.factory='IVF4096,Flat'"]
+    args = [
+        sys.executable,
+        "-m",
+        "ragtrain",
+        "experiment=quickstart",
+        "retriever=tiny",
+        "data.num_entities=24",
+        "index.factory='IVF4096,Flat'",
+    ]
     r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("config error: index.factory='IVF4096,Flat' asks for 4096")
@@ -214,8 +241,14 @@ def test_cli_user_error_in_other_modes_leaves_no_folder_behind(how: str, tmp_pat
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
     for k in ("HYDRA_FULL_ERROR", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
-    args = [sys.executable, "-m", "ragtrain", *(["-m"] if how == "multirun" else []), "experiment=quickstart",
-            "retriever=tiny"]
+    args = [
+        sys.executable,
+        "-m",
+        "ragtrain",
+        *(["-m"] if how == "multirun" else []),
+        "experiment=quickstart",
+        "retriever=tiny",
+    ]
     if how == "multirun":
         args += ["retriever.train.lr=-1,-2"]
     else:
@@ -254,16 +287,24 @@ def test_unwritable_cache_dir_fails_before_any_work(tmp_path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     cfg = to_typed(compose(tiny_overrides(tmp_path) + [f"index.cache_dir={blocker / 'cache'}"]))
-    with pytest.raises(ConfigError, match=r"index.cache_dir='.*/file/cache' is not writable .*choose another index.cache_dir"):
+    with pytest.raises(
+        ConfigError, match=r"index.cache_dir='.*/file/cache' is not writable .*choose another index.cache_dir"
+    ):
         run(cfg)
     assert not (tmp_path / "out" / "config.yaml").exists()  # nothing of a run was written
 
 
-@pytest.mark.parametrize("override,message", [
-    ("data.prepare=cluster", r"data.prepare=cluster; Invalid value 'cluster', expected one of \[auto, driver, ray\]$"),
-    ("data.foo=1", r"Could not override 'data.foo'.*Key 'foo' not in 'DataConfig'$"),
-    ("sync=nope", r"Could not find 'sync/nope'; valid choices: async_ps, ddp, .*vector_avg$"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "data.prepare=cluster",
+            r"data.prepare=cluster; Invalid value 'cluster', expected one of \[auto, driver, ray\]$",
+        ),
+        ("data.foo=1", r"Could not override 'data.foo'.*Key 'foo' not in 'DataConfig'$"),
+        ("sync=nope", r"Could not find 'sync/nope'; valid choices: async_ps, ddp, .*vector_avg$"),
+    ],
+)
 def test_an_override_hydra_cannot_merge_is_one_line_and_exit_2(override, message, capsys, monkeypatch) -> None:
     """Before @hydra.main: Hydra itself would print a multi-line report and exit 1."""
     from ragtrain.__main__ import check_overrides
@@ -300,15 +341,23 @@ def test_a_sweep_folder_that_is_not_hydras_is_kept(tmp_path, monkeypatch) -> Non
     assert not (tmp_path / "multirun").exists() and (tmp_path / "0" / "notes.log").exists()
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    (("refresh.every_steps=5",), r"refresh.every_steps applies only with refresh.enabled=true"),
-    (("refresh.probe_queries=8",), r"refresh.probe_queries applies only with refresh.enabled=true"),
-    (("stages=[index]", "refresh.enabled=true", "refresh.every_steps=5"),
-     r"refresh.enabled refreshes the index during retriever training, and stages \['index'\] train no retriever"),
-    (("stages=[index,index]",), r"stages lists \['index'\] more than once"),
-    (("stages=[index,retriever]",), r"stages must be in the order the pipeline runs them "
-                                    r"\(retriever -> index -> generator\): write \['retriever', 'index'\]"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (("refresh.every_steps=5",), r"refresh.every_steps applies only with refresh.enabled=true"),
+        (("refresh.probe_queries=8",), r"refresh.probe_queries applies only with refresh.enabled=true"),
+        (
+            ("stages=[index]", "refresh.enabled=true", "refresh.every_steps=5"),
+            r"refresh.enabled refreshes the index during retriever training, and stages \['index'\] train no retriever",
+        ),
+        (("stages=[index,index]",), r"stages lists \['index'\] more than once"),
+        (
+            ("stages=[index,retriever]",),
+            r"stages must be in the order the pipeline runs them "
+            r"\(retriever -> index -> generator\): write \['retriever', 'index'\]",
+        ),
+    ],
+)
 def test_settings_that_would_be_ignored_or_misread_are_refused(tmp_path, overrides: tuple, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         _cfg(tmp_path, *overrides)
@@ -322,13 +371,20 @@ def test_refresh_settings_of_a_variant_that_enables_refresh_compose(tmp_path) ->
     assert variants["live_refresh"].refresh.every_steps == 15 and variants["in_batch"].refresh.every_steps == 0
 
 
-@pytest.mark.parametrize(("overrides", "line"), [
-    (("sync=gossip", "resources.trainer.num_workers=1"),
-     "sync=gossip is a no-op with resources.trainer.num_workers=1"),
-    (("sync=async_ps", "resources.trainer.num_workers=1"),
-     "sync=async_ps is a no-op with resources.trainer.num_workers=1"),
-    (("data.split=train",), "data.split=train: the figures are measured on the training queries"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ("sync=gossip", "resources.trainer.num_workers=1"),
+            "sync=gossip is a no-op with resources.trainer.num_workers=1",
+        ),
+        (
+            ("sync=async_ps", "resources.trainer.num_workers=1"),
+            "sync=async_ps is a no-op with resources.trainer.num_workers=1",
+        ),
+        (("data.split=train",), "data.split=train: the figures are measured on the training queries"),
+    ],
+)
 def test_legal_settings_that_do_less_than_they_seem_warn(tmp_path, overrides: tuple, line: str) -> None:
     from ragtrain.config import ineffective_settings
 
@@ -339,8 +395,14 @@ def test_legal_settings_that_do_less_than_they_seem_warn(tmp_path, overrides: tu
 def test_cli_stage_order_error_is_one_line_and_exit_2(tmp_path) -> None:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    args = [sys.executable, "-m", "ragtrain", "experiment=quickstart", *tiny_overrides(tmp_path),
-            "stages=[index,retriever]"]
+    args = [
+        sys.executable,
+        "-m",
+        "ragtrain",
+        "experiment=quickstart",
+        *tiny_overrides(tmp_path),
+        "stages=[index,retriever]",
+    ]
     r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("config error: stages must be in the order")
@@ -352,18 +414,18 @@ def test_lora_target_modules_the_model_lacks_fail_before_any_work(tmp_path) -> N
     from ragtrain.retriever.lora import check_lora_targets
 
     cfg = _cfg(tmp_path, "retriever.lora.rank=4", "retriever.lora.target_modules=[query,no_such_module]")
-    with pytest.raises(ConfigError, match=r"retriever.lora.target_modules names \['no_such_module'\], which this model "
-                                          r"\(tiny\) has no Linear layer for; valid module names: \[.*'query'.*\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"retriever.lora.target_modules names \['no_such_module'\], which this model "
+        r"\(tiny\) has no Linear layer for; valid module names: \[.*'query'.*\]",
+    ):
         check_lora_targets(cfg.retriever)
     check_lora_targets(_cfg(tmp_path, "retriever.lora.rank=4", "retriever.lora.target_modules=[query,value]").retriever)
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    r = subprocess.run([sys.executable, "-m", "ragtrain", "experiment=quickstart", *tiny_overrides(tmp_path),
-                        "retriever.lora.rank=4", "retriever.lora.target_modules=[no_such_module]"],
-                       capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1].startswith("config error: retriever.lora.target_modules names")
-    assert "[data]" not in r.stderr + r.stdout  # failed before the data were read
+    from ragtrain.pipeline import run
+
+    with pytest.raises(ConfigError, match=r"retriever.lora.target_modules names \['no_such_module'\]"):
+        run(_cfg(tmp_path, "retriever.lora.rank=4", "retriever.lora.target_modules=[no_such_module]"))
+    assert not (tmp_path / "out").exists()  # before the data were read: nothing left
 
 
 def test_an_output_dir_inside_data_root_is_refused(tmp_path) -> None:
@@ -371,8 +433,13 @@ def test_an_output_dir_inside_data_root_is_refused(tmp_path) -> None:
     root = tmp_path / "docs"
     root.mkdir()
     (root / "a.txt").write_text("A document.")
-    over = ["experiment=docs_quickstart", "retriever=tiny", f"data.root={root}", "data.generate=false",
-            f"logger.tracking_uri=sqlite:///{tmp_path / 'm.db'}"]
+    over = [
+        "experiment=docs_quickstart",
+        "retriever=tiny",
+        f"data.root={root}",
+        "data.generate=false",
+        f"logger.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
+    ]
     with pytest.raises(ConfigError, match=r"output_dir is inside data.root \(.*docs\): the next run on that root"):
         to_typed(compose([*over, f"output_dir={root / 'runs' / 'one'}"]))
     assert to_typed(compose([*over, f"output_dir={tmp_path / 'out'}"])).output_dir == str(tmp_path / "out")
@@ -393,15 +460,25 @@ def test_a_sweep_probes_its_tracking_store_before_anything_starts(tmp_path) -> N
     from ragtrain.tune.sweep import plan_sweep
     from tests.conftest import CONF_DIR
 
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "tune=sync_sweep",
-                            "logger.tracking_uri=sqlite:////proc/x/m.db"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=quickstart",
+                *tiny_overrides(tmp_path),
+                "tune=sync_sweep",
+                "logger.tracking_uri=sqlite:////proc/x/m.db",
+            ]
+        )
+    )
     with pytest.raises(ConfigError, match=r"nothing can be created in /proc"):
         plan_sweep(cfg, CONF_DIR)
 
 
 def test_experiment_name_is_one_folder_name(tmp_path) -> None:
-    with pytest.raises(ConfigError, match=r"experiment_name must be one folder name .* got '\.\./\.\./tmp/escaped'"):
-        _cfg(tmp_path, "experiment_name=../../tmp/escaped")
+    for bad in ("../../tmp/escaped", "/tmp/escaped", "a//b"):
+        with pytest.raises(ConfigError, match=r"experiment_name must name a folder below outputs/ .* got "):
+            _cfg(tmp_path, f"experiment_name={bad}")
+    assert _cfg(tmp_path, "experiment_name=sweeps/lr 1e-4").experiment_name == "sweeps/lr 1e-4"  # nested: inside
     from ragtrain.compare import folder_name
 
     assert folder_name("../../../../tmp/escaped") == "tmp_escaped"
@@ -429,8 +506,11 @@ def test_a_new_run_into_a_finished_runs_folder_is_refused(quickstart_run, tmp_pa
     from ragtrain.pipeline import check_fresh_output, run
 
     cfg, copy, before = _copy_of_finished_run(quickstart_run, tmp_path)
-    with pytest.raises(ConfigError, match=rf"output_dir='{copy}' holds a complete run \(.*status.json\): a new run "
-                                          "would replace its results; .* or replace it with overwrite=true"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"output_dir='{copy}' holds a complete run \(.*status.json\): a new run "
+        "would replace its results; .* or replace it with overwrite=true",
+    ):
         run(replace(cfg, output_dir=str(copy)))
     _unchanged(copy, before)
     check_fresh_output(replace(cfg, output_dir=str(copy), overwrite=True))  # asked for: allowed
@@ -447,10 +527,18 @@ def test_a_resume_checks_everything_before_touching_the_folder(quickstart_run, t
     cfg, copy, before = _copy_of_finished_run(quickstart_run, tmp_path)
     allow = ["output_dir", "logger.tracking_uri"] if case == "another_store" else ["output_dir", "retriever.trian"]
     other = f"sqlite:///{tmp_path / 'other' / 'mlflow.db'}" if case == "another_store" else cfg.logger.tracking_uri
-    resumed = replace(cfg, output_dir=str(copy), resume=True, resume_allow_changes=allow,
-                      logger=replace(cfg.logger, tracking_uri=other))
-    match = (r"resume=true: the MLflow run \w+ of .*run \(.*mlflow_run_id\) is not in logger.tracking_uri=.*other"
-             if case == "another_store" else r"resume_allow_changes names \['retriever.trian'\], which are not config")
+    resumed = replace(
+        cfg,
+        output_dir=str(copy),
+        resume=True,
+        resume_allow_changes=allow,
+        logger=replace(cfg.logger, tracking_uri=other),
+    )
+    match = (
+        r"resume=true: the MLflow run \w+ of .*run \(.*mlflow_run_id\) is not in logger.tracking_uri=.*other"
+        if case == "another_store"
+        else r"resume_allow_changes names \['retriever.trian'\], which are not config"
+    )
     with pytest.raises(ConfigError, match=match):
         run(resumed)
     _unchanged(copy, before)

@@ -17,14 +17,21 @@ from ragtrain.config import Config, LoggerConfig, SyncConfig, sync_preset, to_fl
 from ragtrain.track.mlflow import RunLogger
 
 RUNS = {  # name -> (sync config, final metrics, loss curve)
-    "ddp": (sync_preset("ddp"), {"trained/ndcg_at_10": 0.91, "run/comm/bytes_per_step": 8e6, "run/drift/replica_cosine_mean": 0.0},
-            [(5, 2.0), (10, 1.5)]),
-    "topk": (sync_preset("topk"),
-             {"trained/ndcg_at_10": 0.88, "run/comm/bytes_per_step": 2e5, "run/drift/replica_cosine_mean": 0.02},
-             [(5, 2.1), (10, 1.7)]),
-    "adaptive": (sync_preset("local_sgd_adaptive", mixer={"period": 4}),
-                 {"trained/ndcg_at_10": 0.9, "run/comm/bytes_per_step": 1e6, "run/drift/replica_cosine_mean": 0.05},
-                 [(5, 2.2), (10, 1.6)]),
+    "ddp": (
+        sync_preset("ddp"),
+        {"trained/ndcg_at_10": 0.91, "run/comm/bytes_per_step": 8e6, "run/drift/replica_cosine_mean": 0.0},
+        [(5, 2.0), (10, 1.5)],
+    ),
+    "topk": (
+        sync_preset("topk"),
+        {"trained/ndcg_at_10": 0.88, "run/comm/bytes_per_step": 2e5, "run/drift/replica_cosine_mean": 0.02},
+        [(5, 2.1), (10, 1.7)],
+    ),
+    "adaptive": (
+        sync_preset("local_sgd_adaptive", mixer={"period": 4}),
+        {"trained/ndcg_at_10": 0.9, "run/comm/bytes_per_step": 1e6, "run/drift/replica_cosine_mean": 0.05},
+        [(5, 2.2), (10, 1.6)],
+    ),
 }
 
 
@@ -46,10 +53,14 @@ def store(tmp_path_factory):
     ids = {name: _log(uri, "cmp", name, *spec) for name, spec in RUNS.items()}
     summary = RunLogger(LoggerConfig(tracking_uri=uri, experiment_name="cmp"), run_name="cmp/comparison")
     summary.end()  # no metrics (like sync_compare's summary run): left out of the comparison
-    parent = RunLogger(LoggerConfig(tracking_uri=uri, experiment_name="cmp"), "cmp/sweep", tags={"ragtrain.role": "sweep"})
+    parent = RunLogger(
+        LoggerConfig(tracking_uri=uri, experiment_name="cmp"), "cmp/sweep", tags={"ragtrain.role": "sweep"}
+    )
     parent.log_metrics({"best/trained/ndcg@10": 0.9})
-    children = {n: _log(uri, "cmp", f"cmp/t{i} {n}", RUNS[n][0], RUNS[n][1], RUNS[n][2], parent.run_id)
-                for i, n in enumerate(["ddp", "topk"])}
+    children = {
+        n: _log(uri, "cmp", f"cmp/t{i} {n}", RUNS[n][0], RUNS[n][1], RUNS[n][2], parent.run_id)
+        for i, n in enumerate(["ddp", "topk"])
+    }
     parent.end()
     return uri, tmp, ids, parent.run_id, children
 
@@ -100,8 +111,21 @@ def test_duplicate_run_names_get_ids(tmp_path: Path) -> None:
 
 def test_cli(store, tmp_path: Path, capsys) -> None:
     uri, _, ids, _, _ = store
-    assert main(["--experiment", "cmp", "--tracking-uri", uri, "--out", str(tmp_path / "cli"),
-                 "--metric", "trained/ndcg@10"]) == 0
+    assert (
+        main(
+            [
+                "--experiment",
+                "cmp",
+                "--tracking-uri",
+                uri,
+                "--out",
+                str(tmp_path / "cli"),
+                "--metric",
+                "trained/ndcg@10",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "trained/ndcg_at_10" in out and "local_sgd_adaptive" in out
     assert (tmp_path / "cli" / "comparison.png").stat().st_size > 5000
@@ -116,8 +140,21 @@ def test_cli(store, tmp_path: Path, capsys) -> None:
         main(["--tracking-uri", uri])  # argparse: one of --experiment / --parent-run-id is required
     # a metric asked for by name that no run logged: exit 2 naming it and what was logged, nothing written
     for flag in ("--metric", "--curve"):
-        assert main(["--experiment", "cmp", "--tracking-uri", uri, "--out", str(tmp_path / "typo"), flag,
-                     "trained/ndcg_at_1O"]) == 2
+        assert (
+            main(
+                [
+                    "--experiment",
+                    "cmp",
+                    "--tracking-uri",
+                    uri,
+                    "--out",
+                    str(tmp_path / "typo"),
+                    flag,
+                    "trained/ndcg_at_1O",
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert "logged ['trained/ndcg_at_1O']; metrics there: [" in err and "'trained/ndcg_at_10'" in err
         assert not (tmp_path / "typo").exists()
@@ -146,13 +183,26 @@ def test_cli_on_plain_experiment_runs(ray_session, tmp_path: Path) -> None:
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     for sync in ("ddp", "topk"):
-        cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), f"sync={sync}",
-                                f"output_dir={tmp_path / sync}", "logger.experiment_name=plain", "zeroshot_eval=false"]))
+        cfg = to_typed(
+            compose(
+                [
+                    "experiment=quickstart",
+                    *tiny_overrides(tmp_path),
+                    f"sync={sync}",
+                    f"output_dir={tmp_path / sync}",
+                    "logger.experiment_name=plain",
+                    "zeroshot_eval=false",
+                ]
+            )
+        )
         run(cfg)
     out = tmp_path / "report"
     proc = subprocess.run(
         [sys.executable, "-m", "ragtrain.compare", "--experiment", "plain", "--tracking-uri", uri, "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "topk" in proc.stdout and "trained/ndcg_at_10" in proc.stdout

@@ -64,19 +64,34 @@ SYNC_OPTIONS = sorted(p.stem for p in (CONF_DIR / "sync").glob("*.yaml"))
 
 def test_every_sync_option_composes_as_a_preset(tmp_path: Path) -> None:
     """`sync=NAME` on the command line: each option is a reducer + mixer + scope composition (the old names too)."""
-    assert {"ddp", "fp16", "powersgd", "topk", "local_sgd", "local_sgd_adaptive", "gossip", "hierarchical",
-            "async_ps", "vector_avg", "hybrid_powersgd", "layerwise"} <= set(SYNC_OPTIONS)
+    assert {
+        "ddp",
+        "fp16",
+        "powersgd",
+        "topk",
+        "local_sgd",
+        "local_sgd_adaptive",
+        "gossip",
+        "hierarchical",
+        "async_ps",
+        "vector_avg",
+        "hybrid_powersgd",
+        "layerwise",
+    } <= set(SYNC_OPTIONS)
     for name in SYNC_OPTIONS:
         typed = to_typed(compose(["experiment=quickstart", f"sync={name}", f"output_dir={tmp_path}"]))
         flat = to_flat_dict(typed)
         assert flat["sync.reducer.kind"] == typed.sync.reducer.kind and flat["sync.label"] == name, name
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["sync=powersgd", "sync.reducer.ratio=0.1"], "sync.reducer.ratio"),  # a top-k key under PowerSGD
-    (["sync=ddp", "sync.mixer.kind=average"], "sync.mixer.kind"),  # nothing to mix after a full all-reduce
-    (["sync=hierarchical", "sync.scope.mixer=all"], "sync.mixer.kind"),  # nodes would never meet
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["sync=powersgd", "sync.reducer.ratio=0.1"], "sync.reducer.ratio"),  # a top-k key under PowerSGD
+        (["sync=ddp", "sync.mixer.kind=average"], "sync.mixer.kind"),  # nothing to mix after a full all-reduce
+        (["sync=hierarchical", "sync.scope.mixer=all"], "sync.mixer.kind"),  # nodes would never meet
+    ],
+)
 def test_sync_keys_a_kind_does_not_read_fail(overrides: list, key: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         to_typed(compose([*overrides, f"output_dir={tmp_path}"]))
@@ -105,8 +120,13 @@ def test_out_of_range_values_name_the_key(override: str, key: str, tmp_path: Pat
     assert key in str(e.value)
 
 
-@pytest.mark.parametrize("overrides,needs", [(["stages=[index]"], "needs stages [retriever, index]"),
-                                             (["sync=vector_avg"], "does not apply to sync=vector_avg")])
+@pytest.mark.parametrize(
+    "overrides,needs",
+    [
+        (["stages=[index]"], "needs stages [retriever, index]"),
+        (["sync=vector_avg"], "does not apply to sync=vector_avg"),
+    ],
+)
 def test_align_anchors_that_would_do_nothing_fail(overrides: list, needs: str, tmp_path: Path) -> None:
     """index.align_anchors without a zero-shot and a trained index to align (or with vector_avg) is refused."""
     cfg = compose(["experiment=quickstart", "index.align_anchors=8", *overrides, f"output_dir={tmp_path}"])
@@ -147,15 +167,19 @@ def test_override_variants_apply_their_keys(tmp_path) -> None:
 
 
 def test_distill_with_vector_avg_validates(tmp_path) -> None:
-    cfg = to_typed(compose(["experiment=quickstart", "sync=vector_avg", "index.distill_steps=10", f"output_dir={tmp_path}"]))
+    cfg = to_typed(
+        compose(["experiment=quickstart", "sync=vector_avg", "index.distill_steps=10", f"output_dir={tmp_path}"])
+    )
     assert cfg.index.distill_steps == 10
 
 
 @pytest.mark.parametrize(
     "variant, message",
-    [("retriever.train.hard_negativs=1", "unknown config key 'retriever.train.hard_negativs'"),
-     ("refresh.enabled", "each entry must be key=value"),
-     ("refresh.every_steps=-1", "refresh.every_steps must be >= 0")],
+    [
+        ("retriever.train.hard_negativs=1", "unknown config key 'retriever.train.hard_negativs'"),
+        ("refresh.enabled", "each entry must be key=value"),
+        ("refresh.every_steps=-1", "refresh.every_steps must be >= 0"),
+    ],
 )
 def test_bad_override_variant_names_the_problem(tmp_path, variant, message) -> None:
     from ragtrain.config import override_variants
@@ -173,9 +197,18 @@ def test_relative_paths_are_made_absolute_on_the_driver(tmp_path: Path, monkeypa
     (tmp_path / "teacher").mkdir()
     (tmp_path / "my-encoder").mkdir()
     monkeypatch.chdir(tmp_path)
-    cfg = to_typed(compose(["data=documents", "data.root=docs", "retriever.teacher.path=teacher",
-                            "retriever.model=my-encoder", "generator.retrieval.index_dir=idx",
-                            f"output_dir={tmp_path / 'out'}"]))
+    cfg = to_typed(
+        compose(
+            [
+                "data=documents",
+                "data.root=docs",
+                "retriever.teacher.path=teacher",
+                "retriever.model=my-encoder",
+                "generator.retrieval.index_dir=idx",
+                f"output_dir={tmp_path / 'out'}",
+            ]
+        )
+    )
     assert cfg.data.root == str(tmp_path / "docs")
     assert cfg.retriever.teacher.path == str(tmp_path / "teacher")
     assert cfg.retriever.model == str(tmp_path / "my-encoder")

@@ -17,8 +17,12 @@ from ragtrain.export import export_retriever
 from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
 from tests.conftest import REGISTERED_MODEL, REPO, compose
 
-TEXTS = ["Who founded the Velmora observatory?", "The Velmora observatory was founded in 1871 by Ada Quist. " * 6,
-         "short", "Another passage about the river Tessin and the mill that stood on its bank for three centuries."]
+TEXTS = [
+    "Who founded the Velmora observatory?",
+    "The Velmora observatory was founded in 1871 by Ada Quist. " * 6,
+    "short",
+    "Another passage about the river Tessin and the mill that stood on its bank for three centuries.",
+]
 TINY = TinyEncoderConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, dropout=0.0)
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
@@ -57,8 +61,14 @@ def test_export_loads_offline_and_gives_ragtrains_vectors(tmp_path: Path, model:
 def test_cls_pooling_no_normalize_and_prefixes_carry_over(tmp_path: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
-    r = RetrieverConfig(model="tiny", tiny=TINY, pooling=Pooling.cls, normalize=False, query_prefix="query: ",
-                        passage_prefix="passage: ")
+    r = RetrieverConfig(
+        model="tiny",
+        tiny=TINY,
+        pooling=Pooling.cls,
+        normalize=False,
+        query_prefix="query: ",
+        passage_prefix="passage: ",
+    )
     folder, ours, theirs = _export_and_compare(tmp_path, r)
     modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((folder / "modules.json").read_text())]
     assert modules == ["Transformer", "Pooling"]
@@ -148,17 +158,18 @@ def test_mlflow_holds_the_model_and_the_registry_its_version(finished_run, monke
 
 
 def _search(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ragtrain.search", *args], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ragtrain.search", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.integration
 def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
     import numpy as np
 
+    from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.data import make_synthetic
     from ragtrain.index.faiss_index import load_index
-    from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.retriever.train import load_weights
 
     cfg, _, _ = finished_run
@@ -166,7 +177,7 @@ def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
     data = make_synthetic(num_entities=cfg.data.num_entities, seed=cfg.data.seed)
     question = data.queries[sorted(data.eval_qrels)[0]]
     res = _search(cfg.output_dir, question, "-k", "3", "--json")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr  # a complete run: no status warning
     hits = json.loads(res.stdout)["hits"]
     assert [h["rank"] for h in hits] == [1, 2, 3]
     assert all(h["text"] == data.corpus[h["id"]].text and h["title"] == data.corpus[h["id"]].title for h in hits)
@@ -181,8 +192,9 @@ def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
     assert [h["score"] for h in hits] == pytest.approx(scores[0].tolist(), abs=1e-5)
 
 
-def test_search_generate_without_a_generator_and_a_folder_without_index_fail_in_one_line(finished_run,
-                                                                                         tmp_path: Path) -> None:
+def test_search_generate_without_a_generator_and_a_folder_without_index_fail_in_one_line(
+    finished_run, tmp_path: Path
+) -> None:
     cfg, _, _ = finished_run
     res = _search(cfg.output_dir, "who founded it?", "--generate")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
@@ -196,7 +208,8 @@ def test_search_generate_answers_with_the_runs_generator(finished_run, capsys) -
     """--generate loads <run>/generator/generator.safetensors; here an untrained tiny T5 stands in for a trained one
     (the generator stage's own tests cover training), so the answer is a string, not a right one. The CLI's `main`
     in-process: the entry point itself runs as a process in test_search_cli_returns_the_runs_ranking."""
-    from ragtrain.generator.model import build_generator, load_tokenizer as gen_tokenizer
+    from ragtrain.generator.model import build_generator
+    from ragtrain.generator.model import load_tokenizer as gen_tokenizer
     from ragtrain.generator.train import save_generator
     from ragtrain.search import main
 
@@ -223,7 +236,8 @@ def test_generator_export_is_a_plain_transformers_folder(tmp_path: Path, generat
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
 
     from ragtrain.export import export_generator
-    from ragtrain.generator.model import build_generator, load_tokenizer as gen_tokenizer
+    from ragtrain.generator.model import build_generator
+    from ragtrain.generator.model import load_tokenizer as gen_tokenizer
     from ragtrain.generator.train import save_generator
 
     extra = ["generator.encoder_layers=1", "generator.decoder_layers=1"] if generator == "bert2bert_minilm" else []
@@ -270,8 +284,14 @@ def test_the_mlflow_model_embeds_documents_and_queries_with_their_prefixes(tmp_p
 
     from ragtrain.track.mlflow import save_retriever_model
 
-    r = RetrieverConfig(model="tiny", tiny=TINY, query_prefix="query: ", passage_prefix="passage: ",
-                        query_max_length=48, passage_max_length=48)
+    r = RetrieverConfig(
+        model="tiny",
+        tiny=TINY,
+        query_prefix="query: ",
+        passage_prefix="passage: ",
+        query_max_length=48,
+        passage_max_length=48,
+    )
     folder, ours, _ = _export_and_compare(tmp_path, r)
     save_retriever_model(folder, tmp_path / "mlflow_model")
     pyfunc = mlflow.pyfunc.load_model(str(tmp_path / "mlflow_model"))
@@ -306,7 +326,7 @@ def test_search_on_an_index_of_another_dimension_fails_in_one_line(finished_run,
 
 
 @pytest.mark.parametrize("broken", ["corpus/passages.arrow", "index/index.faiss"])
-def test_search_on_a_truncated_file_names_it_in_one_line(finished_run, tmp_path: Path, broken: str) -> None:
+def test_search_on_a_truncated_file_names_it_in_one_line(finished_run, tmp_path: Path, broken: str, capsys) -> None:
     """Arrow's and FAISS's own tracebacks before."""
     import shutil
 
@@ -315,21 +335,28 @@ def test_search_on_a_truncated_file_names_it_in_one_line(finished_run, tmp_path:
     shutil.copytree(cfg.output_dir, run, ignore=shutil.ignore_patterns("mlflow*", "checkpoints"))
     data = (run / broken).read_bytes()
     (run / broken).write_bytes(data[: len(data) // 2])
-    res = _search(str(run), "who founded it?")
-    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
-    assert res.stderr.startswith(f"search error: {run / broken}: not a readable ") and "corrupt or truncated" in res.stderr
+    from ragtrain.search import main  # the CLI's own entry point, in this process (the subprocess form is above)
+
+    assert main([str(run), "who founded it?"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0, err
+    assert err.startswith(f"search error: {run / broken}: not a readable ") and "corrupt or truncated" in err
 
 
-def test_search_of_a_run_that_did_not_finish_says_so(finished_run, tmp_path: Path) -> None:
+def test_search_of_a_run_that_did_not_finish_says_so(finished_run, tmp_path: Path, capsys) -> None:
     import shutil
 
     cfg, _, _ = finished_run
     run = tmp_path / "run"
     shutil.copytree(cfg.output_dir, run, ignore=shutil.ignore_patterns("mlflow*", "checkpoints"))
-    assert json.loads((run / "status.json").read_text())["status"] == "complete"
-    assert "warning" not in _search(str(run), "who founded it?", "--json").stderr
+    assert json.loads((run / "status.json").read_text())["status"] == "complete"  # searched without a warning above
     (run / "status.json").write_text(json.dumps({"status": "running"}))
-    res = _search(str(run), "who founded it?", "--json")
-    assert res.returncode == 0 and json.loads(res.stdout)["hits"]  # it still answers
-    assert res.stderr.strip() == f"warning: {run / 'status.json'} says the run is 'running': it is still running or " \
+    from ragtrain.search import main
+
+    assert main([str(run), "who founded it?", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["hits"]  # it still answers
+    assert (
+        err.strip() == f"warning: {run / 'status.json'} says the run is 'running': it is still running or "
         "was stopped before it finished, so its index may not be the trained one"
+    )

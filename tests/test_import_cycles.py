@@ -1,4 +1,4 @@
-"""The sync and tune packages import in one direction (issue 14 §2): no module imports itself back, even lazily."""
+"""The sync and tune packages import in one direction: no module imports itself back, even lazily."""
 
 from __future__ import annotations
 
@@ -45,14 +45,26 @@ def _reaches_itself(start: str) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("module", ["ragtrain.sync.base", "ragtrain.sync.ddp", "ragtrain.sync.composed",
-                                    "ragtrain.sync.registry", "ragtrain.tune.sweep", "ragtrain.tune.results",
-                                    "ragtrain.corpus.dataset", "ragtrain.data.store"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "ragtrain.sync.base",
+        "ragtrain.sync.ddp",
+        "ragtrain.sync.composed",
+        "ragtrain.sync.registry",
+        "ragtrain.tune.sweep",
+        "ragtrain.tune.results",
+        "ragtrain.corpus.dataset",
+        "ragtrain.data.store",
+    ],
+)
 def test_no_import_cycle_through(module: str) -> None:
     assert _reaches_itself(module) is None, " -> ".join(_reaches_itself(module))
 
 
 def test_relative_imports_are_followed() -> None:
     """`from .chunk import chunk_document` in ragtrain/corpus/dataset.py is an edge to ragtrain.corpus.chunk."""
-    assert {"ragtrain.corpus.chunk", "ragtrain.corpus.clean", "ragtrain.data.store"} <= _imports("ragtrain.corpus.dataset")
+    assert {"ragtrain.corpus.chunk", "ragtrain.corpus.clean", "ragtrain.data.store"} <= _imports(
+        "ragtrain.corpus.dataset"
+    )
     assert "ragtrain.data.types" in _imports("ragtrain.data.store")

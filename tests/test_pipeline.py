@@ -110,12 +110,9 @@ def test_mlflow_run_read_back(quickstart_run) -> None:
     assert r.data.params["retriever.train.batch_size"] == "4"
     assert r.data.params["retriever.model"] == "tiny"
     assert r.data.params["data.source"] == "synthetic"
-    # precision=auto is logged next to what it ran in here (the encode actors and trainers run on this CPU)
-    from ragtrain.precision import cpu_bf16_native
-
-    here = "bf16" if cpu_bf16_native() else "fp32"
-    assert r.data.params["index.precision"] == "auto"
-    assert (r.data.params["precision/index"], r.data.params["precision/retriever_train"]) == (here, here)
+    # the precision each phase ran in is logged next to the setting (auto's resolution: tests/test_precision.py)
+    assert r.data.params["index.precision"] == "fp32"
+    assert (r.data.params["precision/index"], r.data.params["precision/retriever_train"]) == ("fp32", "fp32")
     for phase in ("zeroshot", "trained"):
         assert r.data.metrics[f"{phase}/ndcg_at_10"] == pytest.approx(results[phase]["ndcg@10"])
     # Per-step training metrics, logged by rank 0 only (one point per logged step, no duplicates).
@@ -157,8 +154,18 @@ def test_resume_without_an_earlier_run_names_the_folder(tmp_path) -> None:
 @pytest.mark.slow  # a pipeline run of its own (the default suite shares one: conftest.quickstart_run)
 def test_stale_index_aligned_onto_the_trained_space(ray_session, tmp_path) -> None:
     """index.align_anchors: the zero-shot index mapped by Procrustes is closer to the trained vectors."""
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.train.max_steps=20",
-                            "retriever.train.lr=1e-3", "index.align_anchors=64", "logger=none"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=quickstart",
+                *tiny_overrides(tmp_path),
+                "retriever.train.max_steps=20",
+                "retriever.train.lr=1e-3",
+                "index.align_anchors=64",
+                "logger=none",
+            ]
+        )
+    )
     results = run(cfg)
     stale, aligned = results["stale"], results["stale_aligned"]
     assert aligned["anchors"] == 64
@@ -169,10 +176,20 @@ def test_stale_index_aligned_onto_the_trained_space(ray_session, tmp_path) -> No
 @pytest.mark.slow  # a pipeline run of its own (the default suite shares one: conftest.quickstart_run)
 def test_whole_rag_loop_through_the_pipeline(ray_session, tmp_path) -> None:
     """retriever -> index -> generator in one `run`, composed like `experiment=rag_quickstart` (tiny models)."""
-    cfg = to_typed(compose(["experiment=rag_quickstart", *tiny_overrides(tmp_path), "generator=tiny_t5",
-                            "generator.train.max_steps=4", "generator.train.num_workers=1",
-                            "generator.train.cpus_per_worker=1", "generator.eval.max_new_tokens=4",
-                            "logger.experiment_name=rag-loop"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=rag_quickstart",
+                *tiny_overrides(tmp_path),
+                "generator=tiny_t5",
+                "generator.train.max_steps=4",
+                "generator.train.num_workers=1",
+                "generator.train.cpus_per_worker=1",
+                "generator.eval.max_new_tokens=4",
+                "logger.experiment_name=rag-loop",
+            ]
+        )
+    )
     results = run(cfg)
     assert {"train", "trained", "gen_closed_book", "gen_rag", "gen_oracle", "gen_train"} <= set(results)
     client = MlflowClient(cfg.logger.tracking_uri)
@@ -197,9 +214,19 @@ def test_same_seed_same_weights_with_dropout(ray_session, tmp_path) -> None:
 
     weights = []
     for name in ("a", "b"):
-        cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path / name), "zeroshot_eval=false",
-                                "stages=[retriever]", "logger=none", "retriever.tiny.dropout=0.1",
-                                "retriever.train.lr=1e-3"]))
+        cfg = to_typed(
+            compose(
+                [
+                    "experiment=quickstart",
+                    *tiny_overrides(tmp_path / name),
+                    "zeroshot_eval=false",
+                    "stages=[retriever]",
+                    "logger=none",
+                    "retriever.tiny.dropout=0.1",
+                    "retriever.train.lr=1e-3",
+                ]
+            )
+        )
         assert cfg.retriever.tiny.dropout == 0.1
         run(cfg)
         weights.append(load_file(str(Path(cfg.output_dir) / "encoder" / "encoder.safetensors")))

@@ -143,8 +143,11 @@ def test_index_config_is_resolved_for_the_encode_actors(no_native_bf16, tmp_path
     assert precision.resolved_index(cfg).precision.value == "fp32"
     assert precision.resolved_params(cfg)["precision/index"] == "fp32"
     cfg.stages = ["retriever", "index", "generator"]
-    assert precision.resolved_params(cfg) == {"precision/index": "fp32", "precision/retriever_train": "fp32",
-                                              "precision/generator_train": "fp32"}
+    assert precision.resolved_params(cfg) == {
+        "precision/index": "fp32",
+        "precision/retriever_train": "fp32",
+        "precision/generator_train": "fp32",
+    }
 
 
 def test_generator_autocast_follows_auto(no_native_bf16) -> None:

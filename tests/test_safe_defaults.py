@@ -21,28 +21,40 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-PROBE = ("import os, ragtrain.__main__, ray._private.ray_constants as c; "
-         "print(os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'), c.ENABLE_RAY_CLUSTER)")
+PROBE = (
+    "import os, ragtrain.__main__, ray._private.ray_constants as c; "
+    "print(os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'), c.ENABLE_RAY_CLUSTER)"
+)
 
 
 def test_embedded_ray_starts_on_loopback_without_the_env_var(tmp_path: Path) -> None:
     """A process that imports the entry point and starts the embedded Ray (init_ray) gets a 127.0.0.1 node,
     with nothing set by the user; the test environment's own setting is removed first."""
-    code = ("import ragtrain.__main__, ray; from ragtrain.cluster.resources import init_ray; "
-            "from ragtrain.config import ResourcesConfig; init_ray(ResourcesConfig(num_cpus=1)); "
-            "print('node', ray.util.get_node_ip_address()); ray.shutdown()")
-    res = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+    code = (
+        "import ragtrain.__main__, ray; from ragtrain.cluster.resources import init_ray; "
+        "from ragtrain.config import ResourcesConfig; init_ray(ResourcesConfig(num_cpus=1)); "
+        "print('node', ray.util.get_node_ip_address()); ray.shutdown()"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "node 127.0.0.1" in res.stdout
 
 
 def test_a_cluster_address_keeps_rays_own_networking(tmp_path: Path) -> None:
-    plain = subprocess.run([sys.executable, "-c", PROBE], env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                           timeout=120)
+    plain = subprocess.run(
+        [sys.executable, "-c", PROBE], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert plain.stdout.split() == ["0", "False"], plain.stderr[-2000:]
-    cluster = subprocess.run([sys.executable, "-c", PROBE], env=_env(RAY_ADDRESS="ray://head:10001"), cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
+    cluster = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=_env(RAY_ADDRESS="ray://head:10001"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cluster.stdout.split() == ["None", "True"], cluster.stderr[-2000:]
 
 
@@ -64,9 +76,14 @@ def test_default_data_root_is_relative_to_the_project_not_the_cwd(tmp_path: Path
 def test_the_cli_composes_the_same_data_root_from_another_cwd(tmp_path: Path) -> None:
     env = _env()
     env.pop("RAGTRAIN_DATA", None)
-    res = subprocess.run([sys.executable, "-m", "ragtrain", "data=scifact", f"output_dir={tmp_path}", "--cfg", "job",
-                          "--resolve"], env=env,
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "ragtrain", "data=scifact", f"output_dir={tmp_path}", "--cfg", "job", "--resolve"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     data = OmegaConf.create(res.stdout).data
     assert data.root == str(SHARED_DATA / "scifact")
@@ -109,8 +126,17 @@ def test_prefixes_compose_with_live_refresh_and_distillation() -> None:
     """Both tokenise by role now (the pool: tests/index/test_pool.py; distill: tests/repair/test_distill.py)."""
     from ragtrain.config import to_typed
 
-    cfg = to_typed(compose(["retriever=tiny", "retriever.query_prefix='query: '", "refresh.enabled=true",
-                            "output_dir=x", "refresh.every_steps=2"]))
+    cfg = to_typed(
+        compose(
+            [
+                "retriever=tiny",
+                "retriever.query_prefix='query: '",
+                "refresh.enabled=true",
+                "output_dir=x",
+                "refresh.every_steps=2",
+            ]
+        )
+    )
     assert cfg.retriever.query_prefix == "query: " and cfg.refresh.enabled
 
 

@@ -16,8 +16,12 @@ from tests.conftest import CONF_DIR, compose, tiny_overrides
 @pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
 def test_sync_compare_writes_table_matching_mlflow(ray_session, tmp_path: Path) -> None:
     cfg = compose(
-        ["experiment=sync_compare", *tiny_overrides(tmp_path), "compare.strategies=[ddp,local_sgd,topk]",
-         "logger.experiment_name=sc-test"]
+        [
+            "experiment=sync_compare",
+            *tiny_overrides(tmp_path),
+            "compare.strategies=[ddp,local_sgd,topk]",
+            "logger.experiment_name=sc-test",
+        ]
     )
     variants = sync_variants(cfg, str(CONF_DIR))
     assert list(variants) == ["ddp", "local_sgd", "topk"]

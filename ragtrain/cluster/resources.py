@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ragtrain.config import ResourcesConfig, auth_env
 from ragtrain.console import get_logger
@@ -18,8 +18,12 @@ log = get_logger(__name__)
 # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads otherwise spin in barriers; with a trainer and a pool actor on
 # shared cores the spinning threads steal each other's time (a generator step was ~5x slower here); passive
 # waiting costs ~nothing on an idle machine.
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-              "OMP_WAIT_POLICY": "PASSIVE"}
+WORKER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
 
 
 class InfeasibleResourcesError(RuntimeError):
@@ -54,11 +58,15 @@ def worker_env(worker_start_timeout_s: int = WORKER_START_TIMEOUT_S) -> dict[str
     must not set them again: Ray refuses to merge the two)."""
     from ragtrain.console import quiet_env
 
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_WAIT_POLICY": "PASSIVE",  # pool actors and the index service share cores with trainers
-           # Train V2 gives a worker group 60 s to start; on a loaded laptop importing torch + transformers in
-           # every worker can take longer, and the run would fail with WorkerGroupStartupTimeoutError.
-           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(worker_start_timeout_s)}
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_WAIT_POLICY": "PASSIVE",  # pool actors and the index service share cores with trainers
+        # Train V2 gives a worker group 60 s to start; on a loaded laptop importing torch + transformers in
+        # every worker can take longer, and the run would fail with WorkerGroupStartupTimeoutError.
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(worker_start_timeout_s),
+    }
     env.update(quiet_env())  # the console settings (ragtrain.console)
     return env
 
@@ -68,9 +76,11 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
     if os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
         # Ray Client: the driver would stay on this machine, and the stores, shards and outputs with it, where the
         # cluster's workers cannot read them
-        raise ConfigError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']!r} is a Ray Client address: run ragtrain on the "
-                          "cluster instead (a RayJob, `ray job submit`, `ray exec`), with RAY_ADDRESS=auto or the "
-                          "head's GCS address (README: Cluster)")
+        raise ConfigError(
+            f"RAY_ADDRESS={os.environ['RAY_ADDRESS']!r} is a Ray Client address: run ragtrain on the "
+            "cluster instead (a RayJob, `ray job submit`, `ray exec`), with RAY_ADDRESS=auto or the "
+            "head's GCS address (README: Cluster)"
+        )
     import ray
 
     if ray.is_initialized():
@@ -89,19 +99,25 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
         import ragtrain
 
         pkg = str(Path(ragtrain.__file__).resolve().parent)
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env, "py_modules": [pkg],
-                                                              "worker_process_setup_hook": hook})
+        ray.init(
+            address=os.environ["RAY_ADDRESS"],
+            runtime_env={"env_vars": env, "py_modules": [pkg], "worker_process_setup_hook": hook},
+        )
     else:
         # address="local": always start our own Ray; a bare ray.init() would join any other local cluster on the
         # machine (found through /tmp/ray) and then refuse num_cpus.
         import logging
 
         env["PYTHONPATH"] = worker_pythonpath()  # the workers run the driver's ragtrain (e.g. a frozen copy)
-        context = ray.init(address="local", num_cpus=res.num_cpus,
-                           runtime_env={"env_vars": env, "worker_process_setup_hook": hook},
-                           # "Started a local Ray instance." is Ray's INFO line; -v keeps it
-                           logging_level=logging.WARNING if is_quiet() else logging.INFO,
-                           include_dashboard=res.dashboard, dashboard_host="127.0.0.1")
+        context = ray.init(
+            address="local",
+            num_cpus=res.num_cpus,
+            runtime_env={"env_vars": env, "worker_process_setup_hook": hook},
+            # "Started a local Ray instance." is Ray's INFO line; -v keeps it
+            logging_level=logging.WARNING if is_quiet() else logging.INFO,
+            include_dashboard=res.dashboard,
+            dashboard_host="127.0.0.1",
+        )
         if res.dashboard:
             log.info(f"[ray] dashboard: http://{context.dashboard_url}")
 
@@ -117,8 +133,8 @@ def check_feasible(
     what: str,
     bundle: dict[str, float],
     count: int,
-    nodes: Optional[list[dict[str, float]]] = None,
-    free: Optional[list[dict[str, float]]] = None,
+    nodes: list[dict[str, float]] | None = None,
+    free: list[dict[str, float]] | None = None,
 ) -> None:
     """Raise if `count` bundles of `bundle` can never be placed on the cluster's nodes (first-fit packing).
 
@@ -146,19 +162,31 @@ def check_feasible(
         )
 
 
-def check_config(res: ResourcesConfig, together: bool = False, nodes: Optional[list[dict[str, float]]] = None,
-                 trainer: bool = True) -> None:
+def check_config(
+    res: ResourcesConfig, together: bool = False, nodes: list[dict[str, float]] | None = None, trainer: bool = True
+) -> None:
     """Check the trainer group and the index pool fit the cluster: each on its own when they take turns, or both
     at once (`together`: live index refresh keeps the pool busy while the trainer runs). `trainer=False` (no
     retriever training in this run): only the pool is checked."""
     t, p = res.trainer, res.pool
     nodes = node_capacities() if nodes is None else nodes
     free = [dict(n) for n in nodes] if together else None
-    pool_what = "resources.pool (alongside resources.trainer: refresh.enabled runs both at once)" if together else "resources.pool"
+    pool_what = (
+        "resources.pool (alongside resources.trainer: refresh.enabled runs both at once)"
+        if together
+        else "resources.pool"
+    )
     groups = [
-        ("resources.trainer", {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {}), **t.resources}, t.num_workers),
-        (pool_what, {"CPU": p.cpus_per_actor, **({"GPU": p.gpus_per_actor} if p.gpus_per_actor else {}), **p.resources},
-         p.num_actors),
+        (
+            "resources.trainer",
+            {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {}), **t.resources},
+            t.num_workers,
+        ),
+        (
+            pool_what,
+            {"CPU": p.cpus_per_actor, **({"GPU": p.gpus_per_actor} if p.gpus_per_actor else {}), **p.resources},
+            p.num_actors,
+        ),
     ][0 if trainer else 1 :]
     # The group with more resource kinds (e.g. the pool's `index_node` label) is placed first: it can go to fewer
     # nodes, and the pipeline also reserves it first (the zero-shot index is built before training starts).

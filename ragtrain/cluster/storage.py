@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ragtrain.errors import ConfigError
 
@@ -40,9 +40,12 @@ def shared_paths(cfg: Any, out: Path) -> tuple[dict[str, str], dict[str, str]]:
     if cfg.retriever.teacher.path:
         read["retriever.teacher.path"] = cfg.retriever.teacher.path
     g = cfg.generator
-    for key, value in (("retriever.model", cfg.retriever.model), ("generator.model", g.model),
-                       ("generator.tokenizer", g.tokenizer or ""), ("generator.retrieval.index_dir",
-                                                                     g.retrieval.index_dir or "")):
+    for key, value in (
+        ("retriever.model", cfg.retriever.model),
+        ("generator.model", g.model),
+        ("generator.tokenizer", g.tokenizer or ""),
+        ("generator.retrieval.index_dir", g.retrieval.index_dir or ""),
+    ):
         if os.path.isabs(value):  # a local folder (the config made it absolute); hub names are not paths
             read[key] = value
     return written, read
@@ -55,8 +58,12 @@ def _look(paths: list[str]) -> tuple[str, list[bool]]:
     return ray.get_runtime_context().get_node_id(), [os.path.exists(p) for p in paths]
 
 
-def check_shared_paths(written: dict[str, str], read: dict[str, str], timeout_s: float = PROBE_TIMEOUT_S,
-                       nodes: Optional[list[dict]] = None) -> list[str]:
+def check_shared_paths(
+    written: dict[str, str],
+    read: dict[str, str],
+    timeout_s: float = PROBE_TIMEOUT_S,
+    nodes: list[dict] | None = None,
+) -> list[str]:
     """ConfigError naming the key and the node when a path is not visible from every alive node; returns the ids
     of the nodes that looked (a single node: none, nothing to check). `written` folders get a probe file (removed
     after)."""
@@ -78,8 +85,10 @@ def check_shared_paths(written: dict[str, str], read: dict[str, str], timeout_s:
         keys = list(probes) + list(read)
         paths = [probes[k] for k in probes] + [read[k] for k in read]
         look = ray.remote(num_cpus=0)(_look)
-        refs = [look.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(paths)
-                for n in nodes]
+        refs = [
+            look.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(paths)
+            for n in nodes
+        ]
         where = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in nodes}
         answers = ray.get(refs, timeout=timeout_s)
         for node_id, seen in answers:
@@ -89,7 +98,8 @@ def check_shared_paths(written: dict[str, str], read: dict[str, str], timeout_s:
                     raise ConfigError(
                         f"{key}={shown!r} is not visible from node {node_id[:12]} ({where.get(node_id, '?')}): on a "
                         f"cluster of {len(nodes)} nodes it must be on a filesystem every node mounts (NFS, EFS, a "
-                        "ReadWriteMany volume; README: Cluster)")
+                        "ReadWriteMany volume; README: Cluster)"
+                    )
     finally:
         for probe in probes.values():
             Path(probe).unlink(missing_ok=True)

@@ -52,9 +52,11 @@ def chunk_document(doc: dict[str, str], tokenizer: Any, max_tokens: int, overlap
     n_title = len(token_spans(tokenizer, title)) if title else 0
     budget = max_tokens - n_title
     if budget <= overlap:
-        raise DataError(f"{doc.get('source', '?')}: the title of document {doc['id']!r} takes {n_title} of "
-                        f"data.chunk.max_tokens={max_tokens} tokens, leaving {budget} for text with "
-                        f"data.chunk.overlap={overlap}: raise max_tokens or shorten the title")
+        raise DataError(
+            f"{doc.get('source', '?')}: the title of document {doc['id']!r} takes {n_title} of "
+            f"data.chunk.max_tokens={max_tokens} tokens, leaving {budget} for text with "
+            f"data.chunk.overlap={overlap}: raise max_tokens or shorten the title"
+        )
     spans = token_spans(tokenizer, text)
     if not spans:  # nothing the tokenizer keeps: one passage, so the document is still retrievable by title
         return [_passage(doc, 0, 0, len(text))]
@@ -79,5 +81,11 @@ def chunk_document(doc: dict[str, str], tokenizer: Any, max_tokens: int, overlap
 
 def _passage(doc: dict[str, str], k: int, start: int, end: int) -> dict[str, Any]:
     """One chunk record."""
-    return {"id": f"{doc['id']}#{k}", "doc_id": doc["id"], "title": doc.get("title", ""),
-            "text": doc["text"][start:end], "start": start, "end": end}
+    return {
+        "id": f"{doc['id']}#{k}",
+        "doc_id": doc["id"],
+        "title": doc.get("title", ""),
+        "text": doc["text"][start:end],
+        "start": start,
+        "end": end,
+    }

@@ -6,7 +6,6 @@ import hashlib
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator
-from typing import Optional
 
 from ragtrain.data.types import DataError
 
@@ -20,7 +19,8 @@ _CONTROLS = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x84\x86-\x9f]")
 
 
 def clean_text(text: str) -> str:
-    """NFC; control characters removed; line breaks unified; runs of spaces collapsed; lines stripped; at most one blank line in a row."""
+    """NFC; control characters removed; line breaks unified; runs of spaces collapsed; lines stripped; at most one
+    blank line in a row."""
     text = _CONTROLS.sub("", unicodedata.normalize("NFC", text)).replace("\r\n", "\n").replace("\r", "\n")
     # Paragraph breaks survive (one blank line): the chunker prefers them as boundaries.
     lines = [_SPACES.sub(" ", line).strip() for line in text.split("\n")]
@@ -33,8 +33,10 @@ def check_id(doc_id: str, where: str, kind: str = "document") -> None:
         raise DataError(f"{where}: empty {kind} id")
     m = _BAD_ID.search(doc_id)
     if m:
-        raise DataError(f"{where}: {kind} id {doc_id!r} contains {m.group()!r} (tabs and line breaks are not "
-                        "allowed in ids: qrels are tab-separated and the saved index lists one id a line)")
+        raise DataError(
+            f"{where}: {kind} id {doc_id!r} contains {m.group()!r} (tabs and line breaks are not "
+            "allowed in ids: qrels are tab-separated and the saved index lists one id a line)"
+        )
 
 
 def clean(doc: dict[str, str]) -> dict[str, str]:
@@ -71,8 +73,9 @@ def dedupe(docs: Iterable[dict[str, str]]) -> tuple[list[dict[str, str]], dict[s
     return list(dedupe_stream(docs, dropped, locate)), dropped
 
 
-def dedupe_stream(docs: Iterable[dict[str, str]], dropped: dict[str, str],
-                  locate: Optional[Callable[[str], str]] = None) -> Iterator[dict[str, str]]:
+def dedupe_stream(
+    docs: Iterable[dict[str, str]], dropped: dict[str, str], locate: Callable[[str], str] | None = None
+) -> Iterator[dict[str, str]]:
     """Yield the cleaned docs whose content is new, recording {dropped id: kept id} in `dropped` as it goes.
 
     Only ids and content digests are kept, so a corpus of any size streams through. A repeated id raises DataError

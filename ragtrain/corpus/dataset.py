@@ -15,14 +15,29 @@ from .chunk import chunk_document
 from .clean import check_id, clean, dedupe_stream
 from .read import FileError, list_documents, open_documents, read_file
 
-__all__ = ["beir_corpus_files", "check_chunk_budget", "check_corpus_ids", "chunk_data", "load_documents", "locate",
-           "passage_qrels"]
+__all__ = [
+    "beir_corpus_files",
+    "check_chunk_budget",
+    "check_corpus_ids",
+    "chunk_data",
+    "load_documents",
+    "locate",
+    "passage_qrels",
+]
 
 
-def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail", split: str = "dev",
-                   dev_size: float = 100, seed: int = 0, log: Callable[[str], None] = print,
-                   store_path: str | Path | None = None, on_ray: bool = False,
-                   files: Sequence[Path] | None = None) -> tuple[RetrievalData, dict[str, int]]:
+def load_documents(
+    root: str | Path,
+    glob: str = "**/*",
+    on_error: str = "fail",
+    split: str = "dev",
+    dev_size: float = 100,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    store_path: str | Path | None = None,
+    on_ray: bool = False,
+    files: Sequence[Path] | None = None,
+) -> tuple[RetrievalData, dict[str, int]]:
     """(whole-document RetrievalData, report counts) of a documents folder with queries.jsonl + qrels/<split>.tsv.
 
     Files are read and cleaned one at a time in this process, or (`on_ray`) in parallel by Ray Data tasks that
@@ -64,22 +79,33 @@ def load_documents(root: str | Path, glob: str = "**/*", on_error: str = "fail",
                 yield clean(d)
 
     dropped: dict[str, str] = {}
-    kept = (Passage(id=d["id"], title=d["title"], text=d["text"])
-            for d in dedupe_stream(documents(), dropped, lambda doc_id: locate(files, root, doc_id)))
+    kept = (
+        Passage(id=d["id"], title=d["title"], text=d["text"])
+        for d in dedupe_stream(documents(), dropped, lambda doc_id: locate(files, root, doc_id))
+    )
     # ids are unique once deduplicated: the store need not keep a set of them to check
-    corpus: Mapping[str, Passage] = ({p.id: p for p in kept} if store_path is None
-                                     else write_store(store_path, kept, check_ids=False))
+    corpus: Mapping[str, Passage] = (
+        {p.id: p for p in kept} if store_path is None else write_store(store_path, kept, check_ids=False)
+    )
     for msg in skipped[:5]:
         log(f"[data] skipped {msg}")
     if not len(corpus):
-        raise DataError(f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
-                        f"({len(skipped)} skipped with data.on_error=skip)")
+        raise DataError(
+            f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
+            f"({len(skipped)} skipped with data.on_error=skip)"
+        )
     data = load_beir(root, split=split, dev_size=dev_size, seed=seed, corpus=corpus, doc_alias=dropped)
     check_corpus_ids(data, str(root))
-    report = {"files": len(files), "skipped_files": len(skipped), "documents": read[0],
-              "duplicates_dropped": len(dropped)}
-    log(f"[data] {root}: {len(files)} files, {read[0]} documents, {len(dropped)} exact duplicates dropped, "
-        f"{len(skipped)} files skipped")
+    report = {
+        "files": len(files),
+        "skipped_files": len(skipped),
+        "documents": read[0],
+        "duplicates_dropped": len(dropped),
+    }
+    log(
+        f"[data] {root}: {len(files)} files, {read[0]} documents, {len(dropped)} exact duplicates dropped, "
+        f"{len(skipped)} files skipped"
+    )
     return data, report
 
 
@@ -112,13 +138,22 @@ def check_chunk_budget(max_tokens: int, model_max: int, passage_max_length: int,
     """ConfigError if a chunk of `max_tokens` (+ special tokens) would be truncated by the encoder."""
     limit = min(model_max, passage_max_length) - special
     if max_tokens > limit:
-        raise ConfigError(f"data.chunk.max_tokens must be <= {limit} (retriever.passage_max_length="
-                          f"{passage_max_length}, encoder maximum {model_max}, minus {special} special tokens), "
-                          f"got {max_tokens}")
+        raise ConfigError(
+            f"data.chunk.max_tokens must be <= {limit} (retriever.passage_max_length="
+            f"{passage_max_length}, encoder maximum {model_max}, minus {special} special tokens), "
+            f"got {max_tokens}"
+        )
 
 
-def chunk_data(data: RetrievalData, tokenizer: Any, max_tokens: int, overlap: int,
-               store_path: str | Path | None = None, ray_tasks: int = 0, retriever: Any = None) -> RetrievalData:
+def chunk_data(
+    data: RetrievalData,
+    tokenizer: Any,
+    max_tokens: int,
+    overlap: int,
+    store_path: str | Path | None = None,
+    ray_tasks: int = 0,
+    retriever: Any = None,
+) -> RetrievalData:
     """The same dataset with every document split into chunk passages; qrels stay on documents (doc_of).
     Documents are chunked one at a time here, or (`ray_tasks` > 0, the documents in a `PassageStore`) by up to that
     many Ray Data tasks at a time with `retriever`'s tokenizer, streamed back in order; with `store_path` the chunks
@@ -142,14 +177,24 @@ def chunk_data(data: RetrievalData, tokenizer: Any, max_tokens: int, overlap: in
             record = {"id": doc.id, "title": doc.title, "text": doc.text, "source": f"document {doc.id!r}"}
             for c in chunk_document(record, tokenizer, max_tokens, overlap):
                 doc_of[c["id"]] = doc.id
-                yield Passage(id=c["id"], title=c["title"], text=c["text"], doc_id=doc.id, start=c["start"],
-                              end=c["end"])
+                yield Passage(
+                    id=c["id"], title=c["title"], text=c["text"], doc_id=doc.id, start=c["start"], end=c["end"]
+                )
 
     # chunk ids are <document id>#<k> of unique document ids: unique, so the store keeps no set of them to check
-    corpus: Mapping[str, Passage] = ({p.id: p for p in chunks()} if store_path is None
-                                     else write_store(store_path, chunks(), check_ids=False))
-    return RetrievalData(name=data.name, corpus=corpus, queries=data.queries, train_qrels=data.train_qrels,
-                         eval_qrels=data.eval_qrels, split=data.split, answers=data.answers, doc_of=doc_of)
+    corpus: Mapping[str, Passage] = (
+        {p.id: p for p in chunks()} if store_path is None else write_store(store_path, chunks(), check_ids=False)
+    )
+    return RetrievalData(
+        name=data.name,
+        corpus=corpus,
+        queries=data.queries,
+        train_qrels=data.train_qrels,
+        eval_qrels=data.eval_qrels,
+        split=data.split,
+        answers=data.answers,
+        doc_of=doc_of,
+    )
 
 
 def passage_qrels(qrels: dict[str, dict[str, int]], doc_of: dict[str, str]) -> dict[str, dict[str, int]]:

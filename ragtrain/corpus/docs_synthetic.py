@@ -39,16 +39,26 @@ __all__ = ["write_docs_synthetic"]
 _FIRST_VARIANTS = ("", "a", "o")  # Varnel, Varnela, Varnelo
 _LAST_SWAPS = {"a": "o", "e": "a", "i": "e", "o": "a", "u": "i"}  # one vowel changed: Oskatine -> Oskatane
 _FACT = {
-    "birthplace": ["{first} was born in {value}, where the family kept a small house near the water.",
-                   "{first} grew up in {value} and went to the village school there."],
-    "occupation": ["{first} trained as {article} {value} and has worked in that trade ever since.",
-                   "For most of their working life {first} has been {article} {value}."],
-    "employer": ["Today {first} is on the payroll of the {value}.",
-                 "{first} later took a permanent post with the {value}."],
-    "founded_year": ["In {value} {first} opened a {shop} of their own with borrowed money.",
-                     "{first} set up a small {shop} in {value}, which is still open."],
-    "instrument": ["{first} plays the {value} and rarely misses a rehearsal of the town band.",
-                   "Music matters to {first}: the {value} has been their instrument since childhood."],
+    "birthplace": [
+        "{first} was born in {value}, where the family kept a small house near the water.",
+        "{first} grew up in {value} and went to the village school there.",
+    ],
+    "occupation": [
+        "{first} trained as {article} {value} and has worked in that trade ever since.",
+        "For most of their working life {first} has been {article} {value}.",
+    ],
+    "employer": [
+        "Today {first} is on the payroll of the {value}.",
+        "{first} later took a permanent post with the {value}.",
+    ],
+    "founded_year": [
+        "In {value} {first} opened a {shop} of their own with borrowed money.",
+        "{first} set up a small {shop} in {value}, which is still open.",
+    ],
+    "instrument": [
+        "{first} plays the {value} and rarely misses a rehearsal of the town band.",
+        "Music matters to {first}: the {value} has been their instrument since childhood.",
+    ],
 }
 _QUESTION = {
     "birthplace": ["Where was {name} born?", "What is the home town of {name}?"],
@@ -69,12 +79,16 @@ _FILLER = [
     "The family name appears in parish records going back several generations.",
     "{first} still answers letters by hand, usually on the back of old invoices.",
 ]
-_SIBLING = ["{rel} {name} became {article} {occupation} and plays the {instrument}.",
-            "{rel} {name}, born in {town}, works for the {employer}.",
-            "{rel} {name} opened a {shop} in {year} and is known for playing the {instrument}."]
+_SIBLING = [
+    "{rel} {name} became {article} {occupation} and plays the {instrument}.",
+    "{rel} {name}, born in {town}, works for the {employer}.",
+    "{rel} {name} opened a {shop} in {year} and is known for playing the {instrument}.",
+]
 _NAMESAKE = "Not to be confused with {name}, {article} {occupation} from {town} who plays the {instrument}."
-_DESCRIBE = ["Which {occupation} born in {town} plays the {instrument}?",
-             "Who is the {occupation} from {town} that plays the {instrument}?"]
+_DESCRIBE = [
+    "Which {occupation} born in {town} plays the {instrument}?",
+    "Who is the {occupation} from {town} that plays the {instrument}?",
+]
 
 
 def _people(rng: random.Random, num_entities: int) -> list[dict[str, str]]:
@@ -91,24 +105,31 @@ def _people(rng: random.Random, num_entities: int) -> list[dict[str, str]]:
         last = lasts[f // 2]
         if f % 2:  # the twin family: one vowel of the last name changed
             i = max(i for i, ch in enumerate(last) if ch in _LAST_SWAPS)
-            last = last[:i] + _LAST_SWAPS[last[i]] + last[i + 1:]
+            last = last[:i] + _LAST_SWAPS[last[i]] + last[i + 1 :]
         town = rng.choice(towns)  # siblings mostly share a birthplace
         for v in _FIRST_VARIANTS:
             if len(people) == num_entities:
                 break
             first = bases[f] + v
-            people.append({
-                "first": first, "name": f"{first} {last}", "family": str(f),
-                "birthplace": town if rng.random() < 0.7 else rng.choice(towns),
-                "occupation": rng.choice(_OCCUPATIONS), "employer": rng.choice(orgs),
-                "founded_year": str(rng.randint(1850, 1990)), "instrument": rng.choice(_INSTRUMENTS),
-                "shop": rng.choice(_SHOPS),
-            })
+            people.append(
+                {
+                    "first": first,
+                    "name": f"{first} {last}",
+                    "family": str(f),
+                    "birthplace": town if rng.random() < 0.7 else rng.choice(towns),
+                    "occupation": rng.choice(_OCCUPATIONS),
+                    "employer": rng.choice(orgs),
+                    "founded_year": str(rng.randint(1850, 1990)),
+                    "instrument": rng.choice(_INSTRUMENTS),
+                    "shop": rng.choice(_SHOPS),
+                }
+            )
     return people
 
 
 def _sections(rng: random.Random, p: dict[str, str], family: list[dict[str, str]], twin: dict[str, str] | None):
     """[(heading, [sentences])] of one article."""
+
     def fact(rel: str) -> str:
         return rng.choice(_FACT[rel]).format(first=p["first"], value=p[rel], article=_article(p[rel]), shop=p["shop"])
 
@@ -117,20 +138,44 @@ def _sections(rng: random.Random, p: dict[str, str], family: list[dict[str, str]
     def filler(k: int) -> list[str]:
         return [pool.pop().format(first=p["first"]) for _ in range(k)]
 
-    lead = [f"{p['name']} is a member of the {p['name'].split()[-1]} family and the subject of this article.",
-            *filler(1)]
+    lead = [
+        f"{p['name']} is a member of the {p['name'].split()[-1]} family and the subject of this article.",
+        *filler(1),
+    ]
     early = [fact("birthplace"), *filler(2)]
     career = [fact("occupation"), *filler(1), fact("employer"), fact("founded_year")]
     music = [*filler(1), fact("instrument")]
-    fam = [rng.choice(_SIBLING).format(
-        rel="Their sibling", name=s["name"], article=_article(s["occupation"]), occupation=s["occupation"],
-        instrument=s["instrument"], town=s["birthplace"], employer=s["employer"], shop=s["shop"],
-        year=s["founded_year"]) for s in family if s is not p]
+    fam = [
+        rng.choice(_SIBLING).format(
+            rel="Their sibling",
+            name=s["name"],
+            article=_article(s["occupation"]),
+            occupation=s["occupation"],
+            instrument=s["instrument"],
+            town=s["birthplace"],
+            employer=s["employer"],
+            shop=s["shop"],
+            year=s["founded_year"],
+        )
+        for s in family
+        if s is not p
+    ]
     out = [("", lead), ("Early life", early), ("Career", career), ("Music", music), ("Family", fam or filler(1))]
     if twin is not None:
-        out.append(("Namesakes", [_NAMESAKE.format(name=twin["name"], article=_article(twin["occupation"]),
-                                                   occupation=twin["occupation"], town=twin["birthplace"],
-                                                   instrument=twin["instrument"])]))
+        out.append(
+            (
+                "Namesakes",
+                [
+                    _NAMESAKE.format(
+                        name=twin["name"],
+                        article=_article(twin["occupation"]),
+                        occupation=twin["occupation"],
+                        town=twin["birthplace"],
+                        instrument=twin["instrument"],
+                    )
+                ],
+            )
+        )
     out.append(("Later years", filler(2)))
     rng.shuffle(out[1:4])  # facts are not always in the same place
     return out
@@ -143,13 +188,16 @@ def _render(fmt: str, title: str, sections) -> str:
         return "\n\n".join(parts) + "\n"
     if fmt == "html":
         body = "".join((f"<h2>{h}</h2>" if h else "") + f"<p>{' '.join(s)}</p>\n" for h, s in sections)
-        return (f"<!DOCTYPE html><html><head><title>{title}</title><style>p {{ color: #333 }}</style></head>\n"
-                f"<body><script>var tracker = 'analytics id 42';</script><h1>{title}</h1>\n{body}</body></html>\n")
+        return (
+            f"<!DOCTYPE html><html><head><title>{title}</title><style>p {{ color: #333 }}</style></head>\n"
+            f"<body><script>var tracker = 'analytics id 42';</script><h1>{title}</h1>\n{body}</body></html>\n"
+        )
     return "\n\n".join(" ".join(s) for _, s in sections) + "\n"
 
 
-def write_docs_synthetic(root: str | Path, num_entities: int = 120, seed: int = 0,
-                         dev_fraction: float = 0.15, test_fraction: float = 0.15) -> Path:
+def write_docs_synthetic(
+    root: str | Path, num_entities: int = 120, seed: int = 0, dev_fraction: float = 0.15, test_fraction: float = 0.15
+) -> Path:
     """Write the article folder (documents, queries.jsonl, qrels/{train,dev,test}.tsv) into `root`; returns it."""
     root = Path(root)
     marker = root / ".docs_synthetic"  # hidden: never read as a document
@@ -188,12 +236,18 @@ def write_docs_synthetic(root: str | Path, num_entities: int = 120, seed: int = 
         doc_id = f"articles/{slug}"
         asked = rng.sample(sorted(_QUESTION), 3)
         for rel in asked:
-            queries.append({"_id": f"q{len(queries):05d}", "text": rng.choice(_QUESTION[rel]).format(name=p["name"]),
-                            "metadata": {"answer": p[rel]}})
+            queries.append(
+                {
+                    "_id": f"q{len(queries):05d}",
+                    "text": rng.choice(_QUESTION[rel]).format(name=p["name"]),
+                    "metadata": {"answer": p[rel]},
+                }
+            )
             qrels[split_of[p["family"]]].append((queries[-1]["_id"], doc_id))
         if combos[(p["occupation"], p["birthplace"], p["instrument"])] == 1:  # a description that fits one person
-            text = rng.choice(_DESCRIBE).format(occupation=p["occupation"], town=p["birthplace"],
-                                                instrument=p["instrument"])
+            text = rng.choice(_DESCRIBE).format(
+                occupation=p["occupation"], town=p["birthplace"], instrument=p["instrument"]
+            )
             queries.append({"_id": f"q{len(queries):05d}", "text": text, "metadata": {"answer": p["name"]}})
             qrels[split_of[p["family"]]].append((queries[-1]["_id"], doc_id))
     with open(root / "queries.jsonl", "w", encoding="utf-8") as fh:

@@ -21,9 +21,10 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,8 +38,12 @@ MAX_ACTOR_RESTARTS = 3  # a dead encode actor is restarted this many times; its 
 # logical CPU starves them and the stream stalls.
 IO_CPU_RESERVE = 0.5
 # The encode actors' environment: OpenMP threads wait passively (shared cores; see cluster/resources.WORKER_ENV).
-ACTOR_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-             "TRANSFORMERS_OFFLINE": "1"}
+ACTOR_ENV = {
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
 
 
 def peak_rss_mb() -> float:
@@ -92,10 +97,20 @@ class EncodeBatch:
     batch in: {"id": [...], "text": [...]} (numpy); out: a pyarrow table {id: string, vector: fixed_size_list<dtype>}.
     """
 
-    def __init__(self, retriever: RetrieverConfig, weights: Any, max_length: int, batch_size: int = 64,
-                 precision: str = "fp32", vector_dtype: str = "float32", num_threads: Optional[int] = None,
-                 fault: Optional[EncodeFault] = None, stats_dir: Optional[str] = None, text_column: str = "text",
-                 keep_columns: bool = False):
+    def __init__(
+        self,
+        retriever: RetrieverConfig,
+        weights: Any,
+        max_length: int,
+        batch_size: int = 64,
+        precision: str = "fp32",
+        vector_dtype: str = "float32",
+        num_threads: int | None = None,
+        fault: EncodeFault | None = None,
+        stats_dir: str | None = None,
+        text_column: str = "text",
+        keep_columns: bool = False,
+    ):
         import ray
         import torch
 
@@ -134,8 +149,16 @@ class EncodeBatch:
         """[len(texts), dim] fp32 unit vectors in input order (the shared encode function)."""
         from ragtrain.retriever.encoder import encode_texts
 
-        vecs = encode_texts(self.model, self.tokenizer, list(texts), self.max_length, self.batch_size, self.precision,
-                            device=self.device, role=self.role)
+        vecs = encode_texts(
+            self.model,
+            self.tokenizer,
+            list(texts),
+            self.max_length,
+            self.batch_size,
+            self.precision,
+            device=self.device,
+            role=self.role,
+        )
         return vecs.numpy()
 
     def __call__(self, batch: dict[str, np.ndarray]):
@@ -164,9 +187,19 @@ class EncodeBatch:
                 self.rss_peaks[kind] = max(mb, self.rss_peaks.get(kind, 0.0))
             if self.batches % 25 == 1:  # the heap's course over the run: growth with rows, or a plateau
                 self.anon_series.append((self.rows, round(rss.get("anon", 0.0), 1)))
-            Path(self.stats_dir, f"{os.getpid()}.json").write_text(json.dumps(
-                {"pid": os.getpid(), "batches": self.batches, "rows": self.rows, "seconds": self.seconds,
-                 "peak_rss_mb": peak_rss_mb(), "rss_peaks_mb": self.rss_peaks, "anon_series": self.anon_series}))
+            Path(self.stats_dir, f"{os.getpid()}.json").write_text(
+                json.dumps(
+                    {
+                        "pid": os.getpid(),
+                        "batches": self.batches,
+                        "rows": self.rows,
+                        "seconds": self.seconds,
+                        "peak_rss_mb": peak_rss_mb(),
+                        "rss_peaks_mb": self.rss_peaks,
+                        "anon_series": self.anon_series,
+                    }
+                )
+            )
         flat = pa.array(vecs.reshape(-1), type=pa.from_numpy_dtype(self.vector_dtype))
         vector = pa.FixedSizeListArray.from_arrays(flat, dim)
         if self.keep_columns:
@@ -179,7 +212,9 @@ class LocalEncoder:
     """`EncodeBatch` in this process, for a few texts: the same encode function as the corpus actors."""
 
     def __init__(self, retriever: RetrieverConfig, weights: dict, batch_size: int = 64, precision: str = "fp32"):
-        self._enc = EncodeBatch(retriever, weights, retriever.passage_max_length, batch_size, Precision(precision).value)
+        self._enc = EncodeBatch(
+            retriever, weights, retriever.passage_max_length, batch_size, Precision(precision).value
+        )
 
     @property
     def dim(self) -> int:
@@ -198,8 +233,9 @@ class QueryEncoder:
     (pipeline evaluation and mining, the generator's retrieval, `python -m ragtrain.search`).
     """
 
-    def __init__(self, retriever: RetrieverConfig, snapshots: Sequence[dict], batch_size: int = 64,
-                 precision: str = "fp32"):
+    def __init__(
+        self, retriever: RetrieverConfig, snapshots: Sequence[dict], batch_size: int = 64, precision: str = "fp32"
+    ):
         if not snapshots:
             raise ValueError("QueryEncoder needs at least one encoder snapshot")
         self.retriever = retriever
@@ -209,7 +245,7 @@ class QueryEncoder:
     def dim(self) -> int:
         return self.encoders[0].dim
 
-    def encode(self, texts: Sequence[str], max_length: Optional[int] = None, role: str = "query") -> np.ndarray:
+    def encode(self, texts: Sequence[str], max_length: int | None = None, role: str = "query") -> np.ndarray:
         """[len(texts), dim] float32 unit vectors; max_length defaults to the role's configured length."""
         from ragtrain.sync.vector_avg import consensus_vectors
 
@@ -244,8 +280,11 @@ class ShardSet:
             t = pq.read_table(Path(self.folder, f), columns=list(columns))
             ids = t.column("id").to_pylist()
             vec = t.column("vector").combine_chunks()
-            arr = vec.flatten().to_numpy(zero_copy_only=False).reshape(len(vec), self.dim) if len(vec) else \
-                np.empty((0, self.dim), dtype=self.dtype)
+            arr = (
+                vec.flatten().to_numpy(zero_copy_only=False).reshape(len(vec), self.dim)
+                if len(vec)
+                else np.empty((0, self.dim), dtype=self.dtype)
+            )
             yield ids, arr
 
     def ids(self) -> list[str]:
@@ -272,7 +311,7 @@ class ShardSet:
             raise ValueError(f"{self.folder}: {len(where) - found} of {len(where)} wanted ids are not in the shards")
         return out
 
-    def read_all(self, order: Optional[Sequence[str]] = None) -> tuple[list[str], np.ndarray]:
+    def read_all(self, order: Sequence[str] | None = None) -> tuple[list[str], np.ndarray]:
         """All (ids, fp32 vectors); with `order`, rows are returned in that id order. For small corpora only
         (tests, the live-refresh service's version 0): this is the whole matrix."""
         ids: list[str] = []
@@ -284,14 +323,16 @@ class ShardSet:
             pos = {d: i for i, d in enumerate(ids)}
             missing = [d for d in order if d not in pos]
             if missing or len(order) != len(ids):
-                raise ValueError(f"{self.folder}: shards hold {len(ids)} ids, asked for {len(order)} "
-                                 f"({len(missing)} missing, e.g. {missing[:3]})")
+                raise ValueError(
+                    f"{self.folder}: shards hold {len(ids)} ids, asked for {len(order)} "
+                    f"({len(missing)} missing, e.g. {missing[:3]})"
+                )
             out = out[[pos[d] for d in order]]
             ids = list(order)
         return ids, out
 
     @classmethod
-    def load(cls, folder: str | Path) -> "ShardSet":
+    def load(cls, folder: str | Path) -> ShardSet:
         meta = Path(folder, SHARDS_META)
         if not meta.exists():
             raise FileNotFoundError(f"{meta} is missing: {folder} is not a finished vector-shard folder")
@@ -345,14 +386,30 @@ def store_dataset(store: Any, rows_per_block: int = 4096):
     ranges = [{"start": s, "stop": min(n, s + rows_per_block)} for s in range(0, n, rows_per_block)]
     # The read tasks take a fraction of a CPU, like the write tasks: an encode pool may hold the rest of the cluster
     return ray.data.from_items(ranges, override_num_blocks=len(ranges)).map_batches(
-        _read_range, fn_kwargs={"path": str(store.path)}, batch_size=1, batch_format="numpy",
-        num_cpus=IO_CPU_RESERVE / 2)
+        _read_range,
+        fn_kwargs={"path": str(store.path)},
+        batch_size=1,
+        batch_format="numpy",
+        num_cpus=IO_CPU_RESERVE / 2,
+    )
 
 
-def encode_stage(rows: Any, weights_ref: Any, retriever: RetrieverConfig, index: IndexConfig, pool: PoolResources,
-                 per_call: int, *, max_length: Optional[int] = None, vector_dtype: str = "float32",
-                 fault: Optional[EncodeFault] = None, stats_dir: Optional[str] = None, num_gpus_per_actor: float = 0.0,
-                 text_column: str = "text", keep_columns: bool = False) -> Any:
+def encode_stage(
+    rows: Any,
+    weights_ref: Any,
+    retriever: RetrieverConfig,
+    index: IndexConfig,
+    pool: PoolResources,
+    per_call: int,
+    *,
+    max_length: int | None = None,
+    vector_dtype: str = "float32",
+    fault: EncodeFault | None = None,
+    stats_dir: str | None = None,
+    num_gpus_per_actor: float = 0.0,
+    text_column: str = "text",
+    keep_columns: bool = False,
+) -> Any:
     """`rows.map_batches(EncodeBatch)` on the encode actor pool: `pool.num_actors` actors x `actor_cpus(pool)` CPUs
     (+ `num_gpus_per_actor`, + custom resources such as index_node), `per_call` rows per call; a dataset of
     (id, vector) rows, or of every input column but `text_column` plus vector (`keep_columns`)."""
@@ -366,10 +423,18 @@ def encode_stage(rows: Any, weights_ref: Any, retriever: RetrieverConfig, index:
         return rows.map_batches(
             EncodeBatch,
             fn_constructor_kwargs=dict(
-                retriever=retriever, weights=[weights_ref], max_length=max_length or retriever.passage_max_length,
-                batch_size=index.batch_size, precision=Precision(index.precision).value, vector_dtype=vector_dtype,
-                num_threads=max(1, int(pool.cpus_per_actor)), fault=fault, stats_dir=stats_dir,
-                text_column=text_column, keep_columns=keep_columns),
+                retriever=retriever,
+                weights=[weights_ref],
+                max_length=max_length or retriever.passage_max_length,
+                batch_size=index.batch_size,
+                precision=Precision(index.precision).value,
+                vector_dtype=vector_dtype,
+                num_threads=max(1, int(pool.cpus_per_actor)),
+                fault=fault,
+                stats_dir=stats_dir,
+                text_column=text_column,
+                keep_columns=keep_columns,
+            ),
             batch_size=per_call,
             batch_format="numpy",
             compute=ActorPoolStrategy(size=pool.num_actors),
@@ -389,10 +454,10 @@ def encode_to_shards(
     pool: PoolResources,
     out_dir: str | Path,
     *,
-    max_length: Optional[int] = None,
+    max_length: int | None = None,
     vector_dtype: str = "float32",
-    fault: Optional[EncodeFault] = None,
-    stats_dir: Optional[str] = None,
+    fault: EncodeFault | None = None,
+    stats_dir: str | None = None,
     progress: bool = False,
     num_gpus_per_actor: float = 0.0,
     preserve_order: bool = True,
@@ -427,15 +492,24 @@ def encode_to_shards(
     ctx.enable_progress_bars, ctx.execution_options.preserve_order = progress, preserve_order
     start = time.perf_counter()
     try:
-        ds = encode_stage(rows, weights_ref, retriever, index, pool, per_call, max_length=max_length,
-                          vector_dtype=vector_dtype, fault=fault, stats_dir=stats_dir,
-                          num_gpus_per_actor=num_gpus_per_actor)
+        ds = encode_stage(
+            rows,
+            weights_ref,
+            retriever,
+            index,
+            pool,
+            per_call,
+            max_length=max_length,
+            vector_dtype=vector_dtype,
+            fault=fault,
+            stats_dir=stats_dir,
+            num_gpus_per_actor=num_gpus_per_actor,
+        )
         # The write tasks ask for a quarter of the reserve: with 1 CPU each they could never start beside an actor
         # pool that holds all but IO_CPU_RESERVE of a small cluster (the stream would stall)
         # max_rows_per_file: without it Ray Data may gather every block into one file (seen: 20k rows, 1 file),
         # and then one write task holds all vectors and the index is built from a single "shard"
-        ds.write_parquet(str(out), max_rows_per_file=SHARD_FILE_ROWS,
-                         ray_remote_args={"num_cpus": IO_CPU_RESERVE / 2})
+        ds.write_parquet(str(out), max_rows_per_file=SHARD_FILE_ROWS, ray_remote_args={"num_cpus": IO_CPU_RESERVE / 2})
     finally:
         ctx.enable_progress_bars, ctx.execution_options.preserve_order = saved
     seconds = time.perf_counter() - start

@@ -3,8 +3,9 @@ cleaned, deduplicated and chunked (in the driver or as Ray Data tasks), streamed
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any
 
 from ragtrain.config import DataConfig, DataSource, RetrieverConfig
 from ragtrain.console import get_logger
@@ -16,10 +17,15 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
-              out_dir: Optional[Path] = None, store: bool = True,
-              start_ray: Optional[Callable[[], None]] = None, ray_tasks: int = 2,
-              stream: Optional["StreamEncode"] = None) -> RetrievalData:
+def load_data(
+    cfg: DataConfig,
+    retriever: RetrieverConfig | None = None,
+    out_dir: Path | None = None,
+    store: bool = True,
+    start_ray: Callable[[], None] | None = None,
+    ray_tasks: int = 2,
+    stream: StreamEncode | None = None,
+) -> RetrievalData:
     """The configured dataset: the synthetic KB, a BEIR folder or a documents folder, chunked when configured.
 
     `retriever` (its tokenizer) is needed for data.chunk.enabled; `out_dir` receives the generated documents
@@ -83,15 +89,32 @@ def load_data(cfg: DataConfig, retriever: Optional[RetrieverConfig] = None,
         data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, store_path=docs_store)
         check_corpus_ids(data, root)
     else:
-        data, _ = load_documents(root, cfg.glob, cfg.on_error.value, cfg.split, cfg.dev_size, cfg.seed,
-                                 store_path=docs_store, on_ray=on_ray, files=files)
+        data, _ = load_documents(
+            root,
+            cfg.glob,
+            cfg.on_error.value,
+            cfg.split,
+            cfg.dev_size,
+            cfg.seed,
+            store_path=docs_store,
+            on_ray=on_ray,
+            files=files,
+        )
     if cfg.chunk.enabled:
         n_docs = len(data.corpus)
-        data = chunk_data(data, tokenizer, cfg.chunk.max_tokens, cfg.chunk.overlap,
-                          store_path=corpus_dir / "passages.arrow" if corpus_dir else None,
-                          ray_tasks=ray_tasks if on_ray else 0, retriever=retriever)
-        log.info(f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {cfg.chunk.max_tokens} tokens "
-                 f"(overlap {cfg.chunk.overlap})")
+        data = chunk_data(
+            data,
+            tokenizer,
+            cfg.chunk.max_tokens,
+            cfg.chunk.overlap,
+            store_path=corpus_dir / "passages.arrow" if corpus_dir else None,
+            ray_tasks=ray_tasks if on_ray else 0,
+            retriever=retriever,
+        )
+        log.info(
+            f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {cfg.chunk.max_tokens} tokens "
+            f"(overlap {cfg.chunk.overlap})"
+        )
     return data
 
 
@@ -107,7 +130,7 @@ def file_size(path: Path) -> int:
 TRUNCATION_SAMPLE = 20_000  # passages tokenised to report truncation (all of a smaller corpus; else a seeded sample)
 
 
-def truncation_report(corpus: Mapping[str, Any], retriever: RetrieverConfig, seed: int = 0) -> Optional[str]:
+def truncation_report(corpus: Mapping[str, Any], retriever: RetrieverConfig, seed: int = 0) -> str | None:
     """One warning line when passages are longer than retriever.passage_max_length tokens (the encoder cuts them
     silently), or None: how many, the longest, and how to chunk them. Counted on every passage of a corpus of up to
     TRUNCATION_SAMPLE passages, else on a seeded sample of that many (the line says so)."""
@@ -118,18 +141,26 @@ def truncation_report(corpus: Mapping[str, Any], retriever: RetrieverConfig, see
     n, limit = len(corpus), retriever.passage_max_length
     rows = range(n) if n <= TRUNCATION_SAMPLE else sorted(random.Random(seed).sample(range(n), TRUNCATION_SAMPLE))
     if hasattr(corpus, "full_texts"):  # a PassageStore: read by position, never the whole corpus
-        texts = [t for i in range(0, len(rows), 1024) for t in corpus.full_texts(rows[i:i + 1024])]
+        texts = [t for i in range(0, len(rows), 1024) for t in corpus.full_texts(rows[i : i + 1024])]
     else:
         values = list(corpus.values())
         texts = [values[i].full_text() for i in rows]
     tokenizer = load_tokenizer(retriever)
-    lengths = [len(ids) for i in range(0, len(texts), 1024)
-               for ids in tokenizer(texts[i:i + 1024], add_special_tokens=True)["input_ids"]]
+    lengths = [
+        len(ids)
+        for i in range(0, len(texts), 1024)
+        for ids in tokenizer(texts[i : i + 1024], add_special_tokens=True)["input_ids"]
+    ]
     over = [x for x in lengths if x > limit]
     if not over:
         return None
-    of = f"{len(over):,} of {n:,} passages" if n <= TRUNCATION_SAMPLE else \
-        f"{len(over):,} of a sample of {len(rows):,} passages ({len(over) / len(rows):.1%} of {n:,})"
-    return (f"{of} exceed retriever.passage_max_length={limit} tokens (longest {max(over):,}, median of those "
-            f"{sorted(over)[len(over) // 2]:,}): the encoder sees only their first {limit} tokens; set "
-            "data.chunk.enabled=true to split them into passages")
+    of = (
+        f"{len(over):,} of {n:,} passages"
+        if n <= TRUNCATION_SAMPLE
+        else f"{len(over):,} of a sample of {len(rows):,} passages ({len(over) / len(rows):.1%} of {n:,})"
+    )
+    return (
+        f"{of} exceed retriever.passage_max_length={limit} tokens (longest {max(over):,}, median of those "
+        f"{sorted(over)[len(over) // 2]:,}): the encoder sees only their first {limit} tokens; set "
+        "data.chunk.enabled=true to split them into passages"
+    )

@@ -127,8 +127,13 @@ def read_on_ray(files: Sequence[Path], root: str | Path) -> Iterator[dict[str, A
     items = [{"path": str(p)} for p in files]
     with _ordered():
         ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // FILES_PER_TASK)))
-        ds = ds.map_batches(read_clean_batch, fn_kwargs={"root": str(root)}, batch_size=FILES_PER_TASK,
-                            batch_format="numpy", num_cpus=PREP_CPUS)
+        ds = ds.map_batches(
+            read_clean_batch,
+            fn_kwargs={"root": str(root)},
+            batch_size=FILES_PER_TASK,
+            batch_format="numpy",
+            num_cpus=PREP_CPUS,
+        )
         for row in _rows(ds):
             if row["error"]:
                 if row["file_error"]:
@@ -151,8 +156,9 @@ def _tokenizer(retriever: Any) -> Any:
     return _TOKENIZERS[key]
 
 
-def chunk_batch(batch: dict[str, np.ndarray], retriever: Any, store: str, max_tokens: int,
-                overlap: int) -> dict[str, np.ndarray]:
+def chunk_batch(
+    batch: dict[str, np.ndarray], retriever: Any, store: str, max_tokens: int, overlap: int
+) -> dict[str, np.ndarray]:
     """Ray Data (a task per range of a documents store): passage rows {id, title, text, doc_id, start, end}, or one
     error row for a document that cannot be chunked."""
     from ragtrain.data.store import PassageStore
@@ -185,9 +191,14 @@ def chunk_on_ray(store: Any, retriever: Any, max_tokens: int, overlap: int, task
     ranges = [{"start": s, "stop": min(n, s + DOCS_PER_CALL)} for s in range(0, n, DOCS_PER_CALL)]
     with _ordered():
         ds = ray.data.from_items(ranges, override_num_blocks=max(1, len(ranges)))
-        ds = ds.map_batches(chunk_batch, fn_kwargs=dict(retriever=retriever, store=str(store.path),
-                                                        max_tokens=max_tokens, overlap=overlap),
-                            batch_size=1, batch_format="numpy", num_cpus=PREP_CPUS, concurrency=max(1, tasks))
+        ds = ds.map_batches(
+            chunk_batch,
+            fn_kwargs=dict(retriever=retriever, store=str(store.path), max_tokens=max_tokens, overlap=overlap),
+            batch_size=1,
+            batch_format="numpy",
+            num_cpus=PREP_CPUS,
+            concurrency=max(1, tasks),
+        )
         for row in _rows(ds):
             if row["error"]:
                 raise DataError(row["error"])

@@ -33,8 +33,35 @@ _HEADING = re.compile(r"^#{1,6}\s+")
 _SETEXT_H1 = re.compile(r"^ {0,3}=+\s*$")
 # Elements whose text is never document text (lxml keeps a dropped element's tail, i.e. the text after it).
 _DROP = "//script | //style | //noscript | //template | //head | //svg | //iframe"
-_BLOCKS = ("p", "div", "br", "li", "ul", "ol", "tr", "table", "section", "article", "header", "footer", "pre",
-           "blockquote", "h1", "h2", "h3", "h4", "h5", "h6", "dt", "dd", "hr", "main", "nav", "aside", "figure")
+_BLOCKS = (
+    "p",
+    "div",
+    "br",
+    "li",
+    "ul",
+    "ol",
+    "tr",
+    "table",
+    "section",
+    "article",
+    "header",
+    "footer",
+    "pre",
+    "blockquote",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "dt",
+    "dd",
+    "hr",
+    "main",
+    "nav",
+    "aside",
+    "figure",
+)
 
 
 class FileError(DataError):
@@ -46,9 +73,11 @@ class MissingFileError(DataError):
     not mount data.root. Not a bad file, so data.on_error=skip does not skip it: the corpus would silently shrink."""
 
     def __init__(self, path: Path, where: str = ""):
-        super().__init__(f"{path}: listed when the run started but missing when read{where}: data.root must not "
-                         "change during a run, and on a Ray cluster every node must mount it (data.on_error=skip "
-                         "does not skip a missing file)")
+        super().__init__(
+            f"{path}: listed when the run started but missing when read{where}: data.root must not "
+            "change during a run, and on a Ray cluster every node must mount it (data.on_error=skip "
+            "does not skip a missing file)"
+        )
 
 
 def _not_found(path: Path) -> DataError:
@@ -76,9 +105,9 @@ def _glob_regex(pattern: str) -> re.Pattern:
                 regex += "[^/]*"
             elif c == "?":
                 regex += "[^/]"
-            elif c == "[" and "]" in seg[i + 2:]:
+            elif c == "[" and "]" in seg[i + 2 :]:
                 end = seg.index("]", i + 2)
-                inner = seg[i + 1:end]
+                inner = seg[i + 1 : end]
                 regex += "[" + ("^" + inner[1:] if inner.startswith("!") else inner) + "]"
                 i = end
             else:
@@ -120,8 +149,10 @@ def check_link(path: Path, root: Path) -> None:
         raise FileError(f"{path}: a symbolic link cycle ({getattr(e, 'strerror', None) or e})") from None
     real_root = root.resolve()
     if not target.is_relative_to(real_root):
-        raise FileError(f"{path}: a symbolic link to {target}, outside data.root ({real_root}): links may only "
-                        "point inside data.root")
+        raise FileError(
+            f"{path}: a symbolic link to {target}, outside data.root ({real_root}): links may only "
+            "point inside data.root"
+        )
 
 
 def is_reserved(rel: Path) -> bool:
@@ -146,13 +177,17 @@ def list_documents(root: str | Path, glob: str = "**/*") -> list[Path]:
         rel = p.relative_to(root)
         if match.match(rel.as_posix()) and not is_reserved(rel):
             if rel.name in _RESERVED_FILES:  # another folder's BEIR queries: not documents, and not read as queries
-                raise DataError(f"{p}: a queries file below data.root is not read (only data.root/{rel.name} "
-                                "is): move it out of data.root or narrow data.glob")
+                raise DataError(
+                    f"{p}: a queries file below data.root is not read (only data.root/{rel.name} "
+                    "is): move it out of data.root or narrow data.glob"
+                )
             files.append(p)
     files.sort()
     if not files:
-        raise DataError(f"data.root={str(root)!r} with data.glob={glob!r} matches no document file "
-                        f"(supported: {', '.join(SUPPORTED)}; queries.jsonl, qrels/ and hidden files are not documents)")
+        raise DataError(
+            f"data.root={str(root)!r} with data.glob={glob!r} matches no document file "
+            f"(supported: {', '.join(SUPPORTED)}; queries.jsonl, qrels/ and hidden files are not documents)"
+        )
     return files
 
 
@@ -177,8 +212,10 @@ def open_documents(path: str | Path, root: str | Path) -> Iterator[dict[str, str
         return _read_parquet(path, _open_parquet(path))
     if suffix not in SUPPORTED:
         # Every matching file is meant to be a document: an image or PDF in the folder is a problem to report.
-        raise FileError(f"{path}: unsupported file type {suffix or '(no extension)'!r} (supported: {', '.join(SUPPORTED)}); "
-                        "remove it or narrow data.glob")
+        raise FileError(
+            f"{path}: unsupported file type {suffix or '(no extension)'!r} (supported: {', '.join(SUPPORTED)}); "
+            "remove it or narrow data.glob"
+        )
     if suffix == ".jsonl":
         _check_text(path)
         return _read_jsonl(path)
@@ -189,9 +226,11 @@ def _single_document(path: Path, suffix: str, doc_id: str) -> list[dict[str, str
     """The one document of a .txt / .md / .html file (read whole: it is one document)."""
     size = path.stat().st_size
     if size > MAX_DOCUMENT_BYTES:
-        raise FileError(f"{path}: one document of {size / 2**20:.1f} MiB, over the {MAX_DOCUMENT_BYTES // 2**20} MiB "
-                        f"a single {suffix} file may hold (a dump rather than a document); split it into files, or into "
-                        ".jsonl records")
+        raise FileError(
+            f"{path}: one document of {size / 2**20:.1f} MiB, over the {MAX_DOCUMENT_BYTES // 2**20} MiB "
+            f"a single {suffix} file may hold (a dump rather than a document); split it into files, or into "
+            ".jsonl records"
+        )
     raw = _read_bytes(path)
     text = _decode(path, raw)
     if suffix in (".html", ".htm"):
@@ -235,8 +274,9 @@ def _check_text(path: Path) -> None:
         raise FileError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
-def _decode_block(path: Path, decoder: codecs.IncrementalDecoder, block: bytes, offset: int,
-                  final: bool = False) -> None:
+def _decode_block(
+    path: Path, decoder: codecs.IncrementalDecoder, block: bytes, offset: int, final: bool = False
+) -> None:
     """Feed one block to an incremental UTF-8 decoder; FileError with the file's byte offset of a bad sequence."""
     pending = len(decoder.getstate()[0])  # bytes of an unfinished character carried over from the last block
     try:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -48,8 +48,21 @@ SHARD_ROWS = 4096
 # (benchmarks/README.md, "One stream against two"). Blocks of about 1 MiB (~500 encoded rows of 384 dims) keep every
 # actor fed and the driver's share of the stream small.
 STREAM_BLOCK_BYTES = 1 << 20
-PASSAGE_COLUMNS = ("id", "title", "text", "doc_id", "start", "end", "doc", "first", "digest", "embed", "source",
-                   "error", "file_error")
+PASSAGE_COLUMNS = (
+    "id",
+    "title",
+    "text",
+    "doc_id",
+    "start",
+    "end",
+    "doc",
+    "first",
+    "digest",
+    "embed",
+    "source",
+    "error",
+    "file_error",
+)
 
 
 @dataclass
@@ -62,15 +75,19 @@ class StreamEncode:
     pool: PoolResources
     folder: Path
     fault: Any = None  # EncodeFault
-    key: Optional[Callable[[dict, str], str]] = None  # (weights, corpus fingerprint) -> the shards' key
+    key: Callable[[dict, str], str] | None = None  # (weights, corpus fingerprint) -> the shards' key
     # the run's whole-corpus checks (qrels, the training batch, IVF lists against the passage count): called with the
     # dataset (ids only) and the passage count by the first pass, before anything is encoded
-    precheck: Optional[Callable[[RetrievalData, int], None]] = None
-    stats_dir: Optional[str] = None  # benchmarks: per-actor rows, seconds and RSS (EncodeBatch)
+    precheck: Callable[[RetrievalData, int], None] | None = None
+    stats_dir: str | None = None  # benchmarks: per-actor rows, seconds and RSS (EncodeBatch)
 
 
-def passages_batch(batch: dict[str, np.ndarray], retriever: RetrieverConfig, chunk: Optional[tuple[int, int]],
-                   columns: Sequence[str] = PASSAGE_COLUMNS) -> dict[str, np.ndarray]:
+def passages_batch(
+    batch: dict[str, np.ndarray],
+    retriever: RetrieverConfig,
+    chunk: tuple[int, int] | None,
+    columns: Sequence[str] = PASSAGE_COLUMNS,
+) -> dict[str, np.ndarray]:
     """Ray Data (a task per block of cleaned documents): the passage rows of each document, chunked with the
     retriever's tokenizer when `chunk` = (max_tokens, overlap), else the document itself; error rows pass through.
     `columns`: the ones returned (the checks' first pass sends the driver no text)."""
@@ -78,15 +95,22 @@ def passages_batch(batch: dict[str, np.ndarray], retriever: RetrieverConfig, chu
 
     cols: dict[str, list] = {c: [] for c in PASSAGE_COLUMNS}
 
-    def emit(p: dict[str, Any], doc: str, first: bool, digest: bytes, source: str, error: str = "",
-             file_error: bool = False) -> None:
+    def emit(
+        p: dict[str, Any], doc: str, first: bool, digest: bytes, source: str, error: str = "", file_error: bool = False
+    ) -> None:
         for k in ("id", "title", "text", "doc_id"):
             cols[k].append(p.get(k, ""))
         cols["start"].append(int(p.get("start", 0)))
         cols["end"].append(int(p.get("end", 0)))
         cols["embed"].append(_full_text(p.get("title", ""), p.get("text", "")) if not error else "")
-        for k, v in (("doc", doc), ("first", first), ("digest", digest), ("source", source), ("error", error),
-                     ("file_error", file_error)):
+        for k, v in (
+            ("doc", doc),
+            ("first", first),
+            ("digest", digest),
+            ("source", source),
+            ("error", error),
+            ("file_error", file_error),
+        ):
             cols[k].append(v)
 
     tokenizer = _tokenizer(retriever) if chunk else None
@@ -124,29 +148,57 @@ def _block_bytes(size: int):
         ctx.target_max_block_size = saved
 
 
-def _passages(files: Sequence[Path], root: str, retriever: RetrieverConfig, chunk: Optional[tuple[int, int]],
-              columns: Sequence[str] = PASSAGE_COLUMNS) -> Any:
+def _passages(
+    files: Sequence[Path],
+    root: str,
+    retriever: RetrieverConfig,
+    chunk: tuple[int, int] | None,
+    columns: Sequence[str] = PASSAGE_COLUMNS,
+) -> Any:
     """read (tasks) -> clean (tasks) -> chunk (tasks): passage rows, error rows included."""
     import ray
 
     items = [{"path": str(p)} for p in files]
     ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // FILES_PER_TASK)))
-    ds = ds.map_batches(read_clean_batch, fn_kwargs={"root": root}, batch_size=FILES_PER_TASK,
-                        batch_format="numpy", num_cpus=PREP_CPUS)
-    return ds.map_batches(passages_batch, fn_kwargs={"retriever": retriever, "chunk": chunk, "columns": columns},
-                          batch_size=None, batch_format="numpy", num_cpus=PREP_CPUS)
+    ds = ds.map_batches(
+        read_clean_batch, fn_kwargs={"root": root}, batch_size=FILES_PER_TASK, batch_format="numpy", num_cpus=PREP_CPUS
+    )
+    return ds.map_batches(
+        passages_batch,
+        fn_kwargs={"retriever": retriever, "chunk": chunk, "columns": columns},
+        batch_size=None,
+        batch_format="numpy",
+        num_cpus=PREP_CPUS,
+    )
 
 
-def _dataset(files: Sequence[Path], root: str, retriever: RetrieverConfig, chunk: Optional[tuple[int, int]],
-             weights_ref: Any, enc: StreamEncode, per_call: int) -> Any:
+def _dataset(
+    files: Sequence[Path],
+    root: str,
+    retriever: RetrieverConfig,
+    chunk: tuple[int, int] | None,
+    weights_ref: Any,
+    enc: StreamEncode,
+    per_call: int,
+) -> Any:
     """read (tasks) -> clean (tasks) -> chunk (tasks) -> encode (the actor pool): rows with their vectors."""
     from .encode import encode_stage
 
     ds = _passages(files, root, retriever, chunk)
-    return encode_stage(ds, weights_ref, retriever, enc.index, enc.pool, per_call, vector_dtype=enc.index.vector_dtype,
-                        fault=enc.fault, stats_dir=enc.stats_dir, num_gpus_per_actor=enc.pool.gpus_per_actor,
-                        text_column="embed",
-                        keep_columns=True)
+    return encode_stage(
+        ds,
+        weights_ref,
+        retriever,
+        enc.index,
+        enc.pool,
+        per_call,
+        vector_dtype=enc.index.vector_dtype,
+        fault=enc.fault,
+        stats_dir=enc.stats_dir,
+        num_gpus_per_actor=enc.pool.gpus_per_actor,
+        text_column="embed",
+        keep_columns=True,
+    )
 
 
 class _Gate:
@@ -178,8 +230,9 @@ class _Gate:
         doc = self.doc = row["doc"]
         self.documents += 1
         if doc in self.seen:
-            raise DataError(f"duplicate document id {doc!r}: in {locate(self.files, self.root, doc)} and in "
-                            f"{row['source']}")
+            raise DataError(
+                f"duplicate document id {doc!r}: in {locate(self.files, self.root, doc)} and in {row['source']}"
+            )
         self.seen.add(doc)
         kept = self.first_with.setdefault(row["digest"], doc)
         self._keep = kept == doc
@@ -191,8 +244,14 @@ class _Gate:
 CHECK_COLUMNS = ("doc", "first", "digest", "source", "error", "file_error")
 
 
-def check_before_encoding(files: Sequence[Path], root: str | Path, cfg: DataConfig, retriever: RetrieverConfig,
-                          chunk: Optional[tuple[int, int]], precheck: Callable[[RetrievalData, int], None]) -> None:
+def check_before_encoding(
+    files: Sequence[Path],
+    root: str | Path,
+    cfg: DataConfig,
+    retriever: RetrieverConfig,
+    chunk: tuple[int, int] | None,
+    precheck: Callable[[RetrievalData, int], None],
+) -> None:
     """The checks that need the whole corpus, before any encoding: a first pass of read -> clean -> chunk sends the
     driver each passage's document id, digest and error only (no text), through the same gate as the stream (bad
     files, repeated ids, duplicate content), then qrels and `precheck` (the passage count against the index, the
@@ -210,17 +269,27 @@ def check_before_encoding(files: Sequence[Path], root: str | Path, cfg: DataConf
             for i in range(batch.num_rows):
                 passages += gate.keep({name: values[i] for name, values in cols.items()})
     if not passages:
-        raise DataError(f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
-                        f"({len(gate.skipped)} skipped with data.on_error=skip)")
+        raise DataError(
+            f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
+            f"({len(gate.skipped)} skipped with data.on_error=skip)"
+        )
     # every document id read will do for the qrels: those of a dropped duplicate move to its kept copy first
-    data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=gate.seen,
-                     doc_alias=gate.dropped)
+    data = load_beir(
+        root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=gate.seen, doc_alias=gate.dropped
+    )
     check_corpus_ids(data, str(root))
     precheck(data, passages)
 
 
-def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, retriever: RetrieverConfig,
-                     enc: StreamEncode, store_path: Path, log: Callable[[str], None] = print) -> RetrievalData:
+def stream_documents(
+    files: Sequence[Path],
+    root: str | Path,
+    cfg: DataConfig,
+    retriever: RetrieverConfig,
+    enc: StreamEncode,
+    store_path: Path,
+    log: Callable[[str], None] = print,
+) -> RetrievalData:
     """Read, clean, chunk and encode a documents folder in one Ray Data stream into the passage store at
     `store_path` and vector shards in `enc.folder`; returns the dataset (queries and qrels read after the corpus).
     On any error nothing of the stream is left: no store, no shard folder."""
@@ -237,8 +306,11 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
     start = time.perf_counter()
     if enc.precheck is not None:
         check_before_encoding(files, root, cfg, retriever, chunk, enc.precheck)
-        log(f"[data] {root}: the whole-corpus checks passed in {time.perf_counter() - start:.1f}s on ids, before any vector is "
-            "computed")
+        log(
+            f"[data] {root}: the whole-corpus checks passed in {time.perf_counter() - start:.1f}s on ids, before "
+            f"any vector is "
+            "computed"
+        )
     weights = enc.weights()
     per_call = max(1, enc.index.shard_size)
     gate = _Gate(files, root, cfg.on_error.value)
@@ -265,8 +337,14 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
                     row = {name: values[i] for name, values in cols.items()}
                     if not gate.keep(row):
                         continue
-                    p = Passage(id=row["id"], title=row["title"], text=row["text"], doc_id=row["doc_id"],
-                                start=row["start"], end=row["end"])
+                    p = Passage(
+                        id=row["id"],
+                        title=row["title"],
+                        text=row["text"],
+                        doc_id=row["doc_id"],
+                        start=row["start"],
+                        end=row["end"],
+                    )
                     writer.add(p)
                     if chunk is not None:
                         doc_of[p.id] = gate.doc
@@ -281,8 +359,10 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
                     ids, vecs = [], []
                     busy[0] += time.perf_counter() - t0
         if not writer.count:
-            raise DataError(f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
-                            f"({len(gate.skipped)} skipped with data.on_error=skip)")
+            raise DataError(
+                f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
+                f"({len(gate.skipped)} skipped with data.on_error=skip)"
+            )
         if ids:
             yield ids, np.concatenate(vecs)
 
@@ -296,8 +376,9 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
         # chunked: qrels name documents, not the store's chunks; every id read will do, as the qrels of a dropped
         # duplicate are moved to its kept copy (doc_alias) before they are checked
         docs: Any = store if chunk is None else gate.seen
-        data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=docs,
-                         doc_alias=gate.dropped)
+        data = load_beir(
+            root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=docs, doc_alias=gate.dropped
+        )
         check_corpus_ids(data, str(root))
         data.corpus = store
     except BaseException:
@@ -311,15 +392,26 @@ def stream_documents(files: Sequence[Path], root: str | Path, cfg: DataConfig, r
     seconds = time.perf_counter() - start
     shards.seconds = seconds
     fingerprint = data.fingerprint()
-    shards.stats = {"streamed": True, "key": enc.key(weights, fingerprint) if enc.key else "",
-                    "corpus": fingerprint, "driver_rows_s": round(busy[0], 3)}
+    shards.stats = {
+        "streamed": True,
+        "key": enc.key(weights, fingerprint) if enc.key else "",
+        "corpus": fingerprint,
+        "driver_rows_s": round(busy[0], 3),
+    }
     meta = {k: v for k, v in shards.__dict__.items() if k != "folder"}
     (folder / SHARDS_META).write_text(json.dumps(meta, indent=2))
-    log(f"[data] {root}: {len(files)} files, {gate.documents} documents, {len(gate.dropped)} exact duplicates "
-        f"dropped, {len(gate.skipped)} files skipped")
+    log(
+        f"[data] {root}: {len(files)} files, {gate.documents} documents, {len(gate.dropped)} exact duplicates "
+        f"dropped, {len(gate.skipped)} files skipped"
+    )
     if chunk is not None:
-        log(f"[data] {len(set(doc_of.values()))} documents -> {len(store)} chunks of <= {cfg.chunk.max_tokens} "
-            f"tokens (overlap {cfg.chunk.overlap})")
-    log(f"[data] read, cleaned, {'chunked, ' if chunk else ''}encoded {len(store)} passages in one Ray Data stream "
-        f"in {seconds:.1f}s ({enc.pool.num_actors} encode actors; the driver's share {busy[0]:.1f}s): vectors in {folder}")
+        log(
+            f"[data] {len(set(doc_of.values()))} documents -> {len(store)} chunks of <= {cfg.chunk.max_tokens} "
+            f"tokens (overlap {cfg.chunk.overlap})"
+        )
+    log(
+        f"[data] read, cleaned, {'chunked, ' if chunk else ''}encoded {len(store)} passages in one Ray Data stream "
+        f"in {seconds:.1f}s ({enc.pool.num_actors} encode actors; the driver's share {busy[0]:.1f}s): vectors in "
+        f"{folder}"
+    )
     return data

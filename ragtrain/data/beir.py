@@ -67,13 +67,14 @@ def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
             # Numbering counts blank lines too, so messages match what an editor shows.
             for lineno, raw in enumerate(f, start=1):
                 if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
-                    raw, offset = raw[len(codecs.BOM_UTF8):], len(codecs.BOM_UTF8)
+                    raw, offset = raw[len(codecs.BOM_UTF8) :], len(codecs.BOM_UTF8)
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
                     gz = " of the uncompressed text" if path.suffix == ".gz" else ""
-                    raise DataError(f"{path}:{lineno}: not valid UTF-8 at byte offset {offset + e.start}{gz} "
-                                    f"({e.reason})") from None
+                    raise DataError(
+                        f"{path}:{lineno}: not valid UTF-8 at byte offset {offset + e.start}{gz} ({e.reason})"
+                    ) from None
                 offset += len(raw)
                 if line.strip():
                     yield lineno, line
@@ -159,9 +160,7 @@ def _read_qrels(path: Path, doc_alias: dict[str, str] | None = None) -> Qrels:
         first = False
         cols = [c.strip() for c in line.rstrip("\r\n").split("\t")]
         if len(cols) != 3:
-            raise DataError(
-                f"{where}: expected 3 tab-separated columns (query-id, corpus-id, score), got {len(cols)}"
-            )
+            raise DataError(f"{where}: expected 3 tab-separated columns (query-id, corpus-id, score), got {len(cols)}")
         qid, docid, raw_score = cols
         if not qid or not docid:
             raise DataError(f"{where}: empty query-id or corpus-id")
@@ -175,9 +174,11 @@ def _read_qrels(path: Path, doc_alias: dict[str, str] | None = None) -> Qrels:
         if docid in grades and grades[docid] != score:
             earlier = named_as[(qid, docid)]
             if earlier != named:  # the conflict comes from deduplication: say so, the pair is not repeated as such
-                raise DataError(f"{where}: ({qid!r}, {named!r}) has score {score}, but this query scores "
-                                f"{earlier!r} {grades[docid]}, and the two are exact duplicates (one document after "
-                                f"deduplication): score the copies alike or remove one")
+                raise DataError(
+                    f"{where}: ({qid!r}, {named!r}) has score {score}, but this query scores "
+                    f"{earlier!r} {grades[docid]}, and the two are exact duplicates (one document after "
+                    f"deduplication): score the copies alike or remove one"
+                )
             raise DataError(
                 f"{where}: pair ({qid!r}, {docid!r}) repeated with a different score ({grades[docid]} vs {score})"
             )
@@ -222,9 +223,15 @@ def _dev_count(dev_size: int | float, n_train: int, train_path: Path) -> int:
     return count
 
 
-def load_beir(root: str | Path, split: str = "dev", dev_size: int | float = 100, seed: int = 0,
-              corpus: Mapping[str, Passage] | None = None, doc_alias: dict[str, str] | None = None,
-              store_path: str | Path | None = None) -> RetrievalData:
+def load_beir(
+    root: str | Path,
+    split: str = "dev",
+    dev_size: int | float = 100,
+    seed: int = 0,
+    corpus: Mapping[str, Passage] | None = None,
+    doc_alias: dict[str, str] | None = None,
+    store_path: str | Path | None = None,
+) -> RetrievalData:
     """Load a BEIR-format folder, carving a dev split from train when there is no qrels/dev.tsv.
 
     With ``corpus`` (a folder of raw documents, ragtrain/corpus) no corpus file is read and qrels ids are checked
@@ -233,9 +240,11 @@ def load_beir(root: str | Path, split: str = "dev", dev_size: int | float = 100,
     """
     root = Path(root)
     if not root.exists():
-        raise DataError(f"data.root={str(root)!r} does not exist: point data.root at a BEIR folder, or set "
-                        "RAGTRAIN_DATA to the folder that holds it (the data=scifact default is "
-                        "$RAGTRAIN_DATA/scifact, else ../shared/data/scifact next to the checkout)")
+        raise DataError(
+            f"data.root={str(root)!r} does not exist: point data.root at a BEIR folder, or set "
+            "RAGTRAIN_DATA to the folder that holds it (the data=scifact default is "
+            "$RAGTRAIN_DATA/scifact, else ../shared/data/scifact next to the checkout)"
+        )
     if not root.is_dir():
         raise DataError(f"data root {root} is not a directory")
     corpus_path = _find_file(root, "corpus.jsonl")

@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from .types import DataError, Passage, corpus_fingerprint
 
@@ -29,8 +29,16 @@ BATCH_ROWS = 4096  # rows per record batch: the unit the writer buffers and a re
 def _schema():
     import pyarrow as pa
 
-    return pa.schema([("id", pa.string()), ("title", pa.string()), ("text", pa.string()), ("doc_id", pa.string()),
-                      ("start", pa.int64()), ("end", pa.int64())])
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("title", pa.string()),
+            ("text", pa.string()),
+            ("doc_id", pa.string()),
+            ("start", pa.int64()),
+            ("end", pa.int64()),
+        ]
+    )
 
 
 def _full_text(title: str, text: str) -> str:
@@ -72,7 +80,7 @@ class StoreWriter:
             self._writer.write_batch(pa.record_batch([self._buf[c] for c in COLUMNS], schema=_schema()))
             self._buf = {c: [] for c in COLUMNS}
 
-    def close(self) -> "PassageStore":
+    def close(self) -> PassageStore:
         """Finish the file (fingerprint in its metadata), move it into place, and open it."""
         self._flush()
         self._writer.close()
@@ -92,7 +100,7 @@ class StoreWriter:
         finally:
             self._tmp.unlink(missing_ok=True)
 
-    def __enter__(self) -> "StoreWriter":
+    def __enter__(self) -> StoreWriter:
         return self
 
     def __exit__(self, exc_type, *_: Any) -> None:
@@ -118,7 +126,7 @@ def _fingerprint(count: int, path: Path) -> str:
     return corpus_fingerprint(count, rows())
 
 
-def write_store(path: str | Path, passages: Iterable[Passage], check_ids: bool = True) -> "PassageStore":
+def write_store(path: str | Path, passages: Iterable[Passage], check_ids: bool = True) -> PassageStore:
     """Write passages (any iterable, consumed once) into a store at `path` and open it; `check_ids=False` when the
     ids are unique by construction."""
     with StoreWriter(path, check_ids) as w:
@@ -135,8 +143,8 @@ class PassageStore(Mapping[str, Passage]):
         if not self.path.is_file():
             raise DataError(f"passage store {self.path} does not exist")
         self._table: Any = None
-        self._ids: Optional[list[str]] = None
-        self._row: Optional[dict[str, int]] = None
+        self._ids: list[str] | None = None
+        self._row: dict[str, int] | None = None
 
     def __reduce__(self):  # pickles as its path: workers open the file themselves
         return (PassageStore, (str(self.path),))
@@ -206,7 +214,7 @@ class PassageStore(Mapping[str, Passage]):
         for p in self.values():
             yield p.id, p
 
-    def texts(self) -> "PassageTexts":
+    def texts(self) -> PassageTexts:
         """A list-like view of the full texts by corpus position (what the trainer indexes), pickled as the path."""
         return PassageTexts(self)
 

@@ -32,55 +32,144 @@ SPLITS = ("train", "dev", "test")
 
 # Syllable pieces for pronounceable made-up names. Inner syllables take only simple
 # codas so names do not pile up unreadable consonant clusters.
-_ONSETS = ["b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
-           "br", "dr", "gr", "kr", "th", "sh", "st", "tr", "qu", "w"]
+_ONSETS = [
+    "b",
+    "d",
+    "f",
+    "g",
+    "h",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "z",
+    "br",
+    "dr",
+    "gr",
+    "kr",
+    "th",
+    "sh",
+    "st",
+    "tr",
+    "qu",
+    "w",
+]
 _VOWELS = ["a", "e", "i", "o", "u", "ae", "ei", "ou", "ia", "o", "a", "e"]
 _INNER_CODAS = ["", "", "", "n", "r", "l", "s"]
 _FINAL_CODAS = ["", "n", "r", "l", "s", "th", "nd", "rk", "m", "ne", "lle", "tine"]
 _TOWN_SUFFIXES = ["mere", "ford", "wick", "holm", "stead", "by", "haven", "moor"]
-_ORG_KINDS = ["Shipping Company", "Glassworks", "Observatory", "Printing House",
-              "Botanical Society", "Rail Consortium", "Trading Guild", "Weaving Mill",
-              "Savings Bank", "Map Bureau"]
+_ORG_KINDS = [
+    "Shipping Company",
+    "Glassworks",
+    "Observatory",
+    "Printing House",
+    "Botanical Society",
+    "Rail Consortium",
+    "Trading Guild",
+    "Weaving Mill",
+    "Savings Bank",
+    "Map Bureau",
+]
 
 _TOWN_KINDS = ["river town", "harbour town", "hill town", "market town", "mining town"]
-_OCCUPATIONS = ["glassblower", "cartographer", "beekeeper", "archivist", "clockmaker",
-                "ferry pilot", "stonemason", "botanist", "tax assessor", "bookbinder",
-                "chimney sweep", "surveyor", "apothecary", "tailor", "engraver", "orchardist"]
-_INSTRUMENTS = ["oboe", "hurdy-gurdy", "cello", "bassoon", "zither", "harp", "accordion",
-                "viola", "lute", "bagpipes", "dulcimer", "trombone", "flute", "banjo"]
+_OCCUPATIONS = [
+    "glassblower",
+    "cartographer",
+    "beekeeper",
+    "archivist",
+    "clockmaker",
+    "ferry pilot",
+    "stonemason",
+    "botanist",
+    "tax assessor",
+    "bookbinder",
+    "chimney sweep",
+    "surveyor",
+    "apothecary",
+    "tailor",
+    "engraver",
+    "orchardist",
+]
+_INSTRUMENTS = [
+    "oboe",
+    "hurdy-gurdy",
+    "cello",
+    "bassoon",
+    "zither",
+    "harp",
+    "accordion",
+    "viola",
+    "lute",
+    "bagpipes",
+    "dulcimer",
+    "trombone",
+    "flute",
+    "banjo",
+]
 _SHOPS = ["tea room", "bookbindery", "repair shop", "bakery", "print shop", "boatyard"]
 
 # Passage fact templates: the wording questions must NOT reuse verbatim.
 _FACTS = {
-    "birthplace": ["{name} was born in the {kind} of {value}.",
-                   "{name} first drew breath in {value}, a small {kind} by the coast road."],
-    "occupation": ["By trade, {name} is {article} {value}, a line of work taken up after leaving school.",
-                   "{name} earns a living as {article} {value} and has done so for many years."],
-    "founded_year": ["In {value}, {name} opened a small {shop} that still carries the family name.",
-                     "{name} established a modest {shop} in {value} with borrowed money."],
-    "instrument": ["{name} learned the {value} as a child and still performs it at local gatherings.",
-                   "Evenings find {name} practising the {value} for the village band."],
-    "employer": ["{name} is currently employed by the {value}, working mostly from its main office.",
-                 "For the past decade {name} has drawn a salary from the {value}."],
+    "birthplace": [
+        "{name} was born in the {kind} of {value}.",
+        "{name} first drew breath in {value}, a small {kind} by the coast road.",
+    ],
+    "occupation": [
+        "By trade, {name} is {article} {value}, a line of work taken up after leaving school.",
+        "{name} earns a living as {article} {value} and has done so for many years.",
+    ],
+    "founded_year": [
+        "In {value}, {name} opened a small {shop} that still carries the family name.",
+        "{name} established a modest {shop} in {value} with borrowed money.",
+    ],
+    "instrument": [
+        "{name} learned the {value} as a child and still performs it at local gatherings.",
+        "Evenings find {name} practising the {value} for the village band.",
+    ],
+    "employer": [
+        "{name} is currently employed by the {value}, working mostly from its main office.",
+        "For the past decade {name} has drawn a salary from the {value}.",
+    ],
 }
 _QUESTIONS = {
-    "birthplace": ["In which town did {name}'s life begin?", "What is the birthplace of {name}?",
-                   "Which town does {name} originally come from?"],
-    "occupation": ["What is {name}'s profession?", "What kind of job does {name} hold?",
-                   "Which trade does {name} practise?"],
-    "founded_year": ["When did {name} set up their own business?",
-                     "In what year did {name} start a business?",
-                     "What year did {name} go into business for themselves?"],
-    "instrument": ["Which musical instrument does {name} play?", "On which instrument does {name} perform?",
-                   "What instrument can {name} be heard playing?"],
-    "employer": ["Which organisation employs {name}?", "Who does {name} work for?",
-                 "Which company or institution pays {name}'s wages?"],
+    "birthplace": [
+        "In which town did {name}'s life begin?",
+        "What is the birthplace of {name}?",
+        "Which town does {name} originally come from?",
+    ],
+    "occupation": [
+        "What is {name}'s profession?",
+        "What kind of job does {name} hold?",
+        "Which trade does {name} practise?",
+    ],
+    "founded_year": [
+        "When did {name} set up their own business?",
+        "In what year did {name} start a business?",
+        "What year did {name} go into business for themselves?",
+    ],
+    "instrument": [
+        "Which musical instrument does {name} play?",
+        "On which instrument does {name} perform?",
+        "What instrument can {name} be heard playing?",
+    ],
+    "employer": [
+        "Which organisation employs {name}?",
+        "Who does {name} work for?",
+        "Which company or institution pays {name}'s wages?",
+    ],
 }
-_FILLERS = ["Friends describe {first} as {adj} and {adj2}.",
-            "{first} is rarely seen without a {item}.",
-            "Most mornings {first} walks the long way past the {place}.",
-            "Neighbours say {first} is {adj} but never {adj2}.",
-            "{first} keeps a {garden} little garden full of {plant}."]
+_FILLERS = [
+    "Friends describe {first} as {adj} and {adj2}.",
+    "{first} is rarely seen without a {item}.",
+    "Most mornings {first} walks the long way past the {place}.",
+    "Neighbours say {first} is {adj} but never {adj2}.",
+    "{first} keeps a {garden} little garden full of {plant}.",
+]
 _ADJS = ["patient", "cheerful", "stubborn", "quiet", "generous", "restless", "careful", "witty", "shy"]
 _ITEMS = ["battered notebook", "green scarf", "walking stick", "pocket compass", "tin of mints"]
 _PLACES = ["old mill", "canal bridge", "chapel", "post office", "village green"]
@@ -99,8 +188,14 @@ def _word(rng: random.Random, n_syllables: int) -> str:
     return "".join(parts).capitalize()
 
 
-def _unique_words(rng: random.Random, count: int, syllables: tuple[int, ...], banned: list[str],
-                  taken: set[str], suffixes: list[str] | None = None) -> list[str]:
+def _unique_words(
+    rng: random.Random,
+    count: int,
+    syllables: tuple[int, ...],
+    banned: list[str],
+    taken: set[str],
+    suffixes: list[str] | None = None,
+) -> list[str]:
     """Draw ``count`` distinct words containing no banned fragment (case-insensitive)."""
     out: list[str] = []
     while len(out) < count:
@@ -120,8 +215,9 @@ def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def make_synthetic(num_entities: int = 200, seed: int = 0, split: str = "dev",
-                   dev_fraction: float = 0.15, test_fraction: float = 0.15) -> RetrievalData:
+def make_synthetic(
+    num_entities: int = 200, seed: int = 0, split: str = "dev", dev_fraction: float = 0.15, test_fraction: float = 0.15
+) -> RetrievalData:
     """Generate a deterministic fictional-people knowledge base as a RetrievalData."""
     if isinstance(num_entities, bool) or not isinstance(num_entities, int) or num_entities < 10:
         raise DataError(f"data.num_entities must be an integer >= 10, got {num_entities!r}")
@@ -135,8 +231,10 @@ def make_synthetic(num_entities: int = 200, seed: int = 0, split: str = "dev",
     n_dev = max(n_dev, 1) if dev_fraction > 0 else 0
     n_test = max(n_test, 1) if test_fraction > 0 else 0
     if n_dev + n_test >= num_entities:
-        raise DataError(f"data.dev_fraction + data.test_fraction ({dev_fraction} + {test_fraction}) "
-                        f"leave no training entities out of data.num_entities={num_entities}")
+        raise DataError(
+            f"data.dev_fraction + data.test_fraction ({dev_fraction} + {test_fraction}) "
+            f"leave no training entities out of data.num_entities={num_entities}"
+        )
     if (split == "dev" and n_dev == 0) or (split == "test" and n_test == 0):
         raise DataError(f"split {split!r} is empty: data.{split}_fraction is 0")
 
@@ -144,8 +242,9 @@ def make_synthetic(num_entities: int = 200, seed: int = 0, split: str = "dev",
     taken: set[str] = set()
     banned = [v.lower() for v in _OCCUPATIONS + _INSTRUMENTS]
     towns = _unique_words(rng, 24, (1, 2), banned, taken, _TOWN_SUFFIXES)
-    orgs = [f"{p} {kind}" for p, kind in zip(_unique_words(rng, 20, (2,), banned, taken),
-                                             rng.choices(_ORG_KINDS, k=20))]
+    orgs = [
+        f"{p} {kind}" for p, kind in zip(_unique_words(rng, 20, (2,), banned, taken), rng.choices(_ORG_KINDS, k=20))
+    ]
     banned += [t.lower() for t in towns] + [o.split()[0].lower() for o in orgs]
     # Pools smaller than num_entities make many people share a first or last name,
     # so the name alone does not single out an entity's passages.
@@ -167,18 +266,28 @@ def make_synthetic(num_entities: int = 200, seed: int = 0, split: str = "dev",
     qrels: dict[str, dict[str, dict[str, int]]] = {s: {} for s in SPLITS}
     for ent, (first, last) in enumerate(names):
         name = f"{first} {last}"
-        values = {"birthplace": rng.choice(towns), "occupation": rng.choice(_OCCUPATIONS),
-                  "founded_year": str(rng.randint(1820, 1990)), "instrument": rng.choice(_INSTRUMENTS),
-                  "employer": rng.choice(orgs)}
+        values = {
+            "birthplace": rng.choice(towns),
+            "occupation": rng.choice(_OCCUPATIONS),
+            "founded_year": str(rng.randint(1820, 1990)),
+            "instrument": rng.choice(_INSTRUMENTS),
+            "employer": rng.choice(orgs),
+        }
         for rel in RELATIONS:
             value = values[rel]
             fact = rng.choice(_FACTS[rel]).format(
-                name=name, value=value, kind=rng.choice(_TOWN_KINDS), article=_article(value),
-                shop=rng.choice(_SHOPS))
+                name=name, value=value, kind=rng.choice(_TOWN_KINDS), article=_article(value), shop=rng.choice(_SHOPS)
+            )
             adj, adj2 = rng.sample(_ADJS, 2)
-            filler = rng.choice(_FILLERS).format(first=first, adj=adj, adj2=adj2, item=rng.choice(_ITEMS),
-                                                 garden=rng.choice(_GARDENS),
-                                                 place=rng.choice(_PLACES), plant=rng.choice(_PLANTS))
+            filler = rng.choice(_FILLERS).format(
+                first=first,
+                adj=adj,
+                adj2=adj2,
+                item=rng.choice(_ITEMS),
+                garden=rng.choice(_GARDENS),
+                place=rng.choice(_PLACES),
+                plant=rng.choice(_PLANTS),
+            )
             num = len(corpus) + 1
             did, qid = f"d{num:0{width}d}", f"q{num:0{width}d}"
             corpus[did] = Passage(id=did, title=name, text=f"{fact} {filler}")
@@ -186,5 +295,12 @@ def make_synthetic(num_entities: int = 200, seed: int = 0, split: str = "dev",
             answers[qid] = value
             qrels[split_of[ent]][qid] = {did: 1}
 
-    return RetrievalData(name="synthetic", corpus=corpus, queries=queries, train_qrels=qrels["train"],
-                         eval_qrels=qrels[split], split=split, answers=answers)
+    return RetrievalData(
+        name="synthetic",
+        corpus=corpus,
+        queries=queries,
+        train_qrels=qrels["train"],
+        eval_qrels=qrels[split],
+        split=split,
+        answers=answers,
+    )

@@ -1,4 +1,5 @@
-"""`python -m ragtrain.eval.paired RUN_DIR RUN_DIR [...]`: are finished runs' scores different beyond the dev set's noise?
+"""`python -m ragtrain.eval.paired RUN_DIR RUN_DIR [...]`: are finished runs' scores different beyond the dev set's
+noise?
 
 A 100-query dev set moves nDCG@10 by 0.01 per query, so two recipes 0.01 apart may be one query apart. This
 re-scores every run folder per query, on the same evaluated split, from its saved index and the encoder that built
@@ -14,9 +15,9 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -33,16 +34,18 @@ class Scored:
 
 def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     """Per-query `metric` of the run in `out` on its evaluated split (its saved index, its trained encoder)."""
+    from ragtrain.corpus.load import load_data
     from ragtrain.eval.retrieval import per_query
     from ragtrain.index.faiss_index import IndexMismatchError, load_index
     from ragtrain.index.retrieval import BuiltIndex, Retrieval
-    from ragtrain.corpus.load import load_data
     from ragtrain.search import SearchError, encoder_weights, load_run_config
 
     out = Path(out)
     if not (out / "index" / "index_meta.json").exists():
-        raise SearchError(f"{out} holds no index ({out / 'index' / 'index_meta.json'} is missing): compare run "
-                          "folders whose stages included 'index'")
+        raise SearchError(
+            f"{out} holds no index ({out / 'index' / 'index_meta.json'} is missing): compare run "
+            "folders whose stages included 'index'"
+        )
     cfg = load_run_config(out)
     with tempfile.TemporaryDirectory(prefix="ragtrain-paired-") as tmp:  # the corpus as a store, not in memory
         data = load_data(cfg.data, cfg.retriever, Path(tmp))
@@ -52,8 +55,7 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
             raise SearchError(str(e)) from None
         index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
         retrieval = Retrieval(cfg, data)  # the pipeline's own ranking (MaxP on chunks), searched in-process
-        built = BuiltIndex("saved", index, encoder_weights(cfg, index.meta.encoder, out), retrieval.doc_ids,
-                           {})
+        built = BuiltIndex("saved", index, encoder_weights(cfg, index.meta.encoder, out), retrieval.doc_ids, {})
         scores = per_query(retrieval.ranked(built), data.eval_qrels)
     if metric not in next(iter(scores.values())):
         raise SearchError(f"--metric {metric!r} is not a metric; valid choices: {list(next(iter(scores.values())))}")
@@ -78,8 +80,9 @@ def labels(runs: Sequence[str | Path]) -> list[str]:
     for r, f in zip(runs[1:], flat[1:]):
         keys = changed_keys(flat[0], f, NOT_A_RECIPE)
         # the key's last two parts: short, and still saying which `enabled` or `rank` it is (chunk.enabled, lora.rank)
-        out.append(" ".join(f"{'.'.join(k.split('.')[-2:])}={f.get(k, '<unset>')}" for k in keys)
-                   or f"{Path(r).name} (same)")
+        out.append(
+            " ".join(f"{'.'.join(k.split('.')[-2:])}={f.get(k, '<unset>')}" for k in keys) or f"{Path(r).name} (same)"
+        )
     return out
 
 
@@ -89,19 +92,30 @@ def bootstrap(runs: Sequence[Scored], resamples: int = 10_000, seed: int = 0) ->
     for r in runs[1:]:
         if sorted(r.values) != qids:
             missing = sorted(set(qids) ^ set(r.values))
-            raise ValueError(f"{r.name} evaluates other queries than {runs[0].name} ({len(missing)} differ, e.g. "
-                             f"{missing[:3]}): compare runs of the same data, split and dev carve")
+            raise ValueError(
+                f"{r.name} evaluates other queries than {runs[0].name} ({len(missing)} differ, e.g. "
+                f"{missing[:3]}): compare runs of the same data, split and dev carve"
+            )
     x = np.array([[r.values[q] for q in qids] for r in runs])  # runs x queries
     picks = np.random.default_rng(seed).integers(0, len(qids), size=(resamples, len(qids)))
     means = x[:, picks].mean(axis=2)  # runs x resamples
     diffs = means - means[0]
     out = []
     for i, r in enumerate(runs):
-        row = {"run": r.name, "queries": float(len(qids)), "mean": float(x[i].mean()),
-               "ci_low": float(np.percentile(means[i], 2.5)), "ci_high": float(np.percentile(means[i], 97.5))}
+        row = {
+            "run": r.name,
+            "queries": float(len(qids)),
+            "mean": float(x[i].mean()),
+            "ci_low": float(np.percentile(means[i], 2.5)),
+            "ci_high": float(np.percentile(means[i], 97.5)),
+        }
         if i:
-            row.update(diff=float(x[i].mean() - x[0].mean()), diff_low=float(np.percentile(diffs[i], 2.5)),
-                       diff_high=float(np.percentile(diffs[i], 97.5)), p_not_better=float((diffs[i] <= 0).mean()))
+            row.update(
+                diff=float(x[i].mean() - x[0].mean()),
+                diff_low=float(np.percentile(diffs[i], 2.5)),
+                diff_high=float(np.percentile(diffs[i], 97.5)),
+                p_not_better=float((diffs[i] <= 0).mean()),
+            )
         out.append(row)
     return out
 
@@ -110,22 +124,33 @@ def format_table(rows: Sequence[dict[str, float]], metric: str) -> str:
     """The comparison as a text table (differences against the first run)."""
     from tabulate import tabulate
 
-    body = [[r["run"], f"{r['mean']:.4f}", f"[{r['ci_low']:.4f}, {r['ci_high']:.4f}]",
-             f"{r['diff']:+.4f}" if "diff" in r else "–",
-             f"[{r['diff_low']:+.4f}, {r['diff_high']:+.4f}]" if "diff" in r else "–",
-             f"{r['p_not_better']:.3f}" if "diff" in r else "–"] for r in rows]
+    body = [
+        [
+            r["run"],
+            f"{r['mean']:.4f}",
+            f"[{r['ci_low']:.4f}, {r['ci_high']:.4f}]",
+            f"{r['diff']:+.4f}" if "diff" in r else "–",
+            f"[{r['diff_low']:+.4f}, {r['diff_high']:+.4f}]" if "diff" in r else "–",
+            f"{r['p_not_better']:.3f}" if "diff" in r else "–",
+        ]
+        for r in rows
+    ]
     head = ["run", metric, "95% interval", "Δ vs first", "Δ 95% interval", "p(Δ ≤ 0)"]
     return tabulate(body, headers=head) + f"\n({int(rows[0]['queries'])} queries, paired bootstrap)"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from ragtrain.console import quiet_cli
     from ragtrain.search import SearchError
 
     quiet_cli()
     p = argparse.ArgumentParser(prog="python -m ragtrain.eval.paired", description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", help="finished run folders (output_dir); differences are against the first, "
-                   "and each other run is named by the config keys it changes")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        help="finished run folders (output_dir); differences are against the first, "
+        "and each other run is named by the config keys it changes",
+    )
     p.add_argument("--metric", default="ndcg@10", help=f"one of {list(METRICS)}")
     p.add_argument("--resamples", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)

@@ -79,8 +79,7 @@ def _relevant(judgments: dict[str, int]) -> dict[str, int]:
     return {d: g for d, g in judgments.items() if g > 0}
 
 
-def _score_query(ranked: Sequence[str], rel: dict[str, int], ks: tuple[int, ...],
-                 depth: int) -> dict[str, float]:
+def _score_query(ranked: Sequence[str], rel: dict[str, int], ks: tuple[int, ...], depth: int) -> dict[str, float]:
     """Metrics for one query whose relevant docs (grade > 0) are ``rel`` (non-empty)."""
     # Walk the ranking once, de-duplicating, and record the 1-based rank and grade of each hit;
     # everything below is computed from these few hits, not from the whole list.
@@ -119,9 +118,7 @@ def _score_query(ranked: Sequence[str], rel: dict[str, int], ks: tuple[int, ...]
     return out
 
 
-def per_query(
-    run: Run, qrels: Qrels, ks: Sequence[int] = DEFAULT_KS
-) -> dict[str, dict[str, float]]:
+def per_query(run: Run, qrels: Qrels, ks: Sequence[int] = DEFAULT_KS) -> dict[str, dict[str, float]]:
     """Per-query metrics (qid -> metric -> value) over the evaluated queries; see module doc."""
     ks_ = _check_ks(ks)
     # Deepest rank any metric looks at; the rest of a long ranked list is never read.
@@ -135,9 +132,7 @@ def per_query(
         # Absent from the run = an empty ranking, which scores 0 everywhere.
         out[qid] = _score_query(run.get(qid, ()), rel, ks_, depth)
     if not out:
-        raise ValueError(
-            "no evaluable query: qrels is empty or no query has a relevant doc (grade > 0)"
-        )
+        raise ValueError("no evaluable query: qrels is empty or no query has a relevant doc (grade > 0)")
     return out
 
 
@@ -164,10 +159,7 @@ def run_from_scores(ids: Sequence[str], doc_ids: Sequence[str], indices: np.ndar
     # Only -1 is FAISS's "no result" marker; any other negative would silently wrap around
     # under Python indexing and name the wrong doc.
     if idx.size and (idx.min() < -1 or idx.max() >= len(doc_ids)):
-        raise ValueError(
-            f"indices must lie in [-1, {len(doc_ids) - 1}], "
-            f"got range [{idx.min()}, {idx.max()}]"
-        )
+        raise ValueError(f"indices must lie in [-1, {len(doc_ids) - 1}], got range [{idx.min()}, {idx.max()}]")
     # tolist() once: indexing a numpy array element by element is far slower than a list.
     return {qid: [doc_ids[j] for j in row if j != -1] for qid, row in zip(ids, idx.tolist())}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from ragtrain.errors import check, driver_path, local_model
 
@@ -49,8 +49,12 @@ class TinyGeneratorConfig:
     def __post_init__(self) -> None:
         for key in ("d_model", "num_layers", "num_heads", "d_ff"):
             _check(getattr(self, key) > 0, "tiny." + key, "must be > 0", getattr(self, key))
-        _check(self.d_model % self.num_heads == 0, "tiny.d_model", f"must be divisible by generator.tiny.num_heads "
-               f"({self.num_heads})", self.d_model)
+        _check(
+            self.d_model % self.num_heads == 0,
+            "tiny.d_model",
+            f"must be divisible by generator.tiny.num_heads ({self.num_heads})",
+            self.d_model,
+        )
 
 
 @dataclass
@@ -79,24 +83,36 @@ class GeneratorTrainConfig:
         k = "train."
         _check(self.batch_size > 0, k + "batch_size", "must be > 0", self.batch_size)
         _check(self.grad_accum > 0, k + "grad_accum", "must be > 0", self.grad_accum)
-        _check(self.batch_size % self.grad_accum == 0, k + "batch_size", f"must be divisible by grad_accum "
-               f"({self.grad_accum})", self.batch_size)
+        _check(
+            self.batch_size % self.grad_accum == 0,
+            k + "batch_size",
+            f"must be divisible by grad_accum ({self.grad_accum})",
+            self.batch_size,
+        )
         _check(self.lr > 0, k + "lr", "must be > 0", self.lr)
         _check(self.warmup_steps >= 0, k + "warmup_steps", "must be >= 0", self.warmup_steps)
         _check(self.max_steps >= 0, k + "max_steps", "must be >= 0", self.max_steps)
         _check(self.max_steps > 0 or self.epochs > 0, k + "epochs", "must be > 0 (or set max_steps > 0)", self.epochs)
         # epochs is 0 unless set: both set means one would be silently ignored (max_steps would win)
-        _check(not (self.max_steps > 0 and self.epochs > 0), k + "epochs", f"and generator.{k}max_steps="
-               f"{self.max_steps} are both set: set generator.{k}max_steps=0 to train by epochs, or drop epochs",
-               self.epochs)
+        _check(
+            not (self.max_steps > 0 and self.epochs > 0),
+            k + "epochs",
+            f"and generator.{k}max_steps="
+            f"{self.max_steps} are both set: set generator.{k}max_steps=0 to train by epochs, or drop epochs",
+            self.epochs,
+        )
         _check(self.grad_clip >= 0, k + "grad_clip", "must be >= 0", self.grad_clip)
         _check(self.oracle_steps >= 0, k + "oracle_steps", "must be >= 0", self.oracle_steps)
         _check(self.checkpoint_every >= 0, k + "checkpoint_every", "must be >= 0", self.checkpoint_every)
         _check(self.log_every > 0, k + "log_every", "must be > 0", self.log_every)
         # a restart resumes at a checkpoint with an empty loss window (see Config: checkpoint.every_steps)
-        _check(self.checkpoint_every % self.log_every == 0, k + "checkpoint_every", f"must be 0 or a multiple of "
-               f"generator.{k}log_every ({self.log_every}), so a restarted run logs the same loss windows",
-               self.checkpoint_every)
+        _check(
+            self.checkpoint_every % self.log_every == 0,
+            k + "checkpoint_every",
+            f"must be 0 or a multiple of "
+            f"generator.{k}log_every ({self.log_every}), so a restarted run logs the same loss windows",
+            self.checkpoint_every,
+        )
         _check(self.num_workers >= 0, k + "num_workers", "must be >= 0", self.num_workers)
         _check(self.cpus_per_worker >= 0, k + "cpus_per_worker", "must be >= 0", self.cpus_per_worker)
 
@@ -107,7 +123,7 @@ class GeneratorRetrievalConfig:
     top_k: int = 3  # passages per RAG prompt
     num_actors: int = 1  # service mode
     cpus_per_actor: float = 0.0  # 0: the actors share the trainer's CPUs (lookups are light and cached per question)
-    index_dir: Optional[str] = None  # a saved index; default: the index built by this run (<output_dir>/index)
+    index_dir: str | None = None  # a saved index; default: the index built by this run (<output_dir>/index)
     encoder_check: int = 8  # re-encode this many passages and compare with the index's vectors (0 = skip)
 
     def __post_init__(self) -> None:
@@ -137,8 +153,12 @@ class GeneratorEvalConfig:
 
 
 # generator.arch=bert2bert's own keys and their defaults (see GeneratorConfig)
-BERT2BERT_DEFAULTS: dict[str, Any] = {"encoder_layers": 0, "decoder_layers": 2, "tie_embeddings": True,
-                                      "cross_attention_init": "self"}
+BERT2BERT_DEFAULTS: dict[str, Any] = {
+    "encoder_layers": 0,
+    "decoder_layers": 2,
+    "tie_embeddings": True,
+    "cross_attention_init": "self",
+}
 
 
 @dataclass
@@ -147,17 +167,17 @@ class GeneratorConfig:
     # bert2bert: "minilm" (shipped offline) or a BERT checkpoint path; seq2seq / causal: "tiny" (built from
     # `tiny` with MiniLM's tokenizer) or a local path / name in the local HF cache (loaded offline).
     model: str = "minilm"
-    tokenizer: Optional[str] = None  # default: the model's own ("minilm" for bert2bert=minilm and tiny)
+    tokenizer: str | None = None  # default: the model's own ("minilm" for bert2bert=minilm and tiny)
     tiny: TinyGeneratorConfig = field(default_factory=TinyGeneratorConfig)
     # bert2bert only (None = the default in BERT2BERT_DEFAULTS; set under another arch, they are refused, since
     # nothing would read them):
-    encoder_layers: Optional[int] = None  # keep the first N layers of the checkpoint in the encoder (0 = all)
-    decoder_layers: Optional[int] = None  # the decoder is the checkpoint's first N layers + new cross-attention
-    tie_embeddings: Optional[bool] = None  # decoder input/output embeddings = the encoder's word embeddings
+    encoder_layers: int | None = None  # keep the first N layers of the checkpoint in the encoder (0 = all)
+    decoder_layers: int | None = None  # the decoder is the checkpoint's first N layers + new cross-attention
+    tie_embeddings: bool | None = None  # decoder input/output embeddings = the encoder's word embeddings
     # the new cross-attention starts as a copy of the layer's pretrained self-attention ("self") or from a random
     # init ("random", transformers' default)
-    cross_attention_init: Optional[str] = None
-    dropout: Optional[float] = None  # override the model's dropout (0 for the DDP-equivalence tests)
+    cross_attention_init: str | None = None
+    dropout: float | None = None  # override the model's dropout (0 for the DDP-equivalence tests)
     max_source_length: int = 128
     max_target_length: int = 16
     passage_max_tokens: int = 0  # cut each passage to this many tokens before assembling (0 = no cut)
@@ -177,29 +197,49 @@ class GeneratorConfig:
     def __post_init__(self) -> None:
         _check(bool(self.model.strip()), "model", "must name a model", self.model)
         # "tiny" builds a small T5 / GPT-2 from generator.tiny; BERT2BERT is always built from a BERT checkpoint
-        _check(not (self.model == "tiny" and Arch(self.arch) == Arch.bert2bert), "model", "'tiny' is a small T5 or "
-               "GPT-2 (generator.arch=seq2seq or causal); generator.arch=bert2bert needs a BERT checkpoint such as "
-               "'minilm'", self.model)
+        _check(
+            not (self.model == "tiny" and Arch(self.arch) == Arch.bert2bert),
+            "model",
+            "'tiny' is a small T5 or "
+            "GPT-2 (generator.arch=seq2seq or causal); generator.arch=bert2bert needs a BERT checkpoint such as "
+            "'minilm'",
+            self.model,
+        )
         # generator.tiny is read only to build model=tiny: a changed value with another model would be ignored
         changed = [k for k, v in vars(TinyGeneratorConfig()).items() if getattr(self.tiny, k) != v]
-        _check(self.model == "tiny" or not changed, f"tiny.{changed[0] if changed else ''}", "applies to "
-               f"generator.model=tiny only (this is {self.model!r}); remove it",
-               getattr(self.tiny, changed[0]) if changed else None)
+        _check(
+            self.model == "tiny" or not changed,
+            f"tiny.{changed[0] if changed else ''}",
+            f"applies to generator.model=tiny only (this is {self.model!r}); remove it",
+            getattr(self.tiny, changed[0]) if changed else None,
+        )
         self.model = local_model(self.model)  # a local folder: loaded by workers in other folders
         if self.tokenizer:
             self.tokenizer = local_model(self.tokenizer)
         set_keys = [k for k in BERT2BERT_DEFAULTS if getattr(self, k) is not None]
-        _check(Arch(self.arch) == Arch.bert2bert or not set_keys, set_keys[0] if set_keys else "arch",
-               f"applies to generator.arch=bert2bert only (this is {Arch(self.arch).value}); remove it",
-               getattr(self, set_keys[0]) if set_keys else None)
+        _check(
+            Arch(self.arch) == Arch.bert2bert or not set_keys,
+            set_keys[0] if set_keys else "arch",
+            f"applies to generator.arch=bert2bert only (this is {Arch(self.arch).value}); remove it",
+            getattr(self, set_keys[0]) if set_keys else None,
+        )
         # unset keys stay None (not filled in here: the schema's default instance is built as bert2bert, and a
         # filled-in value would then reach every other arch as if set); bert2bert reads them through `bert2bert()`
-        _check(self.encoder_layers is None or self.encoder_layers >= 0, "encoder_layers", "must be >= 0",
-               self.encoder_layers)
-        _check(self.decoder_layers is None or self.decoder_layers > 0, "decoder_layers", "must be > 0",
-               self.decoder_layers)
-        _check(self.cross_attention_init in (None, "self", "random"), "cross_attention_init", "must be one of "
-               "['self', 'random']", self.cross_attention_init)
+        _check(
+            self.encoder_layers is None or self.encoder_layers >= 0,
+            "encoder_layers",
+            "must be >= 0",
+            self.encoder_layers,
+        )
+        _check(
+            self.decoder_layers is None or self.decoder_layers > 0, "decoder_layers", "must be > 0", self.decoder_layers
+        )
+        _check(
+            self.cross_attention_init in (None, "self", "random"),
+            "cross_attention_init",
+            "must be one of ['self', 'random']",
+            self.cross_attention_init,
+        )
         _check(self.dropout is None or 0 <= self.dropout < 1, "dropout", "must be in [0, 1)", self.dropout)
         _check(8 <= self.max_source_length <= 4096, "max_source_length", "must be in [8, 4096]", self.max_source_length)
         _check(self.max_target_length > 1, "max_target_length", "must be > 1", self.max_target_length)

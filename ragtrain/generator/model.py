@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +21,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from installed packa
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # Config keys that hold a dropout probability, across the model families we build (BERT, T5, GPT-2, Llama, ...).
-_DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout_rate", "resid_pdrop", "embd_pdrop",
-                 "attn_pdrop", "attention_dropout", "dropout", "activation_dropout", "classifier_dropout")
+_DROPOUT_KEYS = (
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "dropout_rate",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "attention_dropout",
+    "dropout",
+    "activation_dropout",
+    "classifier_dropout",
+)
 
 
 def resolve_path(name: str) -> str:
-    """"minilm"/"tiny" -> the shipped all-MiniLM-L6-v2 folder; anything else is a local path or cached name."""
+    """ "minilm"/"tiny" -> the shipped all-MiniLM-L6-v2 folder; anything else is a local path or cached name."""
     from ragtrain.retriever.encoder import minilm_path
 
     return minilm_path() if name in ("minilm", "tiny") else name
@@ -38,7 +49,7 @@ def load_tokenizer(g: GeneratorConfig):  # -> transformers.PreTrainedTokenizerBa
     return AutoTokenizer.from_pretrained(resolve_path(g.tokenizer or g.model))
 
 
-def _set_dropout(config: Any, p: Optional[float]) -> None:
+def _set_dropout(config: Any, p: float | None) -> None:
     if p is None:
         return
     for key in _DROPOUT_KEYS:
@@ -90,15 +101,34 @@ def _tiny(g: GeneratorConfig, tok) -> nn.Module:
     t, p = g.tiny, 0.1 if g.dropout is None else g.dropout
     eos = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
     if g.arch == Arch.seq2seq:
-        cfg = T5Config(vocab_size=len(tok), d_model=t.d_model, d_kv=t.d_model // t.num_heads, d_ff=t.d_ff,
-                       num_layers=t.num_layers, num_decoder_layers=t.num_layers, num_heads=t.num_heads,
-                       dropout_rate=p, pad_token_id=tok.pad_token_id, eos_token_id=eos,
-                       decoder_start_token_id=tok.pad_token_id)
+        cfg = T5Config(
+            vocab_size=len(tok),
+            d_model=t.d_model,
+            d_kv=t.d_model // t.num_heads,
+            d_ff=t.d_ff,
+            num_layers=t.num_layers,
+            num_decoder_layers=t.num_layers,
+            num_heads=t.num_heads,
+            dropout_rate=p,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=eos,
+            decoder_start_token_id=tok.pad_token_id,
+        )
         return T5ForConditionalGeneration(cfg)
-    cfg = GPT2Config(vocab_size=len(tok), n_embd=t.d_model, n_layer=t.num_layers, n_head=t.num_heads,
-                     n_inner=t.d_ff, n_positions=max(512, g.max_source_length + g.max_target_length),
-                     resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, bos_token_id=tok.cls_token_id, eos_token_id=eos,
-                     pad_token_id=tok.pad_token_id)
+    cfg = GPT2Config(
+        vocab_size=len(tok),
+        n_embd=t.d_model,
+        n_layer=t.num_layers,
+        n_head=t.num_heads,
+        n_inner=t.d_ff,
+        n_positions=max(512, g.max_source_length + g.max_target_length),
+        resid_pdrop=p,
+        embd_pdrop=p,
+        attn_pdrop=p,
+        bos_token_id=tok.cls_token_id,
+        eos_token_id=eos,
+        pad_token_id=tok.pad_token_id,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -135,22 +165,34 @@ class GenModel(nn.Module):
             dec_in = labels.new_full(labels.shape, self.pad_id)
             dec_in[:, 0] = self.start_id
             dec_in[:, 1:] = labels[:, :-1].masked_fill(labels[:, :-1] < 0, self.pad_id)
-            logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=dec_in,
-                             decoder_attention_mask=(labels >= 0).long()).logits
+            logits = self.hf(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                decoder_input_ids=dec_in,
+                decoder_attention_mask=(labels >= 0).long(),
+            ).logits
             target = labels
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
-                               ignore_index=-100, reduction="sum")
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
+        )
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_beams: int = 1,
-                 max_new_tokens: int = 16) -> list[list[int]]:
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_beams: int = 1, max_new_tokens: int = 16
+    ) -> list[list[int]]:
         """Greedy (num_beams=1) or beam-search answers: token ids after the prompt, up to and excluding EOS."""
-        out = self.hf.generate(input_ids=input_ids, attention_mask=attention_mask, num_beams=num_beams,
-                               max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=self.eos_id,
-                               pad_token_id=self.pad_id, decoder_start_token_id=self.start_id
-                               if self.arch != Arch.causal else None)
+        out = self.hf.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            num_beams=num_beams,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            decoder_start_token_id=self.start_id if self.arch != Arch.causal else None,
+        )
         if self.arch == Arch.causal:  # decoder-only output repeats the (left-padded) prompt first
-            out = out[:, input_ids.shape[1]:]
+            out = out[:, input_ids.shape[1] :]
         elif out.shape[1] and bool((out[:, 0] == self.start_id).all()):
             out = out[:, 1:]
         answers = []
@@ -177,8 +219,9 @@ def build_generator(g: GeneratorConfig, tokenizer) -> GenModel:
     return GenModel(hf, g.arch, tokenizer)
 
 
-def collate(sources: Sequence[list[int]], targets: Sequence[list[int]], arch: Arch, pad_id: int,
-            for_generation: bool = False) -> dict[str, torch.Tensor]:
+def collate(
+    sources: Sequence[list[int]], targets: Sequence[list[int]], arch: Arch, pad_id: int, for_generation: bool = False
+) -> dict[str, torch.Tensor]:
     """Pad a batch. Seq2seq: sources right-padded, labels = targets (-100 pad). Causal: prompt + target in one
     sequence with -100 over the prompt (right-padded), or the prompt alone left-padded for generation."""
     if arch == Arch.causal:
@@ -189,10 +232,10 @@ def collate(sources: Sequence[list[int]], targets: Sequence[list[int]], arch: Ar
         labels = torch.full((len(seqs), n), -100, dtype=torch.long)
         for i, s in enumerate(seqs):
             if for_generation:  # left padding: the next token follows the prompt's last token directly
-                ids[i, n - len(s):], mask[i, n - len(s):] = torch.tensor(s), 1
+                ids[i, n - len(s) :], mask[i, n - len(s) :] = torch.tensor(s), 1
             else:
                 ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-                labels[i, len(sources[i]): len(s)] = torch.tensor(targets[i])
+                labels[i, len(sources[i]) : len(s)] = torch.tensor(targets[i])
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     n = max(len(s) for s in sources)
     ids = torch.full((len(sources), n), pad_id, dtype=torch.long)

@@ -14,9 +14,9 @@ question is never cut: a question that alone exceeds the budget is an error, not
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 MIN_PASSAGE_TOKENS = 4  # a passage stub shorter than this carries no fact, only noise
 
@@ -134,4 +134,3 @@ class PromptBuilder:
         """Target token ids: the answer then EOS (the decoder learns to stop)."""
         ids = self._ids(answer)[: max(1, max_target_length - 1)]
         return ids + ([self.eos] if self.eos is not None else [])
-

@@ -10,9 +10,10 @@ never ask again.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import ray
@@ -39,12 +40,20 @@ class IndexPayload:
     meta: dict = field(default_factory=dict)
 
     @classmethod
-    def from_index(cls, index, cfg: Config, weights: list[dict[str, torch.Tensor]]) -> "IndexPayload":
+    def from_index(cls, index, cfg: Config, weights: list[dict[str, torch.Tensor]]) -> IndexPayload:
         """Package a DenseIndex or RemoteIndex with the encoder snapshot(s) that built it."""
         from dataclasses import asdict
 
-        return cls(index.serialize(), list(index.doc_ids), cfg.retriever, weights,
-                   cfg.index.precision, cfg.index.nprobe, cfg.index.ef_search, asdict(index.meta))
+        return cls(
+            index.serialize(),
+            list(index.doc_ids),
+            cfg.retriever,
+            weights,
+            cfg.index.precision,
+            cfg.index.nprobe,
+            cfg.index.ef_search,
+            asdict(index.meta),
+        )
 
 
 class Searcher:
@@ -93,9 +102,9 @@ class RetrievalActor:
 class RetrievalClient:
     """Picklable worker-side handle: asks the service actors (round robin) or a local Searcher; caches answers."""
 
-    def __init__(self, mode: RetrievalMode, actors: Optional[list] = None, payload_ref: Any = None):
+    def __init__(self, mode: RetrievalMode, actors: list | None = None, payload_ref: Any = None):
         self.mode, self.actors, self.payload_ref = RetrievalMode(mode), list(actors or []), payload_ref
-        self._local: Optional[Searcher] = None
+        self._local: Searcher | None = None
         self._cache: dict[tuple[str, int], list[str]] = {}
         self._next = 0
         self.seconds = 0.0  # time spent waiting for retrieval (throughput accounting)
@@ -175,8 +184,10 @@ def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, t
         return [load_weights(folder, f.stem) for f in files]
     model, _, where = encoder.partition("@")
     if model != cfg.retriever.model:
-        raise IndexMismatchError(f"the index was built by encoder {encoder!r} but retriever.model is "
-                                 f"{cfg.retriever.model!r}: use the same retriever config as the index build")
+        raise IndexMismatchError(
+            f"the index was built by encoder {encoder!r} but retriever.model is "
+            f"{cfg.retriever.model!r}: use the same retriever config as the index build"
+        )
     if where == "init":
         torch.manual_seed(cfg.seed)  # the pipeline seeds the same way before building the untrained encoder
         return [{k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}]
@@ -186,8 +197,15 @@ def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, t
     return [load_weights(path.parent, path.stem)]
 
 
-def check_encoder(retriever: RetrieverConfig, weights: list[dict[str, torch.Tensor]], precision: str,
-                  passages: Sequence[str], index, n: int, min_cosine: float = 0.99) -> float:
+def check_encoder(
+    retriever: RetrieverConfig,
+    weights: list[dict[str, torch.Tensor]],
+    precision: str,
+    passages: Sequence[str],
+    index,
+    n: int,
+    min_cosine: float = 0.99,
+) -> float:
     """Re-encode the first `n` indexed passages and compare with the stored vectors (IndexMismatchError if off).
 
     Only the query encoder and the index's first `n` rows are needed, never the whole index.
@@ -198,15 +216,19 @@ def check_encoder(retriever: RetrieverConfig, weights: list[dict[str, torch.Tens
 
     encoder = QueryEncoder(retriever, weights, precision=Precision(precision).value)
     if encoder.dim != index.meta.dim:
-        raise IndexMismatchError(f"the retriever encoder gives {encoder.dim}-dim vectors but the index "
-                                 f"holds {index.meta.dim}-dim ones (built by {index.meta.encoder!r})")
+        raise IndexMismatchError(
+            f"the retriever encoder gives {encoder.dim}-dim vectors but the index "
+            f"holds {index.meta.dim}-dim ones (built by {index.meta.encoder!r})"
+        )
     n = min(n, len(passages))
     if n == 0:
         return float("nan")
     stored = index.reconstruct_first(n)
     if stored is None:
-        log.warning(f"[generator] the index ({index.meta.factory}) cannot give its vectors back: the encoder is "
-                    "checked by dimension only")
+        log.warning(
+            f"[generator] the index ({index.meta.factory}) cannot give its vectors back: the encoder is "
+            "checked by dimension only"
+        )
         return float("nan")
     # Compared as stored: PQ / SQ codes round a matching encoder's vectors too, so both sides pass through the codec
     fresh = index.as_stored(encoder.encode(passages[:n], retriever.passage_max_length, role="passage"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ragtrain.config import Config, ConfigError
 from ragtrain.console import get_logger
@@ -26,8 +26,10 @@ def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
     from ragtrain.generator.prompt import PromptPassages
 
     if not data.answers:
-        raise ConfigError(f"the generator stage needs short answers per question, and dataset {data.name!r} has "
-                          "none (the synthetic KB has them; BEIR retrieval sets do not): drop 'generator' from stages")
+        raise ConfigError(
+            f"the generator stage needs short answers per question, and dataset {data.name!r} has "
+            "none (the synthetic KB has them; BEIR retrieval sets do not): drop 'generator' from stages"
+        )
 
     def examples(qrels: dict[str, dict[str, int]]) -> list[GenExample]:
         out = []
@@ -39,18 +41,21 @@ def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
 
     train, evaluation = examples(data.train_qrels), examples(data.eval_qrels)
     if not train or not evaluation:
-        raise ConfigError(f"the generator stage found {len(train)} training and {len(evaluation)} {data.split} "
-                          "questions with answers: it needs both")
+        raise ConfigError(
+            f"the generator stage found {len(train)} training and {len(evaluation)} {data.split} "
+            "questions with answers: it needs both"
+        )
     g = cfg.generator
     return GenData(train, evaluation, PromptPassages(data.corpus, g.include_title))
 
 
-def preflight(cfg: Config, data: RetrievalData, out_dir: Optional[Path] = None) -> None:
+def preflight(cfg: Config, data: RetrievalData, out_dir: Path | None = None) -> None:
     """Fail fast (before any training) on inputs the generator stage cannot use."""
     g = cfg.generator
     if GenPrecision(g.train.precision) == GenPrecision.fp16 and not cfg.resources.trainer.use_gpu:
-        raise ConfigError("generator.train.precision=fp16 needs a GPU (resources.trainer.use_gpu=true); "
-                          "use bf16 or fp32 on CPU")
+        raise ConfigError(
+            "generator.train.precision=fp16 needs a GPU (resources.trainer.use_gpu=true); use bf16 or fp32 on CPU"
+        )
     gen = build_gen_data(cfg, data)
     tokenizer = check_model(cfg)
     check_prompts(cfg, gen, tokenizer)
@@ -74,23 +79,32 @@ def check_model(cfg: Config) -> Any:
         tokenizer = load_tokenizer(g)
         hf = AutoConfig.from_pretrained(resolve_path(g.model))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"generator.model={g.model!r} (tokenizer {g.tokenizer or g.model!r}) cannot be loaded "
-                          f"offline: give a local path or a name in the local HF cache ({str(e).splitlines()[0]})"
-                          ) from None
+        raise ConfigError(
+            f"generator.model={g.model!r} (tokenizer {g.tokenizer or g.model!r}) cannot be loaded "
+            f"offline: give a local path or a name in the local HF cache ({str(e).splitlines()[0]})"
+        ) from None
     if g.model == "tiny" and g.arch != Arch.bert2bert:
         return tokenizer  # built from generator.tiny: T5 (relative positions) or GPT-2 with enough positions
     if g.arch == Arch.bert2bert:
         fits, kind = hf.model_type == "bert", "a BERT checkpoint"
     else:
-        from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                            MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        )
 
-        names = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if g.arch == Arch.seq2seq else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        names = (
+            MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+            if g.arch == Arch.seq2seq
+            else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        )
         fits, kind = hf.model_type in names, f"a {'seq2seq' if g.arch == Arch.seq2seq else 'causal'} LM"
     if not fits:
         choices = [a.value for a in Arch]
-        raise ConfigError(f"generator.arch={Arch(g.arch).value} needs {kind}, and generator.model={g.model!r} is a "
-                          f"{hf.model_type!r} model: set generator.arch to the model's kind (choices: {choices})")
+        raise ConfigError(
+            f"generator.arch={Arch(g.arch).value} needs {kind}, and generator.model={g.model!r} is a "
+            f"{hf.model_type!r} model: set generator.arch to the model's kind (choices: {choices})"
+        )
     # Learned position tables end somewhere: a longer input fails inside a worker, after the retriever trained
     limit = getattr(hf, "n_positions", None) or getattr(hf, "max_position_embeddings", None)
     need, what = g.max_source_length, "generator.max_source_length"
@@ -134,7 +148,8 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
             raise FileNotFoundError(
                 f"the generator stage needs a retrieval index and there is none at {folder}: run the 'index' stage "
                 "before 'generator' (stages: [retriever, index, generator]) or set generator.retrieval.index_dir "
-                "to a saved index")
+                "to a saved index"
+            )
         index = load_index(folder, expect_corpus=data.fingerprint(), mmap=True)
         weights = load_snapshots(cfg, index.meta.encoder, out_dir)
     else:
@@ -143,8 +158,9 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
             raise IndexMismatchError("the index was built from a different corpus than the loaded data")
     # Dims always; then re-encode a few passages: a wrong encoder fails here, not as a silently poor RAG score.
     n = cfg.generator.retrieval.encoder_check
-    check_encoder(cfg.retriever, weights, cfg.index.precision, [data.corpus[d].full_text() for d in index.doc_ids[:n]],
-                  index, n)
+    check_encoder(
+        cfg.retriever, weights, cfg.index.precision, [data.corpus[d].full_text() for d in index.doc_ids[:n]], index, n
+    )
     if check_only:
         return None
     if folder is not None and ray.is_initialized():  # searchers fetch it from a host's object, not via the driver
@@ -165,8 +181,11 @@ def check_resources(cfg: Config) -> None:
     from ragtrain.cluster.resources import check_config
 
     r, t = cfg.resources, cfg.generator.train
-    trainer = replace(r.trainer, num_workers=t.num_workers or r.trainer.num_workers,
-                      cpus_per_worker=t.cpus_per_worker or r.trainer.cpus_per_worker)
+    trainer = replace(
+        r.trainer,
+        num_workers=t.num_workers or r.trainer.num_workers,
+        cpus_per_worker=t.cpus_per_worker or r.trainer.cpus_per_worker,
+    )
     check_config(replace(r, trainer=trainer))
 
 
@@ -176,12 +195,12 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
 
     modes = [p for p in PHASES.values() if p in results]
     rows = [[k] + [results[m].get(k) for m in modes] for k in ("em", "f1", "gold_in_top_k")]
-    return tabulate(rows, headers=["metric"] + [m.removeprefix("gen_") for m in modes], floatfmt=".4f",
-                    missingval="")
+    return tabulate(rows, headers=["metric"] + [m.removeprefix("gen_") for m in modes], floatfmt=".4f", missingval="")
 
 
-def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, built: Any, out_dir: Path,
-                        logger: Any) -> dict[str, dict[str, float]]:
+def run_generator_stage(
+    cfg: Config, data: RetrievalData, retrieval: Any, built: Any, out_dir: Path, logger: Any
+) -> dict[str, dict[str, float]]:
     """Train + evaluate the generator; returns {"gen_closed_book": {em, f1, n}, "gen_rag": ..., "gen_oracle":
     ..., "gen_train": {steps, seconds, wall_seconds, samples_per_s, tokens_per_s, final_loss, ...}}; writes
     <out_dir>/generator/ (generator.safetensors, predictions.json, loss_history.json, metrics.json)."""
@@ -197,30 +216,37 @@ def run_generator_stage(cfg: Config, data: RetrievalData, retrieval: Any, built:
         retrieval.release()  # the encoder pool's CPUs go to the trainer
     service = RetrievalService(payload, g.retrieval.mode, g.retrieval.num_actors, g.retrieval.cpus_per_actor)
     try:
-        fit = fit_generator(cfg, gen_data, service.client(), logger.sink() if logger else None,
-                            out_dir / "generator")
+        fit = fit_generator(cfg, gen_data, service.client(), logger.sink() if logger else None, out_dir / "generator")
     finally:
         service.shutdown()
     m = fit.metrics
     results: dict[str, dict[str, float]] = {}
     for mode, phase in PHASES.items():
         if f"{mode}/em" in m:
-            results[phase] = {k: m[f"{mode}/{k}"] for k in ("em", "f1", "n", "seconds", "gold_in_top_k")
-                              if f"{mode}/{k}" in m}
+            results[phase] = {
+                k: m[f"{mode}/{k}"] for k in ("em", "f1", "n", "seconds", "gold_in_top_k") if f"{mode}/{k}" in m
+            }
     # seconds = the training loop (rank 0, without eval and checkpoint writes); wall_seconds = the whole fit
-    results["gen_train"] = {"steps": fit.steps, "wall_seconds": fit.seconds,
-                            **{k.removeprefix("train/"): v for k, v in m.items() if k.startswith("train/")}}
+    results["gen_train"] = {
+        "steps": fit.steps,
+        "wall_seconds": fit.seconds,
+        **{k.removeprefix("train/"): v for k, v in m.items() if k.startswith("train/")},
+    }
     (out_dir / "generator" / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     if logger is not None:
         # the run summary as run/gen_train/* (like the pipeline's run/train/*); per-window curves are gen_train/*
         sink = logger.sink()
         if sink is not None:
             sink.skip_logged = cfg.resume  # a resumed run may hold these already (the stage had finished)
-            sink.log({f"{'run/' if p == 'gen_train' else ''}{p}/{k}": v for p, r in results.items()
-                      for k, v in r.items()}, step=fit.steps)
+            sink.log(
+                {f"{'run/' if p == 'gen_train' else ''}{p}/{k}": v for p, r in results.items() for k, v in r.items()},
+                step=fit.steps,
+            )
         logger.log_artifact(out_dir / "generator" / "metrics.json", "generator")
         logger.log_artifact(out_dir / "generator" / "predictions.json", "generator")
-    log.info(f"\n== generator: {g.arch.value} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "
-             f"questions, top_k={g.retrieval.top_k} ==")
+    log.info(
+        f"\n== generator: {g.arch.value} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "
+        f"questions, top_k={g.retrieval.top_k} =="
+    )
     log.info(summary_table(results))
     return results

@@ -14,17 +14,16 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager, Optional, Sequence
+from typing import Any
 
 import torch
 
 from ragtrain.config import Config
 from ragtrain.generator.config import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
-from ragtrain.precision import resolve
 from ragtrain.generator.metrics import score
 from ragtrain.generator.model import (
     AnswerDecoder,
@@ -35,6 +34,7 @@ from ragtrain.generator.model import (
 )
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.retrieval import RetrievalClient
+from ragtrain.precision import resolve
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
@@ -75,8 +75,15 @@ class Sampler:
         return self._perms[epoch][pos % self.n]
 
 
-def train_passages(ex: GenExample, hits: list[str], k: int, include_gold: bool, shuffle: bool, rng: random.Random,
-                   whole: Optional[Callable[[list[str]], int]] = None) -> list[str]:
+def train_passages(
+    ex: GenExample,
+    hits: list[str],
+    k: int,
+    include_gold: bool,
+    shuffle: bool,
+    rng: random.Random,
+    whole: Callable[[list[str]], int] | None = None,
+) -> list[str]:
     """Top-k retrieved ids; the gold passage replaces the lowest-ranked hit when missing; optionally shuffled.
 
     `whole(ids)`: how many leading ids the prompt holds whole (`PromptBuilder.whole_passages`). With it, the gold
@@ -105,11 +112,16 @@ def train_passages(ex: GenExample, hits: list[str], k: int, include_gold: bool, 
 
 def prompt_builder(g: GeneratorConfig, tokenizer) -> PromptBuilder:
     """The configured prompt template and budgets for `tokenizer`."""
-    return PromptBuilder(tokenizer, g.max_source_length, g.passage_max_tokens,
-                         Template(g.question_prefix, g.passage_prefix, g.answer_prefix), causal=g.arch == Arch.causal)
+    return PromptBuilder(
+        tokenizer,
+        g.max_source_length,
+        g.passage_max_tokens,
+        Template(g.question_prefix, g.passage_prefix, g.answer_prefix),
+        causal=g.arch == Arch.causal,
+    )
 
 
-def autocast(precision: GenPrecision, device: torch.device) -> ContextManager:
+def autocast(precision: GenPrecision, device: torch.device) -> AbstractContextManager:
     """bf16 / fp16 autocast on the device type, or nothing for fp32 (auto: bf16 where `device` runs it natively)."""
     p = GenPrecision(resolve(precision, device, "generator.train.precision", announce=False))
     if p == GenPrecision.fp32:
@@ -138,14 +150,23 @@ def load_generator(cfg: Config, folder: str | Path) -> GenModel:
     return model.eval()
 
 
-def _prompts(builder: PromptBuilder, data: GenData, exs: Sequence[GenExample], pids: Sequence[list[str]],
-             max_target: int) -> tuple[list[list[int]], list[list[int]]]:
+def _prompts(
+    builder: PromptBuilder, data: GenData, exs: Sequence[GenExample], pids: Sequence[list[str]], max_target: int
+) -> tuple[list[list[int]], list[list[int]]]:
     src = [builder.source(e.question, [data.passages[p] for p in ps]) for e, ps in zip(exs, pids)]
     return src, [builder.target(e.answers[0], max_target) for e in exs]
 
 
-def evaluate(model: GenModel, builder: PromptBuilder, data: GenData, client: RetrievalClient, cfg: Config,
-             device: torch.device, rank: int, world: int) -> tuple[dict[str, dict[str, float]], dict[str, list]]:
+def evaluate(
+    model: GenModel,
+    builder: PromptBuilder,
+    data: GenData,
+    client: RetrievalClient,
+    cfg: Config,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> tuple[dict[str, dict[str, float]], dict[str, list]]:
     """EM/F1 per eval mode; ranks split the questions and gather predictions (every rank gets the scores)."""
     g = cfg.generator
     decode = AnswerDecoder(builder.tok)
@@ -156,7 +177,7 @@ def evaluate(model: GenModel, builder: PromptBuilder, data: GenData, client: Ret
     for mode in [m for m in EVAL_MODES if m in g.eval.modes]:
         start, preds, used = time.perf_counter(), [], []
         for i in range(0, len(mine), g.eval.batch_size):
-            batch = mine[i: i + g.eval.batch_size]
+            batch = mine[i : i + g.eval.batch_size]
             if mode == "rag":
                 pids = client.search([e.question for e in batch], g.retrieval.top_k)
             else:
@@ -164,8 +185,9 @@ def evaluate(model: GenModel, builder: PromptBuilder, data: GenData, client: Ret
             src, _ = _prompts(builder, data, batch, pids, g.max_target_length)
             b = collate(src, [[] for _ in src], model.arch, model.pad_id, for_generation=True)
             with autocast(g.train.precision, device):
-                out = model.generate(b["input_ids"].to(device), b["attention_mask"].to(device), g.eval.num_beams,
-                                     g.eval.max_new_tokens)
+                out = model.generate(
+                    b["input_ids"].to(device), b["attention_mask"].to(device), g.eval.num_beams, g.eval.max_new_tokens
+                )
             preds += [decode(o) for o in out]
             used += [list(p) for p in pids]
         rows = [(e.qid, (p, u)) for e, p, u in zip(mine, preds, used)]
@@ -179,9 +201,12 @@ def evaluate(model: GenModel, builder: PromptBuilder, data: GenData, client: Ret
         results[mode] = {**score(ordered, [e.answers for e in exs]), "seconds": time.perf_counter() - start}
         if mode == "rag":  # how often retrieval put the gold passage in the prompt: EM's ceiling from retrieval
             results[mode]["gold_in_top_k"] = sum(bool(set(e.gold) & set(u)) for e, u in zip(exs, passages)) / max(
-                1, len(exs))
-        predictions[mode] = [{"qid": e.qid, "question": e.question, "prediction": p, "answers": e.answers,
-                              "passages": u} for e, p, u in zip(exs, ordered, passages)]
+                1, len(exs)
+            )
+        predictions[mode] = [
+            {"qid": e.qid, "question": e.question, "prediction": p, "answers": e.answers, "passages": u}
+            for e, p, u in zip(exs, ordered, passages)
+        ]
     model.train()
     return results, predictions
 
@@ -217,8 +242,11 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     if start_step:
         scaler.load_state_dict(extra["scaler"])
         history = list(extra["history"])
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                    else None) if world > 1 else model
+    ddp = (
+        torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if world > 1
+        else model
+    )
 
     # --- train
     win_loss, win_tokens, win_samples, win_seq_tokens = 0.0, 0, 0, 0
@@ -234,10 +262,18 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
             pids = [e.gold[:1] for e in exs]
         else:
             hits = client.search([e.question for e in exs], g.retrieval.top_k)
-            pids = [train_passages(e, h, g.retrieval.top_k, t.include_gold, t.shuffle_passages,
-                                   random.Random(f"{t.seed}-{first + j}"),
-                                   lambda ps, q=e.question: builder.whole_passages(q, [data.passages[p] for p in ps]))
-                    for e, h, j in zip(exs, hits, mine)]
+            pids = [
+                train_passages(
+                    e,
+                    h,
+                    g.retrieval.top_k,
+                    t.include_gold,
+                    t.shuffle_passages,
+                    random.Random(f"{t.seed}-{first + j}"),
+                    lambda ps, q=e.question: builder.whole_passages(q, [data.passages[p] for p in ps]),
+                )
+                for e, h, j in zip(exs, hits, mine)
+            ]
         src = [builder.source(e.question, [data.passages[p] for p in ps]) for e, ps in zip(exs, pids)]
         tgt = [targets[idx[j]] for j in mine]
         seq_tokens = sum(map(len, src)) + sum(map(len, tgt))  # non-pad tokens through the model
@@ -245,10 +281,10 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         run_tokens += seq_tokens
         loss_sum = torch.zeros((), device=device)
         for m in range(t.grad_accum):
-            b = collate(src[m * micro:(m + 1) * micro], tgt[m * micro:(m + 1) * micro], model.arch, model.pad_id)
+            b = collate(src[m * micro : (m + 1) * micro], tgt[m * micro : (m + 1) * micro], model.arch, model.pad_id)
             b = {k: v.to(device) for k, v in b.items()}
             sync = world == 1 or m == t.grad_accum - 1  # all-reduce once per optimizer step
-            with (nullcontext() if sync else ddp.no_sync()), autocast(t.precision, device):
+            with nullcontext() if sync else ddp.no_sync(), autocast(t.precision, device):
                 s = ddp(**b)
             scaler.scale(s * (world / global_tokens)).backward()
             loss_sum += s.detach()
@@ -270,17 +306,26 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
             if world > 1:  # global per-token loss; tokens of every rank
                 torch.distributed.all_reduce(stats)
             # gen_train/*: the retriever stage logs train/* into the same MLflow run
-            metrics = {"gen_train/loss": stats[0].item() / win_tokens,
-                       "gen_train/tokens_per_s": stats[1].item() / elapsed,
-                       "gen_train/samples_per_s": win_samples / elapsed, "gen_train/lr": sched.get_last_lr()[0],
-                       "gen_train/retrieval_s": client.seconds}
+            metrics = {
+                "gen_train/loss": stats[0].item() / win_tokens,
+                "gen_train/tokens_per_s": stats[1].item() / elapsed,
+                "gen_train/samples_per_s": win_samples / elapsed,
+                "gen_train/lr": sched.get_last_lr()[0],
+                "gen_train/retrieval_s": client.seconds,
+            }
             history.append({"step": done, "loss": metrics["gen_train/loss"]})
             w.log(metrics, done, steps)
             win_loss, win_tokens, win_samples, win_seq_tokens = 0.0, 0, 0, 0
         if t.checkpoint_every and done % t.checkpoint_every == 0 and done < steps:
             # every rank writes its own part (RNG states differ)
-            w.checkpoint(done, model.hf, optim, sched, {"scaler": scaler.state_dict(), "history": history},
-                         {"train/loss": history[-1]["loss"] if history else float("nan")})
+            w.checkpoint(
+                done,
+                model.hf,
+                optim,
+                sched,
+                {"scaler": scaler.state_dict(), "history": history},
+                {"train/loss": history[-1]["loss"] if history else float("nan")},
+            )
         w.end_step(done, steps)
 
     # --- evaluate
@@ -290,10 +335,15 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     if world > 1:
         torch.distributed.all_reduce(total)
     results, predictions = evaluate(model, builder, data, client, cfg, device, rank, world)
-    summary = {"step": steps, "train/seconds": loop_s, "train/samples_per_s": ran * global_batch / loop_s,
-               "train/tokens_per_s": total.item() / loop_s,
-               "train/final_loss": history[-1]["loss"], "train/retrieval_s": client.seconds,
-               **{f"{mode}/{k}": v for mode, r in results.items() for k, v in r.items()}}
+    summary = {
+        "step": steps,
+        "train/seconds": loop_s,
+        "train/samples_per_s": ran * global_batch / loop_s,
+        "train/tokens_per_s": total.item() / loop_s,
+        "train/final_loss": history[-1]["loss"],
+        "train/retrieval_s": client.seconds,
+        **{f"{mode}/{k}": v for mode, r in results.items() for k, v in r.items()},
+    }
 
     # --- save (rank 0 writes the weights and predictions into the final checkpoint)
     def write(folder: Path) -> None:
@@ -315,22 +365,29 @@ class GenFitResult:
     predictions: dict[str, list[dict]]
 
 
-def fit_generator(cfg: Config, data: GenData, client: RetrievalClient, sink: Optional[MetricSink],
-                  out_dir: Optional[Path] = None) -> GenFitResult:
+def fit_generator(
+    cfg: Config, data: GenData, client: RetrievalClient, sink: MetricSink | None, out_dir: Path | None = None
+) -> GenFitResult:
     """Driver: train + evaluate the generator on the harness; copy the final checkpoint's files to out_dir."""
     import ray
 
     r, t = cfg.resources.trainer, cfg.generator.train
     if not data.train:
         raise ValueError("the generator stage has no training questions with answers")
-    args = WorkerArgs(cfg, "generator", cpus_per_worker=t.cpus_per_worker or r.cpus_per_worker, sink=sink,
-                      refs={"data": ray.put(data), "retrieval": client})
+    args = WorkerArgs(
+        cfg,
+        "generator",
+        cpus_per_worker=t.cpus_per_worker or r.cpus_per_worker,
+        sink=sink,
+        refs={"data": ray.put(data), "retrieval": client},
+    )
     done = fit(train_loop_per_worker, args, num_workers=t.num_workers or r.num_workers)
     return _result(done.folder, done.summary, out_dir, done.seconds, done.checkpoint_path)
 
 
-def _result(folder: Path, summary: dict[str, Any], out_dir: Optional[Path], seconds: float,
-            path: Optional[str] = None) -> GenFitResult:
+def _result(
+    folder: Path, summary: dict[str, Any], out_dir: Path | None, seconds: float, path: str | None = None
+) -> GenFitResult:
     """The fit's result from its final checkpoint folder; its files are copied to out_dir."""
     import shutil
 

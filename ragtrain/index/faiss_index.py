@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
@@ -80,7 +81,7 @@ class DenseIndex:
         """Rows in the index."""
         return int(self.index.ntotal)
 
-    def reconstruct_first(self, n: int) -> Optional[np.ndarray]:
+    def reconstruct_first(self, n: int) -> np.ndarray | None:
         """The stored vectors of the first `n` rows, decoded (PQ / SQ codes give their approximation), or None for an
         index type that cannot give them back. An IVF index gets a row -> list map for the call (8 bytes a row)."""
         ivf = faiss.try_extract_index_ivf(self.index)
@@ -121,7 +122,7 @@ class DenseIndex:
         return folder
 
 
-def make_index(factory: str, dim: int, rows: Optional[int] = None) -> faiss.Index:
+def make_index(factory: str, dim: int, rows: int | None = None) -> faiss.Index:
     """An empty inner-product index from a factory string; one FAISS rejects is a ConfigError naming it. With
     `rows`, also one the corpus is too small to train (more IVF lists or PQ centroids than vectors)."""
     try:
@@ -129,7 +130,8 @@ def make_index(factory: str, dim: int, rows: Optional[int] = None) -> faiss.Inde
     except RuntimeError as e:
         raise ConfigError(
             f"index.factory={factory!r} is not a valid faiss index_factory string for dim {dim} "
-            f"(e.g. Flat, IVF64,Flat, HNSW32, IVF64,PQ16 — PQ's M must divide the dim): {str(e).strip().splitlines()[-1]}"
+            f"(e.g. Flat, IVF64,Flat, HNSW32, IVF64,PQ16 — PQ's M must divide the dim): "
+            f"{str(e).strip().splitlines()[-1]}"
         ) from None
     if rows is None or index.is_trained:
         return index
@@ -155,7 +157,7 @@ def product_quantizer(index: faiss.Index):
     return getattr(inner, "pq", None)
 
 
-def check_index_config(factory: str, dim: int, rows: Optional[int] = None) -> None:
+def check_index_config(factory: str, dim: int, rows: int | None = None) -> None:
     """Refuse, before any encoding or training, a factory FAISS rejects or (given the corpus size `rows`) one the
     corpus is too small to train."""
     make_index(factory, dim, rows)
@@ -221,19 +223,27 @@ def seed_training(index, seed: int) -> None:
         inner.pq.cp.seed = seed
 
 
-def build_configured(vectors: np.ndarray, doc_ids: Sequence[str], idx: "IndexConfig", corpus_fingerprint: str,
-                     encoder: str, encoder_step: int, seed: int) -> DenseIndex:
+def build_configured(
+    vectors: np.ndarray,
+    doc_ids: Sequence[str],
+    idx: IndexConfig,
+    corpus_fingerprint: str,
+    encoder: str,
+    encoder_step: int,
+    seed: int,
+) -> DenseIndex:
     """`build_index` with the `index` config group's factory, precision and search parameters."""
-    index = build_index(vectors, doc_ids, idx.factory, corpus_fingerprint, encoder, encoder_step,
-                        idx.precision.value, seed)
+    index = build_index(
+        vectors, doc_ids, idx.factory, corpus_fingerprint, encoder, encoder_step, idx.precision.value, seed
+    )
     index.set_search_params(idx.nprobe, idx.ef_search)
     return index
 
 
 def load_index(
     folder: str | Path,
-    expect_dim: Optional[int] = None,
-    expect_corpus: Optional[str] = None,
+    expect_dim: int | None = None,
+    expect_corpus: str | None = None,
     expect_metric: str = METRIC,
     mmap: bool = False,
 ) -> DenseIndex:
@@ -263,11 +273,14 @@ def load_index(
             f"this corpus is {expect_corpus}): rebuild the index"
         )
     try:
-        index = faiss.read_index(str(folder / INDEX_FILE),
-                                 faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if mmap else 0)
+        index = faiss.read_index(
+            str(folder / INDEX_FILE), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if mmap else 0
+        )
     except RuntimeError as e:  # FAISS's own reader: a truncated or overwritten file
-        raise IndexMismatchError(f"{folder / INDEX_FILE}: not a readable FAISS index, the file is corrupt or "
-                                 f"truncated ({str(e).strip().splitlines()[-1][:160]}): rebuild the index") from None
+        raise IndexMismatchError(
+            f"{folder / INDEX_FILE}: not a readable FAISS index, the file is corrupt or "
+            f"truncated ({str(e).strip().splitlines()[-1][:160]}): rebuild the index"
+        ) from None
     doc_ids = (folder / IDS_FILE).read_text(encoding="utf-8").split("\n")[:-1]  # not splitlines: ids may hold \x85 etc.
     if index.ntotal != meta.ntotal or len(doc_ids) != meta.ntotal or index.d != meta.dim:
         raise IndexMismatchError(

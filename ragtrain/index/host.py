@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -35,8 +35,9 @@ class _Host:
             faiss.omp_set_num_threads(threads)
         self.indexes: dict[str, DenseIndex] = {}
 
-    def build(self, tag: str, shard_folder: str, idx: "IndexConfig", fingerprint: str, encoder: str, step: int,
-              seed: int) -> tuple[list[str], dict]:
+    def build(
+        self, tag: str, shard_folder: str, idx: IndexConfig, fingerprint: str, encoder: str, step: int, seed: int
+    ) -> tuple[list[str], dict]:
         """Build `tag` from the shards in `shard_folder` (replacing an older build of that tag); returns its row ids
         and metadata."""
         from ragtrain.index.shards import build_configured_from_shards
@@ -63,7 +64,7 @@ class _Host:
         """IVF nprobe / HNSW efSearch of the build `tag`."""
         self.indexes[tag].set_search_params(nprobe, ef_search)
 
-    def reconstruct_first(self, tag: str, n: int) -> Optional[np.ndarray]:
+    def reconstruct_first(self, tag: str, n: int) -> np.ndarray | None:
         """`DenseIndex.reconstruct_first` of the build `tag`."""
         return self.indexes[tag].reconstruct_first(n)
 
@@ -93,12 +94,12 @@ class _Host:
 IndexHost = ray.remote(num_cpus=0)(_Host)
 
 
-def start_host(pool: "PoolResources", threads: int = 0) -> Any:
+def start_host(pool: PoolResources, threads: int = 0) -> Any:
     """An IndexHost actor placed by `host_options` on the live cluster (`threads`: FAISS's, 0 = its default)."""
     return IndexHost.options(**host_options(pool, ray.nodes())).remote(threads)
 
 
-def host_options(pool: "PoolResources", nodes: list[dict]) -> dict[str, Any]:
+def host_options(pool: PoolResources, nodes: list[dict]) -> dict[str, Any]:
     """Where the IndexHost goes: a 0-CPU actor would land on the driver's node (on KubeRay the head, meant for the
     driver alone), so it goes next to the pool: to a node that carries the pool's custom resources (soft: any node
     if none is alive), with the pool's CPU count as FAISS threads (the pool is idle while an index is built)."""
@@ -106,7 +107,9 @@ def host_options(pool: "PoolResources", nodes: list[dict]) -> dict[str, Any]:
 
     opts: dict[str, Any] = {}
     if pool.resources:
-        fit = [n["NodeID"] for n in nodes if n.get("Alive") and all(n["Resources"].get(k, 0) > 0 for k in pool.resources)]
+        fit = [
+            n["NodeID"] for n in nodes if n.get("Alive") and all(n["Resources"].get(k, 0) > 0 for k in pool.resources)
+        ]
         if fit:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(fit[0], soft=True)
     return opts
@@ -119,14 +122,23 @@ class RemoteIndex:
         self.host, self.tag, self.doc_ids, self.meta = host, tag, doc_ids, meta
 
     @classmethod
-    def build(cls, host: Any, tag: str, shard_folder: str | Path, idx: "IndexConfig", fingerprint: str,
-              encoder: str, step: int, seed: int) -> "RemoteIndex":
+    def build(
+        cls,
+        host: Any,
+        tag: str,
+        shard_folder: str | Path,
+        idx: IndexConfig,
+        fingerprint: str,
+        encoder: str,
+        step: int,
+        seed: int,
+    ) -> RemoteIndex:
         """Build `tag` in `host` from a shard folder."""
         ids, meta = ray.get(host.build.remote(tag, str(shard_folder), idx, fingerprint, encoder, step, seed))
         return cls(host, tag, ids, IndexMeta(**meta))
 
     @classmethod
-    def load(cls, host: Any, tag: str, folder: str | Path) -> "RemoteIndex":
+    def load(cls, host: Any, tag: str, folder: str | Path) -> RemoteIndex:
         """Load a saved index folder into `host` as `tag` (the folder is on storage the host's node reads)."""
         ids, meta = ray.get(host.load.remote(tag, str(folder)))
         return cls(host, tag, ids, IndexMeta(**meta))
@@ -149,7 +161,7 @@ class RemoteIndex:
         """IVF nprobe / HNSW efSearch, where the index type has them."""
         ray.get(self.host.set_search_params.remote(self.tag, nprobe, ef_search))
 
-    def reconstruct_first(self, n: int) -> Optional[np.ndarray]:
+    def reconstruct_first(self, n: int) -> np.ndarray | None:
         """The stored vectors of the first `n` rows (`DenseIndex.reconstruct_first`, in the host)."""
         return ray.get(self.host.reconstruct_first.remote(self.tag, n))
 

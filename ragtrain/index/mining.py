@@ -16,7 +16,8 @@ up with random non-gold passages when a query has too few left.
 
 from __future__ import annotations
 
-from typing import Container, Optional, Sequence, TypeVar
+from collections.abc import Container, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -27,10 +28,10 @@ def hard_negative_candidates(
     ranked: Sequence[T],
     gold: Container[T],
     skip_top: int,
-    scores: Optional[Sequence[float]] = None,
-    positive_score: Optional[float] = None,
-    margin: Optional[float] = None,
-    max_score: Optional[float] = None,
+    scores: Sequence[float] | None = None,
+    positive_score: float | None = None,
+    margin: float | None = None,
+    max_score: float | None = None,
 ) -> list[T]:
     """The ranking minus gold, minus the top `skip_top` of what remains, minus the candidates scoring above the
     margin threshold `(1 - margin) * positive_score` or above `max_score` (scores[i] belongs to ranked[i]).
@@ -69,10 +70,10 @@ def mine_rows(
     gold: Sequence[Sequence[int]],
     depth: int,
     skip_top: int,
-    margin: Optional[float] = None,
-    max_score: Optional[float] = None,
-    passage_vectors: Optional[np.ndarray] = None,
-    positive: Optional[np.ndarray] = None,
+    margin: float | None = None,
+    max_score: float | None = None,
+    passage_vectors: np.ndarray | None = None,
+    positive: np.ndarray | None = None,
 ) -> list[list[int]]:
     """Hard-negative candidates (index rows) per query: the index's top `depth` rows through
     `hard_negative_candidates`. `margin` needs each query's positive score: `positive` (one per query, e.g. from
@@ -86,7 +87,15 @@ def mine_rows(
     out = []
     for i in range(len(gold)):
         ok = rows[i] >= 0
-        out.append(hard_negative_candidates(
-            [int(r) for r in rows[i][ok]], set(gold[i]), skip_top, scores[i][ok].tolist(),
-            None if pos is None else float(pos[i]), margin, max_score))
+        out.append(
+            hard_negative_candidates(
+                [int(r) for r in rows[i][ok]],
+                set(gold[i]),
+                skip_top,
+                scores[i][ok].tolist(),
+                None if pos is None else float(pos[i]),
+                margin,
+                max_score,
+            )
+        )
     return out

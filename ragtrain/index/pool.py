@@ -5,15 +5,16 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import ray
 import torch
 
 from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
-from ragtrain.precision import resolve
 from ragtrain.console import get_logger
+from ragtrain.precision import resolve
 
 log = get_logger(__name__)
 
@@ -46,7 +47,13 @@ class EncoderActor:
         self.version = version
 
     def encode(
-        self, shard_id: int, texts: Sequence[str], max_length: int, batch_size: int, precision: str, die: bool = False,
+        self,
+        shard_id: int,
+        texts: Sequence[str],
+        max_length: int,
+        batch_size: int,
+        precision: str,
+        die: bool = False,
         role: str = "passage",
     ) -> tuple[int, Any, np.ndarray]:
         """Embed one shard (length-sorted batches inside; `role` picks the configured query / passage prefix);
@@ -110,7 +117,8 @@ class EncoderPool:
         if not ready:  # feasible on paper (checked up front) but held by someone else: say so instead of hanging
             remove_placement_group(self.placement_group)
             raise TimeoutError(
-                f"resources.pool: {pool.num_actors} x {bundle} could not be reserved within {PLACEMENT_TIMEOUT_S:.0f} s "
+                f"resources.pool: {pool.num_actors} x {bundle} could not be reserved within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s "
                 f"(free now: {ray.available_resources()}); other work holds them"
             )
         self.actors = [self._start_actor(i) for i in range(pool.num_actors)]
@@ -123,7 +131,9 @@ class EncoderPool:
         return EncoderActor.options(
             num_cpus=self.resources.cpus_per_actor,
             resources=dict(self.resources.resources) or None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle_index),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=bundle_index
+            ),
         ).remote(self.retriever, int(self.resources.cpus_per_actor))
 
     def _replace(self, actor) -> Any:
@@ -139,7 +149,7 @@ class EncoderPool:
         """The snapshot version every actor holds (None before the first set_weights)."""
         return self._version
 
-    def set_weights(self, version: Any, weights_ref: "ray.ObjectRef") -> None:
+    def set_weights(self, version: Any, weights_ref: ray.ObjectRef) -> None:
         """Send a weights snapshot to every actor through the object store (one put, N gets)."""
         self._version = None  # a failed load leaves actors without a known snapshot: encode must refuse
         ray.get([a.set_weights.remote(version, weights_ref) for a in self.actors])
@@ -150,7 +160,12 @@ class EncoderPool:
         self._version = None
 
     def encode(
-        self, texts: Sequence[str], max_length: int, index: IndexConfig, progress: bool = True, desc: str = "encode",
+        self,
+        texts: Sequence[str],
+        max_length: int,
+        index: IndexConfig,
+        progress: bool = True,
+        desc: str = "encode",
         role: str = "passage",
     ) -> tuple[np.ndarray, dict]:
         """Embed all texts (truncated to max_length; `role`: "passage" or "query", for retriever.*_prefix) with the
@@ -183,8 +198,9 @@ class EncoderPool:
                 die = sid == self.fault_shard
                 self.fault_shard = -1 if die else self.fault_shard
                 shard = texts[shards[sid]] if hasattr(texts, "lengths") else [texts[i] for i in shards[sid]]
-                ref = actor.encode.remote(sid, shard, max_length, index.batch_size,
-                                          Precision(index.precision).value, die, role)
+                ref = actor.encode.remote(
+                    sid, shard, max_length, index.batch_size, Precision(index.precision).value, die, role
+                )
                 running[ref] = (sid, actor)
             [ref], _ = ray.wait(list(running), num_returns=1)
             sid, actor = running.pop(ref)
@@ -210,8 +226,12 @@ class EncoderPool:
         if bar is not None:
             bar.close()
         seconds = time.perf_counter() - start
-        stats = {"docs": len(texts), "seconds": seconds, "docs_per_s": len(texts) / max(seconds, 1e-9),
-                 "retried_shards": float(sum(attempts))}
+        stats = {
+            "docs": len(texts),
+            "seconds": seconds,
+            "docs_per_s": len(texts) / max(seconds, 1e-9),
+            "retried_shards": float(sum(attempts)),
+        }
         return out, stats
 
     def node_ids(self) -> list[str]:

@@ -18,17 +18,18 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import ray
 import torch
 import torch.distributed as dist
 
-from ragtrain.precision import resolved_index
 from ragtrain.config import Config
 from ragtrain.console import get_logger, progress_bars
+from ragtrain.precision import resolved_index
 
 log = get_logger(__name__)
 
@@ -74,7 +75,7 @@ class VersionBook:
         """The newest version number (-1 before the first publish)."""
         return max(self.versions, default=-1)
 
-    def latest(self) -> Optional[LiveVersion]:
+    def latest(self) -> LiveVersion | None:
         """The newest version."""
         return self.versions.get(self.version())
 
@@ -93,8 +94,14 @@ class VersionBook:
         return self.versions[version]
 
 
-def make_probe(train_gold: Sequence[Sequence[int]], queries: Sequence[str], corpus_size: int,
-               num_queries: int, num_passages: int, seed: int) -> Probe:
+def make_probe(
+    train_gold: Sequence[Sequence[int]],
+    queries: Sequence[str],
+    corpus_size: int,
+    num_queries: int,
+    num_passages: int,
+    seed: int,
+) -> Probe:
     """First `num_queries` training queries, their gold passages, and seeded random passages up to `num_passages`."""
     n = min(num_queries, len(queries))
     rows: list[int] = []
@@ -106,9 +113,16 @@ def make_probe(train_gold: Sequence[Sequence[int]], queries: Sequence[str], corp
     return Probe(rows, list(queries[:n]), [[where[r] for r in g] for g in train_gold[:n]])
 
 
-def mine(index, qvecs: np.ndarray, gold: Sequence[Sequence[int]], depth: int, skip_top: int,
-         margin: Optional[float] = None, max_score: Optional[float] = None,
-         passage_vectors: Optional[np.ndarray] = None) -> list[list[int]]:
+def mine(
+    index,
+    qvecs: np.ndarray,
+    gold: Sequence[Sequence[int]],
+    depth: int,
+    skip_top: int,
+    margin: float | None = None,
+    max_score: float | None = None,
+    passage_vectors: np.ndarray | None = None,
+) -> list[list[int]]:
     """Hard-negative candidates per query: the index's top `depth` rows minus gold, minus the top `skip_top` of
     the rest, minus those above the margin / score ceiling (the one rule: ragtrain/index/mining.py)."""
     from ragtrain.index.mining import mine_rows
@@ -116,8 +130,9 @@ def mine(index, qvecs: np.ndarray, gold: Sequence[Sequence[int]], depth: int, sk
     return mine_rows(index, qvecs, gold, depth, skip_top, margin, max_score, passage_vectors)
 
 
-def staleness(stale: np.ndarray, fresh: np.ndarray, queries: np.ndarray, gold: Sequence[Sequence[int]],
-              k: int = 10) -> dict[str, float]:
+def staleness(
+    stale: np.ndarray, fresh: np.ndarray, queries: np.ndarray, gold: Sequence[Sequence[int]], k: int = 10
+) -> dict[str, float]:
     """How far the live index lags the current encoder, on the probe (vectors unit-norm, rows aligned).
 
     - index/drift_cosine: mean over probe passages of 1 - cos(stored vector, current encoder's vector).
@@ -134,21 +149,39 @@ def staleness(stale: np.ndarray, fresh: np.ndarray, queries: np.ndarray, gold: S
         return float(np.mean([len(set(top[i].tolist()) & set(g)) / len(g) for i, g in enumerate(gold) if g]))
 
     rs, rf = recall(stale), recall(fresh)
-    return {"index/drift_cosine": float(np.mean(1.0 - cos)), "index/stale_recall@10": rs,
-            "index/fresh_recall@10": rf, "index/stale_vs_fresh_recall": rf - rs}
+    return {
+        "index/drift_cosine": float(np.mean(1.0 - cos)),
+        "index/stale_recall@10": rs,
+        "index/fresh_recall@10": rf,
+        "index/stale_vs_fresh_recall": rf - rs,
+    }
 
 
 @ray.remote(max_concurrency=4)  # one thread refreshes while the others answer workers' polls
 class IndexService:
     """Holds the live index version; builds the next one on the pool without blocking anyone."""
 
-    def __init__(self, cfg: Config, pool, passages: list[str], doc_ids: list[str], fingerprint: str,
-                 train_queries: list[str], train_gold: list[list[int]], probe: Probe):
+    def __init__(
+        self,
+        cfg: Config,
+        pool,
+        passages: list[str],
+        doc_ids: list[str],
+        fingerprint: str,
+        train_queries: list[str],
+        train_gold: list[list[int]],
+        probe: Probe,
+    ):
         import faiss
 
         faiss.omp_set_num_threads(max(1, int(cfg.resources.pool.cpus_per_actor)))  # stay inside the pool's CPUs
         self.cfg, self.pool, self.passages, self.doc_ids = cfg, pool, passages, doc_ids
-        self.fingerprint, self.train_queries, self.train_gold, self.probe = fingerprint, train_queries, train_gold, probe
+        self.fingerprint, self.train_queries, self.train_gold, self.probe = (
+            fingerprint,
+            train_queries,
+            train_gold,
+            probe,
+        )
         self.pool.invalidate()  # the driver may have loaded weights since this copy of the pool was made
         self.book = VersionBook()
         self.index = None
@@ -173,7 +206,7 @@ class IndexService:
         resolve it here) and swap the new version in; returns its stats, or why it was skipped or failed."""
         return self._run(step, weights[0], None)
 
-    def _run(self, step: int, weights_ref, vectors: Optional[np.ndarray]) -> dict[str, Any]:
+    def _run(self, step: int, weights_ref, vectors: np.ndarray | None) -> dict[str, Any]:
         from ragtrain.index.faiss_index import build_configured
 
         if not self._busy.acquire(blocking=False):
@@ -185,21 +218,41 @@ class IndexService:
             r, idx = self.cfg.retriever, resolved_index(self.cfg)  # the pool's precision, as the first build's
             if vectors is None:
                 # a bar per refresh where training draws one (console.progress_bars: the quiet console on a terminal)
-                vectors, _ = self.pool.encode(self.passages, r.passage_max_length, idx, progress=progress_bars(),
-                                              desc=f"[refresh] v{version} encode", role="passage")
-            index = build_configured(vectors, self.doc_ids, idx, self.fingerprint, f"{r.model}@step{step}", step,
-                                     self.cfg.seed)
+                vectors, _ = self.pool.encode(
+                    self.passages,
+                    r.passage_max_length,
+                    idx,
+                    progress=progress_bars(),
+                    desc=f"[refresh] v{version} encode",
+                    role="passage",
+                )
+            index = build_configured(
+                vectors, self.doc_ids, idx, self.fingerprint, f"{r.model}@step{step}", step, self.cfg.seed
+            )
             index.meta.version = version
             qvecs, _ = self.pool.encode(self.train_queries, r.query_max_length, idx, progress=False, role="query")
             t = r.train
-            negatives = mine(index, qvecs, self.train_gold, t.hard_negative_depth, t.hard_negative_skip_top,
-                             t.hard_negative_margin, t.hard_negative_max_score, vectors)
+            negatives = mine(
+                index,
+                qvecs,
+                self.train_gold,
+                t.hard_negative_depth,
+                t.hard_negative_skip_top,
+                t.hard_negative_margin,
+                t.hard_negative_max_score,
+                vectors,
+            )
             live = LiveVersion(version, step, negatives, vectors[self.probe.rows].copy(), time.perf_counter() - start)
             with self._swap:  # atomic: readers see the old version or the new one, never a mix
                 self.book.publish(live)
                 self.index = index
-            stats = {"ok": True, "version": version, "step": step, "seconds": live.build_seconds,
-                     "node": ray.get_runtime_context().get_node_id()}
+            stats = {
+                "ok": True,
+                "version": version,
+                "step": step,
+                "seconds": live.build_seconds,
+                "node": ray.get_runtime_context().get_node_id(),
+            }
             self.history.append(stats)
             return stats
         except Exception as e:  # keep serving the old version; the caller logs the failure
@@ -214,7 +267,7 @@ class IndexService:
         with self._swap:
             return self.book.version()
 
-    def latest(self) -> Optional[LiveVersion]:
+    def latest(self) -> LiveVersion | None:
         """The live version."""
         with self._swap:
             return self.book.latest()
@@ -264,15 +317,14 @@ class LiveIndexClient:
     fixes its version for all.
     """
 
-    def __init__(self, service, cfg: Config, rank: int, broadcast: bool = False,
-                 device: Optional[torch.device] = None):
+    def __init__(self, service, cfg: Config, rank: int, broadcast: bool = False, device: torch.device | None = None):
         self.service, self.cfg, self.rank, self.broadcast = service, cfg, rank, broadcast
         self.device = device or torch.device("cpu")  # NCCL broadcasts only tensors on the worker's GPU
         self.live: LiveVersion = _call(service, "latest")
         self.switched = False
         if self.live is None:
             raise RuntimeError("the index service has no published version: publish() must run before training")
-        self.pending: Optional[ray.ObjectRef] = None
+        self.pending: ray.ObjectRef | None = None
         self.pending_since = 0.0
         self.refreshes = 0
         self.failures = 0
@@ -282,8 +334,11 @@ class LiveIndexClient:
         """Switch to the version `step` mines from: rank 0 asks the service (a ~1 ms actor call) and broadcasts
         it; every rank then holds that version. Returns the version."""
         if self.broadcast:
-            v = torch.tensor([_call(self.service, "version_for_step", step) if self.rank == 0 else -1],
-                             dtype=torch.int64, device=self.device)
+            v = torch.tensor(
+                [_call(self.service, "version_for_step", step) if self.rank == 0 else -1],
+                dtype=torch.int64,
+                device=self.device,
+            )
             dist.broadcast(v, src=0)  # tiny, and the step's first collective: every rank waits here anyway
             version = int(v.item())
         else:
@@ -308,7 +363,7 @@ class LiveIndexClient:
         """True while a refresh started by this client is running."""
         return self.pending is not None and not ray.wait([self.pending], timeout=0)[0]
 
-    def finished(self) -> Optional[dict[str, Any]]:
+    def finished(self) -> dict[str, Any] | None:
         """The stats of a refresh that has just completed (once), else None."""
         if self.pending is None or self.in_flight():
             return None
@@ -321,7 +376,7 @@ class LiveIndexClient:
             log.info(f"[index] refresh from step {stats['step']} failed, the old index stays live: {stats['error']}")
         return stats
 
-    def due(self, step: int, drift: Optional[float]) -> bool:
+    def due(self, step: int, drift: float | None) -> bool:
         """Whether rank 0 should start a refresh now: none running, and the schedule (steps or drift) says so."""
         r = self.cfg.refresh
         if self.pending is not None:
@@ -367,15 +422,24 @@ class LiveIndexClient:
         """Rank 0's refresh summary: counts, and training throughput while a refresh ran vs while none did."""
         busy = [(s, n) for s, n, r in self.steps if r]
         idle = [(s, n) for s, n, r in self.steps if not r]
-        out = {"index/refreshes": float(self.refreshes), "index/refresh_failures": float(self.failures),
-               "index/steps_during_refresh": float(len(busy)), "index/final_version": float(self.live.version)}
+        out = {
+            "index/refreshes": float(self.refreshes),
+            "index/refresh_failures": float(self.failures),
+            "index/steps_during_refresh": float(len(busy)),
+            "index/final_version": float(self.live.version),
+        }
         if busy and idle:
             sps_busy = sum(n for _, n in busy) / sum(s for s, _ in busy)
             sps_idle = sum(n for _, n in idle) / sum(s for s, _ in idle)
-            out.update({"index/samples_per_s_refreshing": sps_busy, "index/samples_per_s_idle": sps_idle,
-                        "index/refresh_throughput_ratio": sps_busy / sps_idle,
-                        "index/max_step_s_refreshing": max(s for s, _ in busy),
-                        "index/median_step_s_idle": float(np.median([s for s, _ in idle]))})
+            out.update(
+                {
+                    "index/samples_per_s_refreshing": sps_busy,
+                    "index/samples_per_s_idle": sps_idle,
+                    "index/refresh_throughput_ratio": sps_busy / sps_idle,
+                    "index/max_step_s_refreshing": max(s for s, _ in busy),
+                    "index/median_step_s_idle": float(np.median([s for s, _ in idle])),
+                }
+            )
         return out
 
     def start(self, step: int, state_dict: dict) -> None:

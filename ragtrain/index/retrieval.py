@@ -10,10 +10,11 @@ come from the one rule in `mining.py`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -124,9 +125,9 @@ class Retrieval:
         import ray
 
         from ragtrain.corpus.encode import EncodeFault, encode_to_shards, encoder_dim
+        from ragtrain.index.faiss_index import check_index_config
         from ragtrain.index.host import RemoteIndex
         from ragtrain.index.shard_ops import mean_shards
-        from ragtrain.index.faiss_index import check_index_config
 
         cfg, idx = self.cfg, resolved_index(self.cfg)  # auto: as the encode actors will run it (key, index meta)
         # A factory FAISS rejects, or more IVF lists than passages: fail before encoding anything
@@ -152,17 +153,30 @@ class Retrieval:
             if idx.cache_dir and fault is None:  # the same weights on the same corpus were encoded before: reuse
                 from ragtrain.index import vector_cache
 
-                key = vector_cache.cache_key(weights, cfg.retriever, idx, self.fingerprint,
-                                             cfg.retriever.passage_max_length)
+                key = vector_cache.cache_key(
+                    weights, cfg.retriever, idx, self.fingerprint, cfg.retriever.passage_max_length
+                )
                 cached = vector_cache.lookup(idx.cache_dir, key, folder)
             if cached is not None:
                 log.info(f"[{tag}] {len(self.doc_ids)} passage vectors from the cache ({Path(idx.cache_dir) / key})")
                 sets.append(cached)
                 continue
-            log.info(f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data ({cfg.resources.pool.num_actors} actors)")
-            sets.append(encode_to_shards(
-                source, ray.put(weights), cfg.retriever, idx, cfg.resources.pool, folder,
-                vector_dtype=idx.vector_dtype, fault=fault, num_gpus_per_actor=cfg.resources.pool.gpus_per_actor))
+            log.info(
+                f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data ({cfg.resources.pool.num_actors} actors)"
+            )
+            sets.append(
+                encode_to_shards(
+                    source,
+                    ray.put(weights),
+                    cfg.retriever,
+                    idx,
+                    cfg.resources.pool,
+                    folder,
+                    vector_dtype=idx.vector_dtype,
+                    fault=fault,
+                    num_gpus_per_actor=cfg.resources.pool.gpus_per_actor,
+                )
+            )
             if key is not None:
                 vector_cache.store(idx.cache_dir, key, sets[-1])
         del source
@@ -191,12 +205,14 @@ class Retrieval:
         if not shards.stats.get("streamed") or shards.stats.get("corpus") != self.fingerprint:
             return None
         cfg = self.cfg
-        key = vector_cache.cache_key(weights, cfg.retriever, resolved_index(cfg), self.fingerprint,
-                                     cfg.retriever.passage_max_length)
+        key = vector_cache.cache_key(
+            weights, cfg.retriever, resolved_index(cfg), self.fingerprint, cfg.retriever.passage_max_length
+        )
         return shards if shards.stats.get("key") == key else None
 
-    def build_and_evaluate(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str,
-                           step: int) -> tuple[BuiltIndex, dict[str, float]]:
+    def build_and_evaluate(
+        self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str, step: int
+    ) -> tuple[BuiltIndex, dict[str, float]]:
         """`build`, then `evaluate` on the split; returns (build, metrics incl. the pool's encode docs/s and the
         index host's peak RSS)."""
         built = self.build(tag, snapshots, encoder_name, step)
@@ -209,8 +225,9 @@ class Retrieval:
         """The queries' vectors under `built`'s snapshot(s), encoded as its passages were."""
         return built.query_encoder(self.cfg).encode([self.data.queries[q] for q in qids], role="query")
 
-    def search(self, built: BuiltIndex, qids: list[str], k: int,
-               vectors: Optional[np.ndarray] = None) -> dict[str, list[str]]:
+    def search(
+        self, built: BuiltIndex, qids: list[str], k: int, vectors: np.ndarray | None = None
+    ) -> dict[str, list[str]]:
         """Top-k doc ids for each query (the index's row order is shard order, so rows are named by the index);
         `vectors`: the queries' vectors when already encoded."""
         _, rows = built.index.search(self.encode_queries(built, qids) if vectors is None else vectors, k)
@@ -229,8 +246,7 @@ class Retrieval:
         out: dict[str, list[str]] = {}
         todo, depth = list(range(len(qids))), min(total, k * MAXP_DEPTH_FACTOR)
         while todo:
-            run = maxp_run(self.search(built, [qids[i] for i in todo], depth, vectors[todo]), self.data.doc_of,
-                           depth=k)
+            run = maxp_run(self.search(built, [qids[i] for i in todo], depth, vectors[todo]), self.data.doc_of, depth=k)
             out.update(run)
             todo = [i for i in todo if len(run[qids[i]]) < k and depth < total]
             depth = min(total, depth * 4)
@@ -258,10 +274,15 @@ class Retrieval:
         for tag, shards in (("stale", stale.shards), ("stale_aligned", aligned)):
             index = RemoteIndex.build(self.host, tag, shards.folder, idx, self.fingerprint, tag, step, seed)
             # searched with the trained encoder: the question is how far the old vectors lag it
-            view = BuiltIndex(tag, index, trained.snapshots, self.doc_ids, {}, shards,
-                              _encoder=trained.query_encoder(self.cfg))
-            out[tag] = {**self.evaluate(view), "drift_vs_trained": drift(shards, trained.shards, measured),
-                        "anchors": float(len(anchors)), "drift_rows": float(len(measured))}
+            view = BuiltIndex(
+                tag, index, trained.snapshots, self.doc_ids, {}, shards, _encoder=trained.query_encoder(self.cfg)
+            )
+            out[tag] = {
+                **self.evaluate(view),
+                "drift_vs_trained": drift(shards, trained.shards, measured),
+                "anchors": float(len(anchors)),
+                "drift_rows": float(len(measured)),
+            }
             index.drop()
         return out
 
@@ -284,8 +305,16 @@ class Retrieval:
             ids = [index.doc_ids[r] for r in wanted]
             vecs = built.shards.vectors_of(ids)
             positive = positive_scores(qvecs, [[local[r] for r in g] for g in gold], vecs)
-        mined = mine_rows(index, qvecs, gold, t.hard_negative_depth, t.hard_negative_skip_top,
-                          t.hard_negative_margin, t.hard_negative_max_score, positive=positive)
+        mined = mine_rows(
+            index,
+            qvecs,
+            gold,
+            t.hard_negative_depth,
+            t.hard_negative_skip_top,
+            t.hard_negative_margin,
+            t.hard_negative_max_score,
+            positive=positive,
+        )
         return {q: [pos[index.doc_ids[r]] for r in rows] for q, rows in zip(qids, mined)}
 
     def start_service(self, built: BuiltIndex, weights: dict[str, torch.Tensor]):
@@ -297,8 +326,10 @@ class Retrieval:
         from ragtrain.index.refresh import IndexService, make_probe
 
         if len(built.snapshots) != 1:
-            raise ValueError(f"the live index service starts from one encoder's vector shards; {built.tag!r} holds the "
-                             f"consensus of {len(built.snapshots)} replicas")
+            raise ValueError(
+                f"the live index service starts from one encoder's vector shards; {built.tag!r} holds the "
+                f"consensus of {len(built.snapshots)} replicas"
+            )
         r = self.cfg.refresh
         qids = sorted(self.train_qrels)  # the order of TrainExample.qidx (build_examples)
         pos = self.positions

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -19,7 +19,9 @@ from ragtrain.corpus.encode import SHARDS_META, ShardSet
 DRIFT_SAMPLE = 20_000  # rows compared when measuring drift: the mean's standard error is < 1 % of the mean here
 
 
-def write_shards(folder: str | Path, chunks: Iterable[tuple[list[str], np.ndarray]], dtype: str = "float32") -> ShardSet:
+def write_shards(
+    folder: str | Path, chunks: Iterable[tuple[list[str], np.ndarray]], dtype: str = "float32"
+) -> ShardSet:
     """Write (ids, vectors) chunks as a shard folder in encode_to_shards' layout (replaced if it exists)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -34,8 +36,9 @@ def write_shards(folder: str | Path, chunks: Iterable[tuple[list[str], np.ndarra
         dim = v.shape[1]
         flat = pa.array(v.reshape(-1), type=pa.from_numpy_dtype(np.dtype(dtype)))
         files.append(f"part-{k:05d}.parquet")
-        pq.write_table(pa.table({"id": list(ids), "vector": pa.FixedSizeListArray.from_arrays(flat, dim)}),
-                       out / files[-1])
+        pq.write_table(
+            pa.table({"id": list(ids), "vector": pa.FixedSizeListArray.from_arrays(flat, dim)}), out / files[-1]
+        )
         rows += len(ids)
     if rows == 0:
         raise ValueError(f"write_shards: no rows to write into {out}")
@@ -58,8 +61,10 @@ def mean_shards(sets: Sequence[ShardSet], folder: str | Path) -> ShardSet:
     first, others = sets[0], list(sets[1:])
     for s in others:
         if s.rows != first.rows or s.dim != first.dim:
-            raise ValueError(f"mean_shards: {s.folder} holds {s.rows} x {s.dim}, {first.folder} {first.rows} x "
-                             f"{first.dim}: replicas of one corpus must match")
+            raise ValueError(
+                f"mean_shards: {s.folder} holds {s.rows} x {s.dim}, {first.folder} {first.rows} x "
+                f"{first.dim}: replicas of one corpus must match"
+            )
 
     def chunks():
         iters = [o.iter_shards() for o in others] if all(len(o.files) == len(first.files) for o in others) else None

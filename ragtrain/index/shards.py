@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
@@ -41,7 +41,7 @@ def training_points(factory: str, dim: int) -> int:
     return need
 
 
-def _sample(shards: "ShardSet", size: int, seed: int) -> np.ndarray:
+def _sample(shards: ShardSet, size: int, seed: int) -> np.ndarray:
     """fp32 rows at seeded random positions, in corpus (shard) order; read shard by shard."""
     pick = np.sort(np.random.default_rng(seed).choice(shards.rows, size=size, replace=False))
     out = np.empty((size, shards.dim), dtype=np.float32)
@@ -56,14 +56,14 @@ def _sample(shards: "ShardSet", size: int, seed: int) -> np.ndarray:
 
 
 def build_from_shards(
-    shards: "ShardSet | str | Path",
+    shards: ShardSet | str | Path,
     factory: str,
     corpus_fingerprint: str,
     encoder: str,
     encoder_step: int = 0,
     precision: str = "fp32",
     seed: int = 0,
-    train_size: Optional[int] = None,
+    train_size: int | None = None,
 ) -> DenseIndex:
     """An inner-product index of every shard row; ids in shard order.
 
@@ -83,23 +83,39 @@ def build_from_shards(
         try:
             index.train(_sample(shards, sampled, seed))
         except RuntimeError as e:
-            raise ValueError(f"index.factory={factory!r} could not be trained on {sampled} vectors: "
-                             f"{str(e).strip().splitlines()[-1]}") from None
+            raise ValueError(
+                f"index.factory={factory!r} could not be trained on {sampled} vectors: "
+                f"{str(e).strip().splitlines()[-1]}"
+            ) from None
     doc_ids: list[str] = []
     for ids, vecs in shards.iter_shards():
         index.add(np.ascontiguousarray(vecs, dtype=np.float32))
         doc_ids.extend(ids)
     if len(set(doc_ids)) != len(doc_ids):  # a retried batch written twice would show up here
         raise ValueError(f"{shards.folder}: {len(doc_ids) - len(set(doc_ids))} duplicate passage ids in the shards")
-    meta = IndexMeta(factory=factory, dim=int(shards.dim), metric=METRIC, ntotal=int(index.ntotal),
-                     corpus_fingerprint=corpus_fingerprint, encoder=encoder, encoder_step=encoder_step,
-                     precision=precision, build_seconds=time.perf_counter() - start,
-                     extra={"shards": len(shards.files), "train_rows": sampled, "vector_dtype": shards.dtype})
+    meta = IndexMeta(
+        factory=factory,
+        dim=int(shards.dim),
+        metric=METRIC,
+        ntotal=int(index.ntotal),
+        corpus_fingerprint=corpus_fingerprint,
+        encoder=encoder,
+        encoder_step=encoder_step,
+        precision=precision,
+        build_seconds=time.perf_counter() - start,
+        extra={"shards": len(shards.files), "train_rows": sampled, "vector_dtype": shards.dtype},
+    )
     return DenseIndex(index, doc_ids, meta)
 
 
-def build_configured_from_shards(shards: "ShardSet | str | Path", idx: "IndexConfig", corpus_fingerprint: str,
-                                 encoder: str, encoder_step: int, seed: int) -> DenseIndex:
+def build_configured_from_shards(
+    shards: ShardSet | str | Path,
+    idx: IndexConfig,
+    corpus_fingerprint: str,
+    encoder: str,
+    encoder_step: int,
+    seed: int,
+) -> DenseIndex:
     """`build_from_shards` with the `index` config group's factory, precision and search parameters."""
     index = build_from_shards(shards, idx.factory, corpus_fingerprint, encoder, encoder_step, idx.precision.value, seed)
     index.set_search_params(idx.nprobe, idx.ef_search)
@@ -126,8 +142,16 @@ def save_atomic(index: DenseIndex, folder: str | Path) -> Path:
     return folder
 
 
-def build_and_save_remote(shard_folder: str, factory: str, out_folder: str, corpus_fingerprint: str, encoder: str,
-                          seed: int = 0, num_cpus: float = 1.0, resources: Optional[dict] = None) -> dict:
+def build_and_save_remote(
+    shard_folder: str,
+    factory: str,
+    out_folder: str,
+    corpus_fingerprint: str,
+    encoder: str,
+    seed: int = 0,
+    num_cpus: float = 1.0,
+    resources: dict | None = None,
+) -> dict:
     """Build from shards and save in a Ray task (e.g. on an `index_node`): the driver gets metadata only.
     Returns the index metadata plus the task's peak RSS (MB)."""
     import ray

@@ -19,7 +19,7 @@ import shutil
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,23 +37,33 @@ CODE_FILES = ("retriever/encoder.py", "corpus/encode.py")
 log = get_logger(__name__)
 
 
-def _hash_weights(h: "hashlib._Hash", weights: dict[str, torch.Tensor]) -> None:
+def _hash_weights(h: hashlib._Hash, weights: dict[str, torch.Tensor]) -> None:
     for name in sorted(weights):
         t = weights[name].detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
-def cache_key(weights: dict[str, torch.Tensor], retriever: "RetrieverConfig", index: "IndexConfig",
-              corpus_fingerprint: str, max_length: int) -> str:
+def cache_key(
+    weights: dict[str, torch.Tensor],
+    retriever: RetrieverConfig,
+    index: IndexConfig,
+    corpus_fingerprint: str,
+    max_length: int,
+) -> str:
     """The hex digest naming one encoded corpus in the cache (see the module docstring for what it covers)."""
     settings = asdict(retriever)
     for unused in ("train", "teacher", "temperature", "query_max_length"):  # training-only: never reach the vectors
         settings.pop(unused, None)
     # the precision the vectors were encoded in (auto resolved: bf16 and fp32 vectors differ), never "auto"
     precision = resolve_with_reason(index.precision, "cpu")[0]  # callers pass it resolved for the encode actors
-    settings.update(max_length=max_length, precision=precision,
-                    batch_size=index.batch_size, vector_dtype=index.vector_dtype, corpus=corpus_fingerprint)
+    settings.update(
+        max_length=max_length,
+        precision=precision,
+        batch_size=index.batch_size,
+        vector_dtype=index.vector_dtype,
+        corpus=corpus_fingerprint,
+    )
     h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     for rel in CODE_FILES:
         h.update((_PACKAGE / rel).read_bytes())
@@ -73,7 +83,7 @@ def _copy_tree(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def lookup(cache_dir: str | Path, key: str, dest: str | Path) -> Optional["ShardSet"]:
+def lookup(cache_dir: str | Path, key: str, dest: str | Path) -> ShardSet | None:
     """The cached shards of `key` placed in `dest` (replacing it), or None on a miss."""
     from ragtrain.corpus.encode import SHARDS_META, ShardSet
 
@@ -86,7 +96,7 @@ def lookup(cache_dir: str | Path, key: str, dest: str | Path) -> Optional["Shard
     return shards
 
 
-def store(cache_dir: str | Path, key: str, shards: "ShardSet") -> Path:
+def store(cache_dir: str | Path, key: str, shards: ShardSet) -> Path:
     """Add a finished shard folder to the cache under `key` (a concurrent writer of the same key wins, harmlessly)."""
     root = Path(cache_dir)
     entry = root / key
@@ -99,7 +109,9 @@ def store(cache_dir: str | Path, key: str, shards: "ShardSet") -> Path:
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if not entry.exists():  # not a concurrent writer that finished first: the run goes on, uncached, and says so
-            log.warning(f"[index] index.cache_dir: could not store the encoded corpus as {entry} ({e}); the next run "
-                        "encodes it again")
+            log.warning(
+                f"[index] index.cache_dir: could not store the encoded corpus as {entry} ({e}); the next run "
+                "encodes it again"
+            )
         # else someone else finished the same entry first: theirs holds the same vectors
     return entry

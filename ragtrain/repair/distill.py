@@ -8,8 +8,9 @@ Loss: mean squared error between unit vectors, i.e. 2 - 2 cos(student(x), refere
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from ragtrain.retriever.encoder import BiEncoder, tokenize
 class StudentEncoder(nn.Module):
     """A bi-encoder followed by an optional linear head to `out_dim`, L2-normalised."""
 
-    def __init__(self, encoder: BiEncoder, out_dim: Optional[int] = None):
+    def __init__(self, encoder: BiEncoder, out_dim: int | None = None):
         super().__init__()
         self.encoder = encoder
         self.head = nn.Linear(encoder.dim, out_dim, bias=False) if out_dim and out_dim != encoder.dim else None
@@ -40,7 +41,7 @@ class StudentEncoder(nn.Module):
 class Projection:
     """Reference space -> the student's (possibly smaller) space: top principal directions, re-normalised."""
 
-    components: Optional[np.ndarray]  # [d_ref, d_out] or None (identity)
+    components: np.ndarray | None  # [d_ref, d_out] or None (identity)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.components is None:
@@ -67,7 +68,7 @@ def distill(
     batch_size: int = 32,
     lr: float = 1e-3,
     seed: int = 0,
-    roles: Optional[Sequence[str]] = None,
+    roles: Sequence[str] | None = None,
 ) -> tuple[Projection, list[float]]:
     """Fit `student` to the reference vectors of `texts`; returns the projection used and the loss curve.
     `roles` ("query" / "passage" per text) applies retriever.query_prefix / passage_prefix as encoding does."""
@@ -84,8 +85,9 @@ def distill(
         for i in idx:
             groups.setdefault(roles[i] if roles is not None else None, []).append(int(i))
         order = [i for g in groups.values() for i in g]
-        out = torch.cat([student(**tokenize(tokenizer, [texts[i] for i in g], max_length, role))
-                         for role, g in groups.items()])
+        out = torch.cat(
+            [student(**tokenize(tokenizer, [texts[i] for i in g], max_length, role)) for role, g in groups.items()]
+        )
         loss = (out - target[order]).pow(2).sum(-1).mean()
         opt.zero_grad()
         loss.backward()
@@ -95,8 +97,9 @@ def distill(
     return proj, losses
 
 
-def distill_consensus(retrieval: Any, consensus: Any, mean_weights: dict[str, torch.Tensor],
-                      step: int) -> tuple[Any, dict[str, float]]:
+def distill_consensus(
+    retrieval: Any, consensus: Any, mean_weights: dict[str, torch.Tensor], step: int
+) -> tuple[Any, dict[str, float]]:
     """Pipeline phase `distilled` (sync=vector_avg, index.distill_steps > 0), from the consensus build `consensus`.
 
     The reference is the consensus: the re-normalised mean of every replica's vectors, for the corpus (the
@@ -125,11 +128,26 @@ def distill_consensus(retrieval: Any, consensus: Any, mean_weights: dict[str, to
     encoder.load_state_dict(mean_weights)
     student = StudentEncoder(encoder)
     torch.manual_seed(cfg.seed)
-    _, losses = distill(student, load_tokenizer(r), texts, reference, r.passage_max_length, steps=idx.distill_steps,
-                        batch_size=idx.distill_batch_size, lr=idx.distill_lr, seed=cfg.seed, roles=roles)
+    _, losses = distill(
+        student,
+        load_tokenizer(r),
+        texts,
+        reference,
+        r.passage_max_length,
+        steps=idx.distill_steps,
+        batch_size=idx.distill_batch_size,
+        lr=idx.distill_lr,
+        seed=cfg.seed,
+        roles=roles,
+    )
     weights = {k: v.detach().clone() for k, v in student.encoder.state_dict().items()}
     built, metrics = retrieval.build_and_evaluate("distilled", [weights], f"{r.model}@distilled", step)
     measured = sample_ids(retrieval.doc_ids, DRIFT_SAMPLE, cfg.seed + 1)
-    return built, {**metrics, "drift_vs_consensus": drift(built.shards, consensus.shards, measured),
-                   "loss_first": float(np.mean(losses[:10])), "loss_last": float(np.mean(losses[-10:])),
-                   "steps": float(idx.distill_steps), "texts": float(len(texts))}
+    return built, {
+        **metrics,
+        "drift_vs_consensus": drift(built.shards, consensus.shards, measured),
+        "loss_first": float(np.mean(losses[:10])),
+        "loss_last": float(np.mean(losses[-10:])),
+        "steps": float(idx.distill_steps),
+        "texts": float(len(texts)),
+    }

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from ragtrain.retriever.encoder import load_tokenizer, resolve_model_path
 TEACHER_META = "ragtrain_teacher.json"
 
 
-def build_cross_encoder(retriever: RetrieverConfig, path: Optional[str | Path] = None) -> nn.Module:
+def build_cross_encoder(retriever: RetrieverConfig, path: str | Path | None = None) -> nn.Module:
     """A trained cross-encoder from `path`, else a new one from retriever.model's encoder (seeded head)."""
     from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
@@ -30,22 +30,38 @@ def build_cross_encoder(retriever: RetrieverConfig, path: Optional[str | Path] =
         return AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1)
     if retriever.model == "tiny":
         t = retriever.tiny
-        return BertForSequenceClassification(BertConfig(
-            vocab_size=load_tokenizer(retriever).vocab_size, hidden_size=t.hidden_size, num_hidden_layers=t.num_layers,
-            num_attention_heads=t.num_heads, intermediate_size=t.intermediate_size, hidden_dropout_prob=t.dropout,
-            attention_probs_dropout_prob=t.dropout, max_position_embeddings=512, num_labels=1))
+        return BertForSequenceClassification(
+            BertConfig(
+                vocab_size=load_tokenizer(retriever).vocab_size,
+                hidden_size=t.hidden_size,
+                num_hidden_layers=t.num_layers,
+                num_attention_heads=t.num_heads,
+                intermediate_size=t.intermediate_size,
+                hidden_dropout_prob=t.dropout,
+                attention_probs_dropout_prob=t.dropout,
+                max_position_embeddings=512,
+                num_labels=1,
+            )
+        )
     return AutoModelForSequenceClassification.from_pretrained(resolve_model_path(retriever.model), num_labels=1)
 
 
 def pair_inputs(tokenizer, queries: Sequence[str], passages: Sequence[str], max_length: int) -> dict:
     """Tokenised (query, passage) pairs; only the passage is cut when a pair is too long."""
-    return tokenizer(list(queries), list(passages), truncation="only_second", max_length=max_length,
-                     padding=True, return_tensors="pt")
+    return tokenizer(
+        list(queries),
+        list(passages),
+        truncation="only_second",
+        max_length=max_length,
+        padding=True,
+        return_tensors="pt",
+    )
 
 
 @torch.inference_mode()
-def score_pairs(model: nn.Module, tokenizer, queries: Sequence[str], passages: Sequence[str], max_length: int,
-                batch_size: int = 32) -> np.ndarray:
+def score_pairs(
+    model: nn.Module, tokenizer, queries: Sequence[str], passages: Sequence[str], max_length: int, batch_size: int = 32
+) -> np.ndarray:
     """The model's logit for each (queries[i], passages[i]); inner batches sorted by length (less padding)."""
     model.eval()
     order = np.argsort([len(q) + len(p) for q, p in zip(queries, passages)], kind="stable")
@@ -83,14 +99,18 @@ def check_teacher(path: str | Path, retriever: RetrieverConfig) -> dict:
     folder = Path(path)
     meta_file = folder / TEACHER_META
     if not (folder / "config.json").exists() or not meta_file.exists():
-        raise ConfigError(f"retriever.teacher.path={str(path)!r} holds no ragtrain teacher (config.json and "
-                          f"{TEACHER_META}): give the <output_dir>/teacher of a run that trained one, or leave it "
-                          "empty to train one in this run")
+        raise ConfigError(
+            f"retriever.teacher.path={str(path)!r} holds no ragtrain teacher (config.json and "
+            f"{TEACHER_META}): give the <output_dir>/teacher of a run that trained one, or leave it "
+            "empty to train one in this run"
+        )
     meta = json.loads(meta_file.read_text())
     mine = vocab_fingerprint(load_tokenizer(retriever))
     theirs = vocab_fingerprint(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
     if theirs != mine or meta.get("vocab") != mine:
-        raise ConfigError(f"retriever.teacher.path={str(path)!r} was built for another tokenizer (base model "
-                          f"{meta.get('base_model')!r}, vocabulary {theirs}) than retriever.model={retriever.model!r} "
-                          f"(vocabulary {mine}): train a teacher from the same base model")
+        raise ConfigError(
+            f"retriever.teacher.path={str(path)!r} was built for another tokenizer (base model "
+            f"{meta.get('base_model')!r}, vocabulary {theirs}) than retriever.model={retriever.model!r} "
+            f"(vocabulary {mine}): train a teacher from the same base model"
+        )
     return meta

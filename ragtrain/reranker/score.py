@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +25,16 @@ SCORES_FILE = "scores.json"
 class ScoreBatch:
     """Ray Data callable class: the teacher's logit for each {q, p} row."""
 
-    def __init__(self, retriever: RetrieverConfig, teacher: str, queries: Sequence[str], passages: Any,
-                 max_length: int, batch_size: int, threads: int):
+    def __init__(
+        self,
+        retriever: RetrieverConfig,
+        teacher: str,
+        queries: Sequence[str],
+        passages: Any,
+        max_length: int,
+        batch_size: int,
+        threads: int,
+    ):
         import torch
 
         from ragtrain.console import worker_setup
@@ -54,9 +63,16 @@ class ScoreBatch:
         return {"q": batch["q"], "p": batch["p"], "score": scores}
 
 
-def score_on_ray(retriever: RetrieverConfig, teacher: str | Path, queries: Sequence[str], passages: Any,
-                 pairs: Sequence[tuple[int, int]], max_length: int, pool: PoolResources,
-                 batch_size: int = 32) -> np.ndarray:
+def score_on_ray(
+    retriever: RetrieverConfig,
+    teacher: str | Path,
+    queries: Sequence[str],
+    passages: Any,
+    pairs: Sequence[tuple[int, int]],
+    max_length: int,
+    pool: PoolResources,
+    batch_size: int = 32,
+) -> np.ndarray:
     """The teacher's score of each (query position, passage position) pair, in `pairs` order.
 
     `passages` is a PassageStore text view (pickled as the store's path) or a list."""
@@ -71,16 +87,28 @@ def score_on_ray(retriever: RetrieverConfig, teacher: str | Path, queries: Seque
     p = np.array([b for _, b in pairs], dtype=np.int64)
     blocks = max(1, min(64, len(pairs) // (batch_size * 4)))
     ds = ray.data.from_numpy(np.array_split(np.stack([q, p], axis=1), blocks)).map_batches(  # one block a part
-        lambda b: {"q": b["data"][:, 0], "p": b["data"][:, 1]}, batch_format="numpy", num_cpus=0.1)
+        lambda b: {"q": b["data"][:, 0], "p": b["data"][:, 1]}, batch_format="numpy", num_cpus=0.1
+    )
     cpus = actor_cpus(pool)
     scored = ds.map_batches(
-        ScoreBatch, fn_constructor_kwargs={
-            "retriever": retriever, "teacher": str(teacher), "queries": list(queries), "passages": passages,
-            "max_length": max_length, "batch_size": batch_size, "threads": int(pool.cpus_per_actor)},
-        batch_size=batch_size * 4, batch_format="numpy", compute=ActorPoolStrategy(size=pool.num_actors),
+        ScoreBatch,
+        fn_constructor_kwargs={
+            "retriever": retriever,
+            "teacher": str(teacher),
+            "queries": list(queries),
+            "passages": passages,
+            "max_length": max_length,
+            "batch_size": batch_size,
+            "threads": int(pool.cpus_per_actor),
+        },
+        batch_size=batch_size * 4,
+        batch_format="numpy",
+        compute=ActorPoolStrategy(size=pool.num_actors),
         num_cpus=cpus,
-        num_gpus=pool.gpus_per_actor or None, resources={k: float(v) for k, v in pool.resources.items()} or None,
-        runtime_env={"env_vars": ACTOR_ENV})  # the encode actors' environment (passive OpenMP waits, offline HF)
+        num_gpus=pool.gpus_per_actor or None,
+        resources={k: float(v) for k, v in pool.resources.items()} or None,
+        runtime_env={"env_vars": ACTOR_ENV},
+    )  # the encode actors' environment (passive OpenMP waits, offline HF)
     where = {(int(a), int(b)): i for i, (a, b) in enumerate(zip(q.tolist(), p.tolist()))}
     out = np.full(len(pairs), np.nan, dtype=np.float32)
     for b in scored.iter_batches(batch_size=4096, batch_format="numpy"):
@@ -91,9 +119,17 @@ def score_on_ray(retriever: RetrieverConfig, teacher: str | Path, queries: Seque
     return out
 
 
-def teacher_targets(retriever: RetrieverConfig, teacher: str | Path, queries: Sequence[str], passages: Any,
-                    candidates: Sequence[Sequence[int]], max_length: int, pool: PoolResources,
-                    cache_dir: str | Path, corpus_fingerprint: str) -> dict[int, dict[int, float]]:
+def teacher_targets(
+    retriever: RetrieverConfig,
+    teacher: str | Path,
+    queries: Sequence[str],
+    passages: Any,
+    candidates: Sequence[Sequence[int]],
+    max_length: int,
+    pool: PoolResources,
+    cache_dir: str | Path,
+    corpus_fingerprint: str,
+) -> dict[int, dict[int, float]]:
     """The teacher's score of every candidate of every query (`candidates[i]`: passage positions for
     `queries[i]`), as {query position: {passage position: score}}; cached in `cache_dir/scores.json` under a key
     of the teacher's weights, the corpus and the candidate lists, so a resumed run does not score again."""

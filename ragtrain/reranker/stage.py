@@ -12,6 +12,7 @@ Runs after the zero-shot index has mined the hard negatives and before the bi-en
 from __future__ import annotations
 
 from pathlib import Path
+
 from ragtrain.config import Config
 from ragtrain.console import get_logger
 from ragtrain.retriever.batching import TrainData, TrainExample
@@ -19,8 +20,9 @@ from ragtrain.retriever.batching import TrainData, TrainExample
 log = get_logger(__name__)
 
 
-def prepare_teacher(cfg: Config, retrieval, built, examples: list[TrainExample], sink) -> tuple[
-        dict[int, dict[int, float]], dict[str, float]]:
+def prepare_teacher(
+    cfg: Config, retrieval, built, examples: list[TrainExample], sink
+) -> tuple[dict[int, dict[int, float]], dict[str, float]]:
     """Train/load the teacher, score each training query's candidates and the evaluated split's top
     `rerank_depth` of `built` in one Ray Data pass, and evaluate the teacher's reranking.
 
@@ -53,14 +55,22 @@ def prepare_teacher(cfg: Config, retrieval, built, examples: list[TrainExample],
     pos = retrieval.positions
     texts += [data.queries[q] for q in eval_qids]
     lists += [[pos[d] for d in run[q]] for q in eval_qids]
-    table = teacher_targets(cfg.retriever, folder, texts, passages, lists, tc.max_length, cfg.resources.pool,
-                            out / TEACHER_DIR, retrieval.fingerprint)
+    table = teacher_targets(
+        cfg.retriever,
+        folder,
+        texts,
+        passages,
+        lists,
+        tc.max_length,
+        cfg.resources.pool,
+        out / TEACHER_DIR,
+        retrieval.fingerprint,
+    )
     reranked = rerank_run(run, eval_qids, [table[n + j][pos[d]] for j, q in enumerate(eval_qids) for d in run[q]])
     if data.doc_of:  # documents: MaxP over the reranked chunks, as the bi-encoder's evaluation
         reranked = maxp_run(reranked, data.doc_of, depth=cfg.index.top_k)
     metrics = evaluate(reranked, data.eval_qrels)
-    log.info(f"[teacher] reranking the zero-shot top {tc.rerank_depth}: {data.split} nDCG@10 "
-             f"{metrics['ndcg@10']:.4f}")
+    log.info(f"[teacher] reranking the zero-shot top {tc.rerank_depth}: {data.split} nDCG@10 {metrics['ndcg@10']:.4f}")
     train_table = {q: table[q] for q in range(n) if q in table}
     return train_table, {**metrics, **{f"teacher_{k.split('/')[-1]}": v for k, v in summary.items()}}
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +43,11 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=0.01)
     sched = warmup_linear_decay(optim, int(0.1 * steps), steps)
     start_step, _ = w.restore(model, optim, sched)
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
+    ddp = (
+        torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if world > 1
+        else model
+    )
 
     log_every = cfg.retriever.train.log_every
     win_loss, win_acc, win_n = 0.0, 0.0, 0
@@ -55,8 +57,12 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         queries, pids, _ = local_batch(data, global_batch, step, seed, rank, world, tc.negatives, None, "random")
         b, h = len(queries), tc.negatives
         lists = query_candidates(pids, b, h)  # the positive first
-        enc = pair_inputs(tokenizer, [q for q in queries for _ in range(1 + h)],
-                          [data.passages[p] for cand in lists for p in cand], tc.max_length)
+        enc = pair_inputs(
+            tokenizer,
+            [q for q in queries for _ in range(1 + h)],
+            [data.passages[p] for cand in lists for p in cand],
+            tc.max_length,
+        )
         logits = ddp(**{k: v.to(device) for k, v in enc.items()}).logits.view(b, 1 + h)
         target = torch.zeros(b, dtype=torch.long, device=device)
         loss = F.cross_entropy(logits, target)
@@ -71,8 +77,15 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         win_n += 1
         if done % log_every == 0 or done == steps:
             elapsed = w.window_seconds()
-            w.log({"teacher/loss": win_loss / win_n, "teacher/train_top1": win_acc / win_n,
-                   "teacher/queries_per_s": win_n * global_batch / elapsed}, done, steps)
+            w.log(
+                {
+                    "teacher/loss": win_loss / win_n,
+                    "teacher/train_top1": win_acc / win_n,
+                    "teacher/queries_per_s": win_n * global_batch / elapsed,
+                },
+                done,
+                steps,
+            )
             win_loss, win_acc, win_n = 0.0, 0.0, 0
         if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < steps:
             w.checkpoint(done, model, optim, sched, {})
@@ -84,7 +97,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     w.finish(summary, lambda folder: model.save_pretrained(folder))
 
 
-def fit_teacher(cfg: Config, data: TrainData, sink: Optional[MetricSink]) -> tuple[Path, dict[str, float]]:
+def fit_teacher(cfg: Config, data: TrainData, sink: MetricSink | None) -> tuple[Path, dict[str, float]]:
     """Driver: train the teacher on resources.trainer workers; returns (<output_dir>/teacher, summary)."""
     import ray
 

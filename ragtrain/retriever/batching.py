@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -24,7 +24,7 @@ class TrainData:
     passages: list[str]  # full passage texts in corpus order
     examples: list[TrainExample]
     # retriever.teacher: the cross-encoder's score of each query's candidates, {qidx: {corpus position: score}}
-    teacher: Optional[dict[int, dict[int, float]]] = None
+    teacher: dict[int, dict[int, float]] | None = None
 
 
 def build_examples(
@@ -60,8 +60,7 @@ def global_batch_indices(num_examples: int, global_batch: int, step: int, seed: 
     return perm[pos * global_batch : (pos + 1) * global_batch]
 
 
-def local_indices(num_examples: int, global_batch: int, step: int, seed: int, rank: int,
-                  world_size: int) -> np.ndarray:
+def local_indices(num_examples: int, global_batch: int, step: int, seed: int, rank: int, world_size: int) -> np.ndarray:
     """Example indices of this rank's slice of the global batch at `step`."""
     b = global_batch // world_size
     return global_batch_indices(num_examples, global_batch, step, seed)[rank * b : (rank + 1) * b]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
-from typing import ContextManager, Optional, Sequence
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,8 @@ def check_model_offline(cfg: RetrieverConfig) -> None:
         raise ConfigError(
             f"retriever.model={cfg.model!r} is not available offline ({str(e).splitlines()[0][:160]}); valid choices: "
             "retriever=minilm (the packaged all-MiniLM-L6-v2), retriever=tiny, or retriever.model=<a local folder "
-            "with config.json and tokenizer files>") from None
+            "with config.json and tokenizer files>"
+        ) from None
 
 
 ROLES = ("query", "passage")
@@ -132,21 +133,23 @@ def inference_weights(model: BiEncoder, precision: Precision) -> BiEncoder:
     return model
 
 
-def autocast(precision: Precision, device: torch.device) -> ContextManager:
+def autocast(precision: Precision, device: torch.device) -> AbstractContextManager:
     """bf16 autocast on the given device type, or nothing for fp32 (auto: bf16 where `device` runs it natively)."""
     if resolve(precision, device, announce=False) == Precision.bf16.value:
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
 
 
-def tokenize(tokenizer, texts: Sequence[str], max_length: int, role: Optional[str] = None) -> dict[str, torch.Tensor]:
+def tokenize(tokenizer, texts: Sequence[str], max_length: int, role: str | None = None) -> dict[str, torch.Tensor]:
     """Prepend the role's prefix (retriever.query_prefix / passage_prefix), then pad to the longest text in the
     batch (callers length-sort to keep padding small). The one place texts become encoder input ids."""
     prefixes = getattr(tokenizer, "ragtrain_prefixes", {})
     if role is None:
         if any(prefixes.values()):  # a caller that doesn't say which side it encodes would silently skip them
-            raise ValueError("retriever.query_prefix / retriever.passage_prefix are set, but this tokenize call "
-                             "gives no role: pass role='query' or role='passage'")
+            raise ValueError(
+                "retriever.query_prefix / retriever.passage_prefix are set, but this tokenize call "
+                "gives no role: pass role='query' or role='passage'"
+            )
     elif role not in ROLES:
         raise ValueError(f"tokenize: role must be one of {list(ROLES)}, got {role!r}")
     elif prefixes.get(role):
@@ -164,7 +167,7 @@ def encode_texts(
     batch_size: int = 64,
     precision: Precision = Precision.fp32,
     device: torch.device | None = None,
-    role: Optional[str] = None,
+    role: str | None = None,
 ) -> torch.Tensor:
     """Embed texts in length-sorted batches (less padding), returned in the input order: [N, dim] fp32 CPU.
     `role` ("query" / "passage") picks the configured prefix (see `tokenize`)."""

@@ -26,8 +26,8 @@ unwrapped module: it has no backward, and DDP should not see a forward without o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -73,7 +73,7 @@ def cached_step(
     chunk_size: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     autocast: Callable[[], object] = nullcontext,
-    device: Optional[torch.device] = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Forward + backward of `loss_fn(q_emb, p_emb)` in chunks of `chunk_size` texts; returns the (detached) loss.
 
@@ -99,14 +99,16 @@ def cached_step(
     # 2. the full-batch loss over the cached embeddings (collectives of the gathered loss run here)
     loss = loss_fn(q_emb, p_emb)
     loss.backward()
-    grads = {"q": list(q_emb.grad.split([c["input_ids"].shape[0] for s, c in chunks if s == "q"])),
-             "p": list(p_emb.grad.split([c["input_ids"].shape[0] for s, c in chunks if s == "p"]))}
+    grads = {
+        "q": list(q_emb.grad.split([c["input_ids"].shape[0] for s, c in chunks if s == "q"])),
+        "p": list(p_emb.grad.split([c["input_ids"].shape[0] for s, c in chunks if s == "p"])),
+    }
 
     # 3. replay each chunk with autograd and push the cached gradients through it; DDP reduces on the last one
     no_sync = getattr(model, "no_sync", None)
     for i, ((side, c), state) in enumerate(zip(chunks, states)):
         last = i == len(chunks) - 1
-        with (no_sync() if no_sync is not None and not last else nullcontext()):
+        with no_sync() if no_sync is not None and not last else nullcontext():
             with state.replay(), autocast():
                 emb = _embed(model, side, c)
             (emb * grads[side].pop(0)).sum().backward()

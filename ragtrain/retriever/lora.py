@@ -27,8 +27,9 @@ def apply_lora(encoder: nn.Module, cfg: LoraConfig) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                              target_modules=list(cfg.target_modules), bias="none")
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none"
+    )
     try:
         with warnings.catch_warnings():  # transformers 5 deprecates an attribute peft still reads
             warnings.simplefilter("ignore", FutureWarning)
@@ -48,8 +49,10 @@ def check_lora_targets(cfg: RetrieverConfig) -> None:
     missing = [t for t in cfg.lora.target_modules if not any(n == t or n.endswith("." + t) for n in linear)]
     if missing:
         valid = sorted({n.rsplit(".", 1)[-1] for n in linear})
-        raise ConfigError(f"retriever.lora.target_modules names {missing}, which this model "
-                          f"({cfg.model}) has no Linear layer for; valid module names: {valid}")
+        raise ConfigError(
+            f"retriever.lora.target_modules names {missing}, which this model "
+            f"({cfg.model}) has no Linear layer for; valid module names: {valid}"
+        )
 
 
 def has_lora(encoder: nn.Module) -> bool:

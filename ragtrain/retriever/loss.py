@@ -1,7 +1,8 @@
 """Contrastive InfoNCE with in-batch negatives gathered from every worker.
 
 Every worker scores its OWN queries against ALL passages of the global batch. Which gathered passages carry a
-gradient depends on how the sync strategy combines gradients (`SyncStrategy.gradient_groups(step)`, a partition of the ranks):
+gradient depends on how the sync strategy combines gradients (`SyncStrategy.gradient_groups(step)`, a partition of
+the ranks):
 
 - None (ddp, compressed, hierarchical on one node, local SGD during its DDP warm-up): the gradients of every
   worker are averaged every step. The gather keeps autograd, so the gradient w.r.t. a worker's passages comes
@@ -19,7 +20,7 @@ gradient depends on how the sync strategy combines gradients (`SyncStrategy.grad
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def gather_passages(p: torch.Tensor, groups: Optional[Sequence[Sequence[int]]]) -> torch.Tensor:
+def gather_passages(p: torch.Tensor, groups: Sequence[Sequence[int]] | None) -> torch.Tensor:
     """All ranks' passages in rank order; only those of my gradient group (None: one group of all) keep autograd."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return p
@@ -83,7 +84,7 @@ def contrastive_loss(
     q_gold: torch.Tensor | None = None,
     p_ids: torch.Tensor | None = None,
     gather: bool = True,
-    grad_groups: Optional[Sequence[Sequence[int]]] = None,
+    grad_groups: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """InfoNCE of local queries against the gathered passages of all workers (mean over local queries).
 

@@ -10,7 +10,7 @@ retriever's temperature), the teacher's are its logits / `retriever.teacher.temp
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +19,9 @@ from ragtrain.config import DistillLoss
 from ragtrain.retriever.batching import query_candidates
 
 
-def teacher_matrix(table: dict[int, dict[int, float]], qidx: Sequence[int], pids: Sequence[int],
-                   num_negatives: int) -> torch.Tensor:
+def teacher_matrix(
+    table: dict[int, dict[int, float]], qidx: Sequence[int], pids: Sequence[int], num_negatives: int
+) -> torch.Tensor:
     """[B, 1 + H] teacher scores of each local query's positive and hard negatives; NaN where unscored."""
     out = torch.full((len(qidx), 1 + num_negatives), float("nan"))
     for j, (q, cand) in enumerate(zip(qidx, query_candidates(pids, len(qidx), num_negatives))):
@@ -38,8 +39,9 @@ def _student_logits(q_emb: torch.Tensor, p_emb: torch.Tensor, h: int, temperatur
     return torch.einsum("bd,bkd->bk", q_emb, cand) / temperature
 
 
-def teacher_margin_mse(q_emb: torch.Tensor, p_emb: torch.Tensor, teacher: torch.Tensor, temperature: float,
-                       teacher_temperature: float) -> torch.Tensor:
+def teacher_margin_mse(
+    q_emb: torch.Tensor, p_emb: torch.Tensor, teacher: torch.Tensor, temperature: float, teacher_temperature: float
+) -> torch.Tensor:
     """Mean over (query, negative) pairs with both ends scored of ((s_pos - s_neg) - (t_pos - t_neg))^2.
 
     Scores on both sides are the KL term's logits (student cosine / T, teacher logit / T_t), so the teacher's
@@ -53,8 +55,9 @@ def teacher_margin_mse(q_emb: torch.Tensor, p_emb: torch.Tensor, teacher: torch.
     return diff.pow(2)[pairs].mean()
 
 
-def teacher_kl(q_emb: torch.Tensor, p_emb: torch.Tensor, teacher: torch.Tensor, temperature: float,
-               teacher_temperature: float) -> torch.Tensor:
+def teacher_kl(
+    q_emb: torch.Tensor, p_emb: torch.Tensor, teacher: torch.Tensor, temperature: float, teacher_temperature: float
+) -> torch.Tensor:
     """Mean over local queries of KL(softmax(teacher / T_t) || softmax(q . candidates / T)), scored candidates only.
 
     `p_emb` holds the local batch's passages (B positives, then H per query); `teacher` is `teacher_matrix`'s."""

@@ -11,29 +11,27 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
 
 from ragtrain.config import Config
+from ragtrain.corpus.encode import peak_rss_mb
+from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.precision import resolve
 from ragtrain.retriever.batching import TrainData, local_batch, local_indices
-from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
-from ragtrain.retriever.validation import ValSet, validate
 from ragtrain.retriever.gradcache import cached_step
 from ragtrain.retriever.lora import apply_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.teacher_loss import distill_term, teacher_matrix
+from ragtrain.retriever.validation import ValSet, validate
 from ragtrain.schedule import warmup_linear_decay
-from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
-from ragtrain.sync.registry import build_sync
 from ragtrain.sync.comm import STATS
-from ragtrain.corpus.encode import peak_rss_mb
 from ragtrain.sync.metrics import drift_metrics
+from ragtrain.sync.registry import build_sync
 from ragtrain.track.mlflow import MetricSink
-
+from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
 
 
 class QPEncoder(nn.Module):
@@ -43,8 +41,9 @@ class QPEncoder(nn.Module):
         super().__init__()
         self.encoder = encoder
 
-    def forward(self, q: Optional[dict[str, torch.Tensor]],
-                p: Optional[dict[str, torch.Tensor]]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def forward(
+        self, q: dict[str, torch.Tensor] | None, p: dict[str, torch.Tensor] | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         # either side may be None: GradCache (gradcache.py) embeds queries and passages in separate chunks
         return (None if q is None else self.encoder(**q)), (None if p is None else self.encoder(**p))
 
@@ -78,8 +77,7 @@ def probe_inputs(data: TrainData, cfg: Config, tokenizer, device: torch.device) 
     n = min(cfg.sync.probe_passages, len(data.examples))
     exs = data.examples[:n]
     q = tokenize(tokenizer, [e.query for e in exs], cfg.retriever.query_max_length, role="query")
-    p = tokenize(tokenizer, [data.passages[e.positive] for e in exs], cfg.retriever.passage_max_length,
-                 role="passage")
+    p = tokenize(tokenizer, [data.passages[e.positive] for e in exs], cfg.retriever.passage_max_length, role="passage")
     return {k: v.to(device) for k, v in q.items()}, {k: v.to(device) for k, v in p.items()}
 
 
@@ -123,21 +121,31 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     if start_step:  # after the weights: e.g. async_ps re-anchors each worker at its restored replica
         strategy.load_state_dict(sync_state)
 
-    val: Optional[ValSet] = w.get("val") if args.refs.get("val") is not None else None  # retriever.train.val_every
-    live: Optional[LiveIndexClient] = None
+    val: ValSet | None = w.get("val") if args.refs.get("val") is not None else None  # retriever.train.val_every
+    live: LiveIndexClient | None = None
     if args.refs.get("index_service") is not None:  # refresh.enabled: hard negatives from the live index
         # Rank 0 broadcasts each step's index version where the strategy has per-step collectives anyway;
         # async_ps has none (a broadcast would make its workers wait for each other): the service decides there.
-        live = LiveIndexClient(w.get("index_service"), cfg, rank, broadcast=world > 1 and strategy.gather_negatives,
-                               device=device)
+        live = LiveIndexClient(
+            w.get("index_service"), cfg, rank, broadcast=world > 1 and strategy.gather_negatives, device=device
+        )
         probe: Probe = w.get("probe")
         probe_texts = [data.passages[r] for r in probe.rows]
 
         def measure(stale):  # rank 0: the current encoder on the staleness probe
-            p_vec = encode_texts(encoder, tokenizer, probe_texts, cfg.retriever.passage_max_length, 32, t.precision, device,
-                                 role="passage")
-            q_vec = encode_texts(encoder, tokenizer, probe.queries, cfg.retriever.query_max_length, 32, t.precision, device,
-                                 role="query")
+            p_vec = encode_texts(
+                encoder,
+                tokenizer,
+                probe_texts,
+                cfg.retriever.passage_max_length,
+                32,
+                t.precision,
+                device,
+                role="passage",
+            )
+            q_vec = encode_texts(
+                encoder, tokenizer, probe.queries, cfg.retriever.query_max_length, 32, t.precision, device, role="query"
+            )
             return staleness(stale, p_vec.numpy(), q_vec.numpy(), probe.gold)
 
     # --- train
@@ -153,25 +161,42 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         if live is not None:
             live.begin_step(step)  # every rank mines this step from the version rank 0 chose
         queries, pids, golds = local_batch(
-            data, global_batch, step, t.seed, rank, world, t.hard_negatives, live.negatives() if live else None,
+            data,
+            global_batch,
+            step,
+            t.seed,
+            rank,
+            world,
+            t.hard_negatives,
+            live.negatives() if live else None,
             t.hard_negative_sampling.value,
         )
-        q = {k: v.to(device) for k, v in tokenize(tokenizer, queries, cfg.retriever.query_max_length,
-                                                          role="query").items()}
+        q = {
+            k: v.to(device)
+            for k, v in tokenize(tokenizer, queries, cfg.retriever.query_max_length, role="query").items()
+        }
         p_texts = [data.passages[i] for i in pids]
-        p = {k: v.to(device) for k, v in tokenize(tokenizer, p_texts, cfg.retriever.passage_max_length,
-                                                          role="passage").items()}
+        p = {
+            k: v.to(device)
+            for k, v in tokenize(tokenizer, p_texts, cfg.retriever.passage_max_length, role="passage").items()
+        }
         gmax = max(len(g) for g in golds)
         q_gold = torch.tensor([g + [-1] * (gmax - len(g)) for g in golds], device=device)
         targets = None
         if teach.weight > 0:  # the cross-encoder's scores of this batch's candidates (retriever/teacher_loss.py)
-            qidx = [data.examples[i].qidx for i in local_indices(len(data.examples), global_batch, step, t.seed, rank,
-                                                                 world)]
+            qidx = [
+                data.examples[i].qidx
+                for i in local_indices(len(data.examples), global_batch, step, t.seed, rank, world)
+            ]
             targets = teacher_matrix(data.teacher, qidx, pids, t.hard_negatives)
 
         def loss_fn(q_emb: torch.Tensor, p_emb: torch.Tensor) -> torch.Tensor:
             loss = contrastive_loss(
-                q_emb, p_emb, cfg.retriever.temperature, q_gold, torch.tensor(pids, device=device),
+                q_emb,
+                p_emb,
+                cfg.retriever.temperature,
+                q_gold,
+                torch.tensor(pids, device=device),
                 strategy.gather_negatives,
                 grad_groups=strategy.gradient_groups(step),  # whose gathered passages carry gradients (loss.py)
             )
@@ -227,8 +252,17 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
                 distill_sum[0] = 0.0
             if val is not None and rank == 0 and (done % t.val_every == 0 or done == steps):
                 with w.not_training():  # rank 0 encodes the validation sample: not training time
-                    metrics.update(validate(encoder, tokenizer, val, cfg.retriever.query_max_length,
-                                            cfg.retriever.passage_max_length, t.precision, device))
+                    metrics.update(
+                        validate(
+                            encoder,
+                            tokenizer,
+                            val,
+                            cfg.retriever.query_max_length,
+                            cfg.retriever.passage_max_length,
+                            t.precision,
+                            device,
+                        )
+                    )
             last_bytes, last_comm_s = comm_bytes, comm_s
             w.log(metrics, done, steps, report=True)  # Tune trials see every window
             window_n, window_loss = 0, 0.0
@@ -288,13 +322,13 @@ def fit_retriever(
     cfg: Config,
     data: TrainData,
     init_weights: dict[str, torch.Tensor],
-    sink: Optional[MetricSink],
-    callbacks: Optional[list] = None,
+    sink: MetricSink | None,
+    callbacks: list | None = None,
     report_intermediate: bool = False,
     index_service=None,
-    probe: Optional[Probe] = None,
+    probe: Probe | None = None,
     resume: bool = False,
-    val: Optional[ValSet] = None,
+    val: ValSet | None = None,
 ) -> FitResult:
     """Driver: train the bi-encoder on the harness with resources.trainer workers; return the final weights."""
     import ray
@@ -303,10 +337,21 @@ def fit_retriever(
     # fails here, on the driver, if the data is too small for one global batch
     steps = total_steps(t.max_steps, t.epochs, len(data.examples), t.batch_size * r.num_workers)
     cfg = replace(cfg, resume=resume)
-    refs = {"data": ray.put(data), "weights": ray.put(init_weights), "index_service": index_service, "probe": probe,
-            "val": ray.put(val) if val is not None else None}
-    args = WorkerArgs(cfg, "retriever", cpus_per_worker=r.cpus_per_worker, sink=sink,
-                      report_intermediate=report_intermediate, refs=refs)
+    refs = {
+        "data": ray.put(data),
+        "weights": ray.put(init_weights),
+        "index_service": index_service,
+        "probe": probe,
+        "val": ray.put(val) if val is not None else None,
+    }
+    args = WorkerArgs(
+        cfg,
+        "retriever",
+        cpus_per_worker=r.cpus_per_worker,
+        sink=sink,
+        report_intermediate=report_intermediate,
+        refs=refs,
+    )
     done = fit(train_loop_per_worker, args, num_workers=r.num_workers, callbacks=callbacks)
     weights = load_weights(done.folder)
     replicas = [load_weights(done.folder, p.stem) for p in sorted(done.folder.glob("replica_*.safetensors"))]

@@ -44,13 +44,20 @@ def make_val_set(data: RetrievalData, num_queries: int, num_passages: int, seed:
     extra = max(0, num_passages - len(gold))
     picked = [others[i] for i in sorted(rng.permutation(len(others))[:extra])]
     pids = gold + picked
-    return ValSet(qids, [data.queries[q] for q in qids], pids, [data.corpus[p].full_text() for p in pids],
-                  {q: dict(data.eval_qrels[q]) for q in qids}, {p: doc[p] for p in pids if p in doc})
+    return ValSet(
+        qids,
+        [data.queries[q] for q in qids],
+        pids,
+        [data.corpus[p].full_text() for p in pids],
+        {q: dict(data.eval_qrels[q]) for q in qids},
+        {p: doc[p] for p in pids if p in doc},
+    )
 
 
 @torch.no_grad()
-def validate(encoder, tokenizer, val: ValSet, query_max_length: int, passage_max_length: int, precision,
-             device: torch.device) -> dict[str, float]:
+def validate(
+    encoder, tokenizer, val: ValSet, query_max_length: int, passage_max_length: int, precision, device: torch.device
+) -> dict[str, float]:
     """val/ndcg@10 and val/recall@10 of `encoder` on the sample."""
     from ragtrain.index.faiss_index import exact_search
     from ragtrain.retriever.encoder import encode_texts

@@ -15,7 +15,7 @@ worker's anchor becomes its restored replica, so the first push after a restart 
 """
 
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import ray
@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.sync.config import MixerConfig
 from ragtrain.sync.base import flat_params, set_flat_params, world_size
 from ragtrain.sync.comm import STATS
+from ragtrain.sync.config import MixerConfig
 
 
 @ray.remote(num_cpus=0)
@@ -97,14 +97,18 @@ class AsyncPSSync:
         flat = flat_params([p for p in model.parameters() if p.requires_grad])  # LoRA: the adapters only
         name = [f"ragtrain-ps-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
         if self.rank == 0:
-            self.server = ParameterServer.options(name=name[0]).remote(flat.cpu().numpy(), world_size(), self.cfg.max_staleness)
+            self.server = ParameterServer.options(name=name[0]).remote(
+                flat.cpu().numpy(), world_size(), self.cfg.max_staleness
+            )
         if world_size() > 1:
             dist.broadcast_object_list(name, src=0)
             dist.barrier()  # the named actor exists before anyone looks it up
             if self.rank != 0:
                 self.server = ray.get_actor(name[0])
         self.anchor = flat
-        self.params = [p for p in model.parameters() if p.requires_grad]  # load_state_dict re-anchors on the restored replica
+        self.params = [
+            p for p in model.parameters() if p.requires_grad
+        ]  # load_state_dict re-anchors on the restored replica
         return model
 
     def _pull(self, params: list[nn.Parameter]) -> None:
@@ -117,8 +121,10 @@ class AsyncPSSync:
         self.anchor = fresh
         self.pulls += 1
 
-    def gradient_groups(self, step: int) -> Optional[list[list[int]]]:
-        return [[r] for r in range(world_size())]  # no gather at all (gather_negatives is False); listed for completeness
+    def gradient_groups(self, step: int) -> list[list[int]] | None:
+        return [
+            [r] for r in range(world_size())
+        ]  # no gather at all (gather_negatives is False); listed for completeness
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         flat = flat_params(params)

@@ -6,7 +6,7 @@ Strategies import this module; it imports none of them (the registry that picks 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ class SyncStrategy(Protocol):
         """Return the module to call forward on (e.g. DDP with a comm hook, or the model itself)."""
         ...
 
-    def gradient_groups(self, step: int) -> Optional[list[list[int]]]:
+    def gradient_groups(self, step: int) -> list[list[int]] | None:
         """The ranks grouped by whose gradients are averaged together at `step` (None: all ranks, like DDP); the
         gathered in-batch negatives of other groups are constants (ragtrain/retriever/loss.py)."""
         ...
@@ -114,5 +114,8 @@ def ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0) -> 
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     flag = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
     return DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb, **{flag: False}
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        **{flag: False},
     )

@@ -23,8 +23,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 
@@ -64,7 +64,7 @@ class CommStats:
         self.intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
         self._lock = threading.Lock()  # counted futures complete on the backend's own thread
         self.cuda = False  # the collectives run on a GPU (set by the training loop from its device)
-        self._pending: list[tuple[str, float, "torch.cuda.Event", "torch.cuda.Event"]] = []  # GPU futures' spans
+        self._pending: list[tuple[str, float, torch.cuda.Event, torch.cuda.Event]] = []  # GPU futures' spans
 
     def add(self, category: str, nbytes: int, start: float | None = None, end: float | None = None) -> None:
         """Record `nbytes` sent under `category`, and with `start` the in-flight interval [start, end or now]."""
@@ -92,8 +92,7 @@ class CommStats:
         yield
         self.add(category, nbytes, start=start)
 
-    def add_gpu(self, category: str, nbytes: int, start: float, begin: "torch.cuda.Event",
-                end: "torch.cuda.Event") -> None:
+    def add_gpu(self, category: str, nbytes: int, start: float, begin: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """Record a GPU collective: its bytes now, its interval [start, start + time from `begin` to `end`] once
         the events have completed (`_settle`)."""
         with self._lock:
@@ -130,8 +129,9 @@ class CommStats:
             self._pending.clear()
 
 
-def counted_future(fut: torch.futures.Future, category: str, nbytes: int,
-                   start: float | None = None) -> torch.futures.Future:
+def counted_future(
+    fut: torch.futures.Future, category: str, nbytes: int, start: float | None = None
+) -> torch.futures.Future:
     """Record `nbytes` and the interval from `start` (default: now) until `fut` completes under `category`;
     the result is `fut`'s value. Pass `start` when the collective was issued before this call."""
     begin = STATS.clock() if start is None else start

@@ -23,7 +23,7 @@ compositions of these parts; the classes in ddp.py, compressed.py, local_sgd.py,
 """
 
 # no `from __future__ import annotations`: DDP checks the comm hook's GradBucket annotation at run time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ class ComposedSync:
         self.steps_done = 0
         self.last_divergence = 0.0
         self.rounds = 0
-        self.reduced: Optional[set[int]] = None  # data_ptrs the reducer covers (None: every parameter)
+        self.reduced: set[int] | None = None  # data_ptrs the reducer covers (None: every parameter)
         self.powersgd = None
         inter = "grad_inter" if s.reducer == "two_level" else "grad"
         self.topk = TopK(r.ratio, r.error_feedback, self.cross_group, inter) if r.kind == "topk" else None
@@ -100,8 +100,9 @@ class ComposedSync:
             return model  # gradients stay local
         wrapped = ddp(model, device, self.cfg.bucket_cap_mb)
         if r.kind == "powersgd" and (s.reducer == "all" or self.cross_group is not None):
-            self.powersgd = powersgd_state(r.matrix_rank, r.start_iter, r.error_feedback,
-                                           self.cross_group if s.reducer == "two_level" else None)
+            self.powersgd = powersgd_state(
+                r.matrix_rank, r.start_iter, r.error_feedback, self.cross_group if s.reducer == "two_level" else None
+            )
         if self.topk is not None:
             self.topk.bind(list(model.parameters()))
         wrapped.register_comm_hook(None, self._hook)
@@ -155,7 +156,7 @@ class ComposedSync:
         reduce_slices(buf, slices, kind, "grad")
         return done(buf)
 
-    def gradient_groups(self, step: int) -> Optional[list[list[int]]]:
+    def gradient_groups(self, step: int) -> list[list[int]] | None:
         """None (the global mean loss) while every replica applies the global mean gradient; the node groups with
         an intra-node reducer; else each replica its own loss (replicas step apart)."""
         s = self.cfg.scope
@@ -240,8 +241,13 @@ class ComposedSync:
         """Mixer schedule, top-k residuals and PowerSGD's memories (async_ps: the server's snapshot)."""
         if self.ps is not None:
             return self.ps.state_dict()
-        out: dict[str, Any] = {"period": self.period, "next_sync": self.next_sync, "steps_done": self.steps_done,
-                               "last_divergence": self.last_divergence, "rounds": self.rounds}
+        out: dict[str, Any] = {
+            "period": self.period,
+            "next_sync": self.next_sync,
+            "steps_done": self.steps_done,
+            "last_divergence": self.last_divergence,
+            "rounds": self.rounds,
+        }
         if self.topk is not None:
             out["topk_by_param"] = dict(self.topk.residuals)
         if self.powersgd is not None:

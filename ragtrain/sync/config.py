@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from ragtrain.errors import ConfigError
 from ragtrain.errors import check as _check
@@ -22,20 +22,32 @@ GOSSIP_TOPOLOGIES = ("ring", "random")
 # Which kind reads which key (a key set for a kind that does not read it is an error), and the defaults.
 REDUCER_KEYS = {"powersgd": ("matrix_rank", "start_iter", "error_feedback"), "topk": ("ratio", "error_feedback")}
 REDUCER_DEFAULTS = {"matrix_rank": 4, "start_iter": 10, "error_feedback": True, "ratio": 0.01}
-MIXER_KEYS = {"average": ("period", "warmup_steps", "adaptive", "target_divergence", "max_period"),
-              "gossip": ("period", "topology", "mixing"), "async_ps": ("max_staleness",)}
-MIXER_DEFAULTS = {"period": 1, "warmup_steps": 0, "adaptive": False, "target_divergence": 1e-3, "max_period": 64,
-                  "topology": "ring", "mixing": 0.5, "max_staleness": 2}
+MIXER_KEYS = {
+    "average": ("period", "warmup_steps", "adaptive", "target_divergence", "max_period"),
+    "gossip": ("period", "topology", "mixing"),
+    "async_ps": ("max_staleness",),
+}
+MIXER_DEFAULTS = {
+    "period": 1,
+    "warmup_steps": 0,
+    "adaptive": False,
+    "target_divergence": 1e-3,
+    "max_period": 64,
+    "topology": "ring",
+    "mixing": 0.5,
+    "max_staleness": 2,
+}
 
 
-def _kind_keys(obj: Any, prefix: str, kind: str, keys: dict[str, tuple[str, ...]],
-               defaults: dict[str, Any]) -> None:
+def _kind_keys(obj: Any, prefix: str, kind: str, keys: dict[str, tuple[str, ...]], defaults: dict[str, Any]) -> None:
     """Refuse a key set (not null) that `kind` does not read, naming who reads it; fill the kind's unset keys."""
     for key in defaults:
         readers = [k for k, ks in keys.items() if key in ks]
         if getattr(obj, key) is not None and key not in keys.get(kind, ()):
-            raise ConfigError(f"{prefix}.{key} is set ({getattr(obj, key)!r}) but {prefix}.kind={kind} does not read "
-                              f"it; it belongs to {prefix}.kind in {readers}: set it to null or change the kind")
+            raise ConfigError(
+                f"{prefix}.{key} is set ({getattr(obj, key)!r}) but {prefix}.kind={kind} does not read "
+                f"it; it belongs to {prefix}.kind in {readers}: set it to null or change the kind"
+            )
     for key in keys.get(kind, ()):
         if getattr(obj, key) is None:
             setattr(obj, key, defaults[key])
@@ -46,10 +58,10 @@ class ReducerConfig:
     """Gradient reducer, every step inside backward (a DDP comm hook): how gradients cross the wire."""
 
     kind: str = "allreduce"  # none | allreduce | fp16 | bf16 | powersgd | topk
-    matrix_rank: Optional[int] = None  # powersgd: rank of the P, Q factors (default 4)
-    start_iter: Optional[int] = None  # powersgd: plain all-reduce before this step (>= 2 with error feedback; default 10)
-    error_feedback: Optional[bool] = None  # powersgd, topk (default true)
-    ratio: Optional[float] = None  # topk: fraction of gradient entries sent (default 0.01)
+    matrix_rank: int | None = None  # powersgd: rank of the P, Q factors (default 4)
+    start_iter: int | None = None  # powersgd: plain all-reduce before this step (>= 2 with error feedback; default 10)
+    error_feedback: bool | None = None  # powersgd, topk (default true)
+    ratio: float | None = None  # topk: fraction of gradient entries sent (default 0.01)
 
     def __post_init__(self) -> None:
         k = "sync.reducer"
@@ -65,31 +77,48 @@ class MixerConfig:
     """Parameter mixer, after optimizer steps: how replicas that stepped apart are pulled together."""
 
     kind: str = "none"  # none | average (every period, local SGD) | gossip | async_ps (a Ray actor server)
-    period: Optional[int] = None  # average, gossip: steps between rounds (default 1)
-    warmup_steps: Optional[int] = None  # average: gradient all-reduce (DDP) for this many steps first (default 0)
-    adaptive: Optional[bool] = None  # average: shrink/grow the period with the measured divergence (default false)
-    target_divergence: Optional[float] = None  # average + adaptive: divergence aimed at at sync time (default 1e-3)
-    max_period: Optional[int] = None  # average + adaptive: upper bound of the period (default 64)
-    topology: Optional[str] = None  # gossip: ring | random (seeded pairing per round; default ring)
-    mixing: Optional[float] = None  # gossip: weight of the neighbours' mean (default 0.5)
-    max_staleness: Optional[int] = None  # async_ps: others' updates an applied push may have missed (default 2)
+    period: int | None = None  # average, gossip: steps between rounds (default 1)
+    warmup_steps: int | None = None  # average: gradient all-reduce (DDP) for this many steps first (default 0)
+    adaptive: bool | None = None  # average: shrink/grow the period with the measured divergence (default false)
+    target_divergence: float | None = None  # average + adaptive: divergence aimed at at sync time (default 1e-3)
+    max_period: int | None = None  # average + adaptive: upper bound of the period (default 64)
+    topology: str | None = None  # gossip: ring | random (seeded pairing per round; default ring)
+    mixing: float | None = None  # gossip: weight of the neighbours' mean (default 0.5)
+    max_staleness: int | None = None  # async_ps: others' updates an applied push may have missed (default 2)
 
     def __post_init__(self) -> None:
         k = "sync.mixer"
         _check(self.kind in MIXERS, k + ".kind", f"must be one of {list(MIXERS)}", self.kind)
         _kind_keys(self, k, self.kind, MIXER_KEYS, MIXER_DEFAULTS)
         _check(self.period is None or self.period > 0, k + ".period", "must be > 0", self.period)
-        _check(self.warmup_steps is None or self.warmup_steps >= 0, k + ".warmup_steps", "must be >= 0",
-               self.warmup_steps)
-        _check(self.max_period is None or self.max_period >= self.period, k + ".max_period",
-               f"must be >= sync.mixer.period ({self.period})", self.max_period)
-        _check(self.target_divergence is None or self.target_divergence > 0, k + ".target_divergence", "must be > 0",
-               self.target_divergence)
-        _check(self.topology is None or self.topology in GOSSIP_TOPOLOGIES, k + ".topology",
-               f"must be one of {list(GOSSIP_TOPOLOGIES)}", self.topology)
+        _check(
+            self.warmup_steps is None or self.warmup_steps >= 0, k + ".warmup_steps", "must be >= 0", self.warmup_steps
+        )
+        _check(
+            self.max_period is None or self.max_period >= self.period,
+            k + ".max_period",
+            f"must be >= sync.mixer.period ({self.period})",
+            self.max_period,
+        )
+        _check(
+            self.target_divergence is None or self.target_divergence > 0,
+            k + ".target_divergence",
+            "must be > 0",
+            self.target_divergence,
+        )
+        _check(
+            self.topology is None or self.topology in GOSSIP_TOPOLOGIES,
+            k + ".topology",
+            f"must be one of {list(GOSSIP_TOPOLOGIES)}",
+            self.topology,
+        )
         _check(self.mixing is None or 0 < self.mixing <= 1, k + ".mixing", "must be in (0, 1]", self.mixing)
-        _check(self.max_staleness is None or self.max_staleness >= 0, k + ".max_staleness", "must be >= 0",
-               self.max_staleness)
+        _check(
+            self.max_staleness is None or self.max_staleness >= 0,
+            k + ".max_staleness",
+            "must be >= 0",
+            self.max_staleness,
+        )
 
 
 @dataclass
@@ -138,35 +167,77 @@ class SyncConfig:
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
         _check(self.eval_every >= 0, k + "eval_every", "must be >= 0", self.eval_every)
         # combinations (each message names the valid ones)
-        _check(r.kind != "none" or (s.reducer == "all" and not s.reducer_params), k + "scope.reducer",
-               "applies to a reducer: with sync.reducer.kind=none keep scope.reducer=all and scope.reducer_params=[]",
-               s.reducer)
-        _check(s.reducer != "intra_node" or r.kind == "allreduce", k + "reducer.kind",
-               "must be allreduce with scope.reducer=intra_node (valid there: [allreduce]; compress across nodes "
-               "with scope.reducer=two_level)", r.kind)
-        _check(s.reducer != "intra_node" or (m.kind in ("average", "gossip") and s.mixer == "inter_node"),
-               k + "mixer.kind", "must be average or gossip with scope.mixer=inter_node when scope.reducer=intra_node "
-               "(nodes would never meet); or use scope.reducer=two_level", m.kind)
-        _check(s.mixer != "inter_node" or s.reducer == "intra_node", k + "scope.mixer",
-               "=inter_node needs scope.reducer=intra_node (replicas inside a node equal); valid: [all]", s.mixer)
-        _check(s.mixer != "inter_node" or m.topology in (None, "ring"), k + "mixer.topology",
-               "must be ring across nodes (the node ring)", m.topology)
-        _check(not s.reducer_params or (r.kind in ("allreduce", "fp16", "bf16") and s.reducer == "all"),
-               k + "scope.reducer_params", "needs reducer.kind in [allreduce, fp16, bf16] with scope.reducer=all",
-               s.reducer_params)
-        _check(not s.reducer_params or m.kind in ("average", "gossip"), k + "mixer.kind",
-               "must be average or gossip with scope.reducer_params (it syncs the other parameters)", m.kind)
+        _check(
+            r.kind != "none" or (s.reducer == "all" and not s.reducer_params),
+            k + "scope.reducer",
+            "applies to a reducer: with sync.reducer.kind=none keep scope.reducer=all and scope.reducer_params=[]",
+            s.reducer,
+        )
+        _check(
+            s.reducer != "intra_node" or r.kind == "allreduce",
+            k + "reducer.kind",
+            "must be allreduce with scope.reducer=intra_node (valid there: [allreduce]; compress across nodes "
+            "with scope.reducer=two_level)",
+            r.kind,
+        )
+        _check(
+            s.reducer != "intra_node" or (m.kind in ("average", "gossip") and s.mixer == "inter_node"),
+            k + "mixer.kind",
+            "must be average or gossip with scope.mixer=inter_node when scope.reducer=intra_node "
+            "(nodes would never meet); or use scope.reducer=two_level",
+            m.kind,
+        )
+        _check(
+            s.mixer != "inter_node" or s.reducer == "intra_node",
+            k + "scope.mixer",
+            "=inter_node needs scope.reducer=intra_node (replicas inside a node equal); valid: [all]",
+            s.mixer,
+        )
+        _check(
+            s.mixer != "inter_node" or m.topology in (None, "ring"),
+            k + "mixer.topology",
+            "must be ring across nodes (the node ring)",
+            m.topology,
+        )
+        _check(
+            not s.reducer_params or (r.kind in ("allreduce", "fp16", "bf16") and s.reducer == "all"),
+            k + "scope.reducer_params",
+            "needs reducer.kind in [allreduce, fp16, bf16] with scope.reducer=all",
+            s.reducer_params,
+        )
+        _check(
+            not s.reducer_params or m.kind in ("average", "gossip"),
+            k + "mixer.kind",
+            "must be average or gossip with scope.reducer_params (it syncs the other parameters)",
+            m.kind,
+        )
         full_reducer = r.kind != "none" and s.reducer in ("all", "two_level") and not s.reducer_params
-        _check(not (full_reducer and m.kind != "none"), k + "mixer.kind",
-               f"must be none with reducer.kind={r.kind} on every parameter and rank (replicas are equal after each "
-               f"step: nothing to mix); valid combinations: reducer none + a mixer, scope.reducer=intra_node + "
-               f"scope.mixer=inter_node, or scope.reducer_params + a mixer for the rest", m.kind)
-        _check(m.kind != "async_ps" or (r.kind == "none" and self.consensus == "params"), k + "mixer.kind",
-               "=async_ps needs reducer.kind=none (workers never wait for each other) and consensus=params", m.kind)
-        _check(not m.warmup_steps or r.kind == "none", k + "mixer.warmup_steps",
-               "(a gradient all-reduce warm-up) needs reducer.kind=none", m.warmup_steps)
-        _check(self.consensus != "vectors" or (r.kind == "none" and m.kind == "none"), k + "consensus",
-               "=vectors keeps every replica apart: it needs reducer.kind=none and mixer.kind=none", self.consensus)
+        _check(
+            not (full_reducer and m.kind != "none"),
+            k + "mixer.kind",
+            f"must be none with reducer.kind={r.kind} on every parameter and rank (replicas are equal after each "
+            f"step: nothing to mix); valid combinations: reducer none + a mixer, scope.reducer=intra_node + "
+            f"scope.mixer=inter_node, or scope.reducer_params + a mixer for the rest",
+            m.kind,
+        )
+        _check(
+            m.kind != "async_ps" or (r.kind == "none" and self.consensus == "params"),
+            k + "mixer.kind",
+            "=async_ps needs reducer.kind=none (workers never wait for each other) and consensus=params",
+            m.kind,
+        )
+        _check(
+            not m.warmup_steps or r.kind == "none",
+            k + "mixer.warmup_steps",
+            "(a gradient all-reduce warm-up) needs reducer.kind=none",
+            m.warmup_steps,
+        )
+        _check(
+            self.consensus != "vectors" or (r.kind == "none" and m.kind == "none"),
+            k + "consensus",
+            "=vectors keeps every replica apart: it needs reducer.kind=none and mixer.kind=none",
+            self.consensus,
+        )
 
     @property
     def strategy(self) -> str:

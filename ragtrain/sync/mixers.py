@@ -39,8 +39,9 @@ def mix_with_peers(params: list[nn.Parameter], peers: list[int], mixing: float, 
     with STATS.timed(category, flat.numel() * flat.element_size() * len(peers)):
         # Every send and receive posted as one batch before waiting on any: separate isend/irecv calls deadlock
         # under NCCL once a message outgrows its buffers (both peers' sends queue ahead of their receives)
-        ops = [dist.P2POp(dist.isend, flat, p) for p in peers] + [dist.P2POp(dist.irecv, b, p)
-                                                                    for b, p in zip(bufs, peers)]
+        ops = [dist.P2POp(dist.isend, flat, p) for p in peers] + [
+            dist.P2POp(dist.irecv, b, p) for b, p in zip(bufs, peers)
+        ]
         reqs = dist.batch_isend_irecv(ops)
         for r in reqs:
             r.wait()

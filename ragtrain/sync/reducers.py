@@ -10,7 +10,7 @@ own size. ComposedSync (composed.py) picks one per bucket.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from torch import nn
 from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes, counted_future
 
 
-def group_size(group: Optional[Any]) -> int:
+def group_size(group: Any | None) -> int:
     """Ranks in `group` (None: the default group; 1 without one)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
@@ -33,8 +33,9 @@ def done(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
-def counting_allreduce_hook(category: str, bucket: dist.GradBucket,
-                            group: Optional[Any] = None) -> torch.futures.Future[torch.Tensor]:
+def counting_allreduce_hook(
+    category: str, bucket: dist.GradBucket, group: Any | None = None
+) -> torch.futures.Future[torch.Tensor]:
     """torch's allreduce_hook (mean of the bucket over `group`), plus bytes and in-flight time under `category`."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -43,8 +44,9 @@ def counting_allreduce_hook(category: str, bucket: dist.GradBucket,
     return counted_future(allreduce_hook(group, bucket), category, nbytes)
 
 
-def cast_hook(dtype: torch.dtype, category: str, bucket: dist.GradBucket,
-              group: Optional[Any] = None) -> torch.futures.Future[torch.Tensor]:
+def cast_hook(
+    dtype: torch.dtype, category: str, bucket: dist.GradBucket, group: Any | None = None
+) -> torch.futures.Future[torch.Tensor]:
     """torch's fp16 / bf16 compress hook over `group`: the bucket crosses the wire in 2 bytes per entry."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -71,7 +73,7 @@ def powersgd_hook(state: Any, bucket: dist.GradBucket, category: str) -> torch.f
     return counted_future(fut, category, all_reduce_bytes(4 * sent, group_size(state.process_group)), start=start)
 
 
-def powersgd_state(matrix_rank: int, start_iter: int, error_feedback: bool, group: Optional[Any] = None) -> Any:
+def powersgd_state(matrix_rank: int, start_iter: int, error_feedback: bool, group: Any | None = None) -> Any:
     """PowerSGD's state (warm start, seed 0); start_iter is at least 2 with error feedback (torch requires it)."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
@@ -87,15 +89,22 @@ def powersgd_state(matrix_rank: int, start_iter: int, error_feedback: bool, grou
 
 def powersgd_state_dict(s: Any) -> dict[str, Any]:
     """PowerSGD's memories and iteration: a restart continues exactly."""
-    return {"iter": s.iter, "error": dict(s.error_dict), "p": dict(s.p_memory_dict), "q": dict(s.q_memory_dict),
-            "numel_before": s.total_numel_before_compression, "numel_after": s.total_numel_after_compression}
+    return {
+        "iter": s.iter,
+        "error": dict(s.error_dict),
+        "p": dict(s.p_memory_dict),
+        "q": dict(s.q_memory_dict),
+        "numel_before": s.total_numel_before_compression,
+        "numel_after": s.total_numel_after_compression,
+    }
 
 
 def load_powersgd_state(s: Any, saved: dict[str, Any], device: torch.device) -> None:
     """Restore `powersgd_state_dict`'s memories onto `device` (the gradient buckets' device)."""
     s.iter = int(saved["iter"])
     s.error_dict, s.p_memory_dict, s.q_memory_dict = (
-        {k: v.to(device) for k, v in saved[name].items()} for name in ("error", "p", "q"))
+        {k: v.to(device) for k, v in saved[name].items()} for name in ("error", "p", "q")
+    )
     s.total_numel_before_compression = int(saved["numel_before"])
     s.total_numel_after_compression = int(saved["numel_after"])
 
@@ -108,7 +117,7 @@ class TopK:
     before and after the rebuild, and a residual kept by bucket would be added to another parameter's gradient.
     """
 
-    def __init__(self, ratio: float, error_feedback: bool, group: Optional[Any] = None, category: str = "grad"):
+    def __init__(self, ratio: float, error_feedback: bool, group: Any | None = None, category: str = "grad"):
         self.ratio, self.error_feedback, self.group, self.category = ratio, error_feedback, group, category
         self.residuals: dict[int, torch.Tensor] = {}
         self.param_index: dict[int, int] = {}  # data_ptr of a parameter -> its index in model.parameters()
@@ -144,13 +153,14 @@ class TopK:
         return done(out)
 
 
-def reduce_slices(buf: torch.Tensor, slices: list[tuple[int, int]], kind: str, category: str,
-                  group: Optional[Any] = None) -> None:
+def reduce_slices(
+    buf: torch.Tensor, slices: list[tuple[int, int]], kind: str, category: str, group: Any | None = None
+) -> None:
     """Average `buf[o:o + n]` for each (o, n) in `slices` over `group`, in place, in ONE counted all-reduce
     (allreduce: fp32; fp16 / bf16: cast on the wire); the rest of `buf` stays this worker's own."""
     if not slices:
         return
-    wire = torch.cat([buf[o:o + n] for o, n in slices])
+    wire = torch.cat([buf[o : o + n] for o, n in slices])
     if kind in ("fp16", "bf16"):
         wire = wire.to(torch.float16 if kind == "fp16" else torch.bfloat16)
     w = group_size(group)
@@ -159,5 +169,5 @@ def reduce_slices(buf: torch.Tensor, slices: list[tuple[int, int]], kind: str, c
     mean = wire.to(buf.dtype) / w
     at = 0
     for o, n in slices:
-        buf[o:o + n].copy_(mean[at:at + n])
+        buf[o : o + n].copy_(mean[at : at + n])
         at += n

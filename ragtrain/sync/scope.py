@@ -19,8 +19,10 @@ def counterparts(groups: list[list[int]]) -> list[list[int]]:
     """Cross-node groups: the workers of equal local rank, one per node (every node must hold as many workers)."""
     sizes = sorted({len(g) for g in groups})
     if len(sizes) != 1:
-        raise ValueError(f"sync.scope.reducer=two_level needs as many workers on every node, got {sizes} "
-                         f"(nodes: {groups}); use scope.reducer=all or resources that place workers evenly")
+        raise ValueError(
+            f"sync.scope.reducer=two_level needs as many workers on every node, got {sizes} "
+            f"(nodes: {groups}); use scope.reducer=all or resources that place workers evenly"
+        )
     return [[g[i] for g in groups] for i in range(sizes[0])]
 
 
@@ -31,6 +33,8 @@ def matching_params(model: nn.Module, patterns: list[str]) -> set[int]:
     for pat in compiled:
         if not any(pat.search(n) for n, _ in named):
             sample = [n for n, _ in named[:4]] + ["..."] + [n for n, _ in named[-2:]]
-            raise ValueError(f"sync.scope.reducer_params pattern {pat.pattern!r} matches no parameter of this model; "
-                             f"its names look like {sample}")
+            raise ValueError(
+                f"sync.scope.reducer_params pattern {pat.pattern!r} matches no parameter of this model; "
+                f"its names look like {sample}"
+            )
     return {p.data_ptr() for n, p in named if any(pat.search(n) for pat in compiled)}

@@ -7,7 +7,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ragtrain.config import LoggerBackend, LoggerConfig
 from ragtrain.console import get_logger
@@ -26,12 +26,12 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{Path('mlruns').resolve() / 'mlflow.db'}"
 
 
-def sqlite_file(uri: str) -> Optional[Path]:
+def sqlite_file(uri: str) -> Path | None:
     """The database file of a `sqlite:///` tracking URI, else None (a server or a file store)."""
     return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
 
 
-def store_folder(uri: str) -> Optional[Path]:
+def store_folder(uri: str) -> Path | None:
     """The local folder a tracking URI's store lives in: a SQLite file's folder, a file store (`file://` or a bare
     path) itself; None for a server or database URI (and MLflow's bare `databricks`)."""
     from urllib.parse import urlsplit
@@ -90,14 +90,17 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
     shown = redact_uri(uri)
     scheme = urlsplit(uri).scheme if "://" in uri or uri.startswith("sqlite:") else ""
     if scheme and scheme.split("+")[0] not in TRACKING_SCHEMES:
-        raise ConfigError(f"{where}={shown!r}: unknown scheme {scheme!r}; valid choices: {list(TRACKING_SCHEMES)} "
-                          "or a local folder")
+        raise ConfigError(
+            f"{where}={shown!r}: unknown scheme {scheme!r}; valid choices: {list(TRACKING_SCHEMES)} or a local folder"
+        )
     folder = store_folder(uri)
     if folder is not None:
         db = sqlite_file(uri)
         if db is not None and db.is_dir():
-            raise ConfigError(f"{where}={shown!r}: {db} is a folder, not a database file; name a file in it, e.g. "
-                              f"sqlite:///{db / 'mlflow.db'}")
+            raise ConfigError(
+                f"{where}={shown!r}: {db} is a folder, not a database file; name a file in it, e.g. "
+                f"sqlite:///{db / 'mlflow.db'}"
+            )
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent  # the nearest existing folder: MLflow creates the rest
         if not folder.is_dir():  # a file where a folder must go: nothing can be created under it
@@ -107,8 +110,9 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            raise ConfigError(f"{where}={shown!r}: nothing can be created in {folder} ({e.strerror}); choose a "
-                              "writable path") from None
+            raise ConfigError(
+                f"{where}={shown!r}: nothing can be created in {folder} ({e.strerror}); choose a writable path"
+            ) from None
         return
     if scheme in ("http", "https"):
         import base64
@@ -126,13 +130,18 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
                     raise OSError(f"HTTP {r.status}")
         except urllib.error.HTTPError as e:
             if e.code in (401, 403):
-                raise ConfigError(f"{where}={shown!r} refused the credentials (HTTP {e.code}): check the user and "
-                                  f"password in the URI or in {' / '.join(AUTH_ENV)}") from None
-            raise ConfigError(f"{where}={shown!r} answers /health with HTTP {e.code}: is it an MLflow server?") \
-                from None
+                raise ConfigError(
+                    f"{where}={shown!r} refused the credentials (HTTP {e.code}): check the user and "
+                    f"password in the URI or in {' / '.join(AUTH_ENV)}"
+                ) from None
+            raise ConfigError(
+                f"{where}={shown!r} answers /health with HTTP {e.code}: is it an MLflow server?"
+            ) from None
         except (OSError, urllib.error.URLError) as e:
-            raise ConfigError(f"{where}={shown!r} does not answer within {timeout:.0f}s ({e}): start the MLflow "
-                              "server, fix the URI, or use logger=none") from None
+            raise ConfigError(
+                f"{where}={shown!r} does not answer within {timeout:.0f}s ({e}): start the MLflow "
+                "server, fix the URI, or use logger=none"
+            ) from None
 
 
 def mlflow_key(name: str) -> str:
@@ -190,11 +199,16 @@ class RunLogger:
     """Driver-side logger for one pipeline run; a no-op when logger.backend=none."""
 
     def __init__(
-        self, cfg: LoggerConfig, run_name: str, artifact_root: Optional[str] = None, parent_run_id: Optional[str] = None,
-        tags: Optional[dict[str, str]] = None, run_id: Optional[str] = None,
+        self,
+        cfg: LoggerConfig,
+        run_name: str,
+        artifact_root: str | None = None,
+        parent_run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        run_id: str | None = None,
     ):
         self.enabled = LoggerBackend(cfg.backend) == LoggerBackend.mlflow
-        self.run_id: Optional[str] = None
+        self.run_id: str | None = None
         self.uri = tracking_uri(cfg) if self.enabled else ""
         if not self.enabled:
             return
@@ -222,7 +236,7 @@ class RunLogger:
             for k, v in tags.items():
                 self.client.set_tag(self.run_id, k, str(v))
 
-    def sink(self) -> Optional[MetricSink]:
+    def sink(self) -> MetricSink | None:
         """A handle for rank 0 to log training metrics into this run."""
         return MetricSink(self.uri, self.run_id) if self.enabled and self.run_id else None
 
@@ -233,8 +247,10 @@ class RunLogger:
         from mlflow.entities import Param
 
         # credentials inside a URI (user:password@host) never reach the store
-        items = [Param(k, (redact_uri(str(v)) if k.endswith("_uri") else str(v))[:MAX_PARAM_LEN])
-                 for k, v in sorted(params.items())]
+        items = [
+            Param(k, (redact_uri(str(v)) if k.endswith("_uri") else str(v))[:MAX_PARAM_LEN])
+            for k, v in sorted(params.items())
+        ]
         for i in range(0, len(items), 100):  # log_batch takes at most 100 params per call
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
@@ -243,7 +259,7 @@ class RunLogger:
         if self.enabled and metrics:
             MetricSink(self.uri, self.run_id).log(metrics, step)
 
-    def log_artifact(self, path: str | Path, artifact_path: Optional[str] = None) -> None:
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file or folder."""
         if not self.enabled:
             return
@@ -262,7 +278,7 @@ class RunLogger:
             f.write_text(json.dumps(obj, indent=2, sort_keys=True))
             self.client.log_artifact(self.run_id, str(f))
 
-    def log_retriever_model(self, folder: str | Path, register_as: Optional[str] = None) -> Optional[str]:
+    def log_retriever_model(self, folder: str | Path, register_as: str | None = None) -> str | None:
         """Log a sentence-transformers folder as this run's MLflow model `retriever` (sentence_transformers flavour,
         under the run's artifacts); `register_as` also registers it in the Model Registry. Returns the model URI."""
         if not self.enabled:
@@ -289,7 +305,7 @@ class RunLogger:
             log.info(f"[export] registered the retriever as models:/{register_as}/{version.version}")
         return uri
 
-    def log_generator_model(self, folder: str | Path) -> Optional[str]:
+    def log_generator_model(self, folder: str | Path) -> str | None:
         """Log a transformers `save_pretrained` folder as artifacts `export/generator` of this run; returns its
         runs:/ URI. Not an MLflow model: mlflow's transformers flavour needs a pipeline task, and transformers 5
         removed `text2text-generation` (seq2seq generators fail with KeyError); causal ones have no ragtrain
@@ -322,14 +338,22 @@ def save_retriever_model(folder: str | Path, out: str | Path) -> None:
     model = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
     signature = None
     if model.prompts.get("query") or model.prompts.get("document"):
-        signature = ModelSignature(inputs=Schema([ColSpec("string")]),
-                                   outputs=Schema([TensorSpec(np.dtype("float64"), [-1])]),
-                                   params=ParamSchema([ParamSpec("prompt_name", "string", "document")]))
+        signature = ModelSignature(
+            inputs=Schema([ColSpec("string")]),
+            outputs=Schema([TensorSpec(np.dtype("float64"), [-1])]),
+            params=ParamSchema([ParamSpec("prompt_name", "string", "document")]),
+        )
     mlflow.sentence_transformers.save_model(
-        model, str(out), signature=signature,
+        model,
+        str(out),
+        signature=signature,
         # explicit requirements: inferring them starts a subprocess that re-imports the model (slow)
-        pip_requirements=[f"sentence-transformers=={_version('sentence-transformers')}",
-                          f"torch=={_version('torch').split('+')[0]}", f"transformers=={_version('transformers')}"])
+        pip_requirements=[
+            f"sentence-transformers=={_version('sentence-transformers')}",
+            f"torch=={_version('torch').split('+')[0]}",
+            f"transformers=={_version('transformers')}",
+        ],
+    )
 
 
 def _version(dist: str) -> str:
@@ -363,12 +387,16 @@ class RunRecord:
 
 def _record(run) -> RunRecord:
     return RunRecord(
-        run.info.run_id, run.info.run_name or "", run.info.status, dict(run.data.params), dict(run.data.metrics),
+        run.info.run_id,
+        run.info.run_name or "",
+        run.info.status,
+        dict(run.data.params),
+        dict(run.data.metrics),
         dict(run.data.tags),
     )
 
 
-def find_runs(uri: str, experiment: Optional[str] = None, parent_run_id: Optional[str] = None) -> list[RunRecord]:
+def find_runs(uri: str, experiment: str | None = None, parent_run_id: str | None = None) -> list[RunRecord]:
     """Runs of an experiment (by name) or the child runs of a parent run, oldest first."""
     from mlflow.tracking import MlflowClient
 
@@ -403,7 +431,7 @@ def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
 
 
-def update_run(uri: str, run_id: str, tags: Optional[dict[str, Any]] = None, status: Optional[str] = None) -> None:
+def update_run(uri: str, run_id: str, tags: dict[str, Any] | None = None, status: str | None = None) -> None:
     """Tag a run and optionally close it with `status` (e.g. KILLED for a trial Tune stopped)."""
     from mlflow.tracking import MlflowClient
 

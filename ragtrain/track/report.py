@@ -39,9 +39,16 @@ def write_comparison(df: pd.DataFrame, out_dir: str | Path, title: str) -> list[
     md.write_text(f"# {title}\n\n" + df.to_markdown(index=False, floatfmt=".4g") + "\n")
 
     scatter_plot(
-        df, "comm/bytes_per_step", "ndcg@10", png, label="strategy", size="drift/replica_cosine_mean",
-        title=f"{title}\nmarker size: mean replica drift (1 - cos)", xlabel="bytes sent per step per worker (log)",
-        ylabel="nDCG@10", big=4000.0,
+        df,
+        "comm/bytes_per_step",
+        "ndcg@10",
+        png,
+        label="strategy",
+        size="drift/replica_cosine_mean",
+        title=f"{title}\nmarker size: mean replica drift (1 - cos)",
+        xlabel="bytes sent per step per worker (log)",
+        ylabel="nDCG@10",
+        big=4000.0,
     )
     return [csv, md, png]
 
@@ -63,8 +70,18 @@ def marker_sizes(values: pd.Series, small: float = 40.0, big: float = 1200.0) ->
 
 
 def scatter_plot(
-    df: pd.DataFrame, x: str, y: str, path: str | Path, *, label: str | None = None, color: str | None = None,
-    size: str | None = None, title: str = "", xlabel: str | None = None, ylabel: str | None = None, big: float = 1200.0,
+    df: pd.DataFrame,
+    x: str,
+    y: str,
+    path: str | Path,
+    *,
+    label: str | None = None,
+    color: str | None = None,
+    size: str | None = None,
+    title: str = "",
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    big: float = 1200.0,
 ) -> Path:
     """y vs x (log x when some x is positive), one colour per `color` value, marker area from `size`, annotated."""
     plt = _pyplot()
@@ -97,8 +114,13 @@ def scatter_plot(
 
 
 def curves_plot(
-    curves: dict[str, list[tuple[int, float]]], path: str | Path, *, groups: dict[str, str] | None = None,
-    title: str = "", ylabel: str = "", xlabel: str = "step",
+    curves: dict[str, list[tuple[int, float]]],
+    path: str | Path,
+    *,
+    groups: dict[str, str] | None = None,
+    title: str = "",
+    ylabel: str = "",
+    xlabel: str = "step",
 ) -> Path:
     """One line per run (label -> [(step, value)]); runs of the same group share a colour, told apart by line style."""
     plt = _pyplot()
@@ -114,8 +136,15 @@ def curves_plot(
         c = palette[names.index(g) % len(palette)] if g in names else None
         nth = seen[g] = seen.get(g, -1) + 1
         steps, values = zip(*points)
-        ax.plot(steps, values, marker="o", markersize=3, label=label, color=c,
-                linestyle=styles[nth % len(styles)] if g in names else "-")
+        ax.plot(
+            steps,
+            values,
+            marker="o",
+            markersize=3,
+            label=label,
+            color=c,
+            linestyle=styles[nth % len(styles)] if g in names else "-",
+        )
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)

@@ -15,10 +15,11 @@ import math
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,8 +46,10 @@ def total_steps(max_steps: int, epochs: float, num_examples: int, global_batch: 
     if max_steps > 0:
         return max_steps
     if num_examples < global_batch:
-        raise ValueError(f"{num_examples} training examples < one global batch of {global_batch} "
-                         "(batch_size x num_workers): lower the batch size")
+        raise ValueError(
+            f"{num_examples} training examples < one global batch of {global_batch} "
+            "(batch_size x num_workers): lower the batch size"
+        )
     return max(1, math.ceil(epochs * (num_examples // global_batch)))
 
 
@@ -58,8 +61,8 @@ class WorkerArgs:
     stage: str  # "retriever" | "generator": names the Ray Train run folder, log lines and fault markers
     cpus_per_worker: float
     fit_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # tags this fit's checkpoints (restart scans)
-    resume_from: Optional[str] = None  # resume=true: the run's latest complete checkpoint
-    sink: Optional[MetricSink] = None  # rank 0 logs through it into the driver's MLflow run
+    resume_from: str | None = None  # resume=true: the run's latest complete checkpoint
+    sink: MetricSink | None = None  # rank 0 logs through it into the driver's MLflow run
     report_intermediate: bool = False  # Tune trials: every log window goes to ray.train.report
     refs: dict[str, Any] = field(default_factory=dict)  # the stage's inputs: data, weights, services (by name)
 
@@ -91,7 +94,7 @@ class Worker:
         # Dropout draws from torch's default generator: the recipe chooses per-rank or shared seeds; a restart then
         # restores the checkpoint's RNG state over this.
         torch.manual_seed(seed)
-        self.sink: Optional[MetricSink] = args.sink if self.rank == 0 else None
+        self.sink: MetricSink | None = args.sink if self.rank == 0 else None
         self.measure_s = 0.0  # seconds spent outside training steps (logging, checkpoints, probes)
         self._window_start = time.perf_counter()
         self._bar: Any = None  # rank 0's progress bar (tqdm_ray), made at the first finished step
@@ -108,9 +111,17 @@ class Worker:
 
         Call it after the model, optimizer and schedule exist; a sync strategy loads its own state after it (an
         async server's anchor, averaging buffers must start from the restored weights, not the initial ones)."""
-        step, extra, self.sink = restore_in_worker(self.args.storage(), {"fit_id": self.args.fit_id,
-                                                   "resume_from": self.args.resume_from}, self.rank, self.world,
-                                                   model, optim, sched, self.sink, self.stage)
+        step, extra, self.sink = restore_in_worker(
+            self.args.storage(),
+            {"fit_id": self.args.fit_id, "resume_from": self.args.resume_from},
+            self.rank,
+            self.world,
+            model,
+            optim,
+            sched,
+            self.sink,
+            self.stage,
+        )
         if self.sink is not None:
             self.sink.warm_up()  # before step 0: other ranks would otherwise wait ~2.5 s at the first collective
         return step, extra
@@ -141,8 +152,10 @@ class Worker:
         with self.not_training():
             if self.rank == 0:
                 # With a progress bar the bar shows progress and loss; the full line goes to ragtrain.log
-                log.info(f"[{self.stage}] step {step}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
-                         extra=FILE_ONLY if progress_bars() else None)
+                log.info(
+                    f"[{self.stage}] step {step}/{steps} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
+                    extra=FILE_ONLY if progress_bars() else None,
+                )
                 loss = next((v for k, v in metrics.items() if k.endswith("/loss")), None)
                 if self._bar is not None and loss is not None:
                     self._bar.set_description(f"[{self.stage}] loss {loss:.4f}")
@@ -151,8 +164,15 @@ class Worker:
             if report and self.args.report_intermediate:
                 ray.train.report({"step": step, **metrics})
 
-    def checkpoint(self, step: int, model: nn.Module, optim: torch.optim.Optimizer, sched: Any,
-                   extra: dict[str, Any], metrics: Optional[dict[str, float]] = None) -> None:
+    def checkpoint(
+        self,
+        step: int,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        sched: Any,
+        extra: dict[str, Any],
+        metrics: dict[str, float] | None = None,
+    ) -> None:
         """Every rank writes its part of the step-`step` checkpoint; Ray Train merges them into one folder."""
         import ray.train
 
@@ -187,8 +207,13 @@ class Worker:
             ckpt = None
             if self.rank == 0:
                 write(Path(d))
-                meta = {"step": summary["step"], "world": self.world, "final": True, "fit_id": self.args.fit_id,
-                        "summary": summary}
+                meta = {
+                    "step": summary["step"],
+                    "world": self.world,
+                    "final": True,
+                    "fit_id": self.args.fit_id,
+                    "summary": summary,
+                }
                 meta_path = Path(d, "meta.json")
                 if meta_path.exists():  # the recipe added fields (e.g. the weights file name)
                     meta = {**json.loads(meta_path.read_text()), **meta}
@@ -211,8 +236,11 @@ def _entry(config: dict[str, Any]) -> None:
     run_log = None
     if ray.train.get_context().get_world_rank() == 0 and Path(args.cfg.output_dir).is_dir():
         same_node = config.get("driver_node") in (None, ray.get_runtime_context().get_node_id())
-        run_log = attach_run_log(args.cfg.output_dir, who=f"{args.stage} rank 0",
-                                 name="ragtrain.log" if same_node else f"ragtrain.{args.stage}-rank0.log")
+        run_log = attach_run_log(
+            args.cfg.output_dir,
+            who=f"{args.stage} rank 0",
+            name="ragtrain.log" if same_node else f"ragtrain.{args.stage}-rank0.log",
+        )
     try:
         config["loop"](args)
     finally:
@@ -231,13 +259,14 @@ class Fitted:
     resumed_final: bool  # the stage had finished before (resume=true): nothing was trained
 
 
-def resume_or_none(cfg: Config, stage: str) -> tuple[Optional[Path], dict[str, Any]]:
+def resume_or_none(cfg: Config, stage: str) -> tuple[Path | None, dict[str, Any]]:
     """resume=true: the stage's latest complete checkpoint and its meta; otherwise (None, {})."""
     return resume_point(storage_dir(cfg, stage), cfg.resume)
 
 
-def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
-        callbacks: Optional[list] = None) -> Fitted:
+def fit(
+    loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int, callbacks: list | None = None
+) -> Fitted:
     """Driver: run `loop(args)` on `num_workers` Ray Train workers and return the final checkpoint (copied locally).
 
     Workers get the absolute output folder (checkpoint scans and fault markers must not depend on their cwd).
@@ -265,17 +294,21 @@ def fit(loop: Callable[[WorkerArgs], None], args: WorkerArgs, num_workers: int,
         train_loop_config={"loop": loop, "args": args, "driver_node": ray.get_runtime_context().get_node_id()},
         torch_config=LoopbackTorchConfig(backend="nccl" if r.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=num_workers, use_gpu=r.use_gpu,
-            resources_per_worker={"CPU": args.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {}), **r.resources}),
+            num_workers=num_workers,
+            use_gpu=r.use_gpu,
+            resources_per_worker={"CPU": args.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {}), **r.resources},
+        ),
         run_config=RunConfig(
-            name=args.stage, storage_path=str(args.storage().parent),
+            name=args.stage,
+            storage_path=str(args.storage().parent),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
             callbacks=callbacks or None,
             worker_runtime_env={"env_vars": {**WORKER_ENV, **quiet_env(), **auth_env()}},
             # Ray Train's controller and workers configure their own loggers (worker-group start, process group
             # set-up): under ragtrain's quiet console they print warnings and errors only; -v shows the rest
-            logging_config=LoggingConfig(log_level="WARNING" if is_quiet() else "INFO")),
+            logging_config=LoggingConfig(log_level="WARNING" if is_quiet() else "INFO"),
+        ),
     )
     result = trainer.fit()
     if result.checkpoint is None:

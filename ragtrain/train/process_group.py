@@ -44,10 +44,20 @@ class _LoopbackTorchBackend(_TorchBackend):
             return
         self.store_file = os.path.join(tempfile.gettempdir(), f"ragtrain-pg-{uuid.uuid4().hex}")
         worker_group.execute(_set_torch_distributed_env_vars)
-        ray.get([worker_group.execute_single_async(
-            i, _setup_torch_process_group, backend=backend_config.backend, world_rank=i, world_size=len(worker_group),
-            init_method=f"file://{self.store_file}", timeout_s=backend_config.timeout_s)
-            for i in range(len(worker_group))])
+        ray.get(
+            [
+                worker_group.execute_single_async(
+                    i,
+                    _setup_torch_process_group,
+                    backend=backend_config.backend,
+                    world_rank=i,
+                    world_size=len(worker_group),
+                    init_method=f"file://{self.store_file}",
+                    timeout_s=backend_config.timeout_s,
+                )
+                for i in range(len(worker_group))
+            ]
+        )
 
     def on_shutdown(self, worker_group, backend_config) -> None:
         super().on_shutdown(worker_group, backend_config)

@@ -9,7 +9,7 @@ the sync strategy and the data, so they are checked against what the first trial
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ray.tune.stopper import Stopper
 
@@ -26,11 +26,17 @@ class MetricGuard(Stopper):
     this object), so only what that copy writes reaches the driver's code after `fit`.
     """
 
-    def __init__(self, metric: str, asha_metric: Optional[str], done_key: str, window_key: str = "train/loss",
-                 record: Optional[str] = None):
+    def __init__(
+        self,
+        metric: str,
+        asha_metric: str | None,
+        done_key: str,
+        window_key: str = "train/loss",
+        record: str | None = None,
+    ):
         self.metric, self.asha_metric, self.done_key, self.window_key = metric, asha_metric, done_key, window_key
         self.record = record
-        self.error: Optional[str] = None
+        self.error: str | None = None
 
     def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
         """Tune calls this with every result; True ends that trial (and `stop_all` then ends the sweep)."""
@@ -38,8 +44,9 @@ class MetricGuard(Stopper):
             if result.get(self.done_key) and self.metric not in result:
                 self.error = self._missing("tune.metric", self.metric, "its final metrics", trial_id, result)
             elif self.asha_metric and self.window_key in result and self.asha_metric not in result:
-                self.error = self._missing("tune.asha_metric", self.asha_metric, "a training window's metrics",
-                                           trial_id, result)
+                self.error = self._missing(
+                    "tune.asha_metric", self.asha_metric, "a training window's metrics", trial_id, result
+                )
             if self.error is not None and getattr(self, "record", None):  # a guard pickled before `record` existed
                 Path(self.record).write_text(self.error)
         return self.error is not None
@@ -55,7 +62,7 @@ class MetricGuard(Stopper):
         return f"{key}={name!r} is not among {where} (trial {trial_id}): {names[:SHOWN]}{more}"
 
 
-def recorded_error(record: str | Path) -> Optional[str]:
+def recorded_error(record: str | Path) -> str | None:
     """The error a `MetricGuard` (this one or the copy a resumed sweep restored) wrote to `record`, if any."""
     path = Path(record)
     return path.read_text() if path.is_file() else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pandas as pd
 from omegaconf import OmegaConf
@@ -34,7 +34,7 @@ def trial_id_of(run_name: str) -> str:
     return run_name.split("/", 1)[-1].split(" ", 1)[0]
 
 
-def close_orphans(uri: str, parent: Optional[str]) -> int:
+def close_orphans(uri: str, parent: str | None) -> int:
     """Mark child runs still RUNNING (their trial was cut off) as KILLED; returns how many."""
     from ragtrain.track.mlflow import find_runs, update_run
 
@@ -71,19 +71,21 @@ def trial_table(plan: SweepPlan, trials: list) -> pd.DataFrame:
         last = tr.last_result or {}
         value = last.get(metric)
         done_ok = tr.status == "TERMINATED" and value is not None
-        rows.append({
-            "trial_id": tr.trial_id,
-            "status": tr.status,
-            "stopped_early": tr.status == "TERMINATED" and not last.get(DONE_KEY),
-            **{k: sp._plain(tr.config.get(k)) for k in (p.key for p in plan.params)},
-            metric: float(value) if done_ok else float("nan"),
-            "last_step": last.get("step"),
-            "error": str(tr.error_file or "") if tr.status == "ERROR" else "",
-        })
+        rows.append(
+            {
+                "trial_id": tr.trial_id,
+                "status": tr.status,
+                "stopped_early": tr.status == "TERMINATED" and not last.get(DONE_KEY),
+                **{k: sp._plain(tr.config.get(k)) for k in (p.key for p in plan.params)},
+                metric: float(value) if done_ok else float("nan"),
+                "last_step": last.get("step"),
+                "error": str(tr.error_file or "") if tr.status == "ERROR" else "",
+            }
+        )
     return pd.DataFrame(rows)
 
 
-def best_trial(df: pd.DataFrame, metric: str, mode: str) -> Optional[pd.Series]:
+def best_trial(df: pd.DataFrame, metric: str, mode: str) -> pd.Series | None:
     """The finished trial with the best finite metric (None when no trial finished)."""
     ok = df[df[metric].map(lambda v: isinstance(v, float) and math.isfinite(v))]
     if ok.empty:
@@ -101,9 +103,11 @@ def write_best_config(plan: SweepPlan, ctx: TrialContext, values: dict[str, Any]
     data["logger"]["run_name"] = None
     data["logger"]["tracking_uri"] = plan.cfg.logger.tracking_uri  # as the sweep was given it (None: default)
     run_dir = plan.out_dir / "conf"
-    header = (f"# @package _global_\n# Best trial {trial_id} of the sweep in {plan.out_dir} "
-              f"({plan.cfg.tune.metric}; {sp.describe(values, ctx.keys)}).\n"
-              f"# Run it: python -m ragtrain --config-dir {run_dir} experiment=best\n")
+    header = (
+        f"# @package _global_\n# Best trial {trial_id} of the sweep in {plan.out_dir} "
+        f"({plan.cfg.tune.metric}; {sp.describe(values, ctx.keys)}).\n"
+        f"# Run it: python -m ragtrain --config-dir {run_dir} experiment=best\n"
+    )
     text = header + OmegaConf.to_yaml(OmegaConf.create(data))
     path = plan.out_dir / "best_config.yaml"
     path.write_text(text)
@@ -134,7 +138,7 @@ def _tag_children(plan: SweepPlan, parent: str, df: pd.DataFrame) -> dict[str, s
     return out
 
 
-def finish(plan: SweepPlan, parent: Optional[str]) -> SweepResult:
+def finish(plan: SweepPlan, parent: str | None) -> SweepResult:
     """Collect the trials, tag the child runs, write trials.csv, the best config and the report; log them."""
     from ragtrain.config import LoggerConfig
     from ragtrain.track.mlflow import RunLogger
@@ -156,23 +160,30 @@ def finish(plan: SweepPlan, parent: Optional[str]) -> SweepResult:
     log.info("\n" + df.drop(columns=["error"]).to_markdown(index=False, floatfmt=".4g"))
     result = SweepResult(parent, plan.experiment_path, df, None, None, [], interrupted)
     if interrupted:
-        log.info(f"[tune] interrupted: {int((df['status'].isin(DONE)).sum())}/{expected_trials(plan)} trials done. Continue with: "
-                 f"python -m ragtrain <same overrides> output_dir={plan.out_dir} resume=true")
+        log.info(
+            f"[tune] interrupted: {int((df['status'].isin(DONE)).sum())}/{expected_trials(plan)} trials done. "
+            f"Continue with: "
+            f"python -m ragtrain <same overrides> output_dir={plan.out_dir} resume=true"
+        )
         return result
     best = best_trial(df, metric, t.mode)
     finished = [tr for tr in trials if (tr.last_result or {}).get(DONE_KEY)]
     if best is None and finished and metric not in finished[0].last_result:  # the guard's last line of defence
         names = sorted(k for k in finished[0].last_result if "/" in k)
-        raise ConfigError(f"tune.metric={t.metric!r} is not among the finished trials' metrics: {names} "
-                          f"(the trials are in {plan.out_dir / 'trials.csv'})")
+        raise ConfigError(
+            f"tune.metric={t.metric!r} is not among the finished trials' metrics: {names} "
+            f"(the trials are in {plan.out_dir / 'trials.csv'})"
+        )
     if best is None and finished:
         log.warning(f"no finished trial reported a finite {metric} (see {plan.out_dir / 'trials.csv'}): no best trial")
     if best is not None:
         values = {k: best[k] for k in ctx.keys}
         result.best = {"trial_id": best["trial_id"], "values": values, "metric": float(best[metric])}
         result.best_config = write_best_config(plan, ctx, values, best["trial_id"])
-        log.info(f"[tune] best trial {best['trial_id']} ({sp.describe(values, ctx.keys)}): {metric} = {best[metric]:.4f}"
-                 f"\n[tune] best config: {result.best_config}")
+        log.info(
+            f"[tune] best trial {best['trial_id']} ({sp.describe(values, ctx.keys)}): {metric} = {best[metric]:.4f}"
+            f"\n[tune] best config: {result.best_config}"
+        )
         if logger is not None:
             logger.log_artifact(result.best_config)
             logger.log_metrics({f"best/{metric}": float(best[metric])})
@@ -181,10 +192,13 @@ def finish(plan: SweepPlan, parent: Optional[str]) -> SweepResult:
     if t.report and parent:
         from ragtrain.compare import compare_runs
 
-        _, result.report = compare_runs(plan.tracking_uri, parent_run_id=parent, out_dir=plan.out_dir / "report",
-                                        title=f"{plan.cfg.experiment_name} sweep")
+        _, result.report = compare_runs(
+            plan.tracking_uri,
+            parent_run_id=parent,
+            out_dir=plan.out_dir / "report",
+            title=f"{plan.cfg.experiment_name} sweep",
+        )
         for f in result.report:
             logger.log_artifact(f, "report")
         log.info(f"[tune] report: {', '.join(str(f) for f in result.report)}")
     return result
-

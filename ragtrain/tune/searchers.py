@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Dict
-
 from ray.tune.search.optuna import OptunaSearch
 
 
 class FinalMetricOptunaSearch(OptunaSearch):
     """Optuna TPE that skips intermediate results lacking its metric (OptunaSearch would raise KeyError on them)."""
 
-    def on_trial_result(self, trial_id: str, result: Dict) -> None:
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
         if isinstance(self.metric, str) and self.metric in result:
             super().on_trial_result(trial_id, result)

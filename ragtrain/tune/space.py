@@ -17,9 +17,10 @@ import copy
 import dataclasses
 import math
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -66,7 +67,8 @@ def parse_space(space: Mapping[str, Any]) -> list[Param]:
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
         else:
             raise ConfigError(
-                f"tune.space['{prefix}'] must be a mapping {{kind: [...]}} with kind one of {list(DOMAINS)}, got {node!r}"
+                f"tune.space['{prefix}'] must be a mapping {{kind: [...]}} with kind one of {list(DOMAINS)}, got "
+                f"{node!r}"
             )
 
     walk("", OmegaConf.to_container(space) if OmegaConf.is_config(space) else space)
@@ -129,7 +131,9 @@ def check_key(key: str) -> None:
             node = tp
         elif typing.get_origin(tp) is dict:
             if len(parts) - i > 2:
-                raise ConfigError(f"tune.space has unknown config key '{key}' ({'.'.join(parts[: i + 1])} is a flat mapping)")
+                raise ConfigError(
+                    f"tune.space has unknown config key '{key}' ({'.'.join(parts[: i + 1])} is a flat mapping)"
+                )
             return
         elif not last:
             raise ConfigError(f"tune.space has unknown config key '{key}' ({'.'.join(parts[: i + 1])} is a value)")
@@ -171,18 +175,24 @@ def apply(base: Mapping[str, Any], values: Mapping[str, Any], sync_opts: Mapping
         if SYNC_KEY in values:
             name = values[SYNC_KEY]
             if name not in sync_opts:
-                raise ConfigError(f"tune.space['sync'] has unknown sync option {name!r}; valid choices: {sorted(sync_opts)}")
+                raise ConfigError(
+                    f"tune.space['sync'] has unknown sync option {name!r}; valid choices: {sorted(sync_opts)}"
+                )
             node.sync = with_sync_preset(node.sync, sync_opts[name])  # like sync_variants: keeps measurement keys
         for key in sorted(k for k in values if k != SYNC_KEY):
             if not _read_by_option(node, key):
                 continue  # a conditional space: e.g. sync.mixer.period is a knob of local_sgd's trials only
             OmegaConf.update(node, key, _plain(values[key]), merge=False)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"tune.space: {values} does not fit the schema: {e.msg if hasattr(e, 'msg') else e}") from None
+        raise ConfigError(
+            f"tune.space: {values} does not fit the schema: {e.msg if hasattr(e, 'msg') else e}"
+        ) from None
     return to_typed(node)
 
 
-def validate(params: list[Param], base: Mapping[str, Any], sync_opts: Mapping[str, dict], searcher: str) -> list[Config]:
+def validate(
+    params: list[Param], base: Mapping[str, Any], sync_opts: Mapping[str, dict], searcher: str
+) -> list[Config]:
     """Check every key and every listed value / range bound against the schema; returns those configs."""
     out = []
     for p in params:
@@ -196,7 +206,9 @@ def validate(params: list[Param], base: Mapping[str, Any], sync_opts: Mapping[st
                 out.append(apply(base, {**_reader(p.key, params, base, sync_opts), p.key: v}, sync_opts))
             except ConfigError as e:
                 msg = str(e)
-                raise ConfigError(msg if msg.startswith("tune.space") else f"tune.space['{p.key}'] value {v!r}: {msg}") from None
+                raise ConfigError(
+                    msg if msg.startswith("tune.space") else f"tune.space['{p.key}'] value {v!r}: {msg}"
+                ) from None
     return out
 
 
@@ -212,8 +224,10 @@ def _reader(key: str, params: list[Param], base: Mapping[str, Any], sync_opts: M
             node.sync = with_sync_preset(node.sync, sync_opts[name])
             if _read_by_option(node, key):
                 return {SYNC_KEY: name}
-    raise ConfigError(f"tune.space['{key}'] is read by none of the sync options the sweep reaches "
-                      f"({swept or 'the base config only'}): sweep a sync option whose kind reads it")
+    raise ConfigError(
+        f"tune.space['{key}'] is read by none of the sync options the sweep reaches "
+        f"({swept or 'the base config only'}): sweep a sync option whose kind reads it"
+    )
 
 
 def to_tune(params: list[Param]) -> dict[str, Any]:
@@ -251,7 +265,7 @@ def short(key: str, value: Any) -> str:
     return f"{name}={value}" if key != SYNC_KEY else str(value)
 
 
-def describe(values: Mapping[str, Any], order: Optional[list[str]] = None) -> str:
+def describe(values: Mapping[str, Any], order: list[str] | None = None) -> str:
     """A trial's sampled values in one line (sync option first)."""
     keys = order or sorted(values, key=lambda k: (k != SYNC_KEY, k))
     return " ".join(short(k, _plain(values[k])) for k in keys if k in values)

@@ -15,7 +15,7 @@ import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import OmegaConf
 from ray.tune import Callback
@@ -56,19 +56,27 @@ def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
     if t is None:
         raise ConfigError("tune is not set: choose a sweep with tune=NAME (conf/tune)")
     if cfg.compare.strategies or getattr(cfg.compare, "variants", None):
-        raise ConfigError("tune and compare.strategies / compare.variants are exclusive: sweep the sync option with "
-                          "tune.space.sync instead")
+        raise ConfigError(
+            "tune and compare.strategies / compare.variants are exclusive: sweep the sync option with "
+            "tune.space.sync instead"
+        )
     metric = normalize_metric(t.metric)
     if "/" not in metric or metric.startswith(WINDOW_PREFIXES):
-        raise ConfigError(f"tune.metric must be a final pipeline metric <phase>/<name> (e.g. trained/ndcg@10, "
-                          f"run/train/samples_per_s), not a training-window one {list(WINDOW_PREFIXES)}, got {t.metric!r}")
+        raise ConfigError(
+            f"tune.metric must be a final pipeline metric <phase>/<name> (e.g. trained/ndcg@10, "
+            f"run/train/samples_per_s), not a training-window one {list(WINDOW_PREFIXES)}, got {t.metric!r}"
+        )
     if t.scheduler == "asha" and not normalize_metric(t.asha_metric).startswith(WINDOW_PREFIXES):
-        raise ConfigError(f"tune.asha_metric must be reported at every log window (starting with "
-                          f"{list(WINDOW_PREFIXES)}, e.g. train/loss), got {t.asha_metric!r}")
+        raise ConfigError(
+            f"tune.asha_metric must be reported at every log window (starting with "
+            f"{list(WINDOW_PREFIXES)}, e.g. train/loss), got {t.asha_metric!r}"
+        )
     tr = cfg.retriever.train
     if normalize_metric(t.asha_metric).startswith("val/") and tr.val_every != tr.log_every:
-        raise ConfigError(f"tune.asha_metric={t.asha_metric!r} is reported only when validation runs: set "
-                          f"retriever.train.val_every={tr.log_every} (= retriever.train.log_every), got {tr.val_every}")
+        raise ConfigError(
+            f"tune.asha_metric={t.asha_metric!r} is reported only when validation runs: set "
+            f"retriever.train.val_every={tr.log_every} (= retriever.train.log_every), got {tr.val_every}"
+        )
     if t.scheduler == "asha" and "retriever" not in cfg.stages:
         raise ConfigError("tune.scheduler=asha needs the retriever stage (it stops trials on their training curves)")
     params = sp.parse_space(t.space)
@@ -128,7 +136,9 @@ def check_resources(plan: SweepPlan) -> int:
     nodes = node_capacities()
     refresh = getattr(worst, "refresh", None)
     try:
-        check_config(worst.resources, together="retriever" in worst.stages and bool(refresh and refresh.enabled), nodes=nodes)
+        check_config(
+            worst.resources, together="retriever" in worst.stages and bool(refresh and refresh.enabled), nodes=nodes
+        )
         if t.trial_cpus > max(n.get("CPU", 0.0) for n in nodes):
             raise InfeasibleResourcesError(f"tune.trial_cpus={t.trial_cpus} is more than any node has")
     except InfeasibleResourcesError as e:
@@ -141,8 +151,10 @@ def check_resources(plan: SweepPlan) -> int:
     if t.max_concurrent_trials is None:
         return fits
     if t.max_concurrent_trials > fits:
-        log.warning(f"tune.max_concurrent_trials={t.max_concurrent_trials} but only {fits} trial(s) of {need} fit "
-                    "the cluster now: the others wait for resources (fine when an autoscaler adds nodes)")
+        log.warning(
+            f"tune.max_concurrent_trials={t.max_concurrent_trials} but only {fits} trial(s) of {need} fit "
+            "the cluster now: the others wait for resources (fine when an autoscaler adds nodes)"
+        )
     return t.max_concurrent_trials
 
 
@@ -236,8 +248,12 @@ def _scheduler(t):
 
     if t.scheduler == "asha":
         return ASHAScheduler(
-            time_attr=t.time_attr, metric=normalize_metric(t.asha_metric), mode=t.asha_mode,
-            max_t=t.max_t or UNCAPPED_T, grace_period=t.grace_period, reduction_factor=t.reduction_factor,
+            time_attr=t.time_attr,
+            metric=normalize_metric(t.asha_metric),
+            mode=t.asha_mode,
+            max_t=t.max_t or UNCAPPED_T,
+            grace_period=t.grace_period,
+            reduction_factor=t.reduction_factor,
         )
     return FIFOScheduler()
 
@@ -246,7 +262,7 @@ def _state_file(plan: SweepPlan) -> Path:
     return plan.out_dir / "tune" / "sweep_state.json"
 
 
-def _start(plan: SweepPlan) -> Optional[str]:
+def _start(plan: SweepPlan) -> str | None:
     """Check the output folder against `resume` and open (or re-open) the parent MLflow run."""
     from ray import tune
 
@@ -257,10 +273,14 @@ def _start(plan: SweepPlan) -> Optional[str]:
     flat = {k: v for k, v in to_flat_dict(cfg).items() if k not in ("resume", "resume_allow_changes", "output_dir")}
     if cfg.resume:
         if not exists or not state.exists():
-            raise ConfigError(f"resume=true but {plan.out_dir} holds no sweep to resume: pass output_dir=<the "
-                              "interrupted sweep's output_dir>")
+            raise ConfigError(
+                f"resume=true but {plan.out_dir} holds no sweep to resume: pass output_dir=<the "
+                "interrupted sweep's output_dir>"
+            )
         saved = json.loads(state.read_text())
-        changed = changed_keys(absolute_paths(saved["config"]), flat, cfg.resume_allow_changes)  # keys or groups the user accepts
+        changed = changed_keys(
+            absolute_paths(saved["config"]), flat, cfg.resume_allow_changes
+        )  # keys or groups the user accepts
         if changed:
             raise ConfigError(f"resume=true with a different config than the interrupted sweep: {changed[:10]}")
         parent = saved["parent_run_id"]
@@ -268,11 +288,16 @@ def _start(plan: SweepPlan) -> Optional[str]:
             RunLogger(replace(cfg.logger, tracking_uri=plan.tracking_uri or None), "", run_id=parent)  # RUNNING again
         return parent
     if exists:
-        raise ConfigError(f"output_dir {plan.out_dir} already holds a sweep: continue it with resume=true, or choose "
-                          "another output_dir")
+        raise ConfigError(
+            f"output_dir {plan.out_dir} already holds a sweep: continue it with resume=true, or choose "
+            "another output_dir"
+        )
     parent = None
-    logger = RunLogger(replace(cfg.logger, tracking_uri=plan.tracking_uri or None), f"{cfg.experiment_name}/sweep",
-                       tags={ROLE_TAG: "sweep"})
+    logger = RunLogger(
+        replace(cfg.logger, tracking_uri=plan.tracking_uri or None),
+        f"{cfg.experiment_name}/sweep",
+        tags={ROLE_TAG: "sweep"},
+    )
     if logger.enabled:
         parent = logger.run_id
         logger.log_params(to_flat_dict(cfg))
@@ -281,7 +306,7 @@ def _start(plan: SweepPlan) -> Optional[str]:
     return parent
 
 
-def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = None) -> SweepResult:
+def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: list | None = None) -> SweepResult:
     """Run (or with resume=true continue) the sweep `cfg.tune` over `cfg`; returns the trials and the best one.
 
     `callbacks`: extra Tune callbacks for a new sweep (a resumed sweep keeps the ones it was started with).
@@ -306,28 +331,41 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: Optional[list] = 
     # copy of the stopper it was started with, which reports through the same file.
     record = plan.out_dir / "tune" / "metric_guard_error.txt"
     record.unlink(missing_ok=True)
-    guard = MetricGuard(normalize_metric(t.metric), normalize_metric(t.asha_metric) if t.scheduler == "asha" else None,
-                        DONE_KEY, record=str(record))
+    guard = MetricGuard(
+        normalize_metric(t.metric),
+        normalize_metric(t.asha_metric) if t.scheduler == "asha" else None,
+        DONE_KEY,
+        record=str(record),
+    )
     if cfg.resume:
         close_orphans(plan.tracking_uri, parent)  # runs of trials cut off by the interruption: they start again
         # Errored trials start again from scratch too (their folder is cleared): an error that was the machine's
         # (a lost worker, a broken environment) should not leave a hole in the grid; a real bug errors again.
-        tuner = tune.Tuner.restore(str(plan.experiment_path), trainable=trainable, resume_unfinished=True,
-                                   restart_errored=True)
+        tuner = tune.Tuner.restore(
+            str(plan.experiment_path), trainable=trainable, resume_unfinished=True, restart_errored=True
+        )
     else:
         tuner = tune.Tuner(
             trainable,
             param_space=sp.to_tune(plan.params),
             tune_config=tune.TuneConfig(
-                search_alg=_searcher(t, concurrency), scheduler=_scheduler(t), num_samples=t.num_samples,
+                search_alg=_searcher(t, concurrency),
+                scheduler=_scheduler(t),
+                num_samples=t.num_samples,
                 trial_dirname_creator=trial_dirname,
             ),
-            run_config=tune.RunConfig(name=NAME, storage_path=str(plan.experiment_path.parent),
-                                      callbacks=[PlacementGroupReaper(str(plan.out_dir)), *(callbacks or [])],
-                                      failure_config=tune.FailureConfig(max_failures=0), stop=guard),
+            run_config=tune.RunConfig(
+                name=NAME,
+                storage_path=str(plan.experiment_path.parent),
+                callbacks=[PlacementGroupReaper(str(plan.out_dir)), *(callbacks or [])],
+                failure_config=tune.FailureConfig(max_failures=0),
+                stop=guard,
+            ),
         )
-    log.info(f"[tune] {len(plan.params)} swept key(s), up to {concurrency} trial(s) at once; "
-             f"parent run {parent}; Tune state: {plan.experiment_path}")
+    log.info(
+        f"[tune] {len(plan.params)} swept key(s), up to {concurrency} trial(s) at once; "
+        f"parent run {parent}; Tune state: {plan.experiment_path}"
+    )
     status = "FAILED"
     try:
         tuner.fit()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pandas as pd
 
@@ -27,7 +27,7 @@ class TrialContext:
     keys: list[str]  # swept keys, in display order
     out_dir: str  # absolute: Tune runs trials in other working directories
     tracking_uri: str  # absolute, the parent's store
-    parent_run_id: Optional[str]
+    parent_run_id: str | None
     experiment_name: str
 
 
@@ -47,19 +47,26 @@ class SweepPlan:
         """Tune's experiment folder (what resume restores)."""
         return self.out_dir / "tune" / NAME
 
-    def context(self, parent_run_id: Optional[str]) -> TrialContext:
+    def context(self, parent_run_id: str | None) -> TrialContext:
         """What the trials of this sweep receive."""
-        return TrialContext(self.base, self.sync_options, [p.key for p in self.params], str(self.out_dir),
-                            self.tracking_uri, parent_run_id, self.cfg.experiment_name)
+        return TrialContext(
+            self.base,
+            self.sync_options,
+            [p.key for p in self.params],
+            str(self.out_dir),
+            self.tracking_uri,
+            parent_run_id,
+            self.cfg.experiment_name,
+        )
 
 
 @dataclass
 class SweepResult:
-    parent_run_id: Optional[str]
+    parent_run_id: str | None
     experiment_path: Path
     trials: pd.DataFrame  # one row per trial: id, status, stopped_early, swept values, metric
-    best: Optional[dict]  # {"trial_id", "values", "metric"} of the best finished trial
-    best_config: Optional[Path]
+    best: dict | None  # {"trial_id", "values", "metric"} of the best finished trial
+    best_config: Path | None
     report: list[Path] = field(default_factory=list)
     interrupted: bool = False
 
@@ -74,6 +81,9 @@ def trial_config(ctx: TrialContext, values: dict[str, Any], trial_id: str) -> Co
     base = dict(ctx.base)
     base["output_dir"] = str(Path(ctx.out_dir, "trials", trial_id))
     label = sp.describe(values, ctx.keys)
-    base["logger"] = {**base["logger"], "tracking_uri": ctx.tracking_uri or None,
-                      "run_name": f"{ctx.experiment_name}/{trial_id} {label}".strip()}
+    base["logger"] = {
+        **base["logger"],
+        "tracking_uri": ctx.tracking_uri or None,
+        "run_name": f"{ctx.experiment_name}/{trial_id} {label}".strip(),
+    }
     return sp.apply(base, values, ctx.sync_options)

@@ -1,8 +1,10 @@
 """Run by test_multinode.py in its own process: a real 2-node Ray cluster on 127.0.0.1 (separate raylets).
 
-Part "sync" trains the tiny retriever with sync=hierarchical, sync=hybrid_powersgd and sync=layerwise (top layer every step, the
+Part "sync" trains the tiny retriever with sync=hierarchical, sync=hybrid_powersgd and sync=layerwise (top layer
+every step, the
 rest every 2nd) on 4 workers spread over both nodes, and places an encoder
-pool on the node labelled `index_node`; part "refresh" runs the pipeline with live index refresh (2 trainer workers, the pool
+pool on the node labelled `index_node`; part "refresh" runs the pipeline with live index refresh (2 trainer workers,
+the pool
 and its index service on the labelled node); prints one JSON line with what it observed.
 """
 
@@ -40,7 +42,9 @@ def main(out_dir: str, part: str) -> None:
         cfg = Config(
             data=DataConfig(num_entities=20),
             retriever=RetrieverConfig(
-                model="tiny", query_max_length=16, passage_max_length=32,
+                model="tiny",
+                query_max_length=16,
+                passage_max_length=32,
                 train=RetrieverTrainConfig(batch_size=2, max_steps=4, log_every=2, lr=1e-3),
             ),
             resources=ResourcesConfig(
@@ -53,9 +57,10 @@ def main(out_dir: str, part: str) -> None:
         )
         data = make_synthetic(num_entities=20)
         pos = {d: i for i, d in enumerate(data.corpus)}
-        train = TrainData([p.full_text() for p in data.corpus.values()], build_examples(data.queries, data.train_qrels, pos))
-        observed = {"labelled_node": labelled.node_id,
-                    "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
+        train = TrainData(
+            [p.full_text() for p in data.corpus.values()], build_examples(data.queries, data.train_qrels, pos)
+        )
+        observed = {"labelled_node": labelled.node_id, "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
         if part == "storage":
             observed.update(storage_part(out_dir))
         elif part == "distributed":
@@ -75,8 +80,8 @@ def storage_part(out_dir: str) -> dict:
     that no node has stands in for a folder only the driver's node mounts."""
     from pathlib import Path
 
-    from ragtrain.errors import ConfigError
     from ragtrain.cluster.storage import check_shared_paths
+    from ragtrain.errors import ConfigError
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     checked = check_shared_paths({"output_dir": out_dir}, {"data.root": str(Path(out_dir).parent)})
@@ -106,20 +111,42 @@ def sync_part(cfg, train) -> dict:
 
     # the same cluster, the new compositions: intra-node all-reduce + inter-node PowerSGD (rank 4 from step 2);
     # layer-wise: the tiny model's top layer (layer 1 of 2) every step, the rest averaged every 2nd step
-    hybrid = fit_retriever(replace(cfg, sync=sync_preset("hybrid_powersgd", reducer={"start_iter": 2}),
-                                   output_dir=os.path.join(out_dir, "hybrid")), train, weights, sink=None)
+    hybrid = fit_retriever(
+        replace(
+            cfg,
+            sync=sync_preset("hybrid_powersgd", reducer={"start_iter": 2}),
+            output_dir=os.path.join(out_dir, "hybrid"),
+        ),
+        train,
+        weights,
+        sink=None,
+    )
     top = [r"\.layer\.1\."]
-    layerwise = fit_retriever(replace(cfg, sync=sync_preset("layerwise", scope={"reducer_params": top},
-                                                            mixer={"period": 2}),
-                                      output_dir=os.path.join(out_dir, "layerwise")), train, weights, sink=None)
+    layerwise = fit_retriever(
+        replace(
+            cfg,
+            sync=sync_preset("layerwise", scope={"reducer_params": top}, mixer={"period": 2}),
+            output_dir=os.path.join(out_dir, "layerwise"),
+        ),
+        train,
+        weights,
+        sink=None,
+    )
     n_top = sum(v.numel() for k, v in weights.items() if re.search(top[0], k))
     shapes = [list(v.shape) for v in weights.values()]
 
     pool = EncoderPool(cfg.retriever, cfg.resources.pool)
     pool_nodes = pool.node_ids()
     pool.shutdown()
-    return {"metrics": fit.metrics, "hybrid": hybrid.metrics, "layerwise": layerwise.metrics, "n_params": n_params,
-            "n_top": n_top, "shapes": shapes, "pool_nodes": pool_nodes}
+    return {
+        "metrics": fit.metrics,
+        "hybrid": hybrid.metrics,
+        "layerwise": layerwise.metrics,
+        "n_params": n_params,
+        "n_top": n_top,
+        "shapes": shapes,
+        "pool_nodes": pool_nodes,
+    }
 
 
 def refresh_part(cfg, out_dir: str) -> dict:
@@ -131,8 +158,9 @@ def refresh_part(cfg, out_dir: str) -> dict:
 
     live = replace(
         cfg,
-        retriever=replace(cfg.retriever, train=replace(cfg.retriever.train, max_steps=12, hard_negatives=1,
-                                                       hard_negative_depth=8)),
+        retriever=replace(
+            cfg.retriever, train=replace(cfg.retriever.train, max_steps=12, hard_negatives=1, hard_negative_depth=8)
+        ),
         resources=replace(cfg.resources, trainer=TrainerResources(num_workers=2, cpus_per_worker=1)),
         sync=SyncConfig(),
         refresh=RefreshConfig(enabled=True, every_steps=3, check_every=3, probe_passages=16, probe_queries=4),
@@ -152,22 +180,51 @@ def distributed_part(out_dir: str) -> dict:
     from tests.conftest import compose
 
     out = os.path.join(out_dir, "docs")
-    cfg = to_typed(compose([
-        "experiment=docs_quickstart", "retriever=tiny", "data.num_entities=12", "data.chunk.max_tokens=32",
-        "data.chunk.overlap=8", "retriever.passage_max_length=34", "retriever.train.max_steps=6",
-        "retriever.train.batch_size=4", "retriever.train.log_every=2", "retriever.train.hard_negatives=1",
-        "retriever.train.hard_negative_depth=8", "resources.num_cpus=null", "resources.trainer.num_workers=2",
-        "resources.trainer.cpus_per_worker=1", "resources.pool.num_actors=1", "resources.pool.cpus_per_actor=1",
-        "+resources.pool.resources.index_node=0.5", "refresh.enabled=true", "refresh.every_steps=2",
-        "refresh.check_every=2", "refresh.probe_passages=16", "refresh.probe_queries=4", "checkpoint.every_steps=2",
-        "fault.max_failures=1", "fault.kill_worker_at_step=3", "fault.kill_rank=1", "logger=none", "export=false",
-        f"output_dir={out}"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=docs_quickstart",
+                "retriever=tiny",
+                "data.num_entities=12",
+                "data.chunk.max_tokens=32",
+                "data.chunk.overlap=8",
+                "retriever.passage_max_length=34",
+                "retriever.train.max_steps=6",
+                "retriever.train.batch_size=4",
+                "retriever.train.log_every=2",
+                "retriever.train.hard_negatives=1",
+                "retriever.train.hard_negative_depth=8",
+                "resources.num_cpus=null",
+                "resources.trainer.num_workers=2",
+                "resources.trainer.cpus_per_worker=1",
+                "resources.pool.num_actors=1",
+                "resources.pool.cpus_per_actor=1",
+                "+resources.pool.resources.index_node=0.5",
+                "refresh.enabled=true",
+                "refresh.every_steps=2",
+                "refresh.check_every=2",
+                "refresh.probe_passages=16",
+                "refresh.probe_queries=4",
+                "checkpoint.every_steps=2",
+                "fault.max_failures=1",
+                "fault.kill_worker_at_step=3",
+                "fault.kill_rank=1",
+                "logger=none",
+                "export=false",
+                f"output_dir={out}",
+            ]
+        )
+    )
     results = run(cfg)
     history = json.load(open(os.path.join(out, "refresh_history.json")))["history"]
-    return {"refresh_nodes": sorted({h["node"] for h in history}), "refreshes": results["train"]["index/refreshes"],
-            "killed": os.path.exists(os.path.join(out, "ray", ".fault_injected_retriever_rank1_step3")),
-            "steps": results["train"]["steps"], "chunks": len(run_doc_of(out)),
-            "ndcg": {k: results[k]["ndcg@10"] for k in ("zeroshot", "trained")}}
+    return {
+        "refresh_nodes": sorted({h["node"] for h in history}),
+        "refreshes": results["train"]["index/refreshes"],
+        "killed": os.path.exists(os.path.join(out, "ray", ".fault_injected_retriever_rank1_step3")),
+        "steps": results["train"]["steps"],
+        "chunks": len(run_doc_of(out)),
+        "ndcg": {k: results[k]["ndcg@10"] for k in ("zeroshot", "trained")},
+    }
 
 
 def run_doc_of(out: str) -> dict:

@@ -44,11 +44,13 @@ def test_a_worker_started_with_the_driver_pythonpath_imports_the_drivers_copy(tm
 @pytest.mark.slow  # starts its own local Ray (~15 s)
 def test_local_ray_tasks_import_the_drivers_copy(tmp_path):
     root = _frozen_copy(tmp_path)
-    code = ("import ray, ragtrain\n"
-            "from ragtrain.config import ResourcesConfig\n"
-            "from ragtrain.cluster.resources import init_ray\n"
-            "init_ray(ResourcesConfig(num_cpus=1))\n"
-            "f = ray.remote(num_cpus=0)(lambda: __import__('ragtrain').__file__)\n"
-            "print(ray.get(f.remote()))\n")
+    code = (
+        "import ray, ragtrain\n"
+        "from ragtrain.config import ResourcesConfig\n"
+        "from ragtrain.cluster.resources import init_ray\n"
+        "init_ray(ResourcesConfig(num_cpus=1))\n"
+        "f = ray.remote(num_cpus=0)(lambda: __import__('ragtrain').__file__)\n"
+        "print(ray.get(f.remote()))\n"
+    )
     got = _python(code, root, HF_HUB_OFFLINE="1")
     assert Path(got).resolve().is_relative_to(root.resolve()), got

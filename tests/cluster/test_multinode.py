@@ -24,7 +24,11 @@ def _job(out: Path, part: str) -> dict:
     env.pop("RAY_ADDRESS", None)
     r = subprocess.run(
         [sys.executable, str(REPO / "tests" / "cluster" / "multinode_job.py"), str(out), part],
-        capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
     )
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
@@ -38,8 +42,10 @@ def test_every_node_must_see_the_shared_paths(tmp_path: Path) -> None:
     (One machine shares one filesystem: the missing path is missing on both nodes; each node answered itself.)"""
     res = _job(tmp_path / "out", "storage")
     assert res["looked_from"] == res["nodes"] and res["left"] == []
-    assert res["error"].startswith(f"data.root={str(tmp_path / 'out' / 'only-on-the-driver')!r} is not visible from "
-                                   "node ") and "on a cluster of 2 nodes" in res["error"]
+    assert (
+        res["error"].startswith(f"data.root={str(tmp_path / 'out' / 'only-on-the-driver')!r} is not visible from node ")
+        and "on a cluster of 2 nodes" in res["error"]
+    )
 
 
 def test_docs_pipeline_with_live_refresh_and_a_killed_worker_on_two_nodes(tmp_path: Path) -> None:
@@ -60,7 +66,8 @@ def test_live_refresh_builds_every_version_on_the_labelled_node(tmp_path: Path) 
     assert res["refresh_nodes"] == [res["labelled_node"]] and res["refreshes"] >= 1
 
 
-@pytest.mark.slow  # a 2-node cluster and three 4-worker trainings (~105 s); node scoping is unit-tested with gloo groups
+# a 2-node cluster and three 4-worker trainings (~105 s); node scoping is unit-tested with gloo groups
+@pytest.mark.slow
 def test_node_scoped_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None:
     res = _job(tmp_path / "out", "sync")
     assert res["pool_nodes"] == [res["labelled_node"]]  # the pool landed on the index_node-labelled node
@@ -74,8 +81,10 @@ def test_node_scoped_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None
     # 2 workers of equal local rank (one per node): steps 0-1 the full gradient, steps 2-3 the factors
     h = res["hybrid"]
     assert h["sync/nodes"] == 2 and h["comm/bytes_per_step/grad_intra"] == all_reduce_bytes(p, 2)
-    assert h["comm/bytes_per_step/grad_inter"] == (2 * all_reduce_bytes(p, 2) + 2 * all_reduce_bytes(
-        4 * powersgd_numel(res["shapes"], 4), 2)) / 4
+    assert (
+        h["comm/bytes_per_step/grad_inter"]
+        == (2 * all_reduce_bytes(p, 2) + 2 * all_reduce_bytes(4 * powersgd_numel(res["shapes"], 4), 2)) / 4
+    )
     assert h["drift/param_divergence_mean"] < 1e-6  # every replica applied the same gradient
     # sync=layerwise: the top layer's gradients every step over 4 workers, the rest's parameters every 2nd step
     lw, top = res["layerwise"], 4 * res["n_top"]

@@ -180,8 +180,11 @@ def test_the_dashboard_without_its_extra_is_one_line(tmp_path) -> None:
 
     if dashboard_installed():
         pytest.skip("Ray's dashboard packages are installed here")
-    with pytest.raises(ConfigError, match=r"resources.dashboard needs Ray's dashboard packages, which are not "
-                                          r"installed: `make setup EXTRAS=dev,dashboard`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"resources.dashboard needs Ray's dashboard packages, which are not "
+        r"installed: `make setup EXTRAS=dev,dashboard`",
+    ):
         to_typed(compose(["experiment=quickstart", f"output_dir={tmp_path}", "resources.dashboard=true"]))
 
 
@@ -191,9 +194,11 @@ def test_the_dashboard_starts_on_loopback_and_prints_its_url(tmp_path) -> None:
 
     if not dashboard_installed():
         pytest.skip("the dashboard extra is not installed (make setup EXTRAS=dev,dashboard)")
-    code = ("import logging, ray\nfrom ragtrain.config import ResourcesConfig\nfrom ragtrain.cluster.resources import "
-            "init_ray\nlogging.basicConfig(level=logging.INFO)\ninit_ray(ResourcesConfig(num_cpus=1, dashboard=True))\n"
-            "ray.shutdown()\n")
+    code = (
+        "import logging, ray\nfrom ragtrain.config import ResourcesConfig\nfrom ragtrain.cluster.resources import "
+        "init_ray\nlogging.basicConfig(level=logging.INFO)\ninit_ray(ResourcesConfig(num_cpus=1, dashboard=True))\n"
+        "ray.shutdown()\n"
+    )
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -20,7 +20,7 @@ def _chunks(text: str, max_tokens: int, overlap: int, title: str = "") -> list[d
     doc = {"id": "d", "title": title, "text": text}
     out = chunk_document(doc, WS, max_tokens, overlap)
     for c in out:  # offsets always address the cleaned document text exactly
-        assert text[c["start"]:c["end"]] == c["text"] and c["doc_id"] == "d" and c["title"] == title
+        assert text[c["start"] : c["end"]] == c["text"] and c["doc_id"] == "d" and c["title"] == title
     return out
 
 
@@ -73,8 +73,10 @@ def test_every_window_fits_and_covers_the_document_with_minilm() -> None:
     from ragtrain.retriever.encoder import load_tokenizer
 
     tok = load_tokenizer(RetrieverConfig(model="minilm"))
-    text = ("Ærøskøbing is a town. Its harbour, built in 1750, is small! Why? Nobody knows.\n"
-            "The café sells naïve pastries; prices rose 3.5% in 2024. ") * 6
+    text = (
+        "Ærøskøbing is a town. Its harbour, built in 1750, is small! Why? Nobody knows.\n"
+        "The café sells naïve pastries; prices rose 3.5% in 2024. "
+    ) * 6
     doc = {"id": "x", "title": "Town guide", "text": text.strip()}
     out = chunk_document(doc, tok, 32, 8)
     n_title = len(tok("Town guide", add_special_tokens=False)["input_ids"])
@@ -82,7 +84,7 @@ def test_every_window_fits_and_covers_the_document_with_minilm() -> None:
     for a, b in itertools.pairwise(out):
         assert a["start"] < b["start"] < a["end"] <= b["end"]  # consecutive windows overlap and advance
     for c in out:
-        assert doc["text"][c["start"]:c["end"]] == c["text"]
+        assert doc["text"][c["start"] : c["end"]] == c["text"]
         n = len(tok(c["title"] + " " + c["text"], add_special_tokens=False)["input_ids"])
         assert n <= 32 and len(tok(c["text"], add_special_tokens=False)["input_ids"]) <= 32 - n_title
     assert out[0]["start"] == 0 and out[-1]["end"] == len(doc["text"])
@@ -120,4 +122,4 @@ def test_cjk_full_stops_are_sentence_boundaries() -> None:
     text = "一二三。四五六七！八九十"
     out = chunk_document({"id": "d", "title": "", "text": text}, tok, 6, 0)
     assert [c["text"] for c in out] == ["一二三。", "四五六七！", "八九十"]
-    assert all(text[c["start"]:c["end"]] == c["text"] for c in out)
+    assert all(text[c["start"] : c["end"]] == c["text"] for c in out)

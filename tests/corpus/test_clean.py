@@ -62,10 +62,12 @@ def test_duplicate_ids_across_files_name_both_files(tmp_path: Path) -> None:
 def test_exact_duplicates_are_dropped_counted_and_their_qrels_follow(tmp_path: Path) -> None:
     root = small_folder(tmp_path / "d")
     # same content as a.txt after cleaning (whitespace differs): dropped, and q5's judgment moves to "a"
-    write_folder(root, {"copy.txt": "Alpha  is the first letter.\r\nIt starts the alphabet.".replace("\r\n", " ")},
-                 queries={"q1": "first letter", "q2": "second letter", "q3": "third letter", "q4": "pilots",
-                          "q5": "alphabet"},
-                 qrels={"train": [("q1", "a"), ("q2", "sub/b"), ("q5", "copy")], "dev": [("q3", "c"), ("q4", "sub/b")]})
+    write_folder(
+        root,
+        {"copy.txt": "Alpha  is the first letter.\r\nIt starts the alphabet.".replace("\r\n", " ")},
+        queries={"q1": "first letter", "q2": "second letter", "q3": "third letter", "q4": "pilots", "q5": "alphabet"},
+        qrels={"train": [("q1", "a"), ("q2", "sub/b"), ("q5", "copy")], "dev": [("q3", "c"), ("q4", "sub/b")]},
+    )
     logs: list[str] = []
     data, report = load_documents(root, log=logs.append)
     assert report["duplicates_dropped"] == 1 and "copy" not in data.corpus
@@ -73,8 +75,11 @@ def test_exact_duplicates_are_dropped_counted_and_their_qrels_follow(tmp_path: P
     assert any("1 exact duplicates dropped" in m for m in logs)
     # the two copies judged differently for one query: the message says deduplication made them one document
     (root / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq5\tcopy\t1\nq5\ta\t0\n")
-    with pytest.raises(DataError, match=r"train\.tsv:3: \('q5', 'a'\) has score 0, but this query scores 'copy' 1, "
-                                        r"and the two are exact duplicates"):
+    with pytest.raises(
+        DataError,
+        match=r"train\.tsv:3: \('q5', 'a'\) has score 0, but this query scores 'copy' 1, "
+        r"and the two are exact duplicates",
+    ):
         load_documents(root, log=logs.append)
 
 
@@ -87,7 +92,9 @@ def test_dedupe_keeps_first_and_maps_the_rest() -> None:
 def test_qrels_naming_unknown_documents_name_the_file(tmp_path: Path) -> None:
     root = small_folder(tmp_path / "d")
     write_folder(root, {}, qrels={"dev": [("q3", "c"), ("q4", "no/such/doc")]})
-    with pytest.raises(DataError, match=r"qrels/dev\.tsv: 1 unknown corpus id\(s\) \(not in corpus\), first: \['no/such/doc'\]"):
+    with pytest.raises(
+        DataError, match=r"qrels/dev\.tsv: 1 unknown corpus id\(s\) \(not in corpus\), first: \['no/such/doc'\]"
+    ):
         load_documents(root, log=lambda m: None)
 
 
@@ -100,7 +107,11 @@ def test_folder_without_queries_is_an_error(tmp_path: Path) -> None:
 def test_load_documents_end_to_end(tmp_path: Path) -> None:
     data, report = load_documents(small_folder(tmp_path / "d"), log=lambda m: None)
     assert list(data.corpus) == ["a", "c", "sub/b"] and report == {
-        "files": 3, "skipped_files": 0, "documents": 3, "duplicates_dropped": 0}
+        "files": 3,
+        "skipped_files": 0,
+        "documents": 3,
+        "duplicates_dropped": 0,
+    }
     assert data.corpus["c"].title == "Charlie" and data.corpus["c"].text == "Charlie is third."
     assert data.train_qrels == {"q1": {"a": 1}, "q2": {"sub/b": 1}} and data.eval_qrels["q3"] == {"c": 1}
     assert data.doc_of == {}

@@ -11,12 +11,24 @@ from ragtrain.pipeline import run
 from tests.conftest import compose, tiny_overrides
 
 
-@pytest.mark.slow  # a pipeline run of its own (~50 s); documents, chunks, the store and MaxP are unit-tested in tests/corpus
+# a pipeline run of its own (~50 s); documents, chunks, the store and MaxP are unit-tested in tests/corpus
+@pytest.mark.slow
 def test_docs_quickstart_runs_on_chunks_and_evaluates_documents(ray_session, tmp_path: Path) -> None:
-    cfg = to_typed(compose(["experiment=docs_quickstart", *tiny_overrides(tmp_path), "data.num_entities=24",
-                            "data.chunk.max_tokens=48", "data.chunk.overlap=12", "retriever.train.max_steps=2",
-                            "retriever.train.hard_negatives=1", "logger=none",
-                            "data.prepare=ray"]))  # read, clean and chunk on Ray Data, as a large corpus is
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=docs_quickstart",
+                *tiny_overrides(tmp_path),
+                "data.num_entities=24",
+                "data.chunk.max_tokens=48",
+                "data.chunk.overlap=12",
+                "retriever.train.max_steps=2",
+                "retriever.train.hard_negatives=1",
+                "logger=none",
+                "data.prepare=ray",
+            ]
+        )
+    )  # read, clean and chunk on Ray Data, as a large corpus is
     results = run(cfg)
     out = Path(cfg.output_dir)
     assert len(list((out / "docs" / "articles").iterdir())) == 24  # generated into the run's folder

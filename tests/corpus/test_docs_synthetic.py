@@ -41,7 +41,9 @@ def test_loads_as_documents_with_confusable_entities(tmp_path: Path) -> None:
         assert len(doc.text.split()) > 120  # long, multi-section: chunking matters
     names = [d.title for d in data.corpus.values() if d.title]
     # near-identical names: families share a last name, first names differ by one letter
-    assert any(a != b and a.split()[1] == b.split()[1] and a.split()[0][:-1] == b.split()[0] for a in names for b in names)
+    assert any(
+        a != b and a.split()[1] == b.split()[1] and a.split()[0][:-1] == b.split()[0] for a in names for b in names
+    )
     judged = {d for split in (data.train_qrels, data.eval_qrels) for g in split.values() for d in g}
     assert judged <= set(data.corpus) and all(len(g) == 1 for g in data.eval_qrels.values())
     train_people = {d for g in data.train_qrels.values() for d in g}

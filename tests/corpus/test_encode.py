@@ -47,8 +47,16 @@ def test_killed_encode_actor_every_passage_exactly_once_equal_to_in_process(ray_
     store = write_store(tmp_path / "passages.arrow", (Passage(i, "", t) for i, t in zip(ids, texts)))
     index = IndexConfig(batch_size=8, shard_size=8)  # 12 batches over 2 actors: the death is mid-pipeline
     marker = tmp_path / "killed"
-    shards = encode_to_shards(store, ray_session.put(weights), CFG, index, POOL, tmp_path / "k",
-                              max_length=MAX_LENGTH, fault=EncodeFault(at_batch=1, marker=str(marker)))
+    shards = encode_to_shards(
+        store,
+        ray_session.put(weights),
+        CFG,
+        index,
+        POOL,
+        tmp_path / "k",
+        max_length=MAX_LENGTH,
+        fault=EncodeFault(at_batch=1, marker=str(marker)),
+    )
     assert marker.exists(), "the injected actor death never fired"
     assert shards.rows == 96 and shards.dim == CFG.tiny.hidden_size and len(shards.files) >= 1
     got = shards.ids()
@@ -68,7 +76,8 @@ def test_encode_batch_writes_float16_vectors_when_asked(weights) -> None:
 
     ids, texts = _corpus(10, seed=3)
     table = EncodeBatch(CFG, weights, MAX_LENGTH, batch_size=4, vector_dtype="float16")(
-        {"id": np.array(ids, dtype=object), "text": np.array(texts, dtype=object)})
+        {"id": np.array(ids, dtype=object), "text": np.array(texts, dtype=object)}
+    )
     assert table.column("id").to_pylist() == ids
     vecs = np.stack(table.column("vector").to_numpy(zero_copy_only=False))
     assert vecs.dtype == np.float16
@@ -84,8 +93,8 @@ def test_empty_dataset_is_refused(ray_session, tmp_path, weights) -> None:
 def test_pipeline_refuses_a_bad_index_before_encoding(tmp_path, factory, match) -> None:
     """Retrieval.build checks the factory against the encoder's dim and the corpus size before any encode."""
     from ragtrain.config import to_typed
-    from ragtrain.index.retrieval import Retrieval
     from ragtrain.corpus.load import load_data
+    from ragtrain.index.retrieval import Retrieval
     from tests.conftest import compose, tiny_overrides
 
     cfg = to_typed(compose(tiny_overrides(tmp_path) + [f"index.factory='{factory}'"]))
@@ -100,13 +109,17 @@ def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_pa
     """stages=[index] through pipeline.run with fault.kill_encode_actor_at_batch: the saved index holds every passage
     once, built from the shards under <output_dir>/vectors/zeroshot."""
     from ragtrain.config import to_typed
-    from ragtrain.index.faiss_index import load_index
     from ragtrain.corpus.load import load_data
+    from ragtrain.index.faiss_index import load_index
     from ragtrain.pipeline import run
     from tests.conftest import compose, tiny_overrides
 
-    over = tiny_overrides(tmp_path) + ["stages=[index]", "logger=none", "index.shard_size=16",
-                                       "fault.kill_encode_actor_at_batch=1"]
+    over = tiny_overrides(tmp_path) + [
+        "stages=[index]",
+        "logger=none",
+        "index.shard_size=16",
+        "fault.kill_encode_actor_at_batch=1",
+    ]
     cfg = to_typed(compose(over))
     results = run(cfg)
     out = tmp_path / "out"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ragtrain.config import ConfigError, to_typed
-from ragtrain.data.types import DataError
 from ragtrain.corpus.load import load_data
+from ragtrain.data.types import DataError
 from tests.conftest import REPO, compose
 
 from .helpers import small_folder
@@ -23,8 +23,14 @@ def _typed(tmp_path: Path, *overrides: str):
 
 def test_documents_folder_composed_and_chunked(tmp_path: Path) -> None:
     root = small_folder(tmp_path / "docs")
-    cfg = _typed(tmp_path, "data=documents", f"data.root={root}", "retriever=tiny",
-                 "data.chunk.max_tokens=8", "data.chunk.overlap=2")
+    cfg = _typed(
+        tmp_path,
+        "data=documents",
+        f"data.root={root}",
+        "retriever=tiny",
+        "data.chunk.max_tokens=8",
+        "data.chunk.overlap=2",
+    )
     data = load_data(cfg.data, cfg.retriever)
     assert set(data.doc_of.values()) == {"a", "sub/b", "c"} and len(data.corpus) > 3
     for pid, p in data.corpus.items():
@@ -40,8 +46,14 @@ def test_run_folder_store_equals_the_in_memory_corpus(tmp_path: Path, source: st
 
     if source == "documents":
         root = small_folder(tmp_path / "docs")
-        cfg = _typed(tmp_path, "data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=8",
-                     "data.chunk.overlap=2")
+        cfg = _typed(
+            tmp_path,
+            "data=documents",
+            f"data.root={root}",
+            "retriever=tiny",
+            "data.chunk.max_tokens=8",
+            "data.chunk.overlap=2",
+        )
     else:
         cfg = _typed(tmp_path, "retriever=tiny", "data.num_entities=12")
     memory = load_data(cfg.data, cfg.retriever)
@@ -52,8 +64,10 @@ def test_run_folder_store_equals_the_in_memory_corpus(tmp_path: Path, source: st
     assert stored.fingerprint() == memory.fingerprint() and stored.doc_of == memory.doc_of
     assert (stored.train_qrels, stored.eval_qrels) == (memory.train_qrels, memory.eval_qrels)
     assert sorted(p.name for p in (tmp_path / "run" / "corpus").iterdir()) == (
-        ["documents.arrow", "documents.arrow.json", "passages.arrow", "passages.arrow.json"] if source == "documents"
-        else ["passages.arrow", "passages.arrow.json"])
+        ["documents.arrow", "documents.arrow.json", "passages.arrow", "passages.arrow.json"]
+        if source == "documents"
+        else ["passages.arrow", "passages.arrow.json"]
+    )
 
 
 def test_documents_without_chunking_are_whole_passages(tmp_path: Path) -> None:
@@ -70,8 +84,15 @@ def test_beir_folder_selectable_and_chunkable(tmp_path: Path) -> None:
     write_beir(syn, tmp_path / "beir", {"train": syn.train_qrels, "dev": syn.eval_qrels})
     cfg = _typed(tmp_path, "data=beir", f"data.root={tmp_path / 'beir'}")
     assert list(load_data(cfg.data).corpus) == list(syn.corpus)
-    cfg = _typed(tmp_path, "data=beir", f"data.root={tmp_path / 'beir'}", "retriever=tiny",
-                 "data.chunk.enabled=true", "data.chunk.max_tokens=16", "data.chunk.overlap=4")
+    cfg = _typed(
+        tmp_path,
+        "data=beir",
+        f"data.root={tmp_path / 'beir'}",
+        "retriever=tiny",
+        "data.chunk.enabled=true",
+        "data.chunk.max_tokens=16",
+        "data.chunk.overlap=4",
+    )
     data = load_data(cfg.data, cfg.retriever)
     assert len(data.corpus) > len(syn.corpus) and set(data.doc_of.values()) == set(syn.corpus)
 
@@ -86,8 +107,9 @@ def test_beir_doc_id_with_a_newline_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"corpus\.jsonl:1: document id 'a\\nb' contains '\\n'"):
         load_data(cfg.data)
     # a Unicode line separator too, with the file and line (before: the folder only, after loading)
-    (root / "corpus.jsonl").write_text(json.dumps({"_id": "a", "text": "x"}) + "\n" +
-                                       json.dumps({"_id": "a\u2028b", "text": "y"}) + "\n")
+    (root / "corpus.jsonl").write_text(
+        json.dumps({"_id": "a", "text": "x"}) + "\n" + json.dumps({"_id": "a\u2028b", "text": "y"}) + "\n"
+    )
     with pytest.raises(DataError, match=r"corpus\.jsonl:2: document id 'a\\u2028b' contains"):
         load_data(cfg.data)
     (root / "corpus.jsonl").write_text(json.dumps({"_id": "a", "text": "x"}) + "\n")
@@ -103,16 +125,31 @@ def test_chunk_larger_than_the_encoder_is_a_config_error(tmp_path: Path) -> None
         load_data(cfg.data, cfg.retriever)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["data.root=/my/beir"], r"data.root is set but data=synthetic .* data.source choices: \['synthetic', 'beir', 'documents'\]"),
-    (["data=documents"], r"data.root must be set for data.source=documents"),
-    (["data=beir"], r"data.root must be set for data.source=beir"),
-    (["data=documents", "data.root=/x", "data.chunk.overlap=128"], r"data.chunk.overlap must be < data.chunk.max_tokens \(128\)"),
-    (["data=documents", "data.root=/x", "data.chunk.max_tokens=0"], r"data.chunk.max_tokens must be > 0"),
-    (["data=documents", "data.root=/x", "data.generate=true"], r"data.root must stay unset with data.generate=true"),
-    (["data=documents", "data.root=/x", "stages=[retriever,index,generator]"], r"data.chunk.enabled is not supported with the generator"),
-    (["data.chunk.enabled=true"], r"data.chunk.enabled needs data=documents or data=beir"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["data.root=/my/beir"],
+            r"data.root is set but data=synthetic .* data.source choices: \['synthetic', 'beir', 'documents'\]",
+        ),
+        (["data=documents"], r"data.root must be set for data.source=documents"),
+        (["data=beir"], r"data.root must be set for data.source=beir"),
+        (
+            ["data=documents", "data.root=/x", "data.chunk.overlap=128"],
+            r"data.chunk.overlap must be < data.chunk.max_tokens \(128\)",
+        ),
+        (["data=documents", "data.root=/x", "data.chunk.max_tokens=0"], r"data.chunk.max_tokens must be > 0"),
+        (
+            ["data=documents", "data.root=/x", "data.generate=true"],
+            r"data.root must stay unset with data.generate=true",
+        ),
+        (
+            ["data=documents", "data.root=/x", "stages=[retriever,index,generator]"],
+            r"data.chunk.enabled is not supported with the generator",
+        ),
+        (["data.chunk.enabled=true"], r"data.chunk.enabled needs data=documents or data=beir"),
+    ],
+)
 def test_bad_data_config_names_the_key(tmp_path: Path, overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         _typed(tmp_path, *overrides)
@@ -128,9 +165,23 @@ def test_on_error_is_an_enum(tmp_path: Path) -> None:
 
 def test_cli_bad_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    r = subprocess.run([sys.executable, "-m", "ragtrain", "data=documents", f"data.root={tmp_path / 'empty'}",
-                        "data.chunk.enabled=false", f"output_dir={tmp_path / 'out'}", "logger=none"],
-                       cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ragtrain",
+            "data=documents",
+            f"data.root={tmp_path / 'empty'}",
+            "data.chunk.enabled=false",
+            f"output_dir={tmp_path / 'out'}",
+            "logger=none",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("data error: data.root=") and "matches no document file" in lines[-1]
@@ -146,22 +197,37 @@ def test_passages_longer_than_the_encoder_are_reported_when_not_chunked(tmp_path
 
     root = small_folder(tmp_path / "docs")
     (root / "long.txt").write_text(" ".join(f"word{i % 50}" for i in range(2100)))
-    cfg = _typed(tmp_path, "data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.enabled=false",
-                 "retriever.passage_max_length=64")
+    cfg = _typed(
+        tmp_path,
+        "data=documents",
+        f"data.root={root}",
+        "retriever=tiny",
+        "data.chunk.enabled=false",
+        "retriever.passage_max_length=64",
+    )
     data = load_data(cfg.data, cfg.retriever)
     line = truncation_report(data.corpus, cfg.retriever)
-    assert line is not None and line.startswith(f"1 of {len(data.corpus)} passages exceed "
-                                                "retriever.passage_max_length=64 tokens (longest ")
+    assert line is not None and line.startswith(
+        f"1 of {len(data.corpus)} passages exceed retriever.passage_max_length=64 tokens (longest "
+    )
     assert "set data.chunk.enabled=true to split them" in line
     assert int(line.split("(longest ")[1].split(", median")[0].replace(",", "")) > 2100  # word pieces, specials
     # a store is read by position, and a corpus larger than the sample is counted on a seeded sample
-    store = write_store(tmp_path / "p.arrow", [Passage(id=f"p{i}", title="", text="word " * (80 if i % 2 else 5))
-                                               for i in range(40)])
+    store = write_store(
+        tmp_path / "p.arrow", [Passage(id=f"p{i}", title="", text="word " * (80 if i % 2 else 5)) for i in range(40)]
+    )
     monkeypatch.setattr(load, "TRUNCATION_SAMPLE", 10)
     import random
 
     odd = sum(i % 2 for i in random.Random(0).sample(range(40), 10))  # the seeded sample's long passages
-    assert truncation_report(store, cfg.retriever).startswith(f"{odd} of a sample of 10 passages ({odd / 10:.1%} of 40)")
-    short = _typed(tmp_path, "data=documents", f"data.root={small_folder(tmp_path / 'short')}", "retriever=tiny",
-                   "data.chunk.enabled=false")
+    assert truncation_report(store, cfg.retriever).startswith(
+        f"{odd} of a sample of 10 passages ({odd / 10:.1%} of 40)"
+    )
+    short = _typed(
+        tmp_path,
+        "data=documents",
+        f"data.root={small_folder(tmp_path / 'short')}",
+        "retriever=tiny",
+        "data.chunk.enabled=false",
+    )
     assert truncation_report(load_data(short.data, short.retriever).corpus, short.retriever) is None

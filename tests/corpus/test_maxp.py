@@ -15,8 +15,10 @@ from ragtrain.retriever.batching import build_examples
 CHUNKS = ["d1#0", "d1#1", "d2#0", "d2#1", "d3#0"]
 DOC_OF = {p: p.split("#")[0] for p in CHUNKS}
 # chunk scores per query: a document's score is the max over its chunks
-SCORES = {"q1": [0.9, 0.2, 0.5, 0.95, 0.7],  # docs: d2 .95 > d1 .9 > d3 .7
-          "q2": [0.6, 0.55, 0.5, 0.1, 0.8]}  # docs: d3 .8 > d1 .6 > d2 .5
+SCORES = {
+    "q1": [0.9, 0.2, 0.5, 0.95, 0.7],  # docs: d2 .95 > d1 .9 > d3 .7
+    "q2": [0.6, 0.55, 0.5, 0.1, 0.8],
+}  # docs: d3 .8 > d1 .6 > d2 .5
 QRELS = {"q1": {"d1": 1}, "q2": {"d3": 1, "d2": 1}}
 # hand-computed: q1 relevant at rank 2; q2 relevant at ranks 1 and 3 of 2 relevant
 NDCG = {"q1": 1 / math.log2(3), "q2": (1 + 1 / math.log2(4)) / (1 + 1 / math.log2(3))}
@@ -46,8 +48,9 @@ def test_maxp_metrics_equal_the_hand_computed_case() -> None:
 
 def _chunked_data() -> RetrievalData:
     corpus = {p: Passage(p, "", f"text {p}", doc_id=DOC_OF[p]) for p in CHUNKS}
-    return RetrievalData("x", corpus, {"q1": "one?", "q2": "two?"}, train_qrels=QRELS, eval_qrels=QRELS,
-                         split="dev", doc_of=dict(DOC_OF))
+    return RetrievalData(
+        "x", corpus, {"q1": "one?", "q2": "two?"}, train_qrels=QRELS, eval_qrels=QRELS, split="dev", doc_of=dict(DOC_OF)
+    )
 
 
 def _one_hot_index(r, chunks: list[str], scores: list[list[float]], tmp_path):
@@ -87,8 +90,9 @@ def test_a_document_with_more_chunks_than_the_first_search_depth_does_not_hide_t
     corpus = {p: Passage(p, "", f"text {p}", doc_id=p.split("#")[0]) for p in chunks}
     doc_of = {p: p.split("#")[0] for p in long_doc}
     qrels = {"q1": {"s0": 1}, "q2": {"s3": 1}}
-    data = RetrievalData("x", corpus, {"q1": "one?", "q2": "two?"}, train_qrels=qrels, eval_qrels=qrels,
-                         split="dev", doc_of=doc_of)
+    data = RetrievalData(
+        "x", corpus, {"q1": "one?", "q2": "two?"}, train_qrels=qrels, eval_qrels=qrels, split="dev", doc_of=doc_of
+    )
     cfg = Config(output_dir=str(tmp_path))
     cfg.index.top_k = 3
     assert cfg.index.top_k * MAXP_DEPTH_FACTOR < len(long_doc)
@@ -103,10 +107,8 @@ def test_a_document_with_more_chunks_than_the_first_search_depth_does_not_hide_t
 
 def test_hard_negatives_never_pick_a_chunk_of_a_gold_document(tmp_path) -> None:
     from ragtrain.config import Config
-    from ragtrain.index.retrieval import Retrieval
-
     from ragtrain.index.faiss_index import build_configured
-    from ragtrain.index.retrieval import BuiltIndex
+    from ragtrain.index.retrieval import BuiltIndex, Retrieval
 
     cfg = Config(output_dir=str(tmp_path))
     cfg.retriever.train.hard_negatives, cfg.retriever.train.hard_negative_depth = 1, 5
@@ -125,8 +127,12 @@ def test_training_pairs_a_query_with_every_chunk_of_its_relevant_document() -> N
     pos = {p: i for i, p in enumerate(CHUNKS)}
     examples = build_examples({"q1": "one?", "q2": "two?"}, passage_qrels(QRELS, DOC_OF), pos)
     assert [(e.query, CHUNKS[e.positive]) for e in examples] == [
-        ("one?", "d1#0"), ("one?", "d1#1"),
-        ("two?", "d2#0"), ("two?", "d2#1"), ("two?", "d3#0")]
+        ("one?", "d1#0"),
+        ("one?", "d1#1"),
+        ("two?", "d2#0"),
+        ("two?", "d2#1"),
+        ("two?", "d3#0"),
+    ]
     # every chunk of every gold document is masked as a negative of the query's other positives
     assert examples[0].gold == [pos["d1#0"], pos["d1#1"]]
     assert sorted(examples[2].gold) == [pos["d2#0"], pos["d2#1"], pos["d3#0"]]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from ragtrain.config import to_typed
+from ragtrain.corpus.load import load_data
 from ragtrain.corpus.prepare import RAY_MIN_BYTES, use_ray
 from ragtrain.data.types import DataError
-from ragtrain.corpus.load import load_data
 from tests.conftest import compose
 
 from .helpers import mixed_folder, small_folder, write_folder
@@ -29,10 +29,18 @@ def _folder(root: Path) -> Path:
 
 def test_ray_prepare_writes_the_drivers_store_and_reports_the_same(ray_session, tmp_path: Path) -> None:
     root = _folder(tmp_path / "docs")
-    base = ["data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=8",
-            "data.chunk.overlap=2", "data.on_error=skip", f"output_dir={tmp_path / 'out'}"]
-    driver = load_data(to_typed(compose(base + ["data.prepare=driver"])).data,
-                       to_typed(compose(base)).retriever, tmp_path / "driver")
+    base = [
+        "data=documents",
+        f"data.root={root}",
+        "retriever=tiny",
+        "data.chunk.max_tokens=8",
+        "data.chunk.overlap=2",
+        "data.on_error=skip",
+        f"output_dir={tmp_path / 'out'}",
+    ]
+    driver = load_data(
+        to_typed(compose(base + ["data.prepare=driver"])).data, to_typed(compose(base)).retriever, tmp_path / "driver"
+    )
     cfg = to_typed(compose(base + ["data.prepare=ray"]))
     on_ray = load_data(cfg.data, cfg.retriever, tmp_path / "ray", ray_tasks=2)
     for name in ("documents.arrow", "passages.arrow"):  # byte for byte: same rows, same order, same fingerprint
@@ -56,11 +64,26 @@ def test_ray_prepare_writes_the_drivers_store_and_reports_the_same(ray_session, 
 
 
 def test_a_document_that_cannot_be_chunked_fails_on_ray_as_in_the_driver(ray_session, tmp_path: Path) -> None:
-    root = write_folder(tmp_path / "docs", {"long.md": "# " + "word " * 20 + "\n\nbody text here."},
-                        queries={"q": "x"}, qrels={"dev": [("q", "long")], "train": [("q", "long")]})
+    root = write_folder(
+        tmp_path / "docs",
+        {"long.md": "# " + "word " * 20 + "\n\nbody text here."},
+        queries={"q": "x"},
+        qrels={"dev": [("q", "long")], "train": [("q", "long")]},
+    )
     for prepare in ("driver", "ray"):
-        cfg = to_typed(compose(["data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=16",
-                                "data.chunk.overlap=2", f"data.prepare={prepare}", f"output_dir={tmp_path}"]))
+        cfg = to_typed(
+            compose(
+                [
+                    "data=documents",
+                    f"data.root={root}",
+                    "retriever=tiny",
+                    "data.chunk.max_tokens=16",
+                    "data.chunk.overlap=2",
+                    f"data.prepare={prepare}",
+                    f"output_dir={tmp_path}",
+                ]
+            )
+        )
         with pytest.raises(DataError, match=r"the title of document 'long' takes \d+ of data.chunk.max_tokens=16"):
             load_data(cfg.data, cfg.retriever, tmp_path / prepare)
 
@@ -76,7 +99,9 @@ def test_a_listed_file_missing_when_read_fails_even_under_skip(ray_session, tmp_
     files = list_documents(root)
     gone = root / "extra.txt"
     gone.unlink()
-    pattern = rf"{gone.name}: listed when the run started but missing when read{' on Ray node [0-9a-f]+' if on_ray else ''}: "
+    pattern = (
+        rf"{gone.name}: listed when the run started but missing when read{' on Ray node [0-9a-f]+' if on_ray else ''}: "
+    )
     with pytest.raises(DataError, match=pattern) as e:
         load_documents(root, on_error="skip", files=files, on_ray=on_ray, log=lambda _: None)
     assert "data.on_error=skip does not skip a missing file" in str(e.value) and "\n" not in str(e.value)

@@ -36,10 +36,20 @@ def test_linked_folders_are_followed_once_and_a_link_to_nothing_is_a_bad_file(tm
     os.symlink(root, root / "sub" / "loop")  # a cycle back to the root
     os.symlink(tmp_path / "gone.txt", root / "dangling.txt")
     files = [p.relative_to(root).as_posix() for p in list_documents(root)]
-    assert files == ["a.txt", "c.html", "dangling.txt", "linked/x.txt", "linked/y/z.txt", "shelf/x.txt",
-                     "shelf/y/z.txt", "sub/b.md"]
+    assert files == [
+        "a.txt",
+        "c.html",
+        "dangling.txt",
+        "linked/x.txt",
+        "linked/y/z.txt",
+        "shelf/x.txt",
+        "shelf/y/z.txt",
+        "sub/b.md",
+    ]
     assert [p.relative_to(root).as_posix() for p in list_documents(root, "linked/**/*.txt")] == [
-        "linked/x.txt", "linked/y/z.txt"]
+        "linked/x.txt",
+        "linked/y/z.txt",
+    ]
     assert [d["id"] for d in _read(root, "linked/y/z.txt")] == ["linked/y/z"]
     with pytest.raises(FileError, match=r"dangling\.txt: a symbolic link to a missing target"):
         _read(root, "dangling.txt")
@@ -72,8 +82,11 @@ def test_links_out_of_data_root_and_link_cycles_are_bad_files(tmp_path: Path) ->
 def test_a_queries_file_below_the_root_is_refused(tmp_path: Path) -> None:
     root = small_folder(tmp_path / "d")
     write_folder(root, {"sub/queries.jsonl": '{"_id": "zz", "text": "a question"}\n'})
-    with pytest.raises(DataError, match=r"sub/queries\.jsonl: a queries file below data.root is not read \(only "
-                                        r"data.root/queries\.jsonl is\)"):
+    with pytest.raises(
+        DataError,
+        match=r"sub/queries\.jsonl: a queries file below data.root is not read \(only "
+        r"data.root/queries\.jsonl is\)",
+    ):
         list_documents(root)
     assert [p.name for p in list_documents(root, "*.txt")] == ["a.txt"]  # unless data.glob leaves it out
 
@@ -81,8 +94,9 @@ def test_a_queries_file_below_the_root_is_refused(tmp_path: Path) -> None:
 def test_markdown_setext_titles_and_code_fences() -> None:
     from ragtrain.corpus.read import markdown_to_text
 
-    title, body = markdown_to_text("Bravo Guide\n===========\n\nIntro.\n\n## Use\n\n```sh\n# install it\nmake\n```\n"
-                                   "# Not the title\n")
+    title, body = markdown_to_text(
+        "Bravo Guide\n===========\n\nIntro.\n\n## Use\n\n```sh\n# install it\nmake\n```\n# Not the title\n"
+    )
     assert title == "Bravo Guide"
     assert body.splitlines() == ["", "Intro.", "", "Use", "", "```sh", "# install it", "make", "```", "Not the title"]
     assert markdown_to_text("# Alpha\ntext")[0] == "Alpha"
@@ -98,10 +112,12 @@ def test_txt_md_ids_are_relative_paths_without_extension(tmp_path: Path) -> None
 
 
 def test_html_text_drops_script_and_style(tmp_path: Path) -> None:
-    html = ("<html><head><title>Page T</title><style>body { color: red }</style>"
-            "<script>var secret = 'tracker';</script></head><body><h1>Heading</h1>"
-            "<p>First para &amp; more.</p><script>alert('no')</script><p>Second para.</p>"
-            "<noscript>enable js</noscript><style>.x{}</style>tail text</body></html>")
+    html = (
+        "<html><head><title>Page T</title><style>body { color: red }</style>"
+        "<script>var secret = 'tracker';</script></head><body><h1>Heading</h1>"
+        "<p>First para &amp; more.</p><script>alert('no')</script><p>Second para.</p>"
+        "<noscript>enable js</noscript><style>.x{}</style>tail text</body></html>"
+    )
     root = write_folder(tmp_path / "d", {"p.html": html})
     [doc] = _read(root, "p.html")
     assert doc["id"] == "p" and doc["title"] == "Page T"
@@ -113,8 +129,13 @@ def test_html_text_drops_script_and_style(tmp_path: Path) -> None:
 
 
 def test_html_title_from_h1_and_not_repeated(tmp_path: Path) -> None:
-    root = write_folder(tmp_path / "d", {"t.html": "<html><head><title>Same</title></head><body><h1>Same</h1><p>Body.</p></body></html>",
-                                         "h.html": "<body><h1>Only H1</h1><p>Text here.</p></body>"})
+    root = write_folder(
+        tmp_path / "d",
+        {
+            "t.html": "<html><head><title>Same</title></head><body><h1>Same</h1><p>Body.</p></body></html>",
+            "h.html": "<body><h1>Only H1</h1><p>Text here.</p></body>",
+        },
+    )
     [t] = _read(root, "t.html")
     assert t["title"] == "Same" and t["text"].strip() == "Body."
     [h] = _read(root, "h.html")
@@ -122,8 +143,9 @@ def test_html_title_from_h1_and_not_repeated(tmp_path: Path) -> None:
 
 
 def test_jsonl_accepts_id_or__id(tmp_path: Path) -> None:
-    root = write_folder(tmp_path / "d", {"c.jsonl": '{"_id": "x1", "title": "T", "text": "one"}\n\n'
-                                                     '{"id": 7, "text": "two"}\n'})
+    root = write_folder(
+        tmp_path / "d", {"c.jsonl": '{"_id": "x1", "title": "T", "text": "one"}\n\n{"id": 7, "text": "two"}\n'}
+    )
     docs = _read(root, "c.jsonl")
     assert [(d["id"], d["title"], d["text"]) for d in docs] == [("x1", "T", "one"), ("7", "", "two")]
     assert docs[1]["source"].endswith("c.jsonl:3")
@@ -136,8 +158,9 @@ def test_jsonl_without_id_names_file_and_line(tmp_path: Path) -> None:
 
 
 def test_a_title_that_is_not_a_string_is_an_error_not_dropped(tmp_path: Path) -> None:
-    root = write_folder(tmp_path / "d", {"t.jsonl": '{"_id": "a", "title": null, "text": "x"}\n'
-                                                    '{"_id": "b", "title": 0, "text": "y"}\n'})
+    root = write_folder(
+        tmp_path / "d", {"t.jsonl": '{"_id": "a", "title": null, "text": "x"}\n{"_id": "b", "title": 0, "text": "y"}\n'}
+    )
     with pytest.raises(DataError, match=r"t\.jsonl:2: key 'title' must be a string, got int"):
         _read(root, "t.jsonl")
 
@@ -147,8 +170,9 @@ def test_parquet_via_pyarrow(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
     (tmp_path / "d").mkdir()
-    pq.write_table(pa.table({"_id": ["p1", "p2"], "title": ["T1", None], "text": ["alpha", "beta"]}),
-                   tmp_path / "d" / "t.parquet")
+    pq.write_table(
+        pa.table({"_id": ["p1", "p2"], "title": ["T1", None], "text": ["alpha", "beta"]}), tmp_path / "d" / "t.parquet"
+    )
     docs = _read(tmp_path / "d", "t.parquet")
     assert [(d["id"], d["title"], d["text"]) for d in docs] == [("p1", "T1", "alpha"), ("p2", "", "beta")]
     pq.write_table(pa.table({"name": ["x"], "text": ["y"]}), tmp_path / "d" / "bad.parquet")
@@ -161,6 +185,7 @@ def test_parquet_via_pyarrow(tmp_path: Path) -> None:
 
 
 # ---- bad input: each a one-line error naming the file or key ----
+
 
 def test_empty_folder_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
@@ -226,15 +251,21 @@ def test_unreadable_file_fails_or_is_skipped(tmp_path: Path, monkeypatch: pytest
 
 # ---- large files: read a block at a time, with the same errors and byte offsets ----
 
+
 def test_jsonl_checks_span_blocks_with_the_files_byte_offsets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ragtrain.corpus.read as read
 
     monkeypatch.setattr(read, "READ_BLOCK", 5)  # every multi-byte character below straddles a block boundary
     good = '{"_id": "a", "text": "café ☕ naïve 𝔘"}\n{"_id": "b", "text": "second"}\n'.encode()
-    root = write_folder(tmp_path / "d", {"ok.jsonl": good,
-                                         "bad.jsonl": good + b'{"_id": "c", "text": "caf\xe9"}\n',
-                                         "cut.jsonl": good[:-1] + "é".encode()[:1],
-                                         "nul.jsonl": good + b"\x00"})
+    root = write_folder(
+        tmp_path / "d",
+        {
+            "ok.jsonl": good,
+            "bad.jsonl": good + b'{"_id": "c", "text": "caf\xe9"}\n',
+            "cut.jsonl": good[:-1] + "é".encode()[:1],
+            "nul.jsonl": good + b"\x00",
+        },
+    )
     assert [d["text"] for d in _read(root, "ok.jsonl")] == ["café ☕ naïve 𝔘", "second"]
     with pytest.raises(FileError, match=rf"bad\.jsonl: not valid UTF-8 at byte offset {len(good) + 25} "):
         read.open_documents(root / "bad.jsonl", root)  # raised on opening, before any document (skip: none of it)
@@ -246,8 +277,10 @@ def test_jsonl_checks_span_blocks_with_the_files_byte_offsets(tmp_path: Path, mo
 
 def test_a_jsonl_record_may_hold_a_raw_line_separator(tmp_path: Path) -> None:
     # JSON allows U+2028 / U+2029 / U+0085 raw inside strings; JSON Lines end records at \n (or \r\n) only
-    root = write_folder(tmp_path / "d", {"c.jsonl": '\ufeff{"_id": "a", "text": "one\u2028two\x85three"}\r\n'
-                                                     '{"_id": "b", "text": "x"}\n'})
+    root = write_folder(
+        tmp_path / "d",
+        {"c.jsonl": '\ufeff{"_id": "a", "text": "one\u2028two\x85three"}\r\n{"_id": "b", "text": "x"}\n'},
+    )
     docs = _read(root, "c.jsonl")
     assert [d["id"] for d in docs] == ["a", "b"] and docs[0]["text"] == "one\u2028two\x85three"
     assert docs[1]["source"].endswith("c.jsonl:2")
@@ -263,10 +296,14 @@ def test_a_large_file_is_read_and_sent_in_bounded_blocks(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(prepare, "ROWS_PER_BLOCK", 4)
     monkeypatch.setattr(read, "PARQUET_BATCH_ROWS", 3)
-    root = write_folder(tmp_path / "d", {"big.jsonl": "".join(f'{{"_id": "j{i}", "text": "doc {i}"}}\n'
-                                                              for i in range(10))})
-    pq.write_table(pa.table({"id": [f"p{i}" for i in range(7)], "text": [f"row {i}" for i in range(7)]}),
-                   root / "big.parquet", row_group_size=2)
+    root = write_folder(
+        tmp_path / "d", {"big.jsonl": "".join(f'{{"_id": "j{i}", "text": "doc {i}"}}\n' for i in range(10))}
+    )
+    pq.write_table(
+        pa.table({"id": [f"p{i}" for i in range(7)], "text": [f"row {i}" for i in range(7)]}),
+        root / "big.parquet",
+        row_group_size=2,
+    )
     seen = []
     real = read._doc_from_record
     monkeypatch.setattr(read, "_doc_from_record", lambda obj, where: seen.append(where) or real(obj, where))
@@ -274,8 +311,11 @@ def test_a_large_file_is_read_and_sent_in_bounded_blocks(tmp_path: Path, monkeyp
     assert seen == []  # opening checks the file; records are read only as they are asked for
     assert [next(docs)["id"] for _ in range(2)] == ["p0", "p1"] and len(seen) <= 3
     # On Ray, a read task yields blocks of ROWS_PER_BLOCK documents: one big file is many blocks, not one
-    blocks = list(prepare.read_clean_batch({"path": np.array([str(root / "big.jsonl"), str(root / "big.parquet")],
-                                                               dtype=object)}, str(root)))
+    blocks = list(
+        prepare.read_clean_batch(
+            {"path": np.array([str(root / "big.jsonl"), str(root / "big.parquet")], dtype=object)}, str(root)
+        )
+    )
     assert [len(b["id"]) for b in blocks] == [4, 4, 4, 4, 1]
     assert [str(i) for b in blocks for i in b["id"]] == [f"j{i}" for i in range(10)] + [f"p{i}" for i in range(7)]
     monkeypatch.setattr(prepare, "BLOCK_CHARS", 12)  # or fewer rows, once their text reaches BLOCK_CHARS

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from ragtrain.config import ConfigError, IndexConfig, PoolResources, Precision, to_typed
 from ragtrain.corpus.encode import EncodeFault, ShardSet
 from ragtrain.corpus.load import load_data
@@ -28,13 +29,31 @@ def _folder(root: Path) -> Path:
 
 
 def _cfg(root: Path, tmp_path: Path, *extra: str):
-    return to_typed(compose(["data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=8",
-                             "data.chunk.overlap=2", "data.prepare=ray", f"output_dir={tmp_path / 'out'}", *extra]))
+    return to_typed(
+        compose(
+            [
+                "data=documents",
+                f"data.root={root}",
+                "retriever=tiny",
+                "data.chunk.max_tokens=8",
+                "data.chunk.overlap=2",
+                "data.prepare=ray",
+                f"output_dir={tmp_path / 'out'}",
+                *extra,
+            ]
+        )
+    )
 
 
 def _stream(cfg, out: Path, weights, fault=None) -> StreamEncode:
-    return StreamEncode(weights=lambda: weights, index=INDEX, pool=POOL, folder=out / "vectors" / "zeroshot",
-                        fault=fault, key=lambda w, fp: f"key-of-{fp}")
+    return StreamEncode(
+        weights=lambda: weights,
+        index=INDEX,
+        pool=POOL,
+        folder=out / "vectors" / "zeroshot",
+        fault=fault,
+        key=lambda w, fp: f"key-of-{fp}",
+    )
 
 
 def _same_as_two_steps(root: Path, tmp_path: Path, out: Path, weights):
@@ -45,9 +64,20 @@ def _same_as_two_steps(root: Path, tmp_path: Path, out: Path, weights):
     from ragtrain.index.faiss_index import build_index
     from ragtrain.index.shards import build_from_shards
 
-    driver = to_typed(compose(["data=documents", f"data.root={root}", "retriever=tiny", "data.chunk.max_tokens=8",
-                               "data.chunk.overlap=2", "data.prepare=driver", "data.on_error=skip",
-                               f"output_dir={tmp_path / 'o'}"]))
+    driver = to_typed(
+        compose(
+            [
+                "data=documents",
+                f"data.root={root}",
+                "retriever=tiny",
+                "data.chunk.max_tokens=8",
+                "data.chunk.overlap=2",
+                "data.prepare=driver",
+                "data.on_error=skip",
+                f"output_dir={tmp_path / 'o'}",
+            ]
+        )
+    )
     two = load_data(driver.data, driver.retriever, tmp_path / "two")
     texts = [p.full_text() for p in two.corpus.values()]
     want = QueryEncoder(driver.retriever, [weights], INDEX.batch_size).encode(texts, role="passage")
@@ -80,8 +110,13 @@ def test_one_stream_equals_prepare_then_encode_even_when_an_actor_dies(ray_sessi
     cfg = _cfg(root, tmp_path, "data.on_error=skip")
     weights = initial_weights(cfg)
     marker = tmp_path / "killed"
-    one = load_data(cfg.data, cfg.retriever, tmp_path / "one", ray_tasks=2,
-                    stream=_stream(cfg, tmp_path / "one", weights, EncodeFault(at_batch=1, marker=str(marker))))
+    one = load_data(
+        cfg.data,
+        cfg.retriever,
+        tmp_path / "one",
+        ray_tasks=2,
+        stream=_stream(cfg, tmp_path / "one", weights, EncodeFault(at_batch=1, marker=str(marker))),
+    )
     assert marker.exists(), "the injected actor death never fired"
     two, shards = _same_as_two_steps(root, tmp_path, tmp_path / "one", weights)
     assert shards.stats["key"] == f"key-of-{one.fingerprint()}"
@@ -91,8 +126,9 @@ def test_one_stream_equals_prepare_then_encode_even_when_an_actor_dies(ray_sessi
 
 
 @pytest.mark.parametrize("case", ["repeated_id", "ivf_lists"])
-def test_whole_corpus_checks_fail_the_stream_before_encoding_and_leave_nothing(ray_session, tmp_path: Path,
-                                                                               case: str) -> None:
+def test_whole_corpus_checks_fail_the_stream_before_encoding_and_leave_nothing(
+    ray_session, tmp_path: Path, case: str
+) -> None:
     """A repeated id in the last file, or more IVF lists than the corpus has passages, fails in the stream's first
     pass (ids and digests only), before the encoder's weights are even built; nothing is left."""
     from ragtrain.pipeline import stream_encode
@@ -103,7 +139,10 @@ def test_whole_corpus_checks_fail_the_stream_before_encoding_and_leave_nothing(r
         write_folder(root, {"zz.txt": "fine now", "zz2.jsonl": json.dumps({"_id": "c", "text": "another c"}) + "\n"})
         match = r"duplicate document id 'c': in .*c\.html and in .*zz2\.jsonl:1"
     else:
-        extra, match = ("index=ivf", "index.factory='IVF4096,Flat'", "data.on_error=skip"), r"asks for 4096 IVF lists but the corpus has only \d+ vectors"
+        extra, match = (
+            ("index=ivf", "index.factory='IVF4096,Flat'", "data.on_error=skip"),
+            r"asks for 4096 IVF lists but the corpus has only \d+ vectors",
+        )
     cfg = _cfg(root, tmp_path, *extra)
     out = tmp_path / case
     built = []
@@ -134,8 +173,17 @@ def test_a_run_indexes_what_the_stream_encoded_without_encoding_again(ray_sessio
     from tests.conftest import tiny_overrides
 
     root = _folder(tmp_path / "docs")
-    cfg = _cfg(root, tmp_path, "data.on_error=skip", *tiny_overrides(tmp_path)[4:], "stages=[index]", "logger=none",
-               "index.shard_size=16", "index.precision=fp32", "fault.kill_encode_actor_at_batch=1")
+    cfg = _cfg(
+        root,
+        tmp_path,
+        "data.on_error=skip",
+        *tiny_overrides(tmp_path)[4:],
+        "stages=[index]",
+        "logger=none",
+        "index.shard_size=16",
+        "index.precision=fp32",
+        "fault.kill_encode_actor_at_batch=1",
+    )
     with caplog.at_level(logging.INFO, logger="ragtrain"):
         results = run(cfg)
     out = Path(cfg.output_dir)

@@ -134,7 +134,9 @@ def test_eval_only_folder(tmp_path: Path) -> None:
 
 
 def test_missing_root_and_not_dir(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"^data.root=.*nope. does not exist: point data.root at a BEIR folder, or set RAGTRAIN_DATA"):
+    with pytest.raises(
+        DataError, match=r"^data.root=.*nope. does not exist: point data.root at a BEIR folder, or set RAGTRAIN_DATA"
+    ):
         load_beir(tmp_path / "nope")
     f = _write(tmp_path / "file", "x")
     with pytest.raises(DataError, match="not a directory"):
@@ -162,10 +164,12 @@ def test_missing_files(tmp_path: Path) -> None:
         ('{"_id": 5, "text": "x"}\n', r"corpus\.jsonl:1: key '_id' must be a string"),
         ('{"_id": "a", "title": null, "text": "x"}\n', r"corpus\.jsonl:1: key 'title' must be a string"),
         ('{"_id": "a", "text": "x"}\n\n\n{"_id": "a", "text": "y"}\n', r"corpus\.jsonl:4: duplicate _id 'a'"),
-        ('[1, 2]\n', r"corpus\.jsonl:1: expected a JSON object"),
+        ("[1, 2]\n", r"corpus\.jsonl:1: expected a JSON object"),
         ("\n\n", r"corpus\.jsonl: corpus is empty"),
-        ('{"_id": "a", "text": "x"}\n{"_id": "b", "title": " ", "text": " \\n "}\n',
-         r"corpus\.jsonl:2: document 'b' has no text \(empty title and text\)"),
+        (
+            '{"_id": "a", "text": "x"}\n{"_id": "b", "title": " ", "text": " \\n "}\n',
+            r"corpus\.jsonl:2: document 'b' has no text \(empty title and text\)",
+        ),
     ],
 )
 def test_corpus_errors(tmp_path: Path, body: str, expected: str) -> None:
@@ -264,6 +268,9 @@ def test_a_bom_is_dropped_and_bad_utf8_names_its_line_and_the_files_byte_offset(
     (root / "corpus.jsonl").unlink()
     with gzip.open(root / "corpus.jsonl.gz", "wb") as f:
         f.write(b"".join(lines[:2]) + bad)
-    with pytest.raises(DataError, match=rf"corpus\.jsonl\.gz:3: not valid UTF-8 at byte offset {at} of the "
-                                        r"uncompressed text"):
+    with pytest.raises(
+        DataError,
+        match=rf"corpus\.jsonl\.gz:3: not valid UTF-8 at byte offset {at} of the "
+        r"uncompressed text",
+    ):
         load_beir(root, split="test", dev_size=1)

@@ -11,8 +11,12 @@ from ragtrain.data.store import PassageStore, StoreWriter, write_store
 
 
 def _corpus() -> dict[str, Passage]:
-    ps = [Passage("a", "Alpha", "first text"), Passage("b", "", "no title here"),
-          Passage("c#0", "Gamma", "a chunk", doc_id="c", start=0, end=7), Passage("d", "Déjà", "vu ünïcode")]
+    ps = [
+        Passage("a", "Alpha", "first text"),
+        Passage("b", "", "no title here"),
+        Passage("c#0", "Gamma", "a chunk", doc_id="c", start=0, end=7),
+        Passage("d", "Déjà", "vu ünïcode"),
+    ]
     return {p.id: p for p in ps}
 
 

@@ -81,7 +81,7 @@ def test_answers_in_gold_passage_not_in_question() -> None:
         qrels.update(make_synthetic(200, seed=1, split=other).eval_qrels)
     assert set(qrels) == set(data.queries)
     for qid, grades in qrels.items():
-        (gold, grade), = grades.items()
+        ((gold, grade),) = grades.items()
         answer = data.answers[qid]
         assert grade == 1 and answer
         assert answer in data.corpus[gold].text
@@ -91,7 +91,7 @@ def test_answers_in_gold_passage_not_in_question() -> None:
 
 def test_question_wording_differs_from_passage() -> None:
     data = make_synthetic(30)
-    for i, (qid, question) in enumerate(data.queries.items()):
+    for i, question in enumerate(data.queries.values()):
         passage = list(data.corpus.values())[i]
         stem = question.replace(passage.title, "").strip(" ?'s")
         assert stem and stem not in passage.text

@@ -55,8 +55,11 @@ def _launcher() -> tuple[list[str], list[dict]]:
     assert len(cmd) == 1
     head = cfg["available_node_types"][cfg["head_node_type"]]
     assert head["resources"].get("CPU") == 0
-    groups = [{"name": name, "replicas": t["min_workers"], "resources": {"GPU": 0, **t["resources"]}}
-              for name, t in cfg["available_node_types"].items() if name != cfg["head_node_type"]]
+    groups = [
+        {"name": name, "replicas": t["min_workers"], "resources": {"GPU": 0, **t["resources"]}}
+        for name, t in cfg["available_node_types"].items()
+        if name != cfg["head_node_type"]
+    ]
     return _ragtrain_args(cmd[0]), groups
 
 
@@ -74,8 +77,10 @@ def test_nodes_fit_the_multi_node_resources(read) -> None:
     assert index and trainers
     # the pool: every actor's bundle (cpus_per_actor, index_node share) fits on the labelled nodes, and only there
     assert all(INDEX_RESOURCE not in g["resources"] for g in trainers)
-    per_node = [min(int(g["resources"][INDEX_RESOURCE] / want), int(g["resources"]["CPU"] / pool["cpus_per_actor"]))
-                for g in index]
+    per_node = [
+        min(int(g["resources"][INDEX_RESOURCE] / want), int(g["resources"]["CPU"] / pool["cpus_per_actor"]))
+        for g in index
+    ]
     assert sum(n * g["replicas"] for n, g in zip(per_node, index)) >= pool["num_actors"]
     assert all(g["resources"]["GPU"] == 0 for g in index)  # index nodes are CPU nodes
     # the trainer: one GPU and cpus_per_worker CPUs per worker
@@ -93,8 +98,14 @@ def test_launcher_passes_rays_own_schema() -> None:
 def test_entry_command_composes(read, tmp_path: Path) -> None:
     args, _ = read()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, "-m", "ragtrain", *args, "--cfg", "job"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "ragtrain", *args, "--cfg", "job"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     job = yaml.safe_load(res.stdout)
     assert job["experiment_name"] == "scifact_finetune" and job["resources"]["trainer"]["use_gpu"] is True
@@ -105,8 +116,9 @@ def test_entry_command_composes(read, tmp_path: Path) -> None:
     assert typed.resources.trainer.use_gpu and typed.experiment_name == "scifact_finetune"
 
 
-@pytest.mark.parametrize("read,shared", [(_rayjob, ("/outputs/", "/data/")), (_launcher, ("/shared/",))],
-                         ids=["kuberay", "cluster-launcher"])
+@pytest.mark.parametrize(
+    "read,shared", [(_rayjob, ("/outputs/", "/data/")), (_launcher, ("/shared/",))], ids=["kuberay", "cluster-launcher"]
+)
 def test_every_path_is_on_shared_storage_and_mlflow_is_a_server(read, shared) -> None:
     """Several nodes read and write these paths (ragtrain checks it at start-up; here, before a cluster exists)."""
     args, _ = read()
@@ -143,6 +155,11 @@ def test_the_rayjob_image_is_built_from_the_official_ray_image_of_the_installed_
     dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
     assert re.search(rf"^ARG RAY_VERSION={re.escape(ray.__version__)}$", dockerfile, re.M)
     assert "FROM rayproject/ray:${RAY_VERSION}-py311-gpu" in dockerfile
-    make = subprocess.run(["make", "-n", "image", "PY=" + sys.executable], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "VENV": str(Path(sys.executable).parent.parent)})
+    make = subprocess.run(
+        ["make", "-n", "image", "PY=" + sys.executable],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "VENV": str(Path(sys.executable).parent.parent)},
+    )
     assert f"-t ragtrain:{ray.__version__}-py311-gpu -" in make.stdout, make.stdout + make.stderr

@@ -70,7 +70,14 @@ def test_a_real_prompt_holds_the_gold_passage_whole() -> None:
     ex = GenExample("q1", "who plays golf?", ["golf"], ["g"])
     gold_ids = b.passage_ids(texts["g"])
     for seed in range(10):
-        ids = train_passages(ex, ["a", "b", "c", "g"], 4, True, True, random.Random(seed),
-                             lambda ps: b.whole_passages(ex.question, [texts[p] for p in ps]))
+        ids = train_passages(
+            ex,
+            ["a", "b", "c", "g"],
+            4,
+            True,
+            True,
+            random.Random(seed),
+            lambda ps: b.whole_passages(ex.question, [texts[p] for p in ps]),
+        )
         src = b.source(ex.question, [texts[p] for p in ids])
-        assert any(src[i:i + len(gold_ids)] == gold_ids for i in range(len(src)))  # the whole gold passage
+        assert any(src[i : i + len(gold_ids)] == gold_ids for i in range(len(src)))  # the whole gold passage

@@ -14,14 +14,14 @@ from ragtrain.generator.metrics import exact_match, f1_score, normalize_answer, 
 # --- reference: the official SQuAD v1.1 evaluation script's functions, unchanged ---------------------------
 def ref_normalize_answer(s):
     def remove_articles(text):
-        return re.sub(r'\b(a|an|the)\b', ' ', text)
+        return re.sub(r"\b(a|an|the)\b", " ", text)
 
     def white_space_fix(text):
-        return ' '.join(text.split())
+        return " ".join(text.split())
 
     def remove_punc(text):
         exclude = set(string.punctuation)
-        return ''.join(ch for ch in text if ch not in exclude)
+        return "".join(ch for ch in text if ch not in exclude)
 
     def lower(text):
         return text.lower()
@@ -44,6 +44,8 @@ def ref_f1_score(prediction, ground_truth):
 
 def ref_exact_match_score(prediction, ground_truth):
     return ref_normalize_answer(prediction) == ref_normalize_answer(ground_truth)
+
+
 # -------------------------------------------------------------------------------------------------------------
 
 

@@ -54,8 +54,10 @@ def test_bert2bert_shares_one_embedding_matrix() -> None:
     assert hf.decoder.cls.predictions.decoder.weight is w
     assert len(hf.encoder.encoder.layer) == 2 and len(hf.decoder.bert.encoder.layer) == 1
     # the decoder's self-attention comes from MiniLM's layer 0; its cross-attention is new
-    assert torch.equal(hf.decoder.bert.encoder.layer[0].attention.self.query.weight,
-                       hf.encoder.encoder.layer[0].attention.self.query.weight)
+    assert torch.equal(
+        hf.decoder.bert.encoder.layer[0].attention.self.query.weight,
+        hf.encoder.encoder.layer[0].attention.self.query.weight,
+    )
 
 
 @pytest.mark.parametrize("arch,model", [("seq2seq", "tiny"), ("bert2bert", "minilm")])
@@ -93,7 +95,11 @@ def test_answer_decoder_rejoins_wordpiece_punctuation() -> None:
     tok = load_tokenizer(GeneratorConfig())
     dec = AnswerDecoder(tok)
     assert dec.rejoin
-    for text, want in [("Hurdy-gurdy", "hurdy-gurdy"), ("Graqui Shipping Company", "graqui shipping company"),
-                       ("O'Neil", "o'neil"), ("1859", "1859")]:
+    for text, want in [
+        ("Hurdy-gurdy", "hurdy-gurdy"),
+        ("Graqui Shipping Company", "graqui shipping company"),
+        ("O'Neil", "o'neil"),
+        ("1859", "1859"),
+    ]:
         ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.sep_token_id]
         assert dec(ids) == want

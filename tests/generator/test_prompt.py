@@ -32,8 +32,10 @@ def test_layout_is_the_documented_template(tok) -> None:
     b = PromptBuilder(tok, 64, 0, Template("question:", "context:"))
     src = b.source("Who plays the oboe?", [passage_text("Ann Lee", "Ann plays the oboe.", True), "Bob sings."])
     text = tok.decode(src)
-    assert text == "[CLS] question : who plays the oboe? [SEP] context : ann lee : ann plays the oboe. [SEP] " \
-                   "context : bob sings. [SEP]"
+    assert (
+        text == "[CLS] question : who plays the oboe? [SEP] context : ann lee : ann plays the oboe. [SEP] "
+        "context : bob sings. [SEP]"
+    )
     assert tok.convert_ids_to_tokens(b.target("hurdy-gurdy", 16))[-1] == "[SEP]"  # the decoder learns to stop
     assert passage_text("T", "x", False) == "x" and passage_text("", "x", True) == "x"
 
@@ -41,8 +43,25 @@ def test_layout_is_the_documented_template(tok) -> None:
 def test_question_is_never_truncated_randomised(tok) -> None:
     """Random questions, passages and budgets: the prompt starts with the whole question and fits the budget."""
     rng = random.Random(0)
-    words = ["oboe", "harp", "town", "river", "glassworks", "founded", "year", "Varnel", "Oskatine", "who", "which",
-             "what", "when", "born", "company", "hurdy-gurdy", "O'Neil"]
+    words = [
+        "oboe",
+        "harp",
+        "town",
+        "river",
+        "glassworks",
+        "founded",
+        "year",
+        "Varnel",
+        "Oskatine",
+        "who",
+        "which",
+        "what",
+        "when",
+        "born",
+        "company",
+        "hurdy-gurdy",
+        "O'Neil",
+    ]
     for trial in range(300):
         q = " ".join(rng.choices(words, k=rng.randint(1, 30))) + "?"
         passages = [" ".join(rng.choices(words, k=rng.randint(0, 80))) for _ in range(rng.randint(0, 6))]
@@ -61,7 +80,7 @@ def test_question_is_never_truncated_randomised(tok) -> None:
         assert src[: len(head)] == head, "the whole question comes first"
         assert len(src) <= max_len
         if causal:
-            assert src[len(src) - len(_ids(tok, t.answer_prefix)):] == _ids(tok, t.answer_prefix)
+            assert src[len(src) - len(_ids(tok, t.answer_prefix)) :] == _ids(tok, t.answer_prefix)
 
 
 def test_passages_fill_in_order_then_cut_then_drop(tok) -> None:
@@ -113,8 +132,11 @@ def test_pieces_are_separated_when_the_tokenizer_has_no_sep_and_no_prefix_is_set
     tok = _bpe_tokenizer(keep_newlines=True)
     b = PromptBuilder(tok, 64, 0, Template("", "", "answer:"), causal=causal)
     text = tok.decode(b.source("who plays the oboe", ["ann plays the oboe", "bob sings"]))
-    assert text == ("who plays the oboe\nann plays the oboe\nbob sings\nanswer:" if causal else
-                    "who plays the oboe\nann plays the oboe\nbob sings\n<eos>")  # seq2seq sources still end with EOS
+    assert text == (
+        "who plays the oboe\nann plays the oboe\nbob sings\nanswer:"
+        if causal
+        else "who plays the oboe\nann plays the oboe\nbob sings\n<eos>"
+    )  # seq2seq sources still end with EOS
     # a passage prefix separates the pieces itself: no marker added (T5's "question: ... context: ..." layout)
     b = PromptBuilder(tok, 64, 0, Template("", "bob", ""), causal=False)
     assert tok.decode(b.source("who", ["sings"])) == "whobobsings<eos>"

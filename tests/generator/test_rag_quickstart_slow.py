@@ -23,14 +23,23 @@ def test_rag_quickstart_end_to_end(ray_session, tmp_path) -> None:
     """Retriever -> index -> generator on 2 CPUs; RAG EM >= 0.5 and >= closed-book + 0.3 on unseen entities."""
     from ragtrain.pipeline import run
 
-    cfg = to_typed(compose(["experiment=rag_quickstart", f"output_dir={tmp_path / 'out'}",
-                            f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=rag_quickstart",
+                f"output_dir={tmp_path / 'out'}",
+                f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            ]
+        )
+    )
     start = time.perf_counter()
     results = run(cfg)
     assert {"gen_closed_book", "gen_rag", "gen_oracle"} <= set(results)  # the pipeline ran the generator stage
     wall = time.perf_counter() - start
     rag, closed = results["gen_rag"]["em"], results["gen_closed_book"]["em"]
-    print(f"rag_quickstart: {wall:.0f} s; EM closed-book {closed:.3f}, RAG {rag:.3f}, "
-          f"oracle {results['gen_oracle']['em']:.3f}")
+    print(
+        f"rag_quickstart: {wall:.0f} s; EM closed-book {closed:.3f}, RAG {rag:.3f}, "
+        f"oracle {results['gen_oracle']['em']:.3f}"
+    )
     assert rag >= 0.5 and rag >= closed + 0.3
     assert results["gen_oracle"]["em"] >= rag - 0.05

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ray.train import TrainingFailedError
 
 from ragtrain.config import ConfigError, to_typed
 from ragtrain.index.faiss_index import IndexMismatchError
@@ -18,10 +19,19 @@ from tests.conftest import compose, tiny_overrides
 
 
 def _overrides() -> list[str]:
-    return ["generator=tiny_t5", "stages=[retriever,index,generator]", "generator.dropout=0.0",
-            "generator.train.max_steps=6", "generator.train.batch_size=4", "generator.train.log_every=1",
-            "generator.train.checkpoint_every=3", "generator.train.warmup_steps=2", "generator.train.oracle_steps=2",
-            "generator.eval.max_new_tokens=4", "resources.trainer.num_workers=2"]
+    return [
+        "generator=tiny_t5",
+        "stages=[retriever,index,generator]",
+        "generator.dropout=0.0",
+        "generator.train.max_steps=6",
+        "generator.train.batch_size=4",
+        "generator.train.log_every=1",
+        "generator.train.checkpoint_every=3",
+        "generator.train.warmup_steps=2",
+        "generator.train.oracle_steps=2",
+        "generator.eval.max_new_tokens=4",
+        "resources.trainer.num_workers=2",
+    ]
 
 
 def _cfg(tmp: Path, *extra: str):
@@ -33,9 +43,9 @@ def built(ray_session, tmp_path_factory):
     """A tiny-retriever index of the 24-entity KB, held by the run's index host as in a pipeline run (built from
     shards encoded in-process: the Ray Data encode is tested in tests/corpus), saved to <out>/index."""
     from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.corpus.load import load_data
     from ragtrain.index.host import RemoteIndex
     from ragtrain.index.retrieval import BuiltIndex, Retrieval
-    from ragtrain.corpus.load import load_data
     from ragtrain.retriever.encoder import build_encoder
     from tests.index.test_shards import _write_shards
 
@@ -48,8 +58,9 @@ def built(ray_session, tmp_path_factory):
     vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
     shards = _write_shards(tmp / "vectors", retrieval.doc_ids, vecs, per_file=64)
     name = f"{cfg.retriever.model}@init"
-    remote = RemoteIndex.build(retrieval.host, "zeroshot", shards.folder, cfg.index, retrieval.fingerprint, name, 0,
-                               cfg.seed)
+    remote = RemoteIndex.build(
+        retrieval.host, "zeroshot", shards.folder, cfg.index, retrieval.fingerprint, name, 0, cfg.seed
+    )
     index = BuiltIndex("zeroshot", remote, [weights], retrieval.doc_ids, {}, shards=shards)
     out = Path(cfg.output_dir)
     index.index.save(out / "index")
@@ -98,8 +109,9 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     assert all(len(r["passages"]) == 1 and r["passages"][0] in gold[r["qid"]] for r in preds["oracle"])
     assert all(len(r["passages"]) == cfg.generator.retrieval.top_k for r in preds["rag"])
     hit = sum(bool(gold[r["qid"]] & set(r["passages"])) for r in preds["rag"]) / n_eval
-    assert results["gen_rag"]["gold_in_top_k"] == pytest.approx(hit) and run.data.metrics["gen_rag/gold_in_top_k"] == \
-        pytest.approx(hit)
+    assert results["gen_rag"]["gold_in_top_k"] == pytest.approx(hit) and run.data.metrics[
+        "gen_rag/gold_in_top_k"
+    ] == pytest.approx(hit)
 
 
 @pytest.mark.integration
@@ -141,8 +153,14 @@ def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -
     from ragtrain.generator.train import fit_generator
 
     tmp, cfg2, data, retrieval, index = built
-    cfg1 = _cfg(tmp / "one", "resources.trainer.num_workers=1", "generator.train.batch_size=8",
-                "generator.train.checkpoint_every=0", "generator.eval.modes=[]", "logger=none")
+    cfg1 = _cfg(
+        tmp / "one",
+        "resources.trainer.num_workers=1",
+        "generator.train.batch_size=8",
+        "generator.train.checkpoint_every=0",
+        "generator.eval.modes=[]",
+        "logger=none",
+    )
     payload = resolve_index(cfg1, data, index, Path(cfg1.output_dir))
     service = RetrievalService(payload, RetrievalMode.local)  # the other retrieval mode, same results
     fit = fit_generator(cfg1, build_gen_data(cfg1, data), service.client(), None)
@@ -196,11 +214,14 @@ def test_killed_worker_restarts_from_its_checkpoint_and_matches_a_clean_run(buil
 def test_interrupted_stage_resumes_to_the_same_result(built, stage_run) -> None:
     tmp, clean_cfg, *_ = built
     cfg = _cfg(tmp / "resumed", "fault.max_failures=0", "fault.kill_worker_at_step=5", "fault.kill_rank=0")
-    with pytest.raises(Exception):  # no restarts allowed: the stage stops at the kill
+    with pytest.raises(TrainingFailedError):  # no restarts allowed: the stage stops at the kill
         _stage(cfg, built, "generator-interrupted")
     assert not (Path(cfg.output_dir) / "generator" / "predictions.json").exists()
-    resumed = to_typed(compose(tiny_overrides(tmp / "resumed") + [
-        *[o for o in _overrides() if not o.startswith("fault.")], "resume=true"]))
+    resumed = to_typed(
+        compose(
+            tiny_overrides(tmp / "resumed") + [*[o for o in _overrides() if not o.startswith("fault.")], "resume=true"]
+        )
+    )
     results, losses = _stage(resumed, built, "generator-resumed")  # a new MLflow run: only steps 4..6 are in it
     assert [s for s, _ in losses] == [4, 5, 6]
     clean = json.loads((Path(clean_cfg.output_dir) / "generator" / "loss_history.json").read_text())
@@ -225,11 +246,14 @@ def test_missing_index_fails_before_training(built, tmp_path) -> None:
     assert not (tmp_path / "out" / "ray").exists()  # no trainer was started
 
 
-@pytest.mark.parametrize("override,match", [
-    ("retriever=minilm", "retriever.model is 'minilm'"),  # another encoder family
-    ("retriever.tiny.hidden_size=32", "32-dim vectors but the index holds 64-dim"),
-    ("seed=1", "does not match the index"),  # same architecture, other weights (the untrained tiny init is seeded)
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("retriever=minilm", "retriever.model is 'minilm'"),  # another encoder family
+        ("retriever.tiny.hidden_size=32", "32-dim vectors but the index holds 64-dim"),
+        ("seed=1", "does not match the index"),  # same architecture, other weights (the untrained tiny init is seeded)
+    ],
+)
 def test_encoder_index_mismatch_fails_clearly(built, tmp_path, override: str, match: str) -> None:
     from ragtrain.generator.stage import preflight
 
@@ -280,34 +304,64 @@ def test_a_model_the_architecture_or_lengths_cannot_use_fails_before_training(bu
     gpt2 = tmp_path / "gpt2"
     GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=64, vocab_size=30522).save_pretrained(gpt2)
     use = [f"generator.model={gpt2}", "generator.tokenizer=minilm"]
-    with pytest.raises(ConfigError, match=r"generator.arch=seq2seq needs a seq2seq LM, and generator.model=.* is a "
-                                          r"'gpt2' model: set generator.arch .*choices: \['bert2bert', 'seq2seq', "):
+    with pytest.raises(
+        ConfigError,
+        match=r"generator.arch=seq2seq needs a seq2seq LM, and generator.model=.* is a "
+        r"'gpt2' model: set generator.arch .*choices: \['bert2bert', 'seq2seq', ",
+    ):
         preflight(_cfg(tmp_path, *use), data)
     with pytest.raises(ConfigError, match=r"generator.arch=bert2bert needs a BERT checkpoint"):
         preflight(_cfg(tmp_path, "generator=bert2bert_minilm", *use), data)
-    with pytest.raises(ConfigError, match=r"generator.max_source_length \+ generator.max_target_length = 108 is more "
-                                          r"than generator.model=.* has positions for \(64\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"generator.max_source_length \+ generator.max_target_length = 108 is more "
+        r"than generator.model=.* has positions for \(64\)",
+    ):
         preflight(_cfg(tmp_path, "generator=tiny_gpt2", *use), data)
-    with pytest.raises(ConfigError, match=r"question '.*': the question takes \d+ tokens with the template's fixed "
-                                          r"tokens, more than generator.max_source_length=8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"question '.*': the question takes \d+ tokens with the template's fixed "
+        r"tokens, more than generator.max_source_length=8",
+    ):
         preflight(_cfg(tmp_path, "generator.max_source_length=8"), data)
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    (("generator=bert2bert_minilm", "generator.model=tiny"), r"generator.model 'tiny' is a small T5 or GPT-2"),
-    (("generator.train.epochs=3",), r"generator.train.epochs and generator.train.max_steps=6 are both set"),
-    (("generator.train.log_every=2",), r"generator.train.checkpoint_every must be 0 or a multiple of "
-                                       r"generator.train.log_every \(2\)"),
-    (("generator.tiny.num_heads=3",), r"generator.tiny.d_model must be divisible by generator.tiny.num_heads \(3\)"),
-    (("checkpoint.every_steps=3", "retriever.train.log_every=2"), r"checkpoint.every_steps must be 0 or a multiple"),
-    # keys that only one architecture or model reads
-    (("generator.decoder_layers=3",), r"generator.decoder_layers applies to generator.arch=bert2bert only \(this is "
-                                      r"seq2seq\); remove it"),
-    (("generator=tiny_gpt2", "generator.tie_embeddings=false"), r"generator.tie_embeddings applies to "
-                                                                r"generator.arch=bert2bert only \(this is causal\)"),
-    (("generator=bert2bert_minilm", "generator.tiny.d_model=32"), r"generator.tiny.d_model applies to "
-                                                                  r"generator.model=tiny only \(this is 'minilm'\)"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (("generator=bert2bert_minilm", "generator.model=tiny"), r"generator.model 'tiny' is a small T5 or GPT-2"),
+        (("generator.train.epochs=3",), r"generator.train.epochs and generator.train.max_steps=6 are both set"),
+        (
+            ("generator.train.log_every=2",),
+            r"generator.train.checkpoint_every must be 0 or a multiple of "
+            r"generator.train.log_every \(2\)",
+        ),
+        (
+            ("generator.tiny.num_heads=3",),
+            r"generator.tiny.d_model must be divisible by generator.tiny.num_heads \(3\)",
+        ),
+        (
+            ("checkpoint.every_steps=3", "retriever.train.log_every=2"),
+            r"checkpoint.every_steps must be 0 or a multiple",
+        ),
+        # keys that only one architecture or model reads
+        (
+            ("generator.decoder_layers=3",),
+            r"generator.decoder_layers applies to generator.arch=bert2bert only \(this is "
+            r"seq2seq\); remove it",
+        ),
+        (
+            ("generator=tiny_gpt2", "generator.tie_embeddings=false"),
+            r"generator.tie_embeddings applies to "
+            r"generator.arch=bert2bert only \(this is causal\)",
+        ),
+        (
+            ("generator=bert2bert_minilm", "generator.tiny.d_model=32"),
+            r"generator.tiny.d_model applies to "
+            r"generator.model=tiny only \(this is 'minilm'\)",
+        ),
+    ],
+)
 def test_settings_that_would_be_ignored_or_log_wrongly_are_refused(tmp_path, overrides: tuple, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         _cfg(tmp_path, *overrides)

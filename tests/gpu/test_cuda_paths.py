@@ -31,9 +31,9 @@ def nccl_group():
 
 def test_gpu_collectives_are_timed_to_completion(nccl_group) -> None:
     """NCCL returns before the kernels finish: the comm figures wait for them (events / synchronisation)."""
-    from ragtrain.sync.comm import STATS, counted_future
-
     import time
+
+    from ragtrain.sync.comm import STATS, counted_future
 
     STATS.reset()
     STATS.cuda = True
@@ -108,8 +108,9 @@ def test_a_gpu_checkpoint_restores_on_the_cpu(tmp_path) -> None:
     save_train_state(tmp_path, 0, 1, 5, model, optim, sched, {"residual": torch.ones(3, device="cuda")})
     cpu_model = nn.Linear(8, 2)
     cpu_optim = torch.optim.AdamW(cpu_model.parameters())
-    step, extra = load_train_state(tmp_path, 0, 1, cpu_model, cpu_optim,
-                                   torch.optim.lr_scheduler.LambdaLR(cpu_optim, lambda s: 1.0))
+    step, extra = load_train_state(
+        tmp_path, 0, 1, cpu_model, cpu_optim, torch.optim.lr_scheduler.LambdaLR(cpu_optim, lambda s: 1.0)
+    )
     assert step == 5 and extra["residual"].device.type == "cpu"
 
 

@@ -30,7 +30,6 @@ FINGERPRINT = "corpusfp-aaaaaaaaaaaaaaaaaaaa"
 OTHER_FINGERPRINT = "othercorpus-bbbbbbbbbbbbbbbb"
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def _single_thread_faiss():
     """One OpenMP thread: faiss's k-means spins badly when the 2 cores are shared with Ray workers."""

@@ -94,9 +94,11 @@ def test_the_host_goes_to_a_node_with_the_pools_resources() -> None:
     from ragtrain.index.host import host_options
 
     head, gpu, idx = "aa" * 28, "bb" * 28, "cc" * 28  # Ray's node ids are hex
-    nodes = [{"NodeID": head, "Alive": True, "Resources": {"CPU": 0.0}},
-             {"NodeID": gpu, "Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0}},
-             {"NodeID": idx, "Alive": True, "Resources": {"CPU": 4.0, "index_node": 1.0}}]
+    nodes = [
+        {"NodeID": head, "Alive": True, "Resources": {"CPU": 0.0}},
+        {"NodeID": gpu, "Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0}},
+        {"NodeID": idx, "Alive": True, "Resources": {"CPU": 4.0, "index_node": 1.0}},
+    ]
     opts = host_options(PoolResources(resources={"index_node": 0.5}), nodes)
     assert opts["scheduling_strategy"].node_id == idx and opts["scheduling_strategy"].soft
     assert host_options(PoolResources(), nodes) == {}  # no label: Ray places it

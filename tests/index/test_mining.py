@@ -18,7 +18,7 @@ def test_gold_anywhere_is_never_a_candidate() -> None:
     assert hard_negative_candidates(ranked, set(), skip_top=6) == []
 
 
-# --- false-negative control on hand-made scores (issue 16 §2) ---------------------------------------------------
+# --- false-negative control on hand-made scores ---------------------------------------------------------------
 
 import types  # noqa: E402
 
@@ -48,8 +48,9 @@ def test_absolute_ceiling_and_filters_are_independent() -> None:
     # skip_top=1 and the margin both remove "a": each is a filter on the non-gold ranking, they do not add up
     assert hard_negative_candidates(RANKED, {"gold"}, 1, SCORES, positive_score=0.9, margin=0.05) == ["b", "c", "d"]
     # the stricter of margin and ceiling wins
-    assert hard_negative_candidates(RANKED, {"gold"}, 0, SCORES, positive_score=0.9, margin=0.05,
-                                     max_score=0.6) == ["d"]
+    assert hard_negative_candidates(RANKED, {"gold"}, 0, SCORES, positive_score=0.9, margin=0.05, max_score=0.6) == [
+        "d"
+    ]
     with pytest.raises(ValueError, match="positive"):
         hard_negative_candidates(RANKED, {"gold"}, 0, SCORES, margin=0.1)
 
@@ -93,8 +94,11 @@ def test_static_mining_in_the_pipeline_applies_the_filters_in_corpus_positions(t
     q, vecs, s = _vectors()
     r = object.__new__(Retrieval)
     corpus = [f"d{i}" for i in range(5)]
-    r.cfg = types.SimpleNamespace(retriever=types.SimpleNamespace(
-        query_max_length=8, train=RetrieverTrainConfig(hard_negative_depth=5, hard_negative_margin=0.05)))
+    r.cfg = types.SimpleNamespace(
+        retriever=types.SimpleNamespace(
+            query_max_length=8, train=RetrieverTrainConfig(hard_negative_depth=5, hard_negative_margin=0.05)
+        )
+    )
     r.data = types.SimpleNamespace(queries={"q0": "question"})
     r.doc_ids = corpus
     r.train_qrels = {"q0": {"d4": 1}}

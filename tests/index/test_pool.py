@@ -197,7 +197,9 @@ def test_set_weights_with_missing_key_names_it(pool, ray_session, weights) -> No
         assert missing in str(e.value) and "Missing key" in str(e.value)
         assert pool.version is None  # actors may hold a partial load: no snapshot is trusted until the next one
         with pytest.raises(RuntimeError, match="before set_weights"):
-            pool.encode(["a passage"], MAX_LENGTH, IndexConfig(precision=Precision.fp32, shard_size=SHARD), progress=False)
+            pool.encode(
+                ["a passage"], MAX_LENGTH, IndexConfig(precision=Precision.fp32, shard_size=SHARD), progress=False
+            )
     finally:
         pool.set_weights(1, ray.put(weights))
 

@@ -48,7 +48,9 @@ def test_live_negatives_never_gold_and_same_count_per_rank() -> None:
     pos = {f"d{i}": i for i in range(n + 1)}
     data = TrainData([f"passage {i}" for i in range(n + 1)], build_examples(queries, qrels, pos))
     # a live table where some queries have too few candidates: topped up with random non-gold passages
-    live = [[(i + 5) % (n + 1)] if i % 2 else [(i + 5) % (n + 1), (i + 6) % (n + 1), (i + 7) % (n + 1)] for i in range(n)]
+    live = [
+        [(i + 5) % (n + 1)] if i % 2 else [(i + 5) % (n + 1), (i + 6) % (n + 1), (i + 7) % (n + 1)] for i in range(n)
+    ]
     for step in range(8):
         for rank in range(2):
             _, pids, golds = local_batch(data, 8, step, 0, rank, 2, 2, live_negatives=live)
@@ -193,8 +195,17 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
 
     from ragtrain.corpus.load import load_data
 
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.train.hard_negatives=2",
-                            "refresh.enabled=true", "refresh.every_steps=2"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=quickstart",
+                *tiny_overrides(tmp_path),
+                "retriever.train.hard_negatives=2",
+                "refresh.enabled=true",
+                "refresh.every_steps=2",
+            ]
+        )
+    )
     data = load_data(cfg.data)
     retrieval, service, probe, weights = _service(cfg, data, tmp_path)
     try:
@@ -227,7 +238,8 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
         retrieval.close()
 
 
-@pytest.mark.slow  # a training run beside the pool (~50 s); the service swap and rank-0 version rule stay in the default suite
+# a training run beside the pool (~50 s); the service swap and rank-0 version rule stay in the default suite
+@pytest.mark.slow
 def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None:
     """A real run: versions increase during training, steps go on while a refresh runs, no stall."""
     from mlflow.tracking import MlflowClient
@@ -275,9 +287,17 @@ def test_adaptive_refresh_follows_measured_drift(ray_session, tmp_path, threshol
     from ragtrain.pipeline import run
 
     overrides = [
-        "experiment=quickstart", *tiny_overrides(tmp_path), "resources=laptop", "resources.num_cpus=4",
-        "retriever.train.max_steps=16", "retriever.train.hard_negatives=1", "retriever.train.lr=1e-3",
-        "refresh.enabled=true", "refresh.every_steps=0", f"refresh.drift_threshold={threshold}", "refresh.check_every=5",
+        "experiment=quickstart",
+        *tiny_overrides(tmp_path),
+        "resources=laptop",
+        "resources.num_cpus=4",
+        "retriever.train.max_steps=16",
+        "retriever.train.hard_negatives=1",
+        "retriever.train.lr=1e-3",
+        "refresh.enabled=true",
+        "refresh.every_steps=0",
+        f"refresh.drift_threshold={threshold}",
+        "refresh.check_every=5",
         "logger=none",
     ]
     results = run(to_typed(compose(overrides)))

@@ -25,8 +25,11 @@ def test_write_then_read_round_trips(tmp_path):
 def test_mean_shards_is_the_consensus_of_the_whole_matrices(tmp_path, other_files):
     ids = [f"d{i}" for i in range(200)]
     a, b, c = _vectors(200, seed=1), _vectors(200, seed=2), _vectors(200, seed=3)
-    sets = [_write_shards(tmp_path / "a", ids, a, per_file=64), _write_shards(tmp_path / "b", ids, b, per_file=64),
-            _write_shards(tmp_path / "c", ids, c, per_file=other_files)]
+    sets = [
+        _write_shards(tmp_path / "a", ids, a, per_file=64),
+        _write_shards(tmp_path / "b", ids, b, per_file=64),
+        _write_shards(tmp_path / "c", ids, c, per_file=other_files),
+    ]
     got = shard_ops.mean_shards(sets, tmp_path / "mean")
     got_ids, vec = got.read_all()
     assert got_ids == ids and len(got.files) == 4  # replica 0's layout

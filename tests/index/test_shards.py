@@ -77,8 +77,12 @@ def test_ivf_sampled_training_is_seeded_and_finds_the_nearest(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     ("factory", "rows", "match"),
-    [("IVF64,Flat,Nonsense", 1000, "not a valid faiss"), ("IVF256,Flat", 100, "256 IVF lists"),
-     ("PQ4", 100, "needs >= 256 training vectors"), ("PQ5", 1000, "not a valid faiss")],  # PQ5: 5 does not divide 16
+    [
+        ("IVF64,Flat,Nonsense", 1000, "not a valid faiss"),
+        ("IVF256,Flat", 100, "256 IVF lists"),
+        ("PQ4", 100, "needs >= 256 training vectors"),
+        ("PQ5", 1000, "not a valid faiss"),
+    ],  # PQ5: 5 does not divide 16
 )
 def test_bad_factories_are_refused_before_any_work(factory, rows, match) -> None:
     with pytest.raises(ValueError, match=match):

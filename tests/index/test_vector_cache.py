@@ -25,16 +25,19 @@ def test_key_covers_weights_settings_and_corpus():
     assert base == vector_cache.cache_key(_weights(), r, i, "corpus-a", 128)  # deterministic
     changed = {
         "weights": vector_cache.cache_key(_weights(1), r, i, "corpus-a", 128),
-        "one element": vector_cache.cache_key({**_weights(), "a.bias": torch.tensor([0, 0, 0, 1e-7])}, r, i,
-                                              "corpus-a", 128),
+        "one element": vector_cache.cache_key(
+            {**_weights(), "a.bias": torch.tensor([0, 0, 0, 1e-7])}, r, i, "corpus-a", 128
+        ),
         "corpus": vector_cache.cache_key(_weights(), r, i, "corpus-b", 128),
         "max_length": vector_cache.cache_key(_weights(), r, i, "corpus-a", 256),
         "precision": vector_cache.cache_key(_weights(), r, IndexConfig(precision="bf16"), "corpus-a", 128),
-        "vector dtype": vector_cache.cache_key(_weights(), r, IndexConfig(precision="fp32", vector_dtype="float16"),
-                                               "corpus-a", 128),
+        "vector dtype": vector_cache.cache_key(
+            _weights(), r, IndexConfig(precision="fp32", vector_dtype="float16"), "corpus-a", 128
+        ),
         "pooling": vector_cache.cache_key(_weights(), RetrieverConfig(model="tiny", pooling="cls"), i, "corpus-a", 128),
-        "prefix": vector_cache.cache_key(_weights(), RetrieverConfig(model="tiny", passage_prefix="passage: "), i,
-                                         "corpus-a", 128),
+        "prefix": vector_cache.cache_key(
+            _weights(), RetrieverConfig(model="tiny", passage_prefix="passage: "), i, "corpus-a", 128
+        ),
     }
     for what, key in changed.items():
         assert key != base, what
@@ -63,8 +66,9 @@ def _shards(folder, rows: int = 3) -> ShardSet:
 
     folder.mkdir(parents=True)
     vec = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
-    table = pa.table({"id": [f"d{i}" for i in range(rows)],
-                      "vector": pa.FixedSizeListArray.from_arrays(pa.array(vec.ravel()), 2)})
+    table = pa.table(
+        {"id": [f"d{i}" for i in range(rows)], "vector": pa.FixedSizeListArray.from_arrays(pa.array(vec.ravel()), 2)}
+    )
     pq.write_table(table, folder / "part-0.parquet")
     s = ShardSet(str(folder), ["part-0.parquet"], rows, 2, "float32", 1.5)
     meta = {k: v for k, v in s.__dict__.items() if k != "folder"}
@@ -120,8 +124,8 @@ def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
     """Retrieval.build with the entry of these weights in index.cache_dir: nothing is encoded, the index is the same."""
     from ragtrain.config import to_typed
     from ragtrain.corpus.encode import QueryEncoder
-    from ragtrain.index.retrieval import Retrieval
     from ragtrain.corpus.load import load_data
+    from ragtrain.index.retrieval import Retrieval
     from ragtrain.retriever.encoder import build_encoder
     from tests.conftest import compose, tiny_overrides
     from tests.index.test_shards import _write_shards
@@ -134,8 +138,9 @@ def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
     retrieval = Retrieval(cfg, data)
     try:
         vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
-        key = vector_cache.cache_key(weights, cfg.retriever, cfg.index, retrieval.fingerprint,
-                                     cfg.retriever.passage_max_length)
+        key = vector_cache.cache_key(
+            weights, cfg.retriever, cfg.index, retrieval.fingerprint, cfg.retriever.passage_max_length
+        )
         vector_cache.store(cache, key, _write_shards(tmp_path / "encoded", retrieval.doc_ids, vecs, per_file=64))
         built = retrieval.build("zeroshot", [weights], "tiny@init", 0)
         assert built.stats["encode_cache_hit"] == 1.0 and "docs_per_s" not in built.stats

@@ -74,8 +74,17 @@ def test_align_anchors_work_without_the_zeroshot_evaluation(ray_session, tmp_pat
     from ragtrain.pipeline import run
     from tests.conftest import compose, tiny_overrides
 
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "zeroshot_eval=false",
-                            "index.align_anchors=32", "logger=none"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=quickstart",
+                *tiny_overrides(tmp_path),
+                "zeroshot_eval=false",
+                "index.align_anchors=32",
+                "logger=none",
+            ]
+        )
+    )
     results = run(cfg)
     assert "zeroshot" not in results  # not evaluated ...
     assert results["stale_aligned"]["anchors"] == 32 and "ndcg@10" in results["stale"]  # ... but aligned

@@ -43,8 +43,12 @@ def test_distill_gives_queries_and_passages_their_prefixes() -> None:
     """With retriever.*_prefix set, each text is tokenised under its own role (none given: a clear error)."""
     from ragtrain.retriever.encoder import tokenize
 
-    cfg = RetrieverConfig(model="tiny", query_prefix="query: ", passage_prefix="passage: ",
-                          tiny=TinyEncoderConfig(hidden_size=32, num_layers=1, num_heads=2))
+    cfg = RetrieverConfig(
+        model="tiny",
+        query_prefix="query: ",
+        passage_prefix="passage: ",
+        tiny=TinyEncoderConfig(hidden_size=32, num_layers=1, num_heads=2),
+    )
     tok = load_tokenizer(cfg)
     texts, roles = ["a passage about mills", "which mill?"], ["passage", "query"]
     torch.manual_seed(0)
@@ -56,6 +60,7 @@ def test_distill_gives_queries_and_passages_their_prefixes() -> None:
     student = StudentEncoder(copy.deepcopy(reference))
     _, losses = distill(student, tok, texts, ref, 32, steps=1, lr=0.0, roles=roles)
     assert losses[0] < 1e-10  # the student is the reference: zero loss only when every text got its own prefix
-    _, swapped = distill(StudentEncoder(copy.deepcopy(reference)), tok, texts, ref, 32, steps=1, lr=0.0,
-                         roles=roles[::-1])
+    _, swapped = distill(
+        StudentEncoder(copy.deepcopy(reference)), tok, texts, ref, 32, steps=1, lr=0.0, roles=roles[::-1]
+    )
     assert swapped[0] > 1e-4

@@ -85,14 +85,24 @@ def test_teacher_matrix_follows_the_local_batch_layout() -> None:
     assert m[1, 0].item() == 4.0 and torch.isnan(m[1, 1:]).all()
 
 
-@pytest.mark.parametrize(("extra", "key"), [
-    (["retriever.teacher.weight=-1"], "retriever.teacher.weight"),
-    (["retriever.teacher.weight=0.5"], "retriever.train.hard_negatives > 0"),
-    (["retriever.teacher.weight=0.5", "retriever.train.hard_negatives=1", "refresh.enabled=true",
-      "refresh.every_steps=2"], "refresh.enabled"),
-    (["retriever.teacher.temperature=0"], "retriever.teacher.temperature"),
-    (["retriever.teacher.path=/nonexistent/teacher"], "retriever.teacher.path"),
-])
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        (["retriever.teacher.weight=-1"], "retriever.teacher.weight"),
+        (["retriever.teacher.weight=0.5"], "retriever.train.hard_negatives > 0"),
+        (
+            [
+                "retriever.teacher.weight=0.5",
+                "retriever.train.hard_negatives=1",
+                "refresh.enabled=true",
+                "refresh.every_steps=2",
+            ],
+            "refresh.enabled",
+        ),
+        (["retriever.teacher.temperature=0"], "retriever.teacher.temperature"),
+        (["retriever.teacher.path=/nonexistent/teacher"], "retriever.teacher.path"),
+    ],
+)
 def test_bad_teacher_settings_fail_in_the_config(tmp_path, extra, key) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace(">", ">")):
         to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *extra]))
@@ -149,8 +159,13 @@ def test_scores_on_ray_data_equal_in_process_scores(ray_session, tmp_path) -> No
     queries = ["what is alpha", "river archive", "quantum lattice protein"]
     pairs = [(q, p) for q in range(3) for p in range(0, 30, 2)][::-1]  # any order comes back in that order
     got = score_on_ray(tiny, folder, queries, store.texts(), pairs, 48, PoolResources(num_actors=2, cpus_per_actor=1))
-    want = score_pairs(build_cross_encoder(tiny, folder), load_tokenizer(tiny), [queries[q] for q, _ in pairs],
-                       [texts[p] for _, p in pairs], 48)
+    want = score_pairs(
+        build_cross_encoder(tiny, folder),
+        load_tokenizer(tiny),
+        [queries[q] for q, _ in pairs],
+        [texts[p] for _, p in pairs],
+        48,
+    )
     assert np.std(want) > 1e-3  # pairs score apart by far more than the tolerance: a misplaced score would show
     np.testing.assert_allclose(got, want, atol=1e-6)
 
@@ -159,17 +174,17 @@ def test_scores_on_ray_data_equal_in_process_scores(ray_session, tmp_path) -> No
 def test_run_trains_the_teacher_scores_candidates_and_distils(ray_session, tmp_path) -> None:
     """A tiny quickstart with a teacher: trained on Ray Train, scores on Ray Data cached in the run folder, the
     bi-encoder trained with the KL term, the teacher's reranking evaluated."""
-    from ragtrain.data.store import PassageStore
     from ragtrain.corpus.load import load_data
+    from ragtrain.data.store import PassageStore
+    from ragtrain.pipeline import run
     from ragtrain.reranker.model import build_cross_encoder, check_teacher, score_pairs
     from ragtrain.reranker.score import SCORES_FILE
     from ragtrain.retriever.encoder import load_tokenizer
-
-    from ragtrain.pipeline import run
     from tests.conftest import TEACHER
 
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *TEACHER, "logger=none",
-                            "export=false"]))
+    cfg = to_typed(
+        compose(["experiment=quickstart", *tiny_overrides(tmp_path), *TEACHER, "logger=none", "export=false"])
+    )
     results = run(cfg)
     out = Path(cfg.output_dir)
     rerank = results["teacher_rerank"]  # the teacher reordering the zero-shot top 100: a full metric set

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from ray.train import TrainingFailedError
 
+from ragtrain.checkpoint import CheckpointError, latest_checkpoint, load_train_state
 from ragtrain.config import to_typed
 from ragtrain.pipeline import run
-from ragtrain.checkpoint import CheckpointError, latest_checkpoint, load_train_state
 from tests.conftest import compose, tiny_overrides
 
 STEPS, EVERY, KILL_AT = 12, 4, 6
@@ -21,10 +22,19 @@ STEPS, EVERY, KILL_AT = 12, 4, 6
 
 def _cfg(tmp: Path, name: str, *extra: str):
     overrides = [
-        "experiment=quickstart", *tiny_overrides(tmp), f"output_dir={tmp / name}", "stages=[retriever]", "export=false",
-        f"retriever.train.max_steps={STEPS}", "retriever.train.log_every=1", "retriever.train.lr=1e-3",
-        "sync=local_sgd", "sync.mixer.period=3",  # per-replica state and a sync schedule that must survive the restart
-        f"checkpoint.every_steps={EVERY}", f"logger.experiment_name={name}", *extra,
+        "experiment=quickstart",
+        *tiny_overrides(tmp),
+        f"output_dir={tmp / name}",
+        "stages=[retriever]",
+        "export=false",
+        f"retriever.train.max_steps={STEPS}",
+        "retriever.train.log_every=1",
+        "retriever.train.lr=1e-3",
+        "sync=local_sgd",
+        "sync.mixer.period=3",  # per-replica state and a sync schedule that must survive the restart
+        f"checkpoint.every_steps={EVERY}",
+        f"logger.experiment_name={name}",
+        *extra,
     ]
     return to_typed(compose(overrides))
 
@@ -72,7 +82,7 @@ def test_killed_worker_restarts_from_checkpoint_and_matches_a_clean_run(clean, t
 def test_interrupted_run_resumes_to_the_same_result(clean, tmp_path) -> None:
     clean_cfg, clean_results = clean
     cfg = _cfg(tmp_path, "resumed", f"fault.kill_worker_at_step={KILL_AT}", "fault.max_failures=0")
-    with pytest.raises(Exception):  # no restarts allowed: the run stops at the kill
+    with pytest.raises(TrainingFailedError):  # no restarts allowed: the run stops at the kill
         run(cfg)
     assert latest_checkpoint(Path(cfg.output_dir) / "ray" / "retriever") is not None
     resumed = _cfg(tmp_path, "resumed", f"fault.kill_worker_at_step={KILL_AT}", "resume=true")

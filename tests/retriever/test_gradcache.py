@@ -37,8 +37,10 @@ def _model(dropout: float = 0.0) -> QPEncoder:
     """A fresh copy of one seeded tiny encoder (built once per process: building loads the tokenizer)."""
     if dropout not in _MODELS:
         torch.manual_seed(0)
-        cfg = RetrieverConfig(model="tiny", tiny=TinyEncoderConfig(hidden_size=32, num_layers=2, num_heads=2,
-                                                                   intermediate_size=64, dropout=dropout))
+        cfg = RetrieverConfig(
+            model="tiny",
+            tiny=TinyEncoderConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, dropout=dropout),
+        )
         _MODELS[dropout] = QPEncoder(build_encoder(cfg))
     return copy.deepcopy(_MODELS[dropout])
 
@@ -81,8 +83,11 @@ def _step(model, encoder, rank, world, chunk, groups=None) -> dict:
     else:
         loss = loss_fn(*model(q, p))
         loss.backward()
-    return {"loss": loss.detach(), "grad_bytes": getattr(model, "grad_bytes", 0),
-            "grads": {k: v.grad.clone() for k, v in encoder.named_parameters() if v.grad is not None}}
+    return {
+        "loss": loss.detach(),
+        "grad_bytes": getattr(model, "grad_bytes", 0),
+        "grads": {k: v.grad.clone() for k, v in encoder.named_parameters() if v.grad is not None},
+    }
 
 
 CASES = [("ddp", 0), ("ddp", 1), ("ddp", 3), ("apart", 0), ("apart", 3)]
@@ -179,10 +184,16 @@ def test_dropout_masks_are_replayed() -> None:
     assert any(not torch.allclose(other[k], want[k], atol=1e-4) for k in want)
 
 
-@pytest.mark.parametrize("kwargs,key", [
-    ({"cache_chunk_size": -1}, "retriever.train.cache_chunk_size must be > 0"),
-    ({"cache_chunk_size": 17, "batch_size": 16}, "retriever.train.cache_chunk_size must be <= retriever.train.batch_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"cache_chunk_size": -1}, "retriever.train.cache_chunk_size must be > 0"),
+        (
+            {"cache_chunk_size": 17, "batch_size": 16},
+            "retriever.train.cache_chunk_size must be <= retriever.train.batch_size",
+        ),
+    ],
+)
 def test_bad_cache_chunk_size_names_the_key(kwargs, key) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         RetrieverTrainConfig(**kwargs)
@@ -192,9 +203,19 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     from tests.conftest import REPO
 
     proc = subprocess.run(
-        [sys.executable, "-m", "ragtrain", "experiment=quickstart", f"output_dir={tmp_path}", "logger=none",
-         "retriever.train.cache_chunk_size=1000"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "ragtrain",
+            "experiment=quickstart",
+            f"output_dir={tmp_path}",
+            "logger=none",
+            "retriever.train.cache_chunk_size=1000",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

@@ -17,12 +17,13 @@ from ragtrain.retriever.lora import apply_lora, has_lora, plain_state_dict, trai
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder
 from ragtrain.sync.comm import all_reduce_bytes
-from tests.retriever.test_loss import _free_port
 from tests.retriever.test_gradcache import _inputs, counting_ddp
+from tests.retriever.test_loss import _free_port
 
 HIDDEN, LAYERS, RANK = 32, 2, 4
-CFG = RetrieverConfig(model="tiny", tiny=TinyEncoderConfig(hidden_size=HIDDEN, num_layers=LAYERS, num_heads=2,
-                                                           intermediate_size=64))
+CFG = RetrieverConfig(
+    model="tiny", tiny=TinyEncoderConfig(hidden_size=HIDDEN, num_layers=LAYERS, num_heads=2, intermediate_size=64)
+)
 _BASE: list = []
 
 

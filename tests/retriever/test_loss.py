@@ -26,7 +26,9 @@ def _free_port() -> int:
 
 
 def _texts(n: int, gen: torch.Generator, max_len: int = 12) -> list[torch.Tensor]:
-    return [torch.randint(5, VOCAB, (int(torch.randint(3, max_len, (1,), generator=gen)),), generator=gen) for _ in range(n)]
+    return [
+        torch.randint(5, VOCAB, (int(torch.randint(3, max_len, (1,), generator=gen)),), generator=gen) for _ in range(n)
+    ]
 
 
 def _pad(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -41,7 +43,8 @@ def _pad(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def global_batch():
     """2B queries, their positives (id i) and H negatives each (ids 1000 + ...); query 0 has a second gold
-    passage that is the positive of query B + 1, i.e. it lives on the OTHER worker: it must be masked, not a negative."""
+    passage that is the positive of query B + 1, i.e. it lives on the OTHER worker: it must be masked, not a
+    negative."""
     gen = torch.Generator().manual_seed(1)
     n = 2 * B
     q, pos, neg = _texts(n, gen), _texts(n, gen, 20), _texts(n * H, gen, 20)
@@ -56,7 +59,9 @@ def _step(rank: int, world: int, port: int, out: str) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    cfg = RetrieverConfig(model="tiny", tiny=TinyEncoderConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64))
+    cfg = RetrieverConfig(
+        model="tiny", tiny=TinyEncoderConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    )
     model = QPEncoder(build_encoder(cfg))
     encoder = model.encoder
     if world > 1:
@@ -128,7 +133,9 @@ def test_loss_matches_cross_entropy_definition(temperature: float) -> None:
 
 def _tiny_qp():
     torch.manual_seed(0)
-    cfg = RetrieverConfig(model="tiny", tiny=TinyEncoderConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64))
+    cfg = RetrieverConfig(
+        model="tiny", tiny=TinyEncoderConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    )
     return QPEncoder(build_encoder(cfg))
 
 
@@ -155,9 +162,14 @@ def _local_step(rank: int, world: int, port: int, out: str) -> None:
     q_emb, p_emb = model(q, p)
     loss = contrastive_loss(q_emb, p_emb, 0.05, q_gold, p_ids, grad_groups=groups)
     loss.backward()
-    torch.save({"groups": groups, "loss": loss.detach(),
-                "grads": {k: p.grad.clone() for k, p in model.encoder.named_parameters() if p.grad is not None}},
-               f"{out}.{rank}")
+    torch.save(
+        {
+            "groups": groups,
+            "loss": loss.detach(),
+            "grads": {k: p.grad.clone() for k, p in model.encoder.named_parameters() if p.grad is not None},
+        },
+        f"{out}.{rank}",
+    )
     dist.destroy_process_group()
 
 
@@ -182,7 +194,9 @@ def test_replicas_that_train_apart_get_the_gradient_of_their_own_loss(tmp_path: 
         grads = {k: p.grad for k, p in model.encoder.named_parameters() if p.grad is not None}
         assert set(grads) == set(got["grads"]) and len(grads) > 10
         for k in grads:
-            torch.testing.assert_close(got["grads"][k], grads[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"rank {r} {k}: {m}")
+            torch.testing.assert_close(
+                got["grads"][k], grads[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"rank {r} {k}: {m}"
+            )
 
 
 GROUPS = [[0, 1], [2]]  # hierarchical: ranks 0, 1 on one node, rank 2 alone on another

@@ -32,20 +32,32 @@ def test_validate_scores_a_perfect_and_a_random_encoder_apart() -> None:
     assert set(m) == {"val/ndcg@10", "val/recall@10"} and 0.0 <= m["val/ndcg@10"] < 1.0
 
 
-@pytest.mark.parametrize(("override", "match"), [
-    ("retriever.train.val_every=3", "must be 0 \\(off\\) or a multiple of retriever.train.log_every"),
-    ("retriever.train.val_queries=0", "retriever.train.val_queries must be > 0"),
-])
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("retriever.train.val_every=3", "must be 0 \\(off\\) or a multiple of retriever.train.log_every"),
+        ("retriever.train.val_queries=0", "retriever.train.val_queries must be > 0"),
+    ],
+)
 def test_bad_validation_settings_name_the_key(tmp_path, override: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.train.log_every=2", override]))
 
 
 def test_asha_on_validation_needs_validation_every_window(tmp_path) -> None:
-    from tests.conftest import CONF_DIR
     from ragtrain.tune.sweep import plan_sweep
+    from tests.conftest import CONF_DIR
 
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "tune=sync_sweep",
-                            "tune.asha_metric=val/ndcg@10", "tune.asha_mode=max"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=quickstart",
+                *tiny_overrides(tmp_path),
+                "tune=sync_sweep",
+                "tune.asha_metric=val/ndcg@10",
+                "tune.asha_mode=max",
+            ]
+        )
+    )
     with pytest.raises(ConfigError, match="set retriever.train.val_every="):
         plan_sweep(cfg, CONF_DIR)

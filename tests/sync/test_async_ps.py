@@ -86,6 +86,7 @@ def test_async_ps_bounded_staleness_and_no_waiting(ray_session, tmp_path, max_st
     # After consensus every replica holds the server's parameters.
     assert results[0]["final"] == results[1]["final"] == results[2]["final"]
 
+
 def _restart(rank: int, world: int, port: int, address: str, out: str) -> None:
     """Train 3 pushes per rank in a fixed order, 'restart' (new server from the initial weights, replicas restored
     from the checkpoint), push once more; rank 0 saves the server's parameters at each point."""
@@ -170,8 +171,12 @@ def test_server_rules_on_a_plain_object() -> None:
     assert ps.push(2, np.ones(2)) == (False, 2)  # beyond the bound: refused, nothing applied
     assert np.array_equal(ps.pull(2), [2.0, 2.0])  # the pull resets rank 2's staleness
     assert ps.push(2, np.ones(2)) == (True, 0)
-    assert ps.stats() == {"ps/version": 3, "ps/rejected": 1, "ps/max_applied_staleness": 1,
-                          "ps/mean_applied_staleness": pytest.approx(1 / 3)}
+    assert ps.stats() == {
+        "ps/version": 3,
+        "ps/rejected": 1,
+        "ps/max_applied_staleness": 1,
+        "ps/mean_applied_staleness": pytest.approx(1 / 3),
+    }
     params, version = ps.snapshot()
     params += 100  # a snapshot is a copy: the checkpoint cannot alias the live parameters
     assert version == 3 and np.array_equal(ps.params, [3.0, 3.0])

@@ -67,8 +67,15 @@ def _train_one(rank: int, sync: dict, steps: int, lr: float, seed_per_rank: bool
         divergences.append(param_divergence(params))
         first.append(param_divergence(list(model[0].parameters())))
         last.append(param_divergence(list(model[2].parameters())))
-    return {"params": flat_params(params), "bytes": bytes_per_step, "div": divergences, "state": strategy.state(),
-            "cat": by_category, "div_first": first, "div_last": last}
+    return {
+        "params": flat_params(params),
+        "bytes": bytes_per_step,
+        "div": divergences,
+        "state": strategy.state(),
+        "cat": by_category,
+        "div_first": first,
+        "div_last": last,
+    }
 
 
 def _train_many(rank: int, world: int, port: int, out: str, jobs: list[tuple]) -> None:
@@ -95,8 +102,17 @@ _JOBS: list[tuple] = [
     (2, S("local_sgd", mixer={"period": 4, "adaptive": True, "target_divergence": 1e-9}), 8, 0.05, False, None),
     (2, S("fp16"), 6, 0.05, False, None),
     (2, S("powersgd", reducer={"matrix_rank": 2, "start_iter": 2}), 5, 0.05, False, None),
-    *[(2, S(c, bucket_cap_mb=0.001, **({"reducer": {"matrix_rank": 2, "start_iter": 2}} if c == "powersgd" else {})),
-       5, 0.05, False, None) for c in ("powersgd", "topk", "fp16")],
+    *[
+        (
+            2,
+            S(c, bucket_cap_mb=0.001, **({"reducer": {"matrix_rank": 2, "start_iter": 2}} if c == "powersgd" else {})),
+            5,
+            0.05,
+            False,
+            None,
+        )
+        for c in ("powersgd", "topk", "fp16")
+    ],
     (2, S("topk", reducer={"ratio": 0.05}), 6, 0.05, False, None),
     (2, S("layerwise", scope=TOP, mixer={"period": 4}), 6, 0.05, False, None),
     (2, S("layerwise", scope=TOP, mixer={"period": 4}, clip=0.05), 6, 0.05, False, None),
@@ -105,8 +121,17 @@ _JOBS: list[tuple] = [
     (4, S("gossip", mixer={"topology": "random", "mixing": 0.5}), 40, 0.0, True, None),
     *[(4, S("hierarchical", mixer={"kind": k, "period": 2}), 6, 0.05, False, NODES) for k in ("average", "gossip")],
     (4, S("ddp"), 6, 0.05, False, None),
-    (4, S("hybrid_powersgd", reducer={"kind": "allreduce", "matrix_rank": None, "start_iter": None,
-                                      "error_feedback": None}), 6, 0.05, False, NODES),
+    (
+        4,
+        S(
+            "hybrid_powersgd",
+            reducer={"kind": "allreduce", "matrix_rank": None, "start_iter": None, "error_feedback": None},
+        ),
+        6,
+        0.05,
+        False,
+        NODES,
+    ),
     (4, S("hybrid_powersgd", reducer={"matrix_rank": 2, "start_iter": 2}), 5, 0.05, False, NODES),
 ]
 _RESULTS: dict[str, dict] = {}
@@ -161,17 +186,16 @@ def test_local_sgd_warmup_then_local(tmp_path: Path) -> None:
 def test_local_sgd_adaptive_period_moves(tmp_path: Path) -> None:
     grow = run(tmp_path, 2, S("local_sgd", mixer={"period": 1, "adaptive": True, "target_divergence": 1.0}), steps=8)
     assert grow["state"]["sync/period"] > 1  # divergence far below target: sync less often
-    shrink = run(
-        tmp_path, 2, S("local_sgd", mixer={"period": 4, "adaptive": True, "target_divergence": 1e-9}), steps=8
-    )
+    shrink = run(tmp_path, 2, S("local_sgd", mixer={"period": 4, "adaptive": True, "target_divergence": 1e-9}), steps=8)
     assert shrink["state"]["sync/period"] < 4  # divergence above target: sync more often
 
 
 # the 4-worker random topology is the same consensus with another mixing matrix (make test-slow)
 @pytest.mark.parametrize("world,topology", [(3, "ring"), pytest.param(4, "random", marks=pytest.mark.slow)])
 def test_gossip_reaches_consensus_when_learning_stops(tmp_path: Path, world: int, topology: str) -> None:
-    r = run(tmp_path, world, S("gossip", mixer={"topology": topology, "mixing": 0.5}), steps=40, lr=0.0,
-            seed_per_rank=True)
+    r = run(
+        tmp_path, world, S("gossip", mixer={"topology": topology, "mixing": 0.5}), steps=40, lr=0.0, seed_per_rank=True
+    )
     assert r["div"][0] > 1e-2  # replicas started apart
     assert r["div"][-1] < 1e-4 * r["div"][0]
     early = [d for d in r["div"] if d > 1e-6]  # above float noise the divergence shrinks every round
@@ -205,8 +229,15 @@ def test_hybrid_is_intra_node_allreduce_then_inter_node_reducer(tmp_path: Path) 
     equal local rank. With an exact all-reduce across nodes it is DDP; with PowerSGD the bytes across nodes follow
     the rank, and every replica applies the same gradient."""
     p = 4 * N_PARAMS
-    exact = run(tmp_path, 4, S("hybrid_powersgd", reducer={"kind": "allreduce", "matrix_rank": None, "start_iter": None,
-                                                           "error_feedback": None}), nodes=NODES)
+    exact = run(
+        tmp_path,
+        4,
+        S(
+            "hybrid_powersgd",
+            reducer={"kind": "allreduce", "matrix_rank": None, "start_iter": None, "error_feedback": None},
+        ),
+        nodes=NODES,
+    )
     ddp = run(tmp_path, 4, S("ddp"))
     torch.testing.assert_close(exact["params"], ddp["params"], atol=1e-5, rtol=0)
     assert [c["grad_intra"] for c in exact["cat"]] == [all_reduce_bytes(p, 2) * (s + 1) for s in range(6)]
@@ -268,8 +299,11 @@ def test_compression_with_many_buckets(tmp_path: Path, compression: str) -> None
     """Several DDP buckets per step (as with MiniLM's 90 MB of gradients): no collective mismatch, replicas equal.
     DDP closes a bucket once it reaches the cap: 1 KB splits this MLP's two layers into two buckets from step 1
     (5 KB kept both layers in one, so the test saw a single bucket)."""
-    sync = S(compression, bucket_cap_mb=0.001,
-             **({"reducer": {"matrix_rank": 2, "start_iter": 2}} if compression == "powersgd" else {}))
+    sync = S(
+        compression,
+        bucket_cap_mb=0.001,
+        **({"reducer": {"matrix_rank": 2, "start_iter": 2}} if compression == "powersgd" else {}),
+    )
     r = run(tmp_path, 2, sync, steps=5)
     assert max(r["div"]) < 1e-6
     assert r["bytes"][-1] > 0
@@ -323,21 +357,36 @@ def test_bad_parameters_name_the_key_and_choices(sync: dict, key: str) -> None:
     [
         # a key of another kind: named, with the kinds that read it
         ({"reducer": {"kind": "topk", "matrix_rank": 4}}, "sync.reducer.matrix_rank", "['powersgd']"),
-        ({"reducer": {"kind": "none"}, "mixer": {"kind": "gossip", "warmup_steps": 2}}, "sync.mixer.warmup_steps",
-         "['average']"),
+        (
+            {"reducer": {"kind": "none"}, "mixer": {"kind": "gossip", "warmup_steps": 2}},
+            "sync.mixer.warmup_steps",
+            "['average']",
+        ),
         ({"mixer": {"kind": "async_ps", "period": 3}}, "sync.mixer.period", "['average', 'gossip']"),
         # combinations that cannot work: the valid ones are named
         ({"mixer": {"kind": "average"}}, "sync.mixer.kind", "scope.reducer=intra_node + scope.mixer=inter_node"),
-        ({"reducer": {"kind": "powersgd"}, "scope": {"reducer": "intra_node"}, "mixer": {"kind": "average"}},
-         "sync.reducer.kind", "[allreduce]"),
+        (
+            {"reducer": {"kind": "powersgd"}, "scope": {"reducer": "intra_node"}, "mixer": {"kind": "average"}},
+            "sync.reducer.kind",
+            "[allreduce]",
+        ),
         ({"scope": {"reducer": "intra_node"}}, "sync.mixer.kind", "average or gossip"),
-        ({"reducer": {"kind": "none"}, "mixer": {"kind": "average"}, "scope": {"mixer": "inter_node"}},
-         "sync.scope.mixer", "[all]"),
-        ({"reducer": {"kind": "topk"}, "mixer": {"kind": "average"}, "scope": {"reducer_params": ["x"]}},
-         "sync.scope.reducer_params", "[allreduce, fp16, bf16]"),
+        (
+            {"reducer": {"kind": "none"}, "mixer": {"kind": "average"}, "scope": {"mixer": "inter_node"}},
+            "sync.scope.mixer",
+            "[all]",
+        ),
+        (
+            {"reducer": {"kind": "topk"}, "mixer": {"kind": "average"}, "scope": {"reducer_params": ["x"]}},
+            "sync.scope.reducer_params",
+            "[allreduce, fp16, bf16]",
+        ),
         ({"scope": {"reducer_params": ["x"]}}, "sync.mixer.kind", "average or gossip"),
-        ({"reducer": {"kind": "none"}, "mixer": {"kind": "async_ps"}, "consensus": "vectors"}, "sync.mixer.kind",
-         "consensus=params"),
+        (
+            {"reducer": {"kind": "none"}, "mixer": {"kind": "async_ps"}, "consensus": "vectors"},
+            "sync.mixer.kind",
+            "consensus=params",
+        ),
         ({"consensus": "vectors"}, "sync.consensus", "reducer.kind=none and mixer.kind=none"),
     ],
 )
@@ -350,12 +399,18 @@ def test_unused_keys_and_invalid_combinations_fail_naming_the_valid_ones(sync: d
 def test_every_preset_is_a_composition() -> None:
     """Each conf/sync option types to reducer + mixer + scope; the family label the old strategy names used."""
     expect = {
-        "ddp": ("allreduce", "none", "ddp"), "fp16": ("fp16", "none", "compressed"),
-        "powersgd": ("powersgd", "none", "compressed"), "topk": ("topk", "none", "compressed"),
-        "local_sgd": ("none", "average", "local_sgd"), "local_sgd_adaptive": ("none", "average", "local_sgd"),
-        "gossip": ("none", "gossip", "gossip"), "hierarchical": ("allreduce", "average", "hierarchical"),
-        "async_ps": ("none", "async_ps", "async_ps"), "vector_avg": ("none", "none", "vector_avg"),
-        "hybrid_powersgd": ("powersgd", "none", "hybrid"), "layerwise": ("allreduce", "average", "layerwise"),
+        "ddp": ("allreduce", "none", "ddp"),
+        "fp16": ("fp16", "none", "compressed"),
+        "powersgd": ("powersgd", "none", "compressed"),
+        "topk": ("topk", "none", "compressed"),
+        "local_sgd": ("none", "average", "local_sgd"),
+        "local_sgd_adaptive": ("none", "average", "local_sgd"),
+        "gossip": ("none", "gossip", "gossip"),
+        "hierarchical": ("allreduce", "average", "hierarchical"),
+        "async_ps": ("none", "async_ps", "async_ps"),
+        "vector_avg": ("none", "none", "vector_avg"),
+        "hybrid_powersgd": ("powersgd", "none", "hybrid"),
+        "layerwise": ("allreduce", "average", "layerwise"),
     }
     presets = sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "sync").glob("*.yaml"))
     assert presets == sorted(expect)
@@ -517,10 +572,19 @@ def test_restored_sync_state_moves_to_the_replicas_device() -> None:
     strategy.wrap(nn.Linear(2, 2), torch.device("meta"))  # one process: no DDP, but the device is recorded
     strategy.load_state_dict({"topk_by_param": {"0": torch.ones(3), "2": torch.zeros(2)}})
     assert {k: v.device.type for k, v in strategy.topk.residuals.items()} == {0: "meta", 2: "meta"}
-    saved = {"iter": 5, "error": {0: torch.ones(4)}, "p": {0: torch.ones(2, 1)}, "q": {0: torch.ones(2, 1)},
-             "numel_before": 10, "numel_after": 4}
+    saved = {
+        "iter": 5,
+        "error": {0: torch.ones(4)},
+        "p": {0: torch.ones(2, 1)},
+        "q": {0: torch.ones(2, 1)},
+        "numel_before": 10,
+        "numel_after": 4,
+    }
     state = SimpleNamespace()
     load_powersgd_state(state, saved, torch.device("meta"))
     assert state.iter == 5 and state.total_numel_after_compression == 4
-    assert all(t.device.type == "meta" for d in (state.error_dict, state.p_memory_dict, state.q_memory_dict)
-               for t in d.values())
+    assert all(
+        t.device.type == "meta"
+        for d in (state.error_dict, state.p_memory_dict, state.q_memory_dict)
+        for t in d.values()
+    )

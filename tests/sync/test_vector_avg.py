@@ -17,8 +17,19 @@ from tests.conftest import compose, tiny_overrides
 
 @pytest.mark.slow  # 4 index builds (param mean, 2 replicas, student): the distill and consensus math is unit-tested
 def test_vector_avg_index_is_mean_of_replica_vectors(ray_session, tmp_path) -> None:
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "sync=vector_avg", "zeroshot_eval=false",
-                            "retriever.train.lr=5e-3", "index.distill_steps=100", "index.distill_lr=1e-4"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=quickstart",
+                *tiny_overrides(tmp_path),
+                "sync=vector_avg",
+                "zeroshot_eval=false",
+                "retriever.train.lr=5e-3",
+                "index.distill_steps=100",
+                "index.distill_lr=1e-4",
+            ]
+        )
+    )
     results = run(cfg)
     assert {"param_avg", "trained", "train", "distilled"} <= set(results)
     # distilled: one student, started from the parameter mean, moves its vectors toward the consensus vectors

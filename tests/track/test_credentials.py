@@ -76,10 +76,16 @@ def test_a_wrong_password_is_one_line_before_any_work(auth_proxy, tmp_path) -> N
     from ragtrain.track.mlflow import check_tracking_uri, tracking_uri
 
     proxy, uri = auth_proxy
-    cfg = to_typed(compose(["experiment=quickstart", f"output_dir={tmp_path}",
-                            "logger.tracking_uri=" + uri.replace(SECRET, "wrong")]))
-    with pytest.raises(ConfigError, match=r"logger.tracking_uri .*='http://127.0.0.1:\d+' refused the credentials "
-                                          r"\(HTTP 401\)") as e:
+    cfg = to_typed(
+        compose(
+            ["experiment=quickstart", f"output_dir={tmp_path}", "logger.tracking_uri=" + uri.replace(SECRET, "wrong")]
+        )
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"logger.tracking_uri .*='http://127.0.0.1:\d+' refused the credentials "
+        r"\(HTTP 401\)",
+    ) as e:
         check_tracking_uri(tracking_uri(cfg.logger))
     assert "wrong" not in str(e.value) and proxy.refused == 1
 
@@ -96,8 +102,17 @@ def test_credentials_in_the_uri_work_and_appear_nowhere(ray_session, auth_proxy,
 
     proxy, uri = auth_proxy
     over = [o for o in tiny_overrides(tmp_path) if not o.startswith("logger.tracking_uri")]
-    cfg = to_typed(compose(["experiment=quickstart", *over, "stages=[index]", f"logger.tracking_uri={uri}",
-                            "logger.experiment_name=credentials"]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=quickstart",
+                *over,
+                "stages=[index]",
+                f"logger.tracking_uri={uri}",
+                "logger.experiment_name=credentials",
+            ]
+        )
+    )
     assert cfg.logger.tracking_uri == f"http://127.0.0.1:{proxy.server_address[1]}"  # the config holds no secret
     with caplog.at_level(logging.INFO):
         results = run(cfg)

@@ -15,12 +15,15 @@ def test_max_steps_wins() -> None:
     assert total_steps(7, 3.0, 10, 4) == 7
 
 
-@pytest.mark.parametrize("epochs,n,batch,expected", [
-    (1.0, 10, 4, 2),  # 2 full batches; the last partial one (2 examples) is dropped
-    (1.5, 10, 4, 3),  # 1.5 x 2 = 3
-    (0.4, 10, 4, 1),  # rounded up: never 0 steps
-    (2.0, 8, 4, 4),
-])
+@pytest.mark.parametrize(
+    "epochs,n,batch,expected",
+    [
+        (1.0, 10, 4, 2),  # 2 full batches; the last partial one (2 examples) is dropped
+        (1.5, 10, 4, 3),  # 1.5 x 2 = 3
+        (0.4, 10, 4, 1),  # rounded up: never 0 steps
+        (2.0, 8, 4, 4),
+    ],
+)
 def test_epochs_count_full_global_batches(epochs: float, n: int, batch: int, expected: int) -> None:
     assert total_steps(0, epochs, n, batch) == expected
 
@@ -42,7 +45,8 @@ def test_worker_args_are_typed_and_picklable(tmp_path) -> None:
 
 
 def test_rank0_bar_follows_the_steps_and_step_lines_go_to_the_run_log_only(tmp_path, capsys, monkeypatch) -> None:
-    """Quiet console on a terminal: rank 0's bar (Ray's tqdm_ray; in a driver process it draws itself) starts at a restarted
+    """Quiet console on a terminal: rank 0's bar (Ray's tqdm_ray; in a driver process it draws itself) starts at a
+    restarted
     attempt's first step and closes at the last; the step line is in ragtrain.log, not on stdout."""
     from ragtrain.console import attach_run_log, detach_run_log
     from ragtrain.train.harness import Worker

@@ -40,12 +40,14 @@ def test_no_tune_by_default(tmp_path: Path) -> None:
 
 
 def test_parse_dotted_and_nested_keys() -> None:
-    params = sp.parse_space({
-        "sync": {"grid": ["ddp", "local_sgd"]},
-        "retriever": {"train": {"lr": {"loguniform": [1e-5, "1e-3"]}}},
-        "sync.mixer.period": {"randint": [2, 9]},
-        "retriever.temperature": {"uniform": [0.02, 0.1]},
-    })
+    params = sp.parse_space(
+        {
+            "sync": {"grid": ["ddp", "local_sgd"]},
+            "retriever": {"train": {"lr": {"loguniform": [1e-5, "1e-3"]}}},
+            "sync.mixer.period": {"randint": [2, 9]},
+            "retriever.temperature": {"uniform": [0.02, 0.1]},
+        }
+    )
     by = {p.key: p for p in params}
     assert set(by) == {"sync", "retriever.train.lr", "sync.mixer.period", "retriever.temperature"}
     assert by["retriever.train.lr"].args == (1e-5, 1e-3)  # YAML strings like 1e-3 become numbers
@@ -67,15 +69,20 @@ def test_parse_dotted_and_nested_keys() -> None:
         ({"retriever.train": {"choice": [1]}}, "is a config group"),
         ({"output_dir": {"choice": ["a"]}}, "cannot sweep 'output_dir'"),
         ({"logger.tracking_uri": {"choice": ["a"]}}, "cannot sweep 'logger.tracking_uri'"),
-        ({"retriever.train.lr": {"normal": [0, 1]}}, r"kind one of \['choice', 'grid', 'uniform', 'loguniform', 'randint'\]"),
+        (
+            {"retriever.train.lr": {"normal": [0, 1]}},
+            r"kind one of \['choice', 'grid', 'uniform', 'loguniform', 'randint'\]",
+        ),
         ({"retriever.train.lr": 1e-3}, r"must be a mapping"),
         ({"retriever.train.lr": {"uniform": [1e-3]}}, r"must be \[low, high\]"),
         ({"retriever.train.lr": {"uniform": [1e-2, 1e-3]}}, "needs low < high"),
         ({"retriever.train.lr": {"loguniform": [0, 1e-3]}}, "needs low > 0"),
         ({"sync.mixer.period": {"randint": [1.5, 4]}}, "must be integers"),
         ({"retriever.train.lr": {"choice": []}}, "non-empty list"),
-        ({"sync": {"choice": ["ddp", "local_sgd"]}, "sync.mixer.period": {"choice": [4, 0]}},
-         r"tune.space\['sync.mixer.period'\] value 0: sync.mixer.period must be > 0"),
+        (
+            {"sync": {"choice": ["ddp", "local_sgd"]}, "sync.mixer.period": {"choice": [4, 0]}},
+            r"tune.space\['sync.mixer.period'\] value 0: sync.mixer.period must be > 0",
+        ),
         # a knob no reachable sync option reads (ddp has no mixer) would never apply
         ({"sync.mixer.period": {"choice": [4]}}, r"tune.space\['sync.mixer.period'\] is read by none of the sync"),
         ({"retriever.train.batch_size": {"choice": ["big"]}}, "retriever.train.batch_size"),
@@ -164,9 +171,20 @@ def test_describe_labels() -> None:
 def test_cli_bad_space_exits_2_naming_the_key(tmp_path: Path) -> None:
     """`python -m ragtrain ... tune=NAME` with a misspelled key: exit 2 before Ray or MLflow start."""
     proc = subprocess.run(
-        [sys.executable, "-m", "ragtrain", "experiment=quickstart", "tune=sync_sweep", f"output_dir={tmp_path}",
-         f"logger.tracking_uri=sqlite:///{tmp_path / 'm.db'}", "+tune.space.retriever.trian.lr={choice: [0.1]}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "ragtrain",
+            "experiment=quickstart",
+            "tune=sync_sweep",
+            f"output_dir={tmp_path}",
+            f"logger.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
+            "+tune.space.retriever.trian.lr={choice: [0.1]}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "tune.space has unknown config key 'retriever.trian.lr'" in proc.stderr
@@ -195,5 +213,7 @@ def test_optuna_searcher_waits_for_its_metric() -> None:
 
 
 def test_lr_optuna_sweep_config_plans(tmp_path: Path) -> None:
-    plan = plan_sweep(to_typed(compose(["experiment=quickstart", f"output_dir={tmp_path}", "tune=lr_optuna"])), CONF_DIR)
+    plan = plan_sweep(
+        to_typed(compose(["experiment=quickstart", f"output_dir={tmp_path}", "tune=lr_optuna"])), CONF_DIR
+    )
     assert plan.cfg.tune.searcher == "optuna" and {p.kind for p in plan.params} == {"choice", "loguniform"}

@@ -7,6 +7,7 @@ The tiny encoder keeps each trial to a few steps; trials run one at a time so AS
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from ray.tune import Callback
 from ragtrain.cluster.resources import InfeasibleResourcesError
 from ragtrain.config import Config, ConfigError, to_typed
 from ragtrain.tune.sweep import run_sweep
-from tests.conftest import CONF_DIR, REPO, compose, free_port, tiny_overrides
+from tests.conftest import CONF_DIR, REPO, compose, tiny_overrides
 
 GOOD_LR, BAD_LR = 1e-3, 1e3
 
@@ -29,15 +30,33 @@ GOOD_LR, BAD_LR = 1e-3, 1e3
 def sweep_cfg(tmp: Path, uri: str, *extra: str, lrs: tuple = (GOOD_LR, BAD_LR), space: dict | None = None) -> Config:
     """A 2-trial sweep (good lr, absurd lr; sync drawn from ddp/local_sgd), 6 steps, a log window every 2, one
     trainer worker and one pool actor."""
-    cfg = to_typed(compose([
-        "experiment=quickstart", *tiny_overrides(tmp), f"logger.tracking_uri={uri}", "logger.experiment_name=sweep-test",
-        "tune=sync_sweep", "zeroshot_eval=false", "retriever.train.max_steps=6", "retriever.train.log_every=2",
-        "tune.max_concurrent_trials=1", "tune.grace_period=2", "tune.seed=0",
-        "resources.trainer.num_workers=1", "resources.pool.num_actors=1",  # fewer processes: 2 cores
-        "export=false", *extra,  # a trial's export is tested with the shared quickstart run (tests/test_export.py)
-    ]))
+    cfg = to_typed(
+        compose(
+            [
+                "experiment=quickstart",
+                *tiny_overrides(tmp),
+                f"logger.tracking_uri={uri}",
+                "logger.experiment_name=sweep-test",
+                "tune=sync_sweep",
+                "zeroshot_eval=false",
+                "retriever.train.max_steps=6",
+                "retriever.train.log_every=2",
+                "tune.max_concurrent_trials=1",
+                "tune.grace_period=2",
+                "tune.seed=0",
+                "resources.trainer.num_workers=1",
+                "resources.pool.num_actors=1",  # fewer processes: 2 cores
+                "export=false",
+                *extra,  # a trial's export is tested with the shared quickstart run (tests/test_export.py)
+            ]
+        )
+    )
     # Set on the typed config: a Hydra override of tune.space would merge into conf/tune/sync_sweep.yaml's space.
-    cfg.tune.space = {"sync": {"choice": ["ddp", "local_sgd"]}, "retriever.train.lr": {"grid": list(lrs)}, **(space or {})}
+    cfg.tune.space = {
+        "sync": {"choice": ["ddp", "local_sgd"]},
+        "retriever.train.lr": {"grid": list(lrs)},
+        **(space or {}),
+    }
     return cfg
 
 
@@ -99,7 +118,7 @@ def test_stopped_trial_leaves_no_placement_group(server_sweep) -> None:
     from ray.util.placement_group import PlacementGroup, placement_group_table
 
     cfg, result, _, _ = server_sweep
-    for trial_id, stopped in zip(result.trials["trial_id"], result.trials["stopped_early"]):
+    for trial_id in result.trials["trial_id"]:
         ids = set((Path(cfg.output_dir) / "trials" / trial_id / "placement_groups.txt").read_text().split())
         # Ray Train's worker group (indexes encode on Ray Data actors, which hold no placement group; the encoder
         # pool's group exists only with refresh.enabled)
@@ -118,8 +137,20 @@ def test_best_config_is_ready_to_run(server_sweep) -> None:
     assert best.tune is None and best.experiment_name == "quickstart_best"
     # Hydra takes it as an experiment: compose only (--cfg job), nothing runs.
     proc = subprocess.run(
-        [sys.executable, "-m", "ragtrain", "--config-dir", str(Path(cfg.output_dir) / "conf"), "experiment=best",
-         "--cfg", "job"], cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "ragtrain",
+            "--config-dir",
+            str(Path(cfg.output_dir) / "conf"),
+            "experiment=best",
+            "--cfg",
+            "job",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     job = OmegaConf.create(proc.stdout)
@@ -169,8 +200,9 @@ def test_resume_without_a_sweep_fails(ray_session, tmp_path: Path) -> None:
 
 
 def test_trial_bigger_than_the_cluster_fails_before_the_sweep(ray_session, tmp_path: Path) -> None:
-    cfg = sweep_cfg(tmp_path, f"sqlite:///{tmp_path / 'm.db'}",
-                    space={"resources.trainer.num_workers": {"choice": [1, 64]}})
+    cfg = sweep_cfg(
+        tmp_path, f"sqlite:///{tmp_path / 'm.db'}", space={"resources.trainer.num_workers": {"choice": [1, 64]}}
+    )
     start = time.perf_counter()
     with pytest.raises(InfeasibleResourcesError, match=r"resources.trainer.num_workers at their maximum.*64 x"):
         run_sweep(cfg, CONF_DIR)
@@ -183,12 +215,16 @@ def test_a_misspelled_asha_metric_stops_the_sweep_at_the_first_window(ray_sessio
     """Tune would let ASHA ignore a metric no result carries (early stopping silently off): the first training
     window stops the sweep with one line naming the key and what the window did report."""
     cfg = sweep_cfg(tmp_path, f"sqlite:///{tmp_path / 'm.db'}", "tune.asha_metric=train/los")
-    with pytest.raises(ConfigError, match=r"tune.asha_metric='train/los' is not among a training window's metrics "
-                                          r"\(trial \w+\): \[.*'train/loss'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tune.asha_metric='train/los' is not among a training window's metrics "
+        r"\(trial \w+\): \[.*'train/loss'",
+    ):
         run_sweep(cfg, CONF_DIR)
     client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
-    parent = client.search_runs([client.get_experiment_by_name("sweep-test").experiment_id],
-                                filter_string="tags.`ragtrain.role` = 'sweep'")[0]
+    parent = client.search_runs(
+        [client.get_experiment_by_name("sweep-test").experiment_id], filter_string="tags.`ragtrain.role` = 'sweep'"
+    )[0]
     assert parent.info.status == "FAILED"
     assert len(list((tmp_path / "out" / "trials").iterdir())) == 1  # the second trial never started
 
@@ -200,8 +236,10 @@ def test_the_guard_names_a_final_metric_no_trial_reports() -> None:
     guard = MetricGuard("trained/ndcg@11", None, DONE_KEY)
     assert not guard("t1", {"train/loss": 1.0, "step": 2}) and not guard.stop_all()  # windows: no ASHA metric to check
     assert guard("t1", {DONE_KEY: 1, "trained/ndcg@10": 0.5, "run/train/seconds": 3.0}) and guard.stop_all()
-    assert guard.error == ("tune.metric='trained/ndcg@11' is not among its final metrics (trial t1): "
-                           "['run/train/seconds', 'trained/ndcg@10']")
+    assert guard.error == (
+        "tune.metric='trained/ndcg@11' is not among its final metrics (trial t1): "
+        "['run/train/seconds', 'trained/ndcg@10']"
+    )
     ok = MetricGuard("trained/ndcg@10", "val/ndcg@10", DONE_KEY)
     assert not ok("t", {"train/loss": 1.0, "val/ndcg@10": 0.3}) and not ok("t", {DONE_KEY: 1, "trained/ndcg@10": 0.5})
     assert not ok.stop_all() and ok.error is None
