@@ -113,9 +113,9 @@ def quickstart_run(ray_session, tmp_path_factory):
 
 
 class ListeningSockets:
-    """Samples, every 0.5 s while open, the listening TCP sockets of this process and its descendants (the local
-    Ray's raylet, workers, Train workers and actors are children of the process that started it): `seen` holds
-    (address, process name) pairs."""
+    """Samples, every 2 s while open (a listener lives as long as its training), the listening TCP sockets of this
+    process and its descendants (the local Ray's raylet, workers, Train workers and actors are children of the process
+    that started it): `seen` holds (address, process name) pairs."""
 
     def __init__(self) -> None:
         self.seen: set[tuple[str, str]] = set()
@@ -140,7 +140,7 @@ class ListeningSockets:
 
     def __enter__(self) -> ListeningSockets:
         def loop() -> None:
-            while not self._stop.wait(0.5):
+            while not self._stop.wait(2.0):
                 self._sample()
 
         self._thread = threading.Thread(target=loop, daemon=True)

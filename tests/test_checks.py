@@ -191,25 +191,23 @@ def test_the_trainer_is_not_checked_without_retriever_training() -> None:
     check_config(res, nodes=nodes, trainer=False)  # stages without retriever: only the pool must fit
 
 
-def test_cli_user_error_is_one_line_and_exit_2(tmp_path) -> None:
+def _cli(tmp_path: Path, *overrides: str, verbose: bool = False) -> subprocess.CompletedProcess:
+    """`python -m ragtrain experiment=quickstart <tiny overrides> *overrides`, as a user runs it (verbose: -v)."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    args = [
-        sys.executable,
-        "-m",
-        "ragtrain",
-        "experiment=quickstart",
-        *tiny_overrides(tmp_path),
-        f"logger.tracking_uri=http://127.0.0.1:{_closed_port()}",
-    ]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    if verbose:
+        env["HYDRA_FULL_ERROR"] = "1"
+    args = [sys.executable, "-m", "ragtrain", "experiment=quickstart", *tiny_overrides(tmp_path), *overrides]
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+
+
+def test_cli_user_error_is_one_line_and_exit_2(tmp_path) -> None:
+    closed = f"logger.tracking_uri=http://127.0.0.1:{_closed_port()}"
+    r = _cli(tmp_path, closed)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("config error: logger.tracking_uri")
     assert "Traceback" not in r.stderr
-    # -v (HYDRA_FULL_ERROR=1) keeps the traceback
-    r = subprocess.run(
-        args, capture_output=True, text=True, timeout=120, env={**env, "HYDRA_FULL_ERROR": "1"}, cwd=REPO
-    )
+    r = _cli(tmp_path, closed, verbose=True)  # -v keeps the traceback
     assert r.returncode == 2 and "Traceback" in r.stderr and "ConfigError" in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("config error: logger.tracking_uri")
 
@@ -393,17 +391,7 @@ def test_legal_settings_that_do_less_than_they_seem_warn(tmp_path, overrides: tu
 
 
 def test_cli_stage_order_error_is_one_line_and_exit_2(tmp_path) -> None:
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    args = [
-        sys.executable,
-        "-m",
-        "ragtrain",
-        "experiment=quickstart",
-        *tiny_overrides(tmp_path),
-        "stages=[index,retriever]",
-    ]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    r = _cli(tmp_path, "stages=[index,retriever]")
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("config error: stages must be in the order")
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()

@@ -138,7 +138,8 @@ def test_trainer_autocast_follows_auto(no_native_bf16) -> None:
 def test_index_config_is_resolved_for_the_encode_actors(no_native_bf16, tmp_path) -> None:
     from ragtrain.config import to_typed
 
-    cfg = to_typed(compose(tiny_overrides(tmp_path)))
+    auto = ["retriever.train.precision=auto", "index.precision=auto", "generator.train.precision=auto"]
+    cfg = to_typed(compose([*tiny_overrides(tmp_path), *auto]))  # tiny_overrides pins fp32 for the other tests
     assert cfg.index.precision.value == "auto"
     assert precision.resolved_index(cfg).precision.value == "fp32"
     assert precision.resolved_params(cfg)["precision/index"] == "fp32"

@@ -80,6 +80,8 @@ def trial_config(ctx: TrialContext, values: dict[str, Any], trial_id: str) -> Co
     """One trial's typed config: its own output folder and a child-run name that says what it tried."""
     base = dict(ctx.base)
     base["output_dir"] = str(Path(ctx.out_dir, "trials", trial_id))
+    # the sweep owns its trial folders: a trial cut off by an interruption (status "running") starts again there
+    base["overwrite"] = True
     label = sp.describe(values, ctx.keys)
     base["logger"] = {
         **base["logger"],

@@ -174,7 +174,7 @@ def refresh_part(cfg, out_dir: str) -> dict:
 def distributed_part(out_dir: str) -> dict:
     """docs_quickstart made small (12 generated documents, chunked; the tiny encoder) on the 2 nodes, with a live index
     refresh on the labelled node while 2 trainer workers train, and trainer rank 1 killed at step 3: Ray Train
-    restarts the worker group from the step-2 checkpoint and training finishes its 6 steps."""
+    restarts the worker group from the step-2 checkpoint and training finishes its 4 steps."""
     from ragtrain.config import to_typed
     from ragtrain.pipeline import run
     from tests.conftest import compose
@@ -189,7 +189,7 @@ def distributed_part(out_dir: str) -> dict:
                 "data.chunk.max_tokens=32",
                 "data.chunk.overlap=8",
                 "retriever.passage_max_length=34",
-                "retriever.train.max_steps=6",
+                "retriever.train.max_steps=4",
                 "retriever.train.batch_size=4",
                 "retriever.train.log_every=2",
                 "retriever.train.hard_negatives=1",
