@@ -3,6 +3,7 @@ cleaned, deduplicated and chunked (in the driver or as Ray Data tasks), streamed
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,8 +135,6 @@ def truncation_report(corpus: Mapping[str, Any], retriever: RetrieverConfig, see
     """One warning line when passages are longer than retriever.passage_max_length tokens (the encoder cuts them
     silently), or None: how many, the longest, and how to chunk them. Counted on every passage of a corpus of up to
     TRUNCATION_SAMPLE passages, else on a seeded sample of that many (the line says so)."""
-    import random
-
     from ragtrain.retriever.encoder import load_tokenizer
 
     n, limit = len(corpus), retriever.passage_max_length

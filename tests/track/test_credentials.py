@@ -64,7 +64,8 @@ class _Forward(BaseHTTPRequestHandler):
 @pytest.fixture
 def auth_proxy(mlflow_server, monkeypatch):
     for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
-        monkeypatch.delenv(k, raising=False)  # set by the run from the URI; gone after the test
+        monkeypatch.setenv(k, "")  # recorded, so that what the run sets from the URI is undone after the test
+        monkeypatch.delenv(k)
     proxy = _BasicAuthProxy(mlflow_server)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     yield proxy, f"http://{USER}:{SECRET}@127.0.0.1:{proxy.server_address[1]}"
