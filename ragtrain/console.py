@@ -69,7 +69,7 @@ def quiet_loggers() -> None:
     """Library loggers to WARNING: in the driver (configure) and in Ray workers when RAGTRAIN_QUIET=1."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    # ragtrain does not install ray[default] (README, "Ray's dashboard: not installed, deliberately"): without the
+    # ray[default] is an opt-in extra (docs/data.md, "Ray's dashboard: an opt-in extra"): without the
     # State API, Ray Train's placement-group cleaner warns at every check that it cannot see its controller
     logging.getLogger(PG_CLEANER_LOGGER).setLevel(logging.ERROR)
     # Ray >= 2.59 turns token authentication on for every new local cluster and says so at each start: that note

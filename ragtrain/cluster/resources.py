@@ -79,7 +79,7 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
         raise ConfigError(
             f"RAY_ADDRESS={os.environ['RAY_ADDRESS']!r} is a Ray Client address: run ragtrain on the "
             "cluster instead (a RayJob, `ray job submit`, `ray exec`), with RAY_ADDRESS=auto or the "
-            "head's GCS address (README: Cluster)"
+            "head's GCS address (docs/cluster.md)"
         )
     import ray
 

@@ -98,7 +98,7 @@ def check_shared_paths(
                     raise ConfigError(
                         f"{key}={shown!r} is not visible from node {node_id[:12]} ({where.get(node_id, '?')}): on a "
                         f"cluster of {len(nodes)} nodes it must be on a filesystem every node mounts (NFS, EFS, a "
-                        "ReadWriteMany volume; README: Cluster)"
+                        "ReadWriteMany volume; docs/cluster.md)"
                     )
     finally:
         for probe in probes.values():
