@@ -386,8 +386,20 @@ class IndexConfig:
     # a folder: encoded corpora are kept there and reused when the same weights, corpus and encode settings come
     # again (a sweep's zero-shot index, repeated runs; ragtrain/index/vector_cache.py). null: always encode
     cache_dir: str | None = None
+    # Index shards (ragtrain/index/sharded.py): 1 = one index in the run's index host; N = N IndexShard actors, each
+    # encoding, indexing and searching a contiguous range of passages; auto = one per node offering `index_node`
+    shards: str = "1"
+    shard_timeout_s: float = 120.0  # a search waits this long for every shard (one restarting) before failing
 
     def __post_init__(self) -> None:
+        self.shards = str(self.shards).strip()
+        _check(
+            self.shards == "auto" or (self.shards.isdigit() and int(self.shards) > 0),
+            "index.shards",
+            "must be a positive number of shards or auto (one per node offering the index_node resource)",
+            self.shards,
+        )
+        _check(self.shard_timeout_s > 0, "index.shard_timeout_s", "must be > 0", self.shard_timeout_s)
         _check(bool(self.factory.strip()), "index.factory", "must be a faiss index_factory string", self.factory)
         _check(
             self.vector_dtype in ("float32", "float16"),

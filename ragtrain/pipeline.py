@@ -296,6 +296,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     from ragtrain.cluster.resources import check_config, init_ray
     from ragtrain.corpus.encode import encoder_dim
     from ragtrain.index.faiss_index import check_index_config
+    from ragtrain.index.sharded import check_shard_config
     from ragtrain.retriever.encoder import check_model_offline
     from ragtrain.retriever.lora import check_lora_targets
     from ragtrain.track.mlflow import check_tracking_uri, tracking_uri
@@ -350,6 +351,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
             log.warning(line)
     # Also when no zero-shot index is built first: a bad factory must not wait for the end of training to fail
     check_index_config(cfg.index.factory, dim, len(data.corpus))
+    check_shard_config(cfg, len(data.corpus))  # index.shards: a count now, `auto` once Ray is up (below)
     if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training
         from ragtrain.generator.stage import preflight
 
@@ -359,6 +361,10 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
         f"{len(data.eval_qrels)} {data.split} queries"
     )
     start_ray()
+    if cfg.index.shards == "auto":  # one shard per index node: the live cluster says how many
+        import ray
+
+        check_shard_config(cfg, len(data.corpus), ray.nodes())
     return data
 
 

@@ -1,8 +1,9 @@
 """`python -m ragtrain.search <output_dir> "a question" [-k 5] [--json] [--generate]`: query a finished run.
 
-Top-k passages (rank, score, id, text) from the run's saved index (`<output_dir>/index`), with the query encoded by
-the encoder that built it (named in `index_meta.json`, rebuilt from the run's `config.yaml`); `--generate` also
-answers with the run's generator (`<output_dir>/generator`). Bad input: one line on stderr, exit code 2.
+Top-k passages (rank, score, id, text) from the run's saved index (`<output_dir>/index`; a sharded one is searched
+shard by shard and merged), with the query encoded by the encoder that built it (named in `index_meta.json`,
+rebuilt from the run's `config.yaml`); `--generate` also answers with the run's generator
+(`<output_dir>/generator`). Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def warn_unfinished(out: Path) -> None:
 def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dict[str, Any]]]:
     """Top-k hits for `question` from the run in `out`: [{rank, score, id, title, text}]."""
     from ragtrain.corpus.encode import QueryEncoder
-    from ragtrain.index.faiss_index import IndexMismatchError, load_index
+    from ragtrain.index.faiss_index import IndexMismatchError
+    from ragtrain.index.sharded import open_saved
 
     out = Path(out)
     if not (out / "index" / "index_meta.json").exists():
@@ -116,7 +118,7 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
     cfg = load_run_config(out)
     warn_unfinished(out)
     try:
-        index = load_index(out / "index")
+        index = open_saved(out / "index")  # one index, or a sharded one (every shard checked, a bad one named)
     except (FileNotFoundError, IndexMismatchError) as e:
         raise SearchError(str(e)) from None
     # vector_avg: the index holds the replicas' re-normalised mean vectors, and queries are averaged the same way

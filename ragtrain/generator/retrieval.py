@@ -30,7 +30,7 @@ log = get_logger(__name__)
 class IndexPayload:
     """Everything a searcher needs, picklable (the FAISS index travels as its serialised bytes)."""
 
-    index_bytes: Any  # np.ndarray, or an ObjectRef to one (an index held by an IndexHost)
+    index_bytes: Any  # np.ndarray, an ObjectRef to one (an index held by an IndexHost), or a ShardedIndex handle
     doc_ids: list[str]
     retriever: RetrieverConfig
     weights: list[dict[str, torch.Tensor]]  # encoder snapshot(s); several = vector_avg (mean of query vectors)
@@ -64,13 +64,17 @@ class Searcher:
 
         from ragtrain.corpus.encode import QueryEncoder
         from ragtrain.index.faiss_index import DenseIndex, IndexMeta
+        from ragtrain.index.sharded import ShardedIndex
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.p = payload
         raw = payload.index_bytes
         raw = ray.get(raw) if isinstance(raw, ray.ObjectRef) else raw  # nested in the payload: Ray left it a ref
-        self.index = DenseIndex(faiss.deserialize_index(raw), payload.doc_ids, IndexMeta(**payload.meta))
+        if isinstance(raw, ShardedIndex):  # index.shards > 1: every searcher scatters to the same shard actors
+            self.index = raw
+        else:
+            self.index = DenseIndex(faiss.deserialize_index(raw), payload.doc_ids, IndexMeta(**payload.meta))
         self.index.set_search_params(payload.nprobe, payload.ef_search)
         self.encoder = QueryEncoder(payload.retriever, payload.weights, precision=Precision(payload.precision).value)
 

@@ -139,7 +139,8 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     import ray
 
     from ragtrain.generator.retrieval import IndexPayload, check_encoder, load_snapshots
-    from ragtrain.index.faiss_index import IndexMismatchError, load_index
+    from ragtrain.index.faiss_index import IndexMismatchError
+    from ragtrain.index.sharded import is_sharded, open_saved
 
     folder = None
     if built is None:
@@ -150,7 +151,7 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
                 "before 'generator' (stages: [retriever, index, generator]) or set generator.retrieval.index_dir "
                 "to a saved index"
             )
-        index = load_index(folder, expect_corpus=data.fingerprint(), mmap=True)
+        index = open_saved(folder, expect_corpus=data.fingerprint(), mmap=True)  # one index, or sharded
         weights = load_snapshots(cfg, index.meta.encoder, out_dir)
     else:
         index, weights = built.index, built.snapshots
@@ -163,7 +164,12 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     )
     if check_only:
         return None
-    if folder is not None and ray.is_initialized():  # searchers fetch it from a host's object, not via the driver
+    if folder is not None and ray.is_initialized() and is_sharded(folder):  # the searchers scatter to the shards
+        from ragtrain.index.sharded import ShardGroup, read_sharded
+
+        group = ShardGroup(len(read_sharded(folder)), out_dir / "shards", cfg.resources.pool, cfg.index.shard_timeout_s)
+        index = group.load("generator", folder)
+    elif folder is not None and ray.is_initialized():  # searchers fetch it from a host's object, not via the driver
         from ragtrain.index.host import RemoteIndex, start_host
 
         index = RemoteIndex.load(start_host(cfg.resources.pool), "generator", folder)

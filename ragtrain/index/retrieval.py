@@ -2,10 +2,11 @@
 
 `Retrieval.build` returns a `BuiltIndex` (the FAISS index, the encoder snapshot(s) that built it and where its
 vectors are); everything after takes that value, so no caller saves and restores state around a call. The index
-of a build lives in the run's `IndexHost` actor (`index/host.py`): the driver holds its passage ids, not its
-vectors. Every search encodes its queries with `QueryEncoder` (the corpus actors' own class,
-`ragtrain/corpus/encode.py`) and searches through `DenseIndex.search` (dimension and metric checks); hard negatives
-come from the one rule in `mining.py`.
+of a build lives in the run's `IndexHost` actor (`index/host.py`), or with index.shards > 1 in its IndexShard
+actors (`index/sharded.py`: each encodes and indexes a row range, searches are scattered and merged): the driver
+holds its passage ids, not its vectors. Every search encodes its queries with `QueryEncoder` (the corpus actors'
+own class, `ragtrain/corpus/encode.py`) and searches through `DenseIndex.search` (dimension and metric checks);
+hard negatives come from the one rule in `mining.py`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class BuiltIndex:
     """One index build: the FAISS index, the encoder snapshot(s) behind it, and its vectors' whereabouts."""
 
     tag: str
-    index: Any  # RemoteIndex (held by the run's IndexHost); DenseIndex in tests
+    index: Any  # RemoteIndex (held by the run's IndexHost), ShardedIndex (index.shards > 1); DenseIndex in tests
     snapshots: list[dict[str, torch.Tensor]]
     corpus_ids: list[str]  # corpus order
     stats: dict
@@ -60,6 +61,7 @@ class Retrieval:
         self.cfg, self.data = cfg, data
         self._pool = None
         self._host = None
+        self._shards = None
         self.doc_ids = list(data.corpus)
         self.fingerprint = data.fingerprint()
         # Training and mining work on passages: with chunks, every chunk of a judged document carries its grade
@@ -101,14 +103,49 @@ class Retrieval:
             self._host = start_host(pool, threads=max(1, int(pool.cpus_per_actor * pool.num_actors)))
         return self._host
 
+    @property
+    def sharded(self) -> bool:
+        """Whether this run's indexes live in IndexShard actors (index.shards other than 1)."""
+        return self.cfg.index.shards != "1"
+
+    @property
+    def shard_group(self):
+        """The run's IndexShard actors (index.shards), started on first use; builds persist under
+        <output_dir>/shards/<tag>/shard-<i>/."""
+        if self._shards is None:
+            import ray
+
+            from ragtrain.index.sharded import ShardGroup, resolve_shards
+
+            idx = self.cfg.index
+            n = resolve_shards(idx.shards, len(self.doc_ids), ray.nodes())
+            self._shards = ShardGroup(
+                n, Path(self.cfg.output_dir) / "shards", self.cfg.resources.pool, idx.shard_timeout_s
+            )
+        return self._shards
+
+    def index_from(self, tag: str, shards: Any, encoder_name: str, step: int) -> Any:
+        """FAISS of the vector set `shards` under `tag`: in the index host, or split over the index shards."""
+        from ragtrain.index.host import RemoteIndex
+
+        cfg = self.cfg
+        if self.sharded:
+            return self.shard_group.build(tag, shards, cfg.index, self.fingerprint, encoder_name, step, cfg.seed)
+        return RemoteIndex.build(
+            self.host, tag, shards.folder, cfg.index, self.fingerprint, encoder_name, step, cfg.seed
+        )
+
     def close(self) -> None:
-        """Stop the pool and the index host (the end of a run)."""
+        """Stop the pool, the index host and the index shards (the end of a run)."""
         import ray
 
         self.release()
         if self._host is not None:
             ray.kill(self._host)
             self._host = None
+        if self._shards is not None:
+            self._shards.close()
+            self._shards = None
 
     def release(self) -> None:
         """Stop the pool so its CPUs go back to the cluster (the trainer needs them on a small machine)."""
@@ -126,7 +163,6 @@ class Retrieval:
 
         from ragtrain.corpus.encode import EncodeFault, encode_to_shards, encoder_dim
         from ragtrain.index.faiss_index import check_index_config
-        from ragtrain.index.host import RemoteIndex
         from ragtrain.index.shard_ops import mean_shards
 
         cfg, idx = self.cfg, resolved_index(self.cfg)  # auto: as the encode actors will run it (key, index meta)
@@ -161,22 +197,28 @@ class Retrieval:
                 log.info(f"[{tag}] {len(self.doc_ids)} passage vectors from the cache ({Path(idx.cache_dir) / key})")
                 sets.append(cached)
                 continue
-            log.info(
-                f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data ({cfg.resources.pool.num_actors} actors)"
-            )
-            sets.append(
-                encode_to_shards(
-                    source,
-                    ray.put(weights),
-                    cfg.retriever,
-                    idx,
-                    cfg.resources.pool,
-                    folder,
-                    vector_dtype=idx.vector_dtype,
-                    fault=fault,
-                    num_gpus_per_actor=cfg.resources.pool.gpus_per_actor,
+            if self.sharded:  # each shard reads and encodes its own row range, where it runs
+                group = self.shard_group
+                log.info(f"[{tag}] encoding {len(self.doc_ids)} passages on {group.n} index shards")
+                sets.append(group.encode(source, ray.put(weights), cfg.retriever, idx, folder))
+            else:
+                log.info(
+                    f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data "
+                    f"({cfg.resources.pool.num_actors} actors)"
                 )
-            )
+                sets.append(
+                    encode_to_shards(
+                        source,
+                        ray.put(weights),
+                        cfg.retriever,
+                        idx,
+                        cfg.resources.pool,
+                        folder,
+                        vector_dtype=idx.vector_dtype,
+                        fault=fault,
+                        num_gpus_per_actor=cfg.resources.pool.gpus_per_actor,
+                    )
+                )
             if key is not None:
                 vector_cache.store(idx.cache_dir, key, sets[-1])
         del source
@@ -185,13 +227,16 @@ class Retrieval:
         # vector_avg: the consensus is computed shard by shard into its own shard folder; the index host builds
         # FAISS from the shards either way, so the driver holds neither vectors nor index
         shards = sets[0] if len(sets) == 1 else mean_shards(sets, vec_dir / tag)
-        index = RemoteIndex.build(self.host, tag, shards.folder, idx, self.fingerprint, encoder_name, step, cfg.seed)
+        index = self.index_from(tag, shards, encoder_name, step)
         stats = {"docs": len(self.doc_ids), "seconds": seconds, "index_build_seconds": index.meta.build_seconds}
         if hit:  # nothing was encoded: no throughput to report
             stats["encode_cache_hit"] = 1.0
         else:
             stats["docs_per_s"] = len(self.doc_ids) * len(sets) / seconds
-        stats["index_host_peak_rss_mb"] = ray.get(self.host.peak_rss_mb.remote())  # where the index's memory went
+        if self.sharded:  # where the index's memory went: the largest shard's process
+            stats["index_shard_peak_rss_mb"] = max(index.meta.extra["shard_peak_rss_mb"])
+        else:
+            stats["index_host_peak_rss_mb"] = ray.get(self.host.peak_rss_mb.remote())
         return BuiltIndex(tag, index, list(snapshots), self.doc_ids, stats, shards)
 
     def _streamed(self, folder: Path, weights: dict[str, torch.Tensor]) -> Any:
@@ -216,7 +261,11 @@ class Retrieval:
         """`build`, then `evaluate` on the split; returns (build, metrics incl. the pool's encode docs/s and the
         index host's peak RSS)."""
         built = self.build(tag, snapshots, encoder_name, step)
-        extra = {k: built.stats[k] for k in ("index_host_peak_rss_mb", "encode_cache_hit") if k in built.stats}
+        extra = {
+            k: built.stats[k]
+            for k in ("index_host_peak_rss_mb", "index_shard_peak_rss_mb", "encode_cache_hit")
+            if k in built.stats
+        }
         if "docs_per_s" in built.stats:
             extra["encode_docs_per_s"] = built.stats["docs_per_s"]
         return built, {**self.evaluate(built), **extra}
@@ -261,7 +310,6 @@ class Retrieval:
         onto the trained space fitted on `index.align_anchors` anchor passages (their trained vectors are rows of
         `trained`). Returns {"stale": ..., "stale_aligned": ...}. Shard by shard: only the anchors' vectors and a
         drift sample are read into the driver; the mapped vectors are written as shards for the index host."""
-        from ragtrain.index.host import RemoteIndex
         from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, map_shards, sample_ids
         from ragtrain.repair.align import fit_alignment
 
@@ -272,7 +320,7 @@ class Retrieval:
         measured = sample_ids(self.doc_ids, DRIFT_SAMPLE, seed + 1)
         out = {}
         for tag, shards in (("stale", stale.shards), ("stale_aligned", aligned)):
-            index = RemoteIndex.build(self.host, tag, shards.folder, idx, self.fingerprint, tag, step, seed)
+            index = self.index_from(tag, shards, tag, step)
             # searched with the trained encoder: the question is how far the old vectors lag it
             view = BuiltIndex(
                 tag, index, trained.snapshots, self.doc_ids, {}, shards, _encoder=trained.query_encoder(self.cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,26 +56,30 @@ def _sample(shards: ShardSet, size: int, seed: int) -> np.ndarray:
     return out
 
 
-def build_from_shards(
-    shards: ShardSet | str | Path,
-    factory: str,
-    corpus_fingerprint: str,
-    encoder: str,
-    encoder_step: int = 0,
-    precision: str = "fp32",
-    seed: int = 0,
-    train_size: int | None = None,
-) -> DenseIndex:
-    """An inner-product index of every shard row; ids in shard order.
+def iter_rows(shards: ShardSet, start: int = 0, stop: int | None = None):
+    """(ids, vectors) of rows [start, stop) in shard order, one file at a time; files wholly outside the range are
+    skipped by their parquet row counts (not read), so a slice of a large set costs only its own files."""
+    import pyarrow.parquet as pq
 
-    Trained types (IVF, PQ) train on a seeded sample of `train_size` rows (default: what their quantisers use,
-    256 per centroid, capped at the corpus), then every shard is added in turn.
-    """
-    from ragtrain.corpus.encode import ShardSet
+    stop = shards.rows if stop is None else stop
+    at = 0
+    for f in shards.files:
+        n = pq.read_metadata(Path(shards.folder, f)).num_rows
+        if at + n > start and at < stop:
+            for ids, vecs in replace(shards, files=[f]).iter_shards():
+                lo, hi = max(0, start - at), min(n, stop - at)
+                yield ids[lo:hi], vecs[lo:hi]
+        at += n
+        if at >= stop:
+            break
 
-    if not isinstance(shards, ShardSet):
-        shards = ShardSet.load(shards)
-    start = time.perf_counter()
+
+def trained_empty(
+    shards: ShardSet, factory: str, seed: int = 0, train_size: int | None = None
+) -> tuple[faiss.Index, int]:
+    """An empty index of `factory`, its quantisers (IVF, PQ) trained on a seeded sample of `train_size` rows of
+    `shards` (default: what they use, 256 per centroid, capped at the set); returns (index, rows sampled). Every
+    shard of a sharded index adds its rows to a copy of this one index, so all shards score alike."""
     index = make_index(factory, shards.dim, shards.rows)  # a bad factory fails before any shard is read
     sampled = 0
     if not index.is_trained:
@@ -87,8 +92,40 @@ def build_from_shards(
                 f"index.factory={factory!r} could not be trained on {sampled} vectors: "
                 f"{str(e).strip().splitlines()[-1]}"
             ) from None
+    return index, sampled
+
+
+def build_from_shards(
+    shards: ShardSet | str | Path,
+    factory: str,
+    corpus_fingerprint: str,
+    encoder: str,
+    encoder_step: int = 0,
+    precision: str = "fp32",
+    seed: int = 0,
+    train_size: int | None = None,
+    *,
+    rows: tuple[int, int] | None = None,
+    trained: faiss.Index | None = None,
+) -> DenseIndex:
+    """An inner-product index of every shard row; ids in shard order.
+
+    Trained types (IVF, PQ) train on a seeded sample of `train_size` rows (default: what their quantisers use,
+    256 per centroid, capped at the corpus), then every shard is added in turn. `rows` = (start, stop): only that
+    row range is added; `trained`: an empty trained index to copy instead of training one (`trained_empty`).
+    """
+    from ragtrain.corpus.encode import ShardSet
+
+    if not isinstance(shards, ShardSet):
+        shards = ShardSet.load(shards)
+    start = time.perf_counter()
+    if trained is not None:
+        index, sampled = faiss.clone_index(trained), 0  # trained once on the whole set's sample, elsewhere
+    else:
+        index, sampled = trained_empty(shards, factory, seed, train_size)
     doc_ids: list[str] = []
-    for ids, vecs in shards.iter_shards():
+    chunks = shards.iter_shards() if rows is None else iter_rows(shards, *rows)
+    for ids, vecs in chunks:
         index.add(np.ascontiguousarray(vecs, dtype=np.float32))
         doc_ids.extend(ids)
     if len(set(doc_ids)) != len(doc_ids):  # a retried batch written twice would show up here
@@ -103,7 +140,12 @@ def build_from_shards(
         encoder_step=encoder_step,
         precision=precision,
         build_seconds=time.perf_counter() - start,
-        extra={"shards": len(shards.files), "train_rows": sampled, "vector_dtype": shards.dtype},
+        extra={
+            "shards": len(shards.files),
+            "train_rows": sampled,
+            "vector_dtype": shards.dtype,
+            **({"shared_quantizer": True} if trained is not None else {}),
+        },
     )
     return DenseIndex(index, doc_ids, meta)
 

@@ -72,15 +72,20 @@ def cache_key(
 
 
 def _copy_tree(src: Path, dst: Path) -> None:
-    """`src`'s files into a fresh `dst`: hard links where possible (same file system), else copies."""
+    """`src`'s files, subfolders included (a sharded encode's shard-<i>/), into a fresh `dst`: hard links where
+    possible (same file system), else copies."""
     if dst.exists():
         shutil.rmtree(dst)
     dst.mkdir(parents=True)
-    for f in src.iterdir():
+    for f in sorted(src.rglob("*")):
+        target = dst / f.relative_to(src)
+        if f.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
         try:
-            os.link(f, dst / f.name)
+            os.link(f, target)
         except OSError:  # another file system, or links not allowed: copy
-            shutil.copy2(f, dst / f.name)
+            shutil.copy2(f, target)
 
 
 def lookup(cache_dir: str | Path, key: str, dest: str | Path) -> ShardSet | None:

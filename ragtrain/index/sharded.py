@@ -1,0 +1,796 @@
+"""A sharded index: `index.shards=N` IndexShard actors, each owning a contiguous range of the passage store.
+
+Each shard reads its own rows' texts from the store (by row range, on its node), encodes them with the corpus
+encoder (`EncodeBatch`, the Ray Data stage's class), writes them as vector shards, and builds its FAISS index from
+them; trained types (IVF, PQ) copy one quantiser trained once on a seeded sample of the whole corpus (the same
+sample a single index trains on), so every shard scores alike and a sharded index finds what one index finds. A
+shard persists every build as `<root>/<tag>/shard-<i>/` (index files + `manifest.json`: rows, version, factory,
+dim, checksum) before it answers, and an actor restarted after a crash reloads its last persisted builds.
+
+A search encodes its queries once (the caller), sends them to every shard in batches, and merges the shards' top-k
+by score, ties broken by global row: with Flat, N shards return exactly the ids and scores of one index.
+`ShardedIndex` (actors) and `LocalShards` (a saved folder loaded in-process, `python -m ragtrain.search`) have
+`DenseIndex`'s interface, so evaluation, mining and the generator's retrieval search either the same way. The
+driver holds the passage ids and the metadata, never vectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import ray
+
+from ragtrain.console import get_logger
+from ragtrain.corpus.encode import SHARDS_META, ShardSet
+from ragtrain.errors import ConfigError
+from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, IndexMismatchError, load_index
+
+if TYPE_CHECKING:
+    from ragtrain.config import Config, IndexConfig, PoolResources, RetrieverConfig
+
+log = get_logger(__name__)
+
+INDEX_NODE = "index_node"  # the custom resource that marks a node for index shards
+MANIFEST = "manifest.json"  # a shard build's summary, written last: a folder without it is unfinished
+SHARDED = "sharded.json"  # a saved sharded index's list of shards (beside index_meta.json)
+MAX_SHARD_RESTARTS = 3  # a crashed shard actor is restarted this many times; its pending calls are retried on it
+SEARCH_BATCH = 1024  # queries per scattered call: bounds each message and lets the shards work in a pipeline
+TEXT_CHUNK = 4096  # passages a shard reads, encodes and writes at a time (one vector file each)
+INDEX_NODE_SHARE = 0.001  # each shard's claim on `index_node`: a placement label, not a capacity (pools share it)
+
+
+class ShardUnavailableError(RuntimeError):
+    """A shard did not answer within index.shard_timeout_s, or died beyond its restarts; names the shard."""
+
+
+# ---------------------------------------------------------------------------------------------------------- layout
+
+
+def shard_ranges(rows: int, n: int) -> list[tuple[int, int]]:
+    """The stable partition: `n` contiguous row ranges [start, stop) covering `rows`, sizes differing by <= 1."""
+    if n < 1 or n > rows:
+        raise ValueError(f"cannot split {rows} rows into {n} shards")
+    edges = [rows * i // n for i in range(n + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(n)]
+
+
+def index_nodes(nodes: Sequence[dict]) -> list[dict]:
+    """The alive nodes offering `index_node` (ray.nodes() entries)."""
+    return [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get(INDEX_NODE, 0) > 0]
+
+
+def resolve_shards(setting: str, rows: int, nodes: Sequence[dict] | None = None) -> int:
+    """The shard count index.shards asks for: a number, or `auto` = one per node offering `index_node` (needs
+    `nodes`). A ConfigError names the key when it cannot be served: more shards than passages, or `auto` on a
+    cluster without index nodes (the message lists the resources it has)."""
+    if setting == "auto":
+        if nodes is None:
+            raise ValueError("index.shards=auto is resolved against the live cluster's nodes")
+        found = index_nodes(nodes)
+        if not found:
+            have = sorted(
+                {
+                    k
+                    for n in nodes
+                    if n.get("Alive")
+                    for k in n.get("Resources", {})
+                    if not k.startswith(("node:", "accelerator_type:"))
+                }
+            )
+            raise ConfigError(
+                f"index.shards=auto places one shard per node offering the {INDEX_NODE!r} resource, "
+                f"but no node offers it (this cluster has: {', '.join(have)}): start index nodes with "
+                f"--resources='{{\"{INDEX_NODE}\": 1}}' or set index.shards to a number"
+            )
+        n = len(found)
+    else:
+        n = int(setting)
+    if n > rows:
+        raise ConfigError(
+            f"index.shards={setting} asks for {n} shards but the corpus has only {rows} passages: "
+            "every shard needs at least one"
+        )
+    return n
+
+
+def check_shard_config(cfg: Config, rows: int, nodes: Sequence[dict] | None = None) -> None:
+    """index.shards against the corpus (and, for `auto`, the cluster's `nodes`), before any work: a ConfigError
+    names the key; a setting that works but leaves part of the run on one index gets a warning line."""
+    idx = cfg.index
+    if idx.shards == "1":
+        return
+    if idx.shards != "auto" or nodes is not None:
+        resolve_shards(idx.shards, rows, nodes)
+    if cfg.fault.kill_encode_actor_at_batch >= 0:
+        raise ConfigError(
+            "fault.kill_encode_actor_at_batch kills a Ray Data encode actor, and with index.shards="
+            f"{idx.shards} the index shards encode instead: set index.shards=1 to inject it"
+        )
+    if nodes is None and cfg.refresh.enabled:
+        log.warning(
+            f"[index] index.shards={idx.shards} with refresh.enabled: evaluation and the saved index use the "
+            "shards, the live refresh still keeps its own single index"
+        )
+
+
+def _checksum(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(folder: Path) -> dict:
+    """A shard folder's manifest, checked against its files: IndexMismatchError names the shard folder when it is
+    missing, unfinished or corrupt (index bytes that do not match the recorded checksum)."""
+    path = folder / MANIFEST
+    if not path.exists():
+        raise IndexMismatchError(f"index shard {folder} is missing or unfinished ({path} does not exist)")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise IndexMismatchError(f"index shard {folder}: unreadable {MANIFEST} ({e})") from None
+    index_file = folder / "index.faiss"
+    if not index_file.exists():
+        raise IndexMismatchError(f"index shard {folder}: {index_file.name} is missing")
+    if _checksum(index_file) != m.get("checksum"):
+        raise IndexMismatchError(
+            f"index shard {folder} is corrupt: {index_file.name} does not match the checksum in its {MANIFEST}"
+        )
+    return m
+
+
+def persist(index: DenseIndex, folder: Path, manifest: dict) -> dict:
+    """Save `index` with its manifest (checksum added) into `folder` through a temporary folder renamed on
+    success: a crash leaves the previous version in place."""
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    old = folder.with_name(f"{folder.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    index.save(tmp)
+    manifest = {
+        **manifest,
+        "rows": index.ntotal,
+        "dim": index.meta.dim,
+        "factory": index.meta.factory,
+        "checksum": _checksum(tmp / "index.faiss"),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------------------------ merge
+
+
+def merge_topk(
+    parts: Sequence[tuple[np.ndarray, np.ndarray]], offsets: Sequence[int], k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Merge the shards' (scores, local rows) into the top-k (scores, global rows) per query: by score, ties by
+    global row; FAISS's -1 padding (fewer reachable rows than k) goes last and stays -1."""
+    scores = np.concatenate([s for s, _ in parts], axis=1)
+    rows = np.concatenate([np.where(r >= 0, r + off, -1) for (_, r), off in zip(parts, offsets)], axis=1)
+    key_rows = np.where(rows >= 0, rows, np.iinfo(np.int64).max)
+    key_scores = np.where(rows >= 0, -scores.astype(np.float64), np.inf)
+    order = np.lexsort((key_rows, key_scores), axis=-1)[:, :k]
+    return np.take_along_axis(scores, order, 1), np.take_along_axis(rows, order, 1)
+
+
+class _Merged:
+    """`DenseIndex`'s interface over shards that each search their own rows: subclasses scatter, this merges."""
+
+    doc_ids: list[str]
+    meta: IndexMeta
+    offsets: list[int]
+
+    @property
+    def ntotal(self) -> int:
+        """Rows in the index (all shards)."""
+        return self.meta.ntotal
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.offsets)
+
+    def _scatter(self, queries: np.ndarray, k: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """Per query batch, every shard's (scores, local rows)."""
+        raise NotImplementedError
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k (scores, global row positions) for each query row; positions are -1 where fewer than k exist."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        if q.ndim != 2 or q.shape[1] != self.meta.dim:
+            raise IndexMismatchError(f"query vectors have shape {q.shape}, index dim is {self.meta.dim}")
+        if k < 1 or self.ntotal == 0:
+            raise ValueError(f"search needs k >= 1 and a non-empty index (k={k}, ntotal={self.ntotal})")
+        k = min(k, self.ntotal)
+        merged = [merge_topk(parts, self.offsets, k) for parts in self._scatter(q, k)]
+        return np.concatenate([s for s, _ in merged]), np.concatenate([r for _, r in merged])
+
+    def search_ids(self, queries: np.ndarray, k: int) -> list[list[str]]:
+        """Top-k doc ids per query row (FAISS's -1 padding dropped)."""
+        _, rows = self.search(queries, k)
+        return [[self.doc_ids[r] for r in row if r >= 0] for row in rows]
+
+    def _shard_of_row(self, row: int) -> int:
+        return int(np.searchsorted(self.offsets, row, side="right") - 1)
+
+
+def _batches(q: np.ndarray) -> list[np.ndarray]:
+    return [q[i : i + SEARCH_BATCH] for i in range(0, len(q), SEARCH_BATCH)] or [q]
+
+
+# ------------------------------------------------------------------------------------------------------ the actor
+
+
+class _Shard:
+    """The actor's body (a plain class, so tests can run it in-process): shard `shard`'s builds by tag, persisted
+    under `<root>/<tag>/shard-<shard>/`; a restarted actor reloads them from there."""
+
+    def __init__(self, shard: int, root: str, threads: int = 0) -> None:
+        from ragtrain.console import worker_setup
+
+        worker_setup()
+        self.shard, self.root, self.threads = shard, Path(root), max(0, int(threads))
+        if self.threads:  # FAISS would use every core of a node it shares with the other shards (torch: encode)
+            import faiss
+
+            faiss.omp_set_num_threads(self.threads)
+        self.indexes: dict[str, DenseIndex] = {}
+        self.manifests: dict[str, dict] = {}
+        self.restored: list[str] = []
+        for m in sorted(self.root.glob(f"*/shard-{shard}/{MANIFEST}")):  # a restart continues from disk
+            tag = m.parent.parent.name
+            self._load(tag, m.parent)
+            self.restored.append(tag)
+
+    def _folder(self, tag: str) -> Path:
+        return self.root / tag / f"shard-{self.shard}"
+
+    def _load(self, tag: str, folder: Path) -> dict:
+        manifest = read_manifest(folder)
+        self.indexes[tag] = load_index(folder)
+        self.indexes[tag].set_search_params(*manifest.get("search_params", (16, 128)))
+        self.manifests[tag] = manifest
+        return manifest
+
+    def encode(
+        self,
+        source: Any,
+        start: int,
+        stop: int,
+        weights: list,
+        retriever: RetrieverConfig,
+        idx: IndexConfig,
+        folder: str,
+    ) -> dict:
+        """Encode rows [start, stop) of `source` (a PassageStore, read here; or [ObjectRef of (ids, texts)] of
+        just these rows) with the snapshot `weights` ([ObjectRef]) into vector shards in `folder`; returns
+        {rows, dim, files, seconds}."""
+        from ragtrain.corpus.encode import EncodeBatch
+        from ragtrain.data.store import PassageStore
+        from ragtrain.index.shard_ops import write_shards
+
+        t0 = time.perf_counter()
+        enc = EncodeBatch(
+            retriever,
+            weights,
+            retriever.passage_max_length,
+            idx.batch_size,
+            idx.precision.value,
+            idx.vector_dtype,
+            num_threads=self.threads or None,
+        )
+        if isinstance(source, PassageStore):
+
+            def read(a: int, b: int) -> tuple[list[str], list[str]]:
+                return source.slice_texts(a, b)
+        else:
+            ids, texts = ray.get(source[0])
+
+            def read(a: int, b: int) -> tuple[list[str], list[str]]:
+                return list(ids[a - start : b - start]), list(texts[a - start : b - start])
+
+        def chunks():
+            for a in range(start, stop, TEXT_CHUNK):
+                chunk_ids, chunk_texts = read(a, min(stop, a + TEXT_CHUNK))
+                yield chunk_ids, enc.encode(chunk_texts)
+
+        shards = write_shards(folder, chunks(), idx.vector_dtype)
+        return {
+            "rows": shards.rows,
+            "dim": shards.dim,
+            "files": shards.files,
+            "seconds": time.perf_counter() - t0,
+            "peak_rss_mb": _peak_rss(),
+        }
+
+    def build(
+        self,
+        tag: str,
+        shard_folder: str,
+        start: int,
+        stop: int,
+        idx: IndexConfig,
+        fingerprint: str,
+        encoder: str,
+        step: int,
+        trained: Any,
+        version: int,
+    ) -> dict:
+        """Build `tag` from rows [start, stop) of the vector shards in `shard_folder` (`trained`: serialised
+        bytes of the shared trained empty index, or None for types without training), persist it, and hold it;
+        returns its manifest plus its row ids."""
+        import faiss
+
+        from ragtrain.index.shards import build_from_shards
+
+        self.drop(tag)  # free the old build first: two copies of a large shard need not fit
+        quantizer = faiss.deserialize_index(trained) if trained is not None else None
+        index = build_from_shards(
+            shard_folder,
+            idx.factory,
+            fingerprint,
+            encoder,
+            step,
+            idx.precision.value,
+            rows=(start, stop),
+            trained=quantizer,
+        )
+        index.set_search_params(idx.nprobe, idx.ef_search)
+        manifest = persist(
+            index,
+            self._folder(tag),
+            {
+                "shard": self.shard,
+                "tag": tag,
+                "version": version,
+                "start": start,
+                "stop": stop,
+                "encoder": encoder,
+                "encoder_step": step,
+                "corpus_fingerprint": fingerprint,
+                "search_params": [idx.nprobe, idx.ef_search],
+                "build_seconds": index.meta.build_seconds,
+            },
+        )
+        self.indexes[tag], self.manifests[tag] = index, manifest
+        return {**manifest, "doc_ids": index.doc_ids, "meta": asdict(index.meta), "peak_rss_mb": _peak_rss()}
+
+    def load(self, tag: str, folder: str) -> dict:
+        """Load a saved shard folder (checked against its manifest) as `tag`, placed first under this shard's root
+        (hard links where possible) so a restart reloads it; returns its manifest plus ids."""
+        self.drop(tag)
+        read_manifest(Path(folder))
+        _link_tree(Path(folder), self._folder(tag))
+        manifest = self._load(tag, self._folder(tag))
+        index = self.indexes[tag]
+        return {**manifest, "doc_ids": index.doc_ids, "meta": asdict(index.meta)}
+
+    def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`DenseIndex.search` on this shard's build `tag` (local rows)."""
+        if tag not in self.indexes:
+            raise KeyError(f"index shard {self.shard} holds no build {tag!r}")
+        return self.indexes[tag].search(queries, k)
+
+    def set_search_params(self, tag: str, nprobe: int, ef_search: int) -> None:
+        self.indexes[tag].set_search_params(nprobe, ef_search)
+
+    def reconstruct_first(self, tag: str, n: int) -> np.ndarray | None:
+        return self.indexes[tag].reconstruct_first(n)
+
+    def as_stored(self, tag: str, x: np.ndarray) -> np.ndarray:
+        return self.indexes[tag].as_stored(x)
+
+    def save(self, tag: str, folder: str) -> dict:
+        """Place this shard's persisted build `tag` in `folder` (hard links where the file system allows)."""
+        _link_tree(self._folder(tag), Path(folder))
+        return self.manifests[tag]
+
+    def drop(self, tag: str) -> None:
+        """Forget the build `tag` and its persisted folder (a restart does not bring it back)."""
+        self.indexes.pop(tag, None)
+        self.manifests.pop(tag, None)
+        shutil.rmtree(self._folder(tag), ignore_errors=True)
+
+    def info(self) -> dict:
+        """pid, node, builds held and restored at start, peak RSS: for tests, placement and benchmarks."""
+        return {
+            "shard": self.shard,
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "tags": sorted(self.indexes),
+            "restored": self.restored,
+            "peak_rss_mb": _peak_rss(),
+            "versions": {t: m.get("version") for t, m in self.manifests.items()},
+        }
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """`src`'s files into a fresh `dst`: hard links where the file system allows, else copies."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
+
+
+def _peak_rss() -> float:
+    from ragtrain.corpus.encode import peak_rss_mb
+
+    return peak_rss_mb()
+
+
+# 0 CPUs, as the index host: a shard works while the driver waits on it, and a reservation would take a CPU from
+# the trainer for the whole run. Its calls are retried on the restarted actor (searches and builds are idempotent).
+IndexShard = ray.remote(num_cpus=0, max_restarts=MAX_SHARD_RESTARTS, max_task_retries=MAX_SHARD_RESTARTS)(_Shard)
+
+
+@ray.remote(num_cpus=0)
+def _train_quantizer(shard_folder: str, factory: str, seed: int) -> Any:
+    """The shared quantiser: `trained_empty` on the whole set's seeded sample, serialised (read where it runs)."""
+    import faiss
+
+    from ragtrain.index.shards import trained_empty
+
+    index, _ = trained_empty(ShardSet.load(shard_folder), factory, seed)
+    return faiss.serialize_index(index)
+
+
+# ------------------------------------------------------------------------------------------------ driver side
+
+
+def _gather(refs: Sequence[Any], shards: Sequence[int], what: str, timeout_s: float | None) -> list[Any]:
+    """ray.get of one call per shard, waiting at most `timeout_s` in all; a shard that does not answer in time, or
+    died beyond its restarts, is a ShardUnavailableError naming it."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    out = []
+    for ref, shard in zip(refs, shards):
+        try:
+            out.append(ray.get(ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
+        except GetTimeoutError:
+            raise ShardUnavailableError(
+                f"index shard {shard} did not answer {what} within {timeout_s:g} s "
+                "(index.shard_timeout_s): it is restarting or its node is lost"
+            ) from None
+        except RayActorError as e:
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ShardUnavailableError(
+                f"index shard {shard} died during {what} and was not restarted (at most "
+                f"{MAX_SHARD_RESTARTS} restarts): {cause}"
+            ) from None
+    return out
+
+
+class ShardGroup:
+    """The run's N IndexShard actors: on a cluster with `index_node` nodes, a placement group SPREADs them over those
+    nodes (one per node when there are enough); elsewhere N actors on the pool's node. FAISS and torch threads per
+    shard: the CPUs of its node shared by the shards placed there."""
+
+    def __init__(
+        self, n: int, root: str | Path, pool: PoolResources, timeout_s: float, nodes: list[dict] | None = None
+    ) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ragtrain.index.host import host_options
+
+        nodes = ray.nodes() if nodes is None else nodes
+        found = index_nodes(nodes)
+        self.n, self.root, self.timeout_s, self.pg = n, Path(root).resolve(), timeout_s, None
+        self.root.mkdir(parents=True, exist_ok=True)
+        if found:
+            per_node = -(-n // len(found))
+            cpus = min(float(x["Resources"].get("CPU", 1)) for x in found)
+            self.pg = placement_group(
+                [{INDEX_NODE: INDEX_NODE_SHARE}] * n, strategy="STRICT_SPREAD" if n <= len(found) else "SPREAD"
+            )
+            ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+            if not ready:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.pg)
+                raise RuntimeError(
+                    f"index.shards: {n} shards could not be placed on the {len(found)} index nodes "
+                    f"within {timeout_s:g} s"
+                )
+            opts = [
+                {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)}
+                for i in range(n)
+            ]
+        else:
+            per_node, cpus = n, float(ray.cluster_resources().get("CPU", 1))
+            opts = [host_options(pool, nodes)] * n
+        threads = max(1, int(cpus) // per_node)
+        self.actors = [IndexShard.options(**o).remote(i, str(self.root), threads) for i, o in enumerate(opts)]
+        self.versions: dict[str, int] = {}
+
+    def gather(self, refs: Sequence[Any], what: str, timeout_s: float | None = None) -> list[Any]:
+        return _gather(refs, range(len(refs)), what, timeout_s)
+
+    def info(self) -> list[dict]:
+        """Every shard's `_Shard.info` (pid, node, builds)."""
+        return self.gather([a.info.remote() for a in self.actors], "an info call", self.timeout_s)
+
+    def encode(
+        self, source: Any, weights_ref: Any, retriever: RetrieverConfig, idx: IndexConfig, folder: str | Path
+    ) -> ShardSet:
+        """Every shard encodes its rows of `source` (a PassageStore, or an (ids, texts) pair of lists) with the
+        snapshot `weights_ref` into `folder/shard-<i>/`; returns the whole set as one ShardSet (corpus order)."""
+        from ragtrain.data.store import PassageStore
+
+        rows = len(source) if isinstance(source, PassageStore) else len(source[0])
+        folder = Path(folder).resolve()
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        start = time.perf_counter()
+        refs = []
+        for i, (a, b) in enumerate(shard_ranges(rows, self.n)):
+            src = source if isinstance(source, PassageStore) else [ray.put((source[0][a:b], source[1][a:b]))]
+            refs.append(
+                self.actors[i].encode.remote(src, a, b, [weights_ref], retriever, idx, str(folder / f"shard-{i}"))
+            )
+        parts = self.gather(refs, "an encode")  # a long job: no time limit, but a shard that dies for good fails
+        seconds = time.perf_counter() - start
+        meta = {
+            "files": [f"shard-{i}/{f}" for i, p in enumerate(parts) for f in p["files"]],
+            "rows": sum(p["rows"] for p in parts),
+            "dim": parts[0]["dim"],
+            "dtype": idx.vector_dtype,
+            "seconds": seconds,
+            "stats": {
+                "shards": self.n,
+                "shard_seconds": [p["seconds"] for p in parts],
+                "shard_peak_rss_mb": [p["peak_rss_mb"] for p in parts],
+            },
+        }
+        (folder / SHARDS_META).write_text(json.dumps(meta, indent=2))
+        return ShardSet.load(folder)
+
+    def build(
+        self, tag: str, shards: ShardSet, idx: IndexConfig, fingerprint: str, encoder: str, step: int, seed: int
+    ) -> ShardedIndex:
+        """Build `tag` from the vector set `shards`: shard i indexes its row range, every shard copying one
+        quantiser trained once on the set's seeded sample (IVF, PQ); each persists its build before answering."""
+        from ragtrain.index.faiss_index import make_index
+
+        start = time.perf_counter()
+        trained = None
+        if not make_index(idx.factory, shards.dim).is_trained:  # trained in a task: the driver never gets vectors
+            trained = _train_quantizer.remote(shards.folder, idx.factory, seed)
+        version = self.versions[tag] = self.versions.get(tag, 0) + 1
+        refs = [
+            a.build.remote(tag, shards.folder, lo, hi, idx, fingerprint, encoder, step, trained, version)
+            for a, (lo, hi) in zip(self.actors, shard_ranges(shards.rows, self.n))
+        ]
+        parts = self.gather(refs, f"the build of {tag!r}")
+        return self._index(tag, parts, time.perf_counter() - start, idx.precision.value)
+
+    def load(self, tag: str, folder: str | Path) -> ShardedIndex:
+        """Load a saved sharded index folder (`ShardedIndex.save`) into the shards as `tag`."""
+        entries = read_sharded(Path(folder))
+        if len(entries) != self.n:
+            raise IndexMismatchError(f"{folder} holds {len(entries)} index shards, this group has {self.n}")
+        start = time.perf_counter()
+        refs = [a.load.remote(tag, str(Path(folder) / e["folder"])) for a, e in zip(self.actors, entries)]
+        parts = self.gather(refs, f"the load of {tag!r}")
+        meta = json.loads((Path(folder) / "index_meta.json").read_text())
+        return self._index(tag, parts, time.perf_counter() - start, meta["precision"], meta)
+
+    def _index(
+        self, tag: str, parts: list[dict], seconds: float, precision: str, saved: dict | None = None
+    ) -> ShardedIndex:
+        doc_ids = [d for p in parts for d in p["doc_ids"]]
+        offsets = list(np.cumsum([0] + [len(p["doc_ids"]) for p in parts[:-1]]).tolist())
+        m0 = parts[0]["meta"]
+        extra = {
+            "shards": self.n,
+            "layout": "sharded",
+            "rows_per_shard": [len(p["doc_ids"]) for p in parts],
+            "shard_peak_rss_mb": [p.get("peak_rss_mb", 0.0) for p in parts],
+            "shard_versions": [p["version"] for p in parts],
+        }
+        meta = IndexMeta(
+            factory=m0["factory"],
+            dim=m0["dim"],
+            metric=METRIC,
+            ntotal=len(doc_ids),
+            corpus_fingerprint=m0["corpus_fingerprint"],
+            encoder=m0["encoder"],
+            encoder_step=m0["encoder_step"],
+            precision=precision,
+            version=parts[0]["version"],
+            build_seconds=seconds,
+            extra=extra if saved is None else {**saved.get("extra", {}), **extra},
+        )
+        return ShardedIndex(self.actors, tag, doc_ids, meta, offsets, self.timeout_s)
+
+    def close(self) -> None:
+        """Stop the shard actors and free their placement group (the end of a run)."""
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+class ShardedIndex(_Merged):
+    """`DenseIndex`'s interface to a build held by the shard actors: ids and metadata here, the vectors there.
+    Picklable (actor handles): the generator's searchers scatter to the same shards."""
+
+    def __init__(
+        self, actors: list, tag: str, doc_ids: list[str], meta: IndexMeta, offsets: list[int], timeout_s: float
+    ) -> None:
+        self.actors, self.tag, self.doc_ids, self.meta = list(actors), tag, doc_ids, meta
+        self.offsets, self.timeout_s = [int(o) for o in offsets], float(timeout_s)
+
+    def _call(self, what: str, method: str, *args: Any, shards: Sequence[int] | None = None) -> list[Any]:
+        shards = range(len(self.actors)) if shards is None else shards
+        refs = [getattr(self.actors[i], method).remote(self.tag, *args) for i in shards]
+        return _gather(refs, shards, what, self.timeout_s)
+
+    def _scatter(self, queries: np.ndarray, k: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        sent = []
+        for b in _batches(queries):  # every batch goes out before any answer is awaited: the shards pipeline
+            ref = ray.put(b)
+            sent.append([a.search.remote(self.tag, ref, k) for a in self.actors])
+        shards = range(len(self.actors))
+        return [_gather(refs, shards, f"a search of {self.tag!r}", self.timeout_s) for refs in sent]
+
+    def set_search_params(self, nprobe: int = 16, ef_search: int = 128) -> None:
+        """IVF nprobe / HNSW efSearch on every shard, where the index type has them."""
+        self._call("a parameter change", "set_search_params", nprobe, ef_search)
+
+    def reconstruct_first(self, n: int) -> np.ndarray | None:
+        """The stored vectors of the first `n` rows (from the shards that hold them), or None."""
+        rows = self.meta.extra["rows_per_shard"]
+        out, got = [], 0
+        for i, r in enumerate(rows):
+            if got >= n:
+                break
+            part = self._call("a reconstruct", "reconstruct_first", min(r, n - got), shards=[i])[0]
+            if part is None:
+                return None
+            out.append(part)
+            got += len(part)
+        return np.concatenate(out) if out else None
+
+    def as_stored(self, x: np.ndarray) -> np.ndarray:
+        """`x` through the index's codec (every shard copies one quantiser: shard 0 speaks for all)."""
+        return self._call("a codec call", "as_stored", np.ascontiguousarray(x, dtype=np.float32), shards=[0])[0]
+
+    def serialize(self) -> ShardedIndex:
+        """A sharded index travels as its handle: searchers elsewhere scatter to the same shard actors."""
+        return self
+
+    def save(self, folder: str | Path) -> Path:
+        """Each shard places its persisted build in `folder/shard-<i>/`; then index_meta.json and sharded.json."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        manifests = _gather(
+            [a.save.remote(self.tag, str(folder / f"shard-{i}")) for i, a in enumerate(self.actors)],
+            range(len(self.actors)),
+            f"the save of {self.tag!r}",
+            None,
+        )
+        entries = [
+            {
+                "shard": i,
+                "folder": f"shard-{i}",
+                "start": m["start"],
+                "stop": m["stop"],
+                "rows": m["rows"],
+                "version": m["version"],
+                "checksum": m["checksum"],
+            }
+            for i, m in enumerate(manifests)
+        ]
+        (folder / "index_meta.json").write_text(json.dumps(asdict(self.meta), indent=2, sort_keys=True))
+        (folder / SHARDED).write_text(json.dumps({"shards": entries}, indent=2))
+        return folder
+
+    def drop(self) -> None:
+        """Free the build in every shard (the handle is unusable afterwards)."""
+        self._call("a drop", "drop")
+
+
+def is_sharded(folder: str | Path) -> bool:
+    """Whether a saved index folder is a sharded one (`ShardedIndex.save`)."""
+    return (Path(folder) / SHARDED).is_file()
+
+
+def read_sharded(folder: Path) -> list[dict]:
+    """The shard entries of a saved sharded index, each shard folder checked (IndexMismatchError names a missing
+    or corrupt one)."""
+    try:
+        entries = json.loads((folder / SHARDED).read_text())["shards"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise IndexMismatchError(f"{folder / SHARDED}: unreadable list of index shards ({e})") from None
+    for e in entries:
+        m = read_manifest(folder / e["folder"])
+        if m["checksum"] != e["checksum"] or m["rows"] != e["rows"]:
+            raise IndexMismatchError(
+                f"index shard {folder / e['folder']} is not the one {SHARDED} lists (another build's files)"
+            )
+    return entries
+
+
+class LocalShards(_Merged):
+    """A saved sharded index loaded in this process (`python -m ragtrain.search`, the generator's checks): the same
+    scatter and merge, over in-process shards."""
+
+    def __init__(self, shards: list[DenseIndex], meta: IndexMeta) -> None:
+        self.shards, self.meta = shards, meta
+        self.doc_ids = [d for s in shards for d in s.doc_ids]
+        self.offsets = list(np.cumsum([0] + [s.ntotal for s in shards[:-1]]).tolist())
+
+    @classmethod
+    def load(cls, folder: str | Path, mmap: bool = False) -> LocalShards:
+        """Every shard of the saved folder, checked against its manifest and the list of shards."""
+        folder = Path(folder)
+        entries = read_sharded(folder)
+        meta = IndexMeta(**json.loads((folder / "index_meta.json").read_text()))
+        shards = [load_index(folder / e["folder"], expect_dim=meta.dim, mmap=mmap) for e in entries]
+        if sum(s.ntotal for s in shards) != meta.ntotal:
+            raise IndexMismatchError(
+                f"{folder}: the shards hold {sum(s.ntotal for s in shards)} rows, its index_meta.json {meta.ntotal}"
+            )
+        return cls(shards, meta)
+
+    def _scatter(self, queries: np.ndarray, k: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        return [[s.search(b, k) for s in self.shards] for b in _batches(queries)]
+
+    def set_search_params(self, nprobe: int = 16, ef_search: int = 128) -> None:
+        for s in self.shards:
+            s.set_search_params(nprobe, ef_search)
+
+    def reconstruct_first(self, n: int) -> np.ndarray | None:
+        out, got = [], 0
+        for s in self.shards:
+            if got >= n:
+                break
+            part = s.reconstruct_first(min(s.ntotal, n - got))
+            if part is None:
+                return None
+            out.append(part)
+            got += len(part)
+        return np.concatenate(out) if out else None
+
+    def as_stored(self, x: np.ndarray) -> np.ndarray:
+        return self.shards[0].as_stored(x)
+
+    def drop(self) -> None:
+        """Nothing to free elsewhere."""
+
+
+def open_saved(folder: str | Path, expect_corpus: str | None = None, mmap: bool = False) -> Any:
+    """A saved index folder, one index (`load_index`) or sharded (`LocalShards`), checked against the corpus."""
+    if not is_sharded(folder):
+        return load_index(folder, expect_corpus=expect_corpus, mmap=mmap)
+    index = LocalShards.load(folder, mmap=mmap)
+    if expect_corpus is not None and index.meta.corpus_fingerprint != expect_corpus:
+        raise IndexMismatchError(
+            f"{Path(folder) / 'index_meta.json'}: index was built from a different corpus "
+            f"(fingerprint {index.meta.corpus_fingerprint}, this corpus is {expect_corpus}): "
+            "rebuild the index"
+        )
+    return index

@@ -1,0 +1,229 @@
+"""Index shards: N IndexShard actors answer exactly as one index (Flat, and IVF with the shared quantiser), persist
+each build with a manifest, restart from it after a real kill, and fail a search in bounded time naming the shard."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ragtrain.config import IndexConfig, PoolResources
+from ragtrain.errors import ConfigError
+from ragtrain.index.faiss_index import IndexMismatchError
+from ragtrain.index.sharded import (
+    MANIFEST,
+    SEARCH_BATCH,
+    LocalShards,
+    ShardGroup,
+    ShardUnavailableError,
+    merge_topk,
+    open_saved,
+    resolve_shards,
+    shard_ranges,
+)
+from ragtrain.index.shards import build_configured_from_shards
+from tests.index.test_shards import _vectors, _write_shards
+
+ROWS = 400
+
+
+@pytest.fixture(scope="module")
+def vectors(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sharded")
+    x = _vectors(ROWS)
+    x[7] = x[300]  # a duplicate passage: equal scores
+    return x, _write_shards(tmp / "vec", [f"d{i}" for i in range(ROWS)], x, per_file=64), tmp
+
+
+@pytest.fixture(scope="module")
+def groups(ray_session, vectors):
+    """Shard groups of 1, 2 and 3 actors (started once for the module)."""
+    _, _, tmp = vectors
+    made = {n: ShardGroup(n, tmp / f"root{n}", PoolResources(num_actors=1), timeout_s=60.0) for n in (1, 2, 3)}
+    yield made
+    for g in made.values():
+        g.close()
+
+
+def test_ranges_are_contiguous_and_stable() -> None:
+    assert shard_ranges(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert shard_ranges(10, 3) == shard_ranges(10, 3) and shard_ranges(5, 5)[-1] == (4, 5)
+    with pytest.raises(ValueError):
+        shard_ranges(2, 3)
+
+
+def test_merge_orders_by_score_then_global_row_and_pads_last() -> None:
+    a = (np.array([[0.9, 0.5, -3e38]], np.float32), np.array([[1, 0, -1]]))
+    b = (np.array([[0.9, 0.7, 0.1]], np.float32), np.array([[0, 2, 1]]))
+    scores, rows = merge_topk([a, b], [0, 10], k=5)
+    assert rows.tolist() == [[1, 10, 12, 0, 11]] and scores[0, :2].tolist() == pytest.approx([0.9, 0.9])
+    scores, rows = merge_topk([a, (b[0][:, :0], b[1][:, :0])], [0, 10], k=3)  # fewer rows than k: -1 last
+    assert rows.tolist() == [[1, 0, -1]]
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat"])
+def test_n_shards_return_exactly_what_one_index_returns(groups, vectors, factory) -> None:
+    x, shards, _ = vectors
+    idx = IndexConfig(factory=factory, nprobe=3)
+    one = build_configured_from_shards(shards, idx, "fp", "enc", 2, seed=0)
+    q = _vectors(30, seed=5)
+    want_scores, want_rows = one.search(q, 10)
+    for n, group in groups.items():
+        index = group.build("t", shards, idx, "fp", "enc", 2, seed=0)
+        assert index.doc_ids == one.doc_ids and index.ntotal == ROWS and index.meta.extra["shards"] == n
+        scores, rows = index.search(q, 10)
+        np.testing.assert_array_equal(rows, want_rows, err_msg=f"{n} shards, {factory}")
+        np.testing.assert_array_equal(scores, want_scores, err_msg=f"{n} shards, {factory}")
+        # equal scores (a duplicate passage, rows 7 and 300 in different shards when n > 1) come in row order,
+        # whatever the shard count (one FAISS index orders ties by its heap, not by row)
+        _, tied = index.search(x[[7]], 2)
+        assert sorted(one.search(x[[7]], 2)[1][0].tolist()) == [7, 300] and tied.tolist() == [[7, 300]]
+        assert index.search_ids(q[:2], 3) == one.search_ids(q[:2], 3)
+        np.testing.assert_allclose(index.reconstruct_first(ROWS), x, atol=1e-6)
+
+
+def test_each_shard_persists_its_build_with_a_manifest_and_saves_a_loadable_folder(groups, vectors, tmp_path) -> None:
+    x, shards, tmp = vectors
+    group = groups[3]
+    index = group.build("saved", shards, IndexConfig(), "fp", "enc", 1, seed=0)
+    for i, (lo, hi) in enumerate(shard_ranges(ROWS, 3)):
+        m = json.loads((tmp / "root3" / "saved" / f"shard-{i}" / MANIFEST).read_text())
+        assert (m["shard"], m["start"], m["stop"], m["rows"], m["factory"], m["dim"]) == (
+            i,
+            lo,
+            hi,
+            hi - lo,
+            "Flat",
+            x.shape[1],
+        )
+        assert m["version"] >= 1 and len(m["checksum"]) == 64
+    out = index.save(tmp_path / "index")
+    local = open_saved(out, expect_corpus="fp")
+    assert isinstance(local, LocalShards) and local.doc_ids == index.doc_ids
+    q = _vectors(5, seed=9)
+    for a, b in zip(local.search(q, 7), index.search(q, 7)):
+        np.testing.assert_array_equal(a, b)
+    loaded = group.load("reloaded", out)  # a saved folder into the actors (the generator's saved-index path)
+    np.testing.assert_array_equal(loaded.search(q, 7)[1], index.search(q, 7)[1])
+    with pytest.raises(IndexMismatchError, match="different corpus"):
+        open_saved(out, expect_corpus="other")
+    (out / "shard-1" / "index.faiss").write_bytes(b"garbage")
+    with pytest.raises(IndexMismatchError, match=r"index shard .*shard-1 is corrupt"):
+        open_saved(out)
+    index.drop()
+    loaded.drop()
+
+
+def test_a_killed_shard_restarts_from_its_persisted_build_mid_search(groups, vectors) -> None:
+    _, shards, _ = vectors
+    group = groups[2]
+    index = group.build("k", shards, IndexConfig(), "fp", "enc", 1, seed=0)
+    q = _vectors(16 * SEARCH_BATCH, seed=3)  # 16 batches: the kill lands while they are being answered
+    want = index.search(q, 10)
+    pid = group.info()[1]["pid"]
+    with ThreadPoolExecutor(1) as pool:
+        searching = pool.submit(index.search, q, 10)
+        time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)  # a real crash of shard 1 with search calls in flight
+        got = searching.result()  # retried on the restarted actor, which reloaded build "k" from its folder
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[0], want[0])
+    after = group.info()[1]
+    assert after["pid"] != pid and "k" in after["restored"] and after["versions"]["k"] == group.versions["k"]
+    index.drop()
+
+
+def test_a_stalled_shard_fails_the_search_in_bounded_time_naming_it(groups, vectors) -> None:
+    _, shards, _ = vectors
+    group = groups[3]
+    index = group.build("s", shards, IndexConfig(), "fp", "enc", 1, seed=0)
+    index.timeout_s = 1.0
+    pid = group.info()[2]["pid"]
+    os.kill(pid, signal.SIGSTOP)  # a node that stops answering (not dead: no restart comes)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ShardUnavailableError, match=r"^index shard 2 did not answer a search of 's' within 1 s"):
+            index.search(_vectors(4, seed=1), 5)
+        assert time.monotonic() - t0 < 10
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    index.timeout_s = 60.0
+    assert index.search(_vectors(4, seed=1), 5)[1].shape == (4, 5)  # answers again once resumed
+    index.drop()
+
+
+def test_shard_count_checks() -> None:
+    nodes = [{"Alive": True, "Resources": {"CPU": 2.0, "memory": 1.0, "node:127.0.0.1": 1.0}}]
+    assert resolve_shards("3", 10) == 3
+    with pytest.raises(ConfigError, match=r"^index.shards=11 asks for 11 shards but the corpus has only 10 passages"):
+        resolve_shards("11", 10)
+    with pytest.raises(ConfigError, match=r"no node offers it \(this cluster has: CPU, memory\)"):
+        resolve_shards("auto", 10, nodes)
+    labelled = nodes + [
+        {"Alive": True, "Resources": {"CPU": 1.0, "index_node": 1.0}},
+        {"Alive": False, "Resources": {"index_node": 1.0}},
+    ]
+    assert resolve_shards("auto", 10, labelled) == 1
+
+
+def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(ray_session, tmp_path, capsys) -> None:
+    """Retrieval with index.shards=3: each shard reads its rows from the passage store and encodes them; the
+    evaluation, the mined negatives and the generator's searcher equal the one-index run's; the saved folder serves
+    `python -m ragtrain.search`, and a corrupt shard there is one line naming it (exit 2)."""
+    from omegaconf import OmegaConf
+
+    from ragtrain.config import to_typed
+    from ragtrain.corpus.load import load_data
+    from ragtrain.generator.retrieval import IndexPayload, Searcher
+    from ragtrain.index.retrieval import Retrieval
+    from ragtrain.pipeline import initial_weights
+    from ragtrain.search import main as search_main
+    from ragtrain.search import search
+    from tests.conftest import compose, tiny_overrides
+
+    def setup(shards: str):
+        cfg = to_typed(
+            compose([*tiny_overrides(tmp_path / shards), f"index.shards={shards}", "retriever.train.hard_negatives=1"])
+        )
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True)
+        return cfg, Retrieval(cfg, load_data(cfg.data, cfg.retriever, out))
+
+    cfg, sharded = setup("3")
+    _, single = setup("1")
+    weights = initial_weights(cfg)
+    try:
+        a, metrics_a = sharded.build_and_evaluate("zeroshot", [weights], "tiny@init", 0)
+        b, metrics_b = single.build_and_evaluate("zeroshot", [weights], "tiny@init", 0)
+        assert a.index.meta.extra["shards"] == 3 and a.index.doc_ids == b.index.doc_ids
+        assert [f.split("/")[0] for f in a.shards.files] == ["shard-0", "shard-1", "shard-2"]
+        for key in ("ndcg@10", "recall@100", "mrr@10"):
+            assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-9), key
+        assert metrics_a["index_shard_peak_rss_mb"] > 0 and "index_host_peak_rss_mb" not in metrics_a
+        assert sharded.mine_negatives(a) == single.mine_negatives(b)
+        payload = IndexPayload.from_index(a.index, cfg, [weights])  # the generator's searcher scatters too
+        questions = [sharded.data.queries[q] for q in sorted(sharded.data.eval_qrels)[:5]]
+        assert Searcher(payload).search(questions, 5) == Searcher(
+            IndexPayload.from_index(b.index, cfg, [weights])
+        ).search(questions, 5)
+        out = Path(cfg.output_dir)
+        a.index.save(out / "index")
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        _, hits = search(out, questions[0], k=3)
+        assert [h["id"] for h in hits] == b.index.search_ids(
+            sharded.encode_queries(a, sorted(sharded.data.eval_qrels)[:1]), 3
+        )[0]
+    finally:
+        sharded.close()
+        single.close()
+    (out / "index" / "shard-2" / "index.faiss").unlink()
+    capsys.readouterr()
+    assert search_main([str(out), "a question"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"search error: index shard {out / 'index' / 'shard-2'}: index.faiss is missing"]
