@@ -227,3 +227,27 @@ def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(ray_sessi
     assert search_main([str(out), "a question"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"search error: index shard {out / 'index' / 'shard-2'}: index.faiss is missing"]
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (("index.shards=121",), r"^index.shards=121 asks for 121 shards but the corpus has only 120 passages"),
+    (("index.shards=auto",), r"^index.shards=auto places one shard per node offering the 'index_node' resource, but "
+                             r"no node offers it \(this cluster has: CPU, memory, object_store_memory\): start index nodes"),
+    (("index.shards=2", "fault.kill_encode_actor_at_batch=0"), r"^fault.kill_encode_actor_at_batch kills a Ray Data"),
+])
+def test_shard_settings_the_run_cannot_serve_fail_before_any_work(ray_session, tmp_path, overrides, match) -> None:
+    from ragtrain.config import to_typed
+    from ragtrain.pipeline import run
+    from tests.conftest import compose, tiny_overrides
+
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *overrides]))
+    with pytest.raises(ConfigError, match=match):
+        run(cfg)
+    assert not (Path(cfg.output_dir) / "config.yaml").exists()  # not taken for a run
+    assert not (Path(cfg.output_dir) / "shards").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_a_shard_count_that_is_not_one_is_refused_by_the_config(value) -> None:
+    with pytest.raises(ConfigError, match=rf"^index.shards must be a positive number of shards or auto .*got '{value}'"):
+        IndexConfig(shards=value)
