@@ -337,7 +337,9 @@ class _Shard:
 
         from ragtrain.index.shards import build_from_shards
 
-        self.drop(tag)  # free the old build first: two copies of a large shard need not fit
+        # Free the old build's memory first (two copies of a large shard need not fit); its files stay until the
+        # new build is persisted, so a crash meanwhile restarts from the old version
+        self.indexes.pop(tag, None)
         quantizer = faiss.deserialize_index(trained) if trained is not None else None
         index = build_from_shards(
             shard_folder,

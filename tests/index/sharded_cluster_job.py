@@ -42,12 +42,20 @@ def main(out_dir: str) -> None:
             os.kill(before[1]["pid"], signal.SIGKILL)  # shard 1's process, on the second raylet
             got = searching.result()
         after = group.info()
-        print(json.dumps({
-            "shards": n, "nodes": [nd["NodeID"] for nd in ray.nodes() if nd["Alive"]],
-            "shard_nodes": [i["node"] for i in before], "restarted_node": after[1]["node"],
-            "pids_changed": [a["pid"] != b["pid"] for a, b in zip(after, before)], "restored": after[1]["restored"],
-            "same_after_kill": bool((got[1] == want[1]).all() and (got[0] == want[0]).all()),
-            "exact": bool((want[1][:50] == exact).all())}))
+        print(
+            json.dumps(
+                {
+                    "shards": n,
+                    "nodes": [nd["NodeID"] for nd in ray.nodes() if nd["Alive"]],
+                    "shard_nodes": [i["node"] for i in before],
+                    "restarted_node": after[1]["node"],
+                    "pids_changed": [a["pid"] != b["pid"] for a, b in zip(after, before)],
+                    "restored": after[1]["restored"],
+                    "same_after_kill": bool((got[1] == want[1]).all() and (got[0] == want[0]).all()),
+                    "exact": bool((want[1][:50] == exact).all()),
+                }
+            )
+        )
         group.close()
     finally:
         ray.shutdown()

@@ -174,54 +174,49 @@ def test_shard_count_checks() -> None:
 
 def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(ray_session, tmp_path, capsys) -> None:
     """Retrieval with index.shards=3: each shard reads its rows from the passage store and encodes them; the
-    evaluation, the mined negatives and the generator's searcher equal the one-index run's; the saved folder serves
-    `python -m ragtrain.search`, and a corrupt shard there is one line naming it (exit 2)."""
+    evaluation, the mined negatives and the generator's searcher equal those of one index of the same vectors; the
+    saved folder serves `python -m ragtrain.search`, and a missing shard there is one line naming it (exit 2). (The
+    Ray Data encode and the index host against the shards: the slow pipeline test below.)"""
     from omegaconf import OmegaConf
 
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
+    from ragtrain.data.store import PassageStore
     from ragtrain.generator.retrieval import IndexPayload, Searcher
-    from ragtrain.index.retrieval import Retrieval
+    from ragtrain.index.retrieval import BuiltIndex, Retrieval
     from ragtrain.pipeline import initial_weights
     from ragtrain.search import main as search_main
     from ragtrain.search import search
     from tests.conftest import compose, tiny_overrides
 
-    def setup(shards: str):
-        cfg = to_typed(
-            compose([*tiny_overrides(tmp_path / shards), f"index.shards={shards}", "retriever.train.hard_negatives=1"])
-        )
-        out = Path(cfg.output_dir)
-        out.mkdir(parents=True)
-        return cfg, Retrieval(cfg, load_data(cfg.data, cfg.retriever, out))
-
-    cfg, sharded = setup("3")
-    _, single = setup("1")
-    weights = initial_weights(cfg)
+    cfg = to_typed(compose([*tiny_overrides(tmp_path), "index.shards=3", "retriever.train.hard_negatives=1"]))
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True)
+    data = load_data(cfg.data, cfg.retriever, out)
+    assert isinstance(data.corpus, PassageStore)  # the shards read their ranges from the store file
+    sharded, weights = Retrieval(cfg, data), initial_weights(cfg)
     try:
-        a, metrics_a = sharded.build_and_evaluate("zeroshot", [weights], "tiny@init", 0)
-        b, metrics_b = single.build_and_evaluate("zeroshot", [weights], "tiny@init", 0)
-        assert a.index.meta.extra["shards"] == 3 and a.index.doc_ids == b.index.doc_ids
+        a, metrics = sharded.build_and_evaluate("zeroshot", [weights], "tiny@init", 0)
+        assert a.index.meta.extra["shards"] == 3 and a.index.meta.extra["rows_per_shard"] == [40, 40, 40]
         assert [f.split("/")[0] for f in a.shards.files] == ["shard-0", "shard-1", "shard-2"]
-        for key in ("ndcg@10", "recall@100", "mrr@10"):
-            assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-9), key
-        assert metrics_a["index_shard_peak_rss_mb"] > 0 and "index_host_peak_rss_mb" not in metrics_a
-        assert sharded.mine_negatives(a) == single.mine_negatives(b)
-        payload = IndexPayload.from_index(a.index, cfg, [weights])  # the generator's searcher scatters too
-        questions = [sharded.data.queries[q] for q in sorted(sharded.data.eval_qrels)[:5]]
-        assert Searcher(payload).search(questions, 5) == Searcher(
-            IndexPayload.from_index(b.index, cfg, [weights])
-        ).search(questions, 5)
-        out = Path(cfg.output_dir)
+        assert a.shards.ids() == sharded.doc_ids == a.index.doc_ids  # corpus order, range after range
+        one = build_configured_from_shards(a.shards, cfg.index, sharded.fingerprint, "tiny@init", 0, cfg.seed)
+        b = BuiltIndex("one", one, [weights], sharded.doc_ids, {}, a.shards)
+        want = sharded.evaluate(b)
+        assert {k: metrics[k] for k in want} == pytest.approx(want, abs=1e-12)
+        assert metrics["index_shard_peak_rss_mb"] > 0 and "index_host_peak_rss_mb" not in metrics
+        assert sharded.mine_negatives(a) == sharded.mine_negatives(b)
+        payload = IndexPayload.from_index(a.index, cfg, [weights])  # the generator's searchers scatter too
+        questions = [data.queries[q] for q in sorted(data.eval_qrels)[:5]]
+        assert Searcher(payload).search(questions, 5) == Searcher(IndexPayload.from_index(one, cfg, [weights])).search(
+            questions, 5
+        )
         a.index.save(out / "index")
         (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         _, hits = search(out, questions[0], k=3)
-        assert [h["id"] for h in hits] == b.index.search_ids(
-            sharded.encode_queries(a, sorted(sharded.data.eval_qrels)[:1]), 3
-        )[0]
+        assert [h["id"] for h in hits] == one.search_ids(sharded.encode_queries(a, sorted(data.eval_qrels)[:1]), 3)[0]
     finally:
         sharded.close()
-        single.close()
     (out / "index" / "shard-2" / "index.faiss").unlink()
     capsys.readouterr()
     assert search_main([str(out), "a question"]) == 2
@@ -229,12 +224,21 @@ def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(ray_sessi
     assert err == [f"search error: index shard {out / 'index' / 'shard-2'}: index.faiss is missing"]
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    (("index.shards=121",), r"^index.shards=121 asks for 121 shards but the corpus has only 120 passages"),
-    (("index.shards=auto",), r"^index.shards=auto places one shard per node offering the 'index_node' resource, but "
-                             r"no node offers it \(this cluster has: CPU, memory, object_store_memory\): start index nodes"),
-    (("index.shards=2", "fault.kill_encode_actor_at_batch=0"), r"^fault.kill_encode_actor_at_batch kills a Ray Data"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (("index.shards=121",), r"^index.shards=121 asks for 121 shards but the corpus has only 120 passages"),
+        (
+            ("index.shards=auto",),
+            r"^index.shards=auto places one shard per node offering the 'index_node' resource, "
+            r"but no node offers it \(this cluster has: CPU, memory, object_store_memory\): start",
+        ),
+        (
+            ("index.shards=2", "fault.kill_encode_actor_at_batch=0"),
+            r"^fault.kill_encode_actor_at_batch kills a Ray Data",
+        ),
+    ],
+)
 def test_shard_settings_the_run_cannot_serve_fail_before_any_work(ray_session, tmp_path, overrides, match) -> None:
     from ragtrain.config import to_typed
     from ragtrain.pipeline import run
@@ -249,7 +253,7 @@ def test_shard_settings_the_run_cannot_serve_fail_before_any_work(ray_session, t
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
 def test_a_shard_count_that_is_not_one_is_refused_by_the_config(value) -> None:
-    with pytest.raises(ConfigError, match=rf"^index.shards must be a positive number of shards or auto .*got '{value}'"):
+    with pytest.raises(ConfigError, match=rf"^index.shards must be a positive number of shards or auto .*'{value}'"):
         IndexConfig(shards=value)
 
 
@@ -262,8 +266,14 @@ def test_on_two_nodes_auto_puts_one_shard_on_each_and_a_killed_one_restarts_ther
 
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
-    r = subprocess.run([sys.executable, str(REPO / "tests" / "index" / "sharded_cluster_job.py"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "index" / "sharded_cluster_job.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     assert res["shards"] == 2 and len(res["nodes"]) == 2
@@ -271,3 +281,43 @@ def test_on_two_nodes_auto_puts_one_shard_on_each_and_a_killed_one_restarts_ther
     assert res["pids_changed"] == [False, True] and res["restored"] == ["t"]  # shard 1 alone restarted, from disk
     assert res["restarted_node"] == res["shard_nodes"][1]  # in its bundle, on the same node
     assert res["same_after_kill"] and res["exact"]
+
+
+@pytest.mark.slow  # two pipeline runs of their own; the Retrieval-level equality above is in the default suite
+def test_a_sharded_quickstart_gives_the_figures_of_one_index(ray_session, tmp_path) -> None:
+    from ragtrain.config import to_typed
+    from ragtrain.pipeline import run
+    from tests.conftest import compose, tiny_overrides
+
+    results = {
+        n: run(
+            to_typed(
+                compose(["experiment=quickstart", *tiny_overrides(tmp_path / n), "logger=none", f"index.shards={n}"])
+            )
+        )
+        for n in ("1", "3")
+    }
+    for phase in ("zeroshot", "trained"):
+        for key in ("ndcg@10", "mrr@10", "recall@100"):
+            assert results["3"][phase][key] == pytest.approx(results["1"][phase][key], abs=1e-9), (phase, key)
+    saved = tmp_path / "3" / "out" / "index"
+    assert open_saved(saved).meta.extra["shards"] == 3 and sorted(p.name for p in saved.glob("shard-*")) == [
+        "shard-0",
+        "shard-1",
+        "shard-2",
+    ]
+    # stages=[generator]: the saved sharded folder is checked in-process, then loaded into shard actors
+    from ragtrain.corpus.load import load_data
+    from ragtrain.generator.retrieval import Searcher
+    from ragtrain.generator.stage import resolve_index
+    from ragtrain.index.sharded import ShardedIndex
+
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path / "3"), "index.shards=3"]))
+    data = load_data(cfg.data, cfg.retriever)
+    payload = resolve_index(cfg, data, None, Path(cfg.output_dir))
+    assert isinstance(payload.index_bytes, ShardedIndex)
+    questions = [data.queries[q] for q in sorted(data.eval_qrels)[:3]]
+    assert Searcher(payload).search(questions, 4) == [
+        open_saved(saved).search_ids(q, 4)[0]
+        for q in (Searcher(payload).encode([t], cfg.retriever.query_max_length) for t in questions)
+    ]
