@@ -399,6 +399,7 @@ class LiveIndexClient:
         done = self.finished()
         if done is not None and done.get("ok"):
             out.update({"index/refresh_seconds": done["seconds"], "index/version": done["version"]})
+            out.update(done.get("metrics", {}))  # a sharded refresh's version mix, mixed recall, encoded share
         if done is not None and "error" in done:
             out["index/refresh_failures"] = self.failures
         drift = None

@@ -105,8 +105,9 @@ class Retrieval:
 
     @property
     def sharded(self) -> bool:
-        """Whether this run's indexes live in IndexShard actors (index.shards other than 1)."""
-        return self.cfg.index.shards != "1"
+        """Whether this run's indexes live in IndexShard actors: index.shards other than 1, or a live refresh that
+        refreshes shard by shard (refresh.fraction < 1 or a consistency policy; then one shard is one actor)."""
+        return self.cfg.index.shards != "1" or self.cfg.refresh.sharded
 
     @property
     def shard_group(self):
@@ -387,10 +388,26 @@ class Retrieval:
         # The service builds FAISS indexes: it lives in the pool's placement group (0 CPUs of its own, on the
         # pool's node), so index work never takes the trainer's CPUs.
         strategy = PlacementGroupSchedulingStrategy(self.pool.placement_group, placement_group_bundle_index=0)
-        service = IndexService.options(num_cpus=0, scheduling_strategy=strategy).remote(
-            self.cfg, self.pool, self.passages(), self.doc_ids, self.fingerprint, queries, gold, probe
-        )
-        stats = ray.get(service.publish.remote(0, built.shards.folder, [ray.put(weights)]))
+        if self.sharded:  # each index shard refreshes its own rows (index/sharded_refresh.py)
+            from ragtrain.data.store import PassageStore
+            from ragtrain.index.sharded import shard_ranges
+            from ragtrain.index.sharded_refresh import ShardedIndexService
+
+            corpus, texts = self.data.corpus, self.passages()
+            sources = [
+                corpus if isinstance(corpus, PassageStore) else [ray.put((self.doc_ids[a:b], list(texts[a:b])))]
+                for a, b in shard_ranges(len(self.doc_ids), self.shard_group.n)
+            ]
+            service = ShardedIndexService.options(num_cpus=0, scheduling_strategy=strategy).remote(
+                self.cfg, self.pool, self.shard_group.actors, self.doc_ids, texts, sources, queries, gold, probe
+            )
+            publish = service.publish.remote(0, built.index.tag, built.shards.folder, [ray.put(weights)])
+        else:
+            service = IndexService.options(num_cpus=0, scheduling_strategy=strategy).remote(
+                self.cfg, self.pool, self.passages(), self.doc_ids, self.fingerprint, queries, gold, probe
+            )
+            publish = service.publish.remote(0, built.shards.folder, [ray.put(weights)])
+        stats = ray.get(publish)
         if not stats.get("ok"):
             ray.kill(service)
             raise RuntimeError(f"the live index service could not publish version 0: {stats}")

@@ -48,6 +48,10 @@ TEXT_CHUNK = 4096  # passages a shard reads, encodes and writes at a time (one v
 INDEX_NODE_SHARE = 0.001  # each shard's claim on `index_node`: a placement label, not a capacity (pools share it)
 
 
+class LiveStateLost(RuntimeError):
+    """A restarted shard no longer holds its live rows: the refresh service starts them again (from disk)."""
+
+
 class ShardUnavailableError(RuntimeError):
     """A shard did not answer within index.shard_timeout_s, or died beyond its restarts; names the shard."""
 
@@ -105,7 +109,17 @@ def resolve_shards(setting: str, rows: int, nodes: Sequence[dict] | None = None)
 def check_shard_config(cfg: Config, rows: int, nodes: Sequence[dict] | None = None) -> None:
     """index.shards against the corpus (and, for `auto`, the cluster's `nodes`), before any work: a ConfigError
     names the key; a setting that works but leaves part of the run on one index gets a warning line."""
-    idx = cfg.index
+    idx, r = cfg.index, cfg.refresh
+    if r.enabled and r.consistency == "aligned" and nodes is None:
+        from ragtrain.corpus.encode import encoder_dim
+
+        dim = encoder_dim(cfg.retriever)
+        if r.anchors < dim or r.anchors > rows:
+            raise ConfigError(
+                f"refresh.anchors={r.anchors}: refresh.consistency=aligned fits a {dim} x {dim} map between encoder "
+                f"versions and needs at least {dim} anchor passages (the encoder's dimension) and at most the "
+                f"corpus's {rows}"
+            )
     if idx.shards == "1":
         return
     if idx.shards != "auto" or nodes is not None:
@@ -114,11 +128,6 @@ def check_shard_config(cfg: Config, rows: int, nodes: Sequence[dict] | None = No
         raise ConfigError(
             "fault.kill_encode_actor_at_batch kills a Ray Data encode actor, and with index.shards="
             f"{idx.shards} the index shards encode instead: set index.shards=1 to inject it"
-        )
-    if nodes is None and cfg.refresh.enabled:
-        log.warning(
-            f"[index] index.shards={idx.shards} with refresh.enabled: evaluation and the saved index use the "
-            "shards, the live refresh still keeps its own single index"
         )
 
 
@@ -407,6 +416,122 @@ class _Shard:
         self.manifests.pop(tag, None)
         shutil.rmtree(self._folder(tag), ignore_errors=True)
 
+    # -------------------------------------------------------------------------------- the live index (refresh)
+
+    def live_start(
+        self, from_tag: str, vector_folder: str, source: Any, start: int, stop: int, fresh: bool = False
+    ) -> dict:
+        """Hold rows [start, stop)'s vectors from the vector set `vector_folder` (the build `from_tag` was made
+        from) as this shard's live rows, and their texts' source (a PassageStore, or [ObjectRef of (ids, texts)]
+        of these rows) for re-encoding. A persisted live state of the same rows (a restart) is continued, unless
+        `fresh` (the start of a run's live index)."""
+        from ragtrain.data.store import PassageStore
+        from ragtrain.index.live_rows import LiveRows
+        from ragtrain.index.shards import iter_rows
+
+        vecs = np.concatenate([v for _, v in iter_rows(ShardSet.load(vector_folder), start, stop)])
+        if isinstance(source, PassageStore):
+
+            def read(local: np.ndarray) -> list[str]:  # one slice per run of consecutive rows
+                out: list[str] = []
+                for run in np.split(local, np.flatnonzero(np.diff(local) != 1) + 1):
+                    if len(run):
+                        out.extend(source.slice_texts(start + int(run[0]), start + int(run[-1]) + 1)[1])
+                return out
+        else:
+            texts = ray.get(source[0])[1]
+
+            def read(local: np.ndarray) -> list[str]:
+                return [texts[int(r)] for r in local]
+
+        folder = self.root / "live" / f"shard-{self.shard}"
+        if fresh:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.live = LiveRows(folder, vecs.astype(np.float32), read)
+        self.live_template = self.indexes[from_tag]
+        self.live_params = self.manifests[from_tag].get("search_params", (16, 128))
+        self.live_encoders: dict[int, Any] = {}
+        return {"rows": self.live.rows, "mix": self.live.mix()}
+
+    def _live(self) -> Any:
+        if getattr(self, "live", None) is None:
+            raise LiveStateLost(f"index shard {self.shard} holds no live rows (restarted): start them again")
+        return self.live
+
+    def _encoder(self, version: int, weights: list, retriever: RetrieverConfig, idx: IndexConfig) -> Any:
+        from ragtrain.corpus.encode import LocalEncoder
+
+        if version not in self.live_encoders:  # one encoder per snapshot, dropped when a newer one comes
+            self.live_encoders = {version: LocalEncoder(retriever, weights, idx.batch_size, idx.precision.value)}
+        return self.live_encoders[version]
+
+    def encode_texts(
+        self, version: int, weights: list, retriever: RetrieverConfig, idx: IndexConfig, texts: list[str], role: str
+    ) -> np.ndarray:
+        """Vectors of a few texts (queries, anchors, probe passages) with the snapshot of `version`."""
+        enc = self._encoder(version, weights, retriever, idx)
+        n = retriever.query_max_length if role == "query" else retriever.passage_max_length
+        return enc.encode(texts, n, role)
+
+    def live_encode(
+        self,
+        version: int,
+        weights: list,
+        retriever: RetrieverConfig,
+        idx: IndexConfig,
+        fraction: float,
+        priority: str,
+        hot: np.ndarray | None,
+        seed: int,
+        threads: int,
+    ) -> dict:
+        """Re-encode this round's share of the live rows with the snapshot of `version` (kept pending), on
+        `threads` CPUs (the refresh's share of the cluster: training runs beside it)."""
+        import torch
+
+        live = self._live()
+        torch.set_num_threads(max(1, threads))
+        enc = self._encoder(version, weights, retriever, idx)
+        stats = live.encode_round(
+            version,
+            lambda texts: enc.encode(texts, retriever.passage_max_length, "passage"),
+            fraction,
+            priority,
+            hot,
+            seed,
+        )
+        return {**stats, "shard": self.shard}
+
+    def live_apply(self, version: int) -> dict:
+        """Make the pending round searchable-to-be (stored and persisted); returns {version: rows}."""
+        return self._live().apply(version)
+
+    def live_build(self, tag: str, maps: dict[int, np.ndarray] | None = None) -> dict:
+        """Build `tag` from the live rows (rows at a version in `maps` through its map), copying the template
+        build's trained quantiser; returns the version mix. The previous build of `tag` answers until this one
+        replaces it (one assignment)."""
+        import faiss
+
+        live = self._live()
+        t0 = time.perf_counter()
+        index = faiss.clone_index(self.live_template.index)
+        index.reset()  # keeps a trained quantiser (IVF, PQ): every shard still scores alike
+        index.add(live.searchable(maps))
+        built = DenseIndex(index, self.live_template.doc_ids, self.live_template.meta)
+        built.set_search_params(*self.live_params)
+        self.indexes[tag] = built
+        return {"mix": live.mix(), "seconds": time.perf_counter() - t0}
+
+    def live_rows(self, local: list[int], maps: dict[int, np.ndarray] | None = None) -> np.ndarray:
+        """Searchable vectors of local rows (probe, anchors, gold)."""
+        return self._live().rows_of(local, maps)
+
+    def live_mix(self) -> dict:
+        return self._live().mix()
+
+    def live_versions(self, local: list[int]) -> np.ndarray:
+        return self._live().versions[np.asarray(local, dtype=np.int64)].copy()
+
     def info(self) -> dict:
         """pid, node, builds held and restored at start, peak RSS: for tests, placement and benchmarks."""
         return {
@@ -439,7 +564,11 @@ def _peak_rss() -> float:
 
 # 0 CPUs, as the index host: a shard works while the driver waits on it, and a reservation would take a CPU from
 # the trainer for the whole run. Its calls are retried on the restarted actor (searches and builds are idempotent).
-IndexShard = ray.remote(num_cpus=0, max_restarts=MAX_SHARD_RESTARTS, max_task_retries=MAX_SHARD_RESTARTS)(_Shard)
+# Threaded (max_concurrency): searches and mining go on while a live refresh encodes in another thread; a build
+# is swapped in by one assignment, so a search sees the old build or the new one.
+IndexShard = ray.remote(
+    num_cpus=0, max_restarts=MAX_SHARD_RESTARTS, max_task_retries=MAX_SHARD_RESTARTS, max_concurrency=4
+)(_Shard)
 
 
 @ray.remote(num_cpus=0)

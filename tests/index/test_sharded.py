@@ -172,56 +172,116 @@ def test_shard_count_checks() -> None:
     assert resolve_shards("auto", 10, labelled) == 1
 
 
-def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(ray_session, tmp_path, capsys) -> None:
-    """Retrieval with index.shards=3: each shard reads its rows from the passage store and encodes them; the
-    evaluation, the mined negatives and the generator's searcher equal those of one index of the same vectors; the
-    saved folder serves `python -m ragtrain.search`, and a missing shard there is one line naming it (exit 2). (The
-    Ray Data encode and the index host against the shards: the slow pipeline test below.)"""
-    from omegaconf import OmegaConf
+@pytest.fixture(scope="module")
+def on_shards(ray_session, tmp_path_factory):
+    """Retrieval with index.shards=3 over a passage store (each shard reads its rows from the store file), its
+    zero-shot build evaluated, and a changed snapshot for live refresh rounds."""
+    import torch
 
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
     from ragtrain.data.store import PassageStore
-    from ragtrain.generator.retrieval import IndexPayload, Searcher
-    from ragtrain.index.retrieval import BuiltIndex, Retrieval
+    from ragtrain.index.retrieval import Retrieval
     from ragtrain.pipeline import initial_weights
-    from ragtrain.search import main as search_main
-    from ragtrain.search import search
     from tests.conftest import compose, tiny_overrides
 
-    cfg = to_typed(compose([*tiny_overrides(tmp_path), "index.shards=3", "retriever.train.hard_negatives=1"]))
+    tmp = tmp_path_factory.mktemp("on_shards")
+    over = ["index.shards=3", "retriever.train.hard_negatives=1", "refresh.enabled=true", "refresh.every_steps=2"]
+    cfg = to_typed(compose([*tiny_overrides(tmp), *over]))
     out = Path(cfg.output_dir)
     out.mkdir(parents=True)
     data = load_data(cfg.data, cfg.retriever, out)
-    assert isinstance(data.corpus, PassageStore)  # the shards read their ranges from the store file
+    assert isinstance(data.corpus, PassageStore)
     sharded, weights = Retrieval(cfg, data), initial_weights(cfg)
+    torch.manual_seed(0)
+    changed = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v for k, v in weights.items()}
     try:
-        a, metrics = sharded.build_and_evaluate("zeroshot", [weights], "tiny@init", 0)
-        assert a.index.meta.extra["shards"] == 3 and a.index.meta.extra["rows_per_shard"] == [40, 40, 40]
-        assert [f.split("/")[0] for f in a.shards.files] == ["shard-0", "shard-1", "shard-2"]
-        assert a.shards.ids() == sharded.doc_ids == a.index.doc_ids  # corpus order, range after range
-        one = build_configured_from_shards(a.shards, cfg.index, sharded.fingerprint, "tiny@init", 0, cfg.seed)
-        b = BuiltIndex("one", one, [weights], sharded.doc_ids, {}, a.shards)
-        want = sharded.evaluate(b)
-        assert {k: metrics[k] for k in want} == pytest.approx(want, abs=1e-12)
-        assert metrics["index_shard_peak_rss_mb"] > 0 and "index_host_peak_rss_mb" not in metrics
-        assert sharded.mine_negatives(a) == sharded.mine_negatives(b)
-        payload = IndexPayload.from_index(a.index, cfg, [weights])  # the generator's searchers scatter too
-        questions = [data.queries[q] for q in sorted(data.eval_qrels)[:5]]
-        assert Searcher(payload).search(questions, 5) == Searcher(IndexPayload.from_index(one, cfg, [weights])).search(
-            questions, 5
-        )
-        a.index.save(out / "index")
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        _, hits = search(out, questions[0], k=3)
-        assert [h["id"] for h in hits] == one.search_ids(sharded.encode_queries(a, sorted(data.eval_qrels)[:1]), 3)[0]
+        built, metrics = sharded.build_and_evaluate("zeroshot", [weights], "tiny@init", 0)
+        yield cfg, data, sharded, built, metrics, weights, changed
     finally:
         sharded.close()
+
+
+def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards, capsys) -> None:
+    """Each shard read its rows from the passage store and encoded them; the evaluation, the mined negatives and
+    the generator's searcher equal those of one index of the same vectors; the saved folder serves `python -m
+    ragtrain.search`, and a missing shard there is one line naming it (exit 2). (The Ray Data encode and the
+    index host against the shards: the slow pipeline test below.)"""
+    from omegaconf import OmegaConf
+
+    from ragtrain.generator.retrieval import IndexPayload, Searcher
+    from ragtrain.index.retrieval import BuiltIndex
+    from ragtrain.search import main as search_main
+    from ragtrain.search import search
+
+    cfg, data, sharded, a, metrics, weights, _ = on_shards
+    out = Path(cfg.output_dir)
+    assert a.index.meta.extra["shards"] == 3 and a.index.meta.extra["rows_per_shard"] == [40, 40, 40]
+    assert [f.split("/")[0] for f in a.shards.files] == ["shard-0", "shard-1", "shard-2"]
+    assert a.shards.ids() == sharded.doc_ids == a.index.doc_ids  # corpus order, range after range
+    one = build_configured_from_shards(a.shards, cfg.index, sharded.fingerprint, "tiny@init", 0, cfg.seed)
+    b = BuiltIndex("one", one, [weights], sharded.doc_ids, {}, a.shards)
+    want = sharded.evaluate(b)
+    assert {k: metrics[k] for k in want} == pytest.approx(want, abs=1e-12)
+    assert metrics["index_shard_peak_rss_mb"] > 0 and "index_host_peak_rss_mb" not in metrics
+    assert sharded.mine_negatives(a) == sharded.mine_negatives(b)
+    payload = IndexPayload.from_index(a.index, cfg, [weights])  # the generator's searchers scatter too
+    questions = [data.queries[q] for q in sorted(data.eval_qrels)[:5]]
+    assert Searcher(payload).search(questions, 5) == Searcher(IndexPayload.from_index(one, cfg, [weights])).search(
+        questions, 5
+    )
+    a.index.save(out / "index")
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    _, hits = search(out, questions[0], k=3)
+    assert [h["id"] for h in hits] == one.search_ids(sharded.encode_queries(a, sorted(data.eval_qrels)[:1]), 3)[0]
     (out / "index" / "shard-2" / "index.faiss").unlink()
     capsys.readouterr()
     assert search_main([str(out), "a question"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"search error: index shard {out / 'index' / 'shard-2'}: index.faiss is missing"]
+
+
+@pytest.mark.parametrize(
+    ("consistency", "fraction", "priority"),
+    [("global", 1.0, "oldest"), ("eager", 0.5, "oldest"), ("aligned", 0.25, "hot"), ("eager", 0.25, "drift")],
+)
+def test_a_live_round_publishes_what_its_consistency_lets_searches_see(
+    on_shards, consistency, fraction, priority
+) -> None:
+    """One refresh round over the 3 shards: global publishes one state, all new; eager and aligned one state per
+    shard, the first mixing two encoder versions; a partial round leaves the unchosen rows at version 0. Under
+    eager, a shard killed between rounds continues the next one from its persisted rows."""
+    import ray
+
+    cfg, _, sharded, built, _, weights, changed = on_shards
+    r = cfg.refresh
+    r.consistency, r.fraction, r.priority, r.anchors = consistency, fraction, priority, 64
+    service, _ = sharded.start_service(built, weights)
+    try:
+        assert ray.get(service.latest.remote()).version == 0
+        done = ray.get(service.refresh.remote(5, [ray.put(changed)]))
+        assert done["ok"], done
+        m = done["metrics"]
+        assert m["index/encoded_fraction"] == pytest.approx(3 * max(1, round(fraction * 40)) / 120)
+        assert {f"index/shard{i}_encode_seconds" for i in range(3)} <= set(m)
+        states = ray.get(service.report.remote())["history"][-1]["state_metrics"]
+        if consistency == "global":  # one state, all at the new version: searches never saw a mix
+            assert len(states) == 1 and m["index/mixed_recall_at_10"] == 1.0
+            assert states[0]["index/version_skew"] == (0 if fraction == 1 else 1)
+        else:  # a state per shard: the first mixes the new shard with two old ones
+            assert len(states) == 3 and states[0]["index/version_skew"] == 1
+            assert states[0]["index/newest_version_share"] == pytest.approx(max(1, round(fraction * 40)) / 120)
+        assert states[-1]["index/newest_version_share"] == pytest.approx(max(1, round(fraction * 40)) / 40)
+        assert all(0.0 <= s["index/mixed_recall_at_10"] <= 1.0 for s in states)
+        if (consistency, priority) == ("eager", "oldest"):
+            shard = sharded.shard_group.actors[1]
+            before = ray.get(shard.live_mix.remote())
+            os.kill(ray.get(shard.info.remote())["pid"], signal.SIGKILL)
+            again = ray.get(service.refresh.remote(7, [ray.put(changed)]))  # restarts, reloads its rows, goes on
+            assert again["ok"], again
+            assert ray.get(shard.live_mix.remote()) == {1: before[1], 2: before[0]}  # round 1 kept, round 2 the rest
+    finally:
+        sharded.stop_service(service)
 
 
 @pytest.mark.parametrize(

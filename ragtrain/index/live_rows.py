@@ -1,0 +1,211 @@
+"""One index shard's live rows: its passages' vectors, the encoder version of each, and the partial re-encode.
+
+An `IndexShard` (index/sharded.py) holds one `LiveRows` while training refreshes its part of the live index
+(index/sharded_refresh.py drives every shard). A refresh round hands the shard a new encoder snapshot; the shard
+re-encodes a share `refresh.fraction` of its rows, chosen by `refresh.priority`:
+
+- `oldest`: round robin (the rows whose vectors are oldest come first);
+- `drift`: a seeded sample of the rows is re-encoded first; every other row's drift (1 - cos between its stored and
+  its new vector) is predicted as its nearest sampled row's (in the stored space), and the rows predicted to move
+  most are re-encoded;
+- `hot`: the rows retrieved or mined most since the last round (counts from the service), the rest by age.
+
+New vectors wait (`pending`) until the service applies them: it decides when a shard's new rows become searchable
+(`refresh.consistency`). The index a search sees is built from the stored vectors; under `aligned`, rows still at
+an older encoder version enter it through a linear map into the newest version's space. The state (vectors and
+versions) is persisted on every apply, so a restarted shard continues from its last applied round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+PRIORITIES = ("oldest", "drift", "hot")
+DRIFT_SAMPLE_SHARE = 0.1  # of a round's budget: the rows encoded first to estimate the drift of the others
+STATE = "live_state.npz"
+
+
+def select_rows(
+    priority: str,
+    versions: np.ndarray,
+    budget: int,
+    cursor: int,
+    hot: np.ndarray | None = None,
+    predicted_drift: np.ndarray | None = None,
+) -> np.ndarray:
+    """Local rows to re-encode this round (at most `budget`, sorted): see the module's priorities.
+
+    `oldest` takes the `budget` rows from `cursor` on, round robin (rows are re-encoded in turn, so the next ones
+    are always the oldest); `hot` takes the rows with the highest counts first (ties and zero counts: by age from
+    `cursor`); `drift` takes the highest `predicted_drift` first."""
+    n = len(versions)
+    budget = max(0, min(int(budget), n))
+    by_age = (np.arange(n) + cursor) % n  # round-robin order from the cursor
+    if priority == "oldest":
+        chosen = by_age[:budget]
+    elif priority == "hot":
+        counts = np.zeros(n) if hot is None else np.asarray(hot, dtype=np.float64)
+        age_rank = np.empty(n, dtype=np.int64)
+        age_rank[by_age] = np.arange(n)
+        chosen = np.lexsort((age_rank, -counts))[:budget]
+    elif priority == "drift":
+        if predicted_drift is None:
+            raise ValueError("priority 'drift' needs each row's predicted drift")
+        age_rank = np.empty(n, dtype=np.int64)
+        age_rank[by_age] = np.arange(n)
+        chosen = np.lexsort((age_rank, -np.asarray(predicted_drift, dtype=np.float64)))[:budget]
+    else:
+        raise ValueError(f"refresh.priority={priority!r} is unknown; valid choices: {list(PRIORITIES)}")
+    return np.sort(chosen)
+
+
+def predict_drift(stored: np.ndarray, sample_rows: np.ndarray, sample_drift: np.ndarray) -> np.ndarray:
+    """Every row's drift, predicted as that of its most similar sampled row in the stored space (1-NN)."""
+    out = np.empty(len(stored), dtype=np.float64)
+    anchors = stored[sample_rows]
+    for a in range(0, len(stored), 8192):  # bounded memory: 8192 x sample scores at a time
+        nearest = np.argmax(stored[a : a + 8192] @ anchors.T, axis=1)
+        out[a : a + 8192] = sample_drift[nearest]
+    out[sample_rows] = sample_drift
+    return out
+
+
+class LiveRows:
+    """A shard's live vectors (`vectors`, [rows, dim] float32), each row's encoder version, and a pending round."""
+
+    def __init__(self, folder: Path, vectors: np.ndarray, read_texts: Callable[[np.ndarray], list[str]]) -> None:
+        self.folder = folder
+        self.read_texts = read_texts  # local rows -> their passage texts
+        self.vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        self.versions = np.zeros(len(vectors), dtype=np.int64)
+        self.cursor = 0
+        self.pending: tuple[int, np.ndarray, np.ndarray] | None = None  # (version, rows, their new vectors)
+        state = folder / STATE
+        if state.exists():  # a restarted shard continues from its last applied round
+            with np.load(state) as z:
+                if z["vectors"].shape == self.vectors.shape:
+                    self.vectors, self.versions, self.cursor = z["vectors"], z["versions"], int(z["cursor"])
+
+    @property
+    def rows(self) -> int:
+        return len(self.vectors)
+
+    def encode_round(
+        self,
+        version: int,
+        encode: Callable[[list[str]], np.ndarray],
+        fraction: float,
+        priority: str,
+        hot: np.ndarray | None,
+        seed: int,
+    ) -> dict:
+        """Re-encode this round's share of the rows with `encode` (the new snapshot); kept pending until `apply`."""
+        t0 = time.perf_counter()
+        budget = self.rows if fraction >= 1.0 else max(1, round(fraction * self.rows))
+        got_rows: list[np.ndarray] = []
+        got_vecs: list[np.ndarray] = []
+        predicted = None
+        if priority == "drift" and budget < self.rows:
+            rng = np.random.default_rng([seed, version])
+            sample = np.sort(rng.choice(self.rows, size=max(1, int(budget * DRIFT_SAMPLE_SHARE)), replace=False))
+            fresh = encode(self.read_texts(sample))
+            drift = 1.0 - np.sum(fresh * self.vectors[sample], axis=1)
+            predicted = predict_drift(self.vectors, sample, drift)
+            predicted[sample] = -np.inf  # encoded already: the rest of the budget goes to the others
+            got_rows.append(sample)
+            got_vecs.append(fresh)
+            budget -= len(sample)
+        chosen = select_rows(priority, self.versions, budget, self.cursor, hot, predicted)
+        if len(chosen):
+            got_rows.append(chosen)
+            got_vecs.append(encode(self.read_texts(chosen)))
+        rows = np.concatenate(got_rows) if got_rows else np.zeros(0, dtype=np.int64)
+        vecs = np.concatenate(got_vecs) if got_vecs else np.zeros((0, self.vectors.shape[1]), np.float32)
+        if priority == "oldest":
+            self.cursor = (self.cursor + len(chosen)) % self.rows
+        moved = 1.0 - np.sum(vecs * self.vectors[rows], axis=1) if len(rows) else np.zeros(0)
+        self.pending = (version, rows, np.ascontiguousarray(vecs, dtype=np.float32))
+        return {
+            "version": version,
+            "encoded": int(len(rows)),
+            "rows": self.rows,
+            "seconds": time.perf_counter() - t0,
+            "drift_cosine": float(moved.mean()) if len(moved) else 0.0,
+        }
+
+    def apply(self, version: int) -> dict:
+        """Make the pending round's vectors this shard's stored ones (and persist them); returns the version mix."""
+        if self.pending is None or self.pending[0] != version:
+            raise RuntimeError(f"no pending round of version {version} to apply")
+        _, rows, vecs = self.pending
+        self.vectors[rows] = vecs
+        self.versions[rows] = version
+        self.pending = None
+        self._persist()
+        return self.mix()
+
+    def mix(self) -> dict:
+        """{encoder version: rows at it} of the stored vectors."""
+        vs, counts = np.unique(self.versions, return_counts=True)
+        return {int(v): int(c) for v, c in zip(vs, counts)}
+
+    def searchable(self, maps: dict[int, np.ndarray] | None = None) -> np.ndarray:
+        """The vectors a search sees: stored ones, rows at a mapped version through its map (re-normalised)."""
+        if not maps:
+            return self.vectors
+        out = self.vectors.copy()
+        for v, w in maps.items():
+            at = self.versions == v
+            if at.any():
+                y = self.vectors[at].astype(np.float64) @ w
+                out[at] = (y / np.clip(np.linalg.norm(y, axis=1, keepdims=True), 1e-12, None)).astype(np.float32)
+        return out
+
+    def rows_of(self, local: Sequence[int], maps: dict[int, np.ndarray] | None = None) -> np.ndarray:
+        """Searchable vectors of some local rows (the staleness probe, the anchors, gold passages)."""
+        idx = np.asarray(local, dtype=np.int64)
+        if not maps:
+            return self.vectors[idx].copy()
+        sub = LiveRows.__new__(LiveRows)
+        sub.vectors, sub.versions = self.vectors[idx], self.versions[idx]
+        return sub.searchable(maps)
+
+    def _persist(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{STATE}.{os.getpid()}.npz"
+        np.savez(tmp, vectors=self.vectors, versions=self.versions, cursor=np.int64(self.cursor))
+        os.replace(tmp, self.folder / STATE)  # atomic: a crash leaves the previous round's state
+
+    def clear(self) -> None:
+        """Forget the persisted state (the end of a run's live index)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def version_summary(mixes: Sequence[dict], steps: dict[int, int], step: int) -> dict[str, float]:
+    """Metrics of what searches see, from every shard's {version: rows}: index/version_skew (newest - oldest
+    version searched), index/newest_version_share (rows at the newest), index/staleness_steps (training steps since
+    the snapshot of the oldest rows), index/version_count."""
+    total: dict[int, int] = {}
+    for m in mixes:
+        for v, c in m.items():
+            total[int(v)] = total.get(int(v), 0) + int(c)
+    rows = sum(total.values())
+    newest, oldest = max(total), min(total)
+    return {
+        "index/version_skew": float(newest - oldest),
+        "index/newest_version_share": total[newest] / rows,
+        "index/staleness_steps": float(step - steps.get(oldest, 0)),
+        "index/version_count": float(len(total)),
+    }
+
+
+def dump(path: Path, obj: dict) -> None:
+    """A small JSON record beside the state (the service's refresh rounds)."""
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True))

@@ -1,0 +1,343 @@
+"""The live index over index shards: each shard refreshes its own rows, under a consistency policy.
+
+`ShardedIndexService` has `IndexService`'s interface (index/refresh.py: the trainer's `LiveIndexClient` talks to
+either), but the live index is the run's IndexShard actors (index/sharded.py), each holding `LiveRows`
+(index/live_rows.py). A refresh round hands every shard the new encoder snapshot; each re-encodes its share
+(`refresh.fraction`, chosen by `refresh.priority`) while training steps. When the new rows become searchable is
+`refresh.consistency`:
+
+- `global`: every shard builds its new index under a new tag; the service switches every search to that tag at
+  once, after the last shard is done. Searches never mix the versions of a round.
+- `eager`: each shard's new rows are searched as soon as that shard is done: searches see several encoder
+  versions at once (the inconsistency of an index distributed over nodes).
+- `aligned`: eager, and rows still at an older version are searched through a linear map into the newest
+  version's space (orthogonal Procrustes, `repair/align.py`), fitted on `refresh.anchors` passages that every
+  version encodes.
+
+Every state that searches can see is published as a `LiveVersion` (negatives re-mined with the newest snapshot's
+query vectors), and measured on the staleness probe: `index/version_skew` (newest - oldest encoder version of the
+rows searched), `index/mixed_recall_at_10` (the probe queries' top 10 over the probe passages as searches see
+them, against the same passages all encoded by the newest snapshot), `index/newest_version_share`,
+`index/staleness_steps`, `index/encoded_fraction` and the encode seconds of each shard.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import ray
+
+from ragtrain.config import Config
+from ragtrain.console import get_logger
+from ragtrain.index.faiss_index import METRIC, exact_search
+from ragtrain.index.live_rows import version_summary
+from ragtrain.index.refresh import LiveVersion, Probe, VersionBook
+from ragtrain.index.sharded import LiveStateLost, ShardedIndex, _gather, shard_ranges
+from ragtrain.precision import resolved_index
+
+log = get_logger(__name__)
+
+
+def mixed_recall(queries: np.ndarray, seen: np.ndarray, consistent: np.ndarray, k: int = 10) -> float:
+    """Mean overlap of each query's top-k over `seen` passage vectors with its top-k over `consistent` ones."""
+    k = min(k, len(seen))
+    a = exact_search(queries, seen, k)[1]
+    b = exact_search(queries, consistent, k)[1]
+    return float(np.mean([len(set(x.tolist()) & set(y.tolist())) / k for x, y in zip(a, b)]))
+
+
+def anchor_rows(rows: int, n: int, seed: int) -> list[int]:
+    """A seeded sample of `n` corpus rows (sorted): the passages every encoder version encodes for `aligned`."""
+    return sorted(np.random.default_rng([seed, 7]).choice(rows, size=min(n, rows), replace=False).tolist())
+
+
+@ray.remote(max_concurrency=4)  # one thread refreshes while the others answer the workers' polls
+class ShardedIndexService:
+    """The live index held by index shards; refreshes run in a thread of this actor, shard by shard."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        pool,
+        actors: list,
+        doc_ids: list[str],
+        passages,
+        sources: list,
+        train_queries: list[str],
+        train_gold: list[list[int]],
+        probe: Probe,
+    ):
+        self.cfg, self.pool, self.actors, self.doc_ids, self.passages = cfg, pool, actors, doc_ids, passages
+        self.sources, self.train_queries, self.train_gold, self.probe = sources, train_queries, train_gold, probe
+        self.pool.invalidate()  # the driver may have loaded weights since this copy of the pool was made
+        self.ranges = shard_ranges(len(doc_ids), len(actors))
+        self.offsets = [a for a, _ in self.ranges]
+        self.book = VersionBook()
+        self.tag = "live"
+        self.meta = None
+        self.encoder_version = 0
+        self.encoder_steps: dict[int, int] = {}  # encoder version -> training step of its snapshot
+        self.anchors: dict[int, np.ndarray] = {}  # encoder version -> its vectors of the anchor passages
+        self.anchor_rows = anchor_rows(len(doc_ids), cfg.refresh.anchors, cfg.seed)
+        self.maps: dict[int, np.ndarray] = {}
+        self.hot = np.zeros(len(doc_ids), dtype=np.int64)  # rows retrieved or mined since the last round
+        self._busy = threading.Lock()
+        self._swap = threading.Lock()
+        self.failures: list[str] = []
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------------------------------------ shards
+
+    def _call(self, shards: list[int], method: str, *args, what: str = "a live refresh call") -> list[Any]:
+        """One call per shard; a shard that lost its live rows (restarted) starts them again from disk, once."""
+        refs = [getattr(self.actors[i], method).remote(*args) for i in shards]
+        out = []
+        for i, ref in zip(shards, refs):
+            try:
+                out.append(_gather([ref], [i], what, self.cfg.index.shard_timeout_s)[0])
+            except LiveStateLost:
+                self._start([i])
+                out.append(_gather([getattr(self.actors[i], method).remote(*args)], [i], what, None)[0])
+        return out
+
+    def _start(self, shards: list[int], fresh: bool = False) -> None:
+        refs = [
+            self.actors[i].live_start.remote(self.from_tag, self.vector_folder, self.sources[i], *self.ranges[i], fresh)
+            for i in shards
+        ]
+        _gather(refs, shards, "the start of the live rows", None)
+        _gather([self.actors[i].live_build.remote(self.tag, self.maps) for i in shards], shards, "a live build", None)
+
+    def _split(self, rows: list[int]) -> dict[int, list[int]]:
+        """Global rows -> {shard: local rows}."""
+        out: dict[int, list[int]] = {}
+        for r in rows:
+            s = int(np.searchsorted(self.offsets, r, side="right") - 1)
+            out.setdefault(s, []).append(r - self.offsets[s])
+        return out
+
+    def _rows(self, rows: list[int], maps: dict[int, np.ndarray]) -> np.ndarray:
+        """Searchable vectors of global rows (in the given order), fetched from their shards."""
+        parts = self._split(rows)
+        out = {}
+        for s, local in parts.items():
+            vecs = self._call([s], "live_rows", local, maps, what="a row fetch")[0]
+            out.update({self.offsets[s] + lr: v for lr, v in zip(local, vecs)})
+        return np.stack([out[r] for r in rows])
+
+    # ------------------------------------------------------------------------------------------------ rounds
+
+    def publish(self, step: int, from_tag: str, vector_folder: str, weights: list) -> dict[str, Any]:
+        """Version 0: every shard holds its rows of the build `from_tag` (vectors from `vector_folder`)."""
+        try:
+            self.from_tag, self.vector_folder = from_tag, vector_folder
+            self._start(list(range(len(self.actors))), fresh=True)
+            self.encoder_steps[0] = step
+            if self.cfg.refresh.consistency == "aligned":
+                self.anchors[0] = self._rows(self.anchor_rows, {})
+            qvecs = self._encode(0, step, weights[0], self.train_queries, "query")
+            fresh = self._rows(self.probe.rows, {})
+            self.dim = int(fresh.shape[1])
+            return self._publish(step, qvecs, fresh, {"encoded_rows": 0})
+        except Exception as e:  # the caller sees why version 0 is missing
+            traceback.print_exc()
+            return {"ok": False, "error": repr(e), "step": step}
+
+    def refresh(self, step: int, weights: list) -> dict[str, Any]:
+        """One round: every shard re-encodes its share with the snapshot in `weights[0]`; the new rows become
+        searchable as `refresh.consistency` says. Returns the round's stats and metrics."""
+        if not self._busy.acquire(blocking=False):
+            return {"ok": False, "skipped": "a refresh is already running", "step": step}
+        start = time.perf_counter()
+        try:
+            return self._round(step, weights[0], start)
+        except Exception as e:  # keep serving what is live; the caller logs the failure
+            self.failures.append(f"step {step}: {e!r}")
+            traceback.print_exc()
+            return {"ok": False, "error": repr(e), "step": step, "seconds": time.perf_counter() - start}
+        finally:
+            self._busy.release()
+
+    def _round(self, step: int, weights_ref, start: float) -> dict[str, Any]:
+        cfg, r = self.cfg, self.cfg.refresh
+        v = self.encoder_version + 1
+        self.encoder_steps[v] = step
+        qvecs = self._encode(v, step, weights_ref, self.train_queries, "query")
+        fresh = self._encode(v, step, weights_ref, [self.passages[i] for i in self.probe.rows], "passage")
+        extra = len(self.probe.rows)
+        if r.consistency == "aligned":
+            self.anchors[v] = self._encode(
+                v, step, weights_ref, [self.passages[i] for i in self.anchor_rows], "passage"
+            )
+            extra += len(self.anchor_rows)
+        hot, self.hot = self.hot, np.zeros_like(self.hot)
+        n = len(self.actors)
+        pool = cfg.resources.pool  # the refresh's CPUs, shared by the shards: training keeps its own
+        threads = max(1, int(pool.cpus_per_actor * pool.num_actors) // n)
+        args = {
+            i: (
+                v,
+                [weights_ref],
+                cfg.retriever,
+                resolved_index(cfg),
+                r.fraction,
+                r.priority,
+                hot[a:b],
+                cfg.seed,
+                threads,
+            )
+            for i, (a, b) in enumerate(self.ranges)
+        }
+        refs = {self.actors[i].live_encode.remote(*a): i for i, a in args.items()}
+
+        def encoded_by(i: int, ref) -> dict:
+            try:
+                return _gather([ref], [i], "a live encode", None)[0]
+            except LiveStateLost:  # restarted since the last round: its rows come back from disk, then encode
+                self._start([i])
+                return _gather([self.actors[i].live_encode.remote(*args[i])], [i], "a live encode", None)[0]
+
+        encoded: dict[int, dict] = {}
+        states: list[dict] = []
+        if r.consistency == "global":
+            for ref, i in refs.items():
+                encoded[i] = encoded_by(i, ref)
+            self._call(list(range(n)), "live_apply", v)
+            tag = f"live{v}"
+            self._call(list(range(n)), "live_build", tag, {})
+            old, self.tag = self.tag, tag  # the barrier: every search from now on sees version v everywhere
+            self.encoder_version = v
+            states.append(self._publish(step, qvecs, fresh, {}))
+            self._call(list(range(n)), "drop", old)
+        else:
+            pending = list(refs)
+            while pending:  # each shard's rows go live as soon as it is done
+                done, pending = ray.wait(pending, num_returns=1)
+                i = refs[done[0]]
+                encoded[i] = encoded_by(i, done[0])
+                self._call([i], "live_apply", v)
+                self.encoder_version = v
+                if r.consistency == "aligned":  # every older version maps into v: every shard's index changes
+                    self.maps = self._fit_maps(v)
+                    self._call(list(range(n)), "live_build", self.tag, self.maps)
+                else:
+                    self._call([i], "live_build", self.tag, {})
+                states.append(self._publish(step, qvecs, fresh, {}))
+        rows = sum(e["encoded"] for e in encoded.values())
+        metrics = {
+            "index/encoded_fraction": rows / len(self.doc_ids),
+            "index/encoded_extra_rows": float(extra),
+            "index/version_skew": max(s["metrics"]["index/version_skew"] for s in states),
+            "index/mixed_recall_at_10": float(np.mean([s["metrics"]["index/mixed_recall_at_10"] for s in states])),
+            "index/newest_version_share": states[-1]["metrics"]["index/newest_version_share"],
+            "index/staleness_steps": states[-1]["metrics"]["index/staleness_steps"],
+            **{f"index/shard{i}_encode_seconds": e["seconds"] for i, e in sorted(encoded.items())},
+        }
+        stats = {
+            "ok": True,
+            "version": self.book.version(),
+            "encoder_version": v,
+            "step": step,
+            "seconds": time.perf_counter() - start,
+            "states": len(states),
+            "metrics": metrics,
+            "node": ray.get_runtime_context().get_node_id(),
+        }
+        self.history.append({**stats, "state_metrics": [s["metrics"] for s in states]})
+        return stats
+
+    def _encode(self, v: int, step: int, weights_ref, texts: list[str], role: str) -> np.ndarray:
+        """A few texts (queries, probe and anchor passages) on the pool, with the snapshot of encoder version v."""
+        r = self.cfg.retriever
+        if self.pool.version != ("live", v):
+            self.pool.set_weights(("live", v), weights_ref)
+        n = r.query_max_length if role == "query" else r.passage_max_length
+        return self.pool.encode(texts, n, resolved_index(self.cfg), progress=False, role=role)[0]
+
+    def _fit_maps(self, newest: int) -> dict[int, np.ndarray]:
+        """For every older encoder version still stored: the orthogonal map of its anchors onto the newest's."""
+        from ragtrain.repair.align import fit_alignment
+
+        return {u: fit_alignment(self.anchors[u], self.anchors[newest]).weight for u in self.anchors if u != newest}
+
+    def _publish(self, step: int, qvecs: np.ndarray, fresh_probe: np.ndarray, extra: dict) -> dict[str, Any]:
+        """Publish the state searches see now: negatives mined with the newest snapshot's query vectors, the
+        probe's stored vectors, and what the state mixes."""
+        from ragtrain.index.mining import mine_rows, positive_scores
+
+        t = self.cfg.retriever.train
+        mixes = self._call(list(range(len(self.actors))), "live_mix")
+        index = self._index()
+        positive = None
+        if t.hard_negative_margin is not None:  # each query's positive, on its gold rows' searchable vectors only
+            wanted = sorted({g for gs in self.train_gold for g in gs})
+            local = {g: i for i, g in enumerate(wanted)}
+            gold = [[local[g] for g in gs] for gs in self.train_gold]
+            positive = positive_scores(qvecs, gold, self._rows(wanted, self.maps))
+        negatives = mine_rows(
+            index, qvecs, self.train_gold, t.hard_negative_depth, t.hard_negative_skip_top,
+            t.hard_negative_margin, t.hard_negative_max_score, positive=positive,
+        )  # fmt: skip
+        for rows in negatives:
+            np.add.at(self.hot, np.asarray(rows, dtype=np.int64), 1)
+        seen = self._rows(self.probe.rows, self.maps)
+        pq = qvecs[: len(self.probe.queries)]  # the probe queries are the first training queries (make_probe)
+        metrics = {
+            **version_summary(mixes, self.encoder_steps, step),
+            "index/mixed_recall_at_10": mixed_recall(pq, seen, fresh_probe),
+        }
+        with self._swap:
+            version = self.book.version() + 1
+            live = LiveVersion(version, step, negatives, seen, 0.0)
+            self.book.publish(live)
+        return {"ok": True, "version": version, "step": step, "metrics": metrics, **extra}
+
+    def _index(self) -> ShardedIndex:
+        from ragtrain.index.faiss_index import IndexMeta
+
+        if self.meta is None:
+            self.meta = IndexMeta(
+                factory=self.cfg.index.factory, dim=self.dim, metric=METRIC, ntotal=len(self.doc_ids),
+                corpus_fingerprint="", encoder="live", encoder_step=0, precision="",
+            )  # fmt: skip
+        return ShardedIndex(
+            self.actors, self.tag, self.doc_ids, self.meta, self.offsets, self.cfg.index.shard_timeout_s
+        )
+
+    # ------------------------------------------------------------------------------------- IndexService's API
+
+    def version(self) -> int:
+        with self._swap:
+            return self.book.version()
+
+    def latest(self) -> LiveVersion | None:
+        with self._swap:
+            return self.book.latest()
+
+    def version_for_step(self, step: int) -> int:
+        with self._swap:
+            return self.book.version_for_step(step)
+
+    def get(self, version: int) -> LiveVersion:
+        with self._swap:
+            return self.book.get(version)
+
+    def busy(self) -> bool:
+        return self._busy.locked()
+
+    def search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k (scores, rows) from the live index (counted as hot rows)."""
+        scores, rows = self._index().search(qvecs, k)
+        np.add.at(self.hot, rows[rows >= 0], 1)
+        return scores, rows
+
+    def report(self) -> dict[str, Any]:
+        return {"history": list(self.history), "failures": list(self.failures)}
+
+    def close(self) -> None:
+        with self._busy:
+            pass

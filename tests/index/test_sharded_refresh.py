@@ -1,0 +1,110 @@
+"""Live refresh over index shards: partial re-encoding by priority, the consistency policies, the version-mix
+metrics, and a restarted shard continuing from its persisted round (real Ray actors, real FAISS)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ragtrain.config import RefreshConfig, to_typed
+from ragtrain.errors import ConfigError
+from ragtrain.index.live_rows import LiveRows, predict_drift, select_rows, version_summary
+from ragtrain.index.sharded_refresh import mixed_recall
+from ragtrain.repair.align import fit_alignment
+from tests.conftest import compose, tiny_overrides
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_oldest_is_round_robin_hot_takes_counts_first_drift_takes_the_largest() -> None:
+    versions = np.zeros(10, dtype=np.int64)
+    assert select_rows("oldest", versions, 4, cursor=8).tolist() == [0, 1, 8, 9]
+    hot = np.array([0, 5, 0, 0, 9, 0, 0, 0, 0, 1])
+    assert select_rows("hot", versions, 3, cursor=0, hot=hot).tolist() == [1, 4, 9]
+    assert select_rows("hot", versions, 5, cursor=6, hot=hot).tolist() == [1, 4, 6, 7, 9]  # then by age
+    drift = np.linspace(0, 1, 10)
+    assert select_rows("drift", versions, 2, cursor=0, predicted_drift=drift).tolist() == [8, 9]
+    with pytest.raises(ValueError, match="priority 'drift' needs"):
+        select_rows("drift", versions, 2, cursor=0)
+
+
+def test_drift_of_unsampled_rows_is_their_nearest_sampled_rows() -> None:
+    stored = _unit(np.array([[1, 0], [0.9, 0.1], [0, 1], [0.1, 0.9]], dtype=np.float32))
+    predicted = predict_drift(stored, np.array([0, 2]), np.array([0.5, 0.01]))
+    assert predicted.tolist() == [0.5, 0.5, 0.01, 0.01]
+
+
+def test_a_partial_round_encodes_its_share_applies_it_and_a_restart_continues_from_disk(tmp_path) -> None:
+    rng = np.random.default_rng(0)
+    old = _unit(rng.normal(size=(40, 8)))
+    new = _unit(rng.normal(size=(40, 8)))
+    texts = [str(i) for i in range(40)]
+    rows = LiveRows(tmp_path, old, lambda local: [texts[i] for i in local])
+
+    def encode(batch: list[str]) -> np.ndarray:
+        return new[[int(t) for t in batch]]
+
+    for version, want in ((1, range(0, 10)), (2, range(10, 20))):  # oldest: round robin over the rows
+        stats = rows.encode_round(version, encode, 0.25, "oldest", None, seed=0)
+        assert stats["encoded"] == 10
+        assert rows.apply(version) == {0: 40 - 10 * version, **{v: 10 for v in range(1, version + 1)}}
+        np.testing.assert_array_equal(rows.vectors[list(want)], new[list(want)])
+    np.testing.assert_array_equal(rows.vectors[20:], old[20:])  # the rest keep their vectors
+    again = LiveRows(tmp_path, old, lambda local: [texts[i] for i in local])  # a restarted shard
+    assert again.mix() == rows.mix() and again.cursor == 20
+    np.testing.assert_array_equal(again.vectors, rows.vectors)
+    with pytest.raises(RuntimeError, match="no pending round of version 3"):
+        again.apply(3)
+    drift = rows.encode_round(3, encode, 0.25, "drift", None, seed=0)  # a sample first, then the predicted rest
+    assert drift["encoded"] == 10
+
+
+def test_eager_mixes_versions_and_aligned_maps_the_old_rows_into_the_new_space() -> None:
+    """Half the rows re-encoded by a new encoder that rotates the space: eager searches a mix and misses what a
+    consistent index finds; aligned maps the old half through the map fitted on anchors and finds it all."""
+    rng = np.random.default_rng(1)
+    old = _unit(rng.normal(size=(200, 16)))
+    rot = np.linalg.qr(rng.normal(size=(16, 16)))[0]
+    new = _unit(old @ rot)
+    rows = LiveRows.__new__(LiveRows)
+    rows.vectors, rows.versions = old.copy(), np.zeros(200, dtype=np.int64)
+    rows.vectors[:100], rows.versions[:100] = new[:100], 1
+    queries = _unit(new[:20] + 0.05 * rng.normal(size=(20, 16)))  # queries from the new encoder
+    eager = mixed_recall(queries, rows.searchable(), new)
+    anchors = rng.choice(200, size=32, replace=False)
+    maps = {0: fit_alignment(old[anchors], new[anchors]).weight}
+    aligned = mixed_recall(queries, rows.searchable(maps), new)
+    assert aligned == pytest.approx(1.0) and eager < 0.9
+    s = version_summary([rows.mix()], {0: 0, 1: 30}, step=40)
+    assert s == {
+        "index/version_skew": 1.0,
+        "index/newest_version_share": 0.5,
+        "index/staleness_steps": 40.0,
+        "index/version_count": 2.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("consistency", "lazy", r"^refresh.consistency must be one of \['global', 'eager', 'aligned'\]"),
+        ("priority", "random", r"^refresh.priority must be one of \['oldest', 'drift', 'hot'\]"),
+        ("fraction", 0.0, r"^refresh.fraction must be in \(0, 1\]"),
+        ("fraction", 1.5, r"^refresh.fraction must be in \(0, 1\]"),
+    ],
+)
+def test_bad_refresh_settings_name_the_key_and_the_choices(key, value, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        RefreshConfig(enabled=True, every_steps=2, **{key: value})
+
+
+def test_aligned_with_fewer_anchors_than_the_dimension_fails_before_any_work(ray_session, tmp_path) -> None:
+    from ragtrain.pipeline import run
+
+    over = ["refresh.enabled=true", "refresh.every_steps=2", "refresh.consistency=aligned", "refresh.anchors=16"]
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *over]))
+    with pytest.raises(ConfigError, match=r"^refresh.anchors=16: refresh.consistency=aligned fits a 64 x 64 map"):
+        run(cfg)
+    assert not (tmp_path / "out" / "config.yaml").exists()
