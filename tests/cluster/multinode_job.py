@@ -205,6 +205,9 @@ def distributed_part(out_dir: str) -> dict:
                 "refresh.check_every=2",
                 "refresh.probe_passages=16",
                 "refresh.probe_queries=4",
+                "index.shards=2",  # the live index on 2 shards: each refreshes half its rows, searched as they land
+                "refresh.consistency=eager",
+                "refresh.fraction=0.5",
                 "checkpoint.every_steps=2",
                 "fault.max_failures=1",
                 "fault.kill_worker_at_step=3",
@@ -219,6 +222,7 @@ def distributed_part(out_dir: str) -> dict:
     history = json.load(open(os.path.join(out, "refresh_history.json")))["history"]
     return {
         "refresh_nodes": sorted({h["node"] for h in history}),
+        "refresh_metrics": [h["metrics"] for h in history],
         "refreshes": results["train"]["index/refreshes"],
         "killed": os.path.exists(os.path.join(out, "ray", ".fault_injected_retriever_rank1_step3")),
         "steps": results["train"]["steps"],
