@@ -353,6 +353,21 @@ def actor_cpus(pool: PoolResources) -> float:
     return float(pool.cpus_per_actor)
 
 
+def build_threads(pool: PoolResources) -> int:
+    """Torch threads per encode actor for a build that nothing runs beside (the zero-shot and trained indexes; a
+    live refresh keeps to its pool): on one node, the CPUs free now shared by the pool's actors, so a laptop's
+    1-actor pool uses every core; on a cluster, resources.pool.cpus_per_actor (other nodes' CPUs are not the
+    actors' to take)."""
+    import ray
+
+    cpus = max(1, int(pool.cpus_per_actor))
+    if pool.gpus_per_actor or len([n for n in ray.nodes() if n.get("Alive")]) != 1:
+        return cpus
+    # Ray's CPUs are logical (ray.init(num_cpus=8) on 2 cores): threads beyond the cores would only contend
+    free = min(ray.available_resources().get("CPU", 0.0), len(os.sched_getaffinity(0)))
+    return max(cpus, int(free // pool.num_actors))
+
+
 def rows_dataset(ids: Sequence[str], texts: Sequence[str], rows_per_block: int = 4096):
     """A Ray Data dataset of rows {id, text} from in-memory lists (the corpus loaders' output), in blocks."""
     import ray
@@ -409,6 +424,7 @@ def encode_stage(
     num_gpus_per_actor: float = 0.0,
     text_column: str = "text",
     keep_columns: bool = False,
+    num_threads: int | None = None,
 ) -> Any:
     """`rows.map_batches(EncodeBatch)` on the encode actor pool: `pool.num_actors` actors x `actor_cpus(pool)` CPUs
     (+ `num_gpus_per_actor`, + custom resources such as index_node), `per_call` rows per call; a dataset of
@@ -429,7 +445,7 @@ def encode_stage(
                 batch_size=index.batch_size,
                 precision=Precision(index.precision).value,
                 vector_dtype=vector_dtype,
-                num_threads=max(1, int(pool.cpus_per_actor)),
+                num_threads=num_threads or max(1, int(pool.cpus_per_actor)),
                 fault=fault,
                 stats_dir=stats_dir,
                 text_column=text_column,
@@ -461,6 +477,7 @@ def encode_to_shards(
     progress: bool = False,
     num_gpus_per_actor: float = 0.0,
     preserve_order: bool = True,
+    num_threads: int | None = None,
 ) -> ShardSet:
     """Encode a dataset of rows {id, text} into parquet shards under `out_dir` (replaced if it exists).
 
@@ -504,6 +521,7 @@ def encode_to_shards(
             fault=fault,
             stats_dir=stats_dir,
             num_gpus_per_actor=num_gpus_per_actor,
+            num_threads=num_threads,
         )
         # The write tasks ask for a quarter of the reserve: with 1 CPU each they could never start beside an actor
         # pool that holds all but IO_CPU_RESERVE of a small cluster (the stream would stall)

@@ -182,7 +182,7 @@ def _dataset(
     per_call: int,
 ) -> Any:
     """read (tasks) -> clean (tasks) -> chunk (tasks) -> encode (the actor pool): rows with their vectors."""
-    from .encode import encode_stage
+    from .encode import build_threads, encode_stage
 
     ds = _passages(files, root, retriever, chunk)
     return encode_stage(
@@ -198,6 +198,7 @@ def _dataset(
         num_gpus_per_actor=enc.pool.gpus_per_actor,
         text_column="embed",
         keep_columns=True,
+        num_threads=build_threads(enc.pool),  # reading and chunking are light next to encoding
     )
 
 

@@ -162,7 +162,7 @@ class Retrieval:
         """
         import ray
 
-        from ragtrain.corpus.encode import EncodeFault, encode_to_shards, encoder_dim
+        from ragtrain.corpus.encode import EncodeFault, build_threads, encode_to_shards, encoder_dim
         from ragtrain.index.faiss_index import check_index_config
         from ragtrain.index.shard_ops import mean_shards
 
@@ -203,9 +203,10 @@ class Retrieval:
                 log.info(f"[{tag}] encoding {len(self.doc_ids)} passages on {group.n} index shards")
                 sets.append(group.encode(source, ray.put(weights), cfg.retriever, idx, folder))
             else:
+                threads = build_threads(cfg.resources.pool)
                 log.info(
                     f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data "
-                    f"({cfg.resources.pool.num_actors} actors)"
+                    f"({cfg.resources.pool.num_actors} actors x {threads} threads)"
                 )
                 sets.append(
                     encode_to_shards(
@@ -218,6 +219,7 @@ class Retrieval:
                         vector_dtype=idx.vector_dtype,
                         fault=fault,
                         num_gpus_per_actor=cfg.resources.pool.gpus_per_actor,
+                        num_threads=threads,
                     )
                 )
             if key is not None:

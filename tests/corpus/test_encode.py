@@ -130,3 +130,20 @@ def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_pa
     assert (out / "vectors" / "zeroshot" / "shards.json").exists()
     assert results["zeroshot"]["ndcg@10"] >= 0.0
     assert not list(out.glob("index.tmp-*"))  # the temporary folder was renamed
+
+
+def test_a_build_that_runs_alone_gives_the_pools_actors_every_free_cpu(ray_session) -> None:
+    """A 1-actor pool of 1 CPU on a one-node cluster: the build's actor runs a thread per free CPU (a laptop's
+    zero-shot and trained indexes use every core); with GPUs, or more actors than CPUs, it keeps its own share."""
+    import os
+
+    import ray
+
+    from ragtrain.config import PoolResources
+    from ragtrain.corpus.encode import build_threads
+
+    free = int(min(ray.available_resources()["CPU"], len(os.sched_getaffinity(0))))  # logical CPUs, up to the cores
+    assert build_threads(PoolResources(num_actors=1, cpus_per_actor=1)) == max(1, free)
+    assert build_threads(PoolResources(num_actors=2, cpus_per_actor=1)) == max(1, free // 2)
+    assert build_threads(PoolResources(num_actors=1, cpus_per_actor=1, gpus_per_actor=1)) == 1
+    assert build_threads(PoolResources(num_actors=4 * free, cpus_per_actor=1)) == 1
