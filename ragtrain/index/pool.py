@@ -104,7 +104,9 @@ class EncoderPool:
     CPUs they hold are reserved for index building and never handed to trainer or generator workers.
     """
 
-    def __init__(self, retriever: RetrieverConfig, pool: PoolResources):
+    def __init__(self, retriever: RetrieverConfig, pool: PoolResources, start_actors: bool = True):
+        """start_actors=False: only the reservation (the placement group), for work that runs in its bundles on
+        other actors' threads (the live refresh over index shards)."""
         from ray.util.placement_group import placement_group, remove_placement_group
 
         self.retriever, self.resources = retriever, pool
@@ -121,7 +123,7 @@ class EncoderPool:
                 f"{PLACEMENT_TIMEOUT_S:.0f} s "
                 f"(free now: {ray.available_resources()}); other work holds them"
             )
-        self.actors = [self._start_actor(i) for i in range(pool.num_actors)]
+        self.actors = [self._start_actor(i) for i in range(pool.num_actors)] if start_actors else []
         self._version: Any = None
 
     def _start_actor(self, bundle_index: int):
@@ -173,7 +175,7 @@ class EncoderPool:
         from tqdm import tqdm
 
         if not self.actors:
-            raise RuntimeError("EncoderPool.encode called after shutdown")
+            raise RuntimeError("EncoderPool.encode called after shutdown, or on a pool started without actors")
         if self._version is None:
             raise RuntimeError("EncoderPool.encode called before set_weights")
         if not texts:

@@ -88,7 +88,8 @@ class Retrieval:
         if self._pool is None:
             from ragtrain.cluster.resources import record_placement_group
 
-            self._pool = EncoderPool(self.cfg.retriever, self.cfg.resources.pool)
+            # With index shards the live refresh encodes on the shards' threads: the pool is only its reservation
+            self._pool = EncoderPool(self.cfg.retriever, self.cfg.resources.pool, start_actors=not self.sharded)
             self._pool.fault_shard = self.cfg.fault.kill_pool_actor_at_shard  # fault injection (tests)
             record_placement_group(self.cfg.output_dir, self._pool.placement_group)  # a stopped trial's reaper
         return self._pool

@@ -260,6 +260,8 @@ class _Shard:
         self.indexes: dict[str, DenseIndex] = {}
         self.manifests: dict[str, dict] = {}
         self.restored: list[str] = []
+        self.live: Any = None  # LiveRows while a live refresh holds this shard's rows (live_start)
+        self.live_encoders: dict[int, Any] = {}
         for m in sorted(self.root.glob(f"*/shard-{shard}/{MANIFEST}")):  # a restart continues from disk
             tag = m.parent.parent.name
             self._load(tag, m.parent)
@@ -450,11 +452,10 @@ class _Shard:
         self.live = LiveRows(folder, vecs.astype(np.float32), read)
         self.live_template = self.indexes[from_tag]
         self.live_params = self.manifests[from_tag].get("search_params", (16, 128))
-        self.live_encoders: dict[int, Any] = {}
         return {"rows": self.live.rows, "mix": self.live.mix()}
 
     def _live(self) -> Any:
-        if getattr(self, "live", None) is None:
+        if self.live is None:
             raise LiveStateLost(f"index shard {self.shard} holds no live rows (restarted): start them again")
         return self.live
 

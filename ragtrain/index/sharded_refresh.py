@@ -71,9 +71,10 @@ class ShardedIndexService:
         train_gold: list[list[int]],
         probe: Probe,
     ):
+        # `pool`: the refresh's reservation (a placement group without actors): this service lives in it, and
+        # the shards encode on its share of CPUs
         self.cfg, self.pool, self.actors, self.doc_ids, self.passages = cfg, pool, actors, doc_ids, passages
         self.sources, self.train_queries, self.train_gold, self.probe = sources, train_queries, train_gold, probe
-        self.pool.invalidate()  # the driver may have loaded weights since this copy of the pool was made
         self.ranges = shard_ranges(len(doc_ids), len(actors))
         self.offsets = [a for a, _ in self.ranges]
         self.book = VersionBook()
@@ -251,12 +252,10 @@ class ShardedIndexService:
         return stats
 
     def _encode(self, v: int, step: int, weights_ref, texts: list[str], role: str) -> np.ndarray:
-        """A few texts (queries, probe and anchor passages) on the pool, with the snapshot of encoder version v."""
-        r = self.cfg.retriever
-        if self.pool.version != ("live", v):
-            self.pool.set_weights(("live", v), weights_ref)
-        n = r.query_max_length if role == "query" else r.passage_max_length
-        return self.pool.encode(texts, n, resolved_index(self.cfg), progress=False, role=role)[0]
+        """A few texts (queries, probe and anchor passages) with the snapshot of encoder version v, on shard 0: the
+        shards' own encoder, so the probe's fresh vectors are what a shard would store."""
+        cfg = self.cfg
+        return self._call([0], "encode_texts", v, [weights_ref], cfg.retriever, resolved_index(cfg), texts, role)[0]
 
     def _fit_maps(self, newest: int) -> dict[int, np.ndarray]:
         """For every older encoder version still stored: the orthogonal map of its anchors onto the newest's."""

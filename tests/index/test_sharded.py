@@ -243,7 +243,7 @@ def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards
 
 @pytest.mark.parametrize(
     ("consistency", "fraction", "priority"),
-    [("global", 1.0, "oldest"), ("eager", 0.5, "oldest"), ("aligned", 0.25, "hot"), ("eager", 0.25, "drift")],
+    [("global", 1.0, "oldest"), ("eager", 0.5, "oldest"), ("aligned", 0.25, "hot")],
 )
 def test_a_live_round_publishes_what_its_consistency_lets_searches_see(
     on_shards, consistency, fraction, priority
