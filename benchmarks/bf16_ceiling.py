@@ -8,7 +8,7 @@ does not speed up at all. This measures, side by side in one process and one thr
 1. a square GEMM (torch.matmul) in fp32 and bf16, the ceiling of any bf16 speed-up here;
 2. MiniLM's own linear-layer shapes ([tokens, 384] x [384, 1536]);
 3. MiniLM's whole forward pass, fp32 against bf16 autocast and against bf16 weights (what `index.precision=bf16`
-   runs since 2026-12-02: the embed-only encoders hold bf16 weights, `ragtrain.retriever.encoder.inference_weights`).
+   runs since 2026-12-02: the embed-only encoders hold bf16 weights, `ragtrain.embed.model.inference_weights`).
 
     python benchmarks/bf16_ceiling.py [--threads 2] [--seq 256] [--batch 32] [--reps 5] [--profile]
 """
@@ -67,7 +67,7 @@ def forward_ratio(batch: int, seq: int, reps: int) -> dict[str, float]:
     """fp32 time / bf16-autocast time of MiniLM's forward pass on [batch, seq] tokens (the packaged weights)."""
     from transformers import AutoModel
 
-    from ragtrain.retriever.encoder import minilm_path
+    from ragtrain.embed.model import minilm_path
 
     model = AutoModel.from_pretrained(minilm_path()).eval()
     ids = torch.randint(1000, 20000, (batch, seq))
@@ -108,7 +108,7 @@ def profile_ops(batch: int, seq: int, top: int = 6) -> dict[str, dict[str, float
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModel
 
-    from ragtrain.retriever.encoder import minilm_path
+    from ragtrain.embed.model import minilm_path
 
     model = AutoModel.from_pretrained(minilm_path()).eval()
     ids = torch.randint(1000, 20000, (batch, seq))

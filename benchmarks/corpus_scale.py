@@ -78,7 +78,7 @@ class RssSampler:
     def __init__(self, every_s: float = 0.05):
         import threading
 
-        from ragtrain.corpus.encode import rss_breakdown_mb
+        from ragtrain.rss import rss_breakdown_mb
 
         self.first = rss_breakdown_mb()
         self.peak = dict(self.first)
@@ -147,7 +147,7 @@ def start_ray(num_cpus: int, niceness0: bool) -> None:
 def initial_weights(cfg):
     import torch
 
-    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.embed.model import build_encoder
 
     torch.manual_seed(0)
     return {k: v.detach().clone() for k, v in build_encoder(cfg).state_dict().items()}
@@ -163,9 +163,10 @@ def scale(args) -> None:
     from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
     from ragtrain.corpus import encode as encode_mod
     from ragtrain.corpus.dataset import chunk_data, load_documents
-    from ragtrain.corpus.encode import ShardSet, encode_to_shards, peak_rss_mb
+    from ragtrain.corpus.encode import ShardSet, encode_to_shards
+    from ragtrain.embed.model import load_tokenizer
     from ragtrain.index.shards import build_and_save_remote
-    from ragtrain.retriever.encoder import load_tokenizer
+    from ragtrain.rss import peak_rss_mb
 
     actor_env = dict(kv.split("=", 1) for kv in args.actor_env)
     encode_mod.ACTOR_ENV.update(actor_env)  # encode_to_shards reads it when it starts the actor pool
@@ -315,8 +316,8 @@ def compare(args) -> None:
 
     from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
     from ragtrain.corpus.encode import encode_to_shards
+    from ragtrain.embed.model import minilm_path
     from ragtrain.index.pool import EncoderPool
-    from ragtrain.retriever.encoder import minilm_path
 
     cores = int(args.actors * args.cpus_per_actor)
     # Twice the cores as logical CPUs: the EncoderPool's placement group holds `cores` of them for the whole run, and

@@ -63,8 +63,8 @@ def one_run(root: str, prepare: str, out: str) -> None:
     from corpus_scale import RssSampler
 
     from ragtrain.config import DataConfig, DataSource, Prepare
-    from ragtrain.corpus.encode import peak_rss_mb
     from ragtrain.corpus.load import load_data
+    from ragtrain.rss import peak_rss_mb
 
     def start_ray() -> None:
         import ray

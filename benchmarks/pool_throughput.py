@@ -188,8 +188,8 @@ def main() -> int:
     from sentence_transformers import SentenceTransformer
 
     from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
+    from ragtrain.embed.model import build_encoder, minilm_path
     from ragtrain.index.pool import EncoderPool
-    from ragtrain.retriever.encoder import build_encoder, minilm_path
 
     torch.set_num_threads(args.st_threads)
     retriever = RetrieverConfig(model="minilm", passage_max_length=args.max_length)

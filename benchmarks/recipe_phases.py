@@ -104,7 +104,7 @@ def run_phases(
     import faiss
     import torch.nn.functional as F
 
-    from ragtrain.retriever.encoder import (
+    from ragtrain.embed.model import (
         autocast,
         build_encoder,
         encode_texts,

@@ -83,8 +83,8 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     from ragtrain.config import RetrieverConfig
+    from ragtrain.embed.model import build_encoder, load_tokenizer, tokenize
     from ragtrain.retriever.batching import local_batch
-    from ragtrain.retriever.encoder import build_encoder, load_tokenizer, tokenize
     from ragtrain.retriever.loss import contrastive_loss
     from ragtrain.retriever.train import QPEncoder
 

@@ -338,7 +338,7 @@ def main() -> int:
     import torch
 
     from ragtrain.config import RetrieverConfig
-    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.embed.model import build_encoder
 
     data = load_train_data(args.data, args.scifact_root, args.num_entities)
     print(

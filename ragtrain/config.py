@@ -348,7 +348,7 @@ class RetrieverConfig:
     query_max_length: int = 64
     passage_max_length: int = 256
     # E5/BGE-style instructions, e.g. "query: " / "passage: ": prepended to every text before tokenising
-    # (ragtrain.retriever.encoder.tokenize, the one place texts become input ids); exported as the
+    # (ragtrain.embed.model.tokenize, the one place texts become input ids); exported as the
     # sentence-transformers prompts "query" / "document"
     query_prefix: str = ""
     passage_prefix: str = ""

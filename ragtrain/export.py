@@ -115,7 +115,7 @@ def export_retriever(
     )
     from sentence_transformers.sentence_transformer.modules import Pooling as STPooling
 
-    from ragtrain.retriever.encoder import build_encoder, load_tokenizer
+    from ragtrain.embed.model import build_encoder, load_tokenizer
 
     r = cfg.retriever
     encoder = build_encoder(r)
@@ -162,7 +162,7 @@ def with_pooler(backbone: Any, r: Any, seed: int) -> Any:
     import torch
     from transformers import AutoModel
 
-    from ragtrain.retriever.encoder import resolve_model_path
+    from ragtrain.embed.model import resolve_model_path
 
     if not hasattr(backbone, "pooler"):  # an architecture without a pooler: nothing to restore
         return backbone

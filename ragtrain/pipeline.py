@@ -232,7 +232,7 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
 
 def initial_weights(cfg: Config) -> dict[str, torch.Tensor]:
     """The retriever's weights before training (the tiny encoder's init is seeded; pretrained weights ignore it)."""
-    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.embed.model import build_encoder
 
     torch.manual_seed(cfg.seed)
     encoder = build_encoder(cfg.retriever)
@@ -251,8 +251,8 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
     """The zero-shot encode of `weights()`, to run inside the corpus stream of a documents folder prepared on Ray
     (None when the first index is not zero-shot, or with index.cache_dir: a cache hit needs the corpus fingerprint
     first)."""
-    from ragtrain.corpus.encode import EncodeFault
     from ragtrain.corpus.stream import StreamEncode
+    from ragtrain.embed.encoders import EncodeFault
     from ragtrain.index import vector_cache
 
     if not first_index_is_zeroshot(cfg) or cfg.index.cache_dir:
@@ -271,7 +271,7 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
         )
 
     def precheck(data: RetrievalData, passages: int) -> None:  # the stream's first pass, before it encodes
-        from ragtrain.corpus.encode import encoder_dim
+        from ragtrain.embed.encoders import encoder_dim
         from ragtrain.index.faiss_index import check_index_config
 
         check_qrels(data)
@@ -294,10 +294,10 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     """Every check that needs no training, in order of cost; returns the loaded (and stored) data. `weights()`: the
     initial weights, called only when the corpus stream encodes the zero-shot index."""
     from ragtrain.cluster.resources import check_config, init_ray
-    from ragtrain.corpus.encode import encoder_dim
+    from ragtrain.embed.encoders import encoder_dim
+    from ragtrain.embed.model import check_model_offline
     from ragtrain.index.faiss_index import check_index_config
     from ragtrain.index.sharded import check_shard_config
-    from ragtrain.retriever.encoder import check_model_offline
     from ragtrain.retriever.lora import check_lora_targets
     from ragtrain.track.mlflow import check_tracking_uri, tracking_uri
 

@@ -105,7 +105,7 @@ def warn_unfinished(out: Path) -> None:
 
 def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dict[str, Any]]]:
     """Top-k hits for `question` from the run in `out`: [{rank, score, id, title, text}]."""
-    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.index.faiss_index import IndexMismatchError
     from ragtrain.index.sharded import open_saved
 

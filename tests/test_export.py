@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ragtrain.config import Config, Pooling, RetrieverConfig, TinyEncoderConfig, to_typed
+from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
 from ragtrain.export import export_retriever
-from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
 from tests.conftest import REGISTERED_MODEL, REPO, compose
 
 TEXTS = [
@@ -85,7 +85,7 @@ def test_cls_pooling_no_normalize_and_prefixes_carry_over(tmp_path: Path) -> Non
 
 
 def test_tokenize_applies_the_prefix_of_its_role() -> None:
-    from ragtrain.retriever.encoder import tokenize
+    from ragtrain.embed.model import tokenize
 
     plain = load_tokenizer(RetrieverConfig(model="tiny"))
     tok = load_tokenizer(RetrieverConfig(model="tiny", query_prefix="query: ", passage_prefix="passage: "))
@@ -167,8 +167,8 @@ def _search(*args: str) -> subprocess.CompletedProcess:
 def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
     import numpy as np
 
-    from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.data import make_synthetic
+    from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.index.faiss_index import load_index
     from ragtrain.retriever.train import load_weights
 

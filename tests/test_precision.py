@@ -104,8 +104,8 @@ def test_plain_config_defaults_to_auto() -> None:
 
 def _encode(prec: str) -> torch.Tensor:
     from ragtrain.config import RetrieverConfig
-    from ragtrain.corpus.encode import EncodeBatch
-    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.embed.encoders import EncodeBatch
+    from ragtrain.embed.model import build_encoder
 
     retriever = RetrieverConfig(model="tiny")
     torch.manual_seed(0)
@@ -127,7 +127,7 @@ def test_auto_encodes_in_fp32_on_a_cpu_without_bf16_units(no_native_bf16) -> Non
 
 
 def test_trainer_autocast_follows_auto(no_native_bf16) -> None:
-    from ragtrain.retriever.encoder import autocast
+    from ragtrain.embed.model import autocast
 
     with autocast("auto", torch.device("cpu")):
         assert not torch.is_autocast_enabled("cpu")
@@ -162,7 +162,7 @@ def test_generator_autocast_follows_auto(no_native_bf16) -> None:
 
 def test_per_batch_calls_stay_quiet(lines, no_native_bf16) -> None:
     """autocast / inference_weights run every batch: the driver or rank 0 speaks for them, once."""
-    from ragtrain.retriever.encoder import autocast
+    from ragtrain.embed.model import autocast
 
     for _ in range(3):
         with autocast("bf16", torch.device("cpu")), autocast("auto", torch.device("cpu")):

@@ -101,8 +101,8 @@ def test_the_encode_path_prefixes_queries_and_passages(ray_session) -> None:
     import torch
 
     from ragtrain.config import RetrieverConfig
-    from ragtrain.corpus.encode import EncodeBatch, QueryEncoder
-    from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
+    from ragtrain.embed.encoders import EncodeBatch, QueryEncoder
+    from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
 
     r = RetrieverConfig(model="tiny", query_prefix="query: ", passage_prefix="passage: ")
     torch.manual_seed(0)

@@ -1,13 +1,11 @@
 """Corpus encoding as a Ray Data stage: rows {id, text} -> `map_batches(EncodeBatch)` -> parquet vector shards.
 
-`EncodeBatch` is the one encoder-side function: Ray Data runs it in an actor pool for the corpus
-(`encode_to_shards`), and the driver runs the same class in-process for the few query texts of a search
-(`LocalEncoder`). Each actor builds the encoder from the RetrieverConfig and loads the weights snapshot from the
-object store once, in `__init__`; then it embeds one batch of rows per call (`ragtrain.retriever.encoder.encode_texts`:
-length-sorted inner batches, bf16 autocast when asked) and returns (id, vector) rows that Ray Data writes as
-parquet shards under `<output_dir>/vectors/<tag>/` while the next batches encode. The driver never holds the
-vectors: it gets back a `ShardSet` (folder, files, row count, dim), and FAISS is built from the files
-(`ragtrain/index/shards.py`).
+Ray Data runs `EncodeBatch` (ragtrain/embed/encoders.py, the one way texts become vectors) in an actor pool. Each
+actor builds the encoder from the RetrieverConfig and loads the weights snapshot from the object store once, in
+`__init__`; then it embeds one batch of rows per call (`ragtrain.embed.model.encode_texts`: length-sorted inner
+batches) and returns (id, vector) rows that Ray Data writes as parquet shards under `<output_dir>/vectors/<tag>/`
+while the next batches encode. The driver never holds the vectors: it gets back a `ShardSet` (folder, files, row
+count, dim), and FAISS is built from the files (`ragtrain/index/shards.py`).
 
 Fault tolerance is Ray Data's: the actors are started with `max_restarts` / `max_task_retries`, so a batch whose
 actor died is retried on the restarted actor, and its output is written once (tested with an injected death:
@@ -29,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
+from ragtrain.embed.encoders import VECTOR_DTYPES, EncodeBatch, EncodeFault
 
-VECTOR_DTYPES = ("float32", "float16")
 SHARDS_META = "shards.json"  # written last: a folder without it is an unfinished encode
 SHARD_FILE_ROWS = 16384  # at most this many rows per parquet shard (64 MB of MiniLM fp32 vectors)
 MAX_ACTOR_RESTARTS = 3  # a dead encode actor is restarted this many times; its batch is retried on it
@@ -44,216 +42,6 @@ ACTOR_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set size (VmHWM) in MB (Linux; 0.0 elsewhere)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return 0.0
-
-
-def rss_breakdown_mb() -> dict[str, float]:
-    """This process's resident set now, by kind (Linux; {} elsewhere): anonymous (heap: what the process itself
-    holds), file (mapped libraries) and shmem (shared memory, e.g. Ray's object store pages it touched), in MB."""
-    out: dict[str, float] = {}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key = line.split(":")[0]
-            if key in ("RssAnon", "RssFile", "RssShmem"):
-                out[key[3:].lower()] = int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return out
-
-
-def encoder_dim(cfg: RetrieverConfig) -> int:
-    """The vector dimension the configured encoder produces, without building it (checks before encoding)."""
-    if cfg.model == "tiny":
-        return int(cfg.tiny.hidden_size)
-    from transformers import AutoConfig
-
-    from ragtrain.retriever.encoder import resolve_model_path
-
-    return int(AutoConfig.from_pretrained(resolve_model_path(cfg.model)).hidden_size)
-
-
-@dataclass
-class EncodeFault:
-    """Fault injection (tests): the first actor to reach its batch number `at_batch` (0-based) exits with
-    os._exit(1), once per `marker` file (the marker is created atomically just before the exit)."""
-
-    at_batch: int
-    marker: str
-
-
-class EncodeBatch:
-    """A `map_batches` callable class: one encoder replica per actor, loaded once; embeds one batch per call.
-
-    batch in: {"id": [...], "text": [...]} (numpy); out: a pyarrow table {id: string, vector: fixed_size_list<dtype>}.
-    """
-
-    def __init__(
-        self,
-        retriever: RetrieverConfig,
-        weights: Any,
-        max_length: int,
-        batch_size: int = 64,
-        precision: str = "fp32",
-        vector_dtype: str = "float32",
-        num_threads: int | None = None,
-        fault: EncodeFault | None = None,
-        stats_dir: str | None = None,
-        text_column: str = "text",
-        keep_columns: bool = False,
-    ):
-        import ray
-        import torch
-
-        from ragtrain.console import worker_setup
-        from ragtrain.retriever.encoder import build_encoder, inference_weights, load_tokenizer
-
-        worker_setup()
-        if vector_dtype not in VECTOR_DTYPES:
-            raise ValueError(f"vector_dtype={vector_dtype!r} must be one of {list(VECTOR_DTYPES)}")
-        if num_threads:  # Ray sets OMP_NUM_THREADS from num_cpus, but torch may have read it already
-            torch.set_num_threads(max(1, int(num_threads)))
-        if isinstance(weights, list) and len(weights) == 1:
-            weights = weights[0]  # [ObjectRef]: wrapped so nothing on the way resolves it early
-        if isinstance(weights, ray.ObjectRef):
-            weights = ray.get(weights)  # each actor fetches the snapshot once from the object store
-        # A GPU only where Ray assigned one (an actor with num_gpus); in-process use (the search CLI) stays on CPU
-        gpu = torch.cuda.is_available() and ray.is_initialized() and ray.get_gpu_ids()
-        self.device = torch.device("cuda" if gpu else "cpu")
-        self.precision, self.vector_dtype = Precision(precision), np.dtype(vector_dtype)
-        self.model = build_encoder(retriever)
-        self.model.load_state_dict(weights, strict=True)
-        self.model = inference_weights(self.model.to(self.device).eval(), self.precision)
-        self.tokenizer = load_tokenizer(retriever)
-        self.max_length, self.batch_size = int(max_length), int(batch_size)
-        self.fault, self.stats_dir = fault, stats_dir
-        # The corpus stream (corpus/stream.py) embeds its "embed" column and passes every other column through, so
-        # the driver gets each passage with its vector; rows with an `error` are passed through unencoded
-        self.text_column, self.keep_columns = text_column, keep_columns
-        self.role = "passage"  # the corpus; LocalEncoder switches it to "query" (retriever.query_prefix)
-        self.batches = self.rows = 0
-        self.seconds = 0.0
-        self.rss_peaks: dict[str, float] = {}  # per kind, sampled after each batch (benchmarks: where RSS goes)
-        self.anon_series: list[tuple[int, float]] = []
-
-    def encode(self, texts: Sequence[str]) -> np.ndarray:
-        """[len(texts), dim] fp32 unit vectors in input order (the shared encode function)."""
-        from ragtrain.retriever.encoder import encode_texts
-
-        vecs = encode_texts(
-            self.model,
-            self.tokenizer,
-            list(texts),
-            self.max_length,
-            self.batch_size,
-            self.precision,
-            device=self.device,
-            role=self.role,
-        )
-        return vecs.numpy()
-
-    def __call__(self, batch: dict[str, np.ndarray]):
-        import pyarrow as pa
-
-        f = self.fault
-        if f is not None and self.batches == f.at_batch:
-            try:  # the first actor to get here dies, as in a crash (no cleanup, no exception)
-                os.close(os.open(f.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                os._exit(1)
-            except FileExistsError:
-                pass  # it already fired once
-        start = time.perf_counter()
-        texts = batch[self.text_column]
-        ok = np.array([not e for e in batch["error"]], dtype=bool) if "error" in batch else np.ones(len(texts), bool)
-        dim = int(self.model.dim)
-        vecs = np.zeros((len(texts), dim), dtype=self.vector_dtype)
-        if ok.any():
-            vecs[ok] = self.encode([str(t) for t in texts[ok]])
-        self.seconds += time.perf_counter() - start
-        self.batches += 1
-        self.rows += int(ok.sum())
-        if self.stats_dir:  # per-actor figures for benchmarks: rows, encode seconds, peak RSS (and by kind)
-            rss = rss_breakdown_mb()
-            for kind, mb in rss.items():
-                self.rss_peaks[kind] = max(mb, self.rss_peaks.get(kind, 0.0))
-            if self.batches % 25 == 1:  # the heap's course over the run: growth with rows, or a plateau
-                self.anon_series.append((self.rows, round(rss.get("anon", 0.0), 1)))
-            Path(self.stats_dir, f"{os.getpid()}.json").write_text(
-                json.dumps(
-                    {
-                        "pid": os.getpid(),
-                        "batches": self.batches,
-                        "rows": self.rows,
-                        "seconds": self.seconds,
-                        "peak_rss_mb": peak_rss_mb(),
-                        "rss_peaks_mb": self.rss_peaks,
-                        "anon_series": self.anon_series,
-                    }
-                )
-            )
-        flat = pa.array(vecs.reshape(-1), type=pa.from_numpy_dtype(self.vector_dtype))
-        vector = pa.FixedSizeListArray.from_arrays(flat, dim)
-        if self.keep_columns:
-            cols = {k: pa.array(v.tolist()) for k, v in batch.items() if k != self.text_column}
-            return pa.table({**cols, "vector": vector})
-        return pa.table({"id": pa.array([str(i) for i in batch["id"]], type=pa.string()), "vector": vector})
-
-
-class LocalEncoder:
-    """`EncodeBatch` in this process, for a few texts: the same encode function as the corpus actors."""
-
-    def __init__(self, retriever: RetrieverConfig, weights: dict, batch_size: int = 64, precision: str = "fp32"):
-        self._enc = EncodeBatch(
-            retriever, weights, retriever.passage_max_length, batch_size, Precision(precision).value
-        )
-
-    @property
-    def dim(self) -> int:
-        return int(self._enc.model.dim)
-
-    def encode(self, texts: Sequence[str], max_length: int, role: str = "query") -> np.ndarray:
-        self._enc.max_length, self._enc.role = int(max_length), role
-        return self._enc.encode(texts)
-
-
-class QueryEncoder:
-    """The encoder side of a search: texts -> vectors the way an index's passages were encoded.
-
-    One snapshot: its vectors. Several (sync=vector_avg: one per replica): the re-normalised mean of the
-    replicas' unit vectors, as the consensus index holds. Every search in ragtrain encodes through this class
-    (pipeline evaluation and mining, the generator's retrieval, `python -m ragtrain.search`).
-    """
-
-    def __init__(
-        self, retriever: RetrieverConfig, snapshots: Sequence[dict], batch_size: int = 64, precision: str = "fp32"
-    ):
-        if not snapshots:
-            raise ValueError("QueryEncoder needs at least one encoder snapshot")
-        self.retriever = retriever
-        self.encoders = [LocalEncoder(retriever, w, batch_size, precision) for w in snapshots]
-
-    @property
-    def dim(self) -> int:
-        return self.encoders[0].dim
-
-    def encode(self, texts: Sequence[str], max_length: int | None = None, role: str = "query") -> np.ndarray:
-        """[len(texts), dim] float32 unit vectors; max_length defaults to the role's configured length."""
-        from ragtrain.sync.vector_avg import consensus_vectors
-
-        if max_length is None:
-            r = self.retriever
-            max_length = r.query_max_length if role == "query" else r.passage_max_length
-        vecs = [e.encode(texts, max_length, role) for e in self.encoders]
-        return consensus_vectors(vecs)
 
 
 @dataclass

@@ -58,7 +58,7 @@ def load_data(
     if cfg.chunk.enabled:  # a chunk the encoder would truncate is a config error: check before reading anything
         if retriever is None:
             raise ValueError("load_data: data.chunk.enabled needs the retriever config (its tokenizer)")
-        from ragtrain.retriever.encoder import load_tokenizer
+        from ragtrain.embed.model import load_tokenizer
 
         tokenizer = load_tokenizer(retriever)
         check_chunk_budget(cfg.chunk.max_tokens, tokenizer.model_max_length, retriever.passage_max_length)
@@ -135,7 +135,7 @@ def truncation_report(corpus: Mapping[str, Any], retriever: RetrieverConfig, see
     """One warning line when passages are longer than retriever.passage_max_length tokens (the encoder cuts them
     silently), or None: how many, the longest, and how to chunk them. Counted on every passage of a corpus of up to
     TRUNCATION_SAMPLE passages, else on a seeded sample of that many (the line says so)."""
-    from ragtrain.retriever.encoder import load_tokenizer
+    from ragtrain.embed.model import load_tokenizer
 
     n, limit = len(corpus), retriever.passage_max_length
     rows = range(n) if n <= TRUNCATION_SAMPLE else sorted(random.Random(seed).sample(range(n), TRUNCATION_SAMPLE))

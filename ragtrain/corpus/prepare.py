@@ -148,7 +148,7 @@ _TOKENIZERS: dict[str, Any] = {}
 
 def _tokenizer(retriever: Any) -> Any:
     """The retriever's tokenizer, loaded once per worker process (Ray reuses task workers across batches)."""
-    from ragtrain.retriever.encoder import load_tokenizer
+    from ragtrain.embed.model import load_tokenizer
 
     key = repr(retriever)  # the config is a mutable dataclass (unhashable); its repr names everything that matters
     if key not in _TOKENIZERS:

@@ -37,7 +37,7 @@ _DROPOUT_KEYS = (
 
 def resolve_path(name: str) -> str:
     """ "minilm"/"tiny" -> the shipped all-MiniLM-L6-v2 folder; anything else is a local path or cached name."""
-    from ragtrain.retriever.encoder import minilm_path
+    from ragtrain.embed.model import minilm_path
 
     return minilm_path() if name in ("minilm", "tiny") else name
 

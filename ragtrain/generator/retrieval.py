@@ -62,7 +62,7 @@ class Searcher:
     def __init__(self, payload: IndexPayload, num_threads: int = 0):
         import faiss
 
-        from ragtrain.corpus.encode import QueryEncoder
+        from ragtrain.embed.encoders import QueryEncoder
         from ragtrain.index.faiss_index import DenseIndex, IndexMeta
         from ragtrain.index.sharded import ShardedIndex
 
@@ -176,8 +176,8 @@ class RetrievalService:
 def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, torch.Tensor]]:
     """The encoder weights an index's metadata names: `<model>@init`, `<model>@<file>.safetensors`, or
     `vector_avg of N replicas in <dir>` (replica_*.safetensors)."""
+    from ragtrain.embed.model import build_encoder
     from ragtrain.index.faiss_index import IndexMismatchError
-    from ragtrain.retriever.encoder import build_encoder
     from ragtrain.retriever.train import load_weights
 
     if encoder.startswith("vector_avg of ") and " in " in encoder:
@@ -215,7 +215,7 @@ def check_encoder(
     Only the query encoder and the index's first `n` rows are needed, never the whole index.
     Returns the smallest cosine, or NaN (with a warning) when the index type cannot give its vectors back (an HNSW
     graph over PQ codes)."""
-    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.index.faiss_index import IndexMismatchError
 
     encoder = QueryEncoder(retriever, weights, precision=Precision(precision).value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -163,6 +163,70 @@ def check_index_config(factory: str, dim: int, rows: int | None = None) -> None:
     make_index(factory, dim, rows)
 
 
+POINTS_PER_CENTROID = 256  # faiss k-means subsamples to this many points per centroid anyway
+
+
+def training_points(factory: str, dim: int) -> int:
+    """How many training vectors the factory's quantisers can use (0: the type needs no training)."""
+    index = make_index(factory, dim)
+    if index.is_trained:
+        return 0
+    need = 1
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        need = max(need, POINTS_PER_CENTROID * ivf.nlist)
+    pq = product_quantizer(index)
+    if pq is not None:
+        need = max(need, POINTS_PER_CENTROID * pq.ksub)
+    return need
+
+
+def trained_empty(
+    factory: str,
+    dim: int,
+    rows: int,
+    sample: Callable[[int, int], np.ndarray],
+    seed: int = 0,
+    train_size: int | None = None,
+) -> tuple[faiss.Index, int]:
+    """An empty index of `factory` for `rows` vectors of `dim`, its quantisers (IVF, PQ) trained on
+    `sample(size, seed)`: `train_size` seeded rows (default: what they use, 256 per centroid, capped at the set).
+    Returns (index, rows sampled). Every shard of a sharded index copies one such index, so all score alike."""
+    index = make_index(factory, dim, rows)  # a bad factory fails before any vector is read
+    sampled = 0
+    if not index.is_trained:
+        seed_training(index, seed)
+        sampled = min(rows, train_size or training_points(factory, dim))
+        try:
+            index.train(np.ascontiguousarray(sample(sampled, seed), dtype=np.float32))
+        except RuntimeError as e:
+            raise ConfigError(
+                f"index.factory={factory!r} could not be trained on {sampled} vectors: "
+                f"{str(e).strip().splitlines()[-1]} (use a smaller index type for a small corpus, e.g. Flat)"
+            ) from None
+    return index, sampled
+
+
+def build_from_chunks(
+    chunks: Iterable[tuple[Sequence[str], np.ndarray]],
+    index: faiss.Index,
+    meta: IndexMeta,
+) -> DenseIndex:
+    """The one way a FAISS index is filled: every chunk of (ids, vectors) added in order to `index` (empty, trained
+    where its type needs it: `trained_empty`); `meta` gets the row count and the build time. Vector shards on disk
+    (`ragtrain/index/shards.py`), a row range of them (an index shard) and an in-memory matrix (`build_index`: one
+    chunk) all come through here."""
+    start = time.perf_counter()
+    doc_ids: list[str] = []
+    for ids, vecs in chunks:
+        index.add(np.ascontiguousarray(vecs, dtype=np.float32))
+        doc_ids.extend(ids)
+    if len(set(doc_ids)) != len(doc_ids):  # a retried batch written twice would show up here
+        raise ValueError(f"{len(doc_ids) - len(set(doc_ids))} duplicate passage ids among the vectors to index")
+    meta.ntotal, meta.build_seconds = int(index.ntotal), meta.build_seconds + time.perf_counter() - start
+    return DenseIndex(index, doc_ids, meta)
+
+
 def build_index(
     vectors: np.ndarray,
     doc_ids: Sequence[str],
@@ -173,34 +237,29 @@ def build_index(
     precision: str = "fp32",
     seed: int = 0,
 ) -> DenseIndex:
-    """Build an inner-product index from `factory`, training it first when the type needs it."""
+    """An inner-product index of an in-memory matrix (one chunk of `build_from_chunks`), training it first on a
+    seeded sample when the type needs it."""
     x = np.ascontiguousarray(vectors, dtype=np.float32)
     if x.ndim != 2 or x.shape[0] != len(doc_ids):
         raise ValueError(f"vectors shape {x.shape} does not match {len(doc_ids)} doc ids")
     start = time.perf_counter()
-    index = make_index(factory, x.shape[1], x.shape[0])
-    if not index.is_trained:
-        seed_training(index, seed)
-        try:
-            index.train(x)
-        except RuntimeError as e:
-            raise ConfigError(
-                f"index.factory={factory!r} could not be trained on {x.shape[0]} vectors: "
-                f"{str(e).strip().splitlines()[-1]} (use a smaller index type for a small corpus, e.g. Flat)"
-            ) from None
-    index.add(x)
+
+    def sample(size: int, seed: int) -> np.ndarray:  # seeded rows in corpus order, as from shards
+        return x[np.sort(np.random.default_rng(seed).choice(len(x), size=size, replace=False))]
+
+    index, _ = trained_empty(factory, x.shape[1], x.shape[0], sample, seed)
     meta = IndexMeta(
         factory=factory,
         dim=int(x.shape[1]),
         metric=METRIC,
-        ntotal=int(index.ntotal),
+        ntotal=0,
         corpus_fingerprint=corpus_fingerprint,
         encoder=encoder,
         encoder_step=encoder_step,
         precision=precision,
         build_seconds=time.perf_counter() - start,
     )
-    return DenseIndex(index, list(doc_ids), meta)
+    return build_from_chunks([(list(doc_ids), x)], index, meta)
 
 
 def exact_search(queries: np.ndarray, passages: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -86,7 +86,7 @@ class _Host:
 
     def peak_rss_mb(self) -> float:
         """This process's peak resident set (MB)."""
-        from ragtrain.corpus.encode import peak_rss_mb
+        from ragtrain.rss import peak_rss_mb
 
         return peak_rss_mb()
 

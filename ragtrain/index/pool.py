@@ -27,7 +27,7 @@ class EncoderActor:
     """Holds one encoder replica; loads new weights only when the snapshot version changes."""
 
     def __init__(self, retriever: RetrieverConfig, num_threads: int):
-        from ragtrain.retriever.encoder import build_encoder, load_tokenizer
+        from ragtrain.embed.model import build_encoder, load_tokenizer
 
         # Ray sets OMP_NUM_THREADS from num_cpus, but torch may already have read it: set intra-op threads here.
         torch.set_num_threads(max(1, num_threads))
@@ -58,7 +58,7 @@ class EncoderActor:
     ) -> tuple[int, Any, np.ndarray]:
         """Embed one shard (length-sorted batches inside; `role` picks the configured query / passage prefix);
         returns (shard id, weights version, [n, dim] fp32)."""
-        from ragtrain.retriever.encoder import encode_texts, inference_weights
+        from ragtrain.embed.model import encode_texts, inference_weights
 
         if die:  # fault.kill_pool_actor_at_shard: the process dies as in a crash (no cleanup, no exception)
             import os

@@ -47,7 +47,7 @@ class BuiltIndex:
 
     def query_encoder(self, cfg: Config):
         """The QueryEncoder of this build's snapshot(s) (loaded once)."""
-        from ragtrain.corpus.encode import QueryEncoder
+        from ragtrain.embed.encoders import QueryEncoder
 
         if self._encoder is None:
             self._encoder = QueryEncoder(cfg.retriever, self.snapshots, cfg.index.batch_size, cfg.index.precision.value)
@@ -163,7 +163,8 @@ class Retrieval:
         """
         import ray
 
-        from ragtrain.corpus.encode import EncodeFault, build_threads, encode_to_shards, encoder_dim
+        from ragtrain.corpus.encode import build_threads, encode_to_shards
+        from ragtrain.embed.encoders import EncodeFault, encoder_dim
         from ragtrain.index.faiss_index import check_index_config
         from ragtrain.index.shard_ops import mean_shards
 

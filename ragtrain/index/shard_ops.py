@@ -56,7 +56,7 @@ def mean_shards(sets: Sequence[ShardSet], folder: str | Path) -> ShardSet:
 
     The replicas were encoded from one source in order, so their files normally hold the same ids; where they do
     not, the other replicas' rows are looked up by id (slower, same result)."""
-    from ragtrain.sync.vector_avg import consensus_vectors
+    from ragtrain.embed.encoders import consensus_vectors
 
     first, others = sets[0], list(sets[1:])
     for s in others:

@@ -111,7 +111,7 @@ def check_shard_config(cfg: Config, rows: int, nodes: Sequence[dict] | None = No
     names the key; a setting that works but leaves part of the run on one index gets a warning line."""
     idx, r = cfg.index, cfg.refresh
     if r.enabled and r.consistency == "aligned" and nodes is None:
-        from ragtrain.corpus.encode import encoder_dim
+        from ragtrain.embed.encoders import encoder_dim
 
         dim = encoder_dim(cfg.retriever)
         if r.anchors < dim or r.anchors > rows:
@@ -290,8 +290,8 @@ class _Shard:
         """Encode rows [start, stop) of `source` (a PassageStore, read here; or [ObjectRef of (ids, texts)] of
         just these rows) with the snapshot `weights` ([ObjectRef]) into vector shards in `folder`; returns
         {rows, dim, files, seconds}."""
-        from ragtrain.corpus.encode import EncodeBatch
         from ragtrain.data.store import PassageStore
+        from ragtrain.embed.encoders import EncodeBatch
         from ragtrain.index.shard_ops import write_shards
 
         t0 = time.perf_counter()
@@ -460,13 +460,13 @@ class _Shard:
         return self.live
 
     def _encoder(self, version: int, weights: list, retriever: RetrieverConfig, idx: IndexConfig) -> Any:
-        from ragtrain.corpus.encode import LocalEncoder
+        from ragtrain.embed.encoders import LocalEncoder
 
         if version not in self.live_encoders:  # one encoder per snapshot, dropped when a newer one comes
             self.live_encoders = {version: LocalEncoder(retriever, weights, idx.batch_size, idx.precision.value)}
         return self.live_encoders[version]
 
-    def encode_texts(
+    def encode_few(
         self, version: int, weights: list, retriever: RetrieverConfig, idx: IndexConfig, texts: list[str], role: str
     ) -> np.ndarray:
         """Vectors of a few texts (queries, anchors, probe passages) with the snapshot of `version`."""
@@ -511,14 +511,18 @@ class _Shard:
         """Build `tag` from the live rows (rows at a version in `maps` through its map), copying the template
         build's trained quantiser; returns the version mix. The previous build of `tag` answers until this one
         replaces it (one assignment)."""
+        from dataclasses import replace
+
         import faiss
+
+        from ragtrain.index.faiss_index import build_from_chunks
 
         live = self._live()
         t0 = time.perf_counter()
         index = faiss.clone_index(self.live_template.index)
         index.reset()  # keeps a trained quantiser (IVF, PQ): every shard still scores alike
-        index.add(live.searchable(maps))
-        built = DenseIndex(index, self.live_template.doc_ids, self.live_template.meta)
+        meta = replace(self.live_template.meta, build_seconds=0.0, extra={**self.live_template.meta.extra})
+        built = build_from_chunks([(self.live_template.doc_ids, live.searchable(maps))], index, meta)
         built.set_search_params(*self.live_params)
         self.indexes[tag] = built
         return {"mix": live.mix(), "seconds": time.perf_counter() - t0}
@@ -558,7 +562,7 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 
 def _peak_rss() -> float:
-    from ragtrain.corpus.encode import peak_rss_mb
+    from ragtrain.rss import peak_rss_mb
 
     return peak_rss_mb()
 

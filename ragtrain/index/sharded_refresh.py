@@ -255,7 +255,7 @@ class ShardedIndexService:
         """A few texts (queries, probe and anchor passages) with the snapshot of encoder version v, on shard 0: the
         shards' own encoder, so the probe's fresh vectors are what a shard would store."""
         cfg = self.cfg
-        return self._call([0], "encode_texts", v, [weights_ref], cfg.retriever, resolved_index(cfg), texts, role)[0]
+        return self._call([0], "encode_few", v, [weights_ref], cfg.retriever, resolved_index(cfg), texts, role)[0]
 
     def _fit_maps(self, newest: int) -> dict[int, np.ndarray]:
         """For every older encoder version still stored: the orthogonal map of its anchors onto the newest's."""

@@ -18,28 +18,12 @@ from typing import TYPE_CHECKING
 import faiss
 import numpy as np
 
-from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, make_index, product_quantizer, seed_training
+from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, build_from_chunks
+from ragtrain.index.faiss_index import trained_empty as faiss_trained_empty
 
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig
     from ragtrain.corpus.encode import ShardSet
-
-POINTS_PER_CENTROID = 256  # faiss k-means subsamples to this many points per centroid anyway
-
-
-def training_points(factory: str, dim: int) -> int:
-    """How many training vectors the factory's quantisers can use (0: the type needs no training)."""
-    index = make_index(factory, dim)
-    if index.is_trained:
-        return 0
-    need = 1
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None:
-        need = max(need, POINTS_PER_CENTROID * ivf.nlist)
-    pq = product_quantizer(index)
-    if pq is not None:
-        need = max(need, POINTS_PER_CENTROID * pq.ksub)
-    return need
 
 
 def _sample(shards: ShardSet, size: int, seed: int) -> np.ndarray:
@@ -77,22 +61,10 @@ def iter_rows(shards: ShardSet, start: int = 0, stop: int | None = None):
 def trained_empty(
     shards: ShardSet, factory: str, seed: int = 0, train_size: int | None = None
 ) -> tuple[faiss.Index, int]:
-    """An empty index of `factory`, its quantisers (IVF, PQ) trained on a seeded sample of `train_size` rows of
-    `shards` (default: what they use, 256 per centroid, capped at the set); returns (index, rows sampled). Every
-    shard of a sharded index adds its rows to a copy of this one index, so all shards score alike."""
-    index = make_index(factory, shards.dim, shards.rows)  # a bad factory fails before any shard is read
-    sampled = 0
-    if not index.is_trained:
-        seed_training(index, seed)
-        sampled = min(shards.rows, train_size or training_points(factory, shards.dim))
-        try:
-            index.train(_sample(shards, sampled, seed))
-        except RuntimeError as e:
-            raise ValueError(
-                f"index.factory={factory!r} could not be trained on {sampled} vectors: "
-                f"{str(e).strip().splitlines()[-1]}"
-            ) from None
-    return index, sampled
+    """`faiss_index.trained_empty` on a seeded sample of the shards' rows (read shard by shard)."""
+    return faiss_trained_empty(
+        factory, shards.dim, shards.rows, lambda size, seed: _sample(shards, size, seed), seed, train_size
+    )
 
 
 def build_from_shards(
@@ -123,18 +95,11 @@ def build_from_shards(
         index, sampled = faiss.clone_index(trained), 0  # trained once on the whole set's sample, elsewhere
     else:
         index, sampled = trained_empty(shards, factory, seed, train_size)
-    doc_ids: list[str] = []
-    chunks = shards.iter_shards() if rows is None else iter_rows(shards, *rows)
-    for ids, vecs in chunks:
-        index.add(np.ascontiguousarray(vecs, dtype=np.float32))
-        doc_ids.extend(ids)
-    if len(set(doc_ids)) != len(doc_ids):  # a retried batch written twice would show up here
-        raise ValueError(f"{shards.folder}: {len(doc_ids) - len(set(doc_ids))} duplicate passage ids in the shards")
     meta = IndexMeta(
         factory=factory,
         dim=int(shards.dim),
         metric=METRIC,
-        ntotal=int(index.ntotal),
+        ntotal=0,
         corpus_fingerprint=corpus_fingerprint,
         encoder=encoder,
         encoder_step=encoder_step,
@@ -147,7 +112,10 @@ def build_from_shards(
             **({"shared_quantizer": True} if trained is not None else {}),
         },
     )
-    return DenseIndex(index, doc_ids, meta)
+    try:
+        return build_from_chunks(shards.iter_shards() if rows is None else iter_rows(shards, *rows), index, meta)
+    except ValueError as e:
+        raise ValueError(f"{shards.folder}: {e}") from None
 
 
 def build_configured_from_shards(
@@ -202,7 +170,7 @@ def build_and_save_remote(
     def _build() -> dict:
         from dataclasses import asdict
 
-        from ragtrain.corpus.encode import peak_rss_mb
+        from ragtrain.rss import peak_rss_mb
 
         faiss.omp_set_num_threads(max(1, int(num_cpus)))
         index = build_from_shards(shard_folder, factory, corpus_fingerprint, encoder, seed=seed)

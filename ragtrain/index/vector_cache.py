@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 # The code between a text and its stored vector: tokenising, the forward pass and pooling, the Ray Data encode
-CODE_FILES = ("retriever/encoder.py", "corpus/encode.py")
+CODE_FILES = ("embed/model.py", "embed/encoders.py", "corpus/encode.py")
 
 log = get_logger(__name__)
 

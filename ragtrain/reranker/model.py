@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ragtrain.config import ConfigError, RetrieverConfig
-from ragtrain.retriever.encoder import load_tokenizer, resolve_model_path
+from ragtrain.embed.model import load_tokenizer, resolve_model_path
 
 TEACHER_META = "ragtrain_teacher.json"
 

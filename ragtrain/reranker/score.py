@@ -38,8 +38,8 @@ class ScoreBatch:
         import torch
 
         from ragtrain.console import worker_setup
+        from ragtrain.embed.model import load_tokenizer
         from ragtrain.reranker.model import build_cross_encoder
-        from ragtrain.retriever.encoder import load_tokenizer
 
         worker_setup()
         torch.set_num_threads(max(1, threads))

@@ -28,8 +28,8 @@ TEACHER_DIR = "teacher"
 
 def train_loop_per_worker(args: WorkerArgs) -> None:
     """One Ray Train worker: set up -> train listwise -> save the final model."""
+    from ragtrain.embed.model import load_tokenizer
     from ragtrain.reranker.model import build_cross_encoder, pair_inputs
-    from ragtrain.retriever.encoder import load_tokenizer
 
     cfg = args.cfg
     tc, seed = cfg.retriever.teacher, cfg.retriever.train.seed

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ragtrain.config import ConfigError, LoraConfig, RetrieverConfig
-from ragtrain.retriever.encoder import build_backbone
+from ragtrain.embed.model import build_backbone
 
 
 def apply_lora(encoder: nn.Module, cfg: LoraConfig) -> nn.Module:

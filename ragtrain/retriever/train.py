@@ -16,16 +16,16 @@ import torch
 from torch import nn
 
 from ragtrain.config import Config
-from ragtrain.corpus.encode import peak_rss_mb
+from ragtrain.embed.model import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.precision import resolve
 from ragtrain.retriever.batching import TrainData, local_batch, local_indices
-from ragtrain.retriever.encoder import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.retriever.gradcache import cached_step
 from ragtrain.retriever.lora import apply_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.teacher_loss import distill_term, teacher_matrix
 from ragtrain.retriever.validation import ValSet, validate
+from ragtrain.rss import peak_rss_mb
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.sync.comm import STATS
 from ragtrain.sync.metrics import drift_metrics
@@ -72,13 +72,10 @@ def load_weights(folder: str | Path, name: str = "encoder") -> dict[str, torch.T
     return load_file(str(path))
 
 
-def probe_inputs(data: TrainData, cfg: Config, tokenizer, device: torch.device) -> tuple[dict, dict]:
+def drift_probe(data: TrainData, cfg: Config) -> tuple[list[str], list[str]]:
     """The fixed drift probe set: the first sync.probe_passages training queries and their positive passages."""
-    n = min(cfg.sync.probe_passages, len(data.examples))
-    exs = data.examples[:n]
-    q = tokenize(tokenizer, [e.query for e in exs], cfg.retriever.query_max_length, role="query")
-    p = tokenize(tokenizer, [data.passages[e.positive] for e in exs], cfg.retriever.passage_max_length, role="passage")
-    return {k: v.to(device) for k, v in q.items()}, {k: v.to(device) for k, v in p.items()}
+    exs = data.examples[: min(cfg.sync.probe_passages, len(data.examples))]
+    return [e.query for e in exs], [data.passages[e.positive] for e in exs]
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:
@@ -112,7 +109,12 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     params = trainable(encoder)  # what the optimizer updates and parameter mixers send (LoRA: the adapters)
     STATS.reset()
     STATS.cuda = device.type == "cuda"  # NCCL collectives: timed by CUDA events and synchronisation (sync/comm.py)
-    probe_q, probe_p = probe_inputs(data, cfg, tokenizer, device)
+    drift_texts = drift_probe(data, cfg)
+
+    def embed(texts: list[str], role: str) -> torch.Tensor:  # this replica's vectors, the one embedding path (CPU)
+        n = cfg.retriever.query_max_length if role == "query" else cfg.retriever.passage_max_length
+        return encode_texts(encoder, tokenizer, texts, n, 32, t.precision, device, role=role)
+
     global_batch = t.batch_size * world
     steps = total_steps(t.max_steps, t.epochs, len(data.examples), global_batch)
     optim = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
@@ -133,19 +135,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         probe_texts = [data.passages[r] for r in probe.rows]
 
         def measure(stale):  # rank 0: the current encoder on the staleness probe
-            p_vec = encode_texts(
-                encoder,
-                tokenizer,
-                probe_texts,
-                cfg.retriever.passage_max_length,
-                32,
-                t.precision,
-                device,
-                role="passage",
-            )
-            q_vec = encode_texts(
-                encoder, tokenizer, probe.queries, cfg.retriever.query_max_length, 32, t.precision, device, role="query"
-            )
+            p_vec, q_vec = embed(probe_texts, "passage"), embed(probe.queries, "query")
             return staleness(stale, p_vec.numpy(), q_vec.numpy(), probe.gold)
 
     # --- train
@@ -268,7 +258,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
             window_n, window_loss = 0, 0.0
         if (cfg.sync.eval_every and done % cfg.sync.eval_every == 0) or done == steps:
             with w.not_training():  # every worker takes part (collectives)
-                drift = drift_metrics(encoder, params, probe_q, probe_p)
+                q_vec, p_vec = embed(drift_texts[0], "query").to(device), embed(drift_texts[1], "passage").to(device)
+                drift = drift_metrics(params, q_vec, p_vec)
             drift_history.append(drift)
             w.log(drift, done, steps)
         if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < steps:

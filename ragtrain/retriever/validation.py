@@ -59,8 +59,8 @@ def validate(
     encoder, tokenizer, val: ValSet, query_max_length: int, passage_max_length: int, precision, device: torch.device
 ) -> dict[str, float]:
     """val/ndcg@10 and val/recall@10 of `encoder` on the sample."""
+    from ragtrain.embed.model import encode_texts
     from ragtrain.index.faiss_index import exact_search
-    from ragtrain.retriever.encoder import encode_texts
 
     p = encode_texts(encoder, tokenizer, val.passages, passage_max_length, 32, precision, device, role="passage")
     q = encode_texts(encoder, tokenizer, val.queries, query_max_length, 32, precision, device, role="query")

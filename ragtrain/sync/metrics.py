@@ -57,12 +57,10 @@ def topk_jaccard(q: torch.Tensor, p: torch.Tensor, k: int = 10) -> float:
 
 
 @torch.no_grad()
-def drift_metrics(encoder: nn.Module, params: list[nn.Parameter], probe_q: dict, probe_p: dict) -> dict[str, float]:
-    """All three drift figures for this step (probe inputs are tokenised batches on the right device)."""
-    was_training = encoder.training
-    encoder.eval()  # no dropout: measure the replicas, not the noise
-    q, p = encoder(**probe_q), encoder(**probe_p)
-    encoder.train(was_training)
+def drift_metrics(params: list[nn.Parameter], q: torch.Tensor, p: torch.Tensor) -> dict[str, float]:
+    """All three drift figures for this step, from this replica's vectors of the probe queries `q` and passages
+    `p` (ragtrain.embed.model.encode_texts, in eval mode: the replicas, not the dropout noise), on the device the
+    process group's collectives run on."""
     return {
         "drift/param_divergence": param_divergence(params),
         "drift/replica_cosine": replica_cosine(p),

@@ -99,8 +99,8 @@ def sync_part(cfg, train) -> dict:
     from dataclasses import replace
 
     from ragtrain.config import sync_preset
+    from ragtrain.embed.model import build_encoder
     from ragtrain.index.pool import EncoderPool
-    from ragtrain.retriever.encoder import build_encoder
     from ragtrain.retriever.train import fit_retriever
 
     out_dir = cfg.output_dir

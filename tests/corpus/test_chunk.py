@@ -70,7 +70,7 @@ def test_line_breaks_are_boundaries_and_the_window_never_goes_under_half() -> No
 
 def test_every_window_fits_and_covers_the_document_with_minilm() -> None:
     from ragtrain.config import RetrieverConfig
-    from ragtrain.retriever.encoder import load_tokenizer
+    from ragtrain.embed.model import load_tokenizer
 
     tok = load_tokenizer(RetrieverConfig(model="minilm"))
     text = (
@@ -116,7 +116,7 @@ def test_cjk_full_stops_are_sentence_boundaries() -> None:
     """。！？ end sentences with no space after them: before, CJK text was always cut at the token budget."""
     from transformers import AutoTokenizer
 
-    from ragtrain.retriever.encoder import minilm_path
+    from ragtrain.embed.model import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())  # one token per CJK character
     text = "一二三。四五六七！八九十"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
-from ragtrain.corpus.encode import EncodeFault, QueryEncoder, ShardSet, encode_to_shards
+from ragtrain.corpus.encode import ShardSet, encode_to_shards
+from ragtrain.embed.encoders import EncodeFault, QueryEncoder
 
 MAX_LENGTH = 32
 CFG = RetrieverConfig(model="tiny")
@@ -25,7 +26,7 @@ def _corpus(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
 
 @pytest.fixture(scope="module")
 def weights() -> dict[str, torch.Tensor]:
-    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.embed.model import build_encoder
 
     torch.manual_seed(0)
     return {k: v.detach().clone() for k, v in build_encoder(CFG).state_dict().items()}
@@ -72,7 +73,7 @@ def test_killed_encode_actor_every_passage_exactly_once_equal_to_in_process(ray_
 
 def test_encode_batch_writes_float16_vectors_when_asked(weights) -> None:
     """The actor's callable in-process: rows in, an Arrow table of (id, float16 vector) out, in input order."""
-    from ragtrain.corpus.encode import EncodeBatch
+    from ragtrain.embed.encoders import EncodeBatch
 
     ids, texts = _corpus(10, seed=3)
     table = EncodeBatch(CFG, weights, MAX_LENGTH, batch_size=4, vector_dtype="float16")(

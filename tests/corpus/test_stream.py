@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from ragtrain.config import ConfigError, IndexConfig, PoolResources, Precision, to_typed
-from ragtrain.corpus.encode import EncodeFault, ShardSet
+from ragtrain.corpus.encode import ShardSet
 from ragtrain.corpus.load import load_data
 from ragtrain.corpus.stream import StreamEncode
 from ragtrain.data.types import DataError
+from ragtrain.embed.encoders import EncodeFault
 from ragtrain.pipeline import initial_weights
 from tests.conftest import compose
 
@@ -60,7 +61,7 @@ def _same_as_two_steps(root: Path, tmp_path: Path, out: Path, weights):
     """Assert the stream's store and shards in `out` equal the two-step path's: the store prepared in the driver
     (byte-identical to Ray's: test_prepare.py) and encoded in this process by the corpus actors' own class.
     Returns (the two-step data, the stream's shards)."""
-    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.index.faiss_index import build_index
     from ragtrain.index.shards import build_from_shards
 

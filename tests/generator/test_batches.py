@@ -61,8 +61,8 @@ def test_the_gold_passage_is_never_pushed_out_of_its_training_prompt() -> None:
 def test_a_real_prompt_holds_the_gold_passage_whole() -> None:
     from transformers import AutoTokenizer
 
+    from ragtrain.embed.model import minilm_path
     from ragtrain.generator.prompt import PromptBuilder, Template
-    from ragtrain.retriever.encoder import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())
     b = PromptBuilder(tok, 40, 0, Template("question:", "context:"))

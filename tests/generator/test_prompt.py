@@ -19,7 +19,7 @@ from ragtrain.generator.prompt import (
 def tok():
     from transformers import AutoTokenizer
 
-    from ragtrain.retriever.encoder import minilm_path
+    from ragtrain.embed.model import minilm_path
 
     return AutoTokenizer.from_pretrained(minilm_path())
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ragtrain.config import RetrieverConfig
-from ragtrain.corpus.encode import QueryEncoder
+from ragtrain.embed.encoders import QueryEncoder
 from ragtrain.generator.retrieval import check_encoder
 from ragtrain.index.faiss_index import IndexMismatchError, build_index
 
@@ -16,7 +16,7 @@ WORDS = "alpha beta gamma delta river mountain archive protein lattice quantum h
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
-    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.embed.model import build_encoder
 
     torch.manual_seed(seed)
     return {k: v.detach().clone() for k, v in build_encoder(CFG).state_dict().items()}

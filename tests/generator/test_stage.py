@@ -42,11 +42,11 @@ def _cfg(tmp: Path, *extra: str):
 def built(ray_session, tmp_path_factory):
     """A tiny-retriever index of the 24-entity KB, held by the run's index host as in a pipeline run (built from
     shards encoded in-process: the Ray Data encode is tested in tests/corpus), saved to <out>/index."""
-    from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.corpus.load import load_data
+    from ragtrain.embed.encoders import QueryEncoder
+    from ragtrain.embed.model import build_encoder
     from ragtrain.index.host import RemoteIndex
     from ragtrain.index.retrieval import BuiltIndex, Retrieval
-    from ragtrain.retriever.encoder import build_encoder
     from tests.index.test_shards import _write_shards
 
     tmp = tmp_path_factory.mktemp("gen")

@@ -117,8 +117,8 @@ def test_a_gpu_checkpoint_restores_on_the_cpu(tmp_path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(), reason="needs a bf16 GPU")
 def test_auto_precision_is_bf16_on_a_bf16_gpu() -> None:
     """precision=auto on a GPU with bf16 (as a Ray worker given one resolves it): bf16, and autocast is on."""
+    from ragtrain.embed.model import autocast
     from ragtrain.precision import resolve
-    from ragtrain.retriever.encoder import autocast
 
     assert resolve("auto", "cuda", "retriever.train.precision") == "bf16"
     with autocast("auto", torch.device("cuda", 0)):

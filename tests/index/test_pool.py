@@ -31,14 +31,14 @@ def _texts(n: int = 100, seed: int = 0) -> list[str]:
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
-    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.embed.model import build_encoder
 
     torch.manual_seed(seed)
     return {k: v.detach().clone() for k, v in build_encoder(CFG).state_dict().items()}
 
 
 def _local_encode(weights: dict[str, torch.Tensor], texts: list[str], index: IndexConfig) -> np.ndarray:
-    from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
+    from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
 
     model = build_encoder(CFG)
     model.load_state_dict(weights, strict=True)
@@ -136,7 +136,7 @@ def test_bf16_close_to_fp32(pool, texts) -> None:
 
 def test_pool_encodes_queries_and_passages_with_their_prefixes(ray_session, weights, texts) -> None:
     """The live-refresh pool and the in-process QueryEncoder (the Ray Data actors' class) agree role by role."""
-    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.embed.encoders import QueryEncoder
 
     cfg = RetrieverConfig(model="tiny", query_prefix="query: ", passage_prefix="passage: ")
     index = IndexConfig(precision=Precision.fp32, shard_size=SHARD, batch_size=8)

@@ -147,9 +147,9 @@ def test_refresh_needs_a_schedule(tmp_path) -> None:
 def _service(cfg, data, tmp_path):
     """The live service started from version-0 shards encoded in-process (the service reads only the shards; the
     Ray Data encode that writes them in a run is tested in tests/corpus/test_encode.py)."""
-    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.embed.encoders import QueryEncoder
+    from ragtrain.embed.model import build_encoder
     from ragtrain.index.retrieval import BuiltIndex, Retrieval
-    from ragtrain.retriever.encoder import build_encoder
     from tests.index.test_shards import _write_shards
 
     torch.manual_seed(0)

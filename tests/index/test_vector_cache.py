@@ -123,10 +123,10 @@ def test_cache_dir_is_resolved_on_the_driver(tmp_path, monkeypatch):
 def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
     """Retrieval.build with the entry of these weights in index.cache_dir: nothing is encoded, the index is the same."""
     from ragtrain.config import to_typed
-    from ragtrain.corpus.encode import QueryEncoder
     from ragtrain.corpus.load import load_data
+    from ragtrain.embed.encoders import QueryEncoder
+    from ragtrain.embed.model import build_encoder
     from ragtrain.index.retrieval import Retrieval
-    from ragtrain.retriever.encoder import build_encoder
     from tests.conftest import compose, tiny_overrides
     from tests.index.test_shards import _write_shards
 

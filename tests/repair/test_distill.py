@@ -10,9 +10,9 @@ import torch
 
 from ragtrain.config import RetrieverConfig, TinyEncoderConfig
 from ragtrain.data import make_synthetic
+from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
 from ragtrain.repair.align import embedding_drift
 from ragtrain.repair.distill import StudentEncoder, distill
-from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
 
 
 # same-dimension distillation also runs in the vector_avg pipeline test (index.distill_steps)
@@ -41,7 +41,7 @@ def test_student_reproduces_reference(out_dim) -> None:
 
 def test_distill_gives_queries_and_passages_their_prefixes() -> None:
     """With retriever.*_prefix set, each text is tokenised under its own role (none given: a clear error)."""
-    from ragtrain.retriever.encoder import tokenize
+    from ragtrain.embed.model import tokenize
 
     cfg = RetrieverConfig(
         model="tiny",

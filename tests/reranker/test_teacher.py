@@ -144,9 +144,9 @@ def test_scores_on_ray_data_equal_in_process_scores(ray_session, tmp_path) -> No
     from ragtrain.config import PoolResources
     from ragtrain.data import Passage
     from ragtrain.data.store import write_store
+    from ragtrain.embed.model import load_tokenizer
     from ragtrain.reranker.model import build_cross_encoder, save_teacher, score_pairs
     from ragtrain.reranker.score import score_on_ray
-    from ragtrain.retriever.encoder import load_tokenizer
 
     tiny = RetrieverConfig(model="tiny")
     torch.manual_seed(0)
@@ -176,10 +176,10 @@ def test_run_trains_the_teacher_scores_candidates_and_distils(ray_session, tmp_p
     bi-encoder trained with the KL term, the teacher's reranking evaluated."""
     from ragtrain.corpus.load import load_data
     from ragtrain.data.store import PassageStore
+    from ragtrain.embed.model import load_tokenizer
     from ragtrain.pipeline import run
     from ragtrain.reranker.model import build_cross_encoder, check_teacher, score_pairs
     from ragtrain.reranker.score import SCORES_FILE
-    from ragtrain.retriever.encoder import load_tokenizer
     from tests.conftest import TEACHER
 
     cfg = to_typed(

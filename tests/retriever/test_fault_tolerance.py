@@ -98,7 +98,7 @@ def test_interrupted_run_resumes_to_the_same_result(clean, tmp_path) -> None:
 def test_corrupt_checkpoint_is_named(tmp_path) -> None:
     """A checkpoint written by the workers' own save_train_state, then truncated: the load names the folder."""
     from ragtrain.checkpoint import save_train_state
-    from ragtrain.retriever.encoder import build_encoder
+    from ragtrain.embed.model import build_encoder
 
     cfg = _cfg(tmp_path, "unit")
     enc = build_encoder(cfg.retriever)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ragtrain.config import ConfigError, RetrieverConfig, RetrieverTrainConfig, TinyEncoderConfig
-from ragtrain.retriever.encoder import build_encoder
+from ragtrain.embed.model import build_encoder
 from ragtrain.retriever.gradcache import cached_step, split
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder

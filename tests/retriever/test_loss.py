@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ragtrain.config import RetrieverConfig, TinyEncoderConfig
-from ragtrain.retriever.encoder import build_encoder
+from ragtrain.embed.model import build_encoder
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder
 

@@ -21,7 +21,7 @@ def test_the_sample_holds_every_relevant_passage_and_is_fixed() -> None:
 
 
 def test_validate_scores_a_perfect_and_a_random_encoder_apart() -> None:
-    from ragtrain.retriever.encoder import build_encoder, load_tokenizer
+    from ragtrain.embed.model import build_encoder, load_tokenizer
 
     data = make_synthetic(num_entities=24)
     val = make_val_set(data, num_queries=20, num_passages=1000, seed=0)  # the whole corpus, every dev query

@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 from ragtrain.config import to_typed
 from ragtrain.data import make_synthetic
+from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
 from ragtrain.index.faiss_index import load_index
 from ragtrain.pipeline import run
-from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer
 from tests.conftest import compose, tiny_overrides
 
 
@@ -64,7 +64,7 @@ def test_vector_avg_index_is_mean_of_replica_vectors(ray_session, tmp_path) -> N
 def test_query_encoder_of_several_replicas_is_their_renormalised_mean() -> None:
     """The consensus index's queries: every replica encodes, the unit vectors are averaged and re-normalised."""
     from ragtrain.config import RetrieverConfig
-    from ragtrain.corpus.encode import QueryEncoder
+    from ragtrain.embed.encoders import QueryEncoder
 
     cfg = RetrieverConfig(model="tiny")
     replicas = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragtrain.config import Precision, RetrieverConfig
-from ragtrain.retriever.encoder import build_encoder, encode_texts, load_tokenizer, minilm_path
+from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer, minilm_path
 from tests.conftest import SCIFACT
 
 
@@ -52,7 +52,7 @@ def test_bf16_close_to_fp32(texts, minilm) -> None:
 def test_corpus_encoder_holds_bf16_weights_and_stays_close_to_fp32(texts, minilm) -> None:
     """index.precision=bf16: the embed-only encoder (EncodeBatch, the query side too) holds bf16 weights instead of
     re-casting them under autocast on every forward; its vectors stay fp32 unit vectors close to fp32's."""
-    from ragtrain.corpus.encode import EncodeBatch
+    from ragtrain.embed.encoders import EncodeBatch
 
     cfg, model, tok = minilm
     fp32 = encode_texts(model, tok, texts, cfg.passage_max_length, batch_size=16)
