@@ -551,7 +551,11 @@ def main() -> None:
         "the encoder is a numpy stand-in (stored vector + noise), so 'encode s' is not a model's time"
     )
     print(refresh_table(rounds))
-    print(f"\nwhole run: {elapsed:.1f} s")
+    load_end = os.getloadavg()[0]
+    print(
+        f"\nwhole run: {elapsed:.1f} s; 1-minute load average {info['load_average_1m']:.1f} at the start, "
+        f"{load_end:.1f} at the end"
+    )
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
@@ -563,6 +567,7 @@ def main() -> None:
         "search": {f: {str(n): r for n, r in per.items()} for f, per in results.items()},
         "refresh": {"in_process": True, "shards": REFRESH_SHARDS, "rounds": rounds},
         "seconds": elapsed,
+        "load_average_1m_end": load_end,
     }
     args.out.write_text(json.dumps(record, indent=2))
     print(f"figures: {args.out}")
