@@ -26,12 +26,16 @@ seconds are numpy's, not a model's), `apply` (stores and persists the state), an
 from `searchable()` on a copy of the N=3 run's shard index, emptied (a trained IVF quantiser is kept, as the shard
 actors' `live_build` does). FAISS runs on 1 thread there, as each shard actor does on its 1-CPU node.
 
+Merge: the driver's `merge_topk` alone, in-process, on random sorted top-k lists of N in (3, 10, 100) shards and
+k in (10, 100), for a batch of 64 queries: microseconds per query.
+
 Run (the full size; `--rows 20000` takes well under a minute):
 
     python benchmarks/sharded_index.py [--rows 1000000] [--dim 64|384] [--factories Flat IVF1024,Flat]
 
 Prints a header (date, CPU model and flags, cores, commit), one table with the N=1, 2, 3 columns side by side and
-their ratios to N=1, and the refresh table; the figures also go to `--out` (benchmarks/results/sharded_index.json).
+their ratios to N=1, the refresh table and the merge table; the figures also go to `--out`
+(benchmarks/results/sharded_index.json).
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ FILE_ROWS = 50_000  # rows per parquet file of the vector set
 WARMUP = 5  # untimed searches before each timed series
 REFRESH_SHARDS = 3
 REFRESH_FRACTIONS = (1.0, 0.25)
+MERGE_SHARDS = (3, 10, 100)  # shard counts of the driver-side merge timing
+MERGE_K = (10, 100)
+MERGE_REPS = 50
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
 TAG = "bench"
 
@@ -367,6 +374,29 @@ def refresh_rounds(
     return out
 
 
+def merge_cost(seed: int) -> list[dict[str, float]]:
+    """The driver's merge alone (`merge_topk`, in-process): microseconds per query to merge N shards' top-k lists
+    of a batch of `BATCH` queries, for N in `MERGE_SHARDS` and k in `MERGE_K` (random scores, each list sorted)."""
+    from ragtrain.index.sharded import merge_topk
+
+    rng = np.random.default_rng([seed, 4])
+    out = []
+    for n in MERGE_SHARDS:
+        for k in MERGE_K:
+            parts = [
+                (-np.sort(-rng.random((BATCH, k), dtype=np.float32), axis=1), rng.integers(0, 10**6, (BATCH, k)))
+                for _ in range(n)
+            ]
+            offsets = [i * 10**6 for i in range(n)]
+            merge_topk(parts, offsets, k)  # warm-up
+            start = time.perf_counter()
+            for _ in range(MERGE_REPS):
+                merge_topk(parts, offsets, k)
+            per_query = (time.perf_counter() - start) / MERGE_REPS / BATCH
+            out.append({"shards": n, "k": k, "candidates": n * k, "us_per_query": per_query * 1e6})
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------- report
 
 
@@ -412,6 +442,17 @@ def side_by_side(results: dict[str, dict[int, dict[str, Any]]]) -> str:
             table.append(row)
     heads = ["factory", "figure", *[f"N={n}" for n in counts], *[f"N={n} / N=1" for n in counts[1:]]]
     return tabulate(table, headers=heads, stralign="right", disable_numparse=True)
+
+
+def merge_table(rows: list[dict[str, float]]) -> str:
+    from tabulate import tabulate
+
+    return tabulate(
+        [[r["shards"], r["k"], f"{r['candidates']:,}", fmt(r["us_per_query"])] for r in rows],
+        headers=["shards N", "k", "candidates per query (N x k)", "merge us per query"],
+        stralign="right",
+        disable_numparse=True,
+    )
 
 
 def refresh_table(rounds: list[dict]) -> str:
@@ -529,6 +570,8 @@ def main() -> None:
         cluster = None
 
         rounds = [r for f in args.factories for r in refresh_rounds(shards, f, templates[f], work, args, t0)]
+        merges = merge_cost(args.seed)
+        log(t0, f"merge timed for N in {MERGE_SHARDS} and k in {MERGE_K}")
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -551,6 +594,12 @@ def main() -> None:
         "the encoder is a numpy stand-in (stored vector + noise), so 'encode s' is not a model's time"
     )
     print(refresh_table(rounds))
+    print()
+    print(
+        f"Driver-side merge alone (merge_topk in-process, batches of {BATCH} queries, {MERGE_REPS} repetitions): "
+        "what the scatter-gather adds on top of the shards' searches and the calls to them"
+    )
+    print(merge_table(merges))
     load_end = os.getloadavg()[0]
     print(
         f"\nwhole run: {elapsed:.1f} s; 1-minute load average {info['load_average_1m']:.1f} at the start, "
@@ -566,6 +615,7 @@ def main() -> None:
         "index_nodes": INDEX_NODES,
         "search": {f: {str(n): r for n, r in per.items()} for f, per in results.items()},
         "refresh": {"in_process": True, "shards": REFRESH_SHARDS, "rounds": rounds},
+        "merge": merges,
         "seconds": elapsed,
         "load_average_1m_end": load_end,
     }
