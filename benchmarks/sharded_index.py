@@ -170,7 +170,7 @@ class ExactTopK:
 
 def write_vectors(folder: Path, rows: int, centres: np.ndarray, noise: float, seed: int, exact: ExactTopK) -> Any:
     """The vector ShardSet of the generated rows (ids p000000000, ...); `exact` sees every chunk on the way."""
-    from ragtrain.index.shard_ops import write_shards
+    from ragtrain.corpus.encode import write_shards
 
     def chunks() -> Iterator[tuple[list[str], np.ndarray]]:
         for start, x in row_chunks(rows, centres, noise, seed):

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from ragtrain.data.beir import load_beir
+from ragtrain.data.clean import check_id, clean, dedupe_stream
 from ragtrain.data.store import write_store
 from ragtrain.data.types import DataError, Passage, RetrievalData
 from ragtrain.errors import ConfigError
 
 from .chunk import chunk_document
-from .clean import check_id, clean, dedupe_stream
 from .read import FileError, list_documents, open_documents, read_file
 
 __all__ = [

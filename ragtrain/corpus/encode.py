@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +127,33 @@ class ShardSet:
         d = json.loads(meta.read_text())
         d["folder"] = str(Path(folder).resolve())
         return cls(**d)
+
+
+def write_shards(
+    folder: str | Path, chunks: Iterable[tuple[list[str], np.ndarray]], dtype: str = "float32"
+) -> ShardSet:
+    """Write (ids, vectors) chunks as a shard folder in encode_to_shards' layout (replaced if it exists)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(folder)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    files, rows, dim = [], 0, 0
+    for k, (ids, vecs) in enumerate(chunks):
+        v = np.ascontiguousarray(vecs, dtype=dtype)
+        dim = v.shape[1]
+        flat = pa.array(v.reshape(-1), type=pa.from_numpy_dtype(np.dtype(dtype)))
+        files.append(f"part-{k:05d}.parquet")
+        pq.write_table(
+            pa.table({"id": list(ids), "vector": pa.FixedSizeListArray.from_arrays(flat, dim)}), out / files[-1]
+        )
+        rows += len(ids)
+    if rows == 0:
+        raise ValueError(f"write_shards: no rows to write into {out}")
+    (out / SHARDS_META).write_text(json.dumps({"files": files, "rows": rows, "dim": dim, "dtype": dtype}, indent=2))
+    return ShardSet.load(out)
 
 
 def actor_cpus(pool: PoolResources) -> float:

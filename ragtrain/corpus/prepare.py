@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from ragtrain.data.clean import clean
 from ragtrain.data.types import DataError
 
 from .chunk import chunk_document
-from .clean import clean
 from .read import FileError, MissingFileError, open_documents
 
 __all__ = ["RAY_MIN_BYTES", "chunk_batch", "chunk_on_ray", "read_clean_batch", "read_on_ray", "use_ray"]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ragtrain.corpus.clean import clean_text
+from ragtrain.data.clean import clean_text
 from ragtrain.data.types import DataError
 
 __all__ = ["SUPPORTED", "FileError", "MissingFileError", "is_reserved", "list_documents", "open_documents", "read_file"]

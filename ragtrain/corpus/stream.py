@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from ragtrain.config import DataConfig, IndexConfig, PoolResources, RetrieverConfig
+from ragtrain.data.clean import content_hash
 from ragtrain.data.types import DataError, Passage, RetrievalData
 
 from .chunk import chunk_document
-from .clean import content_hash
 from .dataset import locate
 from .prepare import FILES_PER_TASK, PREP_CPUS, _ordered, _tokenizer, read_clean_batch
 
@@ -296,9 +296,9 @@ def stream_documents(
     On any error nothing of the stream is left: no store, no shard folder."""
     import ray
 
+    from ragtrain.corpus.encode import write_shards
     from ragtrain.data.beir import load_beir
     from ragtrain.data.store import StoreWriter
-    from ragtrain.index.shard_ops import write_shards
 
     from .dataset import check_corpus_ids
     from .encode import SHARDS_META

@@ -104,7 +104,7 @@ def _read_jsonl(
                 raise DataError(f"{where}: key '{key}' must be a string, got {type(obj[key]).__name__}")
         if obj["_id"] in seen:
             raise DataError(f"{where}: duplicate _id '{obj['_id']}'")
-        from ragtrain.corpus.clean import check_id  # here: ragtrain.corpus.clean imports this package
+        from ragtrain.data.clean import check_id  # here: ragtrain.data.clean imports this package
 
         check_id(obj["_id"], where, kind=kind)
         seen.add(obj["_id"])

@@ -3,5 +3,5 @@
 Modules: config (typed config), prompt (template + question-safe truncation), model (architectures),
 retrieval (Ray actor retrieval service / per-worker copy), metrics (SQuAD EM / F1), train (the TorchTrainer
 recipe), stage (`run_generator_stage`, the pipeline's entry point). Kept import-light: ragtrain.config imports
-ragtrain.generator.config.
+ragtrain.config.generator.
 """

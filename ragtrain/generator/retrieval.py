@@ -20,8 +20,8 @@ import ray
 import torch
 
 from ragtrain.config import Config, Precision, RetrieverConfig
+from ragtrain.config.generator import RetrievalMode
 from ragtrain.console import get_logger
-from ragtrain.generator.config import RetrievalMode
 
 log = get_logger(__name__)
 

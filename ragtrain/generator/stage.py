@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ragtrain.config import Config, ConfigError
+from ragtrain.config.generator import GenPrecision
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
-from ragtrain.generator.config import GenPrecision
 from ragtrain.generator.train import GenData, GenExample
 
 log = get_logger(__name__)
@@ -71,7 +71,7 @@ def check_model(cfg: Config) -> Any:
     typo or a mismatch fails now, not after retriever training); returns the tokenizer."""
     from transformers import AutoConfig
 
-    from ragtrain.generator.config import Arch
+    from ragtrain.config.generator import Arch
     from ragtrain.generator.model import load_tokenizer, resolve_path
 
     g = cfg.generator

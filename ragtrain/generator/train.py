@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ragtrain.config import Config
-from ragtrain.generator.config import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
+from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
 from ragtrain.generator.metrics import score
 from ragtrain.generator.model import (
     AnswerDecoder,

@@ -315,8 +315,8 @@ class Retrieval:
         onto the trained space fitted on `index.align_anchors` anchor passages (their trained vectors are rows of
         `trained`). Returns {"stale": ..., "stale_aligned": ...}. Shard by shard: only the anchors' vectors and a
         drift sample are read into the driver; the mapped vectors are written as shards for the index host."""
+        from ragtrain.embed.align import fit_alignment
         from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, map_shards, sample_ids
-        from ragtrain.repair.align import fit_alignment
 
         idx, seed = resolved_index(self.cfg), self.cfg.seed
         anchors = sample_ids(self.doc_ids, idx.align_anchors, seed)

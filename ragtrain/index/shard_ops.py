@@ -7,43 +7,14 @@ encodes, measured on a seeded sample of rows. Each result is a `ShardSet` that t
 
 from __future__ import annotations
 
-import json
-import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from ragtrain.corpus.encode import SHARDS_META, ShardSet
+from ragtrain.corpus.encode import ShardSet, write_shards
 
 DRIFT_SAMPLE = 20_000  # rows compared when measuring drift: the mean's standard error is < 1 % of the mean here
-
-
-def write_shards(
-    folder: str | Path, chunks: Iterable[tuple[list[str], np.ndarray]], dtype: str = "float32"
-) -> ShardSet:
-    """Write (ids, vectors) chunks as a shard folder in encode_to_shards' layout (replaced if it exists)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    out = Path(folder)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    files, rows, dim = [], 0, 0
-    for k, (ids, vecs) in enumerate(chunks):
-        v = np.ascontiguousarray(vecs, dtype=dtype)
-        dim = v.shape[1]
-        flat = pa.array(v.reshape(-1), type=pa.from_numpy_dtype(np.dtype(dtype)))
-        files.append(f"part-{k:05d}.parquet")
-        pq.write_table(
-            pa.table({"id": list(ids), "vector": pa.FixedSizeListArray.from_arrays(flat, dim)}), out / files[-1]
-        )
-        rows += len(ids)
-    if rows == 0:
-        raise ValueError(f"write_shards: no rows to write into {out}")
-    (out / SHARDS_META).write_text(json.dumps({"files": files, "rows": rows, "dim": dim, "dtype": dtype}, indent=2))
-    return ShardSet.load(out)
 
 
 def map_shards(src: ShardSet, fn: Callable[[np.ndarray], np.ndarray], folder: str | Path) -> ShardSet:
@@ -87,6 +58,6 @@ def sample_ids(ids: Sequence[str], n: int, seed: int) -> list[str]:
 
 def drift(a: ShardSet, b: ShardSet, ids: Sequence[str]) -> float:
     """Mean 1 - cos between the two encodes' vectors of `ids` (read by id: only those rows are in memory)."""
-    from ragtrain.repair.align import embedding_drift
+    from ragtrain.embed.align import embedding_drift
 
     return embedding_drift(a.vectors_of(ids), b.vectors_of(ids))

@@ -290,9 +290,9 @@ class _Shard:
         """Encode rows [start, stop) of `source` (a PassageStore, read here; or [ObjectRef of (ids, texts)] of
         just these rows) with the snapshot `weights` ([ObjectRef]) into vector shards in `folder`; returns
         {rows, dim, files, seconds}."""
+        from ragtrain.corpus.encode import write_shards
         from ragtrain.data.store import PassageStore
         from ragtrain.embed.encoders import EncodeBatch
-        from ragtrain.index.shard_ops import write_shards
 
         t0 = time.perf_counter()
         enc = EncodeBatch(

@@ -259,7 +259,7 @@ class ShardedIndexService:
 
     def _fit_maps(self, newest: int) -> dict[int, np.ndarray]:
         """For every older encoder version still stored: the orthogonal map of its anchors onto the newest's."""
-        from ragtrain.repair.align import fit_alignment
+        from ragtrain.embed.align import fit_alignment
 
         return {u: fit_alignment(self.anchors[u], self.anchors[newest]).weight for u in self.anchors if u != newest}
 

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ragtrain.config.sync import MixerConfig
 from ragtrain.sync.base import flat_params, set_flat_params, world_size
 from ragtrain.sync.comm import STATS
-from ragtrain.sync.config import MixerConfig
 
 
 @ray.remote(num_cpus=0)

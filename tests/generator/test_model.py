@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragtrain.config import Config
-from ragtrain.generator.config import Arch, GeneratorConfig
+from ragtrain.config.generator import Arch, GeneratorConfig
 from ragtrain.generator.model import (
     AnswerDecoder,
     build_generator,

@@ -147,7 +147,7 @@ def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
 
 @pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
 def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -> None:
-    from ragtrain.generator.config import RetrievalMode
+    from ragtrain.config.generator import RetrievalMode
     from ragtrain.generator.retrieval import RetrievalService
     from ragtrain.generator.stage import build_gen_data, resolve_index
     from ragtrain.generator.train import fit_generator

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ragtrain.embed.align import embedding_drift, fit_alignment
 from ragtrain.embed.encoders import consensus_vectors
 from ragtrain.index import shard_ops
-from ragtrain.repair.align import embedding_drift, fit_alignment
 from tests.index.test_shards import _vectors, _write_shards
 
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from ragtrain.config import RefreshConfig, to_typed
+from ragtrain.embed.align import fit_alignment
 from ragtrain.errors import ConfigError
 from ragtrain.index.live_rows import LiveRows, predict_drift, select_rows, version_summary
 from ragtrain.index.sharded_refresh import mixed_recall
-from ragtrain.repair.align import fit_alignment
 from tests.conftest import compose, tiny_overrides
 
 

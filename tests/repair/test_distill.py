@@ -10,8 +10,8 @@ import torch
 
 from ragtrain.config import RetrieverConfig, TinyEncoderConfig
 from ragtrain.data import make_synthetic
+from ragtrain.embed.align import embedding_drift
 from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
-from ragtrain.repair.align import embedding_drift
 from ragtrain.repair.distill import StudentEncoder, distill
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ragtrain.corpus.clean import clean, clean_text, dedupe
 from ragtrain.corpus.dataset import load_documents
+from ragtrain.data.clean import clean, clean_text, dedupe
 from ragtrain.data.types import DataError
 
 from .helpers import small_folder, write_folder

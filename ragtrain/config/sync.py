@@ -1,6 +1,6 @@
 """Typed sync configuration: a strategy is a gradient reducer + a parameter mixer + a scope (ragtrain/sync/composed.py).
 
-Imported by ragtrain/config.py (the root schema re-exports every name), so this module imports nothing heavy.
+Imported by ragtrain/config/__init__.py (the root schema re-exports every name), so this module imports nothing heavy.
 """
 
 from __future__ import annotations

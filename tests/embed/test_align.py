@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.repair.align import embedding_drift, fit_alignment
+from ragtrain.embed.align import embedding_drift, fit_alignment
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

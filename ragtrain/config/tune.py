@@ -1,6 +1,6 @@
 """Typed config of a Ray Tune sweep (`tune` group, conf/tune/*.yaml), with its range checks.
 
-Imported by ragtrain/config.py, so this module imports nothing heavy (no Ray).
+Imported by ragtrain/config/__init__.py, so this module imports nothing heavy (no Ray).
 """
 
 from __future__ import annotations

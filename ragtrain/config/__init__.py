@@ -18,14 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ragtrain.errors import (
-    ConfigError,  # noqa: F401  (re-exported: callers catch ragtrain.config.ConfigError)
-    driver_path,
-    local_model,
-)
-from ragtrain.errors import check as _check
-from ragtrain.generator.config import GeneratorConfig
-from ragtrain.sync.config import (  # noqa: F401  (re-exported: the root schema's sync group)
+from ragtrain.config.generator import GeneratorConfig
+from ragtrain.config.sync import (  # noqa: F401  (re-exported: the root schema's sync group)
     CONSENSUS,
     GOSSIP_TOPOLOGIES,
     MIXER_DEFAULTS,
@@ -41,7 +35,13 @@ from ragtrain.sync.config import (  # noqa: F401  (re-exported: the root schema'
     ScopeConfig,
     SyncConfig,
 )
-from ragtrain.tune.config import TUNE_SCHEDULERS, TUNE_SEARCHERS, TUNE_TIME_ATTRS, TuneConfig  # noqa: F401
+from ragtrain.config.tune import TUNE_SCHEDULERS, TUNE_SEARCHERS, TUNE_TIME_ATTRS, TuneConfig  # noqa: F401
+from ragtrain.errors import (
+    ConfigError,  # noqa: F401  (re-exported: callers catch ragtrain.config.ConfigError)
+    driver_path,
+    local_model,
+)
+from ragtrain.errors import check as _check
 
 RECALL_DEPTH = 100  # the deepest recall cut-off reported (ragtrain.eval.retrieval.DEFAULT_KS)
 
@@ -375,7 +375,7 @@ class IndexConfig:
     nprobe: int = 16  # IVF search parameter
     ef_search: int = 128  # HNSW search parameter
     # > 0: after training, also map the zero-shot (stale) index onto the trained encoder's space with an
-    # orthogonal Procrustes map fitted on this many anchor passages (ragtrain/repair/align.py), and evaluate it
+    # orthogonal Procrustes map fitted on this many anchor passages (ragtrain/embed/align.py), and evaluate it
     align_anchors: int = 0
     # > 0 (sync=vector_avg): after training, distill one student encoder (initialised from the replicas'
     # parameter mean) onto the consensus vectors for this many steps, index it and evaluate it
@@ -824,7 +824,7 @@ def ineffective_settings(cfg: Config) -> list[str]:
     return out
 
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the checkout (holds conf/); data paths are relative to it
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout (holds conf/); data paths are relative to it
 
 
 def data_root() -> str:

@@ -1,11 +1,11 @@
-"""Paired bootstrap comparison of finished runs (python -m ragtrain.eval.paired)."""
+"""Paired bootstrap comparison of finished runs (python -m ragtrain.paired)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ragtrain.eval.paired import Scored, bootstrap, main, run_per_query
+from ragtrain.paired import Scored, bootstrap, main, run_per_query
 
 
 def test_a_constant_gain_has_a_zero_width_interval_and_no_doubt():

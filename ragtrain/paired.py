@@ -1,4 +1,4 @@
-"""`python -m ragtrain.eval.paired RUN_DIR RUN_DIR [...]`: are finished runs' scores different beyond the dev set's
+"""`python -m ragtrain.paired RUN_DIR RUN_DIR [...]`: are finished runs' scores different beyond the dev set's
 noise?
 
 A 100-query dev set moves nDCG@10 by 0.01 per query, so two recipes 0.01 apart may be one query apart. This
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ragtrain.search import SearchError
 
     quiet_cli()
-    p = argparse.ArgumentParser(prog="python -m ragtrain.eval.paired", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ragtrain.paired", description=__doc__.splitlines()[0])
     p.add_argument(
         "runs",
         nargs="+",

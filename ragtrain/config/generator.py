@@ -1,6 +1,6 @@
 """Typed config of the generator stage (`generator` group, conf/generator/*.yaml), with its range checks.
 
-Imported by ragtrain/config.py, so this module imports nothing heavy (no torch, no transformers).
+Imported by ragtrain/config/__init__.py, so this module imports nothing heavy (no torch, no transformers).
 """
 
 from __future__ import annotations
