@@ -35,9 +35,9 @@ class Scored:
 def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     """Per-query `metric` of the run in `out` on its evaluated split (its saved index, its trained encoder)."""
     from ragtrain.corpus.load import load_data
-    from ragtrain.eval.retrieval import per_query
+    from ragtrain.eval.metrics import per_query
+    from ragtrain.index.facade import BuiltIndex, Retrieval
     from ragtrain.index.faiss_index import IndexMismatchError, load_index
-    from ragtrain.index.retrieval import BuiltIndex, Retrieval
     from ragtrain.search import SearchError, encoder_weights, load_run_config
 
     out = Path(out)

@@ -28,7 +28,7 @@ from ragtrain.config import (
 from ragtrain.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
 from ragtrain.corpus.load import load_data, truncation_report
 from ragtrain.data import RetrievalData
-from ragtrain.index.retrieval import Retrieval
+from ragtrain.index.facade import Retrieval
 
 log = get_logger(__name__)
 

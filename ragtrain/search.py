@@ -48,7 +48,7 @@ def load_run_config(out: Path) -> Config:
 def encoder_weights(cfg: Config, encoder: str, out: Path) -> list:
     """The weights named by the index's metadata; a relative path that moved with the run folder is found in
     `<out>/encoder` (the pipeline records the path as given, relative to the cwd it ran in)."""
-    from ragtrain.generator.retrieval import load_snapshots
+    from ragtrain.generator.retriever_client import load_snapshots
 
     model, sep, where = encoder.partition("@")
     if sep and where != "init" and not Path(where).exists() and (out / "encoder" / Path(where).name).exists():

@@ -43,7 +43,7 @@ from ragtrain.errors import (
 )
 from ragtrain.errors import check as _check
 
-RECALL_DEPTH = 100  # the deepest recall cut-off reported (ragtrain.eval.retrieval.DEFAULT_KS)
+RECALL_DEPTH = 100  # the deepest recall cut-off reported (ragtrain.eval.metrics.DEFAULT_KS)
 
 
 class Precision(str, Enum):

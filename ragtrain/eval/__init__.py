@@ -1,6 +1,6 @@
 """Evaluation: retrieval metrics (nDCG@10, MRR@10, Recall@k) with BEIR / trec_eval conventions."""
 
-from ragtrain.eval.retrieval import (
+from ragtrain.eval.metrics import (
     DEFAULT_KS,
     Qrels,
     Run,

@@ -138,7 +138,7 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     """
     import ray
 
-    from ragtrain.generator.retrieval import IndexPayload, check_encoder, load_snapshots
+    from ragtrain.generator.retriever_client import IndexPayload, check_encoder, load_snapshots
     from ragtrain.index.faiss_index import IndexMismatchError
     from ragtrain.index.sharded import is_sharded, open_saved
 
@@ -210,7 +210,7 @@ def run_generator_stage(
     """Train + evaluate the generator; returns {"gen_closed_book": {em, f1, n}, "gen_rag": ..., "gen_oracle":
     ..., "gen_train": {steps, seconds, wall_seconds, samples_per_s, tokens_per_s, final_loss, ...}}; writes
     <out_dir>/generator/ (generator.safetensors, predictions.json, loss_history.json, metrics.json)."""
-    from ragtrain.generator.retrieval import RetrievalService
+    from ragtrain.generator.retriever_client import RetrievalService
     from ragtrain.generator.train import fit_generator
 
     g = cfg.generator

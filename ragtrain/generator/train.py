@@ -24,7 +24,6 @@ import torch
 
 from ragtrain.config import Config
 from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
-from ragtrain.generator.metrics import score
 from ragtrain.generator.model import (
     AnswerDecoder,
     GenModel,
@@ -33,7 +32,8 @@ from ragtrain.generator.model import (
     load_tokenizer,
 )
 from ragtrain.generator.prompt import PromptBuilder, Template
-from ragtrain.generator.retrieval import RetrievalClient
+from ragtrain.generator.qa_metrics import score
+from ragtrain.generator.retriever_client import RetrievalClient
 from ragtrain.precision import resolve
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink

@@ -27,7 +27,7 @@ def prepare_teacher(
     `rerank_depth` of `built` in one Ray Data pass, and evaluate the teacher's reranking.
 
     Returns ({qidx: {corpus position: score}}, metrics of the teacher's reranking incl. its training summary)."""
-    from ragtrain.eval.retrieval import evaluate, maxp_run
+    from ragtrain.eval.metrics import evaluate, maxp_run
     from ragtrain.reranker.score import teacher_targets
     from ragtrain.reranker.train import TEACHER_DIR, fit_teacher
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ragtrain.data import RetrievalData
-from ragtrain.eval.retrieval import evaluate, maxp_run
+from ragtrain.eval.metrics import evaluate, maxp_run
 
 VAL_DEPTH = 10  # nDCG@10 / Recall@10; MaxP retrieves this many documents from up to 10x as many passages
 

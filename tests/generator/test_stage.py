@@ -45,8 +45,8 @@ def built(ray_session, tmp_path_factory):
     from ragtrain.corpus.load import load_data
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
+    from ragtrain.index.facade import BuiltIndex, Retrieval
     from ragtrain.index.host import RemoteIndex
-    from ragtrain.index.retrieval import BuiltIndex, Retrieval
     from tests.index.test_shards import _write_shards
 
     tmp = tmp_path_factory.mktemp("gen")
@@ -148,7 +148,7 @@ def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
 @pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
 def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -> None:
     from ragtrain.config.generator import RetrievalMode
-    from ragtrain.generator.retrieval import RetrievalService
+    from ragtrain.generator.retriever_client import RetrievalService
     from ragtrain.generator.stage import build_gen_data, resolve_index
     from ragtrain.generator.train import fit_generator
 
@@ -267,7 +267,7 @@ def test_encoder_index_mismatch_fails_clearly(built, tmp_path, override: str, ma
 def test_a_saved_index_is_searched_from_a_host_not_through_the_driver(built, tmp_path) -> None:
     import ray
 
-    from ragtrain.generator.retrieval import Searcher
+    from ragtrain.generator.retriever_client import Searcher
     from ragtrain.generator.stage import resolve_index
 
     _, cfg0, data, _, index = built

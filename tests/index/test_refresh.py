@@ -149,7 +149,7 @@ def _service(cfg, data, tmp_path):
     Ray Data encode that writes them in a run is tested in tests/corpus/test_encode.py)."""
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
-    from ragtrain.index.retrieval import BuiltIndex, Retrieval
+    from ragtrain.index.facade import BuiltIndex, Retrieval
     from tests.index.test_shards import _write_shards
 
     torch.manual_seed(0)

@@ -181,7 +181,7 @@ def on_shards(ray_session, tmp_path_factory):
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
     from ragtrain.data.store import PassageStore
-    from ragtrain.index.retrieval import Retrieval
+    from ragtrain.index.facade import Retrieval
     from ragtrain.pipeline import initial_weights
     from tests.conftest import compose, tiny_overrides
 
@@ -209,8 +209,8 @@ def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards
     index host against the shards: the slow pipeline test below.)"""
     from omegaconf import OmegaConf
 
-    from ragtrain.generator.retrieval import IndexPayload, Searcher
-    from ragtrain.index.retrieval import BuiltIndex
+    from ragtrain.generator.retriever_client import IndexPayload, Searcher
+    from ragtrain.index.facade import BuiltIndex
     from ragtrain.search import main as search_main
     from ragtrain.search import search
 
@@ -368,7 +368,7 @@ def test_a_sharded_quickstart_gives_the_figures_of_one_index(ray_session, tmp_pa
     ]
     # stages=[generator]: the saved sharded folder is checked in-process, then loaded into shard actors
     from ragtrain.corpus.load import load_data
-    from ragtrain.generator.retrieval import Searcher
+    from ragtrain.generator.retriever_client import Searcher
     from ragtrain.generator.stage import resolve_index
     from ragtrain.index.sharded import ShardedIndex
 

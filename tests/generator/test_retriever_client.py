@@ -8,7 +8,7 @@ import torch
 
 from ragtrain.config import RetrieverConfig
 from ragtrain.embed.encoders import QueryEncoder
-from ragtrain.generator.retrieval import check_encoder
+from ragtrain.generator.retriever_client import check_encoder
 from ragtrain.index.faiss_index import IndexMismatchError, build_index
 
 CFG = RetrieverConfig(model="tiny")
@@ -40,7 +40,7 @@ def test_service_mode_ranks_start_on_different_actors(ray_session) -> None:
     # Every rank calls once per step: clients that all start on actor 0 would leave the other actors idle
     import ray
 
-    from ragtrain.generator.retrieval import RetrievalClient, RetrievalMode
+    from ragtrain.generator.retriever_client import RetrievalClient, RetrievalMode
 
     @ray.remote(num_cpus=0)
     class Named:

@@ -1,4 +1,4 @@
-"""Tests for ragtrain.eval.retrieval: hand-computed cases, trec_eval (pytrec_eval) as the oracle, run_from_scores."""
+"""Tests for ragtrain.eval.metrics: hand-computed cases, trec_eval (pytrec_eval) as the oracle, run_from_scores."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from ragtrain.eval.retrieval import DEFAULT_KS, evaluate, per_query, run_from_scores
+from ragtrain.eval.metrics import DEFAULT_KS, evaluate, per_query, run_from_scores
 
 L2 = math.log2
 

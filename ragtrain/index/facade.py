@@ -24,7 +24,7 @@ from ragtrain.config import Config
 from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import passage_qrels
 from ragtrain.data import RetrievalData
-from ragtrain.eval.retrieval import evaluate, maxp_run, run_from_scores
+from ragtrain.eval.metrics import evaluate, maxp_run, run_from_scores
 from ragtrain.precision import resolved_index
 
 log = get_logger(__name__)
