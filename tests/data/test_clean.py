@@ -10,8 +10,7 @@ import pytest
 from ragtrain.corpus.dataset import load_documents
 from ragtrain.data.clean import clean, clean_text, dedupe
 from ragtrain.data.types import DataError
-
-from .helpers import small_folder, write_folder
+from tests.corpus.helpers import small_folder, write_folder
 
 
 def test_clean_text_nfc_and_whitespace() -> None:
