@@ -8,8 +8,9 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -28,7 +29,7 @@ from ragtrain.config import (
 from ragtrain.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
 from ragtrain.corpus.load import load_data, truncation_report
 from ragtrain.data import RetrievalData
-from ragtrain.index.facade import Retrieval
+from ragtrain.index.facade import BuiltIndex, Retrieval
 
 log = get_logger(__name__)
 
@@ -368,6 +369,27 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     return data
 
 
+@dataclass
+class RunState:
+    """What one run's phases hand each other: the data, the run's folder and MLflow run, the index facade, the
+    weights the next phase starts from, and every phase's metrics."""
+
+    cfg: Config
+    data: RetrievalData
+    out: Path
+    logger: Any
+    retrieval: Retrieval
+    weights: dict[str, torch.Tensor]
+    encoder_name: str
+    step: int = 0
+    results: dict[str, dict[str, float]] = field(default_factory=dict)
+    zeroshot: BuiltIndex | None = None  # the zero-shot build (evaluation, mining, the live index's version 0)
+    stale: BuiltIndex | None = None  # the zero-shot vectors kept for index.align_anchors
+    negatives: dict[str, list[int]] | None = None  # hard negatives mined once from the zero-shot index
+    replicas: list[dict[str, torch.Tensor]] = field(default_factory=list)  # sync=vector_avg: every replica
+    built: BuiltIndex | None = None  # this run's index (the `index` stage)
+
+
 def run(
     cfg: Config,
     *,
@@ -380,16 +402,44 @@ def run(
     A Tune trial passes `train_callbacks` (TuneReportCallback), `report_intermediate=True` (ray.train.report at
     every log window, so schedulers see learning curves) and its sweep's `parent_run_id` (MLflow child run).
     """
-    from ragtrain.index.shards import save_atomic
-    from ragtrain.retriever.batching import TrainData, build_examples
-    from ragtrain.retriever.train import fit_retriever, save_weights
-    from ragtrain.retriever.validation import make_val_set
-    from ragtrain.track.mlflow import RunLogger
+    initial = functools.cache(lambda: initial_weights(cfg))  # built once: by the corpus stream, or below
+    data, out, run_log = start_run(cfg, initial)
+    logger = open_logger(cfg, out, run_log, parent_run_id)
+    status, cleanup = "FAILED", [lambda: detach_run_log(run_log)]
+    try:
+        log_config(cfg, out, logger)
+        s = RunState(cfg, data, out, logger, Retrieval(cfg, data), initial(), f"{cfg.retriever.model}@init")
+        cleanup.append(s.retrieval.close)
+        zeroshot_phase(s)
+        if "retriever" in cfg.stages:
+            train_phase(s, train_callbacks, report_intermediate)
+        if "index" in cfg.stages:
+            index_phase(s)
+        if "generator" in cfg.stages:  # retrieves with this run's index, or the saved one (stages: [generator])
+            from ragtrain.generator.stage import run_generator_stage
 
-    # Built once, when first needed: by the corpus stream (the zero-shot encode) or below
-    initial = functools.cache(lambda: initial_weights(cfg))
-    # Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
-    # folder that failed them is never taken for a run by resume=true, and what the checks wrote is removed.
+            s.results.update(run_generator_stage(cfg, data, s.retrieval if s.built else None, s.built, out, logger))
+        report_phase(s)
+        status = "FINISHED"
+        write_status(out, "complete")
+        return s.results
+    except BaseException as e:  # Ctrl+C included: the folder says the run did not finish, and why
+        write_status(out, "failed", error=f"{type(e).__name__}: {e}"[:2000])
+        raise
+    finally:
+        try:  # a clean-up that fails (Ray gone, say) must not leave the MLflow run RUNNING
+            for fn in cleanup:
+                fn()
+            if cfg.profile:  # a failed run's timeline is the one most worth reading
+                write_timeline(out, logger)
+        finally:
+            logger.end(status)
+
+
+def start_run(cfg: Config, initial: Callable[[], dict[str, torch.Tensor]]) -> tuple[RetrievalData, Path, Any]:
+    """Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
+    folder that failed them is never taken for a run by resume=true, and what the checks wrote is removed.
+    Returns (data, the run's folder, its log handler)."""
     check_fresh_output(cfg)
     with undo_on_failure(cfg.output_dir, cfg.index.cache_dir):
         out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
@@ -401,8 +451,14 @@ def run(
     write_status(out, "running")
     run_log = attach_run_log(out)  # ragtrain's lines of this run, timestamped, in <output_dir>/ragtrain.log
     replay(check_lines, run_log)
+    return data, out, run_log
 
-    run_file = out / "mlflow_run_id"  # resume=true continues this run's MLflow run
+
+def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None) -> Any:
+    """The run's MLflow run (resume=true continues the one recorded in <output_dir>/mlflow_run_id)."""
+    from ragtrain.track.mlflow import RunLogger
+
+    run_file = out / "mlflow_run_id"
     resume_id = run_file.read_text().strip() if cfg.resume and run_file.exists() else None
     try:
         logger = RunLogger(cfg.logger, run_name=cfg.experiment_name, parent_run_id=parent_run_id, run_id=resume_id)
@@ -417,161 +473,144 @@ def run(
             f"RAY_ADDRESS is set and MLflow logs to a file store ({logger.uri}) that rank 0 writes from "
             "another node: prefer an MLflow server (logger.tracking_uri or MLFLOW_TRACKING_URI)"
         )
-    status = "FAILED"
-    cleanup: list = [lambda: detach_run_log(run_log)]
+    return logger
+
+
+def log_config(cfg: Config, out: Path, logger: Any) -> None:
+    """The run's parameters (with what `auto` means here) and config.yaml; a resumed run keeps its params."""
+    from ragtrain.precision import resolved_params
+
+    if not logger.resumed:
+        logger.log_params({**to_flat_dict(cfg), **resolved_params(cfg)})
+    logger.log_artifact(out / "config.yaml")
+
+
+def zeroshot_phase(s: RunState) -> None:
+    """Before training: the zero-shot index when evaluation, static mining, the live index or the stale-index
+    alignment needs it; hard negatives mined once from it when the live index does not provide them."""
+    cfg, train = s.cfg, "retriever" in s.cfg.stages
+    if not (train and first_index_is_zeroshot(cfg)):
+        return
+    live = cfg.refresh.enabled
+    needs_negatives = cfg.retriever.train.hard_negatives > 0
+    if cfg.zeroshot_eval or needs_negatives or live:
+        s.zeroshot, s.results["zeroshot"] = s.retrieval.build_and_evaluate("zeroshot", [s.weights], s.encoder_name, 0)
+        if needs_negatives and not live:  # static negatives, mined once from the zero-shot index
+            s.negatives = s.retrieval.mine_negatives(s.zeroshot)
+    else:  # index.align_anchors with zeroshot_eval=false (e.g. sync_compare's later variants): the stale
+        s.zeroshot = s.retrieval.build("zeroshot", [s.weights], s.encoder_name, 0)  # vectors, not evaluated
+    s.stale = s.zeroshot if cfg.index.align_anchors else None
+
+
+def train_phase(s: RunState, callbacks: list | None, report_intermediate: bool) -> None:
+    """Retriever training on Ray Train: beside the live index service (refresh.enabled) or after the pool has
+    given its CPUs back; with a cross-encoder teacher when one is configured. Saves the trained weights."""
+    from ragtrain.retriever.batching import TrainData, build_examples
+    from ragtrain.retriever.train import fit_retriever
+    from ragtrain.retriever.validation import make_val_set
+
+    cfg, retrieval, t = s.cfg, s.retrieval, s.cfg.retriever.train
+    service = probe = None
+    if cfg.refresh.enabled:  # the pool refreshes the index while training steps
+        service, probe = retrieval.start_service(s.zeroshot, s.weights)
+    else:
+        retrieval.release()  # without refresh the trainer and the pool take turns on the CPUs
+    examples = build_examples(s.data.queries, retrieval.train_qrels, retrieval.positions, s.negatives)
+    teacher = None
+    if cfg.retriever.teacher.weight > 0:  # a cross-encoder scores the mined candidates (ragtrain/reranker)
+        from ragtrain.reranker.stage import prepare_teacher
+
+        teacher, s.results["teacher_rerank"] = prepare_teacher(cfg, retrieval, s.zeroshot, examples, s.logger.sink())
+    if s.zeroshot is not None:  # searched for the last time (evaluation, mining, the teacher): the host frees it
+        s.zeroshot.index.drop()  # before the trained index arrives; its vectors stay in the shards (alignment)
     try:
-        if resume_id is None:  # a resumed run keeps the params it was started with
-            from ragtrain.precision import resolved_params
-
-            logger.log_params({**to_flat_dict(cfg), **resolved_params(cfg)})  # with what `auto` means here
-        logger.log_artifact(out / "config.yaml")
-        weights = initial()
-        encoder_name, step = f"{cfg.retriever.model}@init", 0
-
-        retrieval = Retrieval(cfg, data)
-        cleanup.append(retrieval.close)
-        results: dict[str, dict[str, float]] = {}
-        train = "retriever" in cfg.stages
-        live = train and cfg.refresh.enabled  # the pool refreshes the index while training steps
-        needs_negatives = train and cfg.retriever.train.hard_negatives > 0
-        negatives: dict[str, list[int]] | None = None
-        zeroshot = None
-        if train and first_index_is_zeroshot(cfg):
-            if cfg.zeroshot_eval or needs_negatives or live:
-                zeroshot, results["zeroshot"] = retrieval.build_and_evaluate("zeroshot", [weights], encoder_name, step)
-                if needs_negatives and not live:  # static negatives, mined once from the zero-shot index
-                    negatives = retrieval.mine_negatives(zeroshot)
-            else:  # index.align_anchors with zeroshot_eval=false (e.g. sync_compare's later variants): the stale
-                zeroshot = retrieval.build("zeroshot", [weights], encoder_name, step)  # vectors, not evaluated
-        stale = zeroshot if train and cfg.index.align_anchors else None
-
-        if train:
-            pos = retrieval.positions
-            service = probe = None
-            if live:
-                service, probe = retrieval.start_service(zeroshot, weights)
-            else:
-                retrieval.release()  # without refresh the trainer and the pool take turns on the CPUs
-            examples = build_examples(data.queries, retrieval.train_qrels, pos, negatives)
-            teacher = None
-            if cfg.retriever.teacher.weight > 0:  # a cross-encoder scores the mined candidates (ragtrain/reranker)
-                from ragtrain.reranker.stage import prepare_teacher
-
-                teacher, results["teacher_rerank"] = prepare_teacher(cfg, retrieval, zeroshot, examples, logger.sink())
-            if zeroshot is not None:  # searched for the last time (evaluation, mining, the teacher): the host frees it
-                zeroshot.index.drop()  # before the trained index arrives; its vectors stay in the shards (alignment)
-            try:
-                sink = logger.sink()
-                if sink is not None and cfg.resume:
-                    sink.skip_logged = True  # steps before the interruption are already in the run
-                t = cfg.retriever.train
-                val = make_val_set(data, t.val_queries, t.val_passages, cfg.seed) if t.val_every else None
-                fit = fit_retriever(
-                    cfg,
-                    TrainData(retrieval.passages(), examples, teacher),
-                    weights,
-                    sink,
-                    resume=cfg.resume,
-                    callbacks=train_callbacks,
-                    report_intermediate=report_intermediate,
-                    index_service=service,
-                    probe=probe,
-                    val=val,
-                )
-            finally:
-                refresh_report = retrieval.stop_service(service) if service is not None else None
-            if refresh_report is not None:
-                (out / "refresh_history.json").write_text(json.dumps(refresh_report, indent=2))
-                logger.log_artifact(out / "refresh_history.json")
-            weights, step = fit.weights, fit.steps
-            (out / "encoder").mkdir(exist_ok=True)
-            if fit.replicas:  # vector_avg: the saved encoder is the parameter mean; replicas go next to it
-                weights = parameter_mean(fit.replicas)
-                for r, state in enumerate(fit.replicas):
-                    save_weights(state, out / "encoder", name=f"replica_{r}")
-            save_weights_path = save_weights(weights, out / "encoder")
-            encoder_name = f"{cfg.retriever.model}@{save_weights_path}"
-            log.info(f"[retriever] {fit.steps} steps in {fit.seconds:.1f}s; weights: {save_weights_path}")
-            results["train"] = {"seconds": fit.seconds, "steps": fit.steps, **fit.metrics}
-
-        built = None
-        if "index" in cfg.stages:
-            phase = "trained" if train else "zeroshot"
-            replicas = fit.replicas if train else []
-            if replicas:  # vector_avg: first the parameter mean, for comparison; then the mean of the vectors
-                param_avg, results["param_avg"] = retrieval.build_and_evaluate(
-                    "param_avg", [weights], encoder_name, step
-                )
-            name = f"vector_avg of {len(replicas)} replicas in {out / 'encoder'}" if replicas else encoder_name
-            built, results[phase] = retrieval.build_and_evaluate(phase, replicas or [weights], name, step)
-            if replicas:  # mean 1 - cos on a seeded sample of passages, read from both builds' shards
-                from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
-
-                results["param_avg"]["drift_vs_consensus"] = drift(
-                    param_avg.shards, built.shards, sample_ids(built.corpus_ids, DRIFT_SAMPLE, cfg.seed + 1)
-                )
-            if replicas and cfg.index.distill_steps:  # one student encoder that serves the consensus index
-                from ragtrain.repair.distill import distill_consensus
-
-                _, results["distilled"] = distill_consensus(retrieval, built, weights, step)
-            if stale is not None and not replicas:  # align the stale index instead of re-encoding it: how close?
-                results.update(retrieval.evaluate_stale(stale, built, step))
-            save_atomic(built.index, out / "index")  # a temporary folder, renamed when complete
-            logger.log_json(asdict(built.index.meta), "index_meta.json")
-
-        if "generator" in cfg.stages:  # retrieves with this run's index, or the saved one (stages: [generator])
-            from ragtrain.generator.stage import run_generator_stage
-
-            results.update(run_generator_stage(cfg, data, retrieval if built else None, built, out, logger))
-
-        (out / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
-        logger.log_artifact(out / "metrics.json")
-        for phase, m in results.items():  # zero-shot at step 0, the trained encoder at its last step
-            if phase.startswith("gen_"):
-                continue  # the generator stage logged its own, at its own steps
-            prefix = "run/" if phase == "train" else f"{phase}/"  # run summary: run/train/samples_per_s, ...
-            sink = logger.sink()
-            if sink is not None:
-                sink.skip_logged = cfg.resume  # a resumed run already holds the phases finished before
-                sink.log({prefix + k: v for k, v in m.items()}, step=0 if phase == "zeroshot" else step)
-        if cfg.export and ({"retriever", "index"} & set(cfg.stages) or "generator" in cfg.stages):
-            from ragtrain.export import (
-                export_run,  # <output_dir>/export: sentence-transformers + HF folders
-            )
-
-            encoded = bool({"retriever", "index"} & set(cfg.stages))  # this run trained or indexed with `weights`
-            export_run(
-                cfg,
-                weights if encoded else None,
-                out,
-                f"{data.name}: {len(data.corpus)} passages, "
-                f"{len(data.train_qrels)} training queries, evaluated on {len(data.eval_qrels)} {data.split} "
-                "queries",
-                summary_table(results),
-                logger,
-            )
-        log.info(f"\n== {cfg.experiment_name}: {data.name} split={data.split} index={cfg.index.factory} ==")
-        log.info(summary_table(results))
-        if "train" in results:
-            t = results["train"]
-            log.info(
-                f"training: {t['steps']:.0f} steps, {t['train/samples_per_s']:.1f} samples/s, "
-                f"{t['comm/bytes_per_step'] / 1e6:.2f} MB sent/step/worker, comm time share {t['comm/time_share']:.2f}"
-            )
-        log.info(
-            f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else "")
-        )
-        status = "FINISHED"
-        write_status(out, "complete")
-        return results
-    except BaseException as e:  # Ctrl+C included: the folder says the run did not finish, and why
-        write_status(out, "failed", error=f"{type(e).__name__}: {e}"[:2000])
-        raise
+        sink = s.logger.sink()
+        if sink is not None and cfg.resume:
+            sink.skip_logged = True  # steps before the interruption are already in the run
+        val = make_val_set(s.data, t.val_queries, t.val_passages, cfg.seed) if t.val_every else None
+        fit = fit_retriever(
+            cfg, TrainData(retrieval.passages(), examples, teacher), s.weights, sink, resume=cfg.resume,
+            callbacks=callbacks, report_intermediate=report_intermediate, index_service=service, probe=probe,
+            val=val,
+        )  # fmt: skip
     finally:
-        try:  # a clean-up that fails (Ray gone, say) must not leave the MLflow run RUNNING
-            for fn in cleanup:
-                fn()
-            if cfg.profile:  # a failed run's timeline is the one most worth reading
-                write_timeline(out, logger)
-        finally:
-            logger.end(status)
+        refresh_report = retrieval.stop_service(service) if service is not None else None
+    if refresh_report is not None:
+        (s.out / "refresh_history.json").write_text(json.dumps(refresh_report, indent=2))
+        s.logger.log_artifact(s.out / "refresh_history.json")
+    save_trained(s, fit)
+
+
+def save_trained(s: RunState, fit: Any) -> None:
+    """The trained encoder into <output_dir>/encoder (vector_avg: the parameter mean, each replica beside it)."""
+    from ragtrain.retriever.train import save_weights
+
+    s.weights, s.step, s.replicas = fit.weights, fit.steps, list(fit.replicas or [])
+    (s.out / "encoder").mkdir(exist_ok=True)
+    if s.replicas:
+        s.weights = parameter_mean(s.replicas)
+        for r, state in enumerate(s.replicas):
+            save_weights(state, s.out / "encoder", name=f"replica_{r}")
+    path = save_weights(s.weights, s.out / "encoder")
+    s.encoder_name = f"{s.cfg.retriever.model}@{path}"
+    log.info(f"[retriever] {fit.steps} steps in {fit.seconds:.1f}s; weights: {path}")
+    s.results["train"] = {"seconds": fit.seconds, "steps": fit.steps, **fit.metrics}
+
+
+def index_phase(s: RunState) -> None:
+    """The index of the run's encoder, evaluated and saved; under sync=vector_avg the consensus of every replica's
+    vectors beside the parameter mean (and, with index.distill_steps, one student for it); with
+    index.align_anchors the stale zero-shot index aligned to it."""
+    from ragtrain.index.shards import save_atomic
+
+    cfg, retrieval, results, reps = s.cfg, s.retrieval, s.results, s.replicas
+    phase = "trained" if "retriever" in cfg.stages else "zeroshot"
+    if reps:  # vector_avg: first the parameter mean, for comparison; then the mean of the vectors
+        param_avg, results["param_avg"] = retrieval.build_and_evaluate("param_avg", [s.weights], s.encoder_name, s.step)
+    name = f"vector_avg of {len(reps)} replicas in {s.out / 'encoder'}" if reps else s.encoder_name
+    s.built, results[phase] = retrieval.build_and_evaluate(phase, reps or [s.weights], name, s.step)
+    if reps:  # mean 1 - cos on a seeded sample of passages, read from both builds' shards
+        from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
+
+        ids = sample_ids(s.built.corpus_ids, DRIFT_SAMPLE, cfg.seed + 1)
+        results["param_avg"]["drift_vs_consensus"] = drift(param_avg.shards, s.built.shards, ids)
+    if reps and cfg.index.distill_steps:  # one student encoder that serves the consensus index
+        from ragtrain.repair.distill import distill_consensus
+
+        _, results["distilled"] = distill_consensus(retrieval, s.built, s.weights, s.step)
+    if s.stale is not None and not reps:  # align the stale index instead of re-encoding it: how close?
+        results.update(retrieval.evaluate_stale(s.stale, s.built, s.step))
+    save_atomic(s.built.index, s.out / "index")  # a temporary folder, renamed when complete
+    s.logger.log_json(asdict(s.built.index.meta), "index_meta.json")
+
+
+def report_phase(s: RunState) -> None:
+    """metrics.json, every phase's summary into MLflow, the export folder, and the console's summary."""
+    cfg, out, results, logger = s.cfg, s.out, s.results, s.logger
+    (out / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+    logger.log_artifact(out / "metrics.json")
+    for phase, m in results.items():  # zero-shot at step 0, the trained encoder at its last step
+        if phase.startswith("gen_"):
+            continue  # the generator stage logged its own, at its own steps
+        prefix = "run/" if phase == "train" else f"{phase}/"  # run summary: run/train/samples_per_s, ...
+        sink = logger.sink()
+        if sink is not None:
+            sink.skip_logged = cfg.resume  # a resumed run already holds the phases finished before
+            sink.log({prefix + k: v for k, v in m.items()}, step=0 if phase == "zeroshot" else s.step)
+    if cfg.export and ({"retriever", "index"} & set(cfg.stages) or "generator" in cfg.stages):
+        from ragtrain.export import export_run  # <output_dir>/export: sentence-transformers + HF folders
+
+        encoded = bool({"retriever", "index"} & set(cfg.stages))  # this run trained or indexed with `weights`
+        d = s.data
+        about = f"{d.name}: {len(d.corpus)} passages, {len(d.train_qrels)} training queries, evaluated on "
+        about += f"{len(d.eval_qrels)} {d.split} queries"
+        export_run(cfg, s.weights if encoded else None, out, about, summary_table(results), logger)
+    log.info(f"\n== {cfg.experiment_name}: {s.data.name} split={s.data.split} index={cfg.index.factory} ==")
+    log.info(summary_table(results))
+    if "train" in results:
+        t = results["train"]
+        log.info(
+            f"training: {t['steps']:.0f} steps, {t['train/samples_per_s']:.1f} samples/s, "
+            f"{t['comm/bytes_per_step'] / 1e6:.2f} MB sent/step/worker, comm time share {t['comm/time_share']:.2f}"
+        )
+    log.info(f"outputs: {out.resolve()}" + (f"\nmlflow: {logger.uri} run {logger.run_id}" if logger.enabled else ""))

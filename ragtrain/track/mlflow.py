@@ -209,6 +209,7 @@ class RunLogger:
     ):
         self.enabled = LoggerBackend(cfg.backend) == LoggerBackend.mlflow
         self.run_id: str | None = None
+        self.resumed = run_id is not None  # continues a run that already holds its params
         self.uri = tracking_uri(cfg) if self.enabled else ""
         if not self.enabled:
             return
