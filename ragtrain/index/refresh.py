@@ -328,6 +328,8 @@ class LiveIndexClient:
         self.pending_since = 0.0
         self.refreshes = 0
         self.failures = 0
+        self.seconds: list[float] = []  # each finished refresh's wall time
+        self.round_metrics: list[dict[str, float]] = []  # each finished sharded round's metrics
         self.steps: list[tuple[float, int, bool]] = []  # (seconds, samples, a refresh was running) per step
 
     def begin_step(self, step: int) -> int:
@@ -371,6 +373,8 @@ class LiveIndexClient:
         self.pending = None
         if stats.get("ok"):
             self.refreshes += 1
+            self.seconds.append(float(stats.get("seconds", 0.0)))
+            self.round_metrics.append(stats.get("metrics", {}))
         elif "error" in stats:
             self.failures += 1
             log.info(f"[index] refresh from step {stats['step']} failed, the old index stays live: {stats['error']}")
@@ -428,7 +432,17 @@ class LiveIndexClient:
             "index/refresh_failures": float(self.failures),
             "index/steps_during_refresh": float(len(busy)),
             "index/final_version": float(self.live.version),
+            "index/refresh_seconds_total": float(sum(self.seconds)),
         }
+        rounds = self.round_metrics
+        for key, how in (
+            ("index/encoded_fraction", np.mean),
+            ("index/mixed_recall_at_10", np.mean),
+            ("index/version_skew", np.max),
+        ):  # a sharded refresh's rounds (index/sharded_refresh.py)
+            got = [m[key] for m in rounds if key in m]
+            if got:
+                out[f"{key}_{how.__name__}"] = float(how(got))
         if busy and idle:
             sps_busy = sum(n for _, n in busy) / sum(s for s, _ in busy)
             sps_idle = sum(n for _, n in idle) / sum(s for s, _ in idle)

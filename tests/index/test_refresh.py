@@ -308,3 +308,29 @@ def test_adaptive_refresh_follows_measured_drift(ray_session, tmp_path, threshol
     assert results["train"]["index/refreshes"] >= 1
     started = [h["step"] for h in history[1:]]  # version 0 is the zero-shot index (step 0)
     assert started and all(s % 5 == 0 for s in started)  # only at checks, never on a step count
+
+
+def test_the_summary_sums_refresh_seconds_and_summarises_sharded_rounds(ray_session) -> None:
+    """What rank 0 logs as the run's refresh summary (run/index/*): total refresh seconds, and over a sharded
+    refresh's rounds the mean encoded fraction and mixed recall and the largest version skew."""
+    import ray
+
+    from ragtrain.config import Config
+
+    book = VersionBook()
+    book.publish(_version(0))
+    client = LiveIndexClient(book, Config(), rank=0)
+    rounds = [
+        {"ok": True, "version": 1, "step": 2, "seconds": 3.0, "metrics": {"index/encoded_fraction": 0.25,
+         "index/mixed_recall_at_10": 0.9, "index/version_skew": 1.0}},
+        {"ok": True, "version": 2, "step": 4, "seconds": 5.0, "metrics": {"index/encoded_fraction": 0.25,
+         "index/mixed_recall_at_10": 0.7, "index/version_skew": 2.0}},
+        {"ok": False, "error": "boom", "step": 6},
+    ]  # fmt: skip
+    for stats in rounds:
+        client.pending = ray.put(stats)
+        assert client.finished() == stats
+    s = client.summary()
+    assert s["index/refreshes"] == 2 and s["index/refresh_failures"] == 1
+    assert s["index/refresh_seconds_total"] == 8.0 and s["index/encoded_fraction_mean"] == 0.25
+    assert s["index/mixed_recall_at_10_mean"] == pytest.approx(0.8) and s["index/version_skew_max"] == 2.0
