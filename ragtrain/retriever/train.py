@@ -78,223 +78,311 @@ def drift_probe(data: TrainData, cfg: Config) -> tuple[list[str], list[str]]:
     return [e.query for e in exs], [data.passages[e.positive] for e in exs]
 
 
-def train_loop_per_worker(args: WorkerArgs) -> None:
-    """One Ray Train worker: set up the replica -> train -> measure drift -> save the final weights."""
+class NoLiveIndex:
+    """refresh.enabled=false: the loop's live-index calls do nothing (hard negatives come from the batch data)."""
+
+    def begin_step(self, step: int) -> None:
+        return None
+
+    def negatives(self) -> None:
+        return None
+
+    def after_step(self, *args) -> dict[str, float]:
+        return {}
+
+    def drain(self) -> None:
+        return None
+
+    def summary(self) -> dict[str, float]:
+        return {}
+
+
+class Distill:
+    """This rank's teacher term (retriever.teacher.weight > 0: KL or MarginMSE to the cross-encoder's scores of the
+    batch's candidates); with weight 0 it adds nothing and reports nothing."""
+
+    def __init__(self, cfg: Config, data: TrainData) -> None:
+        self.teach, self.t, self.data = cfg.retriever.teacher, cfg.retriever.train, data
+        self.temperature = cfg.retriever.temperature
+        self.term = distill_term(self.teach.loss)  # chosen once
+        self.window = self.total = 0.0
+        self.name = f"train/teacher_{self.teach.loss.value}"
+
+    def targets(self, step: int, pids: list[int], gb: int, rank: int, world: int) -> torch.Tensor | None:
+        """The teacher's scores of this step's candidates (retriever/teacher_loss.py), or None without a teacher."""
+        if self.teach.weight <= 0:
+            return None
+        qidx = [
+            self.data.examples[i].qidx
+            for i in local_indices(len(self.data.examples), gb, step, self.t.seed, rank, world)
+        ]
+        return teacher_matrix(self.data.teacher, qidx, pids, self.t.hard_negatives)
+
+    def add(self, loss: torch.Tensor, q_emb, p_emb, targets: torch.Tensor | None) -> torch.Tensor:
+        if targets is None:
+            return loss
+        term = self.term(q_emb, p_emb, targets, self.temperature, self.teach.temperature)
+        self.window += term.item()
+        self.total += term.item()
+        return loss + self.teach.weight * term
+
+    def window_metrics(self, n_steps: int) -> dict[str, float]:
+        out = {self.name: self.window / n_steps} if self.teach.weight > 0 else {}
+        self.window = 0.0
+        return out
+
+    def run_metrics(self, ran: int) -> dict[str, float]:
+        return {self.name: self.total / ran} if self.teach.weight > 0 else {}
+
+
+@dataclass
+class Replica:
+    """One worker's set-up: its encoder replica wrapped by the sync strategy, the optimizer, the data and the
+    optional parts (a live index, a teacher, a validation sample) as objects that do nothing when off."""
+
+    args: WorkerArgs
+    w: Worker
+    data: TrainData
+    encoder: BiEncoder
+    tokenizer: object
+    model: nn.Module
+    strategy: object
+    params: list[nn.Parameter]
+    optim: torch.optim.Optimizer
+    sched: object
+    steps: int
+    start_step: int
+    live: object
+    distill: Distill
+    val: ValSet | None
+    measure: object = None  # rank 0 with a live index: the staleness probe of the current encoder
+
+    @property
+    def cfg(self) -> Config:
+        return self.args.cfg
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.retriever.train.batch_size * self.w.world
+
+    def embed(self, texts: list[str], role: str) -> torch.Tensor:
+        """This replica's vectors of `texts` (CPU), through the one embedding path."""
+        r = self.cfg.retriever
+        n = r.query_max_length if role == "query" else r.passage_max_length
+        return encode_texts(self.encoder, self.tokenizer, texts, n, 32, r.train.precision, self.w.device, role=role)
+
+
+def setup_replica(args: WorkerArgs) -> Replica:
+    """Build the replica, wrap it in the sync strategy, restore a checkpoint, connect the live index."""
     import ray
     import ray.train
 
     cfg = args.cfg
-    t, teach = cfg.retriever.train, cfg.retriever.teacher
-    distill = distill_term(teach.loss)  # KL or MarginMSE, chosen once
+    t = cfg.retriever.train
     # Dropout draws from torch's default generator: seed it per (seed, rank), or two runs of one config differ.
     w = Worker(args, seed=t.seed * 10007 + ray.train.get_context().get_world_rank())
-    device, rank, world = w.device, w.rank, w.world
-    resolve(t.precision, device, "retriever.train.precision", announce=rank == 0)  # auto: said once, by rank 0
-
-    # --- set-up
+    resolve(t.precision, w.device, "retriever.train.precision", announce=w.rank == 0)  # auto: said once, by rank 0
     data: TrainData = w.get("data")
     encoder = build_encoder(cfg.retriever)
     load_state(encoder, w.get("weights"))
     apply_lora(encoder, cfg.retriever.lora)  # retriever.lora.rank > 0: only the adapters train (lora.py)
-    encoder.to(device).train()
-    tokenizer = load_tokenizer(cfg.retriever)
+    encoder.to(w.device).train()
     node_ids = [ray.get_runtime_context().get_node_id()]
-    if world > 1:  # every rank learns every rank's node (hierarchical sync groups by node)
-        node_ids = [None] * world
+    if w.world > 1:  # every rank learns every rank's node (hierarchical sync groups by node)
+        node_ids = [None] * w.world
         torch.distributed.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
     strategy = build_sync(cfg.sync, node_ids)
     # wrap before the restore: DDP broadcasts rank 0's weights when it is built, which would erase the restored
     # per-rank replicas of local SGD / gossip; the strategy's own state is loaded after the weights (below).
-    model = strategy.wrap(QPEncoder(encoder), device)  # DDP + comm hook, or the bare module (local steps)
+    model = strategy.wrap(QPEncoder(encoder), w.device)  # DDP + comm hook, or the bare module (local steps)
     params = trainable(encoder)  # what the optimizer updates and parameter mixers send (LoRA: the adapters)
     STATS.reset()
-    STATS.cuda = device.type == "cuda"  # NCCL collectives: timed by CUDA events and synchronisation (sync/comm.py)
-    drift_texts = drift_probe(data, cfg)
-
-    def embed(texts: list[str], role: str) -> torch.Tensor:  # this replica's vectors, the one embedding path (CPU)
-        n = cfg.retriever.query_max_length if role == "query" else cfg.retriever.passage_max_length
-        return encode_texts(encoder, tokenizer, texts, n, 32, t.precision, device, role=role)
-
-    global_batch = t.batch_size * world
-    steps = total_steps(t.max_steps, t.epochs, len(data.examples), global_batch)
+    STATS.cuda = w.device.type == "cuda"  # NCCL collectives: timed by CUDA events and synchronisation (sync/comm.py)
+    steps = total_steps(t.max_steps, t.epochs, len(data.examples), t.batch_size * w.world)
     optim = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     sched = warmup_linear_decay(optim, int(t.warmup_ratio * steps), steps)
     start_step, sync_state = w.restore(encoder, optim, sched)
     if start_step:  # after the weights: e.g. async_ps re-anchors each worker at its restored replica
         strategy.load_state_dict(sync_state)
-
-    val: ValSet | None = w.get("val") if args.refs.get("val") is not None else None  # retriever.train.val_every
-    live: LiveIndexClient | None = None
+    val = w.get("val") if args.refs.get("val") is not None else None  # retriever.train.val_every
+    r = Replica(args, w, data, encoder, load_tokenizer(cfg.retriever), model, strategy, params, optim, sched, steps,
+                start_step, NoLiveIndex(), Distill(cfg, data), val)  # fmt: skip
     if args.refs.get("index_service") is not None:  # refresh.enabled: hard negatives from the live index
-        # Rank 0 broadcasts each step's index version where the strategy has per-step collectives anyway;
-        # async_ps has none (a broadcast would make its workers wait for each other): the service decides there.
-        live = LiveIndexClient(
-            w.get("index_service"), cfg, rank, broadcast=world > 1 and strategy.gather_negatives, device=device
-        )
-        probe: Probe = w.get("probe")
-        probe_texts = [data.passages[r] for r in probe.rows]
+        connect_live_index(r)
+    return r
 
-        def measure(stale):  # rank 0: the current encoder on the staleness probe
-            p_vec, q_vec = embed(probe_texts, "passage"), embed(probe.queries, "query")
-            return staleness(stale, p_vec.numpy(), q_vec.numpy(), probe.gold)
 
-    # --- train
-    window_n, window_loss = 0, 0.0
-    # this rank's distillation term (KL or MarginMSE; retriever.teacher.weight > 0): the log window's, the run's
-    distill_sum = [0.0, 0.0]
-    last_bytes, last_comm_s = 0, 0.0
-    drift_history: list[dict[str, float]] = []
+def connect_live_index(r: Replica) -> None:
+    """The live index client. Rank 0 broadcasts each step's index version where the strategy has per-step
+    collectives anyway; async_ps has none (a broadcast would make its workers wait for each other): the service
+    decides there."""
+    w = r.w
+    broadcast = w.world > 1 and r.strategy.gather_negatives
+    r.live = LiveIndexClient(w.get("index_service"), r.cfg, w.rank, broadcast=broadcast, device=w.device)
+    probe: Probe = w.get("probe")
+    probe_texts = [r.data.passages[i] for i in probe.rows]
+
+    def measure(stale):  # rank 0: the current encoder on the staleness probe
+        p_vec, q_vec = r.embed(probe_texts, "passage"), r.embed(probe.queries, "query")
+        return staleness(stale, p_vec.numpy(), q_vec.numpy(), probe.gold)
+
+    r.measure = measure
+
+
+def train_step(r: Replica, step: int) -> torch.Tensor:
+    """One optimizer step of this replica on its share of the global batch; returns its loss."""
+    cfg, t, device, w = r.cfg, r.cfg.retriever.train, r.w.device, r.w
+    r.live.begin_step(step)  # every rank mines this step from the version rank 0 chose
+    queries, pids, golds = local_batch(
+        r.data, r.global_batch, step, t.seed, w.rank, w.world, t.hard_negatives, r.live.negatives(),
+        t.hard_negative_sampling.value,
+    )  # fmt: skip
+    q = {k: v.to(device) for k, v in tokenize(r.tokenizer, queries, cfg.retriever.query_max_length, "query").items()}
+    p_texts = [r.data.passages[i] for i in pids]
+    p = {
+        k: v.to(device) for k, v in tokenize(r.tokenizer, p_texts, cfg.retriever.passage_max_length, "passage").items()
+    }
+    gmax = max(len(g) for g in golds)
+    q_gold = torch.tensor([g + [-1] * (gmax - len(g)) for g in golds], device=device)
+    targets = r.distill.targets(step, pids, r.global_batch, w.rank, w.world)
+
+    def loss_fn(q_emb: torch.Tensor, p_emb: torch.Tensor) -> torch.Tensor:
+        loss = contrastive_loss(
+            q_emb, p_emb, cfg.retriever.temperature, q_gold, torch.tensor(pids, device=device),
+            r.strategy.gather_negatives,
+            grad_groups=r.strategy.gradient_groups(step),  # whose gathered passages carry gradients (loss.py)
+        )  # fmt: skip
+        return r.distill.add(loss, q_emb, p_emb, targets)
+
+    r.optim.zero_grad(set_to_none=True)
+    if t.cache_chunk_size > 0:  # GradCache: the same gradients, one chunk's activations at a time
+        loss = cached_step(r.model, q, p, t.cache_chunk_size, loss_fn, lambda: autocast(t.precision, device), device)
+    else:
+        with autocast(t.precision, device):
+            q_emb, p_emb = r.model(q, p)
+        loss = loss_fn(q_emb, p_emb)
+        loss.backward()
+    if t.grad_clip > 0:  # per group: a layer-wise strategy's every-step group must get one coefficient everywhere
+        for group in r.strategy.clip_groups(r.params):
+            torch.nn.utils.clip_grad_norm_(group, t.grad_clip)
+    r.optim.step()
+    r.sched.step()
+    r.strategy.after_step(r.params, step)
+    return loss
+
+
+class LogWindow:
+    """The metrics of every `retriever.train.log_every` steps: mean loss, samples/s, bytes sent, comm time share,
+    the sync strategy's state, the teacher term and (rank 0) the validation sample's figures."""
+
+    def __init__(self, r: Replica) -> None:
+        self.r, self.n, self.loss = r, 0, 0.0
+        self.last_bytes, self.last_comm_s = 0, 0.0
+
+    def add(self, loss: float) -> None:
+        self.n += self.r.global_batch
+        self.loss += loss
+
+    def log(self, done: int) -> None:
+        r, t = self.r, self.r.cfg.retriever.train
+        elapsed = r.w.window_seconds()
+        n_steps = self.n // r.global_batch
+        loss = self.loss
+        if r.w.world > 1:  # the global mean loss: each rank's loss is the mean over its own queries
+            lt = torch.tensor([loss], device=r.w.device)
+            torch.distributed.all_reduce(lt)
+            loss = lt.item() / r.w.world
+        comm_bytes, comm_s = STATS.total_bytes(), STATS.total_seconds()
+        metrics = {
+            "train/loss": loss / n_steps,
+            "train/samples_per_s": self.n / elapsed,
+            "train/lr": r.sched.get_last_lr()[0],
+            "comm/bytes_per_step": (comm_bytes - self.last_bytes) / n_steps,
+            "comm/time_share": (comm_s - self.last_comm_s) / elapsed,
+            **r.strategy.state(),
+            **r.distill.window_metrics(n_steps),
+        }
+        if r.val is not None and r.w.rank == 0 and (done % t.val_every == 0 or done == r.steps):
+            with r.w.not_training():  # rank 0 encodes the validation sample: not training time
+                rc = r.cfg.retriever
+                metrics.update(
+                    validate(r.encoder, r.tokenizer, r.val, rc.query_max_length, rc.passage_max_length, t.precision,
+                             r.w.device)
+                )  # fmt: skip
+        self.last_bytes, self.last_comm_s = comm_bytes, comm_s
+        r.w.log(metrics, done, r.steps, report=True)  # Tune trials see every window
+        self.n, self.loss = 0, 0.0
+
+
+def measure_drift(r: Replica, done: int) -> dict[str, float]:
+    """The replicas' drift on the fixed probe (every worker takes part: collectives)."""
+    queries, passages = drift_probe(r.data, r.cfg)
+    with r.w.not_training():
+        q_vec, p_vec = r.embed(queries, "query").to(r.w.device), r.embed(passages, "passage").to(r.w.device)
+        drift = drift_metrics(r.params, q_vec, p_vec)
+    r.w.log(drift, done, r.steps)
+    return drift
+
+
+def train_loop_per_worker(args: WorkerArgs) -> None:
+    """One Ray Train worker: set up the replica -> train (a step, the live index's upkeep, a log window, drift,
+    a checkpoint) -> summarise and save."""
+    r = setup_replica(args)
+    cfg, t, w = r.cfg, r.cfg.retriever.train, r.w
+    window, drift_history = LogWindow(r), []
     loop_start = time.perf_counter()
     w.window_seconds()  # the first log window starts here, after the set-up
-    for step in range(start_step, steps):
+    for step in range(r.start_step, r.steps):
         step_start = time.perf_counter()
-        if live is not None:
-            live.begin_step(step)  # every rank mines this step from the version rank 0 chose
-        queries, pids, golds = local_batch(
-            data,
-            global_batch,
-            step,
-            t.seed,
-            rank,
-            world,
-            t.hard_negatives,
-            live.negatives() if live else None,
-            t.hard_negative_sampling.value,
-        )
-        q = {
-            k: v.to(device)
-            for k, v in tokenize(tokenizer, queries, cfg.retriever.query_max_length, role="query").items()
-        }
-        p_texts = [data.passages[i] for i in pids]
-        p = {
-            k: v.to(device)
-            for k, v in tokenize(tokenizer, p_texts, cfg.retriever.passage_max_length, role="passage").items()
-        }
-        gmax = max(len(g) for g in golds)
-        q_gold = torch.tensor([g + [-1] * (gmax - len(g)) for g in golds], device=device)
-        targets = None
-        if teach.weight > 0:  # the cross-encoder's scores of this batch's candidates (retriever/teacher_loss.py)
-            qidx = [
-                data.examples[i].qidx
-                for i in local_indices(len(data.examples), global_batch, step, t.seed, rank, world)
-            ]
-            targets = teacher_matrix(data.teacher, qidx, pids, t.hard_negatives)
-
-        def loss_fn(q_emb: torch.Tensor, p_emb: torch.Tensor) -> torch.Tensor:
-            loss = contrastive_loss(
-                q_emb,
-                p_emb,
-                cfg.retriever.temperature,
-                q_gold,
-                torch.tensor(pids, device=device),
-                strategy.gather_negatives,
-                grad_groups=strategy.gradient_groups(step),  # whose gathered passages carry gradients (loss.py)
-            )
-            if targets is not None:
-                term = distill(q_emb, p_emb, targets, cfg.retriever.temperature, teach.temperature)
-                distill_sum[0] += term.item()
-                distill_sum[1] += term.item()
-                loss = loss + teach.weight * term
-            return loss
-
-        optim.zero_grad(set_to_none=True)
-        if t.cache_chunk_size > 0:  # GradCache: the same gradients, one chunk's activations at a time
-            loss = cached_step(model, q, p, t.cache_chunk_size, loss_fn, lambda: autocast(t.precision, device), device)
-        else:
-            with autocast(t.precision, device):
-                q_emb, p_emb = model(q, p)
-            loss = loss_fn(q_emb, p_emb)
-            loss.backward()
-        if t.grad_clip > 0:  # per group: a layer-wise strategy's every-step group must get one coefficient everywhere
-            for group in strategy.clip_groups(params):
-                torch.nn.utils.clip_grad_norm_(group, t.grad_clip)
-        optim.step()
-        sched.step()
-        strategy.after_step(params, step)
+        loss = train_step(r, step)
         done = step + 1
-        if live is not None:
-            step_s = time.perf_counter() - step_start
-            with w.not_training():  # staleness probes and snapshots are not training time
-                index_metrics = live.after_step(done, lambda: plain_state_dict(encoder), measure, step_s, global_batch)
-            if index_metrics:
-                w.log(index_metrics, done, steps)
+        with w.not_training():  # staleness probes and snapshots are not training time
+            index_metrics = r.live.after_step(
+                done, lambda: plain_state_dict(r.encoder), r.measure, time.perf_counter() - step_start, r.global_batch
+            )
+        if index_metrics:
+            w.log(index_metrics, done, r.steps)
+        window.add(loss.item())  # a sync point, but we need the number for logging anyway
+        if done % t.log_every == 0 or done == r.steps:
+            window.log(done)
+        if (cfg.sync.eval_every and done % cfg.sync.eval_every == 0) or done == r.steps:
+            drift_history.append(measure_drift(r, done))
+        if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < r.steps:
+            w.checkpoint(done, r.encoder, r.optim, r.sched, r.strategy.state_dict())
+        w.end_step(done, r.steps)
+    finish(r, time.perf_counter() - loop_start - w.measure_s, drift_history)
 
-        window_n += global_batch
-        window_loss += loss.item()  # a sync point, but we need the number for logging anyway
-        if done % t.log_every == 0 or done == steps:
-            elapsed = w.window_seconds()
-            n_steps = window_n // global_batch
-            if world > 1:  # the global mean loss: each rank's loss is the mean over its own queries
-                lt = torch.tensor([window_loss], device=device)
-                torch.distributed.all_reduce(lt)
-                window_loss = lt.item() / world
-            comm_bytes, comm_s = STATS.total_bytes(), STATS.total_seconds()
-            metrics = {
-                "train/loss": window_loss / n_steps,
-                "train/samples_per_s": window_n / elapsed,
-                "train/lr": sched.get_last_lr()[0],
-                "comm/bytes_per_step": (comm_bytes - last_bytes) / n_steps,
-                "comm/time_share": (comm_s - last_comm_s) / elapsed,
-                **strategy.state(),
-            }
-            if teach.weight > 0:
-                metrics[f"train/teacher_{teach.loss.value}"] = distill_sum[0] / n_steps
-                distill_sum[0] = 0.0
-            if val is not None and rank == 0 and (done % t.val_every == 0 or done == steps):
-                with w.not_training():  # rank 0 encodes the validation sample: not training time
-                    metrics.update(
-                        validate(
-                            encoder,
-                            tokenizer,
-                            val,
-                            cfg.retriever.query_max_length,
-                            cfg.retriever.passage_max_length,
-                            t.precision,
-                            device,
-                        )
-                    )
-            last_bytes, last_comm_s = comm_bytes, comm_s
-            w.log(metrics, done, steps, report=True)  # Tune trials see every window
-            window_n, window_loss = 0, 0.0
-        if (cfg.sync.eval_every and done % cfg.sync.eval_every == 0) or done == steps:
-            with w.not_training():  # every worker takes part (collectives)
-                q_vec, p_vec = embed(drift_texts[0], "query").to(device), embed(drift_texts[1], "passage").to(device)
-                drift = drift_metrics(params, q_vec, p_vec)
-            drift_history.append(drift)
-            w.log(drift, done, steps)
-        if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < steps:
-            w.checkpoint(done, encoder, optim, sched, strategy.state_dict())
-        w.end_step(done, steps)
 
-    # --- summarise and save
-    loop_s = time.perf_counter() - loop_start - w.measure_s
-    ran = steps - start_step  # steps of this attempt (after a restart: since the checkpoint)
-    if live is not None and rank == 0:
-        live.drain()
+def finish(r: Replica, loop_s: float, drift_history: list[dict[str, float]]) -> None:
+    """Rank 0's run summary, the consensus model (and every replica where the strategy keeps them), saved."""
+    w, gb = r.w, r.global_batch
+    ran = r.steps - r.start_step  # steps of this attempt (after a restart: since the checkpoint)
+    if w.rank == 0:
+        r.live.drain()
     summary = {
-        "step": steps,
-        "train/samples_per_s": ran * global_batch / loop_s,
+        "step": r.steps,
+        "train/samples_per_s": ran * gb / loop_s,
         "comm/bytes_per_step": STATS.total_bytes() / ran,
         "comm/time_share": STATS.total_seconds() / loop_s,
         **{f"comm/bytes_per_step/{k}": v / ran for k, v in STATS.bytes.items()},  # grad, params, embeddings, ...
-        **strategy.state(),
+        **r.strategy.state(),
         **{f"{k}_mean": sum(d[k] for d in drift_history) / len(drift_history) for k in drift_history[0]},
-        **(live.summary() if live is not None and rank == 0 else {}),
-        **({f"train/teacher_{teach.loss.value}": distill_sum[1] / ran} if teach.weight > 0 else {}),
+        **(r.live.summary() if w.rank == 0 else {}),
+        **r.distill.run_metrics(ran),
         "train/peak_rss_mb": peak_rss_mb(),  # this worker's (rank 0's) peak resident set: what a batch recipe costs
         # on a GPU the activations and optimizer state are device memory, which RSS does not see
-        **({"train/peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20} if device.type == "cuda" else {}),
+        **({"train/peak_gpu_mb": torch.cuda.max_memory_allocated(w.device) / 2**20} if w.device.type == "cuda" else {}),
     }
-    strategy.consensus(params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed
+    r.strategy.consensus(r.params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed
     replicas = None
-    if strategy.keeps_replicas and world > 1:  # rank 0 collects every replica (vector averaging at index time)
-        replicas = [None] * world if rank == 0 else None
-        torch.distributed.gather_object({k: v.cpu() for k, v in plain_state_dict(encoder).items()}, replicas, dst=0)
+    if r.strategy.keeps_replicas and w.world > 1:  # rank 0 collects every replica (vector averaging at index time)
+        replicas = [None] * w.world if w.rank == 0 else None
+        torch.distributed.gather_object({k: v.cpu() for k, v in plain_state_dict(r.encoder).items()}, replicas, dst=0)
 
     def write(folder: Path) -> None:  # LoRA merged: the index pool and export load a plain encoder
-        save_weights(plain_state_dict(encoder), folder)
-        for r, state in enumerate(replicas or []):
-            save_weights(state, folder, name=f"replica_{r}")
+        save_weights(plain_state_dict(r.encoder), folder)
+        for i, state in enumerate(replicas or []):
+            save_weights(state, folder, name=f"replica_{i}")
 
     w.finish(summary, write)
 
