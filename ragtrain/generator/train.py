@@ -211,144 +211,194 @@ def evaluate(
     return results, predictions
 
 
-def train_loop_per_worker(args: WorkerArgs) -> None:
-    """One Ray Train worker: set up -> train with retrieval in the loop -> evaluate -> save."""
+@dataclass
+class GenReplica:
+    """One worker's set-up: the generator (DDP-wrapped on several workers), its optimizer and scaler, the data,
+    the retrieval client and the step sampler; `history` holds the logged losses (kept in checkpoints)."""
+
+    args: WorkerArgs
+    w: Worker
+    data: GenData
+    client: RetrievalClient
+    model: Any
+    ddp: Any
+    builder: Any
+    targets: list
+    params: list
+    optim: torch.optim.Optimizer
+    sched: Any
+    scaler: torch.amp.GradScaler
+    sampler: Sampler
+    steps: int
+    start_step: int
+    history: list[dict[str, float]]
+
+    @property
+    def cfg(self) -> Config:
+        return self.args.cfg
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.generator.train.batch_size * self.w.world
+
+
+def setup_generator(args: WorkerArgs) -> GenReplica:
+    """Build the generator, its optimizer and scaler, restore a checkpoint, wrap it in DDP."""
     cfg = args.cfg
     g, t = cfg.generator, cfg.generator.train
     w = Worker(args, seed=t.seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
-    device, rank, world = w.device, w.rank, w.world
-    resolve(t.precision, device, "generator.train.precision", announce=rank == 0)  # auto: said once, by rank 0
+    device = w.device
+    resolve(t.precision, device, "generator.train.precision", announce=w.rank == 0)  # auto: said once, by rank 0
     data: GenData = w.get("data")
     client: RetrievalClient = w.get("retrieval")
-    client.start_at(rank)  # service mode: the ranks start on different actors, so every actor serves a step
-
-    # --- set-up
+    client.start_at(w.rank)  # service mode: the ranks start on different actors, so every actor serves a step
     tokenizer = load_tokenizer(g)
     model = build_generator(g, tokenizer).to(device)
     model.train()
     builder = prompt_builder(g, tokenizer)
     targets = [builder.target(e.answers[0], g.max_target_length) for e in data.train]
-    per_rank, micro = t.batch_size, t.batch_size // t.grad_accum
-    global_batch = per_rank * world
-    steps = total_steps(t.max_steps, t.epochs, len(data.train), global_batch)
+    steps = total_steps(t.max_steps, t.epochs, len(data.train), t.batch_size * w.world)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
-    warm = min(t.warmup_steps, steps - 1) if steps > 1 else 0
-    sched = warmup_linear_decay(optim, warm, steps)
+    sched = warmup_linear_decay(optim, min(t.warmup_steps, steps - 1) if steps > 1 else 0, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=GenPrecision(t.precision) == GenPrecision.fp16)
-    sampler = Sampler(len(data.train), t.seed)
     history: list[dict[str, float]] = []
     start_step, extra = w.restore(model.hf, optim, sched)
     if start_step:
         scaler.load_state_dict(extra["scaler"])
         history = list(extra["history"])
-    ddp = (
-        torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        if world > 1
-        else model
-    )
+    ddp = model
+    if w.world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    return GenReplica(args, w, data, client, model, ddp, builder, targets, params, optim, sched, scaler,
+                      Sampler(len(data.train), t.seed), steps, start_step, history)  # fmt: skip
 
-    # --- train
-    win_loss, win_tokens, win_samples, win_seq_tokens = 0.0, 0, 0, 0
-    loop_start, run_tokens = time.perf_counter(), 0
-    w.window_seconds()  # the first log window starts here, after the set-up
-    for step in range(start_step, steps):
-        first = step * global_batch
-        idx = [sampler(first + i) for i in range(global_batch)]
-        global_tokens = sum(len(targets[i]) for i in idx)  # every rank computes the same number: no collective
-        mine = range(rank * per_rank, (rank + 1) * per_rank)
-        exs = [data.train[idx[j]] for j in mine]
-        if step < t.oracle_steps:  # curriculum phase: the gold passage alone
-            pids = [e.gold[:1] for e in exs]
-        else:
-            hits = client.search([e.question for e in exs], g.retrieval.top_k)
-            pids = [
-                train_passages(
-                    e,
-                    h,
-                    g.retrieval.top_k,
-                    t.include_gold,
-                    t.shuffle_passages,
-                    random.Random(f"{t.seed}-{first + j}"),
-                    lambda ps, q=e.question: builder.whole_passages(q, [data.passages[p] for p in ps]),
-                )
-                for e, h, j in zip(exs, hits, mine)
-            ]
-        src = [builder.source(e.question, [data.passages[p] for p in ps]) for e, ps in zip(exs, pids)]
-        tgt = [targets[idx[j]] for j in mine]
-        seq_tokens = sum(map(len, src)) + sum(map(len, tgt))  # non-pad tokens through the model
-        win_seq_tokens += seq_tokens
-        run_tokens += seq_tokens
-        loss_sum = torch.zeros((), device=device)
-        for m in range(t.grad_accum):
-            b = collate(src[m * micro : (m + 1) * micro], tgt[m * micro : (m + 1) * micro], model.arch, model.pad_id)
-            b = {k: v.to(device) for k, v in b.items()}
-            sync = world == 1 or m == t.grad_accum - 1  # all-reduce once per optimizer step
-            with nullcontext() if sync else ddp.no_sync(), autocast(t.precision, device):
-                s = ddp(**b)
-            scaler.scale(s * (world / global_tokens)).backward()
-            loss_sum += s.detach()
-        scaler.unscale_(optim)
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        scaler.step(optim)
-        scaler.update()
-        optim.zero_grad(set_to_none=True)
-        sched.step()
-        win_loss += loss_sum.item()
-        win_tokens += global_tokens
-        win_samples += global_batch
 
-        done = step + 1
-        if done % t.log_every == 0 or done == steps:
-            elapsed = w.window_seconds()
-            stats = torch.tensor([win_loss, float(win_seq_tokens)], device=device, dtype=torch.float64)
-            if world > 1:  # global per-token loss; tokens of every rank
-                torch.distributed.all_reduce(stats)
-            # gen_train/*: the retriever stage logs train/* into the same MLflow run
-            metrics = {
-                "gen_train/loss": stats[0].item() / win_tokens,
-                "gen_train/tokens_per_s": stats[1].item() / elapsed,
-                "gen_train/samples_per_s": win_samples / elapsed,
-                "gen_train/lr": sched.get_last_lr()[0],
-                "gen_train/retrieval_s": client.seconds,
-            }
-            history.append({"step": done, "loss": metrics["gen_train/loss"]})
-            w.log(metrics, done, steps)
-            win_loss, win_tokens, win_samples, win_seq_tokens = 0.0, 0, 0, 0
-        if t.checkpoint_every and done % t.checkpoint_every == 0 and done < steps:
-            # every rank writes its own part (RNG states differ)
-            w.checkpoint(
-                done,
-                model.hf,
-                optim,
-                sched,
-                {"scaler": scaler.state_dict(), "history": history},
-                {"train/loss": history[-1]["loss"] if history else float("nan")},
+def step_inputs(r: GenReplica, step: int) -> tuple[list, list, int]:
+    """This rank's (sources, targets) of step `step`, the gold passage alone in the curriculum phase, else the
+    retrieved ones; and the step's target tokens over every rank (each computes the same number)."""
+    g, t, data = r.cfg.generator, r.cfg.generator.train, r.data
+    first, per_rank = step * r.global_batch, t.batch_size
+    idx = [r.sampler(first + i) for i in range(r.global_batch)]
+    mine = range(r.w.rank * per_rank, (r.w.rank + 1) * per_rank)
+    exs = [data.train[idx[j]] for j in mine]
+    if step < t.oracle_steps:  # curriculum phase: the gold passage alone
+        pids = [e.gold[:1] for e in exs]
+    else:
+        hits = r.client.search([e.question for e in exs], g.retrieval.top_k)
+        pids = [
+            train_passages(
+                e, h, g.retrieval.top_k, t.include_gold, t.shuffle_passages, random.Random(f"{t.seed}-{first + j}"),
+                lambda ps, q=e.question: r.builder.whole_passages(q, [data.passages[p] for p in ps]),
             )
-        w.end_step(done, steps)
+            for e, h, j in zip(exs, hits, mine)
+        ]  # fmt: skip
+    src = [r.builder.source(e.question, [data.passages[p] for p in ps]) for e, ps in zip(exs, pids)]
+    return src, [r.targets[idx[j]] for j in mine], sum(len(r.targets[i]) for i in idx)
 
-    # --- evaluate
-    loop_s = time.perf_counter() - loop_start - w.measure_s
-    ran = steps - start_step  # steps of this attempt (after a restart: since the checkpoint)
-    total = torch.tensor([float(run_tokens)], device=device, dtype=torch.float64)
-    if world > 1:
+
+def gen_step(r: GenReplica, src: list, tgt: list, global_tokens: int) -> float:
+    """One optimizer step over `grad_accum` micro-batches (all-reduced once); returns the summed token loss."""
+    t, device, world = r.cfg.generator.train, r.w.device, r.w.world
+    micro = t.batch_size // t.grad_accum
+    loss_sum = torch.zeros((), device=device)
+    for m in range(t.grad_accum):
+        b = collate(src[m * micro : (m + 1) * micro], tgt[m * micro : (m + 1) * micro], r.model.arch, r.model.pad_id)
+        b = {k: v.to(device) for k, v in b.items()}
+        sync = world == 1 or m == t.grad_accum - 1  # all-reduce once per optimizer step
+        with nullcontext() if sync else r.ddp.no_sync(), autocast(t.precision, device):
+            s = r.ddp(**b)
+        r.scaler.scale(s * (world / global_tokens)).backward()
+        loss_sum += s.detach()
+    r.scaler.unscale_(r.optim)
+    if t.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(r.params, t.grad_clip)
+    r.scaler.step(r.optim)
+    r.scaler.update()
+    r.optim.zero_grad(set_to_none=True)
+    r.sched.step()
+    return loss_sum.item()
+
+
+class GenWindow:
+    """The metrics of every `generator.train.log_every` steps (gen_train/*: the retriever stage logs train/* into
+    the same MLflow run): per-token loss over every rank, tokens and samples per second, lr, retrieval time."""
+
+    def __init__(self, r: GenReplica) -> None:
+        self.r = r
+        self.loss, self.tokens, self.samples, self.seq_tokens = 0.0, 0, 0, 0
+
+    def add(self, loss: float, global_tokens: int, seq_tokens: int) -> None:
+        self.loss += loss
+        self.tokens += global_tokens
+        self.samples += self.r.global_batch
+        self.seq_tokens += seq_tokens
+
+    def log(self, done: int) -> None:
+        r = self.r
+        elapsed = r.w.window_seconds()
+        stats = torch.tensor([self.loss, float(self.seq_tokens)], device=r.w.device, dtype=torch.float64)
+        if r.w.world > 1:  # global per-token loss; tokens of every rank
+            torch.distributed.all_reduce(stats)
+        metrics = {
+            "gen_train/loss": stats[0].item() / self.tokens,
+            "gen_train/tokens_per_s": stats[1].item() / elapsed,
+            "gen_train/samples_per_s": self.samples / elapsed,
+            "gen_train/lr": r.sched.get_last_lr()[0],
+            "gen_train/retrieval_s": r.client.seconds,
+        }
+        r.history.append({"step": done, "loss": metrics["gen_train/loss"]})
+        r.w.log(metrics, done, r.steps)
+        self.loss, self.tokens, self.samples, self.seq_tokens = 0.0, 0, 0, 0
+
+
+def train_loop_per_worker(args: WorkerArgs) -> None:
+    """One Ray Train worker: set up -> train with retrieval in the loop -> evaluate -> save."""
+    r = setup_generator(args)
+    t, w = r.cfg.generator.train, r.w
+    window, run_tokens = GenWindow(r), 0
+    loop_start = time.perf_counter()
+    w.window_seconds()  # the first log window starts here, after the set-up
+    for step in range(r.start_step, r.steps):
+        src, tgt, global_tokens = step_inputs(r, step)
+        seq_tokens = sum(map(len, src)) + sum(map(len, tgt))  # non-pad tokens through the model
+        run_tokens += seq_tokens
+        window.add(gen_step(r, src, tgt, global_tokens), global_tokens, seq_tokens)
+        done = step + 1
+        if done % t.log_every == 0 or done == r.steps:
+            window.log(done)
+        if t.checkpoint_every and done % t.checkpoint_every == 0 and done < r.steps:
+            # every rank writes its own part (RNG states differ)
+            last = {"train/loss": r.history[-1]["loss"] if r.history else float("nan")}
+            w.checkpoint(done, r.model.hf, r.optim, r.sched, {"scaler": r.scaler.state_dict(), "history": r.history},
+                         last)  # fmt: skip
+        w.end_step(done, r.steps)
+    finish_generator(r, time.perf_counter() - loop_start - w.measure_s, run_tokens)
+
+
+def finish_generator(r: GenReplica, loop_s: float, run_tokens: int) -> None:
+    """Evaluate (EM/F1 in every retrieval mode), summarise, and save the weights and predictions (rank 0)."""
+    w, cfg = r.w, r.cfg
+    ran = r.steps - r.start_step  # steps of this attempt (after a restart: since the checkpoint)
+    total = torch.tensor([float(run_tokens)], device=w.device, dtype=torch.float64)
+    if w.world > 1:
         torch.distributed.all_reduce(total)
-    results, predictions = evaluate(model, builder, data, client, cfg, device, rank, world)
+    results, predictions = evaluate(r.model, r.builder, r.data, r.client, cfg, w.device, w.rank, w.world)
     summary = {
-        "step": steps,
+        "step": r.steps,
         "train/seconds": loop_s,
-        "train/samples_per_s": ran * global_batch / loop_s,
+        "train/samples_per_s": ran * r.global_batch / loop_s,
         "train/tokens_per_s": total.item() / loop_s,
-        "train/final_loss": history[-1]["loss"],
-        "train/retrieval_s": client.seconds,
-        **{f"{mode}/{k}": v for mode, r in results.items() for k, v in r.items()},
+        "train/final_loss": r.history[-1]["loss"],
+        "train/retrieval_s": r.client.seconds,
+        **{f"{mode}/{k}": v for mode, res in results.items() for k, v in res.items()},
     }
 
-    # --- save (rank 0 writes the weights and predictions into the final checkpoint)
-    def write(folder: Path) -> None:
-        save_generator(model, folder)
-        files = {PREDICTIONS_FILE: predictions, HISTORY_FILE: history, "meta.json": {"weights": WEIGHTS_FILE}}
+    def write(folder: Path) -> None:  # rank 0 writes the weights and predictions into the final checkpoint
+        save_generator(r.model, folder)
+        files = {PREDICTIONS_FILE: predictions, HISTORY_FILE: r.history, "meta.json": {"weights": WEIGHTS_FILE}}
         for name, obj in files.items():
             Path(folder, name).write_text(json.dumps(obj, indent=1))
 
