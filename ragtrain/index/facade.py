@@ -156,14 +156,13 @@ class Retrieval:
             self._pool = None
 
     def build(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str, step: int) -> BuiltIndex:
-        """Encode the corpus on Ray Data into vector shards and build the FAISS index from them.
+        """Encode the corpus into vector shards (`vectors_of`) and build the FAISS index from them.
 
         One snapshot: its vectors. Several (sync=vector_avg: one per replica): every replica encodes every
         passage and the index holds the re-normalised mean vector; queries are averaged the same way.
         """
         import ray
 
-        from ragtrain.corpus.encode import build_threads, encode_to_shards
         from ragtrain.embed.encoders import EncodeFault, encoder_dim
         from ragtrain.index.faiss_index import check_index_config
         from ragtrain.index.shard_ops import mean_shards
@@ -176,65 +175,15 @@ class Retrieval:
         if cfg.fault.kill_encode_actor_at_batch >= 0:  # fault injection (tests): one encode actor dies, once per run
             vec_dir.mkdir(parents=True, exist_ok=True)
             fault = EncodeFault(cfg.fault.kill_encode_actor_at_batch, str(vec_dir / ".encode_actor_killed"))
-        from ragtrain.data.store import PassageStore
-
-        # A store is read by Ray Data's tasks a range at a time; an in-memory corpus goes in as lists
-        source = self.data.corpus if isinstance(self.data.corpus, PassageStore) else (self.doc_ids, self.passages())
-        sets = []
-        for i, weights in enumerate(snapshots):
-            folder = vec_dir / (tag if len(snapshots) == 1 else f"{tag}_{i}")
-            key = cached = None
-            streamed = self._streamed(folder, weights) if len(snapshots) == 1 else None
-            if streamed is not None:  # encoded as the corpus was read (corpus/stream.py): the same weights, corpus
-                log.info(f"[{tag}] {streamed.rows} passage vectors from the corpus stream ({folder})")
-                sets.append(streamed)
-                continue
-            if idx.cache_dir and fault is None:  # the same weights on the same corpus were encoded before: reuse
-                from ragtrain.index import vector_cache
-
-                key = vector_cache.cache_key(
-                    weights, cfg.retriever, idx, self.fingerprint, cfg.retriever.passage_max_length
-                )
-                cached = vector_cache.lookup(idx.cache_dir, key, folder)
-            if cached is not None:
-                log.info(f"[{tag}] {len(self.doc_ids)} passage vectors from the cache ({Path(idx.cache_dir) / key})")
-                sets.append(cached)
-                continue
-            if self.sharded:  # each shard reads and encodes its own row range, where it runs
-                group = self.shard_group
-                log.info(f"[{tag}] encoding {len(self.doc_ids)} passages on {group.n} index shards")
-                sets.append(group.encode(source, ray.put(weights), cfg.retriever, idx, folder))
-            else:
-                threads = build_threads(cfg.resources.pool)
-                log.info(
-                    f"[{tag}] encoding {len(self.doc_ids)} passages on Ray Data "
-                    f"({cfg.resources.pool.num_actors} actors x {threads} threads)"
-                )
-                sets.append(
-                    encode_to_shards(
-                        source,
-                        ray.put(weights),
-                        cfg.retriever,
-                        idx,
-                        cfg.resources.pool,
-                        folder,
-                        vector_dtype=idx.vector_dtype,
-                        fault=fault,
-                        num_gpus_per_actor=cfg.resources.pool.gpus_per_actor,
-                        num_threads=threads,
-                    )
-                )
-            if key is not None:
-                vector_cache.store(idx.cache_dir, key, sets[-1])
-        del source
+        folders = [vec_dir / (tag if len(snapshots) == 1 else f"{tag}_{i}") for i in range(len(snapshots))]
+        sets = [self.vectors_of(tag, w, f, fault, alone=len(snapshots) == 1) for w, f in zip(snapshots, folders)]
         seconds = sum(s.seconds for s in sets)
-        hit = all(s.stats.get("cache_hit") for s in sets)
         # vector_avg: the consensus is computed shard by shard into its own shard folder; the index host builds
         # FAISS from the shards either way, so the driver holds neither vectors nor index
         shards = sets[0] if len(sets) == 1 else mean_shards(sets, vec_dir / tag)
         index = self.index_from(tag, shards, encoder_name, step)
         stats = {"docs": len(self.doc_ids), "seconds": seconds, "index_build_seconds": index.meta.build_seconds}
-        if hit:  # nothing was encoded: no throughput to report
+        if all(s.stats.get("cache_hit") for s in sets):  # nothing was encoded: no throughput to report
             stats["encode_cache_hit"] = 1.0
         else:
             stats["docs_per_s"] = len(self.doc_ids) * len(sets) / seconds
@@ -243,6 +192,50 @@ class Retrieval:
         else:
             stats["index_host_peak_rss_mb"] = ray.get(self.host.peak_rss_mb.remote())
         return BuiltIndex(tag, index, list(snapshots), self.doc_ids, stats, shards)
+
+    def vectors_of(
+        self, tag: str, weights: dict[str, torch.Tensor], folder: Path, fault: Any, alone: bool = True
+    ) -> Any:
+        """The corpus's vectors under `weights` as a ShardSet in `folder`: from the corpus stream (`alone`: one
+        snapshot) or the vector cache when they hold them, else encoded on the index shards or on Ray Data."""
+        import ray
+
+        from ragtrain.corpus.encode import build_threads, encode_to_shards
+        from ragtrain.data.store import PassageStore
+
+        cfg, idx = self.cfg, resolved_index(self.cfg)
+        streamed = self._streamed(folder, weights) if alone else None
+        if streamed is not None:  # encoded as the corpus was read (corpus/stream.py): the same weights, corpus
+            log.info(f"[{tag}] {streamed.rows} passage vectors from the corpus stream ({folder})")
+            return streamed
+        key = None
+        if idx.cache_dir and fault is None:  # the same weights on the same corpus were encoded before: reuse
+            from ragtrain.index import vector_cache
+
+            key = vector_cache.cache_key(
+                weights, cfg.retriever, idx, self.fingerprint, cfg.retriever.passage_max_length
+            )
+            cached = vector_cache.lookup(idx.cache_dir, key, folder)
+            if cached is not None:
+                log.info(f"[{tag}] {len(self.doc_ids)} passage vectors from the cache ({Path(idx.cache_dir) / key})")
+                return cached
+        # A store is read by Ray Data's tasks (or the shards) a range at a time; an in-memory corpus goes as lists
+        source = self.data.corpus if isinstance(self.data.corpus, PassageStore) else (self.doc_ids, self.passages())
+        pool = cfg.resources.pool
+        if self.sharded:  # each shard reads and encodes its own row range, where it runs
+            log.info(f"[{tag}] encoding {len(self.doc_ids)} passages on {self.shard_group.n} index shards")
+            got = self.shard_group.encode(source, ray.put(weights), cfg.retriever, idx, folder)
+        else:
+            threads = build_threads(pool)
+            n = len(self.doc_ids)
+            log.info(f"[{tag}] encoding {n} passages on Ray Data ({pool.num_actors} actors x {threads} threads)")
+            got = encode_to_shards(
+                source, ray.put(weights), cfg.retriever, idx, pool, folder, vector_dtype=idx.vector_dtype,
+                fault=fault, num_gpus_per_actor=pool.gpus_per_actor, num_threads=threads,
+            )  # fmt: skip
+        if key is not None:
+            vector_cache.store(idx.cache_dir, key, got)
+        return got
 
     def _streamed(self, folder: Path, weights: dict[str, torch.Tensor]) -> Any:
         """The ShardSet the corpus stream wrote in `folder` when it holds this corpus under these weights, else None."""

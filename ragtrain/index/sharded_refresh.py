@@ -164,80 +164,20 @@ class ShardedIndexService:
             self._busy.release()
 
     def _round(self, step: int, weights_ref, start: float) -> dict[str, Any]:
-        cfg, r = self.cfg, self.cfg.refresh
+        """Encode the round's texts, start every shard's re-encode, let the new rows land as the policy says."""
+        r = self.cfg.refresh
         v = self.encoder_version + 1
         self.encoder_steps[v] = step
         qvecs = self._encode(v, step, weights_ref, self.train_queries, "query")
         fresh = self._encode(v, step, weights_ref, [self.passages[i] for i in self.probe.rows], "passage")
         extra = len(self.probe.rows)
         if r.consistency == "aligned":
-            self.anchors[v] = self._encode(
-                v, step, weights_ref, [self.passages[i] for i in self.anchor_rows], "passage"
-            )
+            anchors = [self.passages[i] for i in self.anchor_rows]
+            self.anchors[v] = self._encode(v, step, weights_ref, anchors, "passage")
             extra += len(self.anchor_rows)
-        hot, self.hot = self.hot, np.zeros_like(self.hot)
-        n = len(self.actors)
-        pool = cfg.resources.pool  # the refresh's CPUs, shared by the shards: training keeps its own
-        threads = max(1, int(pool.cpus_per_actor * pool.num_actors) // n)
-        args = {
-            i: (
-                v,
-                [weights_ref],
-                cfg.retriever,
-                resolved_index(cfg),
-                r.fraction,
-                r.priority,
-                hot[a:b],
-                cfg.seed,
-                threads,
-            )
-            for i, (a, b) in enumerate(self.ranges)
-        }
-        refs = {self.actors[i].live_encode.remote(*a): i for i, a in args.items()}
-
-        def encoded_by(i: int, ref) -> dict:
-            try:
-                return _gather([ref], [i], "a live encode", None)[0]
-            except LiveStateLost:  # restarted since the last round: its rows come back from disk, then encode
-                self._start([i])
-                return _gather([self.actors[i].live_encode.remote(*args[i])], [i], "a live encode", None)[0]
-
-        encoded: dict[int, dict] = {}
-        states: list[dict] = []
-        if r.consistency == "global":
-            for ref, i in refs.items():
-                encoded[i] = encoded_by(i, ref)
-            self._call(list(range(n)), "live_apply", v)
-            tag = f"live{v}"
-            self._call(list(range(n)), "live_build", tag, {})
-            old, self.tag = self.tag, tag  # the barrier: every search from now on sees version v everywhere
-            self.encoder_version = v
-            states.append(self._publish(step, qvecs, fresh, {}))
-            self._call(list(range(n)), "drop", old)
-        else:
-            pending = list(refs)
-            while pending:  # each shard's rows go live as soon as it is done
-                done, pending = ray.wait(pending, num_returns=1)
-                i = refs[done[0]]
-                encoded[i] = encoded_by(i, done[0])
-                self._call([i], "live_apply", v)
-                self.encoder_version = v
-                if r.consistency == "aligned":  # every older version maps into v: every shard's index changes
-                    self.maps = self._fit_maps(v)
-                    self._call(list(range(n)), "live_build", self.tag, self.maps)
-                else:
-                    self._call([i], "live_build", self.tag, {})
-                states.append(self._publish(step, qvecs, fresh, {}))
-        rows = sum(e["encoded"] for e in encoded.values())
-        metrics = {
-            "index/encoded_fraction": rows / len(self.doc_ids),
-            "index/encoded_extra_rows": float(extra),
-            "index/version_skew": max(s["metrics"]["index/version_skew"] for s in states),
-            "index/mixed_recall_at_10": float(np.mean([s["metrics"]["index/mixed_recall_at_10"] for s in states])),
-            "index/newest_version_share": states[-1]["metrics"]["index/newest_version_share"],
-            "index/staleness_steps": states[-1]["metrics"]["index/staleness_steps"],
-            **{f"index/shard{i}_encode_seconds": e["seconds"] for i, e in sorted(encoded.items())},
-        }
+        encoding = self._launch(v, weights_ref)
+        land = self._land_at_once if r.consistency == "global" else self._land_each
+        encoded, states = land(v, step, qvecs, fresh, encoding)
         stats = {
             "ok": True,
             "version": self.book.version(),
@@ -245,11 +185,78 @@ class ShardedIndexService:
             "step": step,
             "seconds": time.perf_counter() - start,
             "states": len(states),
-            "metrics": metrics,
+            "metrics": self._round_metrics(encoded, states, extra),
             "node": ray.get_runtime_context().get_node_id(),
         }
         self.history.append({**stats, "state_metrics": [s["metrics"] for s in states]})
         return stats
+
+    def _launch(self, v: int, weights_ref) -> dict[Any, tuple[int, tuple]]:
+        """Every shard starts re-encoding its share of rows with the snapshot of version v (the hot counts since
+        the last round go with it); returns {ObjectRef: (shard, its call's arguments)}."""
+        cfg, r = self.cfg, self.cfg.refresh
+        hot, self.hot = self.hot, np.zeros_like(self.hot)
+        pool = cfg.resources.pool  # the refresh's CPUs, shared by the shards: training keeps its own
+        threads = max(1, int(pool.cpus_per_actor * pool.num_actors) // len(self.actors))
+        idx = resolved_index(cfg)
+        out = {}
+        for i, (a, b) in enumerate(self.ranges):
+            args = (v, [weights_ref], cfg.retriever, idx, r.fraction, r.priority, hot[a:b], cfg.seed, threads)
+            out[self.actors[i].live_encode.remote(*args)] = (i, args)
+        return out
+
+    def _encoded(self, ref, shard: int, args: tuple) -> dict:
+        """A shard's encode result; one restarted since the last round gets its rows back from disk, then encodes."""
+        try:
+            return _gather([ref], [shard], "a live encode", None)[0]
+        except LiveStateLost:
+            self._start([shard])
+            return _gather([self.actors[shard].live_encode.remote(*args)], [shard], "a live encode", None)[0]
+
+    def _land_at_once(self, v, step, qvecs, fresh, encoding) -> tuple[dict[int, dict], list[dict]]:
+        """global: every shard builds version v under a new tag; then every search switches to it at once."""
+        encoded = {i: self._encoded(ref, i, args) for ref, (i, args) in encoding.items()}
+        shards = list(range(len(self.actors)))
+        self._call(shards, "live_apply", v)
+        tag = f"live{v}"
+        self._call(shards, "live_build", tag, {})
+        old, self.tag = self.tag, tag  # the barrier: every search from now on sees version v everywhere
+        self.encoder_version = v
+        states = [self._publish(step, qvecs, fresh, {})]
+        self._call(shards, "drop", old)
+        return encoded, states
+
+    def _land_each(self, v, step, qvecs, fresh, encoding) -> tuple[dict[int, dict], list[dict]]:
+        """eager / aligned: each shard's new rows are searched as soon as it is done (aligned: every older
+        version's rows through the map into v, so every shard's index changes with each landing)."""
+        encoded, states, pending = {}, [], list(encoding)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            i, args = encoding[done[0]]
+            encoded[i] = self._encoded(done[0], i, args)
+            self._call([i], "live_apply", v)
+            self.encoder_version = v
+            if self.cfg.refresh.consistency == "aligned":
+                self.maps = self._fit_maps(v)
+                self._call(list(range(len(self.actors))), "live_build", self.tag, self.maps)
+            else:
+                self._call([i], "live_build", self.tag, {})
+            states.append(self._publish(step, qvecs, fresh, {}))
+        return encoded, states
+
+    def _round_metrics(self, encoded: dict[int, dict], states: list[dict], extra: int) -> dict[str, float]:
+        """The round's figures: the share of rows re-encoded, the worst version skew and the mean mixed recall of
+        the states searches saw, the final state's version mix and staleness, each shard's encode seconds."""
+        last = states[-1]["metrics"]
+        return {
+            "index/encoded_fraction": sum(e["encoded"] for e in encoded.values()) / len(self.doc_ids),
+            "index/encoded_extra_rows": float(extra),
+            "index/version_skew": max(s["metrics"]["index/version_skew"] for s in states),
+            "index/mixed_recall_at_10": float(np.mean([s["metrics"]["index/mixed_recall_at_10"] for s in states])),
+            "index/newest_version_share": last["index/newest_version_share"],
+            "index/staleness_steps": last["index/staleness_steps"],
+            **{f"index/shard{i}_encode_seconds": e["seconds"] for i, e in sorted(encoded.items())},
+        }
 
     def _encode(self, v: int, step: int, weights_ref, texts: list[str], role: str) -> np.ndarray:
         """A few texts (queries, probe and anchor passages) with the snapshot of encoder version v, on shard 0: the
