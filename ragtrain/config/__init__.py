@@ -676,6 +676,14 @@ class Config:
     profile: bool = False
 
     def __post_init__(self) -> None:
+        """Checks across groups (each group checks its own keys): one ConfigError naming the key, before any work."""
+        self._check_paths()
+        self._check_stages()
+        self._check_features()
+        self._check_teacher()
+        self._check_refresh()
+
+    def _check_paths(self) -> None:
         # experiment_name names the run's folder (outputs/<experiment_name>/<time>): a folder below outputs/, never a
         # path out of it (`../../tmp/x`) nor an absolute one
         parts = self.experiment_name.replace("\\", "/").split("/")
@@ -704,6 +712,8 @@ class Config:
                 "root would read this run's outputs as its data; choose an output_dir outside data.root",
                 self.output_dir,
             )
+
+    def _check_stages(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]
         _check(not bad, "stages", f"has unknown stage(s) {bad}; valid choices: {list(STAGES)}", self.stages)
         twice = sorted({s for s in self.stages if self.stages.count(s) > 1})
@@ -716,13 +726,16 @@ class Config:
             f"must be in the order the pipeline runs them ({' -> '.join(STAGES)}): write {in_order}",
             self.stages,
         )
+        _check(bool(self.stages), "stages", f"is empty: nothing to do; valid choices: {list(STAGES)}", self.stages)
+
+    def _check_features(self) -> None:
+        """Settings that need another setting, or another stage."""
         _check(
             self.export or not self.logger.register_as,
             "logger.register_as",
             "needs export=true (the registered model is the exported retriever)",
             self.logger.register_as,
         )
-        _check(bool(self.stages), "stages", f"is empty: nothing to do; valid choices: {list(STAGES)}", self.stages)
         _check(
             not (self.data.chunk.enabled and "generator" in self.stages),
             "data.chunk.enabled",
@@ -755,6 +768,14 @@ class Config:
             f"retriever.train.log_every ({log_every}), so a restarted run logs the same loss windows",
             every,
         )
+        _check(
+            not self.index.distill_steps or vector_avg,
+            "index.distill_steps",
+            "needs sync=vector_avg (the student learns the replicas' consensus vectors)",
+            self.index.distill_steps,
+        )
+
+    def _check_teacher(self) -> None:
         teacher = self.retriever.teacher
         if teacher.weight > 0:  # the teacher scores the mined candidates once: they must exist and stay fixed
             _check(
@@ -776,12 +797,8 @@ class Config:
                 "zero-shot index's once): turn one off",
                 teacher.weight,
             )
-        _check(
-            not self.index.distill_steps or vector_avg,
-            "index.distill_steps",
-            "needs sync=vector_avg (the student learns the replicas' consensus vectors)",
-            self.index.distill_steps,
-        )
+
+    def _check_refresh(self) -> None:
         # refresh.* keys are read only by a live refresh during retriever training: otherwise they would be ignored
         changed = [k for k, v in vars(RefreshConfig()).items() if k != "enabled" and getattr(self.refresh, k) != v]
         _check(
