@@ -157,10 +157,25 @@ def test_mlflow_holds_the_model_and_the_registry_its_version(finished_run, monke
     assert torch.allclose(torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(st.encode(TEXTS)), atol=1e-5)
 
 
-def _search(*args: str) -> subprocess.CompletedProcess:
+def _search_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m ragtrain.search`, as a user runs it."""
     return subprocess.run(
         [sys.executable, "-m", "ragtrain.search", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
     )
+
+
+def _search(*args: str) -> subprocess.CompletedProcess:
+    """The same entry point in this process (its exit status and what it prints): a new interpreter costs seconds
+    of imports, and one CLI run above checks the real command."""
+    import contextlib
+    import io
+
+    from ragtrain.search import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["ragtrain.search", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.integration
@@ -176,7 +191,7 @@ def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
     out = Path(cfg.output_dir)
     data = make_synthetic(num_entities=cfg.data.num_entities, seed=cfg.data.seed)
     question = data.queries[sorted(data.eval_qrels)[0]]
-    res = _search(cfg.output_dir, question, "-k", "3", "--json")
+    res = _search_cli(cfg.output_dir, question, "-k", "3", "--json")
     assert res.returncode == 0 and "warning" not in res.stderr, res.stderr  # a complete run: no status warning
     hits = json.loads(res.stdout)["hits"]
     assert [h["rank"] for h in hits] == [1, 2, 3]
