@@ -21,8 +21,11 @@ from ray.cluster_utils import Cluster
 
 def main(out_dir: str, part: str) -> None:
     """part "sync": the three sync trainings and the pool's placement; "refresh": the live-refresh pipeline."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    labelled = cluster.add_node(num_cpus=2, resources={"index_node": 1})
+    # "distributed": both nodes hold index shards (index.shards=auto), and a second label keeps the refresh's
+    # pool on the labelled node
+    head = {"num_cpus": 2, **({"resources": {"index_node": 1}} if part == "distributed" else {})}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    labelled = cluster.add_node(num_cpus=2, resources={"index_node": 1, "pool_node": 1})
     ray.init(address=cluster.address)
     try:
         from ragtrain.config import (
@@ -65,6 +68,7 @@ def main(out_dir: str, part: str) -> None:
             observed.update(storage_part(out_dir))
         elif part == "distributed":
             observed.update(distributed_part(out_dir))
+            observed.update(shard_kill_part(out_dir))
         elif part == "sync":
             observed.update(sync_part(cfg, train))
         else:
@@ -199,13 +203,13 @@ def distributed_part(out_dir: str) -> dict:
                 "resources.trainer.cpus_per_worker=1",
                 "resources.pool.num_actors=1",
                 "resources.pool.cpus_per_actor=1",
-                "+resources.pool.resources.index_node=0.5",
+                "+resources.pool.resources.pool_node=0.5",
                 "refresh.enabled=true",
                 "refresh.every_steps=2",
                 "refresh.check_every=2",
                 "refresh.probe_passages=16",
                 "refresh.probe_queries=4",
-                "index.shards=2",  # the live index on 2 shards: each refreshes half its rows, searched as they land
+                "index.shards=auto",  # one shard per index node: each refreshes half its rows, searched as they land
                 "refresh.consistency=eager",
                 "refresh.fraction=0.5",
                 "checkpoint.every_steps=2",
@@ -228,6 +232,49 @@ def distributed_part(out_dir: str) -> dict:
         "steps": results["train"]["steps"],
         "chunks": len(run_doc_of(out)),
         "ndcg": {k: results[k]["ndcg@10"] for k in ("zeroshot", "trained")},
+    }
+
+
+def shard_kill_part(out_dir: str) -> dict:
+    """Index shards on the same 2 nodes: `auto` places one per index node; shard 1's process is killed while a
+    search is in flight, and the search still returns the same answer (the shard restarts on its node from its
+    persisted build)."""
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import numpy as np
+
+    from ragtrain.config import IndexConfig, PoolResources
+    from ragtrain.index.sharded import SEARCH_BATCH, ShardGroup, resolve_shards
+    from tests.index.test_shards import _vectors, _write_shards
+
+    out = Path(out_dir)
+    x = _vectors(300)
+    shards = _write_shards(out / "vec", [f"d{i}" for i in range(300)], x, per_file=50)
+    n = resolve_shards("auto", shards.rows, ray.nodes())
+    group = ShardGroup(n, out / "shards", PoolResources(num_actors=1), timeout_s=60.0)
+    index = group.build("t", shards, IndexConfig(), "fp", "enc", 0, seed=0)
+    before = group.info()
+    q = _vectors(8 * SEARCH_BATCH, seed=1)
+    want = index.search(q, 10)
+    exact = np.argsort(-(q[:50] @ x.T), axis=1, kind="stable")[:, :10]
+    with ThreadPoolExecutor(1) as pool:
+        searching = pool.submit(index.search, q, 10)
+        time.sleep(0.05)
+        os.kill(before[1]["pid"], signal.SIGKILL)  # shard 1's process, on the other raylet
+        got = searching.result()
+    after = group.info()
+    group.close()
+    return {
+        "shards": n,
+        "shard_nodes": [i["node"] for i in before],
+        "restarted_node": after[1]["node"],
+        "pids_changed": [a["pid"] != b["pid"] for a, b in zip(after, before)],
+        "restored": after[1]["restored"],
+        "same_after_kill": bool((got[1] == want[1]).all() and (got[0] == want[0]).all()),
+        "exact": bool((want[1][:50] == exact).all()),
     }
 
 

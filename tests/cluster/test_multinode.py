@@ -52,13 +52,19 @@ def test_docs_pipeline_with_live_refresh_and_a_killed_worker_on_two_nodes(tmp_pa
     """The distributed paths in one small run on a real 2-raylet cluster: a documents folder generated, chunked and
     streamed; training on 2 workers while the live refresh runs on the index_node-labelled node, over 2 index
     shards that each re-encode half their rows per round (eager); trainer rank 1 killed at step 3 and the group
-    restarted from its checkpoint; both indexes evaluated."""
+    restarted from its checkpoint; both indexes evaluated. Then index shards on the same cluster: one per index
+    node, and one killed mid-search restarts on its node while the search returns the same answer."""
     res = _job(tmp_path / "out", "distributed")
     assert res["killed"] and res["steps"] == 4  # it really died, and training still ran every step
     assert res["refresh_nodes"] == [res["labelled_node"]] and res["refreshes"] >= 1
     for m in res["refresh_metrics"]:  # the 2 index shards each re-encoded half their rows, searched as they landed
         assert m["index/encoded_fraction"] == pytest.approx(0.5, abs=0.05) and m["index/version_skew"] >= 1
         assert 0.0 <= m["index/mixed_recall_at_10"] <= 1.0 and "index/shard1_encode_seconds" in m
+    # index shards: auto put one on each index node; shard 1 killed mid-search restarted there, from disk, and the
+    # search returned what it returns unharmed (and what exact search returns)
+    assert res["shards"] == 2 and sorted(res["shard_nodes"]) == sorted(res["nodes"])
+    assert res["pids_changed"] == [False, True] and res["restored"] == ["t"]
+    assert res["restarted_node"] == res["shard_nodes"][1] and res["same_after_kill"] and res["exact"]
     assert res["chunks"] > 12  # 12 documents, chunked
     assert all(0.0 < v <= 1.0 for v in res["ndcg"].values())
 

@@ -317,32 +317,6 @@ def test_a_shard_count_that_is_not_one_is_refused_by_the_config(value) -> None:
         IndexConfig(shards=value)
 
 
-def test_on_two_nodes_auto_puts_one_shard_on_each_and_a_killed_one_restarts_there(tmp_path) -> None:
-    """A real 2-raylet cluster (its own process: the session's Ray stays untouched)."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
-
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(REPO)}
-    env.pop("RAY_ADDRESS", None)
-    r = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "index" / "sharded_cluster_job.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
-    assert res["shards"] == 2 and len(res["nodes"]) == 2
-    assert sorted(res["shard_nodes"]) == sorted(res["nodes"])  # one shard per index node (STRICT_SPREAD)
-    assert res["pids_changed"] == [False, True] and res["restored"] == ["t"]  # shard 1 alone restarted, from disk
-    assert res["restarted_node"] == res["shard_nodes"][1]  # in its bundle, on the same node
-    assert res["same_after_kill"] and res["exact"]
-
-
 @pytest.mark.slow  # two pipeline runs of their own; the Retrieval-level equality above is in the default suite
 def test_a_sharded_quickstart_gives_the_figures_of_one_index(ray_session, tmp_path) -> None:
     from ragtrain.config import to_typed
