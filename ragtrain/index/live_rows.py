@@ -18,7 +18,6 @@ versions) is persisted on every apply, so a restarted shard continues from its l
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -204,8 +203,3 @@ def version_summary(mixes: Sequence[dict], steps: dict[int, int], step: int) -> 
         "index/staleness_steps": float(step - steps.get(oldest, 0)),
         "index/version_count": float(len(total)),
     }
-
-
-def dump(path: Path, obj: dict) -> None:
-    """A small JSON record beside the state (the service's refresh rounds)."""
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True))
