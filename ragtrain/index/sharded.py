@@ -45,6 +45,7 @@ SHARDED = "sharded.json"  # a saved sharded index's list of shards (beside index
 MAX_SHARD_RESTARTS = 3  # a crashed shard actor is restarted this many times; its pending calls are retried on it
 SEARCH_BATCH = 1024  # queries per scattered call: bounds each message and lets the shards work in a pipeline
 TEXT_CHUNK = 4096  # passages a shard reads, encodes and writes at a time (one vector file each)
+LIVE_BASE = "live-base"  # a shard's copy of the build its live rows started from (see _Shard.live_start)
 INDEX_NODE_SHARE = 0.001  # each shard's claim on `index_node`: a placement label, not a capacity (pools share it)
 
 
@@ -450,8 +451,10 @@ class _Shard:
         if fresh:
             shutil.rmtree(folder, ignore_errors=True)
         self.live = LiveRows(folder, vecs.astype(np.float32), read)
-        self.live_template = self.indexes[from_tag]
-        self.live_params = self.manifests[from_tag].get("search_params", (16, 128))
+        if from_tag != LIVE_BASE:  # its own persisted copy: the run may drop `from_tag`, and a restart reloads this
+            self.load(LIVE_BASE, str(self._folder(from_tag)))
+        self.live_template = self.indexes[LIVE_BASE]  # ids, metadata and the trained quantiser of every rebuild
+        self.live_params = self.manifests[LIVE_BASE].get("search_params", (16, 128))
         return {"rows": self.live.rows, "mix": self.live.mix()}
 
     def _live(self) -> Any:

@@ -36,7 +36,7 @@ from ragtrain.console import get_logger
 from ragtrain.index.faiss_index import METRIC, exact_search
 from ragtrain.index.live_rows import version_summary
 from ragtrain.index.refresh import LiveVersion, Probe, VersionBook
-from ragtrain.index.sharded import LiveStateLost, ShardedIndex, _gather, shard_ranges
+from ragtrain.index.sharded import LIVE_BASE, LiveStateLost, ShardedIndex, _gather, shard_ranges
 from ragtrain.precision import resolved_index
 
 log = get_logger(__name__)
@@ -137,6 +137,7 @@ class ShardedIndexService:
         try:
             self.from_tag, self.vector_folder = from_tag, vector_folder
             self._start(list(range(len(self.actors))), fresh=True)
+            self.from_tag = LIVE_BASE  # every shard now holds its own persisted copy of the start build
             self.encoder_steps[0] = step
             if self.cfg.refresh.consistency == "aligned":
                 self.anchors[0] = self._rows(self.anchor_rows, {})
