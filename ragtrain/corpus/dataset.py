@@ -26,6 +26,32 @@ __all__ = [
 ]
 
 
+def read_documents(
+    files: Sequence[Path], root: Path, on_ray: bool, failed: Callable[[str], None], read: list[int]
+) -> Iterator[dict[str, str]]:
+    """Cleaned documents of `files` in file order: read here one file at a time, or by Ray Data tasks (`on_ray`)
+    that stream them back; a file that cannot be used goes to `failed`, whole; `read[0]` counts the documents."""
+    if on_ray:
+        from .prepare import read_on_ray
+
+        for doc in read_on_ray(files, root):
+            if "file_error" in doc:
+                failed(doc["file_error"])
+                continue
+            read[0] += 1
+            yield doc
+        return
+    for path in files:
+        try:  # a file that cannot be used fails here, before its first document: all of it or none of it
+            docs = open_documents(path, root)
+        except FileError as e:
+            failed(str(e))
+            continue
+        for d in docs:  # streamed: a file of millions of records is never held whole
+            read[0] += 1
+            yield clean(d)
+
+
 def load_documents(
     root: str | Path,
     glob: str = "**/*",
@@ -57,31 +83,12 @@ def load_documents(
             raise DataError(f"{message} (data.on_error=fail; data.on_error=skip skips such files)")
         skipped.append(message)
 
-    def documents() -> Iterator[dict[str, str]]:
-        if on_ray:
-            from .prepare import read_on_ray
-
-            for doc in read_on_ray(files, root):
-                if "file_error" in doc:
-                    file_failed(doc["file_error"])
-                    continue
-                read[0] += 1
-                yield doc
-            return
-        for path in files:
-            try:  # a file that cannot be used fails here, before its first document: all of it or none of it
-                docs = open_documents(path, root)
-            except FileError as e:
-                file_failed(str(e))
-                continue
-            for d in docs:  # streamed: a file of millions of records is never held whole
-                read[0] += 1
-                yield clean(d)
-
     dropped: dict[str, str] = {}
     kept = (
         Passage(id=d["id"], title=d["title"], text=d["text"])
-        for d in dedupe_stream(documents(), dropped, lambda doc_id: locate(files, root, doc_id))
+        for d in dedupe_stream(
+            read_documents(files, root, on_ray, file_failed, read), dropped, lambda doc_id: locate(files, root, doc_id)
+        )
     )
     # ids are unique once deduplicated: the store need not keep a set of them to check
     corpus: Mapping[str, Passage] = (

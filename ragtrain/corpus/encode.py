@@ -345,10 +345,15 @@ def encode_to_shards(
         ds.write_parquet(str(out), max_rows_per_file=SHARD_FILE_ROWS, ray_remote_args={"num_cpus": IO_CPU_RESERVE / 2})
     finally:
         ctx.enable_progress_bars, ctx.execution_options.preserve_order = saved
-    seconds = time.perf_counter() - start
-    files = sorted(p.name for p in out.glob("*.parquet"))
+    return seal_shards(out, vector_dtype, time.perf_counter() - start)
+
+
+def seal_shards(out: Path, vector_dtype: str, seconds: float) -> ShardSet:
+    """The parquet files Ray Data wrote in `out` as a ShardSet: counted from their metadata (not read), and
+    `shards.json` written last, so a folder without it is an unfinished encode."""
     import pyarrow.parquet as pq
 
+    files = sorted(p.name for p in out.glob("*.parquet"))
     n, dim = 0, 0
     for f in files:
         md = pq.read_metadata(out / f)
