@@ -223,6 +223,67 @@ def _dev_count(dev_size: int | float, n_train: int, train_path: Path) -> int:
     return count
 
 
+def check_split(root: Path, split: str) -> None:
+    """`split` has qrels under `root` (dev may be carved from train.tsv): else one line with the valid splits."""
+    qrels_dir = root / "qrels"
+    available = sorted(p.stem for p in qrels_dir.glob("*.tsv")) if qrels_dir.is_dir() else []
+    train_path, dev_path = qrels_dir / "train.tsv", qrels_dir / "dev.tsv"
+    has_train, has_dev = train_path.is_file(), dev_path.is_file()
+    choices = available + (["dev"] if has_train and not has_dev else [])
+    split_ok = (split == "dev" and (has_dev or has_train)) or (split != "dev" and split in available)
+    if not split_ok:
+        wanted = dev_path if split == "dev" else qrels_dir / f"{split}.tsv"
+        extra = " (dev is carved from train.tsv when dev.tsv is absent)" if split == "dev" else ""
+        raise DataError(
+            f"qrels file {wanted} not found{extra}; valid splits for {root}: "
+            + (", ".join(sorted(choices)) if choices else f"none (no .tsv files in {qrels_dir})")
+        )
+
+
+def _splits(
+    root: Path,
+    split: str,
+    dev_size: int | float,
+    seed: int,
+    corpus: Mapping[str, Passage],
+    queries: dict[str, str],
+    doc_alias: dict[str, str] | None,
+) -> tuple[Qrels, Qrels]:
+    """(train qrels, evaluated qrels): a dev split carved from train (seeded) when there is no qrels/dev.tsv."""
+    qrels_dir = root / "qrels"
+    train_path, dev_path = qrels_dir / "train.tsv", qrels_dir / "dev.tsv"
+    has_train, has_dev = train_path.is_file(), dev_path.is_file()
+    train: Qrels = {}
+    if has_train:
+        train = _read_qrels(train_path, doc_alias)
+        _check_ids(train_path, train, corpus, queries)
+    if has_dev:
+        dev = _read_qrels(dev_path, doc_alias)
+        _check_ids(dev_path, dev, corpus, queries)
+        train_qrels = train
+    elif train:
+        # Sort first so the carve depends only on the ids and the seed, not on file order.
+        order = sorted(train)
+        random.Random(seed).shuffle(order)
+        dev_ids = set(order[: _dev_count(dev_size, len(order), train_path)])
+        dev = {q: g for q, g in train.items() if q in dev_ids}
+        train_qrels = {q: g for q, g in train.items() if q not in dev_ids}
+    else:
+        dev, train_qrels = {}, {}
+
+    if split == "train":
+        eval_path, eval_qrels = train_path, train_qrels
+    elif split == "dev":
+        eval_path, eval_qrels = (dev_path if has_dev else train_path), dev
+    else:
+        eval_path = qrels_dir / f"{split}.tsv"
+        eval_qrels = _read_qrels(eval_path, doc_alias)
+        _check_ids(eval_path, eval_qrels, corpus, queries)
+    if not eval_qrels:
+        raise DataError(f"{eval_path}: no qrels for split '{split}'")
+    return train_qrels, eval_qrels
+
+
 def load_beir(
     root: str | Path,
     split: str = "dev",
@@ -254,55 +315,13 @@ def load_beir(
     if queries_path is None:
         raise DataError(f"queries file missing: {root / 'queries.jsonl'} does not exist")
 
-    # Check the split before parsing anything big, so a typo fails instantly.
-    qrels_dir = root / "qrels"
-    available = sorted(p.stem for p in qrels_dir.glob("*.tsv")) if qrels_dir.is_dir() else []
-    train_path, dev_path = qrels_dir / "train.tsv", qrels_dir / "dev.tsv"
-    has_train, has_dev = train_path.is_file(), dev_path.is_file()
-    choices = available + (["dev"] if has_train and not has_dev else [])
-    split_ok = (split == "dev" and (has_dev or has_train)) or (split != "dev" and split in available)
-    if not split_ok:
-        wanted = dev_path if split == "dev" else qrels_dir / f"{split}.tsv"
-        extra = " (dev is carved from train.tsv when dev.tsv is absent)" if split == "dev" else ""
-        raise DataError(
-            f"qrels file {wanted} not found{extra}; valid splits for {root}: "
-            + (", ".join(sorted(choices)) if choices else f"none (no .tsv files in {qrels_dir})")
-        )
-
+    check_split(root, split)  # before parsing anything big, so a typo fails instantly
     if corpus is None:
         assert corpus_path is not None
         corpus = _read_corpus(corpus_path, Path(store_path) if store_path is not None else None)
     queries, answers = _read_queries(queries_path)
 
-    train: Qrels = {}
-    if has_train:
-        train = _read_qrels(train_path, doc_alias)
-        _check_ids(train_path, train, corpus, queries)
-    if has_dev:
-        dev = _read_qrels(dev_path, doc_alias)
-        _check_ids(dev_path, dev, corpus, queries)
-        train_qrels = train
-    elif train:
-        # Sort first so the carve depends only on the ids and the seed, not on file order.
-        order = sorted(train)
-        random.Random(seed).shuffle(order)
-        dev_ids = set(order[: _dev_count(dev_size, len(order), train_path)])
-        dev = {q: g for q, g in train.items() if q in dev_ids}
-        train_qrels = {q: g for q, g in train.items() if q not in dev_ids}
-    else:
-        dev, train_qrels = {}, {}
-
-    if split == "train":
-        eval_path, eval_qrels = train_path, train_qrels
-    elif split == "dev":
-        eval_path, eval_qrels = (dev_path if has_dev else train_path), dev
-    else:
-        eval_path = qrels_dir / f"{split}.tsv"
-        eval_qrels = _read_qrels(eval_path, doc_alias)
-        _check_ids(eval_path, eval_qrels, corpus, queries)
-    if not eval_qrels:
-        raise DataError(f"{eval_path}: no qrels for split '{split}'")
-
+    train_qrels, eval_qrels = _splits(root, split, dev_size, seed, corpus, queries, doc_alias)
     # Copy the per-query dicts so mutating eval_qrels can never alter train_qrels (split=train).
     return RetrievalData(
         name=root.resolve().name,
