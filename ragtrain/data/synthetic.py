@@ -215,10 +215,8 @@ def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def make_synthetic(
-    num_entities: int = 200, seed: int = 0, split: str = "dev", dev_fraction: float = 0.15, test_fraction: float = 0.15
-) -> RetrievalData:
-    """Generate a deterministic fictional-people knowledge base as a RetrievalData."""
+def split_sizes(num_entities: int, split: str, dev_fraction: float, test_fraction: float) -> tuple[int, int]:
+    """(dev entities, test entities) of the synthetic KB; a DataError names the setting that cannot work."""
     if isinstance(num_entities, bool) or not isinstance(num_entities, int) or num_entities < 10:
         raise DataError(f"data.num_entities must be an integer >= 10, got {num_entities!r}")
     if split not in SPLITS:
@@ -238,6 +236,14 @@ def make_synthetic(
     if (split == "dev" and n_dev == 0) or (split == "test" and n_test == 0):
         raise DataError(f"split {split!r} is empty: data.{split}_fraction is 0")
 
+    return n_dev, n_test
+
+
+def make_synthetic(
+    num_entities: int = 200, seed: int = 0, split: str = "dev", dev_fraction: float = 0.15, test_fraction: float = 0.15
+) -> RetrievalData:
+    """Generate a deterministic fictional-people knowledge base as a RetrievalData."""
+    n_dev, n_test = split_sizes(num_entities, split, dev_fraction, test_fraction)
     rng = random.Random(seed)
     taken: set[str] = set()
     banned = [v.lower() for v in _OCCUPATIONS + _INSTRUMENTS]
