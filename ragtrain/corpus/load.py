@@ -18,6 +18,37 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
+def data_folder(cfg: DataConfig, out_dir: Path | None) -> str:
+    """data.root, or ragtrain's own article folder written deterministically into <out_dir>/docs (data.generate)."""
+    if cfg.source == DataSource.documents and cfg.generate:
+        import tempfile
+
+        from ragtrain.corpus.docs_synthetic import write_docs_synthetic
+
+        root = str(Path(out_dir or tempfile.mkdtemp(prefix="ragtrain-docs-")) / "docs")
+        write_docs_synthetic(root, num_entities=cfg.num_entities, seed=cfg.seed)
+        return root
+    assert cfg.root is not None  # checked by DataConfig
+    return cfg.root
+
+
+def prepare_on_ray(cfg: DataConfig, total_bytes: int, start_ray: Callable[[], None] | None) -> bool:
+    """Whether Ray Data tasks and actors read, clean and chunk the corpus (data.prepare, by its size); Ray is
+    started for it here (bad files then fail after Ray has started), and a driver without Ray prepares itself."""
+    from ragtrain.corpus.prepare import use_ray
+
+    if not use_ray(cfg.prepare.value, total_bytes):
+        return False
+    if start_ray is not None:
+        start_ray()
+    import ray
+
+    if not ray.is_initialized():
+        log.info(f"[data] data.prepare={cfg.prepare.value}: Ray is not running here, preparing in the driver")
+        return False
+    return True
+
+
 def load_data(
     cfg: DataConfig,
     retriever: RetrieverConfig | None = None,
@@ -43,7 +74,6 @@ def load_data(
         chunk_data,
         load_documents,
     )
-    from ragtrain.corpus.prepare import use_ray
     from ragtrain.corpus.read import list_documents
     from ragtrain.data.store import write_store
 
@@ -62,25 +92,9 @@ def load_data(
 
         tokenizer = load_tokenizer(retriever)
         check_chunk_budget(cfg.chunk.max_tokens, tokenizer.model_max_length, retriever.passage_max_length)
-    root = cfg.root
-    if cfg.source == DataSource.documents and cfg.generate:  # ragtrain's own article folder, written deterministically
-        import tempfile
-
-        from ragtrain.corpus.docs_synthetic import write_docs_synthetic
-
-        root = str(Path(out_dir or tempfile.mkdtemp(prefix="ragtrain-docs-")) / "docs")
-        write_docs_synthetic(root, num_entities=cfg.num_entities, seed=cfg.seed)
-    assert root is not None  # checked by DataConfig
+    root = data_folder(cfg, out_dir)
     files = list_documents(root, cfg.glob) if cfg.source == DataSource.documents else beir_corpus_files(root)
-    on_ray = docs_store is not None and use_ray(cfg.prepare.value, sum(file_size(f) for f in files))
-    if on_ray:  # Ray Data tasks and actors read, clean and chunk; bad files now fail after Ray has started
-        if start_ray is not None:
-            start_ray()
-        import ray
-
-        if not ray.is_initialized():
-            log.info(f"[data] data.prepare={cfg.prepare.value}: Ray is not running here, preparing in the driver")
-            on_ray = False
+    on_ray = docs_store is not None and prepare_on_ray(cfg, sum(file_size(f) for f in files), start_ray)
     if on_ray and stream is not None and cfg.source == DataSource.documents:
         from ragtrain.corpus.stream import stream_documents
 
