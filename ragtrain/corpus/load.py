@@ -115,21 +115,15 @@ def load_data(
             on_ray=on_ray,
             files=files,
         )
-    if cfg.chunk.enabled:
-        n_docs = len(data.corpus)
-        data = chunk_data(
-            data,
-            tokenizer,
-            cfg.chunk.max_tokens,
-            cfg.chunk.overlap,
-            store_path=corpus_dir / "passages.arrow" if corpus_dir else None,
-            ray_tasks=ray_tasks if on_ray else 0,
-            retriever=retriever,
-        )
-        log.info(
-            f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {cfg.chunk.max_tokens} tokens "
-            f"(overlap {cfg.chunk.overlap})"
-        )
+    if not cfg.chunk.enabled:
+        return data
+    n_docs = len(data.corpus)
+    store = corpus_dir / "passages.arrow" if corpus_dir else None
+    c = cfg.chunk
+    data = chunk_data(data, tokenizer, c.max_tokens, c.overlap, store, ray_tasks if on_ray else 0, retriever)
+    log.info(
+        f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {c.max_tokens} tokens (overlap {c.overlap})"
+    )
     return data
 
 

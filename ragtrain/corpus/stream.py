@@ -282,6 +282,77 @@ def check_before_encoding(
     precheck(data, passages)
 
 
+def _keep(batch: Any, gate: _Gate, writer: Any, doc_of: dict[str, str] | None) -> tuple[list[str], np.ndarray]:
+    """One streamed block: the rows the gate keeps go to the store (their chunk's document into `doc_of`);
+    returns their ids and vectors."""
+    vec = batch.column("vector").combine_chunks()
+    mat = vec.flatten().to_numpy(zero_copy_only=False).reshape(len(vec), -1)
+    cols = {name: batch.column(name).to_pylist() for name in PASSAGE_COLUMNS if name != "embed"}
+    ids, kept = [], []
+    for i in range(batch.num_rows):
+        row = {name: values[i] for name, values in cols.items()}
+        if not gate.keep(row):
+            continue
+        p = Passage(
+            id=row["id"], title=row["title"], text=row["text"], doc_id=row["doc_id"], start=row["start"],
+            end=row["end"],
+        )  # fmt: skip
+        writer.add(p)
+        if doc_of is not None:
+            doc_of[p.id] = gate.doc
+        ids.append(p.id)
+        kept.append(i)
+    return ids, mat[kept]
+
+
+def seal(shards: Any, folder: Path, seconds: float, key: str, fingerprint: str, driver_s: float) -> None:
+    """The streamed vector shards' metadata, written last (`shards.json`): the cache key and the corpus they
+    hold, so the run's first index reads them instead of encoding again."""
+    from .encode import SHARDS_META
+
+    shards.seconds = seconds
+    shards.stats = {"streamed": True, "key": key, "corpus": fingerprint, "driver_rows_s": round(driver_s, 3)}
+    meta = {k: v for k, v in shards.__dict__.items() if k != "folder"}
+    (folder / SHARDS_META).write_text(json.dumps(meta, indent=2))
+
+
+def _shards_of(
+    dataset: Callable[[], Any], gate: _Gate, writer: Any, doc_of: dict[str, str] | None, busy: list[float]
+) -> Iterator[tuple[list[str], np.ndarray]]:
+    """(ids, vectors) of the kept passages of the stream `dataset()` builds, SHARD_ROWS at a time, while their
+    texts go to the store; `busy[0]` adds the seconds the driver spent on the rows (not waiting for them): the
+    stream's serial part."""
+    ids: list[str] = []
+    vecs: list[np.ndarray] = []
+    # corpus order: the store, the shards and the first error do not depend on timing
+    with _ordered(), _block_bytes(STREAM_BLOCK_BYTES):
+        for batch in dataset().iter_batches(batch_size=None, batch_format="pyarrow"):  # a block
+            if not batch.num_rows:
+                continue
+            t0 = time.perf_counter()
+            block_ids, block_vecs = _keep(batch, gate, writer, doc_of)
+            ids.extend(block_ids)
+            if block_ids:
+                vecs.append(block_vecs)
+            busy[0] += time.perf_counter() - t0
+            if len(ids) >= SHARD_ROWS:
+                t0 = time.perf_counter()
+                yield ids, np.concatenate(vecs)  # written by write_shards before the next block is asked for
+                ids, vecs = [], []
+                busy[0] += time.perf_counter() - t0
+    if ids:
+        yield ids, np.concatenate(vecs)
+
+
+def _undo(writer: Any, folder: Path, store_path: Path) -> None:
+    """A failed stream leaves nothing: no half-written store (`writer`: still open), no shard folder."""
+    if writer is not None:
+        writer.abort()
+    shutil.rmtree(folder, ignore_errors=True)
+    store_path.unlink(missing_ok=True)
+    Path(str(store_path) + ".json").unlink(missing_ok=True)
+
+
 def stream_documents(
     files: Sequence[Path],
     root: str | Path,
@@ -301,17 +372,13 @@ def stream_documents(
     from ragtrain.data.store import StoreWriter
 
     from .dataset import check_corpus_ids
-    from .encode import SHARDS_META
 
     chunk = (cfg.chunk.max_tokens, cfg.chunk.overlap) if cfg.chunk.enabled else None
     start = time.perf_counter()
     if enc.precheck is not None:
         check_before_encoding(files, root, cfg, retriever, chunk, enc.precheck)
-        log(
-            f"[data] {root}: the whole-corpus checks passed in {time.perf_counter() - start:.1f}s on ids, before "
-            f"any vector is "
-            "computed"
-        )
+        took = time.perf_counter() - start
+        log(f"[data] {root}: the whole-corpus checks passed in {took:.1f}s on ids, before any vector is computed")
     weights = enc.weights()
     per_call = max(1, enc.index.shard_size)
     gate = _Gate(files, root, cfg.on_error.value)
@@ -320,52 +387,15 @@ def stream_documents(
     writer = StoreWriter(store_path, check_ids=False)  # ids unique: document ids are checked, chunk ids derive
 
     def rows() -> Iterator[tuple[list[str], np.ndarray]]:
-        """(ids, vectors) of the kept passages, a shard at a time, while their texts go to the store."""
-        ids: list[str] = []
-        vecs: list[np.ndarray] = []
-        # corpus order: the store, the shards and the first error do not depend on timing
-        with _ordered(), _block_bytes(STREAM_BLOCK_BYTES):
-            ds = _dataset(files, str(root), retriever, chunk, ray.put(weights), enc, per_call)
-            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):  # a block
-                if not batch.num_rows:
-                    continue
-                t0 = time.perf_counter()
-                vec = batch.column("vector").combine_chunks()
-                mat = vec.flatten().to_numpy(zero_copy_only=False).reshape(len(vec), -1)
-                cols = {name: batch.column(name).to_pylist() for name in PASSAGE_COLUMNS if name != "embed"}
-                kept = []
-                for i in range(batch.num_rows):
-                    row = {name: values[i] for name, values in cols.items()}
-                    if not gate.keep(row):
-                        continue
-                    p = Passage(
-                        id=row["id"],
-                        title=row["title"],
-                        text=row["text"],
-                        doc_id=row["doc_id"],
-                        start=row["start"],
-                        end=row["end"],
-                    )
-                    writer.add(p)
-                    if chunk is not None:
-                        doc_of[p.id] = gate.doc
-                    ids.append(p.id)
-                    kept.append(i)
-                if kept:
-                    vecs.append(mat[kept])
-                busy[0] += time.perf_counter() - t0
-                if len(ids) >= SHARD_ROWS:
-                    t0 = time.perf_counter()
-                    yield ids, np.concatenate(vecs)  # written by write_shards before the next block is asked for
-                    ids, vecs = [], []
-                    busy[0] += time.perf_counter() - t0
+        def dataset() -> Any:
+            return _dataset(files, str(root), retriever, chunk, ray.put(weights), enc, per_call)
+
+        yield from _shards_of(dataset, gate, writer, doc_of if chunk is not None else None, busy)
         if not writer.count:
             raise DataError(
                 f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
                 f"({len(gate.skipped)} skipped with data.on_error=skip)"
             )
-        if ids:
-            yield ids, np.concatenate(vecs)
 
     folder = Path(enc.folder).resolve()
     store = None
@@ -383,33 +413,18 @@ def stream_documents(
         check_corpus_ids(data, str(root))
         data.corpus = store
     except BaseException:
-        if store is None:
-            writer.abort()
-        shutil.rmtree(folder, ignore_errors=True)
-        Path(store_path).unlink(missing_ok=True)
-        Path(str(store_path) + ".json").unlink(missing_ok=True)
+        _undo(writer if store is None else None, folder, Path(store_path))
         raise
     data.doc_of = doc_of
     seconds = time.perf_counter() - start
-    shards.seconds = seconds
     fingerprint = data.fingerprint()
-    shards.stats = {
-        "streamed": True,
-        "key": enc.key(weights, fingerprint) if enc.key else "",
-        "corpus": fingerprint,
-        "driver_rows_s": round(busy[0], 3),
-    }
-    meta = {k: v for k, v in shards.__dict__.items() if k != "folder"}
-    (folder / SHARDS_META).write_text(json.dumps(meta, indent=2))
-    log(
-        f"[data] {root}: {len(files)} files, {gate.documents} documents, {len(gate.dropped)} exact duplicates "
-        f"dropped, {len(gate.skipped)} files skipped"
-    )
+    seal(shards, folder, seconds, enc.key(weights, fingerprint) if enc.key else "", fingerprint, busy[0])
+    summary = f"{len(files)} files, {gate.documents} documents, {len(gate.dropped)} exact duplicates dropped, "
+    log(f"[data] {root}: {summary}{len(gate.skipped)} files skipped")
     if chunk is not None:
-        log(
-            f"[data] {len(set(doc_of.values()))} documents -> {len(store)} chunks of <= {cfg.chunk.max_tokens} "
-            f"tokens (overlap {cfg.chunk.overlap})"
-        )
+        c = cfg.chunk
+        log(f"[data] {len(set(doc_of.values()))} documents -> {len(store)} chunks of <= {c.max_tokens} tokens "
+            f"(overlap {c.overlap})")  # fmt: skip
     log(
         f"[data] read, cleaned, {'chunked, ' if chunk else ''}encoded {len(store)} passages in one Ray Data stream "
         f"in {seconds:.1f}s ({enc.pool.num_actors} encode actors; the driver's share {busy[0]:.1f}s): vectors in "
