@@ -227,8 +227,8 @@ class Retrieval:
             got = self.shard_group.encode(source, ray.put(weights), cfg.retriever, idx, folder)
         else:
             threads = build_threads(pool)
-            n = len(self.doc_ids)
-            log.info(f"[{tag}] encoding {n} passages on Ray Data ({pool.num_actors} actors x {threads} threads)")
+            n, each = len(self.doc_ids), f"{threads} torch thread{'s' if threads > 1 else ''} each"
+            log.info(f"[{tag}] encoding {n} passages on Ray Data ({pool.num_actors} actors, {each})")
             got = encode_to_shards(
                 source, ray.put(weights), cfg.retriever, idx, pool, folder, vector_dtype=idx.vector_dtype,
                 fault=fault, num_gpus_per_actor=pool.gpus_per_actor, num_threads=threads,
