@@ -42,24 +42,23 @@ def select_rows(
     """Local rows to re-encode this round (at most `budget`, sorted): see the module's priorities.
 
     `oldest` takes the `budget` rows from `cursor` on, round robin (rows are re-encoded in turn, so the next ones
-    are always the oldest); `hot` takes the rows with the highest counts first (ties and zero counts: by age from
-    `cursor`); `drift` takes the highest `predicted_drift` first."""
+    are always the oldest); `hot` takes the rows with the highest counts first, `drift` the highest `predicted_drift`; ties (rows
+    nobody retrieved, say) go to the rows at the oldest version, then round robin from `cursor`."""
     n = len(versions)
     budget = max(0, min(int(budget), n))
     by_age = (np.arange(n) + cursor) % n  # round-robin order from the cursor
     if priority == "oldest":
         chosen = by_age[:budget]
-    elif priority == "hot":
-        counts = np.zeros(n) if hot is None else np.asarray(hot, dtype=np.float64)
-        age_rank = np.empty(n, dtype=np.int64)
-        age_rank[by_age] = np.arange(n)
-        chosen = np.lexsort((age_rank, -counts))[:budget]
-    elif priority == "drift":
-        if predicted_drift is None:
+    elif priority in ("hot", "drift"):
+        if priority == "drift" and predicted_drift is None:
             raise ValueError("priority 'drift' needs each row's predicted drift")
-        age_rank = np.empty(n, dtype=np.int64)
-        age_rank[by_age] = np.arange(n)
-        chosen = np.lexsort((age_rank, -np.asarray(predicted_drift, dtype=np.float64)))[:budget]
+        first = np.zeros(n) if hot is None else np.asarray(hot, dtype=np.float64)
+        if priority == "drift":
+            first = np.asarray(predicted_drift, dtype=np.float64)
+        turn = np.empty(n, dtype=np.int64)
+        turn[by_age] = np.arange(n)
+        # ties (zero counts, say) go to the oldest vectors first, then round robin from the cursor
+        chosen = np.lexsort((turn, versions, -first))[:budget]
     else:
         raise ValueError(f"refresh.priority={priority!r} is unknown; valid choices: {list(PRIORITIES)}")
     return np.sort(chosen)

@@ -108,3 +108,12 @@ def test_aligned_with_fewer_anchors_than_the_dimension_fails_before_any_work(ray
     with pytest.raises(ConfigError, match=r"^refresh.anchors=16: refresh.consistency=aligned fits a 64 x 64 map"):
         run(cfg)
     assert not (tmp_path / "out" / "config.yaml").exists()
+
+
+def test_ties_go_to_the_oldest_vectors() -> None:
+    """Rows nobody retrieved (count 0) are taken oldest version first, not always from the same place."""
+    versions = np.array([3, 3, 0, 3, 1, 0, 3, 3])
+    hot = np.array([0, 0, 0, 0, 0, 0, 5, 0])
+    assert select_rows("hot", versions, 3, cursor=0, hot=hot).tolist() == [2, 5, 6]
+    drift = np.zeros(8)
+    assert select_rows("drift", versions, 3, cursor=0, predicted_drift=drift).tolist() == [2, 4, 5]
