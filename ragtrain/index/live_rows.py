@@ -42,8 +42,9 @@ def select_rows(
     """Local rows to re-encode this round (at most `budget`, sorted): see the module's priorities.
 
     `oldest` takes the `budget` rows from `cursor` on, round robin (rows are re-encoded in turn, so the next ones
-    are always the oldest); `hot` takes the rows with the highest counts first, `drift` the highest `predicted_drift`; ties (rows
-    nobody retrieved, say) go to the rows at the oldest version, then round robin from `cursor`."""
+    are always the oldest). `hot` takes the rows with the highest counts first, `drift` the highest
+    `predicted_drift`; ties (rows nobody retrieved, say) go to the rows at the oldest version, then round robin
+    from `cursor`."""
     n = len(versions)
     budget = max(0, min(int(budget), n))
     by_age = (np.arange(n) + cursor) % n  # round-robin order from the cursor
