@@ -157,8 +157,52 @@ def staleness(
     }
 
 
+class LiveService:
+    """What trainers ask a live index service (`IndexService` here, `ShardedIndexService` over index shards): the
+    published versions in `self.book` under `self._swap`, one refresh at a time under `self._busy`."""
+
+    book: VersionBook
+    _swap: threading.Lock
+    _busy: threading.Lock
+    history: list[dict[str, Any]]
+    failures: list[str]
+
+    def version(self) -> int:
+        """The live version number (-1 before the first publish): a cheap poll."""
+        with self._swap:
+            return self.book.version()
+
+    def latest(self) -> LiveVersion | None:
+        """The live version."""
+        with self._swap:
+            return self.book.latest()
+
+    def version_for_step(self, step: int) -> int:
+        """The version training step `step` mines from (rank 0 asks once per step; see VersionBook)."""
+        with self._swap:
+            return self.book.version_for_step(step)
+
+    def get(self, version: int) -> LiveVersion:
+        """A kept version (what the other ranks fetch after rank 0's broadcast)."""
+        with self._swap:
+            return self.book.get(version)
+
+    def busy(self) -> bool:
+        """Whether a refresh is running now."""
+        return self._busy.locked()
+
+    def report(self) -> dict[str, Any]:
+        """Refresh history and failures."""
+        return {"history": list(self.history), "failures": list(self.failures)}
+
+    def close(self) -> None:
+        """Wait for a running refresh to finish, so the pool can be handed back to the driver."""
+        with self._busy:
+            pass
+
+
 @ray.remote(max_concurrency=4)  # one thread refreshes while the others answer workers' polls
-class IndexService:
+class IndexService(LiveService):
     """Holds the live index version; builds the next one on the pool without blocking anyone."""
 
     def __init__(
@@ -262,44 +306,11 @@ class IndexService:
         finally:
             self._busy.release()
 
-    def version(self) -> int:
-        """The live version number (-1 before the first publish): a cheap poll."""
-        with self._swap:
-            return self.book.version()
-
-    def latest(self) -> LiveVersion | None:
-        """The live version."""
-        with self._swap:
-            return self.book.latest()
-
-    def version_for_step(self, step: int) -> int:
-        """The version training step `step` mines from (rank 0 asks once per step; see VersionBook)."""
-        with self._swap:
-            return self.book.version_for_step(step)
-
-    def get(self, version: int) -> LiveVersion:
-        """A kept version (what the other ranks fetch after rank 0's broadcast)."""
-        with self._swap:
-            return self.book.get(version)
-
-    def busy(self) -> bool:
-        """Whether a refresh is running now."""
-        return self._busy.locked()
-
     def search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (scores, rows) from the live index."""
         with self._swap:
             index = self.index
         return index.search(qvecs, k)
-
-    def report(self) -> dict[str, Any]:
-        """Refresh history and failures."""
-        return {"history": list(self.history), "failures": list(self.failures)}
-
-    def close(self) -> None:
-        """Wait for a running refresh to finish, so the pool can be handed back to the driver."""
-        with self._busy:
-            pass
 
 
 def _call(service, name: str, *args):

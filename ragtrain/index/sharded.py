@@ -162,23 +162,16 @@ def read_manifest(folder: Path) -> dict:
 
 def persist(index: DenseIndex, folder: Path, manifest: dict) -> dict:
     """Save `index` with its manifest (checksum added) into `folder` through a temporary folder renamed on
-    success: a crash leaves the previous version in place."""
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    old = folder.with_name(f"{folder.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    index.save(tmp)
-    manifest = {
-        **manifest,
-        "rows": index.ntotal,
-        "dim": index.meta.dim,
-        "factory": index.meta.factory,
-        "checksum": _checksum(tmp / "index.faiss"),
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    if folder.exists():
-        folder.rename(old)
-    tmp.rename(folder)
-    shutil.rmtree(old, ignore_errors=True)
+    success (`shards.save_atomic`): a crash leaves the previous version in place."""
+    from ragtrain.index.shards import save_atomic
+
+    def complete(tmp: Path) -> None:
+        manifest.update(rows=index.ntotal, dim=index.meta.dim, factory=index.meta.factory)
+        manifest["checksum"] = _checksum(tmp / "index.faiss")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+    manifest = dict(manifest)
+    save_atomic(index, folder, complete)
     return manifest
 
 
@@ -233,6 +226,24 @@ class _Merged:
         """Top-k doc ids per query row (FAISS's -1 padding dropped)."""
         _, rows = self.search(queries, k)
         return [[self.doc_ids[r] for r in row if r >= 0] for row in rows]
+
+    def _first_of(self, shard: int, n: int) -> np.ndarray | None:
+        """The stored vectors of shard `shard`'s first `n` rows, or None where its type cannot give them back."""
+        raise NotImplementedError
+
+    def reconstruct_first(self, n: int) -> np.ndarray | None:
+        """The stored vectors of the first `n` rows (from the shards that hold them), or None."""
+        sizes = np.diff([*self.offsets, self.ntotal])
+        out, got = [], 0
+        for shard, size in enumerate(sizes):
+            if got >= n:
+                break
+            part = self._first_of(shard, min(int(size), n - got))
+            if part is None:
+                return None
+            out.append(part)
+            got += len(part)
+        return np.concatenate(out) if out else None
 
     def _shard_of_row(self, row: int) -> int:
         return int(np.searchsorted(self.offsets, row, side="right") - 1)
@@ -799,19 +810,8 @@ class ShardedIndex(_Merged):
         """IVF nprobe / HNSW efSearch on every shard, where the index type has them."""
         self._call("a parameter change", "set_search_params", nprobe, ef_search)
 
-    def reconstruct_first(self, n: int) -> np.ndarray | None:
-        """The stored vectors of the first `n` rows (from the shards that hold them), or None."""
-        rows = self.meta.extra["rows_per_shard"]
-        out, got = [], 0
-        for i, r in enumerate(rows):
-            if got >= n:
-                break
-            part = self._call("a reconstruct", "reconstruct_first", min(r, n - got), shards=[i])[0]
-            if part is None:
-                return None
-            out.append(part)
-            got += len(part)
-        return np.concatenate(out) if out else None
+    def _first_of(self, shard: int, n: int) -> np.ndarray | None:
+        return self._call("a reconstruct", "reconstruct_first", n, shards=[shard])[0]
 
     def as_stored(self, x: np.ndarray) -> np.ndarray:
         """`x` through the index's codec (every shard copies one quantiser: shard 0 speaks for all)."""
@@ -902,17 +902,8 @@ class LocalShards(_Merged):
         for s in self.shards:
             s.set_search_params(nprobe, ef_search)
 
-    def reconstruct_first(self, n: int) -> np.ndarray | None:
-        out, got = [], 0
-        for s in self.shards:
-            if got >= n:
-                break
-            part = s.reconstruct_first(min(s.ntotal, n - got))
-            if part is None:
-                return None
-            out.append(part)
-            got += len(part)
-        return np.concatenate(out) if out else None
+    def _first_of(self, shard: int, n: int) -> np.ndarray | None:
+        return self.shards[shard].reconstruct_first(n)
 
     def as_stored(self, x: np.ndarray) -> np.ndarray:
         return self.shards[0].as_stored(x)

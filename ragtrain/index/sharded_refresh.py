@@ -35,7 +35,7 @@ from ragtrain.config import Config
 from ragtrain.console import get_logger
 from ragtrain.index.faiss_index import METRIC, exact_search
 from ragtrain.index.live_rows import version_summary
-from ragtrain.index.refresh import LiveVersion, Probe, VersionBook
+from ragtrain.index.refresh import LiveService, LiveVersion, Probe, VersionBook
 from ragtrain.index.sharded import LIVE_BASE, LiveStateLost, ShardedIndex, _gather, shard_ranges
 from ragtrain.precision import resolved_index
 
@@ -56,7 +56,7 @@ def anchor_rows(rows: int, n: int, seed: int) -> list[int]:
 
 
 @ray.remote(max_concurrency=4)  # one thread refreshes while the others answer the workers' polls
-class ShardedIndexService:
+class ShardedIndexService(LiveService):
     """The live index held by index shards; refreshes run in a thread of this actor, shard by shard."""
 
     def __init__(
@@ -315,36 +315,10 @@ class ShardedIndexService:
             self.actors, self.tag, self.doc_ids, self.meta, self.offsets, self.cfg.index.shard_timeout_s
         )
 
-    # ------------------------------------------------------------------------------------- IndexService's API
-
-    def version(self) -> int:
-        with self._swap:
-            return self.book.version()
-
-    def latest(self) -> LiveVersion | None:
-        with self._swap:
-            return self.book.latest()
-
-    def version_for_step(self, step: int) -> int:
-        with self._swap:
-            return self.book.version_for_step(step)
-
-    def get(self, version: int) -> LiveVersion:
-        with self._swap:
-            return self.book.get(version)
-
-    def busy(self) -> bool:
-        return self._busy.locked()
+    # ------------------------------------------------------------------------------------------- searches
 
     def search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (scores, rows) from the live index (counted as hot rows)."""
         scores, rows = self._index().search(qvecs, k)
         np.add.at(self.hot, rows[rows >= 0], 1)
         return scores, rows
-
-    def report(self) -> dict[str, Any]:
-        return {"history": list(self.history), "failures": list(self.failures)}
-
-    def close(self) -> None:
-        with self._busy:
-            pass

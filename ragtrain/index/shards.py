@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,9 +133,10 @@ def build_configured_from_shards(
     return index
 
 
-def save_atomic(index: DenseIndex, folder: str | Path) -> Path:
+def save_atomic(index: DenseIndex, folder: str | Path, complete: Callable[[Path], None] | None = None) -> Path:
     """`DenseIndex.save` into `<folder>.tmp-<pid>`, renamed to `folder` on success (an old index is replaced only
-    once the new one is complete; a failed save leaves the old one untouched)."""
+    once the new one is complete; a failed save leaves the old one untouched). `complete(tmp)` adds files to the
+    new folder before the rename (an index shard's manifest)."""
     folder = Path(folder)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     old = folder.with_name(f"{folder.name}.old-{os.getpid()}")
@@ -142,6 +144,8 @@ def save_atomic(index: DenseIndex, folder: str | Path) -> Path:
         shutil.rmtree(tmp)
     try:
         index.save(tmp)
+        if complete is not None:
+            complete(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
