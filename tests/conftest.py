@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import json
+import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -29,6 +33,39 @@ REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
 SCIFACT = REPO.parent / "shared" / "data" / "scifact"
 RAY_CPUS = 4  # logical CPUs: light tasks may exceed the 2 physical cores
+
+# Multi-process gloo tests start their ranks from a fork server that has imported torch once: a fresh interpreter per
+# rank (mp.spawn's default) costs ~2 s of imports, and the suite starts ~40 ranks. The server holds no threads, so
+# forking it is safe; each rank still sets up its own process group.
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "transformers", "ragtrain.embed.model"])
+
+
+def spawn(fn, args: tuple, nprocs: int, start_method: str = "forkserver") -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)` from the fork server: `fn(rank, *args)` on each rank, joined;
+    a rank's exception is raised here. The ranks get the environment the server started with: a rank that needs
+    this process's current one (e.g. to join the session's Ray cluster) takes start_method="spawn"."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=start_method)
+
+
+_MLFLOW_TEMPLATE: list[Path] = []
+
+
+def mlflow_db(path: Path) -> str:
+    """`sqlite:///<path>`, a SQLite tracking store with MLflow's schema already in it: building the schema of a new
+    store (MLflow's migrations) takes ~2 s, and most tests open a new store; a copy of one built once takes ms.
+    (A store created from nothing is still tested: tests/track/test_mlflow.py, tests/test_compare.py.)"""
+    if not _MLFLOW_TEMPLATE:
+        from mlflow.tracking import MlflowClient
+
+        folder = Path(tempfile.mkdtemp(prefix="ragtrain-mlflow-template-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()  # creates the schema
+        _MLFLOW_TEMPLATE.append(folder / "mlflow.db")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_MLFLOW_TEMPLATE[0], path)
+    return f"sqlite:///{path}"
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +107,7 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
         "retriever.train.batch_size=4",
         "resources.num_cpus=4",
         f"output_dir={tmp_path / 'out'}",
-        f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"logger.tracking_uri={mlflow_db(tmp_path / 'mlflow.db')}",
         # fp32 whatever the CPU: the same numbers on every test machine, and the tiny encoder's matrices are too
         # small for bf16 to pay (auto is tested in tests/test_precision.py)
         "retriever.train.precision=fp32",

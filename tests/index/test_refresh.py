@@ -20,7 +20,7 @@ from ragtrain.index.refresh import (
     staleness,
 )
 from ragtrain.retriever.batching import TrainData, build_examples, local_batch
-from tests.conftest import compose, tiny_overrides
+from tests.conftest import compose, spawn, tiny_overrides
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -106,13 +106,11 @@ def _agree(rank: int, world: int, port: int, out: str, broadcast: bool) -> None:
 def test_every_rank_mines_a_step_from_rank_0s_version(tmp_path) -> None:
     import socket
 
-    import torch.multiprocessing as mp
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out = str(tmp_path / "agree")
-    mp.spawn(_agree, args=(2, port, out, True), nprocs=2, join=True)
+    spawn(_agree, (2, port, out, True), 2)
     assert [torch.load(f"{out}.{r}") for r in range(2)] == [[1, [[101]]]] * 2
 
 

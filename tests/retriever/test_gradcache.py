@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ragtrain.config import ConfigError, RetrieverConfig, RetrieverTrainConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder
 from ragtrain.retriever.gradcache import cached_step, split
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder
+from tests.conftest import spawn
 from tests.retriever.test_loss import H, _free_port, _pad, global_batch
 
 B = 4  # per-worker queries (test_loss.global_batch: 2B queries, H negatives each)
@@ -113,7 +113,7 @@ def _two_workers(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> list[dict]:
     out = str(tmp_path_factory.mktemp("gradcache") / "w2")
-    mp.spawn(_two_workers, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_two_workers, (2, _free_port(), out), 2)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ragtrain.config import ConfigError, LoraConfig, RetrieverConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder
@@ -17,6 +16,7 @@ from ragtrain.retriever.lora import apply_lora, has_lora, plain_state_dict, trai
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder
 from ragtrain.sync.comm import all_reduce_bytes
+from tests.conftest import spawn
 from tests.retriever.test_gradcache import _inputs, counting_ddp
 from tests.retriever.test_loss import _free_port
 
@@ -126,7 +126,7 @@ def _workers(rank: int, world: int, port: int, out: str) -> None:
 
 def test_sync_strategies_send_only_the_adapters(tmp_path: Path) -> None:
     out = str(tmp_path / "lora.pt")
-    mp.spawn(_workers, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_workers, (2, _free_port(), out), 2)
     r = torch.load(out, weights_only=False)
     for kind in ("ddp", "average"):
         full, lora = r[(kind, 0, 0)], r[(kind, RANK, 0)]

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ragtrain.config import RetrieverConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder
+from tests.conftest import spawn
 
 B, H, VOCAB = 4, 2, 1000  # per-worker batch, hard negatives per query
 
@@ -93,7 +93,7 @@ def _run(world: int, tmp: Path) -> dict:
     if world == 1:
         _step(0, 1, 0, out)
     else:
-        mp.spawn(_step, args=(world, _free_port(), out), nprocs=world, join=True)
+        spawn(_step, (world, _free_port(), out), world)
     return torch.load(out, weights_only=True)
 
 
@@ -177,7 +177,7 @@ def test_replicas_that_train_apart_get_the_gradient_of_their_own_loss(tmp_path: 
     """gossip / local SGD / vector_avg: each worker's gradient == the single-process gradient of ITS loss, with the
     other worker's passages as constant negatives (not the sum of both workers' passage-side gradients)."""
     out = str(tmp_path / "local")
-    mp.spawn(_local_step, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_local_step, (2, _free_port(), out), 2)
     for r in range(2):
         got = torch.load(f"{out}.{r}", weights_only=True)
         assert got["groups"] == [[0], [1]]
@@ -216,7 +216,7 @@ def _group_step(rank: int, world: int, port: int, out: str) -> None:
 def test_hierarchical_gradients_flow_inside_the_node_only(tmp_path: Path) -> None:
     """A rank's passages get the gradient of the losses of its node's ranks only (single-process reference)."""
     out = str(tmp_path / "group")
-    mp.spawn(_group_step, args=(3, _free_port(), out), nprocs=3, join=True)
+    spawn(_group_step, (3, _free_port(), out), 3)
     got = [torch.load(f"{out}.{r}", weights_only=True) for r in range(3)]
     q = [g["q"].clone().requires_grad_() for g in got]
     p = [g["p"].clone().requires_grad_() for g in got]

@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from tests.conftest import spawn
+
 
 def _wait_for(paths: list, what: str, deadline_s: float = 300.0) -> None:
     """Block until every file exists; fail naming `what` if they never appear (they would not under a barrier)."""
@@ -148,14 +150,13 @@ def test_async_ps_restart_continues_from_the_checkpointed_server(ray_session, tm
     import socket
 
     import torch
-    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "ps.pt")
     address = ray_session.get_runtime_context().gcs_address
-    mp.spawn(_restart, args=(2, port, address, out), nprocs=2, join=True)
+    spawn(_restart, (2, port, address, out), 2, start_method="spawn")  # the ranks join this session's Ray
     r = torch.load(out, weights_only=True)
     assert r["checkpoint"].abs().max() > 0.5  # the checkpoint holds real progress (3 steps of both ranks)
     torch.testing.assert_close(r["after"], r["checkpoint"] + 0.3, atol=1e-5, rtol=0)

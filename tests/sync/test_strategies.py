@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from ragtrain.config import ConfigError, MixerConfig, SyncConfig, sync_preset
@@ -18,6 +17,7 @@ from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
 from ragtrain.sync.drift import param_divergence, replica_cosine, topk_jaccard
 from ragtrain.sync.mixers import neighbours
 from ragtrain.sync.registry import build_sync
+from tests.conftest import spawn
 
 
 def _free_port() -> int:
@@ -139,7 +139,7 @@ _RESULTS: dict[str, dict] = {}
 
 def _spawn(tmp: Path, world: int, jobs: list[tuple]) -> list[dict]:
     out = str(tmp / f"jobs_{world}_{len(os.listdir(tmp))}.pt")
-    mp.spawn(_train_many, args=(world, _free_port(), out, [j[1:] for j in jobs]), nprocs=world, join=True)
+    spawn(_train_many, (world, _free_port(), out, [j[1:] for j in jobs]), world)
     return torch.load(out, weights_only=True)
 
 
@@ -479,7 +479,7 @@ def _powersgd_timing(rank: int, world: int, port: int, out: str) -> None:
 def test_powersgd_on_gloo_times_its_communication(tmp_path: Path) -> None:
     """Every bucket's counted interval covers the real hook from its first all-reduce to its result."""
     out = str(tmp_path / "timing.pt")
-    mp.spawn(_powersgd_timing, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_powersgd_timing, (2, _free_port(), out), 2)
     r = torch.load(out, weights_only=True)
     assert len(r["spans"]) == len(r["recorded"]) == 1 + 2 * 3  # step 0: one bucket (DDP's first step), then two
     for (issued, done), (start, end) in zip(sorted(r["spans"]), sorted(r["recorded"])):
@@ -544,7 +544,7 @@ def test_topk_error_feedback_stays_with_its_parameter(tmp_path: Path) -> None:
     """The applied gradients equal top-k with per-parameter error feedback simulated from the raw gradients, also
     after DDP rebuilds its bucket at step 1 (same size, parameters in another order)."""
     out = str(tmp_path / "topk")
-    mp.spawn(_topk_grads, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_topk_grads, (2, _free_port(), out), 2)
     runs = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
     residual = [torch.zeros_like(runs[0]["raw"][0]) for _ in runs]
     for step in range(4):
