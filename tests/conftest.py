@@ -43,7 +43,7 @@ multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "transform
 def spawn(fn, args: tuple, nprocs: int, start_method: str = "forkserver") -> None:
     """`torch.multiprocessing.spawn(fn, args, nprocs)` from the fork server: `fn(rank, *args)` on each rank, joined;
     a rank's exception is raised here. The ranks get the environment the server started with: a rank that needs
-    this process's current one (e.g. to join the session's Ray cluster) takes start_method="spawn"."""
+    this process's current one (e.g. to join the tests' Ray cluster) takes start_method="spawn"."""
     import torch.multiprocessing as mp
 
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=start_method)

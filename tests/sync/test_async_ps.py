@@ -156,7 +156,7 @@ def test_async_ps_restart_continues_from_the_checkpointed_server(ray_session, tm
         port = s.getsockname()[1]
     out = str(tmp_path / "ps.pt")
     address = ray_session.get_runtime_context().gcs_address
-    spawn(_restart, (2, port, address, out), 2, start_method="spawn")  # the ranks join this session's Ray
+    spawn(_restart, (2, port, address, out), 2, start_method="spawn")  # the ranks join the tests' Ray cluster
     r = torch.load(out, weights_only=True)
     assert r["checkpoint"].abs().max() > 0.5  # the checkpoint holds real progress (3 steps of both ranks)
     torch.testing.assert_close(r["after"], r["checkpoint"] + 0.3, atol=1e-5, rtol=0)
