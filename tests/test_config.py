@@ -166,6 +166,24 @@ def test_override_variants_apply_their_keys(tmp_path) -> None:
     assert [v.zeroshot_eval for v in variants.values()] == [True, False, False]
 
 
+def test_compare_only_runs_the_named_variants_in_its_order(tmp_path) -> None:
+    from ragtrain.config import override_variants
+
+    cfg = compose(["experiment=shard_refresh", f"output_dir={tmp_path}", "compare.only=[partial_hot,full_global]"])
+    variants = override_variants(cfg)
+    assert list(variants) == ["partial_hot", "full_global"]
+    assert variants["partial_hot"].refresh.priority == "hot" and variants["partial_hot"].refresh.fraction == 0.25
+    assert variants["partial_hot"].zeroshot_eval and not variants["full_global"].zeroshot_eval
+    assert variants["full_global"].compare.only == []
+
+
+def test_cli_unknown_compare_only_name_lists_the_variants(tmp_path) -> None:
+    r = _cli("experiment=shard_refresh", "compare.only=[full_globl]", f"output_dir={tmp_path}/out")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "compare.only names ['full_globl'], which are not variants: choose from ['full_global'," in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_distill_with_vector_avg_validates(tmp_path) -> None:
     cfg = to_typed(
         compose(["experiment=quickstart", "sync=vector_avg", "index.distill_steps=10", f"output_dir={tmp_path}"])

@@ -640,6 +640,8 @@ class CompareConfig:
     strategies: list[str] = field(default_factory=list)
     # named variants, each a list of `key=value` overrides of this config (experiment=scifact_refresh)
     variants: dict[str, list[str]] = field(default_factory=dict)
+    # run only these variants, in this order (e.g. compare.only=[full_global,partial_hot]); empty = every variant
+    only: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -958,8 +960,13 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
     """One typed config per `compare.variants` entry: its `key=value` overrides merged into the composed config."""
     from pathlib import Path
 
+    named = dict(cfg.compare.variants)
+    unknown = [n for n in cfg.compare.only if n not in named]
+    if unknown:
+        raise ConfigError(f"compare.only names {unknown}, which are not variants: choose from {list(named)}")
+    chosen = {n: named[n] for n in cfg.compare.only} if cfg.compare.only else named
     out: dict[str, Config] = {}
-    for i, (name, overrides) in enumerate(cfg.compare.variants.items()):
+    for i, (name, overrides) in enumerate(chosen.items()):
         variant = copy.deepcopy(cfg)
         for item in overrides:
             key, sep, value = str(item).partition("=")
@@ -968,7 +975,7 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
             if not _has_key(cfg, key):
                 raise ConfigError(f"compare.variants.{name} sets unknown config key {key!r}")
             OmegaConf.update(variant, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=True)
-        variant.compare.variants = {}
+        variant.compare.variants, variant.compare.only = {}, []
         variant.output_dir = str(Path(cfg.output_dir, name))
         variant.logger.run_name = f"{cfg.experiment_name}/{name}"
         variant.zeroshot_eval = bool(cfg.zeroshot_eval) and i == 0  # the zero-shot figure is the same for all

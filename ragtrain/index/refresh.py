@@ -449,6 +449,7 @@ class LiveIndexClient:
         for key, how in (
             ("index/encoded_fraction", np.mean),
             ("index/mixed_recall_at_10", np.mean),
+            ("index/mined_agreement", np.mean),
             ("index/version_skew", np.max),
         ):  # a sharded refresh's rounds (index/sharded_refresh.py)
             got = [m[key] for m in rounds if key in m]

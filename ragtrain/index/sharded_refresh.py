@@ -17,7 +17,8 @@ either), but the live index is the run's IndexShard actors (index/sharded.py), e
 Every state that searches can see is published as a `LiveVersion` (negatives re-mined with the newest snapshot's
 query vectors), and measured on the staleness probe: `index/version_skew` (newest - oldest encoder version of the
 rows searched), `index/mixed_recall_at_10` (the probe queries' top 10 over the probe passages as searches see
-them, against the same passages all encoded by the newest snapshot), `index/newest_version_share`,
+them, against the same passages all encoded by the newest snapshot), `index/mined_agreement` (the same comparison
+for the hard negatives mined for those queries: their Jaccard overlap), `index/newest_version_share`,
 `index/staleness_steps`, `index/encoded_fraction` and the encode seconds of each shard.
 """
 
@@ -35,6 +36,7 @@ from ragtrain.config import Config
 from ragtrain.console import get_logger
 from ragtrain.index.faiss_index import METRIC, exact_search
 from ragtrain.index.live_rows import version_summary
+from ragtrain.index.mining import mine_rows
 from ragtrain.index.refresh import LiveService, LiveVersion, Probe, VersionBook
 from ragtrain.index.sharded import LIVE_BASE, LiveStateLost, ShardedIndex, _gather, shard_ranges
 from ragtrain.precision import resolved_index
@@ -48,6 +50,27 @@ def mixed_recall(queries: np.ndarray, seen: np.ndarray, consistent: np.ndarray, 
     a = exact_search(queries, seen, k)[1]
     b = exact_search(queries, consistent, k)[1]
     return float(np.mean([len(set(x.tolist()) & set(y.tolist())) / k for x, y in zip(a, b)]))
+
+
+class _Exact:
+    """Exact inner-product search over a few vectors in memory (what `mine_rows` asks of an index)."""
+
+    def __init__(self, vectors: np.ndarray):
+        self.vectors = vectors
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return exact_search(queries, self.vectors, min(k, len(self.vectors)))
+
+
+def mined_agreement(
+    queries: np.ndarray, seen: np.ndarray, consistent: np.ndarray, gold: list[list[int]], depth: int, skip_top: int
+) -> float:
+    """Mean Jaccard overlap of the hard negatives mined (same rules as training's) for each query from `seen`
+    passage vectors with those mined from `consistent` ones: how much a mixed index changes what training learns
+    from. A query with no candidates in either counts as agreeing."""
+    a = mine_rows(_Exact(seen), queries, gold, depth, skip_top)
+    b = mine_rows(_Exact(consistent), queries, gold, depth, skip_top)
+    return float(np.mean([len(set(x) & set(y)) / len(set(x) | set(y)) if x or y else 1.0 for x, y in zip(a, b)]))
 
 
 def anchor_rows(rows: int, n: int, seed: int) -> list[int]:
@@ -254,6 +277,7 @@ class ShardedIndexService(LiveService):
             "index/encoded_extra_rows": float(extra),
             "index/version_skew": max(s["metrics"]["index/version_skew"] for s in states),
             "index/mixed_recall_at_10": float(np.mean([s["metrics"]["index/mixed_recall_at_10"] for s in states])),
+            "index/mined_agreement": float(np.mean([s["metrics"]["index/mined_agreement"] for s in states])),
             "index/newest_version_share": last["index/newest_version_share"],
             "index/staleness_steps": last["index/staleness_steps"],
             **{f"index/shard{i}_encode_seconds": e["seconds"] for i, e in sorted(encoded.items())},
@@ -274,7 +298,7 @@ class ShardedIndexService(LiveService):
     def _publish(self, step: int, qvecs: np.ndarray, fresh_probe: np.ndarray, extra: dict) -> dict[str, Any]:
         """Publish the state searches see now: negatives mined with the newest snapshot's query vectors, the
         probe's stored vectors, and what the state mixes."""
-        from ragtrain.index.mining import mine_rows, positive_scores
+        from ragtrain.index.mining import positive_scores
 
         t = self.cfg.retriever.train
         mixes = self._call(list(range(len(self.actors))), "live_mix")
@@ -296,6 +320,9 @@ class ShardedIndexService(LiveService):
         metrics = {
             **version_summary(mixes, self.encoder_steps, step),
             "index/mixed_recall_at_10": mixed_recall(pq, seen, fresh_probe),
+            "index/mined_agreement": mined_agreement(
+                pq, seen, fresh_probe, self.probe.gold, t.hard_negative_depth, t.hard_negative_skip_top
+            ),
         }
         with self._swap:
             version = self.book.version() + 1

@@ -320,9 +320,9 @@ def test_the_summary_sums_refresh_seconds_and_summarises_sharded_rounds(ray_sess
     client = LiveIndexClient(book, Config(), rank=0)
     rounds = [
         {"ok": True, "version": 1, "step": 2, "seconds": 3.0, "metrics": {"index/encoded_fraction": 0.25,
-         "index/mixed_recall_at_10": 0.9, "index/version_skew": 1.0}},
+         "index/mixed_recall_at_10": 0.9, "index/mined_agreement": 0.6, "index/version_skew": 1.0}},
         {"ok": True, "version": 2, "step": 4, "seconds": 5.0, "metrics": {"index/encoded_fraction": 0.25,
-         "index/mixed_recall_at_10": 0.7, "index/version_skew": 2.0}},
+         "index/mixed_recall_at_10": 0.7, "index/mined_agreement": 0.4, "index/version_skew": 2.0}},
         {"ok": False, "error": "boom", "step": 6},
     ]  # fmt: skip
     for stats in rounds:
@@ -331,4 +331,5 @@ def test_the_summary_sums_refresh_seconds_and_summarises_sharded_rounds(ray_sess
     s = client.summary()
     assert s["index/refreshes"] == 2 and s["index/refresh_failures"] == 1
     assert s["index/refresh_seconds_total"] == 8.0 and s["index/encoded_fraction_mean"] == 0.25
+    assert s["index/mined_agreement_mean"] == pytest.approx(0.5)
     assert s["index/mixed_recall_at_10_mean"] == pytest.approx(0.8) and s["index/version_skew_max"] == 2.0

@@ -267,13 +267,14 @@ def test_a_live_round_publishes_what_its_consistency_lets_searches_see(
         assert {f"index/shard{i}_encode_seconds" for i in range(3)} <= set(m)
         states = ray.get(service.report.remote())["history"][-1]["state_metrics"]
         if consistency == "global":  # one state, all at the new version: searches never saw a mix
-            assert len(states) == 1 and m["index/mixed_recall_at_10"] == 1.0
+            assert len(states) == 1 and m["index/mixed_recall_at_10"] == 1.0 and m["index/mined_agreement"] == 1.0
             assert states[0]["index/version_skew"] == (0 if fraction == 1 else 1)
         else:  # a state per shard: the first mixes the new shard with two old ones
             assert len(states) == 3 and states[0]["index/version_skew"] == 1
             assert states[0]["index/newest_version_share"] == pytest.approx(max(1, round(fraction * 40)) / 120)
         assert states[-1]["index/newest_version_share"] == pytest.approx(max(1, round(fraction * 40)) / 40)
-        assert all(0.0 <= s["index/mixed_recall_at_10"] <= 1.0 for s in states)
+        assert all(0.0 <= s["index/mixed_recall_at_10"] <= 1.0 and 0.0 <= s["index/mined_agreement"] <= 1.0
+                   for s in states)  # fmt: skip
         if (consistency, priority) == ("eager", "oldest"):
             built.index.drop()  # as a run does once training starts: the live rows keep their own copy of it
             shard = sharded.shard_group.actors[1]

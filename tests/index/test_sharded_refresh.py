@@ -10,7 +10,7 @@ from ragtrain.config import RefreshConfig, to_typed
 from ragtrain.embed.align import fit_alignment
 from ragtrain.errors import ConfigError
 from ragtrain.index.live_rows import LiveRows, predict_drift, select_rows, version_summary
-from ragtrain.index.sharded_refresh import mixed_recall
+from ragtrain.index.sharded_refresh import mined_agreement, mixed_recall
 from tests.conftest import compose, tiny_overrides
 
 
@@ -77,6 +77,11 @@ def test_eager_mixes_versions_and_aligned_maps_the_old_rows_into_the_new_space()
     maps = {0: fit_alignment(old[anchors], new[anchors]).weight}
     aligned = mixed_recall(queries, rows.searchable(maps), new)
     assert aligned == pytest.approx(1.0) and eager < 0.9
+    # the hard negatives mined from each state (depth 10 past the top 1, the gold row excluded) agree likewise
+    gold = [[i] for i in range(20)]
+    agree = {name: mined_agreement(queries, v, new, gold, 10, 1) for name, v in
+             (("eager", rows.searchable()), ("aligned", rows.searchable(maps)), ("consistent", new))}  # fmt: skip
+    assert agree["consistent"] == 1.0 and agree["aligned"] == pytest.approx(1.0) and agree["eager"] < 0.9
     s = version_summary([rows.mix()], {0: 0, 1: 30}, step=40)
     assert s == {
         "index/version_skew": 1.0,
