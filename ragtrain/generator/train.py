@@ -242,6 +242,14 @@ class GenReplica:
         return self.cfg.generator.train.batch_size * self.w.world
 
 
+@dataclass
+class GenInputs:
+    """What the generator stage's workers receive beside the config."""
+
+    data: Any  # ObjectRef of the GenData
+    retrieval: RetrievalClient  # passages for each question: from the index host or service actors
+
+
 def setup_generator(args: WorkerArgs) -> GenReplica:
     """Build the generator, its optimizer and scaler, restore a checkpoint, wrap it in DDP."""
     cfg = args.cfg
@@ -249,8 +257,9 @@ def setup_generator(args: WorkerArgs) -> GenReplica:
     w = Worker(args, seed=t.seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
     device = w.device
     resolve(t.precision, device, "generator.train.precision", announce=w.rank == 0)  # auto: said once, by rank 0
-    data: GenData = w.get("data")
-    client: RetrievalClient = w.get("retrieval")
+    inputs: GenInputs = args.inputs
+    data: GenData = w.fetch(inputs.data)
+    client: RetrievalClient = inputs.retrieval
     client.start_at(w.rank)  # service mode: the ranks start on different actors, so every actor serves a step
     tokenizer = load_tokenizer(g)
     model = build_generator(g, tokenizer).to(device)
@@ -429,7 +438,7 @@ def fit_generator(
         "generator",
         cpus_per_worker=t.cpus_per_worker or r.cpus_per_worker,
         sink=sink,
-        refs={"data": ray.put(data), "retrieval": client},
+        inputs=GenInputs(ray.put(data), client),
     )
     done = fit(train_loop_per_worker, args, num_workers=t.num_workers or r.num_workers)
     return _result(done.folder, done.summary, out_dir, done.seconds, done.checkpoint_path)

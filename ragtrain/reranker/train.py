@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,13 @@ log = get_logger(__name__)
 TEACHER_DIR = "teacher"
 
 
+@dataclass
+class TeacherInputs:
+    """What the teacher stage's workers receive beside the config."""
+
+    data: Any  # ObjectRef of the TrainData
+
+
 def train_loop_per_worker(args: WorkerArgs) -> None:
     """One Ray Train worker: set up -> train listwise -> save the final model."""
     from ragtrain.embed.model import load_tokenizer
@@ -35,7 +44,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     tc, seed = cfg.retriever.teacher, cfg.retriever.train.seed
     w = Worker(args, seed=seed)  # the same head init on every rank (DDP broadcasts rank 0's anyway)
     device, rank, world = w.device, w.rank, w.world
-    data: TrainData = w.get("data")
+    data: TrainData = w.fetch(args.inputs.data)
     model = build_cross_encoder(cfg.retriever).to(device).train()
     tokenizer = load_tokenizer(cfg.retriever)
     global_batch = tc.batch_size * world
@@ -105,7 +114,8 @@ def fit_teacher(cfg: Config, data: TrainData, sink: MetricSink | None) -> tuple[
 
     r, tc = cfg.resources.trainer, cfg.retriever.teacher
     steps = total_steps(tc.max_steps, tc.epochs, len(data.examples), tc.batch_size * r.num_workers)  # fails here
-    args = WorkerArgs(cfg, "teacher", cpus_per_worker=r.cpus_per_worker, sink=sink, refs={"data": ray.put(data)})
+    inputs = TeacherInputs(ray.put(data))
+    args = WorkerArgs(cfg, "teacher", cpus_per_worker=r.cpus_per_worker, sink=sink, inputs=inputs)
     log.info(f"[teacher] training a cross-encoder from {cfg.retriever.model}: {steps} steps on {r.num_workers} workers")
     done = fit(train_loop_per_worker, args, num_workers=r.num_workers)
     from ragtrain.reranker.model import build_cross_encoder

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -172,6 +173,17 @@ class Replica:
         return encode_texts(self.encoder, self.tokenizer, texts, n, 32, r.train.precision, self.w.device, role=role)
 
 
+@dataclass
+class RetrieverInputs:
+    """What the retriever stage's workers receive beside the config."""
+
+    data: Any  # ObjectRef of the TrainData
+    weights: Any  # ObjectRef of the initial encoder's state dict (every rank starts from it)
+    index_service: Any = None  # the live index's actor (refresh.enabled)
+    probe: Probe | None = None  # the staleness probe (with the live index)
+    val: Any = None  # ObjectRef of the ValSet (retriever.train.val_every)
+
+
 def setup_replica(args: WorkerArgs) -> Replica:
     """Build the replica, wrap it in the sync strategy, restore a checkpoint, connect the live index."""
     import ray
@@ -182,9 +194,10 @@ def setup_replica(args: WorkerArgs) -> Replica:
     # Dropout draws from torch's default generator: seed it per (seed, rank), or two runs of one config differ.
     w = Worker(args, seed=t.seed * 10007 + ray.train.get_context().get_world_rank())
     resolve(t.precision, w.device, "retriever.train.precision", announce=w.rank == 0)  # auto: said once, by rank 0
-    data: TrainData = w.get("data")
+    inputs: RetrieverInputs = args.inputs
+    data: TrainData = w.fetch(inputs.data)
     encoder = build_encoder(cfg.retriever)
-    load_state(encoder, w.get("weights"))
+    load_state(encoder, w.fetch(inputs.weights))
     apply_lora(encoder, cfg.retriever.lora)  # retriever.lora.rank > 0: only the adapters train (lora.py)
     encoder.to(w.device).train()
     node_ids = [ray.get_runtime_context().get_node_id()]
@@ -204,22 +217,21 @@ def setup_replica(args: WorkerArgs) -> Replica:
     start_step, sync_state = w.restore(encoder, optim, sched)
     if start_step:  # after the weights: e.g. async_ps re-anchors each worker at its restored replica
         strategy.load_state_dict(sync_state)
-    val = w.get("val") if args.refs.get("val") is not None else None  # retriever.train.val_every
+    val = w.fetch(inputs.val)  # retriever.train.val_every (else None)
     r = Replica(args, w, data, encoder, load_tokenizer(cfg.retriever), model, strategy, params, optim, sched, steps,
                 start_step, NoLiveIndex(), Distill(cfg, data), val)  # fmt: skip
-    if args.refs.get("index_service") is not None:  # refresh.enabled: hard negatives from the live index
-        connect_live_index(r)
+    if inputs.index_service is not None:  # refresh.enabled: hard negatives from the live index
+        connect_live_index(r, inputs.index_service, inputs.probe)
     return r
 
 
-def connect_live_index(r: Replica) -> None:
+def connect_live_index(r: Replica, service: Any, probe: Probe) -> None:
     """The live index client. Rank 0 broadcasts each step's index version where the strategy has per-step
     collectives anyway; async_ps has none (a broadcast would make its workers wait for each other): the service
     decides there."""
     w = r.w
     broadcast = w.world > 1 and r.strategy.gather_negatives
-    r.live = LiveIndexClient(w.get("index_service"), r.cfg, w.rank, broadcast=broadcast, device=w.device)
-    probe: Probe = w.get("probe")
+    r.live = LiveIndexClient(service, r.cfg, w.rank, broadcast=broadcast, device=w.device)
     probe_texts = [r.data.passages[i] for i in probe.rows]
 
     def measure(stale):  # rank 0: the current encoder on the staleness probe
@@ -416,20 +428,20 @@ def fit_retriever(
     # fails here, on the driver, if the data is too small for one global batch
     steps = total_steps(t.max_steps, t.epochs, len(data.examples), t.batch_size * r.num_workers)
     cfg = replace(cfg, resume=resume)
-    refs = {
-        "data": ray.put(data),
-        "weights": ray.put(init_weights),
-        "index_service": index_service,
-        "probe": probe,
-        "val": ray.put(val) if val is not None else None,
-    }
+    inputs = RetrieverInputs(
+        data=ray.put(data),
+        weights=ray.put(init_weights),
+        index_service=index_service,
+        probe=probe,
+        val=ray.put(val) if val is not None else None,
+    )
     args = WorkerArgs(
         cfg,
         "retriever",
         cpus_per_worker=r.cpus_per_worker,
         sink=sink,
         report_intermediate=report_intermediate,
-        refs=refs,
+        inputs=inputs,
     )
     done = fit(train_loop_per_worker, args, num_workers=r.num_workers, callbacks=callbacks)
     weights = load_weights(done.folder)

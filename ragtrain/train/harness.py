@@ -5,7 +5,7 @@ Tune callback, the worker environment) and returns the fit's final checkpoint. W
 view of its process -- rank, world, device, threads, seeding, checkpoint save/restore, fault injection, the rank-0
 metric sink and the log window. A recipe then reads set-up -> step -> evaluate -> save, and never touches Ray Train.
 
-Workers receive a typed `WorkerArgs` (the resolved `Config` plus the stage's object refs), never a Hydra config.
+Workers receive a typed `WorkerArgs` (the resolved `Config` plus the stage's typed inputs), never a Hydra config.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ class WorkerArgs:
     resume_from: str | None = None  # resume=true: the run's latest complete checkpoint
     sink: MetricSink | None = None  # rank 0 logs through it into the driver's MLflow run
     report_intermediate: bool = False  # Tune trials: every log window goes to ray.train.report
-    refs: dict[str, Any] = field(default_factory=dict)  # the stage's inputs: data, weights, services (by name)
+    # the stage's inputs, a dataclass of its own (RetrieverInputs, GenInputs, TeacherInputs): large data as object
+    # refs (`Worker.fetch` resolves them on the worker), services as actor handles
+    inputs: Any = None
 
     def storage(self) -> Path:
         """This stage's Ray Train run folder (its checkpoints) under the run's output folder."""
@@ -99,11 +101,11 @@ class Worker:
         self._window_start = time.perf_counter()
         self._bar: Any = None  # rank 0's progress bar (tqdm_ray), made at the first finished step
 
-    def get(self, name: str) -> Any:
-        """One of the stage's inputs: object refs are fetched from the object store, actor handles passed as is."""
+    def fetch(self, value: Any) -> Any:
+        """One of the stage's inputs: an object ref is fetched from the object store, anything else (an actor
+        handle, a small dataclass, None) is returned as is."""
         import ray
 
-        value = self.args.refs[name]
         return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
     def restore(self, model: nn.Module, optim: torch.optim.Optimizer, sched: Any) -> tuple[int, dict[str, Any]]:

@@ -7,6 +7,7 @@ import pickle
 import pytest
 
 from ragtrain.config import to_typed
+from ragtrain.retriever.train import RetrieverInputs
 from ragtrain.train.harness import WorkerArgs, storage_dir, total_steps
 from tests.conftest import compose, tiny_overrides
 
@@ -36,7 +37,7 @@ def test_too_small_data_names_the_batch() -> None:
 def test_worker_args_are_typed_and_picklable(tmp_path) -> None:
     """Workers get the resolved, typed Config (no Hydra node, no interpolation left) through pickling."""
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path)]))
-    args = WorkerArgs(cfg, "retriever", cpus_per_worker=1.0, refs={"probe": None})
+    args = WorkerArgs(cfg, "retriever", cpus_per_worker=1.0, inputs=RetrieverInputs(data=None, weights=None))
     back = pickle.loads(pickle.dumps(args))
     assert back.cfg == cfg and type(back.cfg).__name__ == "Config"
     assert back.fit_id == args.fit_id and len(args.fit_id) == 32
