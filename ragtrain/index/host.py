@@ -25,7 +25,38 @@ if TYPE_CHECKING:
     from ragtrain.config import IndexConfig, PoolResources
 
 
-class _Host:
+class BuildHolder:
+    """What a holder of FAISS builds by tag answers (the index host, an index shard): each call goes to the
+    `DenseIndex` of the build `tag`, run where the build lives."""
+
+    indexes: dict[str, DenseIndex]
+
+    def build_of(self, tag: str) -> DenseIndex:
+        if tag not in self.indexes:
+            raise KeyError(f"{self.holder()} holds no build {tag!r} (it holds {sorted(self.indexes)})")
+        return self.indexes[tag]
+
+    def holder(self) -> str:
+        return "the index host"
+
+    def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`DenseIndex.search` on the build `tag` (its own rows)."""
+        return self.build_of(tag).search(queries, k)
+
+    def set_search_params(self, tag: str, nprobe: int, ef_search: int) -> None:
+        """IVF nprobe / HNSW efSearch of the build `tag`."""
+        self.build_of(tag).set_search_params(nprobe, ef_search)
+
+    def reconstruct_first(self, tag: str, n: int) -> np.ndarray | None:
+        """`DenseIndex.reconstruct_first` of the build `tag`."""
+        return self.build_of(tag).reconstruct_first(n)
+
+    def as_stored(self, tag: str, x: np.ndarray) -> np.ndarray:
+        """`DenseIndex.as_stored` of the build `tag`."""
+        return self.build_of(tag).as_stored(x)
+
+
+class _Host(BuildHolder):
     """The actor's body (a plain class, so tests can use it in-process): indexes by tag."""
 
     def __init__(self, threads: int = 0) -> None:
@@ -55,22 +86,6 @@ class _Host:
         index = load_index(folder)
         self.indexes[tag] = index
         return index.doc_ids, asdict(index.meta)
-
-    def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """`DenseIndex.search` on the build `tag`."""
-        return self.indexes[tag].search(queries, k)
-
-    def set_search_params(self, tag: str, nprobe: int, ef_search: int) -> None:
-        """IVF nprobe / HNSW efSearch of the build `tag`."""
-        self.indexes[tag].set_search_params(nprobe, ef_search)
-
-    def reconstruct_first(self, tag: str, n: int) -> np.ndarray | None:
-        """`DenseIndex.reconstruct_first` of the build `tag`."""
-        return self.indexes[tag].reconstruct_first(n)
-
-    def as_stored(self, tag: str, x: np.ndarray) -> np.ndarray:
-        """`DenseIndex.as_stored` of the build `tag`."""
-        return self.indexes[tag].as_stored(x)
 
     def serialize(self, tag: str) -> np.ndarray:
         """The index as faiss's serialised bytes (for searchers that load their own copy)."""

@@ -33,6 +33,7 @@ from ragtrain.console import get_logger
 from ragtrain.corpus.encode import SHARDS_META, ShardSet
 from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, IndexMismatchError, load_index
+from ragtrain.index.host import BuildHolder
 
 if TYPE_CHECKING:
     from ragtrain.config import Config, IndexConfig, PoolResources, RetrieverConfig
@@ -256,7 +257,7 @@ def _batches(q: np.ndarray) -> list[np.ndarray]:
 # ------------------------------------------------------------------------------------------------------ the actor
 
 
-class _Shard:
+class _Shard(BuildHolder):
     """The actor's body (a plain class, so tests can run it in-process): shard `shard`'s builds by tag, persisted
     under `<root>/<tag>/shard-<shard>/`; a restarted actor reloads them from there."""
 
@@ -404,20 +405,8 @@ class _Shard:
         index = self.indexes[tag]
         return {**manifest, "doc_ids": index.doc_ids, "meta": asdict(index.meta)}
 
-    def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """`DenseIndex.search` on this shard's build `tag` (local rows)."""
-        if tag not in self.indexes:
-            raise KeyError(f"index shard {self.shard} holds no build {tag!r}")
-        return self.indexes[tag].search(queries, k)
-
-    def set_search_params(self, tag: str, nprobe: int, ef_search: int) -> None:
-        self.indexes[tag].set_search_params(nprobe, ef_search)
-
-    def reconstruct_first(self, tag: str, n: int) -> np.ndarray | None:
-        return self.indexes[tag].reconstruct_first(n)
-
-    def as_stored(self, tag: str, x: np.ndarray) -> np.ndarray:
-        return self.indexes[tag].as_stored(x)
+    def holder(self) -> str:
+        return f"index shard {self.shard}"
 
     def save(self, tag: str, folder: str) -> dict:
         """Place this shard's persisted build `tag` in `folder` (hard links where the file system allows)."""
