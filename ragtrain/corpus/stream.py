@@ -263,12 +263,10 @@ def check_before_encoding(
 
     gate = _Gate(files, root, cfg.on_error.value)
     passages = 0
-    with _ordered(), _block_bytes(STREAM_BLOCK_BYTES):
-        ds = _passages(files, str(root), retriever, chunk, CHECK_COLUMNS)
-        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            cols = {name: batch.column(name).to_pylist() for name in CHECK_COLUMNS}
-            for i in range(batch.num_rows):
-                passages += gate.keep({name: values[i] for name, values in cols.items()})
+    for batch in _blocks(lambda: _passages(files, str(root), retriever, chunk, CHECK_COLUMNS)):
+        cols = {name: batch.column(name).to_pylist() for name in CHECK_COLUMNS}
+        for i in range(batch.num_rows):
+            passages += gate.keep({name: values[i] for name, values in cols.items()})
     if not passages:
         raise DataError(
             f"data.root={str(root)!r}: no readable document among {len(files)} file(s) "
@@ -280,6 +278,16 @@ def check_before_encoding(
     )
     check_corpus_ids(data, str(root))
     precheck(data, passages)
+
+
+def _blocks(dataset: Callable[[], Any]) -> Iterator[Any]:
+    """The non-empty blocks (pyarrow tables) of the stream `dataset()` builds, in corpus order: the store, the shards
+    and the first error do not depend on timing. The dataset is built inside the ordering settings (a Ray Data
+    dataset takes the settings current when it is made)."""
+    with _ordered(), _block_bytes(STREAM_BLOCK_BYTES):
+        for batch in dataset().iter_batches(batch_size=None, batch_format="pyarrow"):
+            if batch.num_rows:
+                yield batch
 
 
 def _keep(batch: Any, gate: _Gate, writer: Any, doc_of: dict[str, str] | None) -> tuple[list[str], np.ndarray]:
@@ -324,22 +332,18 @@ def _shards_of(
     stream's serial part."""
     ids: list[str] = []
     vecs: list[np.ndarray] = []
-    # corpus order: the store, the shards and the first error do not depend on timing
-    with _ordered(), _block_bytes(STREAM_BLOCK_BYTES):
-        for batch in dataset().iter_batches(batch_size=None, batch_format="pyarrow"):  # a block
-            if not batch.num_rows:
-                continue
+    for batch in _blocks(dataset):
+        t0 = time.perf_counter()
+        block_ids, block_vecs = _keep(batch, gate, writer, doc_of)
+        ids.extend(block_ids)
+        if block_ids:
+            vecs.append(block_vecs)
+        busy[0] += time.perf_counter() - t0
+        if len(ids) >= SHARD_ROWS:
             t0 = time.perf_counter()
-            block_ids, block_vecs = _keep(batch, gate, writer, doc_of)
-            ids.extend(block_ids)
-            if block_ids:
-                vecs.append(block_vecs)
+            yield ids, np.concatenate(vecs)  # written by write_shards before the next block is asked for
+            ids, vecs = [], []
             busy[0] += time.perf_counter() - t0
-            if len(ids) >= SHARD_ROWS:
-                t0 = time.perf_counter()
-                yield ids, np.concatenate(vecs)  # written by write_shards before the next block is asked for
-                ids, vecs = [], []
-                busy[0] += time.perf_counter() - t0
     if ids:
         yield ids, np.concatenate(vecs)
 
