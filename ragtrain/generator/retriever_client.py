@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,9 @@ import torch
 from ragtrain.config import Config, Precision, RetrieverConfig
 from ragtrain.config.generator import RetrievalMode
 from ragtrain.console import get_logger
+from ragtrain.embed.encoders import QueryEncoder
+from ragtrain.embed.model import build_encoder
+from ragtrain.retriever.train import load_weights
 
 log = get_logger(__name__)
 
@@ -42,8 +45,6 @@ class IndexPayload:
     @classmethod
     def from_index(cls, index, cfg: Config, weights: list[dict[str, torch.Tensor]]) -> IndexPayload:
         """Package a DenseIndex or RemoteIndex with the encoder snapshot(s) that built it."""
-        from dataclasses import asdict
-
         return cls(
             index.serialize(),
             list(index.doc_ids),
@@ -60,10 +61,12 @@ class Searcher:
     """In-process retrieval: the one query encoder (`QueryEncoder`) and the one index search (`DenseIndex`)."""
 
     def __init__(self, payload: IndexPayload, num_threads: int = 0):
-        import faiss
+        import faiss  # lazy: faiss loads a native library; this module imports without it
 
-        from ragtrain.embed.encoders import QueryEncoder
+        # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
         from ragtrain.index.faiss_index import DenseIndex, IndexMeta
+
+        # lazy: ragtrain.index.sharded imports faiss; this module imports without it
         from ragtrain.index.sharded import ShardedIndex
 
         if num_threads > 0:
@@ -176,9 +179,8 @@ class RetrievalService:
 def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, torch.Tensor]]:
     """The encoder weights an index's metadata names: `<model>@init`, `<model>@<file>.safetensors`, or
     `vector_avg of N replicas in <dir>` (replica_*.safetensors)."""
-    from ragtrain.embed.model import build_encoder
+    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
     from ragtrain.index.faiss_index import IndexMismatchError
-    from ragtrain.retriever.train import load_weights
 
     if encoder.startswith("vector_avg of ") and " in " in encoder:
         folder = Path(encoder.rsplit(" in ", 1)[1])
@@ -215,7 +217,7 @@ def check_encoder(
     Only the query encoder and the index's first `n` rows are needed, never the whole index.
     Returns the smallest cosine, or NaN (with a warning) when the index type cannot give its vectors back (an HNSW
     graph over PQ codes)."""
-    from ragtrain.embed.encoders import QueryEncoder
+    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
     from ragtrain.index.faiss_index import IndexMismatchError
 
     encoder = QueryEncoder(retriever, weights, precision=Precision(precision).value)

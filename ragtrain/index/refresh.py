@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from ragtrain.config import Config
 from ragtrain.console import get_logger, progress_bars
+from ragtrain.corpus.encode import ShardSet
+from ragtrain.index.mining import mine_rows
 from ragtrain.precision import resolved_index
 
 log = get_logger(__name__)
@@ -125,8 +127,6 @@ def mine(
 ) -> list[list[int]]:
     """Hard-negative candidates per query: the index's top `depth` rows minus gold, minus the top `skip_top` of
     the rest, minus those above the margin / score ceiling (the one rule: ragtrain/index/mining.py)."""
-    from ragtrain.index.mining import mine_rows
-
     return mine_rows(index, qvecs, gold, depth, skip_top, margin, max_score, passage_vectors)
 
 
@@ -142,6 +142,7 @@ def staleness(
     """
     cos = (stale * fresh).sum(1) / (np.linalg.norm(stale, axis=1) * np.linalg.norm(fresh, axis=1)).clip(min=1e-12)
 
+    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
     from ragtrain.index.faiss_index import exact_search
 
     def recall(passages: np.ndarray) -> float:
@@ -216,7 +217,7 @@ class IndexService(LiveService):
         train_gold: list[list[int]],
         probe: Probe,
     ):
-        import faiss
+        import faiss  # lazy: faiss loads a native library; this module imports without it
 
         faiss.omp_set_num_threads(max(1, int(cfg.resources.pool.cpus_per_actor)))  # stay inside the pool's CPUs
         self.cfg, self.pool, self.passages, self.doc_ids = cfg, pool, passages, doc_ids
@@ -237,8 +238,6 @@ class IndexService(LiveService):
     def publish(self, step: int, shard_folder: str, weights: list) -> dict[str, Any]:
         """Version 0 from the vector shards of an encode already done (the zero-shot index), not a second encode.
         The service reads them itself: the driver that started it never holds the vector matrix."""
-        from ragtrain.corpus.encode import ShardSet
-
         try:
             vectors = ShardSet.load(shard_folder).read_all(order=self.doc_ids)[1]
         except Exception as e:  # the caller sees why version 0 is missing
@@ -251,6 +250,7 @@ class IndexService(LiveService):
         return self._run(step, weights[0], None)
 
     def _run(self, step: int, weights_ref, vectors: np.ndarray | None) -> dict[str, Any]:
+        # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
         from ragtrain.index.faiss_index import build_configured
 
         if not self._busy.acquire(blocking=False):

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ragtrain.data import RetrievalData
+from ragtrain.embed.model import encode_texts
 from ragtrain.eval.metrics import evaluate, maxp_run
 
 VAL_DEPTH = 10  # nDCG@10 / Recall@10; MaxP retrieves this many documents from up to 10x as many passages
@@ -59,7 +60,7 @@ def validate(
     encoder, tokenizer, val: ValSet, query_max_length: int, passage_max_length: int, precision, device: torch.device
 ) -> dict[str, float]:
     """val/ndcg@10 and val/recall@10 of `encoder` on the sample."""
-    from ragtrain.embed.model import encode_texts
+    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
     from ragtrain.index.faiss_index import exact_search
 
     p = encode_texts(encoder, tokenizer, val.passages, passage_max_length, 32, precision, device, role="passage")

@@ -41,6 +41,7 @@ def topk_jaccard(q: torch.Tensor, p: torch.Tensor, k: int = 10) -> float:
     w = world_size()
     if w == 1:
         return 1.0
+    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
     from ragtrain.index.faiss_index import exact_search
 
     rows = exact_search(q.float().cpu().numpy(), p.float().cpu().numpy(), k)[1]  # [Q, k], as every index ranks
