@@ -37,7 +37,7 @@ _EXISTING_BEFORE: set[Path] | None = None
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (config, data, a cluster too small, a mismatched index): one line, exit 2."""
-    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
+    # lazy: ragtrain.index.faiss_index imports faiss; the CLI starts without it
     from ragtrain.index.faiss_index import IndexMismatchError
 
     return ConfigError, DataError, InfeasibleResourcesError, IndexMismatchError
@@ -169,7 +169,7 @@ def dispatch(cfg: DictConfig) -> None:
     """Check everything that needs no work, then run one pipeline, a sync comparison or a Tune sweep."""
     typed = to_typed(cfg)  # resolves interpolations and runs every range check before any work
     if typed.tune is not None:  # tune=NAME: a sweep; its space is checked here too, before Ray starts
-        # lazy: ragtrain.tune.sweep imports pandas/pyarrow/ray; this module imports without them
+        # lazy: ragtrain.tune.sweep imports pandas/pyarrow/ray; the CLI starts without them
         from ragtrain.tune.sweep import plan_sweep, run_sweep
 
         plan_sweep(typed, CONF_DIR)
@@ -181,12 +181,12 @@ def dispatch(cfg: DictConfig) -> None:
     if typed.compare.variants:  # named override sets, e.g. experiment=scifact_refresh
         variants.update(override_variants(cfg))
     if variants:
-        # lazy: ragtrain.sync_compare imports pandas/pyarrow/torch; this module imports without them
+        # lazy: ragtrain.sync_compare imports pandas/pyarrow/torch; the CLI starts without them
         from ragtrain.sync_compare import run_sync_compare
 
         run_sync_compare(variants, typed.output_dir)
         return
-    from ragtrain.pipeline import run  # lazy: ragtrain.pipeline imports torch; this module imports without it
+    from ragtrain.pipeline import run  # lazy: ragtrain.pipeline imports torch; the CLI starts without it
 
     run(typed)
 

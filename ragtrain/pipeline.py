@@ -41,7 +41,9 @@ from ragtrain.embed.model import build_encoder, check_model_offline
 from ragtrain.export import export_run
 from ragtrain.index import vector_cache
 from ragtrain.index.facade import BuiltIndex, Retrieval
+from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
+from ragtrain.index.shards import save_atomic
 from ragtrain.precision import resolved_index, resolved_params
 from ragtrain.repair.distill import distill_consensus
 from ragtrain.reranker.model import check_teacher
@@ -268,15 +270,11 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
         fault = EncodeFault(cfg.fault.kill_encode_actor_at_batch, str(vec_dir / ".encode_actor_killed"))
 
     def key(weights: dict, fingerprint: str) -> str:  # called once Ray is up: auto resolved for the encode actors
-
         return vector_cache.cache_key(
             weights, cfg.retriever, resolved_index(cfg), fingerprint, cfg.retriever.passage_max_length
         )
 
     def precheck(data: RetrievalData, passages: int) -> None:  # the stream's first pass, before it encodes
-        # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
-        from ragtrain.index.faiss_index import check_index_config
-
         check_qrels(data)
         if not cfg.data.chunk.enabled:  # chunked, the training examples are counted on chunks: after the stream
             check_train_batch(cfg, data)
@@ -296,9 +294,6 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
 def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.Tensor]]) -> RetrievalData:
     """Every check that needs no training, in order of cost; returns the loaded (and stored) data. `weights()`: the
     initial weights, called only when the corpus stream encodes the zero-shot index."""
-    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
-    from ragtrain.index.faiss_index import check_index_config
-
     # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
     from ragtrain.index.sharded import check_shard_config
 
@@ -315,7 +310,6 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
         check_teacher(cfg.retriever.teacher.path, cfg.retriever)
 
     def start_ray() -> None:  # Ray up, and on several nodes every shared path seen from each, before any Ray work
-
         if not started:
             init_ray(cfg.resources)
             check_shared_paths(*shared_paths(cfg, out))
@@ -414,7 +408,8 @@ def run(
         if "index" in cfg.stages:
             index_phase(s)
         if "generator" in cfg.stages:  # retrieves with this run's index, or the saved one (stages: [generator])
-            from ragtrain.generator.stage import run_generator_stage  # lazy: it imports ray; this module does not
+            # lazy: ragtrain.generator.stage imports ray; this module imports without it
+            from ragtrain.generator.stage import run_generator_stage
 
             s.results.update(run_generator_stage(cfg, data, s.retrieval if s.built else None, s.built, out, logger))
         report_phase(s)
@@ -553,9 +548,6 @@ def index_phase(s: RunState) -> None:
     """The index of the run's encoder, evaluated and saved; under sync=vector_avg the consensus of every replica's
     vectors beside the parameter mean (and, with index.distill_steps, one student for it); with
     index.align_anchors the stale zero-shot index aligned to it."""
-    # lazy: ragtrain.index.shards imports faiss; this module imports without it
-    from ragtrain.index.shards import save_atomic
-
     cfg, retrieval, results, reps = s.cfg, s.retrieval, s.results, s.replicas
     phase = "trained" if "retriever" in cfg.stages else "zeroshot"
     if reps:  # vector_avg: first the parameter mean, for comparison; then the mean of the vectors

@@ -93,7 +93,6 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
     hook = "ragtrain.console.worker_setup"
     if os.environ.get("RAY_ADDRESS"):
         # Ship this checkout's ragtrain to the cluster's workers (third-party packages come from the image).
-
         pkg = str(Path(ragtrain.__file__).resolve().parent)
         ray.init(
             address=os.environ["RAY_ADDRESS"],

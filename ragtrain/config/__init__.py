@@ -858,7 +858,8 @@ def register_resolvers() -> None:
 
 def register_configs() -> None:
     """Register the schema so `conf/config.yaml` can extend it (defaults: `ragtrain_schema`), and the resolvers."""
-    from hydra.core.config_store import ConfigStore  # lazy: hydra is only needed here; this module imports without it
+    # lazy: hydra only registers the schemas; config checks (and Ray workers) import this module without it
+    from hydra.core.config_store import ConfigStore
 
     register_resolvers()
     ConfigStore.instance().store(name="ragtrain_schema", node=Config)

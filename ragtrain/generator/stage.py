@@ -23,6 +23,9 @@ from ragtrain.generator.model import load_tokenizer, resolve_path
 from ragtrain.generator.prompt import PromptPassages, PromptTooLongError
 from ragtrain.generator.retriever_client import IndexPayload, RetrievalService, check_encoder, load_snapshots
 from ragtrain.generator.train import GenData, GenExample, fit_generator, prompt_builder
+from ragtrain.index.faiss_index import IndexMismatchError
+from ragtrain.index.host import RemoteIndex, start_host
+from ragtrain.index.sharded import ShardGroup, is_sharded, open_saved, read_sharded
 
 log = get_logger(__name__)
 
@@ -137,12 +140,6 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     saved index memory-mapped and loads it for searching into an index host, so it never holds the vectors.
     Returns an IndexPayload (None with check_only); raises FileNotFoundError / IndexMismatchError with the reason.
     """
-    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
-    from ragtrain.index.faiss_index import IndexMismatchError
-
-    # lazy: ragtrain.index.sharded imports faiss; this module imports without it
-    from ragtrain.index.sharded import is_sharded, open_saved
-
     folder = None
     if built is None:
         folder = Path(cfg.generator.retrieval.index_dir or out_dir / "index")
@@ -166,15 +163,9 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     if check_only:
         return None
     if folder is not None and ray.is_initialized() and is_sharded(folder):  # the searchers scatter to the shards
-        # lazy: ragtrain.index.sharded imports faiss; this module imports without it
-        from ragtrain.index.sharded import ShardGroup, read_sharded
-
         group = ShardGroup(len(read_sharded(folder)), out_dir / "shards", cfg.resources.pool, cfg.index.shard_timeout_s)
         index = group.load("generator", folder)
     elif folder is not None and ray.is_initialized():  # searchers fetch it from a host's object, not via the driver
-        # lazy: ragtrain.index.host imports faiss; this module imports without it
-        from ragtrain.index.host import RemoteIndex, start_host
-
         index = RemoteIndex.load(start_host(cfg.resources.pool), "generator", folder)
     payload = IndexPayload.from_index(index, cfg, weights)
     if isinstance(payload.index_bytes, ray.ObjectRef):  # made before the host goes out of scope with this frame

@@ -31,6 +31,7 @@ from ragtrain.embed.align import fit_alignment
 from ragtrain.embed.encoders import EncodeFault, QueryEncoder, encoder_dim
 from ragtrain.eval.metrics import evaluate, maxp_run, run_from_scores
 from ragtrain.index import vector_cache
+from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.mining import mine_rows, positive_scores
 from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, map_shards, mean_shards, sample_ids
 from ragtrain.precision import resolved_index
@@ -168,9 +169,6 @@ class Retrieval:
         passage and the index holds the re-normalised mean vector; queries are averaged the same way.
         """
         import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
-
-        # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
-        from ragtrain.index.faiss_index import check_index_config
 
         cfg, idx = self.cfg, resolved_index(self.cfg)  # auto: as the encode actors will run it (key, index meta)
         # A factory FAISS rejects, or more IVF lists than passages: fail before encoding anything

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import faiss
 import numpy as np
 import ray
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from ragtrain.config import Config
 from ragtrain.console import get_logger, progress_bars
 from ragtrain.corpus.encode import ShardSet
+from ragtrain.index.faiss_index import build_configured, exact_search
 from ragtrain.index.mining import mine_rows
 from ragtrain.precision import resolved_index
 
@@ -142,9 +144,6 @@ def staleness(
     """
     cos = (stale * fresh).sum(1) / (np.linalg.norm(stale, axis=1) * np.linalg.norm(fresh, axis=1)).clip(min=1e-12)
 
-    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
-    from ragtrain.index.faiss_index import exact_search
-
     def recall(passages: np.ndarray) -> float:
         top = exact_search(queries, passages, k)[1]
         return float(np.mean([len(set(top[i].tolist()) & set(g)) / len(g) for i, g in enumerate(gold) if g]))
@@ -217,8 +216,6 @@ class IndexService(LiveService):
         train_gold: list[list[int]],
         probe: Probe,
     ):
-        import faiss  # lazy: faiss loads a native library; this module imports without it
-
         faiss.omp_set_num_threads(max(1, int(cfg.resources.pool.cpus_per_actor)))  # stay inside the pool's CPUs
         self.cfg, self.pool, self.passages, self.doc_ids = cfg, pool, passages, doc_ids
         self.fingerprint, self.train_queries, self.train_gold, self.probe = (
@@ -250,9 +247,6 @@ class IndexService(LiveService):
         return self._run(step, weights[0], None)
 
     def _run(self, step: int, weights_ref, vectors: np.ndarray | None) -> dict[str, Any]:
-        # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
-        from ragtrain.index.faiss_index import build_configured
-
         if not self._busy.acquire(blocking=False):
             return {"ok": False, "skipped": "a refresh is already running", "step": step}
         start = time.perf_counter()

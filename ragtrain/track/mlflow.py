@@ -323,13 +323,10 @@ def save_retriever_model(folder: str | Path, out: str | Path) -> None:
     With query/passage prefixes the pyfunc takes a `prompt_name` param ("document" by default, "query" for
     queries): MLflow's default signature has no params and would drop it, so no prefix would reach encode().
     """
-    import mlflow.sentence_transformers  # lazy: mlflow is heavy (~1 s); this module imports without it
-
-    # lazy: mlflow is heavy (~1 s); this module imports without it
+    # lazy: mlflow and sentence_transformers take seconds to import; this module imports without them
+    import mlflow.sentence_transformers
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema, TensorSpec
-
-    # lazy: sentence_transformers is heavy (seconds); only the export needs it
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
