@@ -26,7 +26,6 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from ragtrain.cluster.resources import InfeasibleResourcesError  # noqa: E402
 from ragtrain.config import ConfigError, override_variants, register_configs, sync_variants, to_typed  # noqa: E402
 from ragtrain.console import configure  # noqa: E402
-from ragtrain.data.types import DataError  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
@@ -37,7 +36,8 @@ _EXISTING_BEFORE: set[Path] | None = None
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (config, data, a cluster too small, a mismatched index): one line, exit 2."""
-    # lazy: ragtrain.index.faiss_index imports faiss; the CLI starts without it
+    # lazy: ragtrain.data loads its readers and ragtrain.index.faiss_index loads faiss; the CLI starts without them
+    from ragtrain.data.types import DataError
     from ragtrain.index.faiss_index import IndexMismatchError
 
     return ConfigError, DataError, InfeasibleResourcesError, IndexMismatchError
