@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ray
-import ray.train
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -173,6 +172,8 @@ class Replica:
 
 def setup_replica(args: WorkerArgs) -> Replica:
     """Build the replica, wrap it in the sync strategy, restore a checkpoint, connect the live index."""
+    import ray.train  # lazy: ray.train imports ray.data and pandas (~0.8 s); this module imports without them
+
     cfg = args.cfg
     t = cfg.retriever.train
     # Dropout draws from torch's default generator: seed it per (seed, rank), or two runs of one config differ.
