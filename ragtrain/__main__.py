@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 if not os.environ.get("RAY_ADDRESS"):
@@ -15,9 +16,16 @@ if not os.environ.get("RAY_ADDRESS"):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import hydra  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
+from ragtrain.cluster.resources import InfeasibleResourcesError  # noqa: E402
 from ragtrain.config import ConfigError, override_variants, register_configs, sync_variants, to_typed  # noqa: E402
+from ragtrain.console import configure  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
@@ -28,7 +36,7 @@ _EXISTING_BEFORE: set[Path] | None = None
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (config, data, a cluster too small, a mismatched index): one line, exit 2."""
-    from ragtrain.cluster.resources import InfeasibleResourcesError
+    # lazy: ragtrain.data loads its readers and ragtrain.index.faiss_index loads faiss; the CLI starts without them
     from ragtrain.data.types import DataError
     from ragtrain.index.faiss_index import IndexMismatchError
 
@@ -37,8 +45,6 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def verbose(cfg: DictConfig) -> bool:
     """-v for ragtrain: HYDRA_FULL_ERROR=1 or hydra.verbose=true keep the traceback of a user error."""
-    from hydra.core.hydra_config import HydraConfig
-
     return os.environ.get("HYDRA_FULL_ERROR") == "1" or bool(HydraConfig.get().verbose)
 
 
@@ -49,9 +55,6 @@ def check_overrides(argv: list[str]) -> None:
     It also notes which of the run folder's parents exist already (`remove_run_folder` keeps those)."""
     if any(a.startswith("-") for a in argv):
         return
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -125,16 +128,12 @@ def override_error_line(e: BaseException) -> str:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point: every user error is one line on stderr and exit code 2 (the traceback with -v)."""
-    from ragtrain.console import configure
-
     configure(verbose(cfg))  # library chatter off unless -v (hydra.verbose=true / HYDRA_FULL_ERROR=1)
     scrub_hydra_files()
     try:
         dispatch(cfg)
     except user_errors() as e:
         if verbose(cfg):  # the traceback too, then the same line, clean-up and exit code
-            import traceback
-
             traceback.print_exc()
         kind = {
             "ConfigError": "config",
@@ -143,9 +142,6 @@ def main(cfg: DictConfig) -> None:
             "IndexMismatchError": "index",
         }.get(type(e).__name__, "input")
         print(f"{kind} error: {e}", file=sys.stderr)
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:  # the job's folder, then the sweep's when only multirun.yaml is left
             remove_sweep_folder(Path(hc.runtime.output_dir), Path(hc.sweep.dir))
@@ -160,8 +156,6 @@ _USERINFO = re.compile(r"(://)[^/\s@'\"]+@")
 def scrub_hydra_files() -> None:
     """Hydra saved the command line (<run>/.hydra: overrides, config) before ragtrain read it: a URI's
     user:password@ part (logger.tracking_uri's basic auth) is replaced there, as nowhere else holds it."""
-    from hydra.core.hydra_config import HydraConfig
-
     hc = HydraConfig.get()
     if not hc.output_subdir:
         return
@@ -175,6 +169,7 @@ def dispatch(cfg: DictConfig) -> None:
     """Check everything that needs no work, then run one pipeline, a sync comparison or a Tune sweep."""
     typed = to_typed(cfg)  # resolves interpolations and runs every range check before any work
     if typed.tune is not None:  # tune=NAME: a sweep; its space is checked here too, before Ray starts
+        # lazy: ragtrain.tune.sweep imports pandas/pyarrow/ray; the CLI starts without them
         from ragtrain.tune.sweep import plan_sweep, run_sweep
 
         plan_sweep(typed, CONF_DIR)
@@ -186,11 +181,12 @@ def dispatch(cfg: DictConfig) -> None:
     if typed.compare.variants:  # named override sets, e.g. experiment=scifact_refresh
         variants.update(override_variants(cfg))
     if variants:
+        # lazy: ragtrain.sync_compare imports pandas/pyarrow/torch; the CLI starts without them
         from ragtrain.sync_compare import run_sync_compare
 
         run_sync_compare(variants, typed.output_dir)
         return
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline import run  # lazy: ragtrain.pipeline imports torch; the CLI starts without it
 
     run(typed)
 

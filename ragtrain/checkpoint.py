@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_model, save_model
 from torch import nn
 
 from ragtrain.console import get_logger
@@ -41,8 +42,6 @@ def save_train_state(
     fit_id: str = "",
 ) -> None:
     """Write this rank's part of the checkpoint at `step` (completed optimizer steps) into `folder`."""
-    from safetensors.torch import save_model
-
     folder = Path(folder)
     # save_model stores tied tensors once (a generator's shared embeddings); save_file would refuse them
     save_model(model, str(folder / f"rank{rank}.safetensors"))
@@ -61,8 +60,6 @@ def load_train_state(
     folder: str | Path, rank: int, world: int, model: nn.Module, optim: torch.optim.Optimizer, sched: Any
 ) -> tuple[int, dict[str, Any]]:
     """Restore this rank's part of a checkpoint; returns (step to continue from, the stage's extra state)."""
-    from safetensors.torch import load_model
-
     folder = Path(folder)
     meta = read_meta(folder)
     if meta["world"] != world:
@@ -125,7 +122,7 @@ def restart_checkpoint(storage: str | Path, fit_id: str, resume_from: str | None
     """Inside a Train worker: the checkpoint to continue from -- the latest complete one this fit wrote, else the
     one the fit was started from (resume=true). Ray Train's own registry can miss a checkpoint that was uploaded
     just before a worker died (its controller had not polled the report yet), so `storage` is scanned too."""
-    import ray.train
+    import ray.train  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     candidates = [Path(resume_from)] if resume_from else []
     given = ray.train.get_checkpoint()

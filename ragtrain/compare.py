@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from ragtrain.track.mlflow import RunRecord, find_runs, metric_history
+from ragtrain.config import LoggerConfig
+from ragtrain.errors import ConfigError
+from ragtrain.track.mlflow import RunRecord, check_tracking_uri, find_runs, metric_history, sqlite_file, tracking_uri
 from ragtrain.track.report import curves_plot, scatter_plot
 
 DEFAULT_METRIC = "trained/ndcg_at_10"
@@ -147,9 +149,6 @@ def folder_name(name: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 for bad input)."""
-    from ragtrain.config import LoggerConfig
-    from ragtrain.track.mlflow import sqlite_file, tracking_uri
-
     ap = argparse.ArgumentParser(prog="python -m ragtrain.compare", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--experiment", help="MLflow experiment name (logger.experiment_name; default of runs: ragtrain)")
@@ -172,10 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if db is not None and not db.is_file():  # MLflow would create an empty one
         print(f"error: no MLflow store at {uri} (run an experiment first, or pass --tracking-uri)", file=sys.stderr)
         return 2
-    from mlflow.exceptions import MlflowException
-
-    from ragtrain.errors import ConfigError
-    from ragtrain.track.mlflow import check_tracking_uri
+    from mlflow.exceptions import MlflowException  # lazy: mlflow is heavy (~1 s); this module imports without it
 
     try:
         check_tracking_uri(uri)  # an unknown scheme or an unreachable server: one line, in seconds

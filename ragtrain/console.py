@@ -14,6 +14,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 # Environment for the driver and every Ray process (forwarded by ragtrain.cluster.resources.init_ray)
 QUIET_ENV = {
@@ -100,7 +101,7 @@ def worker_setup() -> None:
     # Ray's State API (Ray Train's placement-group cleaner asks it about its controller) finds its cluster by
     # searching the machine when given no address; with a second Ray on the machine (another run) that search
     # raises in the cleaner's thread and prints a traceback. This worker knows its own cluster: say which.
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     # Workers only: the driver also calls this (an in-process encoder) and may start another Ray later
     if (
@@ -162,8 +163,6 @@ def get_logger(name: str) -> logging.Logger:
 def attach_run_log(out_dir, who: str = "driver", name: str = "ragtrain.log") -> logging.Handler:
     """Append this process's ragtrain log lines to <out_dir>/<name> (`who`: the driver, or a stage's rank 0);
     detach the returned handler at the end."""
-    from pathlib import Path
-
     get_logger("ragtrain")
     handler = logging.FileHandler(Path(out_dir) / name, encoding="utf-8")
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{who}] %(name)s: %(message)s"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 
@@ -18,15 +20,11 @@ def check(ok: bool, key: str, msg: str, value: Any) -> None:
 def driver_path(path: str) -> str:
     """`path` made absolute against the driver's working folder: Ray workers, Ray Data tasks and Tune trials run
     in other folders (a trial in its own), so a relative path must not reach them as it was typed."""
-    import os
-
     return os.path.abspath(os.path.expanduser(path))  # not resolve(): a symlink the user chose stays as typed
 
 
 def local_model(name: str) -> str:
     """A model named by a local folder, made absolute (`driver_path`); a hub name or a ragtrain alias unchanged."""
-    from pathlib import Path
-
     if name in ("minilm", "tiny"):  # ragtrain's aliases, even where a folder of that name sits in the cwd
         return name
     return driver_path(name) if name and Path(name).expanduser().exists() else name

@@ -20,6 +20,8 @@ from omegaconf import OmegaConf
 
 from ragtrain.config import Config, Pooling
 from ragtrain.console import get_logger
+from ragtrain.embed.model import build_encoder, load_tokenizer, resolve_model_path
+from ragtrain.generator.model import load_tokenizer as load_generator_tokenizer
 
 log = get_logger(__name__)
 
@@ -40,7 +42,7 @@ def base_model_name(model: str) -> str:
 def reproduce_command() -> str:
     """The command line that reproduces this run: Hydra's overrides when launched by `python -m ragtrain`."""
     try:
-        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.hydra_config import HydraConfig  # lazy: hydra is needed only here (~0.3 s)
 
         overrides = list(HydraConfig.get().overrides.task)
     except ValueError:  # not under @hydra.main (tests, Tune trials): the resolved config below is the recipe
@@ -108,14 +110,13 @@ def export_retriever(
     cfg: Config, weights: dict[str, torch.Tensor], folder: str | Path, card: str | None = None
 ) -> Path:
     """Write the bi-encoder with `weights` as a sentence-transformers folder (and `card` as its README.md)."""
+    # lazy: sentence_transformers takes seconds to import; this module imports without it
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import (
         Normalize,
         Transformer,
     )
     from sentence_transformers.sentence_transformer.modules import Pooling as STPooling
-
-    from ragtrain.embed.model import build_encoder, load_tokenizer
 
     r = cfg.retriever
     encoder = build_encoder(r)
@@ -159,10 +160,7 @@ def with_pooler(backbone: Any, r: Any, seed: int) -> Any:
     reads it), but a folder without it makes every `from_pretrained` report `pooler.* MISSING` and initialise a
     random one. The pooler comes back from the base checkpoint (seeded for a tiny model); the other weights are
     the trained ones, checked key by key."""
-    import torch
-    from transformers import AutoModel
-
-    from ragtrain.embed.model import resolve_model_path
+    from transformers import AutoModel  # lazy: transformers is heavy (~1 s); this module imports without it
 
     if not hasattr(backbone, "pooler"):  # an architecture without a pooler: nothing to restore
         return backbone
@@ -185,7 +183,7 @@ def _untie_encoder_decoder_embeddings(hf: Any) -> None:
     a tie `save_pretrained` does not know and refuses to save: give the decoder its own copy (same values, so the
     exported model computes the same logits) and keep the decoder's own input/output tie, which transformers
     declares."""
-    from transformers import EncoderDecoderModel
+    from transformers import EncoderDecoderModel  # lazy: transformers is heavy (~1 s); this module imports without it
 
     if not isinstance(hf, EncoderDecoderModel):
         return
@@ -201,7 +199,7 @@ def _untie_encoder_decoder_embeddings(hf: Any) -> None:
 
 def export_generator(cfg: Config, weights_dir: str | Path, folder: str | Path) -> Path:
     """Save the generator trained by this run (`<weights_dir>/generator.safetensors`) with `save_pretrained`."""
-    from ragtrain.generator.model import load_tokenizer
+    # lazy: ragtrain.generator.train imports ray; this module imports without it
     from ragtrain.generator.train import load_generator
 
     model = load_generator(cfg, weights_dir)
@@ -209,7 +207,7 @@ def export_generator(cfg: Config, weights_dir: str | Path, folder: str | Path) -
     folder = Path(folder)
     shutil.rmtree(folder, ignore_errors=True)
     model.hf.save_pretrained(str(folder))
-    load_tokenizer(cfg.generator).save_pretrained(str(folder))
+    load_generator_tokenizer(cfg.generator).save_pretrained(str(folder))
     return folder
 
 

@@ -20,6 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from omegaconf import OmegaConf
+from tabulate import tabulate
+
+from ragtrain.config import changed_keys, flatten
+from ragtrain.console import quiet_cli
+from ragtrain.corpus.load import load_data
+from ragtrain.eval.metrics import per_query
+from ragtrain.search import SearchError, encoder_weights, load_run_config
 
 METRICS = ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100")
 
@@ -34,11 +42,11 @@ class Scored:
 
 def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     """Per-query `metric` of the run in `out` on its evaluated split (its saved index, its trained encoder)."""
-    from ragtrain.corpus.load import load_data
-    from ragtrain.eval.metrics import per_query
+    # lazy: ragtrain.index.facade imports torch; this module imports without it
     from ragtrain.index.facade import BuiltIndex, Retrieval
+
+    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
     from ragtrain.index.faiss_index import IndexMismatchError, load_index
-    from ragtrain.search import SearchError, encoder_weights, load_run_config
 
     out = Path(out)
     if not (out / "index" / "index_meta.json").exists():
@@ -67,11 +75,6 @@ NOT_A_RECIPE = ("output_dir", "logger", "resume", "resume_allow_changes", "exper
 
 def labels(runs: Sequence[str | Path]) -> list[str]:
     """A name per run: the first run's folder name, then what each other run's config changes (`key=value`)."""
-    from omegaconf import OmegaConf
-
-    from ragtrain.config import changed_keys, flatten
-    from ragtrain.search import SearchError
-
     for r in runs:
         if not (Path(r) / "config.yaml").is_file():
             raise SearchError(f"{Path(r) / 'config.yaml'} is missing: {r} is not a ragtrain run folder")
@@ -122,8 +125,6 @@ def bootstrap(runs: Sequence[Scored], resamples: int = 10_000, seed: int = 0) ->
 
 def format_table(rows: Sequence[dict[str, float]], metric: str) -> str:
     """The comparison as a text table (differences against the first run)."""
-    from tabulate import tabulate
-
     body = [
         [
             r["run"],
@@ -140,9 +141,6 @@ def format_table(rows: Sequence[dict[str, float]], metric: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ragtrain.console import quiet_cli
-    from ragtrain.search import SearchError
-
     quiet_cli()
     p = argparse.ArgumentParser(prog="python -m ragtrain.paired", description=__doc__.splitlines()[0])
     p.add_argument(

@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,7 +15,10 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from tabulate import tabulate
 
+from ragtrain.cluster.resources import check_config, init_ray
+from ragtrain.cluster.storage import check_shared_paths, shared_paths
 from ragtrain.config import (
     Config,
     ConfigError,
@@ -27,9 +31,27 @@ from ragtrain.config import (
     to_flat_dict,
 )
 from ragtrain.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
+from ragtrain.corpus.dataset import passage_qrels
 from ragtrain.corpus.load import load_data, truncation_report
+from ragtrain.corpus.stream import StreamEncode
 from ragtrain.data import RetrievalData
+from ragtrain.data.types import DataError
+from ragtrain.embed.encoders import EncodeFault, encoder_dim
+from ragtrain.embed.model import build_encoder, check_model_offline
+from ragtrain.export import export_run
+from ragtrain.index import vector_cache
 from ragtrain.index.facade import BuiltIndex, Retrieval
+from ragtrain.index.faiss_index import check_index_config
+from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
+from ragtrain.index.shards import save_atomic
+from ragtrain.precision import resolved_index, resolved_params
+from ragtrain.repair.distill import distill_consensus
+from ragtrain.reranker.model import check_teacher
+from ragtrain.reranker.stage import prepare_teacher
+from ragtrain.retriever.batching import TrainData, build_examples, steps_per_epoch
+from ragtrain.retriever.lora import check_lora_targets
+from ragtrain.retriever.validation import make_val_set
+from ragtrain.track.mlflow import RunLogger, check_tracking_uri, open_client, redact_uri, tracking_uri
 
 log = get_logger(__name__)
 
@@ -87,8 +109,6 @@ STATUS_FILE = "status.json"  # {"status": running | failed | complete, ...}: wha
 def write_status(out: Path, status: str, **extra) -> None:
     """Mark the run folder: "running" once every check has passed (config.yaml is written then), then
     "complete" or "failed" (with the error)."""
-    import time
-
     tmp = out / f".{STATUS_FILE}.tmp"
     tmp.write_text(json.dumps({"status": status, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}))
     tmp.replace(out / STATUS_FILE)
@@ -127,8 +147,6 @@ def check_resume(cfg: Config, out: Path) -> None:
     run_file = out / "mlflow_run_id"
     run_id = run_file.read_text().strip() if run_file.exists() else ""
     if cfg.logger.backend == LoggerBackend.mlflow and run_id:  # the run it continues must be in this store
-        from ragtrain.track.mlflow import open_client, redact_uri, tracking_uri
-
         uri = tracking_uri(cfg.logger)
         try:
             open_client(uri).get_run(run_id)
@@ -160,8 +178,6 @@ def check_fresh_output(cfg: Config) -> None:
 
 def check_qrels(data: RetrievalData) -> None:
     """A query set whose judgements are all grade 0 would train on nothing or score 0 everywhere: fail now."""
-    from ragtrain.data.types import DataError
-
     for what, qrels in (("evaluated (" + data.split + ")", data.eval_qrels), ("training", data.train_qrels)):
         if qrels and not any(g > 0 for judged in qrels.values() for g in judged.values()):
             raise DataError(
@@ -173,9 +189,6 @@ def check_qrels(data: RetrievalData) -> None:
 def check_train_batch(cfg: Config, data: RetrievalData) -> None:
     """Retriever training needs one global batch of examples (a relevant passage per example: every chunk of a
     relevant document counts); fewer would fail inside the trainer workers after start-up: fail now, in one line."""
-    from ragtrain.corpus.dataset import passage_qrels
-    from ragtrain.retriever.batching import steps_per_epoch
-
     if "retriever" not in cfg.stages:
         return
     global_batch = cfg.retriever.train.batch_size * cfg.resources.trainer.num_workers
@@ -195,7 +208,7 @@ def check_train_batch(cfg: Config, data: RetrievalData) -> None:
 def write_timeline(out: Path, logger) -> Path:
     """profile=true: Ray's Chrome-trace timeline of this run's tasks and actor calls, into the output folder and
     the MLflow run."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     path = out / "ray_timeline.json"
     ray.timeline(filename=str(path))
@@ -214,8 +227,6 @@ def parameter_mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
 
 def summary_table(results: dict[str, dict[str, float]]) -> str:
     """Metrics side by side per phase (zero-shot, trained, ...), with trained - zero-shot."""
-    from tabulate import tabulate
-
     phases = [p for p in results if p != "train" and not p.startswith("gen_")]  # retrieval phases only
     if not phases:
         return "(no retrieval phases)"
@@ -233,8 +244,6 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
 
 def initial_weights(cfg: Config) -> dict[str, torch.Tensor]:
     """The retriever's weights before training (the tiny encoder's init is seeded; pretrained weights ignore it)."""
-    from ragtrain.embed.model import build_encoder
-
     torch.manual_seed(cfg.seed)
     encoder = build_encoder(cfg.retriever)
     return {k: v.detach().clone() for k, v in encoder.state_dict().items()}
@@ -252,10 +261,6 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
     """The zero-shot encode of `weights()`, to run inside the corpus stream of a documents folder prepared on Ray
     (None when the first index is not zero-shot, or with index.cache_dir: a cache hit needs the corpus fingerprint
     first)."""
-    from ragtrain.corpus.stream import StreamEncode
-    from ragtrain.embed.encoders import EncodeFault
-    from ragtrain.index import vector_cache
-
     if not first_index_is_zeroshot(cfg) or cfg.index.cache_dir:
         return None
     vec_dir = out.resolve() / "vectors"
@@ -265,16 +270,11 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
         fault = EncodeFault(cfg.fault.kill_encode_actor_at_batch, str(vec_dir / ".encode_actor_killed"))
 
     def key(weights: dict, fingerprint: str) -> str:  # called once Ray is up: auto resolved for the encode actors
-        from ragtrain.precision import resolved_index
-
         return vector_cache.cache_key(
             weights, cfg.retriever, resolved_index(cfg), fingerprint, cfg.retriever.passage_max_length
         )
 
     def precheck(data: RetrievalData, passages: int) -> None:  # the stream's first pass, before it encodes
-        from ragtrain.embed.encoders import encoder_dim
-        from ragtrain.index.faiss_index import check_index_config
-
         check_qrels(data)
         if not cfg.data.chunk.enabled:  # chunked, the training examples are counted on chunks: after the stream
             check_train_batch(cfg, data)
@@ -294,13 +294,8 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
 def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.Tensor]]) -> RetrievalData:
     """Every check that needs no training, in order of cost; returns the loaded (and stored) data. `weights()`: the
     initial weights, called only when the corpus stream encodes the zero-shot index."""
-    from ragtrain.cluster.resources import check_config, init_ray
-    from ragtrain.embed.encoders import encoder_dim
-    from ragtrain.embed.model import check_model_offline
-    from ragtrain.index.faiss_index import check_index_config
+    # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
     from ragtrain.index.sharded import check_shard_config
-    from ragtrain.retriever.lora import check_lora_targets
-    from ragtrain.track.mlflow import check_tracking_uri, tracking_uri
 
     for line in ineffective_settings(cfg):
         log.warning(line)
@@ -312,13 +307,9 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     if "retriever" in cfg.stages:
         check_lora_targets(cfg.retriever)
     if cfg.retriever.teacher.weight > 0 and cfg.retriever.teacher.path:  # a teacher for another tokenizer: now
-        from ragtrain.reranker.model import check_teacher
-
         check_teacher(cfg.retriever.teacher.path, cfg.retriever)
 
     def start_ray() -> None:  # Ray up, and on several nodes every shared path seen from each, before any Ray work
-        from ragtrain.cluster.storage import check_shared_paths, shared_paths
-
         if not started:
             init_ray(cfg.resources)
             check_shared_paths(*shared_paths(cfg, out))
@@ -354,6 +345,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     check_index_config(cfg.index.factory, dim, len(data.corpus))
     check_shard_config(cfg, len(data.corpus))  # index.shards: a count now, `auto` once Ray is up (below)
     if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training
+        # lazy: ragtrain.generator.stage imports ray; this module imports without it
         from ragtrain.generator.stage import preflight
 
         preflight(cfg, data, out)
@@ -363,7 +355,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     )
     start_ray()
     if cfg.index.shards == "auto":  # one shard per index node: the live cluster says how many
-        import ray
+        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         check_shard_config(cfg, len(data.corpus), ray.nodes())
     return data
@@ -416,6 +408,7 @@ def run(
         if "index" in cfg.stages:
             index_phase(s)
         if "generator" in cfg.stages:  # retrieves with this run's index, or the saved one (stages: [generator])
+            # lazy: ragtrain.generator.stage imports ray; this module imports without it
             from ragtrain.generator.stage import run_generator_stage
 
             s.results.update(run_generator_stage(cfg, data, s.retrieval if s.built else None, s.built, out, logger))
@@ -456,8 +449,6 @@ def start_run(cfg: Config, initial: Callable[[], dict[str, torch.Tensor]]) -> tu
 
 def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None) -> Any:
     """The run's MLflow run (resume=true continues the one recorded in <output_dir>/mlflow_run_id)."""
-    from ragtrain.track.mlflow import RunLogger
-
     run_file = out / "mlflow_run_id"
     resume_id = run_file.read_text().strip() if cfg.resume and run_file.exists() else None
     try:
@@ -478,8 +469,6 @@ def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None)
 
 def log_config(cfg: Config, out: Path, logger: Any) -> None:
     """The run's parameters (with what `auto` means here) and config.yaml; a resumed run keeps its params."""
-    from ragtrain.precision import resolved_params
-
     if not logger.resumed:
         logger.log_params({**to_flat_dict(cfg), **resolved_params(cfg)})
     logger.log_artifact(out / "config.yaml")
@@ -505,9 +494,8 @@ def zeroshot_phase(s: RunState) -> None:
 def train_phase(s: RunState, callbacks: list | None, report_intermediate: bool) -> None:
     """Retriever training on Ray Train: beside the live index service (refresh.enabled) or after the pool has
     given its CPUs back; with a cross-encoder teacher when one is configured. Saves the trained weights."""
-    from ragtrain.retriever.batching import TrainData, build_examples
+    # lazy: ragtrain.retriever.train imports ray; this module imports without it
     from ragtrain.retriever.train import fit_retriever
-    from ragtrain.retriever.validation import make_val_set
 
     cfg, retrieval, t = s.cfg, s.retrieval, s.cfg.retriever.train
     service = probe = None
@@ -518,8 +506,6 @@ def train_phase(s: RunState, callbacks: list | None, report_intermediate: bool) 
     examples = build_examples(s.data.queries, retrieval.train_qrels, retrieval.positions, s.negatives)
     teacher = None
     if cfg.retriever.teacher.weight > 0:  # a cross-encoder scores the mined candidates (ragtrain/reranker)
-        from ragtrain.reranker.stage import prepare_teacher
-
         teacher, s.results["teacher_rerank"] = prepare_teacher(cfg, retrieval, s.zeroshot, examples, s.logger.sink())
     if s.zeroshot is not None:  # searched for the last time (evaluation, mining, the teacher): the host frees it
         s.zeroshot.index.drop()  # before the trained index arrives; its vectors stay in the shards (alignment)
@@ -543,6 +529,7 @@ def train_phase(s: RunState, callbacks: list | None, report_intermediate: bool) 
 
 def save_trained(s: RunState, fit: Any) -> None:
     """The trained encoder into <output_dir>/encoder (vector_avg: the parameter mean, each replica beside it)."""
+    # lazy: ragtrain.retriever.train imports ray; this module imports without it
     from ragtrain.retriever.train import save_weights
 
     s.weights, s.step, s.replicas = fit.weights, fit.steps, list(fit.replicas or [])
@@ -561,8 +548,6 @@ def index_phase(s: RunState) -> None:
     """The index of the run's encoder, evaluated and saved; under sync=vector_avg the consensus of every replica's
     vectors beside the parameter mean (and, with index.distill_steps, one student for it); with
     index.align_anchors the stale zero-shot index aligned to it."""
-    from ragtrain.index.shards import save_atomic
-
     cfg, retrieval, results, reps = s.cfg, s.retrieval, s.results, s.replicas
     phase = "trained" if "retriever" in cfg.stages else "zeroshot"
     if reps:  # vector_avg: first the parameter mean, for comparison; then the mean of the vectors
@@ -570,13 +555,9 @@ def index_phase(s: RunState) -> None:
     name = f"vector_avg of {len(reps)} replicas in {s.out / 'encoder'}" if reps else s.encoder_name
     s.built, results[phase] = retrieval.build_and_evaluate(phase, reps or [s.weights], name, s.step)
     if reps:  # mean 1 - cos on a seeded sample of passages, read from both builds' shards
-        from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
-
         ids = sample_ids(s.built.corpus_ids, DRIFT_SAMPLE, cfg.seed + 1)
         results["param_avg"]["drift_vs_consensus"] = drift(param_avg.shards, s.built.shards, ids)
     if reps and cfg.index.distill_steps:  # one student encoder that serves the consensus index
-        from ragtrain.repair.distill import distill_consensus
-
         _, results["distilled"] = distill_consensus(retrieval, s.built, s.weights, s.step)
     if s.stale is not None and not reps:  # align the stale index instead of re-encoding it: how close?
         results.update(retrieval.evaluate_stale(s.stale, s.built, s.step))
@@ -598,12 +579,11 @@ def report_phase(s: RunState) -> None:
             sink.skip_logged = cfg.resume  # a resumed run already holds the phases finished before
             sink.log({prefix + k: v for k, v in m.items()}, step=0 if phase == "zeroshot" else s.step)
     if cfg.export and ({"retriever", "index"} & set(cfg.stages) or "generator" in cfg.stages):
-        from ragtrain.export import export_run  # <output_dir>/export: sentence-transformers + HF folders
-
         encoded = bool({"retriever", "index"} & set(cfg.stages))  # this run trained or indexed with `weights`
         d = s.data
         about = f"{d.name}: {len(d.corpus)} passages, {len(d.train_qrels)} training queries, evaluated on "
         about += f"{len(d.eval_qrels)} {d.split} queries"
+        # <output_dir>/export: sentence-transformers + HF folders
         export_run(cfg, s.weights if encoded else None, out, about, summary_table(results), logger)
     log.info(f"\n== {cfg.experiment_name}: {s.data.name} split={s.data.split} index={cfg.index.factory} ==")
     log.info(summary_table(results))

@@ -111,7 +111,7 @@ def expected(precision: PrecisionLike, gpus: float, key: str, announce: bool = T
     value = _value(precision)
     if value != AUTO or gpus <= 0 or torch.cuda.is_available():
         return resolve(value, "cuda" if gpus > 0 else "cpu", key, announce)
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     chosen, why = ray.get(ray.remote(num_gpus=gpus, num_cpus=0)(_probe).remote(value))
     if announce:

@@ -19,7 +19,15 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub when querying a run
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from ragtrain.config import Config  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+
+from ragtrain.config import Config, ConfigError, to_typed  # noqa: E402
+from ragtrain.console import quiet_cli  # noqa: E402
+from ragtrain.corpus.load import load_data  # noqa: E402
+from ragtrain.data.store import PassageStore  # noqa: E402
+from ragtrain.embed.encoders import QueryEncoder  # noqa: E402
+from ragtrain.generator.prompt import passage_text  # noqa: E402
 
 
 class SearchError(ValueError):
@@ -28,11 +36,6 @@ class SearchError(ValueError):
 
 def load_run_config(out: Path) -> Config:
     """The run's resolved, typed config (`<out>/config.yaml`, written by the pipeline before any work)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from ragtrain.config import ConfigError, to_typed
-
     path = out / "config.yaml"
     if not path.exists():
         raise SearchError(f"{path} is missing: {out} is not a ragtrain run folder")
@@ -48,6 +51,7 @@ def load_run_config(out: Path) -> Config:
 def encoder_weights(cfg: Config, encoder: str, out: Path) -> list:
     """The weights named by the index's metadata; a relative path that moved with the run folder is found in
     `<out>/encoder` (the pipeline records the path as given, relative to the cwd it ran in)."""
+    # lazy: ragtrain.generator.retriever_client imports ray/torch; this module imports without them
     from ragtrain.generator.retriever_client import load_snapshots
 
     model, sep, where = encoder.partition("@")
@@ -64,9 +68,6 @@ def encoder_weights(cfg: Config, encoder: str, out: Path) -> list:
 def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
     """Passages by id: the run's passage store (`<out>/corpus/passages.arrow`, read on demand), or for a run
     folder without one, reloaded the way the run loaded them ({} with a note on stderr when that fails)."""
-    from ragtrain.corpus.load import load_data
-    from ragtrain.data.store import PassageStore
-
     store = out / "corpus" / "passages.arrow"
     if store.is_file():
         try:
@@ -88,8 +89,6 @@ def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
 def warn_unfinished(out: Path) -> None:
     """One line on stderr when the run did not finish (status.json says running or failed): its index may be a
     zero-shot one, or the run may still be writing."""
-    import json
-
     path = out / "status.json"
     try:
         status = json.loads(path.read_text()).get("status")
@@ -105,8 +104,10 @@ def warn_unfinished(out: Path) -> None:
 
 def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dict[str, Any]]]:
     """Top-k hits for `question` from the run in `out`: [{rank, score, id, title, text}]."""
-    from ragtrain.embed.encoders import QueryEncoder
+    # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
     from ragtrain.index.faiss_index import IndexMismatchError
+
+    # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
     from ragtrain.index.sharded import open_saved
 
     out = Path(out)
@@ -154,10 +155,12 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
 
 def generate_answer(cfg: Config, out: Path, question: str, hits: Sequence[dict[str, Any]]) -> str:
     """The run's generator's answer to `question` given its top `generator.retrieval.top_k` hits."""
-    import torch
+    import torch  # lazy: torch is heavy (seconds); this module imports without it
 
+    # lazy: ragtrain.generator.model imports torch; this module imports without it
     from ragtrain.generator.model import AnswerDecoder, collate, load_tokenizer
-    from ragtrain.generator.prompt import passage_text
+
+    # lazy: ragtrain.generator.train imports ray/torch; this module imports without them
     from ragtrain.generator.train import load_generator, prompt_builder
 
     g = cfg.generator
@@ -179,8 +182,6 @@ def hit_line(h: dict[str, Any], width: int = 160) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry; returns the exit code (2 on bad input)."""
-    from ragtrain.console import quiet_cli
-
     quiet_cli()  # no Hugging Face loading bars around the answer
     ap = argparse.ArgumentParser(prog="python -m ragtrain.search", description=__doc__.splitlines()[0])
     ap.add_argument("output_dir", help="a finished run's folder (holds config.yaml and index/)")

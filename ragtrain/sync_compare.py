@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -9,6 +10,7 @@ import pandas as pd
 from ragtrain.config import Config
 from ragtrain.console import get_logger
 from ragtrain.pipeline import run
+from ragtrain.track.mlflow import RunLogger
 from ragtrain.track.report import comparison_frame, write_comparison
 
 log = get_logger(__name__)
@@ -34,10 +36,6 @@ def run_sync_compare(variants: dict[str, Config], out_dir: str | Path) -> pd.Dat
 
 def _log_comparison(cfg: Config, files: list[Path]) -> None:
     """Attach the table and plot to a summary MLflow run next to the per-strategy runs."""
-    from dataclasses import replace
-
-    from ragtrain.track.mlflow import RunLogger
-
     logger = RunLogger(replace(cfg.logger, run_name=f"{cfg.experiment_name}/comparison"), cfg.experiment_name)
     status = "FAILED"
     try:

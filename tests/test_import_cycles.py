@@ -98,3 +98,29 @@ def test_imports_point_down_the_layers() -> None:
         if _unit(dep) in rank and rank[_unit(dep)] > rank[_unit(m)]
     )
     assert upward == []
+
+
+def test_function_level_imports_say_why() -> None:
+    """An import inside a function defers an optional or heavy dependency, or breaks a cycle, and says which: a
+    comment on its line, or on the line above it (or above the run of imports it belongs to). Others go on top."""
+    silent = []
+    for path in sorted(PKG.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        nested = {
+            node
+            for fn in ast.walk(tree)
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+        }
+        import_lines = {i for node in nested for i in range(node.lineno, node.end_lineno + 1)}
+        for node in nested:
+            if any("#" in lines[i - 1] for i in range(node.lineno, node.end_lineno + 1)):
+                continue
+            above = node.lineno - 1
+            while above in import_lines and "#" not in lines[above - 1]:
+                above -= 1  # a run of imports shares the comment above its first one
+            if above < 1 or "#" not in lines[above - 1]:
+                silent.append(f"{path.relative_to(PKG.parent)}:{node.lineno}")
+    assert silent == [], "function-level imports without a comment saying why: " + ", ".join(sorted(silent))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
+import ragtrain
 from ragtrain.config import ResourcesConfig, auth_env
-from ragtrain.console import get_logger
+from ragtrain.console import get_logger, is_quiet, quiet_env
 from ragtrain.errors import ConfigError
 
 log = get_logger(__name__)
@@ -32,8 +34,6 @@ class InfeasibleResourcesError(RuntimeError):
 
 def code_path() -> str:
     """The folder this process imports ragtrain from (its parent): what every Ray worker must import too."""
-    import ragtrain
-
     return str(Path(ragtrain.__file__).resolve().parent.parent)
 
 
@@ -56,8 +56,6 @@ SWEEP_WORKER_START_TIMEOUT_S = 24 * 3600
 def worker_env(worker_start_timeout_s: int = WORKER_START_TIMEOUT_S) -> dict[str, str]:
     """The environment variables every Ray worker of a run gets (init_ray's runtime env; a job's own runtime env
     must not set them again: Ray refuses to merge the two)."""
-    from ragtrain.console import quiet_env
-
     env = {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -81,11 +79,10 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
             "cluster instead (a RayJob, `ray job submit`, `ray exec`), with RAY_ADDRESS=auto or the "
             "head's GCS address (docs/cluster.md)"
         )
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     if ray.is_initialized():
         return
-    from ragtrain.console import is_quiet
 
     env = worker_env(worker_start_timeout_s)
     # the tracking server's credentials (logger.tracking_uri's user:password, config.take_credentials) reach every
@@ -96,8 +93,6 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
     hook = "ragtrain.console.worker_setup"
     if os.environ.get("RAY_ADDRESS"):
         # Ship this checkout's ragtrain to the cluster's workers (third-party packages come from the image).
-        import ragtrain
-
         pkg = str(Path(ragtrain.__file__).resolve().parent)
         ray.init(
             address=os.environ["RAY_ADDRESS"],
@@ -106,7 +101,6 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
     else:
         # address="local": always start our own Ray; a bare ray.init() would join any other local cluster on the
         # machine (found through /tmp/ray) and then refuse num_cpus.
-        import logging
 
         env["PYTHONPATH"] = worker_pythonpath()  # the workers run the driver's ragtrain (e.g. a frozen copy)
         context = ray.init(
@@ -124,7 +118,7 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
 
 def node_capacities() -> list[dict[str, float]]:
     """Total resources of each alive node."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
 
@@ -213,6 +207,7 @@ def record_placement_group(output_dir: str | Path, pg: Any) -> None:
 
 def remove_recorded_placement_groups(output_dir: str | Path) -> int:
     """Remove the placement groups recorded under `output_dir` that still hold (or wait for) resources."""
+    # lazy: ray is heavy (~0.5 s); this module imports without it
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 

@@ -14,7 +14,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ragtrain.config import LoggerBackend
 from ragtrain.errors import ConfigError
+from ragtrain.track.mlflow import store_folder, tracking_uri
 
 __all__ = ["PROBE_TIMEOUT_S", "check_shared_paths", "shared_paths"]
 
@@ -23,12 +25,9 @@ PROBE_TIMEOUT_S = 120.0  # one 0-CPU task per node; a node that cannot run one i
 
 def shared_paths(cfg: Any, out: Path) -> tuple[dict[str, str], dict[str, str]]:
     """({config key: folder the run writes}, {config key: path the run reads}) that every node must see."""
-    from ragtrain.track.mlflow import store_folder, tracking_uri
-
     written = {"output_dir": str(out)}
     if cfg.index.cache_dir:
         written["index.cache_dir"] = cfg.index.cache_dir
-    from ragtrain.config import LoggerBackend
 
     if LoggerBackend(cfg.logger.backend) == LoggerBackend.mlflow:  # rank 0 logs into the store from its own node
         folder = store_folder(tracking_uri(cfg.logger))
@@ -53,7 +52,7 @@ def shared_paths(cfg: Any, out: Path) -> tuple[dict[str, str], dict[str, str]]:
 
 def _look(paths: list[str]) -> tuple[str, list[bool]]:
     """On one node: its id and whether each path exists there."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     return ray.get_runtime_context().get_node_id(), [os.path.exists(p) for p in paths]
 
@@ -67,6 +66,7 @@ def check_shared_paths(
     """ConfigError naming the key and the node when a path is not visible from every alive node; returns the ids
     of the nodes that looked (a single node: none, nothing to check). `written` folders get a probe file (removed
     after)."""
+    # lazy: ray is heavy (~0.5 s); this module imports without it
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

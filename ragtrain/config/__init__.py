@@ -9,12 +9,15 @@ and `to_typed()` runs the range checks below before any work starts. Workers rec
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -475,8 +478,6 @@ class ResourcesConfig:
 
 def dashboard_installed() -> bool:
     """Whether Ray's dashboard can start here (ray[default] brings these; plain ray does not)."""
-    import importlib.util
-
     return all(importlib.util.find_spec(m) for m in ("aiohttp_cors", "opencensus", "prometheus_client"))
 
 
@@ -513,8 +514,6 @@ def take_credentials(uri: str) -> str:
     (AUTH_ENV) of this process and the Ray workers it starts: the config, and every file, parameter and log line made
     from it, then never holds the password. Only an http(s) server takes them so; a database URI with a password
     is refused (its client reads the password from the environment instead, e.g. PGPASSWORD)."""
-    from urllib.parse import unquote, urlsplit, urlunsplit
-
     parts = urlsplit(uri)
     if "@" not in parts.netloc:
         return uri
@@ -849,8 +848,6 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout (holds conf/)
 def data_root() -> str:
     """`${ragtrain.data_root:}`: $RAGTRAIN_DATA, else ../shared/data; a relative one is taken from the project
     root, not the cwd, so a run composes the same paths wherever it is started."""
-    import os
-
     return str((PROJECT_ROOT / os.environ.get("RAGTRAIN_DATA", "../shared/data")).resolve())
 
 
@@ -863,6 +860,7 @@ def register_resolvers() -> None:
 
 def register_configs() -> None:
     """Register the schema so `conf/config.yaml` can extend it (defaults: `ragtrain_schema`), and the resolvers."""
+    # lazy: hydra only registers the schemas; config checks (and Ray workers) import this module without it
     from hydra.core.config_store import ConfigStore
 
     register_resolvers()
@@ -908,8 +906,6 @@ def absolute_paths(flat: dict[str, Any]) -> dict[str, Any]:
 def unknown_keys(node: Any, obj: Any, prefix: str = "") -> list[str]:
     """Keys of the composed `node` that the typed `obj` has no field for (e.g. `+retriever.train.batch_sise=4`:
     Hydra adds it, and building the dataclass would silently drop it)."""
-    import dataclasses
-
     if not dataclasses.is_dataclass(obj) or not isinstance(node, DictConfig):
         return []
     fields = {f.name for f in dataclasses.fields(obj)}
@@ -936,8 +932,6 @@ def to_typed(cfg: DictConfig) -> Config:
 
 def sync_variants(cfg: DictConfig, conf_dir: str) -> dict[str, Config]:
     """One typed config per `compare.strategies` entry: conf/sync/<name>.yaml replaces the sync group."""
-    from pathlib import Path
-
     out: dict[str, Config] = {}
     choices = sorted(p.stem for p in Path(conf_dir, "sync").glob("*.yaml"))
     for i, name in enumerate(cfg.compare.strategies):
@@ -958,8 +952,6 @@ def sync_variants(cfg: DictConfig, conf_dir: str) -> dict[str, Config]:
 
 def override_variants(cfg: DictConfig) -> dict[str, Config]:
     """One typed config per `compare.variants` entry: its `key=value` overrides merged into the composed config."""
-    from pathlib import Path
-
     named = dict(cfg.compare.variants)
     unknown = [n for n in cfg.compare.only if n not in named]
     if unknown:

@@ -8,11 +8,12 @@ from typing import Any
 
 from ragtrain.data.beir import load_beir
 from ragtrain.data.clean import check_id, clean, dedupe_stream
-from ragtrain.data.store import write_store
+from ragtrain.data.store import PassageStore, write_store
 from ragtrain.data.types import DataError, Passage, RetrievalData
 from ragtrain.errors import ConfigError
 
 from .chunk import chunk_document
+from .prepare import chunk_on_ray, read_on_ray
 from .read import FileError, list_documents, open_documents, read_file
 
 __all__ = [
@@ -32,8 +33,6 @@ def read_documents(
     """Cleaned documents of `files` in file order: read here one file at a time, or by Ray Data tasks (`on_ray`)
     that stream them back; a file that cannot be used goes to `failed`, whole; `read[0]` counts the documents."""
     if on_ray:
-        from .prepare import read_on_ray
-
         for doc in read_on_ray(files, root):
             if "file_error" in doc:
                 failed(doc["file_error"])
@@ -169,10 +168,6 @@ def chunk_data(
 
     def chunks() -> Iterator[Passage]:
         if ray_tasks > 0:
-            from ragtrain.data.store import PassageStore
-
-            from .prepare import chunk_on_ray
-
             if not isinstance(data.corpus, PassageStore):
                 raise ValueError("chunk_data on Ray needs the documents in a PassageStore (the actors read it)")
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
+from ragtrain.data.store import PassageStore
 from ragtrain.embed.encoders import VECTOR_DTYPES, EncodeBatch, EncodeFault
 
 SHARDS_META = "shards.json"  # written last: a folder without it is an unfinished encode
@@ -62,7 +63,7 @@ class ShardSet:
 
     def iter_shards(self, columns: Sequence[str] = ("id", "vector")) -> Iterator[tuple[list[str], np.ndarray]]:
         """(ids, [n, dim] vectors in the stored dtype) per shard file, in file order; one file in memory at a time."""
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: pyarrow loads a native library; this module imports without it
 
         for f in self.files:
             t = pq.read_table(Path(self.folder, f), columns=list(columns))
@@ -77,7 +78,7 @@ class ShardSet:
 
     def ids(self) -> list[str]:
         """Every row's id in shard order (ids only: the vectors are not read)."""
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: pyarrow loads a native library; this module imports without it
 
         out: list[str] = []
         for f in self.files:
@@ -133,6 +134,7 @@ def write_shards(
     folder: str | Path, chunks: Iterable[tuple[list[str], np.ndarray]], dtype: str = "float32"
 ) -> ShardSet:
     """Write (ids, vectors) chunks as a shard folder in encode_to_shards' layout (replaced if it exists)."""
+    # lazy: pyarrow loads a native library; this module imports without it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -159,7 +161,7 @@ def write_shards(
 def actor_cpus(pool: PoolResources) -> float:
     """CPUs each encode actor reserves: resources.pool.cpus_per_actor, shrunk when the pool would claim every CPU
     of the cluster (Ray Data's read/write tasks need a little); torch still runs int(cpus_per_actor) threads."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     total = float(ray.cluster_resources().get("CPU", 0.0))
     want = pool.cpus_per_actor * pool.num_actors
@@ -173,7 +175,7 @@ def build_threads(pool: PoolResources) -> int:
     live refresh keeps to its pool): on one node, the CPUs free now shared by the pool's actors, so a laptop's
     1-actor pool uses every core; on a cluster, resources.pool.cpus_per_actor (other nodes' CPUs are not the
     actors' to take)."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     cpus = max(1, int(pool.cpus_per_actor))
     if pool.gpus_per_actor or len([n for n in ray.nodes() if n.get("Alive")]) != 1:
@@ -185,7 +187,7 @@ def build_threads(pool: PoolResources) -> int:
 
 def rows_dataset(ids: Sequence[str], texts: Sequence[str], rows_per_block: int = 4096):
     """A Ray Data dataset of rows {id, text} from in-memory lists (the corpus loaders' output), in blocks."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     if len(ids) != len(texts):
         raise ValueError(f"{len(ids)} ids but {len(texts)} texts")
@@ -195,8 +197,6 @@ def rows_dataset(ids: Sequence[str], texts: Sequence[str], rows_per_block: int =
 
 def _read_range(batch: dict[str, np.ndarray], path: str) -> dict[str, np.ndarray]:
     """Ray Data: rows [start, stop) of a PassageStore as {id, text} (the full text that is embedded)."""
-    from ragtrain.data.store import PassageStore
-
     store = PassageStore(path)
     ids: list[str] = []
     texts: list[str] = []
@@ -210,7 +210,7 @@ def _read_range(batch: dict[str, np.ndarray], path: str) -> dict[str, np.ndarray
 def store_dataset(store: Any, rows_per_block: int = 4096):
     """A Ray Data dataset of rows {id, text} read from a `PassageStore` by the read tasks, `rows_per_block` rows a
     block: the driver sends row ranges, never texts (the store file must be readable where the tasks run)."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     n = len(store)
     ranges = [{"start": s, "stop": min(n, s + rows_per_block)} for s in range(0, n, rows_per_block)]
@@ -244,7 +244,7 @@ def encode_stage(
     """`rows.map_batches(EncodeBatch)` on the encode actor pool: `pool.num_actors` actors x `actor_cpus(pool)` CPUs
     (+ `num_gpus_per_actor`, + custom resources such as index_node), `per_call` rows per call; a dataset of
     (id, vector) rows, or of every input column but `text_column` plus vector (`keep_columns`)."""
-    from ray.data import ActorPoolStrategy
+    from ray.data import ActorPoolStrategy  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     # Bounded retries (Ray Data's default is unlimited: a batch that kills every actor would loop forever). Ray
     # 2.60 has no named parameter for these yet, so they go through ray_remote_args (its deprecation warning is muted).
@@ -302,11 +302,10 @@ def encode_to_shards(
     `actor_cpus(pool)` CPUs (+ `num_gpus_per_actor`, + custom resources such as index_node), `index.shard_size` rows
     per call, `index.batch_size` texts per forward pass, `index.precision`.
     """
-    from ray.data import DataContext
+    from ray.data import DataContext  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     if vector_dtype not in VECTOR_DTYPES:
         raise ValueError(f"vector_dtype={vector_dtype!r} must be one of {list(VECTOR_DTYPES)}")
-    from ragtrain.data.store import PassageStore
 
     per_call = index.shard_size
     if isinstance(rows, PassageStore):  # a small corpus still feeds every actor
@@ -351,7 +350,7 @@ def encode_to_shards(
 def seal_shards(out: Path, vector_dtype: str, seconds: float) -> ShardSet:
     """The parquet files Ray Data wrote in `out` as a ShardSet: counted from their metadata (not read), and
     `shards.json` written last, so a folder without it is an unfinished encode."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: pyarrow loads a native library; this module imports without it
 
     files = sorted(p.name for p in out.glob("*.parquet"))
     n, dim = 0, 0

@@ -4,13 +4,26 @@ cleaned, deduplicated and chunked (in the driver or as Ray Data tasks), streamed
 from __future__ import annotations
 
 import random
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragtrain.config import DataConfig, DataSource, RetrieverConfig
 from ragtrain.console import get_logger
+from ragtrain.corpus.dataset import (
+    beir_corpus_files,
+    check_chunk_budget,
+    check_corpus_ids,
+    chunk_data,
+    load_documents,
+)
+from ragtrain.corpus.docs_synthetic import write_docs_synthetic
+from ragtrain.corpus.prepare import use_ray
+from ragtrain.corpus.read import list_documents
+from ragtrain.corpus.stream import stream_documents
 from ragtrain.data import RetrievalData, load_beir, make_synthetic
+from ragtrain.data.store import write_store
 
 if TYPE_CHECKING:
     from ragtrain.corpus.stream import StreamEncode
@@ -21,10 +34,6 @@ log = get_logger(__name__)
 def data_folder(cfg: DataConfig, out_dir: Path | None) -> str:
     """data.root, or ragtrain's own article folder written deterministically into <out_dir>/docs (data.generate)."""
     if cfg.source == DataSource.documents and cfg.generate:
-        import tempfile
-
-        from ragtrain.corpus.docs_synthetic import write_docs_synthetic
-
         root = str(Path(out_dir or tempfile.mkdtemp(prefix="ragtrain-docs-")) / "docs")
         write_docs_synthetic(root, num_entities=cfg.num_entities, seed=cfg.seed)
         return root
@@ -35,13 +44,11 @@ def data_folder(cfg: DataConfig, out_dir: Path | None) -> str:
 def prepare_on_ray(cfg: DataConfig, total_bytes: int, start_ray: Callable[[], None] | None) -> bool:
     """Whether Ray Data tasks and actors read, clean and chunk the corpus (data.prepare, by its size); Ray is
     started for it here (bad files then fail after Ray has started), and a driver without Ray prepares itself."""
-    from ragtrain.corpus.prepare import use_ray
-
     if not use_ray(cfg.prepare.value, total_bytes):
         return False
     if start_ray is not None:
         start_ray()
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     if not ray.is_initialized():
         log.info(f"[data] data.prepare={cfg.prepare.value}: Ray is not running here, preparing in the driver")
@@ -67,16 +74,6 @@ def load_data(
     With `stream` (the run's first encode), a documents folder prepared on Ray is read, cleaned, chunked and encoded
     as one Ray Data stream (`corpus/stream.py`).
     """
-    from ragtrain.corpus.dataset import (
-        beir_corpus_files,
-        check_chunk_budget,
-        check_corpus_ids,
-        chunk_data,
-        load_documents,
-    )
-    from ragtrain.corpus.read import list_documents
-    from ragtrain.data.store import write_store
-
     corpus_dir = Path(out_dir) / "corpus" if (out_dir is not None and store) else None
     # Chunked corpora keep the documents in their own store; the passages store is what the run reads
     docs_store = (corpus_dir / ("documents.arrow" if cfg.chunk.enabled else "passages.arrow")) if corpus_dir else None
@@ -88,6 +85,7 @@ def load_data(
     if cfg.chunk.enabled:  # a chunk the encoder would truncate is a config error: check before reading anything
         if retriever is None:
             raise ValueError("load_data: data.chunk.enabled needs the retriever config (its tokenizer)")
+        # lazy: ragtrain.embed.model imports torch; this module imports without it
         from ragtrain.embed.model import load_tokenizer
 
         tokenizer = load_tokenizer(retriever)
@@ -96,8 +94,6 @@ def load_data(
     files = list_documents(root, cfg.glob) if cfg.source == DataSource.documents else beir_corpus_files(root)
     on_ray = docs_store is not None and prepare_on_ray(cfg, sum(file_size(f) for f in files), start_ray)
     if on_ray and stream is not None and cfg.source == DataSource.documents:
-        from ragtrain.corpus.stream import stream_documents
-
         assert corpus_dir is not None and retriever is not None  # on_ray needs a store; the encoder its config
         return stream_documents(files, root, cfg, retriever, stream, corpus_dir / "passages.arrow", log=log.info)
     if cfg.source == DataSource.beir:
@@ -143,6 +139,7 @@ def truncation_report(corpus: Mapping[str, Any], retriever: RetrieverConfig, see
     """One warning line when passages are longer than retriever.passage_max_length tokens (the encoder cuts them
     silently), or None: how many, the longest, and how to chunk them. Counted on every passage of a corpus of up to
     TRUNCATION_SAMPLE passages, else on a seeded sample of that many (the line says so)."""
+    # lazy: ragtrain.embed.model imports torch; this module imports without it
     from ragtrain.embed.model import load_tokenizer
 
     n, limit = len(corpus), retriever.passage_max_length

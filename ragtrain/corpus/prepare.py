@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ragtrain.data.clean import clean
+from ragtrain.data.store import PassageStore
 from ragtrain.data.types import DataError
 
 from .chunk import chunk_document
@@ -70,7 +71,7 @@ def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> Iterator[dict[s
             emit({"source": str(path)}, str(e), True)
             continue
         except MissingFileError:  # not a bad file: name the node that cannot see it
-            import ray
+            import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
             node = ray.get_runtime_context().get_node_id()[:12] if ray.is_initialized() else "?"
             emit({"source": str(path)}, str(MissingFileError(Path(path), f" on Ray node {node}")))
@@ -94,7 +95,7 @@ def read_clean_batch(batch: dict[str, np.ndarray], root: str) -> Iterator[dict[s
 @contextmanager
 def _ordered():
     """Ray Data keeps the input order while this is open (the store's order must not depend on timing)."""
-    from ray.data import DataContext
+    from ray.data import DataContext  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     ctx = DataContext.get_current()
     saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars
@@ -122,7 +123,7 @@ def _rows(ds: Any) -> Iterator[dict[str, Any]]:
 def read_on_ray(files: Sequence[Path], root: str | Path) -> Iterator[dict[str, Any]]:
     """The cleaned documents of `files` in file order, read on Ray Data tasks; a file that failed to read yields
     {"file_error": message}; any other error (bad id, empty document) raises its DataError in the driver."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     items = [{"path": str(p)} for p in files]
     with _ordered():
@@ -148,6 +149,7 @@ _TOKENIZERS: dict[str, Any] = {}
 
 def _tokenizer(retriever: Any) -> Any:
     """The retriever's tokenizer, loaded once per worker process (Ray reuses task workers across batches)."""
+    # lazy: ragtrain.embed.model imports torch; this module imports without it
     from ragtrain.embed.model import load_tokenizer
 
     key = repr(retriever)  # the config is a mutable dataclass (unhashable); its repr names everything that matters
@@ -161,8 +163,6 @@ def chunk_batch(
 ) -> dict[str, np.ndarray]:
     """Ray Data (a task per range of a documents store): passage rows {id, title, text, doc_id, start, end}, or one
     error row for a document that cannot be chunked."""
-    from ragtrain.data.store import PassageStore
-
     tokenizer, docs = _tokenizer(retriever), PassageStore(store)
     cols: dict[str, list] = {c: [] for c in ("id", "title", "text", "doc_id", "start", "end", "error")}
     for start, stop in zip(batch["start"].tolist(), batch["stop"].tolist()):
@@ -185,7 +185,7 @@ def chunk_on_ray(store: Any, retriever: Any, max_tokens: int, overlap: int, task
 
     Tasks, not an actor pool: the tokenizer loads in well under a second and is cached per worker process, while
     actors would each start a fresh process (torch + transformers imports, seconds apiece)."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     n = len(store)
     ranges = [{"start": s, "stop": min(n, s + DOCS_PER_CALL)} for s in range(0, n, DOCS_PER_CALL)]

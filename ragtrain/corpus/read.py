@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,8 +85,6 @@ def _not_found(path: Path) -> DataError:
     """A file that vanished after listing (MissingFileError), or a symbolic link to nothing: a bad file, which
     data.on_error decides about (FileError)."""
     if path.is_symlink():
-        import os
-
         return FileError(f"{path}: a symbolic link to a missing target ({os.readlink(path)})")
     return MissingFileError(path)
 
@@ -121,7 +120,6 @@ def _walk(root: Path) -> Iterator[Path]:
     """Every non-folder entry under `root`, following symbolic links to folders (a linked folder of documents is
     part of the corpus; pathlib's glob on Python < 3.13 skips them), never into a link back to one of its own
     ancestors (a cycle). A folder that cannot be listed is an error, not silently skipped."""
-    import os
 
     def fail(e: OSError) -> None:
         raise DataError(f"{e.filename}: cannot list this folder under data.root ({e.strerror or e})")
@@ -298,6 +296,7 @@ def _decode(path: Path, raw: bytes) -> str:
 
 def html_to_text(raw: bytes) -> tuple[str, str]:
     """(title, visible text) of an HTML page: script/style/head dropped, one line per block element."""
+    # lazy: lxml only serves HTML documents
     import lxml.html
     from lxml import etree
 
@@ -384,6 +383,7 @@ def _read_jsonl(path: Path) -> Iterator[dict[str, str]]:
 
 def _open_parquet(path: Path) -> Any:
     """The open pyarrow ParquetFile and the columns to read; FileError if it is not a parquet file."""
+    # lazy: pyarrow loads a native library; this module imports without it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -401,7 +401,7 @@ def _open_parquet(path: Path) -> Any:
 
 def _read_parquet(path: Path, pf: Any) -> Iterator[dict[str, str]]:
     """One document per row of a parquet file with columns _id|id, text, title (optional), a batch at a time."""
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: pyarrow loads a native library; this module imports without it
 
     keep = [c for c in ("_id", "id", "title", "text") if c in pf.schema_arrow.names]
     i = 0

@@ -31,11 +31,15 @@ from typing import Any
 import numpy as np
 
 from ragtrain.config import DataConfig, IndexConfig, PoolResources, RetrieverConfig
+from ragtrain.corpus.encode import write_shards
+from ragtrain.data.beir import load_beir
 from ragtrain.data.clean import content_hash
+from ragtrain.data.store import StoreWriter, _full_text
 from ragtrain.data.types import DataError, Passage, RetrievalData
 
 from .chunk import chunk_document
-from .dataset import locate
+from .dataset import check_corpus_ids, locate
+from .encode import SHARDS_META, build_threads, encode_stage
 from .prepare import FILES_PER_TASK, PREP_CPUS, _ordered, _tokenizer, read_clean_batch
 
 __all__ = ["StreamEncode", "passages_batch", "stream_documents"]
@@ -91,8 +95,6 @@ def passages_batch(
     """Ray Data (a task per block of cleaned documents): the passage rows of each document, chunked with the
     retriever's tokenizer when `chunk` = (max_tokens, overlap), else the document itself; error rows pass through.
     `columns`: the ones returned (the checks' first pass sends the driver no text)."""
-    from ragtrain.data.store import _full_text
-
     cols: dict[str, list] = {c: [] for c in PASSAGE_COLUMNS}
 
     def emit(
@@ -138,7 +140,7 @@ def passages_batch(
 @contextmanager
 def _block_bytes(size: int):
     """Ray Data's target block size is `size` while this is open."""
-    from ray.data import DataContext
+    from ray.data import DataContext  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     ctx = DataContext.get_current()
     saved, ctx.target_max_block_size = ctx.target_max_block_size, size
@@ -156,7 +158,7 @@ def _passages(
     columns: Sequence[str] = PASSAGE_COLUMNS,
 ) -> Any:
     """read (tasks) -> clean (tasks) -> chunk (tasks): passage rows, error rows included."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     items = [{"path": str(p)} for p in files]
     ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // FILES_PER_TASK)))
@@ -182,8 +184,6 @@ def _dataset(
     per_call: int,
 ) -> Any:
     """read (tasks) -> clean (tasks) -> chunk (tasks) -> encode (the actor pool): rows with their vectors."""
-    from .encode import build_threads, encode_stage
-
     ds = _passages(files, root, retriever, chunk)
     return encode_stage(
         ds,
@@ -257,10 +257,6 @@ def check_before_encoding(
     driver each passage's document id, digest and error only (no text), through the same gate as the stream (bad
     files, repeated ids, duplicate content), then qrels and `precheck` (the passage count against the index, the
     training batch) run on the ids. It costs a second read of the files, a fraction of the encode it can save."""
-    from ragtrain.data.beir import load_beir
-
-    from .dataset import check_corpus_ids
-
     gate = _Gate(files, root, cfg.on_error.value)
     passages = 0
     for batch in _blocks(lambda: _passages(files, str(root), retriever, chunk, CHECK_COLUMNS)):
@@ -316,8 +312,6 @@ def _keep(batch: Any, gate: _Gate, writer: Any, doc_of: dict[str, str] | None) -
 def seal(shards: Any, folder: Path, seconds: float, key: str, fingerprint: str, driver_s: float) -> None:
     """The streamed vector shards' metadata, written last (`shards.json`): the cache key and the corpus they
     hold, so the run's first index reads them instead of encoding again."""
-    from .encode import SHARDS_META
-
     shards.seconds = seconds
     shards.stats = {"streamed": True, "key": key, "corpus": fingerprint, "driver_rows_s": round(driver_s, 3)}
     meta = {k: v for k, v in shards.__dict__.items() if k != "folder"}
@@ -369,13 +363,7 @@ def stream_documents(
     """Read, clean, chunk and encode a documents folder in one Ray Data stream into the passage store at
     `store_path` and vector shards in `enc.folder`; returns the dataset (queries and qrels read after the corpus).
     On any error nothing of the stream is left: no store, no shard folder."""
-    import ray
-
-    from ragtrain.corpus.encode import write_shards
-    from ragtrain.data.beir import load_beir
-    from ragtrain.data.store import StoreWriter
-
-    from .dataset import check_corpus_ids
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     chunk = (cfg.chunk.max_tokens, cfg.chunk.overlap) if cfg.chunk.enabled else None
     start = time.perf_counter()

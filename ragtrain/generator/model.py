@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragtrain.config.generator import Arch, GeneratorConfig
+from ragtrain.embed.model import minilm_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from installed packages, local paths or the cache
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -37,14 +38,12 @@ _DROPOUT_KEYS = (
 
 def resolve_path(name: str) -> str:
     """ "minilm"/"tiny" -> the shipped all-MiniLM-L6-v2 folder; anything else is a local path or cached name."""
-    from ragtrain.embed.model import minilm_path
-
     return minilm_path() if name in ("minilm", "tiny") else name
 
 
 def load_tokenizer(g: GeneratorConfig):  # -> transformers.PreTrainedTokenizerBase
     """The generator's tokenizer (tiny models and BERT2BERT-from-MiniLM use MiniLM's WordPiece vocabulary)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers is heavy (~1 s); this module imports without it
 
     return AutoTokenizer.from_pretrained(resolve_path(g.tokenizer or g.model))
 
@@ -59,6 +58,7 @@ def _set_dropout(config: Any, p: float | None) -> None:
 
 def _bert2bert(g: GeneratorConfig, tok) -> nn.Module:
     """EncoderDecoderModel with both sides from one BERT checkpoint (Rothe et al. 2020's BERT2BERT)."""
+    # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import BertConfig, BertLMHeadModel, BertModel, EncoderDecoderModel
 
     path = resolve_path(g.model)
@@ -91,6 +91,7 @@ def _bert2bert(g: GeneratorConfig, tok) -> nn.Module:
 
 def _tiny(g: GeneratorConfig, tok) -> nn.Module:
     """A small T5 (seq2seq) or GPT-2 (causal) built from a config with the tokenizer's vocabulary: no download."""
+    # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import (
         GPT2Config,
         GPT2LMHeadModel,
@@ -134,6 +135,7 @@ def _tiny(g: GeneratorConfig, tok) -> nn.Module:
 
 def _pretrained(g: GeneratorConfig) -> nn.Module:
     """Any HF seq2seq or causal LM by local path or cached name."""
+    # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     path = resolve_path(g.model)
@@ -203,7 +205,7 @@ class GenModel(nn.Module):
 
 def build_generator(g: GeneratorConfig, tokenizer) -> GenModel:
     """Build the configured generator (call torch.manual_seed first: new layers get a seeded init)."""
-    import transformers
+    import transformers  # lazy: transformers is heavy (~1 s); this module imports without it
 
     transformers.logging.set_verbosity_error()  # partial-checkpoint load reports are expected here (decoder)
     if g.arch == Arch.bert2bert:

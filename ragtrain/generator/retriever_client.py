@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import faiss
 import numpy as np
 import ray
 import torch
@@ -22,6 +23,11 @@ import torch
 from ragtrain.config import Config, Precision, RetrieverConfig
 from ragtrain.config.generator import RetrievalMode
 from ragtrain.console import get_logger
+from ragtrain.embed.encoders import QueryEncoder
+from ragtrain.embed.model import build_encoder
+from ragtrain.index.faiss_index import DenseIndex, IndexMeta, IndexMismatchError
+from ragtrain.index.sharded import ShardedIndex
+from ragtrain.retriever.train import load_weights
 
 log = get_logger(__name__)
 
@@ -42,8 +48,6 @@ class IndexPayload:
     @classmethod
     def from_index(cls, index, cfg: Config, weights: list[dict[str, torch.Tensor]]) -> IndexPayload:
         """Package a DenseIndex or RemoteIndex with the encoder snapshot(s) that built it."""
-        from dataclasses import asdict
-
         return cls(
             index.serialize(),
             list(index.doc_ids),
@@ -60,12 +64,6 @@ class Searcher:
     """In-process retrieval: the one query encoder (`QueryEncoder`) and the one index search (`DenseIndex`)."""
 
     def __init__(self, payload: IndexPayload, num_threads: int = 0):
-        import faiss
-
-        from ragtrain.embed.encoders import QueryEncoder
-        from ragtrain.index.faiss_index import DenseIndex, IndexMeta
-        from ragtrain.index.sharded import ShardedIndex
-
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.p = payload
@@ -176,10 +174,6 @@ class RetrievalService:
 def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, torch.Tensor]]:
     """The encoder weights an index's metadata names: `<model>@init`, `<model>@<file>.safetensors`, or
     `vector_avg of N replicas in <dir>` (replica_*.safetensors)."""
-    from ragtrain.embed.model import build_encoder
-    from ragtrain.index.faiss_index import IndexMismatchError
-    from ragtrain.retriever.train import load_weights
-
     if encoder.startswith("vector_avg of ") and " in " in encoder:
         folder = Path(encoder.rsplit(" in ", 1)[1])
         files = sorted(folder.glob("replica_*.safetensors"))
@@ -215,9 +209,6 @@ def check_encoder(
     Only the query encoder and the index's first `n` rows are needed, never the whole index.
     Returns the smallest cosine, or NaN (with a warning) when the index type cannot give its vectors back (an HNSW
     graph over PQ codes)."""
-    from ragtrain.embed.encoders import QueryEncoder
-    from ragtrain.index.faiss_index import IndexMismatchError
-
     encoder = QueryEncoder(retriever, weights, precision=Precision(precision).value)
     if encoder.dim != index.meta.dim:
         raise IndexMismatchError(

@@ -7,14 +7,25 @@ Entry point for the pipeline: `run_generator_stage(cfg, data, retrieval, built, 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import ray
+from tabulate import tabulate
+
+from ragtrain.cluster.resources import check_config
 from ragtrain.config import Config, ConfigError
-from ragtrain.config.generator import GenPrecision
+from ragtrain.config.generator import Arch, GenPrecision
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
-from ragtrain.generator.train import GenData, GenExample
+from ragtrain.generator.model import load_tokenizer, resolve_path
+from ragtrain.generator.prompt import PromptPassages, PromptTooLongError
+from ragtrain.generator.retriever_client import IndexPayload, RetrievalService, check_encoder, load_snapshots
+from ragtrain.generator.train import GenData, GenExample, fit_generator, prompt_builder
+from ragtrain.index.faiss_index import IndexMismatchError
+from ragtrain.index.host import RemoteIndex, start_host
+from ragtrain.index.sharded import ShardGroup, is_sharded, open_saved, read_sharded
 
 log = get_logger(__name__)
 
@@ -23,8 +34,6 @@ PHASES = {"closed_book": "gen_closed_book", "rag": "gen_rag", "oracle": "gen_ora
 
 def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
     """Questions with short answers and gold passages (train and the evaluated split), and passage texts."""
-    from ragtrain.generator.prompt import PromptPassages
-
     if not data.answers:
         raise ConfigError(
             f"the generator stage needs short answers per question, and dataset {data.name!r} has "
@@ -69,10 +78,7 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Path | None = None) -> 
 def check_model(cfg: Config) -> Any:
     """The generator's tokenizer and model config load offline and fit the configured architecture and lengths (a
     typo or a mismatch fails now, not after retriever training); returns the tokenizer."""
-    from transformers import AutoConfig
-
-    from ragtrain.config.generator import Arch
-    from ragtrain.generator.model import load_tokenizer, resolve_path
+    from transformers import AutoConfig  # lazy: transformers is heavy (~1 s); this module imports without it
 
     g = cfg.generator
     try:
@@ -88,6 +94,7 @@ def check_model(cfg: Config) -> Any:
     if g.arch == Arch.bert2bert:
         fits, kind = hf.model_type == "bert", "a BERT checkpoint"
     else:
+        # lazy: transformers is heavy (~1 s); this module imports without it
         from transformers.models.auto.modeling_auto import (
             MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
             MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
@@ -117,9 +124,6 @@ def check_model(cfg: Config) -> Any:
 
 def check_prompts(cfg: Config, gen: Any, tokenizer: Any) -> None:
     """Every training and evaluated question fits the prompt budget with the template (questions are never cut)."""
-    from ragtrain.generator.prompt import PromptTooLongError
-    from ragtrain.generator.train import prompt_builder
-
     builder = prompt_builder(cfg.generator, tokenizer)
     for ex in list(gen.train) + list(gen.eval):
         try:
@@ -136,12 +140,6 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     saved index memory-mapped and loads it for searching into an index host, so it never holds the vectors.
     Returns an IndexPayload (None with check_only); raises FileNotFoundError / IndexMismatchError with the reason.
     """
-    import ray
-
-    from ragtrain.generator.retriever_client import IndexPayload, check_encoder, load_snapshots
-    from ragtrain.index.faiss_index import IndexMismatchError
-    from ragtrain.index.sharded import is_sharded, open_saved
-
     folder = None
     if built is None:
         folder = Path(cfg.generator.retrieval.index_dir or out_dir / "index")
@@ -165,13 +163,9 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     if check_only:
         return None
     if folder is not None and ray.is_initialized() and is_sharded(folder):  # the searchers scatter to the shards
-        from ragtrain.index.sharded import ShardGroup, read_sharded
-
         group = ShardGroup(len(read_sharded(folder)), out_dir / "shards", cfg.resources.pool, cfg.index.shard_timeout_s)
         index = group.load("generator", folder)
     elif folder is not None and ray.is_initialized():  # searchers fetch it from a host's object, not via the driver
-        from ragtrain.index.host import RemoteIndex, start_host
-
         index = RemoteIndex.load(start_host(cfg.resources.pool), "generator", folder)
     payload = IndexPayload.from_index(index, cfg, weights)
     if isinstance(payload.index_bytes, ray.ObjectRef):  # made before the host goes out of scope with this frame
@@ -182,10 +176,6 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
 def check_resources(cfg: Config) -> None:
     """The generator's worker group (generator.train.num_workers / cpus_per_worker over resources.trainer) fits
     the cluster: an infeasible request fails in seconds instead of pending forever."""
-    from dataclasses import replace
-
-    from ragtrain.cluster.resources import check_config
-
     r, t = cfg.resources, cfg.generator.train
     trainer = replace(
         r.trainer,
@@ -197,8 +187,6 @@ def check_resources(cfg: Config) -> None:
 
 def summary_table(results: dict[str, dict[str, float]]) -> str:
     """EM / F1 per mode side by side."""
-    from tabulate import tabulate
-
     modes = [p for p in PHASES.values() if p in results]
     rows = [[k] + [results[m].get(k) for m in modes] for k in ("em", "f1", "gold_in_top_k")]
     return tabulate(rows, headers=["metric"] + [m.removeprefix("gen_") for m in modes], floatfmt=".4f", missingval="")
@@ -210,9 +198,6 @@ def run_generator_stage(
     """Train + evaluate the generator; returns {"gen_closed_book": {em, f1, n}, "gen_rag": ..., "gen_oracle":
     ..., "gen_train": {steps, seconds, wall_seconds, samples_per_s, tokens_per_s, final_loss, ...}}; writes
     <out_dir>/generator/ (generator.safetensors, predictions.json, loss_history.json, metrics.json)."""
-    from ragtrain.generator.retriever_client import RetrievalService
-    from ragtrain.generator.train import fit_generator
-
     g = cfg.generator
     out_dir = Path(out_dir)
     gen_data = build_gen_data(cfg, data)  # fails fast on missing answers

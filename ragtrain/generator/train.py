@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
+from safetensors.torch import load_model, save_model
 
 from ragtrain.config import Config
 from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
@@ -131,8 +134,6 @@ def autocast(precision: GenPrecision, device: torch.device) -> AbstractContextMa
 
 def save_generator(model: GenModel, folder: str | Path) -> Path:
     """safetensors, no pickle; tied tensors are stored once (safetensors' save_model drops the aliases)."""
-    from safetensors.torch import save_model
-
     path = Path(folder) / WEIGHTS_FILE
     save_model(model.hf, str(path))
     return path
@@ -140,8 +141,6 @@ def save_generator(model: GenModel, folder: str | Path) -> Path:
 
 def load_generator(cfg: Config, folder: str | Path) -> GenModel:
     """Rebuild the configured architecture and load a checkpoint saved by `save_generator` (strict)."""
-    from safetensors.torch import load_model
-
     path = Path(folder) / WEIGHTS_FILE
     if not path.exists():
         raise FileNotFoundError(f"no generator weights at {path}")
@@ -428,8 +427,6 @@ def fit_generator(
     cfg: Config, data: GenData, client: RetrievalClient, sink: MetricSink | None, out_dir: Path | None = None
 ) -> GenFitResult:
     """Driver: train + evaluate the generator on the harness; copy the final checkpoint's files to out_dir."""
-    import ray
-
     r, t = cfg.resources.trainer, cfg.generator.train
     if not data.train:
         raise ValueError("the generator stage has no training questions with answers")
@@ -448,8 +445,6 @@ def _result(
     folder: Path, summary: dict[str, Any], out_dir: Path | None, seconds: float, path: str | None = None
 ) -> GenFitResult:
     """The fit's result from its final checkpoint folder; its files are copied to out_dir."""
-    import shutil
-
     predictions = json.loads(Path(folder, PREDICTIONS_FILE).read_text())
     history = json.loads(Path(folder, HISTORY_FILE).read_text())
     if out_dir is not None:

@@ -20,11 +20,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from ragtrain.cluster.resources import record_placement_group
 from ragtrain.config import Config
 from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import passage_qrels
+from ragtrain.corpus.encode import SHARDS_META, ShardSet, build_threads, encode_to_shards
 from ragtrain.data import RetrievalData
+from ragtrain.data.store import PassageStore
+from ragtrain.embed.align import fit_alignment
+from ragtrain.embed.encoders import EncodeFault, QueryEncoder, encoder_dim
 from ragtrain.eval.metrics import evaluate, maxp_run, run_from_scores
+from ragtrain.index import vector_cache
+from ragtrain.index.faiss_index import check_index_config
+from ragtrain.index.mining import mine_rows, positive_scores
+from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, map_shards, mean_shards, sample_ids
 from ragtrain.precision import resolved_index
 
 log = get_logger(__name__)
@@ -47,8 +56,6 @@ class BuiltIndex:
 
     def query_encoder(self, cfg: Config):
         """The QueryEncoder of this build's snapshot(s) (loaded once)."""
-        from ragtrain.embed.encoders import QueryEncoder
-
         if self._encoder is None:
             self._encoder = QueryEncoder(cfg.retriever, self.snapshots, cfg.index.batch_size, cfg.index.precision.value)
         return self._encoder
@@ -75,19 +82,16 @@ class Retrieval:
     def passages(self) -> Sequence[str]:
         """Every passage's text in corpus order (the trainer's and the live pool's input): a PassageStore's
         on-demand view (pickled as the store's path), or a list for an in-memory corpus."""
-        from ragtrain.data.store import PassageStore
-
         corpus = self.data.corpus
         return corpus.texts() if isinstance(corpus, PassageStore) else [p.full_text() for p in corpus.values()]
 
     @property
     def pool(self):
         """The encoder actor pool of the live index service (refresh.enabled), started on first use."""
+        # lazy: ragtrain.index.pool imports ray; this module imports without it
         from ragtrain.index.pool import EncoderPool
 
         if self._pool is None:
-            from ragtrain.cluster.resources import record_placement_group
-
             # With index shards the live refresh encodes on the shards' threads: the pool is only its reservation
             self._pool = EncoderPool(self.cfg.retriever, self.cfg.resources.pool, start_actors=not self.sharded)
             self._pool.fault_shard = self.cfg.fault.kill_pool_actor_at_shard  # fault injection (tests)
@@ -98,6 +102,7 @@ class Retrieval:
     def host(self):
         """The IndexHost actor that holds this run's indexes, started on first use."""
         if self._host is None:
+            # lazy: ragtrain.index.host imports faiss/ray; this module imports without them
             from ragtrain.index.host import start_host
 
             pool = self.cfg.resources.pool
@@ -115,8 +120,9 @@ class Retrieval:
         """The run's IndexShard actors (index.shards), started on first use; builds persist under
         <output_dir>/shards/<tag>/shard-<i>/."""
         if self._shards is None:
-            import ray
+            import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
+            # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
             from ragtrain.index.sharded import ShardGroup, resolve_shards
 
             idx = self.cfg.index
@@ -128,6 +134,7 @@ class Retrieval:
 
     def index_from(self, tag: str, shards: Any, encoder_name: str, step: int) -> Any:
         """FAISS of the vector set `shards` under `tag`: in the index host, or split over the index shards."""
+        # lazy: ragtrain.index.host imports faiss/ray; this module imports without them
         from ragtrain.index.host import RemoteIndex
 
         cfg = self.cfg
@@ -139,7 +146,7 @@ class Retrieval:
 
     def close(self) -> None:
         """Stop the pool, the index host and the index shards (the end of a run)."""
-        import ray
+        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         self.release()
         if self._host is not None:
@@ -161,11 +168,7 @@ class Retrieval:
         One snapshot: its vectors. Several (sync=vector_avg: one per replica): every replica encodes every
         passage and the index holds the re-normalised mean vector; queries are averaged the same way.
         """
-        import ray
-
-        from ragtrain.embed.encoders import EncodeFault, encoder_dim
-        from ragtrain.index.faiss_index import check_index_config
-        from ragtrain.index.shard_ops import mean_shards
+        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         cfg, idx = self.cfg, resolved_index(self.cfg)  # auto: as the encode actors will run it (key, index meta)
         # A factory FAISS rejects, or more IVF lists than passages: fail before encoding anything
@@ -198,10 +201,7 @@ class Retrieval:
     ) -> Any:
         """The corpus's vectors under `weights` as a ShardSet in `folder`: from the corpus stream (`alone`: one
         snapshot) or the vector cache when they hold them, else encoded on the index shards or on Ray Data."""
-        import ray
-
-        from ragtrain.corpus.encode import build_threads, encode_to_shards
-        from ragtrain.data.store import PassageStore
+        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         cfg, idx = self.cfg, resolved_index(self.cfg)
         streamed = self._streamed(folder, weights) if alone else None
@@ -210,8 +210,6 @@ class Retrieval:
             return streamed
         key = None
         if idx.cache_dir and fault is None:  # the same weights on the same corpus were encoded before: reuse
-            from ragtrain.index import vector_cache
-
             key = vector_cache.cache_key(
                 weights, cfg.retriever, idx, self.fingerprint, cfg.retriever.passage_max_length
             )
@@ -239,9 +237,6 @@ class Retrieval:
 
     def _streamed(self, folder: Path, weights: dict[str, torch.Tensor]) -> Any:
         """The ShardSet the corpus stream wrote in `folder` when it holds this corpus under these weights, else None."""
-        from ragtrain.corpus.encode import SHARDS_META, ShardSet
-        from ragtrain.index import vector_cache
-
         if not (folder / SHARDS_META).exists():
             return None
         shards = ShardSet.load(folder)
@@ -308,9 +303,6 @@ class Retrieval:
         onto the trained space fitted on `index.align_anchors` anchor passages (their trained vectors are rows of
         `trained`). Returns {"stale": ..., "stale_aligned": ...}. Shard by shard: only the anchors' vectors and a
         drift sample are read into the driver; the mapped vectors are written as shards for the index host."""
-        from ragtrain.embed.align import fit_alignment
-        from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, map_shards, sample_ids
-
         idx, seed = resolved_index(self.cfg), self.cfg.seed
         anchors = sample_ids(self.doc_ids, idx.align_anchors, seed)
         align = fit_alignment(stale.shards.vectors_of(anchors), trained.shards.vectors_of(anchors), "orthogonal")
@@ -334,8 +326,6 @@ class Retrieval:
 
     def mine_negatives(self, built: BuiltIndex) -> dict[str, list[int]]:
         """Hard-negative candidates (corpus positions) for each training query: the one rule of mining.py."""
-        from ragtrain.index.mining import mine_rows, positive_scores
-
         t = self.cfg.retriever.train
         qids = sorted(self.train_qrels)
         index = built.index
@@ -366,9 +356,11 @@ class Retrieval:
     def start_service(self, built: BuiltIndex, weights: dict[str, torch.Tensor]):
         """Start the live index service on the pool (refresh.enabled) with version 0 = `built`'s vectors, encoded
         with `weights`; returns (service actor, staleness probe)."""
+        # lazy: ray is heavy (~0.5 s); this module imports without it
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        # lazy: ragtrain.index.refresh imports ray; this module imports without it
         from ragtrain.index.refresh import IndexService, make_probe
 
         if len(built.snapshots) != 1:
@@ -386,8 +378,10 @@ class Retrieval:
         # pool's node), so index work never takes the trainer's CPUs.
         strategy = PlacementGroupSchedulingStrategy(self.pool.placement_group, placement_group_bundle_index=0)
         if self.sharded:  # each index shard refreshes its own rows (index/sharded_refresh.py)
-            from ragtrain.data.store import PassageStore
+            # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
             from ragtrain.index.sharded import shard_ranges
+
+            # lazy: ragtrain.index.sharded_refresh imports faiss/ray; this module imports without them
             from ragtrain.index.sharded_refresh import ShardedIndexService
 
             corpus, texts = self.data.corpus, self.passages()
@@ -412,7 +406,7 @@ class Retrieval:
 
     def stop_service(self, service) -> dict:
         """Wait for a running refresh, collect the service's refresh history, and release the pool."""
-        import ray
+        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         ray.get(service.close.remote())
         report = ray.get(service.report.remote())

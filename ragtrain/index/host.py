@@ -16,10 +16,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import faiss
 import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ragtrain.index.faiss_index import DenseIndex, IndexMeta
+from ragtrain.index.faiss_index import DenseIndex, IndexMeta, load_index
+from ragtrain.index.shards import build_configured_from_shards
+from ragtrain.rss import peak_rss_mb
 
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig, PoolResources
@@ -61,8 +65,6 @@ class _Host(BuildHolder):
 
     def __init__(self, threads: int = 0) -> None:
         if threads > 0:  # FAISS would use every core of the node, which it shares with trainers and actors
-            import faiss
-
             faiss.omp_set_num_threads(threads)
         self.indexes: dict[str, DenseIndex] = {}
 
@@ -71,8 +73,6 @@ class _Host(BuildHolder):
     ) -> tuple[list[str], dict]:
         """Build `tag` from the shards in `shard_folder` (replacing an older build of that tag); returns its row ids
         and metadata."""
-        from ragtrain.index.shards import build_configured_from_shards
-
         self.indexes.pop(tag, None)  # free the old build first: two copies of a large index need not fit
         index = build_configured_from_shards(shard_folder, idx, fingerprint, encoder, step, seed)
         self.indexes[tag] = index
@@ -80,8 +80,6 @@ class _Host(BuildHolder):
 
     def load(self, tag: str, folder: str) -> tuple[list[str], dict]:
         """Load a saved index as `tag` (the caller checked it); returns its row ids and metadata."""
-        from ragtrain.index.faiss_index import load_index
-
         self.indexes.pop(tag, None)
         index = load_index(folder)
         self.indexes[tag] = index
@@ -101,8 +99,6 @@ class _Host(BuildHolder):
 
     def peak_rss_mb(self) -> float:
         """This process's peak resident set (MB)."""
-        from ragtrain.rss import peak_rss_mb
-
         return peak_rss_mb()
 
 
@@ -118,8 +114,6 @@ def host_options(pool: PoolResources, nodes: list[dict]) -> dict[str, Any]:
     """Where the IndexHost goes: a 0-CPU actor would land on the driver's node (on KubeRay the head, meant for the
     driver alone), so it goes next to the pool: to a node that carries the pool's custom resources (soft: any node
     if none is alive), with the pool's CPU count as FAISS threads (the pool is idle while an index is built)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     opts: dict[str, Any] = {}
     if pool.resources:
         fit = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -11,9 +12,14 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+from ray.experimental.tqdm_ray import tqdm as ray_tqdm
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tqdm import tqdm
 
 from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
 from ragtrain.console import get_logger
+from ragtrain.embed.model import build_encoder, encode_texts, inference_weights, load_tokenizer
 from ragtrain.precision import resolve
 
 log = get_logger(__name__)
@@ -27,8 +33,6 @@ class EncoderActor:
     """Holds one encoder replica; loads new weights only when the snapshot version changes."""
 
     def __init__(self, retriever: RetrieverConfig, num_threads: int):
-        from ragtrain.embed.model import build_encoder, load_tokenizer
-
         # Ray sets OMP_NUM_THREADS from num_cpus, but torch may already have read it: set intra-op threads here.
         torch.set_num_threads(max(1, num_threads))
         self.cfg = retriever
@@ -58,11 +62,7 @@ class EncoderActor:
     ) -> tuple[int, Any, np.ndarray]:
         """Embed one shard (length-sorted batches inside; `role` picks the configured query / passage prefix);
         returns (shard id, weights version, [n, dim] fp32)."""
-        from ragtrain.embed.model import encode_texts, inference_weights
-
         if die:  # fault.kill_pool_actor_at_shard: the process dies as in a crash (no cleanup, no exception)
-            import os
-
             os._exit(1)
         model = self.model
         precision = resolve(precision, next(model.parameters()).device, "index.precision", announce=False)
@@ -107,8 +107,6 @@ class EncoderPool:
     def __init__(self, retriever: RetrieverConfig, pool: PoolResources, start_actors: bool = True):
         """start_actors=False: only the reservation (the placement group), for work that runs in its bundles on
         other actors' threads (the live refresh over index shards)."""
-        from ray.util.placement_group import placement_group, remove_placement_group
-
         self.retriever, self.resources = retriever, pool
         self._weights_ref: Any = None  # the current snapshot: a replacement actor loads it
         self.fault_shard = -1  # fault.kill_pool_actor_at_shard (once per pool)
@@ -128,8 +126,6 @@ class EncoderPool:
 
     def _start_actor(self, bundle_index: int):
         """An encoder actor in bundle `bundle_index` of the pool's placement group."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         return EncoderActor.options(
             num_cpus=self.resources.cpus_per_actor,
             resources=dict(self.resources.resources) or None,
@@ -172,8 +168,6 @@ class EncoderPool:
     ) -> tuple[np.ndarray, dict]:
         """Embed all texts (truncated to max_length; `role`: "passage" or "query", for retriever.*_prefix) with the
         current snapshot: ([N, dim] fp32 in input order, stats)."""
-        from tqdm import tqdm
-
         if not self.actors:
             raise RuntimeError("EncoderPool.encode called after shutdown, or on a pool started without actors")
         if self._version is None:
@@ -189,8 +183,6 @@ class EncoderPool:
         attempts = [0] * len(shards)
         bar = None
         if progress and ray.get_runtime_context().get_actor_id():  # in an actor (the live service): drawn by the driver
-            from ray.experimental.tqdm_ray import tqdm as ray_tqdm
-
             bar = ray_tqdm(total=len(texts), desc=desc, unit="doc")
         elif progress:
             bar = tqdm(total=len(texts), desc=desc, unit="doc", mininterval=2.0)
@@ -242,8 +234,6 @@ class EncoderPool:
 
     def shutdown(self) -> None:
         """Kill the actors and release their placement group (the CPUs return to the cluster)."""
-        from ray.util.placement_group import remove_placement_group
-
         for a in self.actors:
             ray.kill(a)
         self.actors = []

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import faiss
 import numpy as np
 import ray
 import torch
@@ -29,6 +30,9 @@ import torch.distributed as dist
 
 from ragtrain.config import Config
 from ragtrain.console import get_logger, progress_bars
+from ragtrain.corpus.encode import ShardSet
+from ragtrain.index.faiss_index import build_configured, exact_search
+from ragtrain.index.mining import mine_rows
 from ragtrain.precision import resolved_index
 
 log = get_logger(__name__)
@@ -125,8 +129,6 @@ def mine(
 ) -> list[list[int]]:
     """Hard-negative candidates per query: the index's top `depth` rows minus gold, minus the top `skip_top` of
     the rest, minus those above the margin / score ceiling (the one rule: ragtrain/index/mining.py)."""
-    from ragtrain.index.mining import mine_rows
-
     return mine_rows(index, qvecs, gold, depth, skip_top, margin, max_score, passage_vectors)
 
 
@@ -141,8 +143,6 @@ def staleness(
       is fresh - stale (> 0: refreshing the index would retrieve better right now).
     """
     cos = (stale * fresh).sum(1) / (np.linalg.norm(stale, axis=1) * np.linalg.norm(fresh, axis=1)).clip(min=1e-12)
-
-    from ragtrain.index.faiss_index import exact_search
 
     def recall(passages: np.ndarray) -> float:
         top = exact_search(queries, passages, k)[1]
@@ -216,8 +216,6 @@ class IndexService(LiveService):
         train_gold: list[list[int]],
         probe: Probe,
     ):
-        import faiss
-
         faiss.omp_set_num_threads(max(1, int(cfg.resources.pool.cpus_per_actor)))  # stay inside the pool's CPUs
         self.cfg, self.pool, self.passages, self.doc_ids = cfg, pool, passages, doc_ids
         self.fingerprint, self.train_queries, self.train_gold, self.probe = (
@@ -237,8 +235,6 @@ class IndexService(LiveService):
     def publish(self, step: int, shard_folder: str, weights: list) -> dict[str, Any]:
         """Version 0 from the vector shards of an encode already done (the zero-shot index), not a second encode.
         The service reads them itself: the driver that started it never holds the vector matrix."""
-        from ragtrain.corpus.encode import ShardSet
-
         try:
             vectors = ShardSet.load(shard_folder).read_all(order=self.doc_ids)[1]
         except Exception as e:  # the caller sees why version 0 is missing
@@ -251,8 +247,6 @@ class IndexService(LiveService):
         return self._run(step, weights[0], None)
 
     def _run(self, step: int, weights_ref, vectors: np.ndarray | None) -> dict[str, Any]:
-        from ragtrain.index.faiss_index import build_configured
-
         if not self._busy.acquire(blocking=False):
             return {"ok": False, "skipped": "a refresh is already running", "step": step}
         start = time.perf_counter()

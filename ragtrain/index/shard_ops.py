@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from ragtrain.corpus.encode import ShardSet, write_shards
+from ragtrain.embed.align import embedding_drift
+from ragtrain.embed.encoders import consensus_vectors
 
 DRIFT_SAMPLE = 20_000  # rows compared when measuring drift: the mean's standard error is < 1 % of the mean here
 
@@ -27,8 +29,6 @@ def mean_shards(sets: Sequence[ShardSet], folder: str | Path) -> ShardSet:
 
     The replicas were encoded from one source in order, so their files normally hold the same ids; where they do
     not, the other replicas' rows are looked up by id (slower, same result)."""
-    from ragtrain.embed.encoders import consensus_vectors
-
     first, others = sets[0], list(sets[1:])
     for s in others:
         if s.rows != first.rows or s.dim != first.dim:
@@ -58,6 +58,4 @@ def sample_ids(ids: Sequence[str], n: int, seed: int) -> list[str]:
 
 def drift(a: ShardSet, b: ShardSet, ids: Sequence[str]) -> float:
     """Mean 1 - cos between the two encodes' vectors of `ids` (read by id: only those rows are in memory)."""
-    from ragtrain.embed.align import embedding_drift
-
     return embedding_drift(a.vectors_of(ids), b.vectors_of(ids))

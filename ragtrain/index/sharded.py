@@ -22,18 +22,35 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import faiss
 import numpy as np
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ragtrain.console import get_logger
-from ragtrain.corpus.encode import SHARDS_META, ShardSet
+from ragtrain.console import get_logger, worker_setup
+from ragtrain.corpus.encode import SHARDS_META, ShardSet, write_shards
+from ragtrain.data.store import PassageStore
+from ragtrain.embed.encoders import EncodeBatch, LocalEncoder, encoder_dim
 from ragtrain.errors import ConfigError
-from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, IndexMismatchError, load_index
-from ragtrain.index.host import BuildHolder
+from ragtrain.index.faiss_index import (
+    METRIC,
+    DenseIndex,
+    IndexMeta,
+    IndexMismatchError,
+    build_from_chunks,
+    load_index,
+    make_index,
+)
+from ragtrain.index.host import BuildHolder, host_options
+from ragtrain.index.live_rows import LiveRows
+from ragtrain.index.shards import build_from_shards, iter_rows, save_atomic, trained_empty
+from ragtrain.rss import peak_rss_mb
 
 if TYPE_CHECKING:
     from ragtrain.config import Config, IndexConfig, PoolResources, RetrieverConfig
@@ -113,8 +130,6 @@ def check_shard_config(cfg: Config, rows: int, nodes: Sequence[dict] | None = No
     names the key; a setting that works but leaves part of the run on one index gets a warning line."""
     idx, r = cfg.index, cfg.refresh
     if r.enabled and r.consistency == "aligned" and nodes is None:
-        from ragtrain.embed.encoders import encoder_dim
-
         dim = encoder_dim(cfg.retriever)
         if r.anchors < dim or r.anchors > rows:
             raise ConfigError(
@@ -164,7 +179,6 @@ def read_manifest(folder: Path) -> dict:
 def persist(index: DenseIndex, folder: Path, manifest: dict) -> dict:
     """Save `index` with its manifest (checksum added) into `folder` through a temporary folder renamed on
     success (`shards.save_atomic`): a crash leaves the previous version in place."""
-    from ragtrain.index.shards import save_atomic
 
     def complete(tmp: Path) -> None:
         manifest.update(rows=index.ntotal, dim=index.meta.dim, factory=index.meta.factory)
@@ -262,13 +276,9 @@ class _Shard(BuildHolder):
     under `<root>/<tag>/shard-<shard>/`; a restarted actor reloads them from there."""
 
     def __init__(self, shard: int, root: str, threads: int = 0) -> None:
-        from ragtrain.console import worker_setup
-
         worker_setup()
         self.shard, self.root, self.threads = shard, Path(root), max(0, int(threads))
         if self.threads:  # FAISS would use every core of a node it shares with the other shards (torch: encode)
-            import faiss
-
             faiss.omp_set_num_threads(self.threads)
         self.indexes: dict[str, DenseIndex] = {}
         self.manifests: dict[str, dict] = {}
@@ -303,10 +313,6 @@ class _Shard(BuildHolder):
         """Encode rows [start, stop) of `source` (a PassageStore, read here; or [ObjectRef of (ids, texts)] of
         just these rows) with the snapshot `weights` ([ObjectRef]) into vector shards in `folder`; returns
         {rows, dim, files, seconds}."""
-        from ragtrain.corpus.encode import write_shards
-        from ragtrain.data.store import PassageStore
-        from ragtrain.embed.encoders import EncodeBatch
-
         t0 = time.perf_counter()
         enc = EncodeBatch(
             retriever,
@@ -357,10 +363,6 @@ class _Shard(BuildHolder):
         """Build `tag` from rows [start, stop) of the vector shards in `shard_folder` (`trained`: serialised
         bytes of the shared trained empty index, or None for types without training), persist it, and hold it;
         returns its manifest plus its row ids."""
-        import faiss
-
-        from ragtrain.index.shards import build_from_shards
-
         # Free the old build's memory first (two copies of a large shard need not fit); its files stay until the
         # new build is persisted, so a crash meanwhile restarts from the old version
         self.indexes.pop(tag, None)
@@ -428,10 +430,6 @@ class _Shard(BuildHolder):
         from) as this shard's live rows, and their texts' source (a PassageStore, or [ObjectRef of (ids, texts)]
         of these rows) for re-encoding. A persisted live state of the same rows (a restart) is continued, unless
         `fresh` (the start of a run's live index)."""
-        from ragtrain.data.store import PassageStore
-        from ragtrain.index.live_rows import LiveRows
-        from ragtrain.index.shards import iter_rows
-
         vecs = np.concatenate([v for _, v in iter_rows(ShardSet.load(vector_folder), start, stop)])
         if isinstance(source, PassageStore):
 
@@ -463,8 +461,6 @@ class _Shard(BuildHolder):
         return self.live
 
     def _encoder(self, version: int, weights: list, retriever: RetrieverConfig, idx: IndexConfig) -> Any:
-        from ragtrain.embed.encoders import LocalEncoder
-
         if version not in self.live_encoders:  # one encoder per snapshot, dropped when a newer one comes
             self.live_encoders = {version: LocalEncoder(retriever, weights, idx.batch_size, idx.precision.value)}
         return self.live_encoders[version]
@@ -491,7 +487,7 @@ class _Shard(BuildHolder):
     ) -> dict:
         """Re-encode this round's share of the live rows with the snapshot of `version` (kept pending), on
         `threads` CPUs (the refresh's share of the cluster: training runs beside it)."""
-        import torch
+        import torch  # lazy: torch is heavy (seconds); this module imports without it
 
         live = self._live()
         torch.set_num_threads(max(1, threads))
@@ -514,12 +510,6 @@ class _Shard(BuildHolder):
         """Build `tag` from the live rows (rows at a version in `maps` through its map), copying the template
         build's trained quantiser; returns the version mix. The previous build of `tag` answers until this one
         replaces it (one assignment)."""
-        from dataclasses import replace
-
-        import faiss
-
-        from ragtrain.index.faiss_index import build_from_chunks
-
         live = self._live()
         t0 = time.perf_counter()
         index = faiss.clone_index(self.live_template.index)
@@ -565,8 +555,6 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 
 def _peak_rss() -> float:
-    from ragtrain.rss import peak_rss_mb
-
     return peak_rss_mb()
 
 
@@ -582,10 +570,6 @@ IndexShard = ray.remote(
 @ray.remote(num_cpus=0)
 def _train_quantizer(shard_folder: str, factory: str, seed: int) -> Any:
     """The shared quantiser: `trained_empty` on the whole set's seeded sample, serialised (read where it runs)."""
-    import faiss
-
-    from ragtrain.index.shards import trained_empty
-
     index, _ = trained_empty(ShardSet.load(shard_folder), factory, seed)
     return faiss.serialize_index(index)
 
@@ -596,8 +580,6 @@ def _train_quantizer(shard_folder: str, factory: str, seed: int) -> Any:
 def _gather(refs: Sequence[Any], shards: Sequence[int], what: str, timeout_s: float | None) -> list[Any]:
     """ray.get of one call per shard, waiting at most `timeout_s` in all; a shard that does not answer in time, or
     died beyond its restarts, is a ShardUnavailableError naming it."""
-    from ray.exceptions import GetTimeoutError, RayActorError
-
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     out = []
     for ref, shard in zip(refs, shards):
@@ -625,11 +607,6 @@ class ShardGroup:
     def __init__(
         self, n: int, root: str | Path, pool: PoolResources, timeout_s: float, nodes: list[dict] | None = None
     ) -> None:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from ragtrain.index.host import host_options
-
         nodes = ray.nodes() if nodes is None else nodes
         found = index_nodes(nodes)
         self.n, self.root, self.timeout_s, self.pg = n, Path(root).resolve(), timeout_s, None
@@ -642,8 +619,6 @@ class ShardGroup:
             )
             ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
             if not ready:
-                from ray.util.placement_group import remove_placement_group
-
                 remove_placement_group(self.pg)
                 raise RuntimeError(
                     f"index.shards: {n} shards could not be placed on the {len(found)} index nodes "
@@ -672,8 +647,6 @@ class ShardGroup:
     ) -> ShardSet:
         """Every shard encodes its rows of `source` (a PassageStore, or an (ids, texts) pair of lists) with the
         snapshot `weights_ref` into `folder/shard-<i>/`; returns the whole set as one ShardSet (corpus order)."""
-        from ragtrain.data.store import PassageStore
-
         rows = len(source) if isinstance(source, PassageStore) else len(source[0])
         folder = Path(folder).resolve()
         shutil.rmtree(folder, ignore_errors=True)
@@ -707,8 +680,6 @@ class ShardGroup:
     ) -> ShardedIndex:
         """Build `tag` from the vector set `shards`: shard i indexes its row range, every shard copying one
         quantiser trained once on the set's seeded sample (IVF, PQ); each persists its build before answering."""
-        from ragtrain.index.faiss_index import make_index
-
         start = time.perf_counter()
         trained = None
         if not make_index(idx.factory, shards.dim).is_trained:  # trained in a task: the driver never gets vectors
@@ -766,8 +737,6 @@ class ShardGroup:
             ray.kill(a, no_restart=True)
         self.actors = []
         if self.pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
             remove_placement_group(self.pg)
             self.pg = None
 

@@ -34,9 +34,10 @@ import ray
 
 from ragtrain.config import Config
 from ragtrain.console import get_logger
-from ragtrain.index.faiss_index import METRIC, exact_search
+from ragtrain.embed.align import fit_alignment
+from ragtrain.index.faiss_index import METRIC, IndexMeta, exact_search
 from ragtrain.index.live_rows import version_summary
-from ragtrain.index.mining import mine_rows
+from ragtrain.index.mining import mine_rows, positive_scores
 from ragtrain.index.refresh import LiveService, LiveVersion, Probe, VersionBook
 from ragtrain.index.sharded import LIVE_BASE, LiveStateLost, ShardedIndex, _gather, shard_ranges
 from ragtrain.precision import resolved_index
@@ -291,15 +292,11 @@ class ShardedIndexService(LiveService):
 
     def _fit_maps(self, newest: int) -> dict[int, np.ndarray]:
         """For every older encoder version still stored: the orthogonal map of its anchors onto the newest's."""
-        from ragtrain.embed.align import fit_alignment
-
         return {u: fit_alignment(self.anchors[u], self.anchors[newest]).weight for u in self.anchors if u != newest}
 
     def _publish(self, step: int, qvecs: np.ndarray, fresh_probe: np.ndarray, extra: dict) -> dict[str, Any]:
         """Publish the state searches see now: negatives mined with the newest snapshot's query vectors, the
         probe's stored vectors, and what the state mixes."""
-        from ragtrain.index.mining import positive_scores
-
         t = self.cfg.retriever.train
         mixes = self._call(list(range(len(self.actors))), "live_mix")
         index = self._index()
@@ -331,8 +328,6 @@ class ShardedIndexService(LiveService):
         return {"ok": True, "version": version, "step": step, "metrics": metrics, **extra}
 
     def _index(self) -> ShardedIndex:
-        from ragtrain.index.faiss_index import IndexMeta
-
         if self.meta is None:
             self.meta = IndexMeta(
                 factory=self.cfg.index.factory, dim=self.dim, metric=METRIC, ntotal=len(self.doc_ids),

@@ -12,15 +12,17 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
 
+from ragtrain.corpus.encode import ShardSet
 from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, build_from_chunks
 from ragtrain.index.faiss_index import trained_empty as faiss_trained_empty
+from ragtrain.rss import peak_rss_mb
 
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig
@@ -44,7 +46,7 @@ def _sample(shards: ShardSet, size: int, seed: int) -> np.ndarray:
 def iter_rows(shards: ShardSet, start: int = 0, stop: int | None = None):
     """(ids, vectors) of rows [start, stop) in shard order, one file at a time; files wholly outside the range are
     skipped by their parquet row counts (not read), so a slice of a large set costs only its own files."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: pyarrow loads a native library; this module imports without it
 
     stop = shards.rows if stop is None else stop
     at = 0
@@ -87,8 +89,6 @@ def build_from_shards(
     256 per centroid, capped at the corpus), then every shard is added in turn. `rows` = (start, stop): only that
     row range is added; `trained`: an empty trained index to copy instead of training one (`trained_empty`).
     """
-    from ragtrain.corpus.encode import ShardSet
-
     if not isinstance(shards, ShardSet):
         shards = ShardSet.load(shards)
     start = time.perf_counter()
@@ -168,14 +168,10 @@ def build_and_save_remote(
 ) -> dict:
     """Build from shards and save in a Ray task (e.g. on an `index_node`): the driver gets metadata only.
     Returns the index metadata plus the task's peak RSS (MB)."""
-    import ray
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     @ray.remote(num_cpus=num_cpus, resources=resources or None)
     def _build() -> dict:
-        from dataclasses import asdict
-
-        from ragtrain.rss import peak_rss_mb
-
         faiss.omp_set_num_threads(max(1, int(num_cpus)))
         index = build_from_shards(shard_folder, factory, corpus_fingerprint, encoder, seed=seed)
         save_atomic(index, out_folder)

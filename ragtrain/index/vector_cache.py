@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragtrain.console import get_logger
+from ragtrain.corpus.encode import SHARDS_META, ShardSet
 from ragtrain.precision import resolve_with_reason
 
 if TYPE_CHECKING:
@@ -90,8 +91,6 @@ def _copy_tree(src: Path, dst: Path) -> None:
 
 def lookup(cache_dir: str | Path, key: str, dest: str | Path) -> ShardSet | None:
     """The cached shards of `key` placed in `dest` (replacing it), or None on a miss."""
-    from ragtrain.corpus.encode import SHARDS_META, ShardSet
-
     entry = Path(cache_dir) / key
     if not (entry / SHARDS_META).exists():  # absent, or an unfinished entry (never renamed into place)
         return None

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragtrain.embed.model import BiEncoder, tokenize
+from ragtrain.embed.model import BiEncoder, build_encoder, load_tokenizer, tokenize
+from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
 
 
 class StudentEncoder(nn.Module):
@@ -108,9 +109,6 @@ def distill_consensus(
     with it. The student sees at most distill_steps x distill_batch_size texts, so only a seeded sample of that
     many passages is read (texts and vectors), never the whole corpus. Returns (the student's BuiltIndex, its
     metrics incl. drift_vs_consensus: mean 1 - cos of its corpus vectors to the consensus vectors, on a sample)."""
-    from ragtrain.embed.model import build_encoder, load_tokenizer
-    from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
-
     cfg = retrieval.cfg
     idx, r = cfg.index, cfg.retriever
     qids = sorted(retrieval.data.train_qrels)

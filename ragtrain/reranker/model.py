@@ -24,6 +24,7 @@ TEACHER_META = "ragtrain_teacher.json"
 
 def build_cross_encoder(retriever: RetrieverConfig, path: str | Path | None = None) -> nn.Module:
     """A trained cross-encoder from `path`, else a new one from retriever.model's encoder (seeded head)."""
+    # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
     if path:
@@ -94,7 +95,7 @@ def save_teacher(model: nn.Module, retriever: RetrieverConfig, folder: str | Pat
 def check_teacher(path: str | Path, retriever: RetrieverConfig) -> dict:
     """A saved teacher folder that this retriever's tokenizer matches; ConfigError naming retriever.teacher.path
     otherwise. Returns its metadata."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers is heavy (~1 s); this module imports without it
 
     folder = Path(path)
     meta_file = folder / TEACHER_META

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from ragtrain.config import PoolResources, RetrieverConfig
-from ragtrain.console import get_logger
+from ragtrain.console import get_logger, worker_setup
+from ragtrain.corpus.encode import ACTOR_ENV, actor_cpus
 
 log = get_logger(__name__)
 SCORES_FILE = "scores.json"
@@ -35,16 +36,18 @@ class ScoreBatch:
         batch_size: int,
         threads: int,
     ):
-        import torch
+        import torch  # lazy: torch is heavy (seconds); this module imports without it
 
-        from ragtrain.console import worker_setup
+        # lazy: ragtrain.embed.model imports torch; this module imports without it
         from ragtrain.embed.model import load_tokenizer
+
+        # lazy: ragtrain.reranker.model imports torch; this module imports without it
         from ragtrain.reranker.model import build_cross_encoder
 
         worker_setup()
         torch.set_num_threads(max(1, threads))
         self.model = build_cross_encoder(retriever, teacher).eval()
-        import ray
+        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         if torch.cuda.is_available() and ray.is_initialized() and ray.get_gpu_ids():  # an actor Ray gave a GPU
             self.model.to("cuda")  # score_pairs follows the model's device
@@ -53,6 +56,7 @@ class ScoreBatch:
         self.max_length, self.batch_size = max_length, batch_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # lazy: ragtrain.reranker.model imports torch; this module imports without it
         from ragtrain.reranker.model import score_pairs
 
         qs = [self.queries[int(i)] for i in batch["q"]]
@@ -76,10 +80,9 @@ def score_on_ray(
     """The teacher's score of each (query position, passage position) pair, in `pairs` order.
 
     `passages` is a PassageStore text view (pickled as the store's path) or a list."""
+    # lazy: ray is heavy (~0.5 s); this module imports without it
     import ray
     from ray.data import ActorPoolStrategy
-
-    from ragtrain.corpus.encode import ACTOR_ENV, actor_cpus
 
     if not pairs:
         return np.empty(0, dtype=np.float32)

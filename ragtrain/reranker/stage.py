@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from ragtrain.config import Config
 from ragtrain.console import get_logger
+from ragtrain.eval.metrics import evaluate, maxp_run
+from ragtrain.reranker.score import teacher_targets
 from ragtrain.retriever.batching import TrainData, TrainExample
 
 log = get_logger(__name__)
@@ -27,8 +31,7 @@ def prepare_teacher(
     `rerank_depth` of `built` in one Ray Data pass, and evaluate the teacher's reranking.
 
     Returns ({qidx: {corpus position: score}}, metrics of the teacher's reranking incl. its training summary)."""
-    from ragtrain.eval.metrics import evaluate, maxp_run
-    from ragtrain.reranker.score import teacher_targets
+    # lazy: ragtrain.reranker.train imports torch; this module imports without it
     from ragtrain.reranker.train import TEACHER_DIR, fit_teacher
 
     tc, out, data = cfg.retriever.teacher, Path(cfg.output_dir), retrieval.data
@@ -78,8 +81,6 @@ def prepare_teacher(
 def rerank_run(run: dict[str, list[str]], qids: list[str], scores) -> dict[str, list[str]]:
     """Each query's list reordered by `scores` (the lists of `qids` concatenated, in order), best first; ties
     keep the first-stage order."""
-    import numpy as np
-
     out, k = {}, 0
     for q in qids:
         ids = run[q]

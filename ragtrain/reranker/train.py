@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from ragtrain.config import Config
 from ragtrain.console import get_logger
+from ragtrain.embed.model import load_tokenizer
+from ragtrain.reranker.model import build_cross_encoder, pair_inputs, save_teacher
 from ragtrain.retriever.batching import TrainData, local_batch, query_candidates
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink
@@ -37,9 +39,6 @@ class TeacherInputs:
 
 def train_loop_per_worker(args: WorkerArgs) -> None:
     """One Ray Train worker: set up -> train listwise -> save the final model."""
-    from ragtrain.embed.model import load_tokenizer
-    from ragtrain.reranker.model import build_cross_encoder, pair_inputs
-
     cfg = args.cfg
     tc, seed = cfg.retriever.teacher, cfg.retriever.train.seed
     w = Worker(args, seed=seed)  # the same head init on every rank (DDP broadcasts rank 0's anyway)
@@ -108,9 +107,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
 
 def fit_teacher(cfg: Config, data: TrainData, sink: MetricSink | None) -> tuple[Path, dict[str, float]]:
     """Driver: train the teacher on resources.trainer workers; returns (<output_dir>/teacher, summary)."""
-    import ray
-
-    from ragtrain.reranker.model import save_teacher
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     r, tc = cfg.resources.trainer, cfg.retriever.teacher
     steps = total_steps(tc.max_steps, tc.epochs, len(data.examples), tc.batch_size * r.num_workers)  # fails here
@@ -118,7 +115,6 @@ def fit_teacher(cfg: Config, data: TrainData, sink: MetricSink | None) -> tuple[
     args = WorkerArgs(cfg, "teacher", cpus_per_worker=r.cpus_per_worker, sink=sink, inputs=inputs)
     log.info(f"[teacher] training a cross-encoder from {cfg.retriever.model}: {steps} steps on {r.num_workers} workers")
     done = fit(train_loop_per_worker, args, num_workers=r.num_workers)
-    from ragtrain.reranker.model import build_cross_encoder
 
     model = build_cross_encoder(cfg.retriever, done.folder)  # the final checkpoint holds save_pretrained's files
     out = Path(cfg.output_dir) / TEACHER_DIR

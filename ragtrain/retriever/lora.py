@@ -24,6 +24,7 @@ def apply_lora(encoder: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Wrap `encoder.backbone` in a PEFT LoRA model (base weights frozen); a no-op when cfg.rank == 0."""
     if cfg.rank <= 0:
         return encoder
+    # lazy: peft only serves retriever.lora
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 

@@ -20,22 +20,23 @@ the ranks):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ragtrain.sync.comm import STATS, all_gather_bytes
+
 
 def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     """Concatenate `t` from all ranks in rank order; backward sums the gradients to each owner."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
-    import warnings
 
+    # lazy: torch.distributed's submodules import only where torch.distributed is built
     from torch.distributed.nn.functional import all_gather
-
-    from ragtrain.sync.comm import STATS, all_gather_bytes
 
     # Forward all-gather + backward reduce-scatter (gloo: all-to-all) each move (W - 1) chunks per worker;
     # both are counted here because every training forward is followed by its backward.
@@ -52,7 +53,6 @@ def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
     """Concatenate a (non-differentiable) tensor from all ranks in rank order."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
-    from ragtrain.sync.comm import STATS, all_gather_bytes
 
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     STATS.add("embeddings", all_gather_bytes(t.numel() * t.element_size(), dist.get_world_size()))

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ragtrain.config import Config
@@ -56,8 +58,6 @@ def load_state(encoder: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 def save_weights(state: dict[str, torch.Tensor], folder: str | Path, name: str = "encoder") -> Path:
     """Save encoder weights as safetensors (no pickle) in `folder` as `<name>.safetensors`."""
-    from safetensors.torch import save_file
-
     path = Path(folder) / f"{name}.safetensors"
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path))
     return path
@@ -65,8 +65,6 @@ def save_weights(state: dict[str, torch.Tensor], folder: str | Path, name: str =
 
 def load_weights(folder: str | Path, name: str = "encoder") -> dict[str, torch.Tensor]:
     """Load weights saved by `save_weights`."""
-    from safetensors.torch import load_file
-
     path = Path(folder) / f"{name}.safetensors"
     if not path.exists():
         raise FileNotFoundError(f"no encoder weights at {path} (expected a ragtrain retriever checkpoint)")
@@ -186,8 +184,7 @@ class RetrieverInputs:
 
 def setup_replica(args: WorkerArgs) -> Replica:
     """Build the replica, wrap it in the sync strategy, restore a checkpoint, connect the live index."""
-    import ray
-    import ray.train
+    import ray.train  # lazy: ray.train imports ray.data and pandas (~0.8 s); this module imports without them
 
     cfg = args.cfg
     t = cfg.retriever.train
@@ -422,8 +419,6 @@ def fit_retriever(
     val: ValSet | None = None,
 ) -> FitResult:
     """Driver: train the bi-encoder on the harness with resources.trainer workers; return the final weights."""
-    import ray
-
     r, t = cfg.resources.trainer, cfg.retriever.train
     # fails here, on the driver, if the data is too small for one global batch
     steps = total_steps(t.max_steps, t.epochs, len(data.examples), t.batch_size * r.num_workers)

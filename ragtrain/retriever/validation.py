@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 from ragtrain.data import RetrievalData
+from ragtrain.embed.model import encode_texts
 from ragtrain.eval.metrics import evaluate, maxp_run
+from ragtrain.index.faiss_index import exact_search
 
 VAL_DEPTH = 10  # nDCG@10 / Recall@10; MaxP retrieves this many documents from up to 10x as many passages
 
@@ -59,9 +61,6 @@ def validate(
     encoder, tokenizer, val: ValSet, query_max_length: int, passage_max_length: int, precision, device: torch.device
 ) -> dict[str, float]:
     """val/ndcg@10 and val/recall@10 of `encoder` on the sample."""
-    from ragtrain.embed.model import encode_texts
-    from ragtrain.index.faiss_index import exact_search
-
     p = encode_texts(encoder, tokenizer, val.passages, passage_max_length, 32, precision, device, role="passage")
     q = encode_texts(encoder, tokenizer, val.queries, query_max_length, 32, precision, device, role="query")
     # chunks: the whole sample, so MaxP always finds VAL_DEPTH documents (one long document's chunks could fill any

@@ -5,12 +5,14 @@ Strategies import this module; it imports none of them (the registry that picks 
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ragtrain.sync.comm import STATS, all_reduce_bytes
 
@@ -106,10 +108,6 @@ def average_params(params: list[nn.Parameter], category: str = "params") -> floa
 
 def ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0) -> nn.Module:
     """Wrap in DistributedDataParallel (buffers are constants here, so they are not re-broadcast each step)."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
     # Newer torch renamed the flag; either way buffers are synced once at construction, never per step.
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     flag = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"

@@ -80,6 +80,7 @@ class ComposedSync:
         self.topk = TopK(r.ratio, r.error_feedback, self.cross_group, inter) if r.kind == "topk" else None
         self.ps = None
         if m.kind == "async_ps":
+            # lazy: ragtrain.sync.async_ps imports ray; this module imports without it
             from ragtrain.sync.async_ps import AsyncPSSync
 
             self.ps = AsyncPSSync(m)  # reads mixer.max_staleness

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ragtrain.index.faiss_index import exact_search
 from ragtrain.sync.base import mean_and_divergence, world_size
 
 
@@ -41,7 +42,6 @@ def topk_jaccard(q: torch.Tensor, p: torch.Tensor, k: int = 10) -> float:
     w = world_size()
     if w == 1:
         return 1.0
-    from ragtrain.index.faiss_index import exact_search
 
     rows = exact_search(q.float().cpu().numpy(), p.float().cpu().numpy(), k)[1]  # [Q, k], as every index ranks
     top = torch.from_numpy(rows).to(q.device).contiguous()  # NCCL gathers device tensors

@@ -37,6 +37,7 @@ def counting_allreduce_hook(
     category: str, bucket: dist.GradBucket, group: Any | None = None
 ) -> torch.futures.Future[torch.Tensor]:
     """torch's allreduce_hook (mean of the bucket over `group`), plus bytes and in-flight time under `category`."""
+    # lazy: torch.distributed's submodules import only where torch.distributed is built
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     buf = bucket.buffer()
@@ -48,6 +49,7 @@ def cast_hook(
     dtype: torch.dtype, category: str, bucket: dist.GradBucket, group: Any | None = None
 ) -> torch.futures.Future[torch.Tensor]:
     """torch's fp16 / bf16 compress hook over `group`: the bucket crosses the wire in 2 bytes per entry."""
+    # lazy: torch.distributed's submodules import only where torch.distributed is built
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     fn = default_hooks.fp16_compress_hook if dtype == torch.float16 else default_hooks.bf16_compress_hook
@@ -58,6 +60,7 @@ def cast_hook(
 def powersgd_hook(state: Any, bucket: dist.GradBucket, category: str) -> torch.futures.Future[torch.Tensor]:
     """torch's PowerSGD hook over `state.process_group`, the factors' bytes counted (the full bucket before
     start_iter, where PowerSGD runs a plain all-reduce and tallies nothing)."""
+    # lazy: torch.distributed's submodules import only where torch.distributed is built
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
     before = state.total_numel_after_compression
@@ -75,6 +78,7 @@ def powersgd_hook(state: Any, bucket: dist.GradBucket, category: str) -> torch.f
 
 def powersgd_state(matrix_rank: int, start_iter: int, error_feedback: bool, group: Any | None = None) -> Any:
     """PowerSGD's state (warm start, seed 0); start_iter is at least 2 with error feedback (torch requires it)."""
+    # lazy: torch.distributed's submodules import only where torch.distributed is built
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
     return PowerSGDState(

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
-from ragtrain.config import LoggerBackend, LoggerConfig
+import numpy as np
+
+from ragtrain.config import AUTH_ENV, ConfigError, LoggerBackend, LoggerConfig
 from ragtrain.console import get_logger
 
 log = get_logger(__name__)
@@ -34,8 +42,6 @@ def sqlite_file(uri: str) -> Path | None:
 def store_folder(uri: str) -> Path | None:
     """The local folder a tracking URI's store lives in: a SQLite file's folder, a file store (`file://` or a bare
     path) itself; None for a server or database URI (and MLflow's bare `databricks`)."""
-    from urllib.parse import urlsplit
-
     if uri == "databricks":
         return None
     scheme = urlsplit(uri).scheme if "://" in uri or uri.startswith("sqlite:") else ""
@@ -48,7 +54,7 @@ def store_folder(uri: str) -> Path | None:
 
 def open_client(uri: str, **kwargs: Any):  # -> MlflowClient
     """An MlflowClient for `uri`; a SQLite store's folder is created first (SQLite creates the file, not its folder)."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # lazy: mlflow is heavy (~1 s); this module imports without it
 
     db = sqlite_file(uri)
     if db is not None:
@@ -68,8 +74,6 @@ PROBE_TIMEOUT_S = 5.0
 
 def redact_uri(uri: str) -> str:
     """The URI with any user:password@ part replaced, for messages and params."""
-    from urllib.parse import urlsplit, urlunsplit
-
     parts = urlsplit(uri)
     if "@" not in parts.netloc:
         return uri
@@ -80,12 +84,6 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
     """Fail in seconds, naming the setting, when the tracking store cannot work: an unknown scheme, a SQLite or
     file store whose folder cannot be written, a server that does not answer /health. Before anything starts:
     MLflow itself would retry for minutes, and only after Ray and the data were up."""
-    import urllib.error
-    import urllib.request
-    from urllib.parse import urlsplit
-
-    from ragtrain.config import ConfigError
-
     where = "logger.tracking_uri (or MLFLOW_TRACKING_URI)"
     shown = redact_uri(uri)
     scheme = urlsplit(uri).scheme if "://" in uri or uri.startswith("sqlite:") else ""
@@ -115,10 +113,6 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
             ) from None
         return
     if scheme in ("http", "https"):
-        import base64
-
-        from ragtrain.config import AUTH_ENV
-
         request = urllib.request.Request(uri.rstrip("/") + "/health")
         user, password = (os.environ.get(k) for k in AUTH_ENV)
         if user or password:  # the server's basic auth, as MLflow's client sends it
@@ -175,9 +169,7 @@ class MetricSink:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Log a batch of metrics at `step` (one HTTP/SQL round trip)."""
-        import time
-
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # lazy: mlflow is heavy (~1 s); this module imports without it
 
         ts = int(time.time() * 1000)
         # MLflow metric names may not contain '@': ndcg@10 is logged as ndcg_at_10.
@@ -245,7 +237,7 @@ class RunLogger:
         """Log flattened params (values truncated to MLflow's limit)."""
         if not self.enabled:
             return
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # lazy: mlflow is heavy (~1 s); this module imports without it
 
         # credentials inside a URI (user:password@host) never reach the store
         items = [
@@ -292,6 +284,7 @@ class RunLogger:
         uri = f"runs:/{self.run_id}/retriever"
         self.set_tags({"ragtrain.retriever_model": uri})
         if register_as:
+            # lazy: mlflow is heavy (~1 s); this module imports without it
             from mlflow.exceptions import MlflowException
             from mlflow.tracking import MlflowClient
 
@@ -330,8 +323,8 @@ def save_retriever_model(folder: str | Path, out: str | Path) -> None:
     With query/passage prefixes the pyfunc takes a `prompt_name` param ("document" by default, "query" for
     queries): MLflow's default signature has no params and would drop it, so no prefix would reach encode().
     """
+    # lazy: mlflow and sentence_transformers take seconds to import; this module imports without them
     import mlflow.sentence_transformers
-    import numpy as np
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema, TensorSpec
     from sentence_transformers import SentenceTransformer
@@ -358,8 +351,6 @@ def save_retriever_model(folder: str | Path, out: str | Path) -> None:
 
 
 def _version(dist: str) -> str:
-    from importlib.metadata import version
-
     return version(dist)
 
 
@@ -399,7 +390,7 @@ def _record(run) -> RunRecord:
 
 def find_runs(uri: str, experiment: str | None = None, parent_run_id: str | None = None) -> list[RunRecord]:
     """Runs of an experiment (by name) or the child runs of a parent run, oldest first."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # lazy: mlflow is heavy (~1 s); this module imports without it
 
     client = MlflowClient(uri)
     if parent_run_id:
@@ -420,21 +411,21 @@ def find_runs(uri: str, experiment: str | None = None, parent_run_id: str | None
 
 def get_run(uri: str, run_id: str) -> RunRecord:
     """One run's params, latest metrics and tags."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # lazy: mlflow is heavy (~1 s); this module imports without it
 
     return _record(MlflowClient(uri).get_run(run_id))
 
 
 def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     """(step, value) of every logged point of a metric, in step order."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # lazy: mlflow is heavy (~1 s); this module imports without it
 
     return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
 
 
 def update_run(uri: str, run_id: str, tags: dict[str, Any] | None = None, status: str | None = None) -> None:
     """Tag a run and optionally close it with `status` (e.g. KILLED for a trial Tune stopped)."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # lazy: mlflow is heavy (~1 s); this module imports without it
 
     client = MlflowClient(uri)
     for k, v in (tags or {}).items():

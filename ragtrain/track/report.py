@@ -54,10 +54,10 @@ def write_comparison(df: pd.DataFrame, out_dir: str | Path, title: str) -> list[
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is heavy; only the plots need it
 
     matplotlib.use("Agg")  # files only: no display on workers or CI
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is heavy; only the plots need it
 
     return plt
 

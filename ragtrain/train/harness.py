@@ -32,7 +32,16 @@ from ragtrain.checkpoint import (
 )
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config, auth_env
-from ragtrain.console import FILE_ONLY, get_logger, is_quiet, progress_bars, quiet_env
+from ragtrain.console import (
+    FILE_ONLY,
+    attach_run_log,
+    detach_run_log,
+    get_logger,
+    is_quiet,
+    progress_bars,
+    quiet_env,
+    worker_setup,
+)
 from ragtrain.track.mlflow import MetricSink
 
 log = get_logger(__name__)
@@ -82,6 +91,7 @@ class Worker:
     """The recipe's handle on its Ray Train worker process (one per rank)."""
 
     def __init__(self, args: WorkerArgs, seed: int):
+        # lazy: ray is heavy (~0.5 s); this module imports without it
         import ray
         import ray.train
         import ray.train.torch
@@ -104,7 +114,7 @@ class Worker:
     def fetch(self, value: Any) -> Any:
         """One of the stage's inputs: an object ref is fetched from the object store, anything else (an actor
         handle, a small dataclass, None) is returned as is."""
-        import ray
+        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
@@ -149,7 +159,7 @@ class Worker:
 
     def log(self, metrics: dict[str, float], step: int, steps: int, report: bool = False) -> None:
         """Rank 0 prints and logs to MLflow; with `report` (Tune trials) every rank reports (a Train V2 barrier)."""
-        import ray.train
+        import ray.train  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         with self.not_training():
             if self.rank == 0:
@@ -176,7 +186,7 @@ class Worker:
         metrics: dict[str, float] | None = None,
     ) -> None:
         """Every rank writes its part of the step-`step` checkpoint; Ray Train merges them into one folder."""
-        import ray.train
+        import ray.train  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         with self.not_training(), tempfile.TemporaryDirectory() as d:
             save_train_state(d, self.rank, self.world, step, model, optim, sched, extra, self.args.fit_id)
@@ -187,6 +197,7 @@ class Worker:
         fires."""
         if self.rank == 0 and progress_bars():
             if self._bar is None:  # drawn by the driver (Ray's tqdm_ray), one bar per stage
+                # lazy: ray is heavy (~0.5 s); this module imports without it
                 from ray.experimental.tqdm_ray import tqdm
 
                 self._bar = tqdm(desc=f"[{self.stage}] training", total=steps, unit="step")
@@ -203,7 +214,7 @@ class Worker:
     def finish(self, summary: dict[str, Any], write: Callable[[Path], None]) -> None:
         """The final report: rank 0 calls `write(folder)` to fill the final checkpoint, marked final with the
         summary (a resumed run that finds it takes its results instead of training again); every rank reports."""
-        import ray.train
+        import ray.train  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         with tempfile.TemporaryDirectory() as d:
             ckpt = None
@@ -226,9 +237,7 @@ class Worker:
 
 def _entry(config: dict[str, Any]) -> None:
     """The worker entry point: Train V2 hands workers a dict; the recipe gets its typed arguments."""
-    import ray.train
-
-    from ragtrain.console import attach_run_log, detach_run_log, worker_setup
+    import ray.train  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     worker_setup()  # Ray Train's per-report INFO lines stay out of the console unless -v
     args: WorkerArgs = config["args"]
@@ -274,10 +283,12 @@ def fit(
     Workers get the absolute output folder (checkpoint scans and fault markers must not depend on their cwd).
     A stage that had finished before (resume=true finds a final checkpoint) is not trained again.
     """
+    # lazy: ray is heavy (~0.5 s); this module imports without it
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    # lazy: ragtrain.train.process_group imports pandas/pyarrow/ray; this module imports without them
     from ragtrain.train.process_group import LoopbackTorchConfig
 
     cfg = replace(args.cfg, output_dir=str(Path(args.cfg.output_dir).resolve()))

@@ -9,8 +9,11 @@ from typing import Any
 import pandas as pd
 from omegaconf import OmegaConf
 
+from ragtrain.compare import compare_runs
+from ragtrain.config import LoggerConfig
 from ragtrain.console import get_logger
 from ragtrain.errors import ConfigError
+from ragtrain.track.mlflow import RunLogger, find_runs, update_run
 from ragtrain.tune import space as sp
 from ragtrain.tune.trial import (
     DONE_KEY,
@@ -36,8 +39,6 @@ def trial_id_of(run_name: str) -> str:
 
 def close_orphans(uri: str, parent: str | None) -> int:
     """Mark child runs still RUNNING (their trial was cut off) as KILLED; returns how many."""
-    from ragtrain.track.mlflow import find_runs, update_run
-
     if not uri or not parent:
         return 0
     n = 0
@@ -58,7 +59,7 @@ def expected_trials(plan: SweepPlan) -> int:
 
 
 def _trials(plan: SweepPlan) -> list:
-    from ray.tune import ExperimentAnalysis
+    from ray.tune import ExperimentAnalysis  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     return list(ExperimentAnalysis(str(plan.experiment_path)).trials)
 
@@ -118,8 +119,6 @@ def write_best_config(plan: SweepPlan, ctx: TrialContext, values: dict[str, Any]
 
 def _tag_children(plan: SweepPlan, parent: str, df: pd.DataFrame) -> dict[str, str]:
     """Tag each child run with its trial id, sync option and whether the scheduler stopped it; returns trial->run."""
-    from ragtrain.track.mlflow import find_runs, update_run
-
     by_trial = df.set_index("trial_id")
     out: dict[str, str] = {}
     for r in find_runs(plan.tracking_uri, parent_run_id=parent):
@@ -140,9 +139,6 @@ def _tag_children(plan: SweepPlan, parent: str, df: pd.DataFrame) -> dict[str, s
 
 def finish(plan: SweepPlan, parent: str | None) -> SweepResult:
     """Collect the trials, tag the child runs, write trials.csv, the best config and the report; log them."""
-    from ragtrain.config import LoggerConfig
-    from ragtrain.track.mlflow import RunLogger
-
     t = plan.cfg.tune
     metric = normalize_metric(t.metric)
     trials = _trials(plan)
@@ -190,8 +186,6 @@ def finish(plan: SweepPlan, parent: str | None) -> SweepResult:
             best_run = runs.get(best["trial_id"], "")
             logger.set_tags({"ragtrain.tune.best_trial": best["trial_id"], "ragtrain.tune.best_run": best_run})
     if t.report and parent:
-        from ragtrain.compare import compare_runs
-
         _, result.report = compare_runs(
             plan.tracking_uri,
             parent_run_id=parent,

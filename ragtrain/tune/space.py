@@ -232,7 +232,7 @@ def _reader(key: str, params: list[Param], base: Mapping[str, Any], sync_opts: M
 
 def to_tune(params: list[Param]) -> dict[str, Any]:
     """Tune's param_space: one flat entry per key (dotted keys are plain strings to Tune and Optuna)."""
-    from ray import tune
+    from ray import tune  # lazy: ray is heavy (~0.5 s); this module imports without it
 
     make = {
         "choice": lambda a: tune.choice(list(a)),

@@ -17,15 +17,30 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import ray
 from omegaconf import OmegaConf
+from ray import tune
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.search import ConcurrencyLimiter
+from ray.tune.search.basic_variant import BasicVariantGenerator
 
+from ragtrain.cluster.resources import (
+    SWEEP_WORKER_START_TIMEOUT_S,
+    InfeasibleResourcesError,
+    check_config,
+    init_ray,
+    node_capacities,
+    remove_recorded_placement_groups,
+)
 from ragtrain.config import Config, ConfigError, absolute_paths, changed_keys, to_flat_dict
 from ragtrain.console import get_logger
+from ragtrain.track.mlflow import RunLogger, absolute_tracking_uri, check_tracking_uri, tracking_uri, update_run
 from ragtrain.tune import space as sp
 from ragtrain.tune.guard import MetricGuard, recorded_error
 from ragtrain.tune.results import close_orphans, finish
+from ragtrain.tune.searchers import FinalMetricOptunaSearch
 from ragtrain.tune.trial import (  # noqa: F401  (re-exported: the sweep's public names stay importable from here)
     DONE_KEY,
     NAME,
@@ -50,8 +65,6 @@ UNCAPPED_T = 10**6  # ASHA needs a max_t for its rungs; a trial reaching it woul
 
 def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
     """Validate the sweep without starting anything: keys, values, metrics, scheduler/searcher combination."""
-    from ragtrain.track.mlflow import absolute_tracking_uri, check_tracking_uri, tracking_uri
-
     t = cfg.tune
     if t is None:
         raise ConfigError("tune is not set: choose a sweep with tune=NAME (conf/tune)")
@@ -123,14 +136,6 @@ def max_concurrency(need: dict[str, float], total: dict[str, float]) -> int:
 
 def check_resources(plan: SweepPlan) -> int:
     """Fail now if the biggest trial can never run here; return the number of trials to run at once."""
-    import ray
-
-    from ragtrain.cluster.resources import (
-        InfeasibleResourcesError,
-        check_config,
-        node_capacities,
-    )
-
     t = plan.cfg.tune
     worst = sp.worst_case(plan.params, plan.base, plan.sync_options)
     nodes = node_capacities()
@@ -182,9 +187,7 @@ def final_metrics(results: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def run_trial(config: dict[str, Any], ctx: TrialContext) -> None:
     """Tune trial (driver function): build the trial's config, run the pipeline, report its final metrics."""
-    from ray import tune
-
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline import run  # lazy: ragtrain.pipeline imports torch; this module imports without it
 
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(ctx, {k: config[k] for k in ctx.keys}, trial_id)
@@ -205,8 +208,6 @@ class PlacementGroupReaper(Callback):
         self.ended: list[str] = []
 
     def _reap(self) -> None:
-        from ragtrain.cluster.resources import remove_recorded_placement_groups
-
         for trial_id in self.ended:
             n = remove_recorded_placement_groups(Path(self.out_dir, "trials", trial_id))
             if n:
@@ -230,22 +231,15 @@ def trial_dirname(trial) -> str:
 
 def _searcher(t, concurrency: int):
     """The search algorithm, limited to `concurrency` running trials."""
-    from ray.tune.search import ConcurrencyLimiter
-
     if t.searcher == "optuna":
-        from ragtrain.tune.searchers import FinalMetricOptunaSearch
-
         optuna = FinalMetricOptunaSearch(metric=normalize_metric(t.metric), mode=t.mode, seed=t.seed)
         return ConcurrencyLimiter(optuna, max_concurrent=concurrency)
-    from ray.tune.search.basic_variant import BasicVariantGenerator
 
     # Tune ignores TuneConfig.max_concurrent_trials for a BasicVariantGenerator passed in: it takes its own.
     return BasicVariantGenerator(random_state=t.seed, max_concurrent=concurrency)
 
 
 def _scheduler(t):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
     if t.scheduler == "asha":
         return ASHAScheduler(
             time_attr=t.time_attr,
@@ -264,10 +258,6 @@ def _state_file(plan: SweepPlan) -> Path:
 
 def _start(plan: SweepPlan) -> str | None:
     """Check the output folder against `resume` and open (or re-open) the parent MLflow run."""
-    from ray import tune
-
-    from ragtrain.track.mlflow import RunLogger
-
     cfg, state = plan.cfg, _state_file(plan)
     exists = tune.Tuner.can_restore(str(plan.experiment_path))
     flat = {k: v for k, v in to_flat_dict(cfg).items() if k not in ("resume", "resume_allow_changes", "output_dir")}
@@ -311,9 +301,7 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: list | None = Non
 
     `callbacks`: extra Tune callbacks for a new sweep (a resumed sweep keeps the ones it was started with).
     """
-    from ray import tune
-
-    from ragtrain.cluster.resources import SWEEP_WORKER_START_TIMEOUT_S, init_ray
+    # lazy: ragtrain.pipeline imports torch; this module imports without it
     from ragtrain.pipeline import prepare_output_dir
 
     plan = plan_sweep(cfg, conf_dir)  # ConfigError before anything starts
@@ -377,6 +365,4 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: list | None = Non
         return result
     finally:
         if parent:
-            from ragtrain.track.mlflow import update_run
-
             update_run(plan.tracking_uri, parent, status=status)
