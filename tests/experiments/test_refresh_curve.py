@@ -1,0 +1,62 @@
+"""experiments/refresh_curve.py: a shard_refresh run's variant folders -> the curve's table and PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("refresh_curve", REPO / "experiments" / "refresh_curve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _variant(run: Path, name: str, fraction: float, priority: str, ndcg: float, rounds: list[dict]) -> None:
+    folder = run / name
+    folder.mkdir(parents=True)
+    refresh = {"consistency": "global", "fraction": fraction, "priority": priority}
+    (folder / "config.yaml").write_text(yaml.safe_dump({"refresh": refresh}))
+    (folder / "metrics.json").write_text(
+        json.dumps({"train": {"train/samples_per_s": 3.0}, "trained": {"ndcg@10": ndcg}})
+    )
+    (folder / "refresh_history.json").write_text(json.dumps({"history": rounds, "failures": []}))
+
+
+def _round(fraction: float, seconds: list[float], recall: list[float], agree: list[float]) -> dict:
+    metrics = {
+        "index/encoded_fraction": fraction,
+        **{f"index/shard{i}_encode_seconds": s for i, s in enumerate(seconds)},
+    }
+    states = [{"index/mixed_recall_at_10": r, "index/mined_agreement": a} for r, a in zip(recall, agree)]
+    return {"ok": True, "metrics": metrics, "state_metrics": states}
+
+
+def test_the_table_sums_encode_seconds_and_averages_the_states(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    _variant(run, "full_global", 1.0, "oldest", 0.87, [_round(1.0, [2.0, 3.0], [1.0], [1.0])] * 2)
+    _variant(run, "partial_hot", 0.25, "hot", 0.86,
+             [_round(0.25, [0.5, 0.5], [0.8, 0.9], [0.5, 0.7]), {"ok": False, "error": "boom"}])  # fmt: skip
+    (run / "not_a_variant").mkdir()  # e.g. an unfinished one: skipped
+    png = tmp_path / "curve.png"
+    assert _script().main([str(run), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in out.splitlines()
+            if line.startswith("| full") or line.startswith("| partial")}  # fmt: skip
+    # columns: consistency, fraction, priority, rounds, encoded_per_round, shard_encode_s, mixed, mined, sps, ndcg
+    assert rows["full_global"][2] == "(all rows)" and rows["full_global"][5] == "10"
+    assert rows["partial_hot"][3] == "1" and rows["partial_hot"][5] == "1"  # the failed round counts for nothing
+    assert float(rows["partial_hot"][6]) == pytest.approx(0.85) and float(rows["partial_hot"][7]) == pytest.approx(0.6)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_folder_without_variants_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    assert _script().main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: no finished variant (config.yaml, metrics.json, ")
