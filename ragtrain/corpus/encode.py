@@ -120,6 +120,13 @@ class ShardSet:
             ids = list(order)
         return ids, out
 
+    def save_meta(self) -> ShardSet:
+        """Write `shards.json` (every field but the folder): written last, so a folder without it is unfinished."""
+        meta = asdict(self)
+        meta.pop("folder")
+        Path(self.folder, SHARDS_META).write_text(json.dumps(meta, indent=2))
+        return self
+
     @classmethod
     def load(cls, folder: str | Path) -> ShardSet:
         meta = Path(folder, SHARDS_META)
@@ -154,8 +161,7 @@ def write_shards(
         rows += len(ids)
     if rows == 0:
         raise ValueError(f"write_shards: no rows to write into {out}")
-    (out / SHARDS_META).write_text(json.dumps({"files": files, "rows": rows, "dim": dim, "dtype": dtype}, indent=2))
-    return ShardSet.load(out)
+    return ShardSet(str(out.resolve()), files, rows, dim, dtype).save_meta()
 
 
 def actor_cpus(pool: PoolResources) -> float:
@@ -361,8 +367,4 @@ def seal_shards(out: Path, vector_dtype: str, seconds: float) -> ShardSet:
             dim = int(pq.read_schema(out / f).field("vector").type.list_size)
     if n == 0:
         raise ValueError("encode_to_shards: the dataset had no rows to encode")
-    shards = ShardSet(str(out), files, n, dim, vector_dtype, seconds)
-    meta = asdict(shards)
-    meta.pop("folder")
-    (out / SHARDS_META).write_text(json.dumps(meta, indent=2))
-    return shards
+    return ShardSet(str(out), files, n, dim, vector_dtype, seconds).save_meta()

@@ -19,7 +19,6 @@ failing stream wrote is removed.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from ragtrain.config import DataConfig, IndexConfig, PoolResources, RetrieverConfig
-from ragtrain.corpus.encode import write_shards
 from ragtrain.data.beir import load_beir
 from ragtrain.data.clean import content_hash
 from ragtrain.data.store import StoreWriter, _full_text
@@ -39,7 +37,7 @@ from ragtrain.data.types import DataError, Passage, RetrievalData
 
 from .chunk import chunk_document
 from .dataset import check_corpus_ids, locate
-from .encode import SHARDS_META, build_threads, encode_stage
+from .encode import build_threads, encode_stage, write_shards
 from .prepare import FILES_PER_TASK, PREP_CPUS, _ordered, _tokenizer, read_clean_batch
 
 __all__ = ["StreamEncode", "passages_batch", "stream_documents"]
@@ -309,13 +307,12 @@ def _keep(batch: Any, gate: _Gate, writer: Any, doc_of: dict[str, str] | None) -
     return ids, mat[kept]
 
 
-def seal(shards: Any, folder: Path, seconds: float, key: str, fingerprint: str, driver_s: float) -> None:
-    """The streamed vector shards' metadata, written last (`shards.json`): the cache key and the corpus they
+def seal(shards: Any, seconds: float, key: str, fingerprint: str, driver_s: float) -> None:
+    """The streamed vector shards' metadata, written again last (`shards.json`): the cache key and the corpus they
     hold, so the run's first index reads them instead of encoding again."""
     shards.seconds = seconds
     shards.stats = {"streamed": True, "key": key, "corpus": fingerprint, "driver_rows_s": round(driver_s, 3)}
-    meta = {k: v for k, v in shards.__dict__.items() if k != "folder"}
-    (folder / SHARDS_META).write_text(json.dumps(meta, indent=2))
+    shards.save_meta()
 
 
 def _shards_of(
@@ -410,7 +407,7 @@ def stream_documents(
     data.doc_of = doc_of
     seconds = time.perf_counter() - start
     fingerprint = data.fingerprint()
-    seal(shards, folder, seconds, enc.key(weights, fingerprint) if enc.key else "", fingerprint, busy[0])
+    seal(shards, seconds, enc.key(weights, fingerprint) if enc.key else "", fingerprint, busy[0])
     summary = f"{len(files)} files, {gate.documents} documents, {len(gate.dropped)} exact duplicates dropped, "
     log(f"[data] {root}: {summary}{len(gate.skipped)} files skipped")
     if chunk is not None:

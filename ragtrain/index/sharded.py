@@ -34,7 +34,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ragtrain.console import get_logger, worker_setup
-from ragtrain.corpus.encode import SHARDS_META, ShardSet, write_shards
+from ragtrain.corpus.encode import ShardSet, write_shards
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.encoders import EncodeBatch, LocalEncoder, encoder_dim
 from ragtrain.errors import ConfigError
@@ -660,20 +660,20 @@ class ShardGroup:
             )
         parts = self.gather(refs, "an encode")  # a long job: no time limit, but a shard that dies for good fails
         seconds = time.perf_counter() - start
-        meta = {
-            "files": [f"shard-{i}/{f}" for i, p in enumerate(parts) for f in p["files"]],
-            "rows": sum(p["rows"] for p in parts),
-            "dim": parts[0]["dim"],
-            "dtype": idx.vector_dtype,
-            "seconds": seconds,
-            "stats": {
-                "shards": self.n,
-                "shard_seconds": [p["seconds"] for p in parts],
-                "shard_peak_rss_mb": [p["peak_rss_mb"] for p in parts],
-            },
+        stats = {
+            "shards": self.n,
+            "shard_seconds": [p["seconds"] for p in parts],
+            "shard_peak_rss_mb": [p["peak_rss_mb"] for p in parts],
         }
-        (folder / SHARDS_META).write_text(json.dumps(meta, indent=2))
-        return ShardSet.load(folder)
+        return ShardSet(
+            str(Path(folder).resolve()),
+            [f"shard-{i}/{f}" for i, p in enumerate(parts) for f in p["files"]],
+            sum(p["rows"] for p in parts),
+            parts[0]["dim"],
+            idx.vector_dtype,
+            seconds,
+            stats,
+        ).save_meta()
 
     def build(
         self, tag: str, shards: ShardSet, idx: IndexConfig, fingerprint: str, encoder: str, step: int, seed: int
