@@ -344,7 +344,7 @@ class _Shard(BuildHolder):
             "dim": shards.dim,
             "files": shards.files,
             "seconds": time.perf_counter() - t0,
-            "peak_rss_mb": _peak_rss(),
+            "peak_rss_mb": peak_rss_mb(),
         }
 
     def build(
@@ -395,7 +395,7 @@ class _Shard(BuildHolder):
             },
         )
         self.indexes[tag], self.manifests[tag] = index, manifest
-        return {**manifest, "doc_ids": index.doc_ids, "meta": asdict(index.meta), "peak_rss_mb": _peak_rss()}
+        return {**manifest, "doc_ids": index.doc_ids, "meta": asdict(index.meta), "peak_rss_mb": peak_rss_mb()}
 
     def load(self, tag: str, folder: str) -> dict:
         """Load a saved shard folder (checked against its manifest) as `tag`, placed first under this shard's root
@@ -538,7 +538,7 @@ class _Shard(BuildHolder):
             "node": ray.get_runtime_context().get_node_id(),
             "tags": sorted(self.indexes),
             "restored": self.restored,
-            "peak_rss_mb": _peak_rss(),
+            "peak_rss_mb": peak_rss_mb(),
             "versions": {t: m.get("version") for t, m in self.manifests.items()},
         }
 
@@ -552,10 +552,6 @@ def _link_tree(src: Path, dst: Path) -> None:
             os.link(f, dst / f.name)
         except OSError:
             shutil.copy2(f, dst / f.name)
-
-
-def _peak_rss() -> float:
-    return peak_rss_mb()
 
 
 # 0 CPUs, as the index host: a shard works while the driver waits on it, and a reservation would take a CPU from
