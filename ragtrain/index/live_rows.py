@@ -53,9 +53,8 @@ def select_rows(
     elif priority in ("hot", "drift"):
         if priority == "drift" and predicted_drift is None:
             raise ValueError("priority 'drift' needs each row's predicted drift")
-        first = np.zeros(n) if hot is None else np.asarray(hot, dtype=np.float64)
-        if priority == "drift":
-            first = np.asarray(predicted_drift, dtype=np.float64)
+        score = predicted_drift if priority == "drift" else (np.zeros(n) if hot is None else hot)
+        first = np.asarray(score, dtype=np.float64)
         turn = np.empty(n, dtype=np.int64)
         turn[by_age] = np.arange(n)
         # ties (zero counts, say) go to the oldest vectors first, then round robin from the cursor

@@ -117,21 +117,6 @@ def make_probe(
     return Probe(rows, list(queries[:n]), [[where[r] for r in g] for g in train_gold[:n]])
 
 
-def mine(
-    index,
-    qvecs: np.ndarray,
-    gold: Sequence[Sequence[int]],
-    depth: int,
-    skip_top: int,
-    margin: float | None = None,
-    max_score: float | None = None,
-    passage_vectors: np.ndarray | None = None,
-) -> list[list[int]]:
-    """Hard-negative candidates per query: the index's top `depth` rows minus gold, minus the top `skip_top` of
-    the rest, minus those above the margin / score ceiling (the one rule: ragtrain/index/mining.py)."""
-    return mine_rows(index, qvecs, gold, depth, skip_top, margin, max_score, passage_vectors)
-
-
 def staleness(
     stale: np.ndarray, fresh: np.ndarray, queries: np.ndarray, gold: Sequence[Sequence[int]], k: int = 10
 ) -> dict[str, float]:
@@ -270,7 +255,7 @@ class IndexService(LiveService):
             index.meta.version = version
             qvecs, _ = self.pool.encode(self.train_queries, r.query_max_length, idx, progress=False, role="query")
             t = r.train
-            negatives = mine(
+            negatives = mine_rows(
                 index,
                 qvecs,
                 self.train_gold,

@@ -27,7 +27,6 @@ import pytest  # noqa: E402
 
 from ragtrain.config import ConfigError, RetrieverTrainConfig  # noqa: E402
 from ragtrain.index.mining import mine_rows, positive_scores  # noqa: E402
-from ragtrain.index.refresh import mine  # noqa: E402
 from ragtrain.retriever.batching import TrainData, TrainExample, local_batch  # noqa: E402
 
 RANKED = ["gold", "a", "b", "c", "d"]
@@ -84,8 +83,8 @@ def test_positive_score_comes_from_the_vectors_even_when_gold_is_not_retrieved()
     assert mine_rows(index, q, [[4]], 5, 0) == [[0, 1, 2, 3]]  # -1 padding dropped
     with pytest.raises(ValueError, match="passage vectors"):
         mine_rows(index, q, [[4]], 5, 0, margin=0.05)
-    # the live index service's mine() is the same rule
-    assert mine(index, q, [[4]], 5, 0, 0.05, None, vecs) == [[3]]
+    # the live index service calls it with these arguments in this order
+    assert mine_rows(index, q, [[4]], 5, 0, 0.05, None, vecs) == [[3]]
 
 
 def test_static_mining_in_the_pipeline_applies_the_filters_in_corpus_positions(tmp_path) -> None:

@@ -11,12 +11,12 @@ import torch
 
 from ragtrain.config import ConfigError, to_typed
 from ragtrain.index.faiss_index import build_index
+from ragtrain.index.mining import mine_rows
 from ragtrain.index.refresh import (
     LiveIndexClient,
     LiveVersion,
     VersionBook,
     make_probe,
-    mine,
     staleness,
 )
 from ragtrain.retriever.batching import TrainData, build_examples, local_batch
@@ -33,7 +33,7 @@ def test_mined_negatives_skip_gold_and_top_ranks() -> None:
     index = build_index(docs, [f"d{i}" for i in range(50)], "Flat", "fp", "test")
     gold = [[3, 7], [10], [0, 1, 2]]
     qvecs = docs[[3, 10, 0]]  # each query sits on a gold passage: gold ranks first and must be removed
-    negs = mine(index, qvecs, gold, depth=12, skip_top=2)
+    negs = mine_rows(index, qvecs, gold, depth=12, skip_top=2)
     _, rows = index.search(qvecs, 12)
     for i, g in enumerate(gold):
         assert rows[i][0] in g  # gold ranks first ...
