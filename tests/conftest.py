@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import multiprocessing
 import os
@@ -49,22 +50,23 @@ def spawn(fn, args: tuple, nprocs: int, start_method: str = "forkserver") -> Non
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=start_method)
 
 
-_MLFLOW_TEMPLATE: list[Path] = []
+@functools.cache
+def _mlflow_template() -> Path:
+    """An empty SQLite tracking store with MLflow's schema, built once per test run (removed at exit)."""
+    from mlflow.tracking import MlflowClient
+
+    folder = Path(tempfile.mkdtemp(prefix="ragtrain-mlflow-template-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()  # creates the schema
+    return folder / "mlflow.db"
 
 
 def mlflow_db(path: Path) -> str:
     """`sqlite:///<path>`, a SQLite tracking store with MLflow's schema already in it: building the schema of a new
     store (MLflow's migrations) takes ~2 s, and most tests open a new store; a copy of one built once takes ms.
     (A store created from nothing is still tested: tests/track/test_mlflow.py, tests/test_compare.py.)"""
-    if not _MLFLOW_TEMPLATE:
-        from mlflow.tracking import MlflowClient
-
-        folder = Path(tempfile.mkdtemp(prefix="ragtrain-mlflow-template-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()  # creates the schema
-        _MLFLOW_TEMPLATE.append(folder / "mlflow.db")
     path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(_MLFLOW_TEMPLATE[0], path)
+    shutil.copyfile(_mlflow_template(), path)
     return f"sqlite:///{path}"
 
 
