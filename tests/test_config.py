@@ -158,12 +158,28 @@ def test_override_variants_apply_their_keys(tmp_path) -> None:
 
     cfg = compose(["experiment=scifact_refresh", f"output_dir={tmp_path}"])
     variants = override_variants(cfg)
-    assert list(variants) == ["in_batch", "stale_index", "live_refresh"]
+    assert list(variants) == [
+        "in_batch",
+        "stale_index",
+        "live_refresh",
+        "shards_global",
+        "shards_eager",
+        "shards_aligned",
+        "shards_quarter",
+    ]
     assert variants["in_batch"].retriever.train.hard_negatives == 0
     assert variants["stale_index"].retriever.train.hard_negatives == 1 and not variants["stale_index"].refresh.enabled
     assert variants["live_refresh"].refresh.enabled and variants["live_refresh"].refresh.every_steps == 15
     assert variants["live_refresh"].output_dir == str(tmp_path / "live_refresh")
-    assert [v.zeroshot_eval for v in variants.values()] == [True, False, False]
+    assert [v.zeroshot_eval for v in variants.values()] == [True] + [False] * 6
+    sharded = [variants[f"shards_{n}"] for n in ("global", "eager", "aligned", "quarter")]
+    assert [(v.index.shards, v.refresh.consistency, v.refresh.fraction) for v in sharded] == [
+        ("3", "global", 1.0),
+        ("3", "eager", 1.0),
+        ("3", "aligned", 1.0),
+        ("3", "global", 0.25),
+    ]
+    assert all(v.refresh.every_steps == 15 for v in sharded) and sharded[2].refresh.anchors >= 384
 
 
 def test_compare_only_runs_the_named_variants_in_its_order(tmp_path) -> None:
