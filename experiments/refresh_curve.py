@@ -4,9 +4,12 @@ Reads one run of the experiment (its folder holds a sub-folder per variant, each
 and refresh_history.json), prints a markdown table and writes a PNG beside it:
 
     python experiments/refresh_curve.py outputs/shard_refresh/<date_time> [--png experiments/refresh_curve.png]
+        [--rounds-png experiments/refresh_rounds.png]
 
 Per variant: the share of rows each round re-encoded, the shards' encode seconds summed over every round, the mean
 mixed recall@10 and mined-negative agreement of the states searches saw, and the trained index's dev nDCG@10.
+`--rounds-png` also draws each variant round by round (the worst state's mixed recall@10 and mined agreement against
+the training step) beside its dev nDCG@10 and training samples/s: the view that compares consistency policies.
 """
 
 from __future__ import annotations
@@ -51,6 +54,47 @@ def variant_row(folder: Path) -> dict | None:
     }
 
 
+def round_rows(folder: Path) -> list[dict]:
+    """Per successful round of one variant: its step and the worst state searches saw during it."""
+    rounds = json.loads((folder / "refresh_history.json").read_text())["history"]
+    out = []
+    for r in (r for r in rounds if r.get("ok") and r.get("state_metrics")):
+        states = r["state_metrics"]
+        worst = {k: min(s[k] for s in states if k in s) for k in ("index/mixed_recall_at_10", "index/mined_agreement")}
+        out.append({"step": r["step"], **worst})
+    return out
+
+
+def plot_rounds(df: pd.DataFrame, rounds: dict[str, list[dict]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    for name, rows in rounds.items():
+        steps = [r["step"] for r in rows]
+        axes[0].plot(steps, [r["index/mixed_recall_at_10"] for r in rows], marker="o", label=name)
+        axes[1].plot(steps, [r["index/mined_agreement"] for r in rows], marker="o", label=name)
+    for ax, label in zip(axes[:2], ("mixed recall@10 (worst state of the round)", "mined agreement (worst state)")):
+        ax.set_xlabel("training step of the round")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    bars = axes[2].bar(df["variant"], df["ndcg@10"], color="tab:blue")
+    for bar, sps in zip(bars, df["samples_per_s"]):
+        axes[2].annotate(f"{sps:.2f}/s", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                         va="bottom", fontsize=8)  # fmt: skip
+    low = df["ndcg@10"].min()
+    axes[2].set_ylim(low - 0.05, df["ndcg@10"].max() + 0.02)
+    axes[2].set_ylabel("dev nDCG@10 (label: training samples/s)")
+    axes[2].tick_params(axis="x", rotation=30, labelsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(df: pd.DataFrame, path: Path, title: str) -> None:
     import matplotlib
 
@@ -82,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path, help="a shard_refresh run's folder (holds a folder per variant)")
     ap.add_argument("--png", type=Path, help="default: <run>/refresh_curve.png")
+    ap.add_argument("--rounds-png", type=Path, help="also draw the variants round by round into this PNG")
     args = ap.parse_args(argv)
     if not args.run.is_dir():
         print(f"error: {args.run} is not a folder", file=sys.stderr)
@@ -98,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     png = args.png or args.run / "refresh_curve.png"
     plot(df, png, f"shard_refresh, run {args.run.name}: partial refresh against the full one")
     print(f"wrote {png}")
+    if args.rounds_png:
+        rounds = {name: round_rows(args.run / name) for name in df["variant"]}
+        plot_rounds(df, rounds, args.rounds_png, f"{args.run.name}: each variant round by round")
+        print(f"wrote {args.rounds_png}")
     return 0
 
 

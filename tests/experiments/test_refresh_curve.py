@@ -30,13 +30,13 @@ def _variant(run: Path, name: str, fraction: float, priority: str, ndcg: float, 
     (folder / "refresh_history.json").write_text(json.dumps({"history": rounds, "failures": []}))
 
 
-def _round(fraction: float, seconds: list[float], recall: list[float], agree: list[float]) -> dict:
+def _round(fraction: float, seconds: list[float], recall: list[float], agree: list[float], step: int = 8) -> dict:
     metrics = {
         "index/encoded_fraction": fraction,
         **{f"index/shard{i}_encode_seconds": s for i, s in enumerate(seconds)},
     }
     states = [{"index/mixed_recall_at_10": r, "index/mined_agreement": a} for r, a in zip(recall, agree)]
-    return {"ok": True, "metrics": metrics, "state_metrics": states}
+    return {"ok": True, "step": step, "metrics": metrics, "state_metrics": states}
 
 
 def test_the_table_sums_encode_seconds_and_averages_the_states(tmp_path: Path, capsys) -> None:
@@ -60,3 +60,18 @@ def test_the_table_sums_encode_seconds_and_averages_the_states(tmp_path: Path, c
 def test_a_folder_without_variants_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     assert _script().main([str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("error: no finished variant (config.yaml, metrics.json, ")
+
+
+def test_the_rounds_view_takes_each_rounds_worst_state(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _variant(run, "shards_eager", 1.0, "oldest", 0.7,
+             [_round(1.0, [1.0], [0.9, 0.8, 1.0], [0.7, 0.6, 1.0], step=15), {"ok": False, "error": "boom"},
+              _round(1.0, [1.0], [1.0], [1.0], step=30)])  # fmt: skip
+    script = _script()
+    assert script.round_rows(run / "shards_eager") == [
+        {"step": 15, "index/mixed_recall_at_10": 0.8, "index/mined_agreement": 0.6},
+        {"step": 30, "index/mixed_recall_at_10": 1.0, "index/mined_agreement": 1.0},
+    ]
+    png = tmp_path / "rounds.png"
+    assert script.main([str(run), "--png", str(tmp_path / "curve.png"), "--rounds-png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
