@@ -84,7 +84,8 @@ class LiveRows:
         self.vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         self.versions = np.zeros(len(vectors), dtype=np.int64)
         self.cursor = 0
-        self.pending: tuple[int, np.ndarray, np.ndarray] | None = None  # (version, rows, their new vectors)
+        # (version, rows, their new vectors, the round-robin cursor once they are applied)
+        self.pending: tuple[int, np.ndarray, np.ndarray, int] | None = None
         state = folder / STATE
         if state.exists():  # a restarted shard continues from its last applied round
             with np.load(state) as z:
@@ -126,10 +127,10 @@ class LiveRows:
             got_vecs.append(encode(self.read_texts(chosen)))
         rows = np.concatenate(got_rows) if got_rows else np.zeros(0, dtype=np.int64)
         vecs = np.concatenate(got_vecs) if got_vecs else np.zeros((0, self.vectors.shape[1]), np.float32)
-        if priority == "oldest":
-            self.cursor = (self.cursor + len(chosen)) % self.rows
+        # the cursor moves when the round is applied: a round that never lands leaves its rows next in turn
+        cursor = (self.cursor + len(chosen)) % self.rows if priority == "oldest" else self.cursor
         moved = 1.0 - np.sum(vecs * self.vectors[rows], axis=1) if len(rows) else np.zeros(0)
-        self.pending = (version, rows, np.ascontiguousarray(vecs, dtype=np.float32))
+        self.pending = (version, rows, np.ascontiguousarray(vecs, dtype=np.float32), cursor)
         return {
             "version": version,
             "encoded": int(len(rows)),
@@ -138,16 +139,28 @@ class LiveRows:
             "drift_cosine": float(moved.mean()) if len(moved) else 0.0,
         }
 
+    def _pending(self, version: int) -> tuple[int, np.ndarray, np.ndarray, int]:
+        if self.pending is None or self.pending[0] != version:
+            raise RuntimeError(f"no pending round of version {version} (a restarted shard drops the round it had)")
+        return self.pending
+
     def apply(self, version: int) -> dict:
         """Make the pending round's vectors this shard's stored ones (and persist them); returns the version mix."""
-        if self.pending is None or self.pending[0] != version:
-            raise RuntimeError(f"no pending round of version {version} to apply")
-        _, rows, vecs = self.pending
+        _, rows, vecs, cursor = self._pending(version)
         self.vectors[rows] = vecs
         self.versions[rows] = version
+        self.cursor = cursor
         self.pending = None
         self._persist()
         return self.mix()
+
+    def staged(self, version: int) -> np.ndarray:
+        """The stored vectors with the pending round of `version` in place, before it is applied: what a build
+        that becomes searchable at a barrier holds (`global`), while the persisted state stays the last round's."""
+        _, rows, vecs, _ = self._pending(version)
+        out = self.vectors.copy()
+        out[rows] = vecs
+        return out
 
     def mix(self) -> dict:
         """{encoder version: rows at it} of the stored vectors."""

@@ -64,6 +64,7 @@ MAX_SHARD_RESTARTS = 3  # a crashed shard actor is restarted this many times; it
 SEARCH_BATCH = 1024  # queries per scattered call: bounds each message and lets the shards work in a pipeline
 TEXT_CHUNK = 4096  # passages a shard reads, encodes and writes at a time (one vector file each)
 LIVE_BASE = "live-base"  # a shard's copy of the build its live rows started from (see _Shard.live_start)
+LIVE_STATE = ".live-rows"  # under a shard group's root: each shard's persisted live rows (not a build's tag)
 INDEX_NODE_SHARE = 0.001  # each shard's claim on `index_node`: a placement label, not a capacity (pools share it)
 
 
@@ -445,7 +446,7 @@ class _Shard(BuildHolder):
             def read(local: np.ndarray) -> list[str]:
                 return [texts[int(r)] for r in local]
 
-        folder = self.root / "live" / f"shard-{self.shard}"
+        folder = self.root / LIVE_STATE / f"shard-{self.shard}"  # no build tag names this folder: drop() spares it
         if fresh:
             shutil.rmtree(folder, ignore_errors=True)
         self.live = LiveRows(folder, vecs.astype(np.float32), read)
@@ -506,19 +507,28 @@ class _Shard(BuildHolder):
         """Make the pending round searchable-to-be (stored and persisted); returns {version: rows}."""
         return self._live().apply(version)
 
-    def live_build(self, tag: str, maps: dict[int, np.ndarray] | None = None) -> dict:
+    def live_build(self, tag: str, maps: dict[int, np.ndarray] | None = None, staged: int | None = None) -> dict:
         """Build `tag` from the live rows (rows at a version in `maps` through its map), copying the template
-        build's trained quantiser; returns the version mix. The previous build of `tag` answers until this one
-        replaces it (one assignment)."""
+        build's trained quantiser; returns the version mix. `staged`: from the stored rows with the pending round
+        of that version in place (not yet applied; fails if this shard lost it). The previous build of `tag`
+        answers until this one replaces it (one assignment)."""
         live = self._live()
         t0 = time.perf_counter()
+        vectors = live.searchable(maps) if staged is None else live.staged(staged)
         index = faiss.clone_index(self.live_template.index)
         index.reset()  # keeps a trained quantiser (IVF, PQ): every shard still scores alike
         meta = replace(self.live_template.meta, build_seconds=0.0, extra={**self.live_template.meta.extra})
-        built = build_from_chunks([(self.live_template.doc_ids, live.searchable(maps))], index, meta)
+        built = build_from_chunks([(self.live_template.doc_ids, vectors)], index, meta)
         built.set_search_params(*self.live_params)
         self.indexes[tag] = built
         return {"mix": live.mix(), "seconds": time.perf_counter() - t0}
+
+    def live_end(self, tags: list[str]) -> None:
+        """The end of the live index: forget its builds (`tags`), its rows and the files of both."""
+        for tag in tags:
+            self.drop(tag)
+        shutil.rmtree(self.root / LIVE_STATE / f"shard-{self.shard}", ignore_errors=True)
+        self.live, self.live_encoders = None, {}
 
     def live_rows(self, local: list[int], maps: dict[int, np.ndarray] | None = None) -> np.ndarray:
         """Searchable vectors of local rows (probe, anchors, gold)."""

@@ -104,7 +104,8 @@ class ShardedIndexService(LiveService):
         self.book = VersionBook()
         self.tag = "live"
         self.meta = None
-        self.encoder_version = 0
+        self.encoder_version = 0  # the newest version whose rows searches see
+        self.last_version = 0  # the newest version a round started: a failed round's number is never reused
         self.encoder_steps: dict[int, int] = {}  # encoder version -> training step of its snapshot
         self.anchors: dict[int, np.ndarray] = {}  # encoder version -> its vectors of the anchor passages
         self.anchor_rows = anchor_rows(len(doc_ids), cfg.refresh.anchors, cfg.seed)
@@ -117,13 +118,17 @@ class ShardedIndexService(LiveService):
 
     # ------------------------------------------------------------------------------------------------ shards
 
-    def _call(self, shards: list[int], method: str, *args, what: str = "a live refresh call") -> list[Any]:
-        """One call per shard; a shard that lost its live rows (restarted) starts them again from disk, once."""
+    def _call(
+        self, shards: list[int], method: str, *args, what: str = "a live refresh call", quick: bool = False
+    ) -> list[Any]:
+        """One call per shard; a shard that lost its live rows (restarted) starts them again from disk, once.
+        `quick` calls (row fetches, version mixes) wait at most index.shard_timeout_s, as searches do; encodes and
+        builds take as long as their rows need."""
         refs = [getattr(self.actors[i], method).remote(*args) for i in shards]
         out = []
         for i, ref in zip(shards, refs):
             try:
-                out.append(_gather([ref], [i], what, self.cfg.index.shard_timeout_s)[0])
+                out.append(_gather([ref], [i], what, self.cfg.index.shard_timeout_s if quick else None)[0])
             except LiveStateLost:
                 self._start([i])
                 out.append(_gather([getattr(self.actors[i], method).remote(*args)], [i], what, None)[0])
@@ -150,7 +155,7 @@ class ShardedIndexService(LiveService):
         parts = self._split(rows)
         out = {}
         for s, local in parts.items():
-            vecs = self._call([s], "live_rows", local, maps, what="a row fetch")[0]
+            vecs = self._call([s], "live_rows", local, maps, what="a row fetch", quick=True)[0]
             out.update({self.offsets[s] + lr: v for lr, v in zip(local, vecs)})
         return np.stack([out[r] for r in rows])
 
@@ -191,7 +196,9 @@ class ShardedIndexService(LiveService):
     def _round(self, step: int, weights_ref, start: float) -> dict[str, Any]:
         """Encode the round's texts, start every shard's re-encode, let the new rows land as the policy says."""
         r = self.cfg.refresh
-        v = self.encoder_version + 1
+        # a new number for every snapshot, even after a failed round: a shard's encoder and its rows' versions
+        # never take an older snapshot's label
+        self.last_version = v = max(self.last_version, self.encoder_version) + 1
         self.encoder_steps[v] = step
         qvecs = self._encode(v, step, weights_ref, self.train_queries, "query")
         fresh = self._encode(v, step, weights_ref, [self.passages[i] for i in self.probe.rows], "passage")
@@ -239,14 +246,22 @@ class ShardedIndexService(LiveService):
             return _gather([self.actors[shard].live_encode.remote(*args)], [shard], "a live encode", None)[0]
 
     def _land_at_once(self, v, step, qvecs, fresh, encoding) -> tuple[dict[int, dict], list[dict]]:
-        """global: every shard builds version v under a new tag; then every search switches to it at once."""
+        """global: every shard builds version v under a new tag from its stored rows with the round's new ones in
+        place (nothing applied yet); then every search switches to it at once, and the shards apply the round.
+        A shard that restarts before the barrier lost its new rows: the round fails, and searches keep the old
+        tag, which the restarted shard rebuilt from its persisted (older) rows: still one version everywhere."""
         encoded = {i: self._encoded(ref, i, args) for ref, (i, args) in encoding.items()}
         shards = list(range(len(self.actors)))
-        self._call(shards, "live_apply", v)
         tag = f"live{v}"
-        self._call(shards, "live_build", tag, {})
+        try:
+            self._call(shards, "live_build", tag, {}, v)
+        except Exception:
+            for i in shards:  # free the new builds that were made; the old tag stays searched
+                self.actors[i].drop.remote(tag)
+            raise
         old, self.tag = self.tag, tag  # the barrier: every search from now on sees version v everywhere
         self.encoder_version = v
+        self._call(shards, "live_apply", v)
         states = [self._publish(step, qvecs, fresh, {})]
         self._call(shards, "drop", old)
         return encoded, states
@@ -298,8 +313,8 @@ class ShardedIndexService(LiveService):
         """Publish the state searches see now: negatives mined with the newest snapshot's query vectors, the
         probe's stored vectors, and what the state mixes."""
         t = self.cfg.retriever.train
-        mixes = self._call(list(range(len(self.actors))), "live_mix")
-        index = self._index()
+        mixes = self._call(list(range(len(self.actors))), "live_mix", quick=True)
+        index = _LiveSearch(self)
         positive = None
         if t.hard_negative_margin is not None:  # each query's positive, on its gold rows' searchable vectors only
             wanted = sorted({g for gs in self.train_gold for g in gs})
@@ -337,10 +352,37 @@ class ShardedIndexService(LiveService):
             self.actors, self.tag, self.doc_ids, self.meta, self.offsets, self.cfg.index.shard_timeout_s
         )
 
+    def close(self) -> None:
+        """Wait for a running refresh, then free the shards' live builds and persisted rows (the trained index
+        that follows is built on the same shard actors)."""
+        with self._busy:
+            shards = list(range(len(self.actors)))
+            refs = [a.live_end.remote([self.tag, LIVE_BASE]) for a in self.actors]
+            _gather(refs, shards, "the end of the live index", self.cfg.index.shard_timeout_s)
+
     # ------------------------------------------------------------------------------------------- searches
 
     def search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (scores, rows) from the live index (counted as hot rows)."""
-        scores, rows = self._index().search(qvecs, k)
+        scores, rows = self._search(qvecs, k)
         np.add.at(self.hot, rows[rows >= 0], 1)
         return scores, rows
+
+    def _search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """A search of the live index. A shard restarted under it (its search retried on the new actor) holds no
+        live build: it gets its rows and build back from disk, and the search is asked once more."""
+        try:
+            return self._index().search(qvecs, k)
+        except KeyError:  # Ray's error of a task that raised KeyError is one: "index shard i holds no build ..."
+            self._call(list(range(len(self.actors))), "live_mix", quick=True)  # restores the restarted ones
+            return self._index().search(qvecs, k)
+
+
+class _LiveSearch:
+    """The live index as `mine_rows` asks for it, searched through the service (which restores restarted shards)."""
+
+    def __init__(self, service: ShardedIndexService) -> None:
+        self.service = service
+
+    def search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.service._search(qvecs, k)

@@ -61,6 +61,29 @@ def test_a_partial_round_encodes_its_share_applies_it_and_a_restart_continues_fr
     assert drift["encoded"] == 10
 
 
+def test_a_round_lands_in_a_staged_build_first_and_moves_the_cursor_only_when_applied(tmp_path) -> None:
+    """global builds the new rows in before applying them; a round that never lands (its shard restarted, say)
+    leaves its rows next in turn, and the persisted state the last applied round's."""
+    rng = np.random.default_rng(2)
+    old, new = _unit(rng.normal(size=(20, 8))), _unit(rng.normal(size=(20, 8)))
+    rows = LiveRows(tmp_path, old, lambda local: [str(i) for i in local])
+
+    def encode(batch: list[str]) -> np.ndarray:
+        return new[[int(t) for t in batch]]
+
+    rows.encode_round(1, encode, 0.25, "oldest", None, seed=0)
+    staged = rows.staged(1)
+    np.testing.assert_array_equal(staged[:5], new[:5])
+    np.testing.assert_array_equal(staged[5:], old[5:])
+    np.testing.assert_array_equal(rows.vectors, old)  # nothing stored yet
+    with pytest.raises(RuntimeError, match="no pending round of version 2"):
+        rows.staged(2)
+    rows.encode_round(2, encode, 0.25, "oldest", None, seed=0)  # round 1 never landed: the same rows again
+    assert rows.pending[1].tolist() == [0, 1, 2, 3, 4] and rows.cursor == 0
+    rows.apply(2)
+    assert rows.cursor == 5 and rows.mix() == {0: 15, 2: 5}
+
+
 def test_eager_mixes_versions_and_aligned_maps_the_old_rows_into_the_new_space() -> None:
     """Half the rows re-encoded by a new encoder that rotates the space: eager searches a mix and misses what a
     consistent index finds; aligned maps the old half through the map fitted on anchors and finds it all."""
