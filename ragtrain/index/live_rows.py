@@ -201,8 +201,9 @@ class LiveRows:
 
 def version_summary(mixes: Sequence[dict], steps: dict[int, int], step: int) -> dict[str, float]:
     """Metrics of what searches see, from every shard's {version: rows}: index/version_skew (newest - oldest
-    version searched), index/newest_version_share (rows at the newest), index/staleness_steps (training steps since
-    the snapshot of the oldest rows), index/version_count."""
+    version searched; a failed round's number is skipped, so it counts rounds started), the shares of rows at the
+    newest and at the oldest version, index/staleness_steps (training steps since the snapshot of the oldest rows),
+    index/version_count."""
     total: dict[int, int] = {}
     for m in mixes:
         for v, c in m.items():
@@ -212,6 +213,7 @@ def version_summary(mixes: Sequence[dict], steps: dict[int, int], step: int) -> 
     return {
         "index/version_skew": float(newest - oldest),
         "index/newest_version_share": total[newest] / rows,
+        "index/oldest_version_share": total[oldest] / rows,
         "index/staleness_steps": float(step - steps.get(oldest, 0)),
         "index/version_count": float(len(total)),
     }

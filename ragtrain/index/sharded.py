@@ -138,14 +138,19 @@ def check_shard_config(cfg: Config, rows: int, nodes: Sequence[dict] | None = No
                 f"versions and needs at least {dim} anchor passages (the encoder's dimension) and at most the "
                 f"corpus's {rows}"
             )
-    if idx.shards == "1":
+    if idx.shards == "1" and not r.sharded:  # a partial refresh or a policy runs on index shards even at 1
         return
     if idx.shards != "auto" or nodes is not None:
         resolve_shards(idx.shards, rows, nodes)
     if cfg.fault.kill_encode_actor_at_batch >= 0:
+        why = (
+            f"index.shards={idx.shards}"
+            if idx.shards != "1"
+            else f"refresh.fraction={r.fraction} and refresh.consistency={r.consistency} (a refresh on index shards)"
+        )
         raise ConfigError(
-            "fault.kill_encode_actor_at_batch kills a Ray Data encode actor, and with index.shards="
-            f"{idx.shards} the index shards encode instead: set index.shards=1 to inject it"
+            f"fault.kill_encode_actor_at_batch kills a Ray Data encode actor, and with {why} the index shards "
+            "encode instead: inject it with index.shards=1 and a full, global refresh"
         )
 
 
@@ -288,7 +293,11 @@ class _Shard(BuildHolder):
         self.live_encoders: dict[int, Any] = {}
         for m in sorted(self.root.glob(f"*/shard-{shard}/{MANIFEST}")):  # a restart continues from disk
             tag = m.parent.parent.name
-            self._load(tag, m.parent)
+            try:
+                self._load(tag, m.parent)
+            except IndexMismatchError as e:  # one unreadable build must not keep the shard from starting
+                log.warning("index shard %d does not restore the build %r: %s", shard, tag, e)
+                continue
             self.restored.append(tag)
 
     def _folder(self, tag: str) -> Path:
@@ -554,14 +563,18 @@ class _Shard(BuildHolder):
 
 
 def _link_tree(src: Path, dst: Path) -> None:
-    """`src`'s files into a fresh `dst`: hard links where the file system allows, else copies."""
-    shutil.rmtree(dst, ignore_errors=True)
-    dst.mkdir(parents=True)
+    """`src`'s files into a fresh `dst`: hard links where the file system allows, else copies; into a temporary
+    folder renamed at the end, so a crash never leaves a manifest beside a half-copied index."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     for f in src.iterdir():
         try:
-            os.link(f, dst / f.name)
+            os.link(f, tmp / f.name)
         except OSError:
-            shutil.copy2(f, dst / f.name)
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
 
 
 # 0 CPUs, as the index host: a shard works while the driver waits on it, and a reservation would take a CPU from

@@ -109,6 +109,7 @@ def test_eager_mixes_versions_and_aligned_maps_the_old_rows_into_the_new_space()
     assert s == {
         "index/version_skew": 1.0,
         "index/newest_version_share": 0.5,
+        "index/oldest_version_share": 0.5,
         "index/staleness_steps": 40.0,
         "index/version_count": 2.0,
     }
