@@ -56,6 +56,7 @@ class LiveVersion:
     negatives: list[list[int]]  # per training query: hard-negative candidates (corpus positions)
     probe_vectors: np.ndarray  # [len(probe.rows), dim] stored vectors of the probe passages
     build_seconds: float
+    version_skew: float = 0.0  # newest - oldest encoder version of the rows it was mined from (index shards)
 
 
 class VersionBook:
@@ -321,6 +322,7 @@ class LiveIndexClient:
         self.seconds: list[float] = []  # each finished refresh's wall time
         self.round_metrics: list[dict[str, float]] = []  # each finished sharded round's metrics
         self.steps: list[tuple[float, int, bool]] = []  # (seconds, samples, a refresh was running) per step
+        self.mixed_steps = 0  # steps whose negatives came from a version that mixed encoder versions
 
     def begin_step(self, step: int) -> int:
         """Switch to the version `step` mines from: rank 0 asks the service (a ~1 ms actor call) and broadcasts
@@ -384,6 +386,7 @@ class LiveIndexClient:
         refresh.check_every steps and start a refresh when due. Returns metrics for rank 0 to log."""
         refreshing = self.in_flight() if self.rank == 0 else False
         self.steps.append((step_seconds, samples, refreshing))
+        self.mixed_steps += self.live.version_skew > 0
         out: dict[str, float] = {}
         if self.switched:
             out["index/version"] = self.live.version
@@ -422,6 +425,8 @@ class LiveIndexClient:
             "index/refresh_failures": float(self.failures),
             "index/steps_during_refresh": float(len(busy)),
             "index/final_version": float(self.live.version),
+            # what training itself met of the shards' inconsistency (the states published are in index/*_mean)
+            "index/steps_on_mixed_versions": float(self.mixed_steps),
             "index/refresh_seconds_total": float(sum(self.seconds)),
         }
         rounds = self.round_metrics

@@ -338,7 +338,7 @@ class ShardedIndexService(LiveService):
         }
         with self._swap:
             version = self.book.version() + 1
-            live = LiveVersion(version, step, negatives, seen, 0.0)
+            live = LiveVersion(version, step, negatives, seen, 0.0, metrics["index/version_skew"])
             self.book.publish(live)
         return {"ok": True, "version": version, "step": step, "metrics": metrics, **extra}
 

@@ -333,3 +333,22 @@ def test_the_summary_sums_refresh_seconds_and_summarises_sharded_rounds(ray_sess
     assert s["index/refresh_seconds_total"] == 8.0 and s["index/encoded_fraction_mean"] == 0.25
     assert s["index/mined_agreement_mean"] == pytest.approx(0.5)
     assert s["index/mixed_recall_at_10_mean"] == pytest.approx(0.8) and s["index/version_skew_max"] == 2.0
+
+
+def test_the_summary_counts_the_steps_that_mined_from_mixed_versions() -> None:
+    """Published states can mix encoder versions for a moment; what counts for training is whether a step's
+    negatives came from one: index/steps_on_mixed_versions."""
+    from ragtrain.config import Config
+
+    book = VersionBook()
+    book.publish(_version(0))
+    client = LiveIndexClient(book, Config(), rank=0)
+    mixed = LiveVersion(1, 2, [[7]], np.zeros((1, 2), dtype=np.float32), 0.0, version_skew=1.0)
+    for step in range(6):
+        if step == 2:
+            book.publish(mixed)
+        if step == 4:
+            book.publish(_version(2, step=4))  # the round's last shard landed: one version again
+        client.begin_step(step)
+        client.after_step(step, dict, lambda _: {"index/drift_cosine": 0.0}, 1.0, 4)
+    assert client.summary()["index/steps_on_mixed_versions"] == 2.0  # steps 2 and 3
