@@ -19,7 +19,6 @@ versions) is persisted on every apply, so a restarted shard continues from its l
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -193,10 +192,6 @@ class LiveRows:
         tmp = self.folder / f".{STATE}.{os.getpid()}.npz"
         np.savez(tmp, vectors=self.vectors, versions=self.versions, cursor=np.int64(self.cursor))
         os.replace(tmp, self.folder / STATE)  # atomic: a crash leaves the previous round's state
-
-    def clear(self) -> None:
-        """Forget the persisted state (the end of a run's live index)."""
-        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def version_summary(mixes: Sequence[dict], steps: dict[int, int], step: int) -> dict[str, float]:

@@ -455,15 +455,18 @@ class _Shard(BuildHolder):
             def read(local: np.ndarray) -> list[str]:
                 return [texts[int(r)] for r in local]
 
-        folder = self.root / LIVE_STATE / f"shard-{self.shard}"  # no build tag names this folder: drop() spares it
         if fresh:
-            shutil.rmtree(folder, ignore_errors=True)
-        self.live = LiveRows(folder, vecs.astype(np.float32), read)
+            shutil.rmtree(self._live_folder(), ignore_errors=True)
+        self.live = LiveRows(self._live_folder(), vecs.astype(np.float32), read)
         if from_tag != LIVE_BASE:  # its own persisted copy: the run may drop `from_tag`, and a restart reloads this
             self.load(LIVE_BASE, str(self._folder(from_tag)))
         self.live_template = self.indexes[LIVE_BASE]  # ids, metadata and the trained quantiser of every rebuild
         self.live_params = self.manifests[LIVE_BASE].get("search_params", (16, 128))
         return {"rows": self.live.rows, "mix": self.live.mix()}
+
+    def _live_folder(self) -> Path:
+        """Where this shard persists its live rows: a folder no build's tag names, so drop() spares it."""
+        return self.root / LIVE_STATE / f"shard-{self.shard}"
 
     def _live(self) -> Any:
         if self.live is None:
@@ -536,7 +539,7 @@ class _Shard(BuildHolder):
         """The end of the live index: forget its builds (`tags`), its rows and the files of both."""
         for tag in tags:
             self.drop(tag)
-        shutil.rmtree(self.root / LIVE_STATE / f"shard-{self.shard}", ignore_errors=True)
+        shutil.rmtree(self._live_folder(), ignore_errors=True)  # also after a restart, when no LiveRows is held
         self.live, self.live_encoders = None, {}
 
     def live_rows(self, local: list[int], maps: dict[int, np.ndarray] | None = None) -> np.ndarray:
