@@ -49,9 +49,12 @@ def _reaches_itself(start: str) -> list[str] | None:
     "module",
     [
         "ragtrain.sync.base",
-        "ragtrain.sync.ddp",
         "ragtrain.sync.composed",
         "ragtrain.sync.registry",
+        "ragtrain.sync.reducers.base",
+        "ragtrain.sync.mixers.base",
+        "ragtrain.sync.scopes.base",
+        "ragtrain.config.sync",
         "ragtrain.tune.sweep",
         "ragtrain.tune.results",
         "ragtrain.corpus.dataset",

@@ -25,12 +25,8 @@ from ragtrain.config.generator import GeneratorConfig
 from ragtrain.config.sync import (  # noqa: F401  (re-exported: the root schema's sync group)
     CONSENSUS,
     GOSSIP_TOPOLOGIES,
-    MIXER_DEFAULTS,
-    MIXER_KEYS,
     MIXER_SCOPES,
     MIXERS,
-    REDUCER_DEFAULTS,
-    REDUCER_KEYS,
     REDUCER_SCOPES,
     REDUCERS,
     MixerConfig,

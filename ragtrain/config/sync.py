@@ -6,58 +6,126 @@ Imported by ragtrain/config/__init__.py (the root schema re-exports every name),
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ragtrain.config.registry import Variant
 from ragtrain.errors import ConfigError
 from ragtrain.errors import check as _check
 
 # --- sync: a strategy is a gradient REDUCER + a parameter MIXER + a SCOPE (ragtrain/sync/composed.py) ---
-REDUCERS = ("none", "allreduce", "fp16", "bf16", "powersgd", "topk")
-MIXERS = ("none", "average", "gossip", "async_ps")
-REDUCER_SCOPES = ("all", "intra_node", "two_level")
-MIXER_SCOPES = ("all", "inter_node")
+# One registry per family: name -> the class (ragtrain/sync/...) and the facts the checks below read. Adding a
+# variant is its class file and one line here (docs/adding-a-variant.md).
+
+
+@dataclass(frozen=True)
+class ReducerVariant(Variant):
+    """A gradient reducer (ragtrain/sync/reducers/): a DDP comm hook run inside backward."""
+
+    reads: dict[str, Any] = field(default_factory=dict)  # ReducerConfig keys it reads -> their defaults
+    sends: bool = True  # puts gradients on the wire (none: every worker keeps its own)
+    exact: bool = False  # the exact fp32 mean, what scope.reducer=intra_node computes inside a node
+    slices: bool = False  # can average some parameters' slices of a bucket (scope.reducer_params)
+    family: str = "compressed"  # SyncConfig.strategy when it runs alone on every parameter and rank
+
+
+@dataclass(frozen=True)
+class MixerVariant(Variant):
+    """A parameter mixer (ragtrain/sync/mixers/): runs after optimizer steps."""
+
+    reads: dict[str, Any] = field(default_factory=dict)  # MixerConfig keys it reads -> their defaults
+    mixes: bool = True  # moves parameters during training (none: only the end-of-training consensus)
+    subset: bool = False  # can own the parameters outside scope.reducer_params
+    across_nodes: bool = False  # can run with scope.mixer=inter_node
+    asynchronous: bool = False  # workers never wait for each other: no gradient collective, no gathered negatives
+    family: str | None = None  # SyncConfig.strategy
+
+
+@dataclass(frozen=True)
+class ReducerScopeVariant(Variant):
+    """Which ranks a reducer spans (ragtrain/sync/scopes/)."""
+
+    within_node: bool = False  # nothing crosses nodes: its own exact mean inside each node, a mixer joins nodes
+    family: str | None = None  # SyncConfig.strategy
+
+
+@dataclass(frozen=True)
+class MixerScopeVariant(Variant):
+    """Which ranks a mixer spans (ragtrain/sync/scopes/)."""
+
+    across_nodes: bool = False  # one worker per node takes part: needs replicas equal inside a node
+
+
+REDUCERS: dict[str, ReducerVariant] = {
+    "none": ReducerVariant("ragtrain.sync.reducers.none:NoReducer", sends=False, family="independent"),
+    "allreduce": ReducerVariant("ragtrain.sync.reducers.allreduce:AllReduce", exact=True, slices=True, family="ddp"),
+    "fp16": ReducerVariant("ragtrain.sync.reducers.fp16:Fp16", slices=True),
+    "bf16": ReducerVariant("ragtrain.sync.reducers.bf16:Bf16", slices=True),
+    "powersgd": ReducerVariant(
+        "ragtrain.sync.reducers.powersgd:PowerSGD", reads={"matrix_rank": 4, "start_iter": 10, "error_feedback": True}
+    ),
+    "topk": ReducerVariant("ragtrain.sync.reducers.topk:TopK", reads={"ratio": 0.01, "error_feedback": True}),
+}
+MIXERS: dict[str, MixerVariant] = {
+    "none": MixerVariant("ragtrain.sync.mixers.none:NoMixer", mixes=False),
+    "average": MixerVariant(
+        "ragtrain.sync.mixers.average:Average",
+        reads={"period": 1, "warmup_steps": 0, "adaptive": False, "target_divergence": 1e-3, "max_period": 64},
+        subset=True,
+        across_nodes=True,
+        family="local_sgd",
+    ),
+    "gossip": MixerVariant(
+        "ragtrain.sync.mixers.gossip:Gossip",
+        reads={"period": 1, "topology": "ring", "mixing": 0.5},
+        subset=True,
+        across_nodes=True,
+        family="gossip",
+    ),
+    "async_ps": MixerVariant(
+        "ragtrain.sync.mixers.async_ps:AsyncPS", reads={"max_staleness": 2}, asynchronous=True, family="async_ps"
+    ),
+}
+REDUCER_SCOPES: dict[str, ReducerScopeVariant] = {
+    "all": ReducerScopeVariant("ragtrain.sync.scopes.all_ranks:AllRanks"),
+    "intra_node": ReducerScopeVariant(
+        "ragtrain.sync.scopes.intra_node:IntraNode", within_node=True, family="hierarchical"
+    ),
+    "two_level": ReducerScopeVariant("ragtrain.sync.scopes.two_level:TwoLevel", family="hybrid"),
+}
+MIXER_SCOPES: dict[str, MixerScopeVariant] = {
+    "all": MixerScopeVariant("ragtrain.sync.scopes.all_ranks_mixer:AllRanksMixer"),
+    "inter_node": MixerScopeVariant("ragtrain.sync.scopes.inter_node:InterNode", across_nodes=True),
+}
 CONSENSUS = ("params", "vectors")
 GOSSIP_TOPOLOGIES = ("ring", "random")
-# Which kind reads which key (a key set for a kind that does not read it is an error), and the defaults.
-REDUCER_KEYS = {"powersgd": ("matrix_rank", "start_iter", "error_feedback"), "topk": ("ratio", "error_feedback")}
-REDUCER_DEFAULTS = {"matrix_rank": 4, "start_iter": 10, "error_feedback": True, "ratio": 0.01}
-MIXER_KEYS = {
-    "average": ("period", "warmup_steps", "adaptive", "target_divergence", "max_period"),
-    "gossip": ("period", "topology", "mixing"),
-    "async_ps": ("max_staleness",),
-}
-MIXER_DEFAULTS = {
-    "period": 1,
-    "warmup_steps": 0,
-    "adaptive": False,
-    "target_divergence": 1e-3,
-    "max_period": 64,
-    "topology": "ring",
-    "mixing": 0.5,
-    "max_staleness": 2,
-}
 
 
-def _kind_keys(obj: Any, prefix: str, kind: str, keys: dict[str, tuple[str, ...]], defaults: dict[str, Any]) -> None:
-    """Refuse a key set (not null) that `kind` does not read, naming who reads it; fill the kind's unset keys."""
-    for key in defaults:
-        readers = [k for k, ks in keys.items() if key in ks]
-        if getattr(obj, key) is not None and key not in keys.get(kind, ()):
+def _names(registry: dict[str, Any], ok: Any) -> list[str]:
+    """The names in `registry` whose entry satisfies `ok`: the valid choices an error message lists."""
+    return [name for name, v in registry.items() if ok(v)]
+
+
+def _kind_keys(obj: Any, prefix: str, registry: dict[str, Any]) -> None:
+    """Refuse a key set (not null) that `obj.kind` does not read, naming who reads it; fill the kind's unset keys."""
+    reads = registry[obj.kind].reads
+    for key in (f.name for f in fields(obj) if f.name != "kind"):
+        if getattr(obj, key) is not None and key not in reads:
+            readers = _names(registry, lambda v, key=key: key in v.reads)
             raise ConfigError(
-                f"{prefix}.{key} is set ({getattr(obj, key)!r}) but {prefix}.kind={kind} does not read "
+                f"{prefix}.{key} is set ({getattr(obj, key)!r}) but {prefix}.kind={obj.kind} does not read "
                 f"it; it belongs to {prefix}.kind in {readers}: set it to null or change the kind"
             )
-    for key in keys.get(kind, ()):
+    for key, default in reads.items():
         if getattr(obj, key) is None:
-            setattr(obj, key, defaults[key])
+            setattr(obj, key, default)
 
 
 @dataclass
 class ReducerConfig:
     """Gradient reducer, every step inside backward (a DDP comm hook): how gradients cross the wire."""
 
-    kind: str = "allreduce"  # none | allreduce | fp16 | bf16 | powersgd | topk
+    kind: str = "allreduce"  # a name in REDUCERS: none | allreduce | fp16 | bf16 | powersgd | topk
     matrix_rank: int | None = None  # powersgd: rank of the P, Q factors (default 4)
     start_iter: int | None = None  # powersgd: plain all-reduce before this step (>= 2 with error feedback; default 10)
     error_feedback: bool | None = None  # powersgd, topk (default true)
@@ -66,7 +134,7 @@ class ReducerConfig:
     def __post_init__(self) -> None:
         k = "sync.reducer"
         _check(self.kind in REDUCERS, k + ".kind", f"must be one of {list(REDUCERS)}", self.kind)
-        _kind_keys(self, k, self.kind, REDUCER_KEYS, REDUCER_DEFAULTS)
+        _kind_keys(self, k, REDUCERS)
         _check(self.matrix_rank is None or self.matrix_rank > 0, k + ".matrix_rank", "must be > 0", self.matrix_rank)
         _check(self.start_iter is None or self.start_iter >= 0, k + ".start_iter", "must be >= 0", self.start_iter)
         _check(self.ratio is None or 0 < self.ratio <= 1, k + ".ratio", "must be in (0, 1]", self.ratio)
@@ -76,7 +144,7 @@ class ReducerConfig:
 class MixerConfig:
     """Parameter mixer, after optimizer steps: how replicas that stepped apart are pulled together."""
 
-    kind: str = "none"  # none | average (every period, local SGD) | gossip | async_ps (a Ray actor server)
+    kind: str = "none"  # a name in MIXERS: none | average (local SGD) | gossip | async_ps (a Ray actor server)
     period: int | None = None  # average, gossip: steps between rounds (default 1)
     warmup_steps: int | None = None  # average: gradient all-reduce (DDP) for this many steps first (default 0)
     adaptive: bool | None = None  # average: shrink/grow the period with the measured divergence (default false)
@@ -89,7 +157,7 @@ class MixerConfig:
     def __post_init__(self) -> None:
         k = "sync.mixer"
         _check(self.kind in MIXERS, k + ".kind", f"must be one of {list(MIXERS)}", self.kind)
-        _kind_keys(self, k, self.kind, MIXER_KEYS, MIXER_DEFAULTS)
+        _kind_keys(self, k, MIXERS)
         _check(self.period is None or self.period > 0, k + ".period", "must be > 0", self.period)
         _check(
             self.warmup_steps is None or self.warmup_steps >= 0, k + ".warmup_steps", "must be >= 0", self.warmup_steps
@@ -166,54 +234,60 @@ class SyncConfig:
         _check(self.bucket_cap_mb > 0, k + "bucket_cap_mb", "must be > 0", self.bucket_cap_mb)
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
         _check(self.eval_every >= 0, k + "eval_every", "must be >= 0", self.eval_every)
-        # combinations (each message names the valid ones)
+        # combinations (each message names the valid ones, from the registries' facts)
+        red, mix = REDUCERS[r.kind], MIXERS[m.kind]
+        rscope, mscope = REDUCER_SCOPES[s.reducer], MIXER_SCOPES[s.mixer]
+        exact = _names(REDUCERS, lambda v: v.exact)
+        joining = _names(MIXERS, lambda v: v.across_nodes)
+        partial = _names(MIXERS, lambda v: v.subset)
+        within = _names(REDUCER_SCOPES, lambda v: v.within_node)
         _check(
-            r.kind != "none" or (s.reducer == "all" and not s.reducer_params),
+            red.sends or (s.reducer == "all" and not s.reducer_params),
             k + "scope.reducer",
-            "applies to a reducer: with sync.reducer.kind=none keep scope.reducer=all and scope.reducer_params=[]",
+            f"applies to a reducer: with sync.reducer.kind={r.kind} keep scope.reducer=all and scope.reducer_params=[]",
             s.reducer,
         )
         _check(
-            s.reducer != "intra_node" or r.kind == "allreduce",
+            not rscope.within_node or red.exact,
             k + "reducer.kind",
-            "must be allreduce with scope.reducer=intra_node (valid there: [allreduce]; compress across nodes "
-            "with scope.reducer=two_level)",
+            f"must be {' or '.join(exact)} with scope.reducer={s.reducer} (valid there: [{', '.join(exact)}]; "
+            "compress across nodes with scope.reducer=two_level)",
             r.kind,
         )
         _check(
-            s.reducer != "intra_node" or (m.kind in ("average", "gossip") and s.mixer == "inter_node"),
+            not rscope.within_node or (mix.across_nodes and mscope.across_nodes),
             k + "mixer.kind",
-            "must be average or gossip with scope.mixer=inter_node when scope.reducer=intra_node "
+            f"must be {' or '.join(joining)} with scope.mixer=inter_node when scope.reducer={s.reducer} "
             "(nodes would never meet); or use scope.reducer=two_level",
             m.kind,
         )
         _check(
-            s.mixer != "inter_node" or s.reducer == "intra_node",
+            not mscope.across_nodes or rscope.within_node,
             k + "scope.mixer",
-            "=inter_node needs scope.reducer=intra_node (replicas inside a node equal); valid: [all]",
+            f"={s.mixer} needs {' or '.join('scope.reducer=' + n for n in within)} (replicas inside a node "
+            f"equal); valid: [{', '.join(_names(MIXER_SCOPES, lambda v: not v.across_nodes))}]",
             s.mixer,
         )
         _check(
-            s.mixer != "inter_node" or m.topology in (None, "ring"),
+            not mscope.across_nodes or m.topology in (None, "ring"),
             k + "mixer.topology",
             "must be ring across nodes (the node ring)",
             m.topology,
         )
         _check(
-            not s.reducer_params or (r.kind in ("allreduce", "fp16", "bf16") and s.reducer == "all"),
+            not s.reducer_params or (red.slices and s.reducer == "all"),
             k + "scope.reducer_params",
-            "needs reducer.kind in [allreduce, fp16, bf16] with scope.reducer=all",
+            f"needs reducer.kind in [{', '.join(_names(REDUCERS, lambda v: v.slices))}] with scope.reducer=all",
             s.reducer_params,
         )
         _check(
-            not s.reducer_params or m.kind in ("average", "gossip"),
+            not s.reducer_params or mix.subset,
             k + "mixer.kind",
-            "must be average or gossip with scope.reducer_params (it syncs the other parameters)",
+            f"must be {' or '.join(partial)} with scope.reducer_params (it syncs the other parameters)",
             m.kind,
         )
-        full_reducer = r.kind != "none" and s.reducer in ("all", "two_level") and not s.reducer_params
         _check(
-            not (full_reducer and m.kind != "none"),
+            not (self.replicas_equal and mix.mixes),
             k + "mixer.kind",
             f"must be none with reducer.kind={r.kind} on every parameter and rank (replicas are equal after each "
             f"step: nothing to mix); valid combinations: reducer none + a mixer, scope.reducer=intra_node + "
@@ -221,43 +295,43 @@ class SyncConfig:
             m.kind,
         )
         _check(
-            m.kind != "async_ps" or (r.kind == "none" and self.consensus == "params"),
+            not mix.asynchronous or (not red.sends and self.consensus == "params"),
             k + "mixer.kind",
-            "=async_ps needs reducer.kind=none (workers never wait for each other) and consensus=params",
+            f"={m.kind} needs reducer.kind=none (workers never wait for each other) and consensus=params",
             m.kind,
         )
         _check(
-            not m.warmup_steps or r.kind == "none",
+            not m.warmup_steps or not red.sends,
             k + "mixer.warmup_steps",
             "(a gradient all-reduce warm-up) needs reducer.kind=none",
             m.warmup_steps,
         )
         _check(
-            self.consensus != "vectors" or (r.kind == "none" and m.kind == "none"),
+            self.consensus != "vectors" or (not red.sends and not mix.mixes),
             k + "consensus",
             "=vectors keeps every replica apart: it needs reducer.kind=none and mixer.kind=none",
             self.consensus,
         )
 
     @property
+    def replicas_equal(self) -> bool:
+        """Every replica applies the same gradient each step: a sending reducer on every parameter and rank."""
+        s = self.scope
+        return REDUCERS[self.reducer.kind].sends and not REDUCER_SCOPES[s.reducer].within_node and not s.reducer_params
+
+    @property
     def strategy(self) -> str:
         """The family this composition belongs to (logs, model cards, checks): a read-only label."""
-        r, m, s = self.reducer, self.mixer, self.scope
+        mixer, scope = MIXERS[self.mixer.kind], REDUCER_SCOPES[self.scope.reducer]
         if self.consensus == "vectors":
             return "vector_avg"
-        if m.kind == "async_ps":
-            return "async_ps"
-        if s.reducer == "intra_node":
-            return "hierarchical"
-        if s.reducer == "two_level":
-            return "hybrid"
-        if s.reducer_params:
+        if mixer.asynchronous:
+            return mixer.family
+        if scope.family:
+            return scope.family
+        if self.scope.reducer_params:
             return "layerwise"
-        if m.kind == "average":
-            return "local_sgd"
-        if m.kind == "gossip":
-            return "gossip"
-        return {"allreduce": "ddp", "none": "independent"}.get(r.kind, "compressed")
+        return mixer.family or REDUCERS[self.reducer.kind].family
 
     @property
     def label(self) -> str:

@@ -26,8 +26,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ragtrain.config import (
-    MIXER_KEYS,
-    REDUCER_KEYS,
+    MIXERS,
+    REDUCERS,
     Config,
     ConfigError,
     to_typed,
@@ -159,12 +159,12 @@ def _plain(v: Any) -> Any:
 
 def _read_by_option(node: Any, key: str) -> bool:
     """Whether the trial's sync option reads `key`: a sync.reducer.* / sync.mixer.* key belongs to some kinds only
-    (ragtrain.config REDUCER_KEYS / MIXER_KEYS); the other keys are always read."""
+    (what ragtrain.config's REDUCERS / MIXERS registries say each reads); the other keys are always read."""
     part, _, field = key.partition(".")[2].partition(".")
     if not key.startswith("sync.") or part not in ("reducer", "mixer") or field == "kind":
         return True
-    table = REDUCER_KEYS if part == "reducer" else MIXER_KEYS
-    owners = [kind for kind, keys in table.items() if field in keys]
+    registry = REDUCERS if part == "reducer" else MIXERS
+    owners = [kind for kind, variant in registry.items() if field in variant.reads]
     return not owners or node.sync[part].kind in owners
 
 

@@ -100,19 +100,19 @@ def _restart(rank: int, world: int, port: int, address: str, out: str) -> None:
     from torch import nn
 
     from ragtrain.config import MixerConfig
-    from ragtrain.sync.async_ps import AsyncPSSync
     from ragtrain.sync.base import flat_params, set_flat_params
+    from ragtrain.sync.mixers.async_ps import AsyncPS
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ray.init(address=address, namespace="async-ps-restart", log_to_driver=False)
-    cfg = MixerConfig(kind="async_ps", max_staleness=1)  # AsyncPSSync reads the mixer's config
+    cfg = MixerConfig(kind="async_ps", max_staleness=1)  # AsyncPS reads the mixer's config
 
     def fresh_replica() -> nn.Module:
         torch.manual_seed(0)
         return nn.Linear(8, 2)
 
-    def push(strategy: AsyncPSSync, params: list, step: int) -> None:
+    def push(strategy: AsyncPS, params: list, step: int) -> None:
         for r in range(world):  # one rank at a time: the server's order is fixed, so is the expected sum
             if r == rank:
                 with torch.no_grad():
@@ -122,8 +122,8 @@ def _restart(rank: int, world: int, port: int, address: str, out: str) -> None:
             dist.barrier()
 
     model = fresh_replica()
-    strategy = AsyncPSSync(cfg)
-    strategy.wrap(model, torch.device("cpu"))
+    strategy = AsyncPS(cfg)
+    strategy.bind(model)
     params = list(model.parameters())
     for step in range(3):
         push(strategy, params, step)
@@ -131,8 +131,8 @@ def _restart(rank: int, world: int, port: int, address: str, out: str) -> None:
     saved = state["server_params"].clone() if rank == 0 else None
 
     model = fresh_replica()  # the restarted worker: wrap() sees the initial weights, then the checkpoint is loaded
-    strategy = AsyncPSSync(cfg)
-    strategy.wrap(model, torch.device("cpu"))
+    strategy = AsyncPS(cfg)
+    strategy.bind(model)
     params = list(model.parameters())
     set_flat_params(params, replica)
     strategy.load_state_dict(state)
@@ -164,7 +164,7 @@ def test_async_ps_restart_continues_from_the_checkpointed_server(ray_session, tm
 
 def test_server_rules_on_a_plain_object() -> None:
     """The server's staleness bound, rejection, pull reset, snapshot and restore, without Ray (the class itself)."""
-    from ragtrain.sync.async_ps import ParameterServer
+    from ragtrain.sync.mixers.async_ps import ParameterServer
 
     ps = ParameterServer.__ray_actor_class__(np.zeros(2), world=3, max_staleness=1)
     assert ps.push(0, np.ones(2)) == (True, 0)  # ranks 1 and 2 are now 1 update behind

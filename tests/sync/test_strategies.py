@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import ConfigError, MixerConfig, SyncConfig, sync_preset
+from ragtrain.config import REDUCERS, ConfigError, MixerConfig, SyncConfig, sync_preset
 from ragtrain.sync.base import flat_params
 from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
 from ragtrain.sync.drift import param_divergence, replica_cosine, topk_jaccard
-from ragtrain.sync.mixers import neighbours
+from ragtrain.sync.mixers.gossip import neighbours
 from ragtrain.sync.registry import build_sync
 from tests.conftest import spawn
 
@@ -114,6 +114,8 @@ _JOBS: list[tuple] = [
         for c in ("powersgd", "topk", "fp16")
     ],
     (2, S("topk", reducer={"ratio": 0.05}), 6, 0.05, False, None),
+    (2, S("fp16", reducer={"kind": "bf16"}), 6, 0.05, False, None),
+    (2, S("vector_avg"), 6, 0.05, False, None),
     (2, S("layerwise", scope=TOP, mixer={"period": 4}), 6, 0.05, False, None),
     (2, S("layerwise", scope=TOP, mixer={"period": 4}, clip=0.05), 6, 0.05, False, None),
     (3, S("gossip", mixer={"topology": "ring", "mixing": 0.5}), 40, 0.0, True, None),
@@ -316,6 +318,38 @@ def test_topk_bytes_follow_ratio(tmp_path: Path) -> None:
     assert max(r["div"]) < 1e-6  # every worker applies the same sparse average
 
 
+# One job per reducer in the REDUCERS registry and the bytes one worker sends in the last of its steps (2 workers,
+# one DDP bucket): a new reducer adds its line here, and the figure says what it puts on the wire.
+PSGD_RANK = 2
+REDUCER_JOBS = {
+    "none": (S("vector_avg"), 6, 0),
+    "allreduce": (S("ddp"), 6, all_reduce_bytes(4 * N_PARAMS, 2)),
+    "fp16": (S("fp16"), 6, all_reduce_bytes(2 * N_PARAMS, 2)),
+    "bf16": (S("fp16", reducer={"kind": "bf16"}), 6, all_reduce_bytes(2 * N_PARAMS, 2)),
+    "powersgd": (
+        S("powersgd", reducer={"matrix_rank": PSGD_RANK, "start_iter": 2}),
+        5,
+        all_reduce_bytes(4 * (PSGD_RANK * (96 + 64) + PSGD_RANK * (8 + 96) + 96 + 8), 2),
+    ),
+    "topk": (S("topk", reducer={"ratio": 0.05}), 6, all_gather_bytes(int(0.05 * N_PARAMS) * 8, 2)),
+}
+
+
+@pytest.mark.parametrize("kind", list(REDUCERS))
+def test_every_reducer_pins_one_steps_bytes(tmp_path: Path, kind: str) -> None:
+    """Each registered reducer, on real 2-process gloo: its last step's bytes exactly, and (a reducer that sends)
+    replicas that stay equal."""
+    assert kind in REDUCER_JOBS, f"reducer {kind!r} is registered but has no line in REDUCER_JOBS"
+    sync, steps, expected = REDUCER_JOBS[kind]
+    r = run(tmp_path, 2, sync, steps=steps)
+    assert _sync(sync).reducer.kind == kind
+    assert r["bytes"][-1] == expected
+    if REDUCERS[kind].sends:
+        assert max(r["div"]) < 1e-6
+    else:
+        assert r["div"][-1] > 1e-4  # every worker kept its own gradient: the replicas stepped apart
+
+
 def test_neighbours_agree_across_ranks() -> None:
     for rnd in range(5):
         for world in (2, 3, 5, 6):
@@ -488,12 +522,12 @@ def test_powersgd_on_gloo_times_its_communication(tmp_path: Path) -> None:
 
 def test_async_ps_pulls_are_counted_and_timed(ray_session) -> None:
     """max_staleness=0: every push is followed by a pull of the full parameters, counted as params_pull."""
-    from ragtrain.sync.async_ps import AsyncPSSync
+    from ragtrain.sync.mixers.async_ps import AsyncPS
 
     STATS.reset()
     model = _model()
-    strategy = AsyncPSSync(MixerConfig(kind="async_ps", max_staleness=0))
-    strategy.wrap(model, torch.device("cpu"))
+    strategy = AsyncPS(MixerConfig(kind="async_ps", max_staleness=0))
+    strategy.bind(model)
     params = list(model.parameters())
     for step in range(3):
         with torch.no_grad():
@@ -566,12 +600,12 @@ def test_restored_sync_state_moves_to_the_replicas_device() -> None:
     and PowerSGD memories to the device wrap() was given. The meta device stands in for a GPU here."""
     from types import SimpleNamespace
 
-    from ragtrain.sync.reducers import load_powersgd_state
+    from ragtrain.sync.reducers.powersgd import load_powersgd_state
 
     strategy = build_sync(sync_preset("topk", reducer={"ratio": 0.1}))
     strategy.wrap(nn.Linear(2, 2), torch.device("meta"))  # one process: no DDP, but the device is recorded
     strategy.load_state_dict({"topk_by_param": {"0": torch.ones(3), "2": torch.zeros(2)}})
-    assert {k: v.device.type for k, v in strategy.topk.residuals.items()} == {0: "meta", 2: "meta"}
+    assert {k: v.device.type for k, v in strategy.scope.reducer.residuals.items()} == {0: "meta", 2: "meta"}
     saved = {
         "iter": 5,
         "error": {0: torch.ones(4)},

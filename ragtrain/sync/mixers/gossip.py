@@ -1,21 +1,56 @@
-"""Parameter mixers' exchanges: gossip with peers (the global average is base.average_params).
+"""`gossip`: every `period` steps each worker mixes with its neighbours, point to point.
 
-Gossip round t: neighbours N(i) are the ring neighbours {i-1, i+1} or, with topology=random, one peer from a
-pairing drawn with a seed shared by all workers (so pairs agree; an odd worker out skips the round). Each worker
-sends its flat parameters to its neighbours (point-to-point) and sets
+Round t: neighbours N(i) are the ring neighbours {i-1, i+1} or, with topology=random, one peer from a pairing
+drawn with a seed shared by all workers (so pairs agree; an odd worker out skips the round), on the mixer
+scope's ring (the ranks, or the nodes). Each worker sends its flat parameters to its neighbours and sets
     theta_i <- (1 - mixing) * theta_i + mixing * mean_{j in N(i)} theta_j.
 With a doubly stochastic mixing (ring, or pairs) the mean is preserved and replicas contract to it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.sync.base import flat_params, set_flat_params
+from ragtrain.config import MixerConfig
+from ragtrain.sync.base import average_params, flat_params, set_flat_params
 from ragtrain.sync.comm import STATS
+from ragtrain.sync.scopes.base import MixerScope
+
+
+class Gossip:
+    warmup = 0
+
+    def __init__(self, cfg: MixerConfig, scope: MixerScope):
+        self.cfg, self.scope = cfg, scope
+        self.rounds = 0
+
+    def bind(self, model: nn.Module) -> None:
+        pass
+
+    def after_step(self, params: list[nn.Parameter], step: int) -> None:
+        if (step + 1) % self.cfg.period:
+            return
+        position, size = self.scope.position()
+        peers = self.scope.ranks(neighbours(position, size, self.cfg.topology, self.rounds))
+        self.rounds += 1
+        mix_with_peers(params, peers, self.cfg.mixing, self.scope.category)
+
+    def consensus(self, params: list[nn.Parameter]) -> None:
+        average_params(params, category=self.scope.category)
+
+    def state(self) -> dict[str, Any]:
+        return {"sync/gossip_rounds": self.rounds}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rounds": self.rounds}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds = int(state.get("rounds", 0))
 
 
 def neighbours(rank: int, world: int, topology: str, round_: int, seed: int = 0) -> list[int]:

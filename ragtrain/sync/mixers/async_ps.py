@@ -1,4 +1,4 @@
-"""`async_ps`: an asynchronous parameter server as a Ray actor, with bounded staleness.
+"""Mixer `async_ps`: an asynchronous parameter server as a Ray actor, with bounded staleness.
 
 Each worker steps its own replica, pushes the change (delta since its last push) to the server and keeps going:
 it waits only for the server's acknowledgement, never for the other workers. Staleness of a push = the number of
@@ -10,7 +10,7 @@ Bytes of a worker = its pushes (fp32 deltas, category `params`) and its pulls (t
 server sends it, category `params_pull`), each timed from the call to the answer.
 
 Restart: the server is part of the checkpoint. Rank 0's `state_dict` holds the server's parameters and version;
-`load_state_dict` (after the replicas are restored) puts them back into the server started by `wrap`, and every
+`load_state_dict` (after the replicas are restored) puts them back into the server started by `bind`, and every
 worker's anchor becomes its restored replica, so the first push after a restart carries only the new progress.
 """
 
@@ -26,6 +26,7 @@ from torch import nn
 from ragtrain.config.sync import MixerConfig
 from ragtrain.sync.base import flat_params, set_flat_params, world_size
 from ragtrain.sync.comm import STATS
+from ragtrain.sync.scopes.base import MixerScope
 
 
 @ray.remote(num_cpus=0)
@@ -78,13 +79,13 @@ class ParameterServer:
         }
 
 
-class AsyncPSSync:
-    """Workers push deltas to / pull weights from a ParameterServer actor; no collective in the training step."""
+class AsyncPS:
+    """Mixer `async_ps`: workers push deltas to / pull weights from a ParameterServer actor; no collective in the
+    training step (the config checks require reducer.kind=none, and no negatives are gathered across workers)."""
 
-    gather_negatives = False
-    keeps_replicas = False
+    warmup = 0
 
-    def __init__(self, cfg: MixerConfig):  # sync.mixer (kind async_ps): reads max_staleness
+    def __init__(self, cfg: MixerConfig, scope: MixerScope | None = None):  # reads max_staleness; every rank
         self.cfg = cfg
         self.server = None
         self.anchor: torch.Tensor | None = None
@@ -92,7 +93,7 @@ class AsyncPSSync:
         self.pulls = 0
         self.params: list[nn.Parameter] = []
 
-    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+    def bind(self, model: nn.Module) -> None:
         # Rank 0 starts the server from the (identical) initial weights; the others look it up by name.
         flat = flat_params([p for p in model.parameters() if p.requires_grad])  # LoRA: the adapters only
         name = [f"ragtrain-ps-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
@@ -109,7 +110,6 @@ class AsyncPSSync:
         self.params = [
             p for p in model.parameters() if p.requires_grad
         ]  # load_state_dict re-anchors on the restored replica
-        return model
 
     def _pull(self, params: list[nn.Parameter]) -> None:
         start = STATS.clock()
@@ -120,11 +120,6 @@ class AsyncPSSync:
         set_flat_params(params, fresh)
         self.anchor = fresh
         self.pulls += 1
-
-    def gradient_groups(self, step: int) -> list[list[int]] | None:
-        return [
-            [r] for r in range(world_size())
-        ]  # no gather at all (gather_negatives is False); listed for completeness
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
         flat = flat_params(params)
@@ -156,7 +151,7 @@ class AsyncPSSync:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """After the replicas are restored: the server continues from the checkpoint, each anchor from its replica.
 
-        `wrap` started the server from the initial weights; without this every worker's first push would carry
+        `bind` started the server from the initial weights; without this every worker's first push would carry
         theta_ckpt - theta_init, and the progress before the checkpoint would be applied once per worker.
         """
         if self.rank == 0:

@@ -1,0 +1,85 @@
+"""The variant registries the config checks read: every entry names a class of its family, and a new entry is all
+the config and the builder need to accept a new variant."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+
+import pytest
+import torch
+from torch import nn
+
+from ragtrain.config import (
+    MIXER_SCOPES,
+    MIXERS,
+    REDUCER_SCOPES,
+    REDUCERS,
+    ConfigError,
+    MixerConfig,
+    ReducerConfig,
+    sync_preset,
+)
+from ragtrain.config.sync import ReducerVariant
+from ragtrain.sync.mixers.base import Mixer
+from ragtrain.sync.reducers.allreduce import AllReduce
+from ragtrain.sync.reducers.base import Reducer, SliceReducer
+from ragtrain.sync.registry import build_sync
+from ragtrain.sync.scopes.base import MixerScope, ReducerScope
+
+FAMILIES = [
+    (REDUCERS, Reducer, ReducerConfig),
+    (MIXERS, Mixer, MixerConfig),
+    (REDUCER_SCOPES, ReducerScope, None),
+    (MIXER_SCOPES, MixerScope, None),
+]
+
+
+def _protocol_methods(protocol: type) -> set[str]:
+    return {n for n, v in vars(protocol).items() if inspect.isfunction(v) and not n.startswith("_")}
+
+
+@pytest.mark.parametrize("registry,protocol,schema", FAMILIES)
+def test_every_entry_names_a_class_of_its_family(registry, protocol, schema) -> None:
+    keys = {f.name for f in fields(schema)} - {"kind"} if schema else set()
+    for name, variant in registry.items():
+        cls = variant.load()
+        assert inspect.isclass(cls), name
+        missing = {m for m in _protocol_methods(protocol) if not callable(getattr(cls, m, None))}
+        assert not missing, f"{name} ({variant.path}) lacks {sorted(missing)} of {protocol.__name__}"
+        if schema:  # the keys it reads are fields of its typed config
+            assert set(variant.reads) <= keys, name
+
+
+def test_reducer_flags_match_the_classes() -> None:
+    """`slices` promises reduce_slices (scope.reducer_params calls it)."""
+    for name, variant in REDUCERS.items():
+        has = callable(getattr(variant.load(), "reduce_slices", None))
+        assert has == variant.slices, name
+    assert _protocol_methods(SliceReducer) - _protocol_methods(Reducer) == {"reduce_slices"}
+
+
+class HalfAllReduce(AllReduce):
+    """A reducer defined outside the package: all-reduce, with the bucket halved first (easy to see)."""
+
+    def hook(self, bucket):
+        bucket.buffer().mul_(0.5)
+        return super().hook(bucket)
+
+
+def test_one_registry_line_is_all_a_new_reducer_needs(monkeypatch) -> None:
+    """Registered by one line, a reducer is a valid sync.reducer.kind, listed among the valid choices, and built."""
+    with pytest.raises(ConfigError) as e:
+        sync_preset("ddp", reducer={"kind": "half"})
+    assert "half" not in str(e.value).split("must be one of")[1].split("]")[0]
+
+    monkeypatch.setitem(REDUCERS, "half", ReducerVariant(f"{__name__}:HalfAllReduce", slices=True))
+    cfg = sync_preset("ddp", reducer={"kind": "half"})
+    assert cfg.strategy == "compressed" and cfg.label == "half"
+    strategy = build_sync(cfg)
+    assert isinstance(strategy.scope.reducer, HalfAllReduce)
+    with pytest.raises(ConfigError) as e:
+        sync_preset("ddp", reducer={"kind": "warp"})
+    assert "'half'" in str(e.value)  # the valid choices come from the registry
+    model = nn.Linear(2, 2)
+    assert strategy.wrap(model, torch.device("cpu")) is model  # one process: no DDP, the model as it is
