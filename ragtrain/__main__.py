@@ -166,7 +166,7 @@ def scrub_hydra_files() -> None:
 
 
 def dispatch(cfg: DictConfig) -> None:
-    """Check everything that needs no work, then run one pipeline, a sync comparison or a Tune sweep."""
+    """Check everything that needs no work, then run one pipeline, a set of variants or a Tune sweep."""
     typed = to_typed(cfg)  # resolves interpolations and runs every range check before any work
     if typed.tune is not None:  # tune=NAME: a sweep; its space is checked here too, before Ray starts
         # lazy: ragtrain.tune.sweep imports pandas/pyarrow/ray; the CLI starts without them
@@ -181,10 +181,10 @@ def dispatch(cfg: DictConfig) -> None:
     if typed.compare.variants:  # named override sets, e.g. experiment=scifact_refresh
         variants.update(override_variants(cfg))
     if variants:
-        # lazy: ragtrain.sync_compare imports pandas/pyarrow/torch; the CLI starts without them
-        from ragtrain.sync_compare import run_sync_compare
+        # lazy: ragtrain.variants imports pandas/pyarrow/torch; the CLI starts without them
+        from ragtrain.variants import run_variants
 
-        run_sync_compare(variants, typed.output_dir)
+        run_variants(variants, typed.output_dir)
         return
     from ragtrain.pipeline import run  # lazy: ragtrain.pipeline imports torch; the CLI starts without it
 

@@ -1,4 +1,5 @@
-"""experiment=sync_compare end to end (tiny encoder): one MLflow run per strategy, table + plot that match them."""
+"""ragtrain.variants with experiment=sync_compare end to end (tiny encoder): one MLflow run per strategy, table + plot
+that match them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ragtrain.config import ConfigError, sync_variants, to_typed
-from ragtrain.sync_compare import run_sync_compare
+from ragtrain.variants import run_variants
 from tests.conftest import CONF_DIR, compose, tiny_overrides
 
 
@@ -27,7 +28,7 @@ def test_sync_compare_writes_table_matching_mlflow(ray_session, tmp_path: Path) 
     assert list(variants) == ["ddp", "local_sgd", "topk"]
     assert variants["topk"].sync.reducer.kind == "topk" and variants["topk"].sync.eval_every == 5
     assert [v.zeroshot_eval for v in variants.values()] == [True, False, False]
-    df = run_sync_compare(variants, to_typed(cfg).output_dir)
+    df = run_variants(variants, to_typed(cfg).output_dir)
 
     out = Path(to_typed(cfg).output_dir)
     csv = pd.read_csv(out / "comparison.csv")

@@ -1,4 +1,8 @@
-"""experiment=sync_compare: run every configured sync strategy on the same data, then compare them side by side."""
+"""Run a set of variants of one config on the same data, one after another, then compare them side by side.
+
+The variants are conf/sync options (compare.strategies, experiment=sync_compare) and named override sets
+(compare.variants, experiment=scifact_refresh); ragtrain/__main__.py builds them, this module runs them.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ from ragtrain.track.report import comparison_frame, write_comparison
 log = get_logger(__name__)
 
 
-def run_sync_compare(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFrame:
-    """Train + index + evaluate once per strategy (one MLflow run each), then write the comparison table."""
+def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFrame:
+    """Run the pipeline once per variant (one MLflow run each), then write the comparison table (one row per
+    variant, its name in the `strategy` column)."""
     rows = []
     for name, cfg in variants.items():
         log.info(f"\n######## variant: {name} ########")
@@ -35,7 +40,7 @@ def run_sync_compare(variants: dict[str, Config], out_dir: str | Path) -> pd.Dat
 
 
 def _log_comparison(cfg: Config, files: list[Path]) -> None:
-    """Attach the table and plot to a summary MLflow run next to the per-strategy runs."""
+    """Attach the table and plot to a summary MLflow run next to the per-variant runs."""
     logger = RunLogger(replace(cfg.logger, run_name=f"{cfg.experiment_name}/comparison"), cfg.experiment_name)
     status = "FAILED"
     try:
