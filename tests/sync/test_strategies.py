@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import REDUCERS, ConfigError, MixerConfig, SyncConfig, sync_preset
+from ragtrain.config import MIXERS, REDUCERS, ConfigError, MixerConfig, SyncConfig, sync_preset
 from ragtrain.sync.base import flat_params
 from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
 from ragtrain.sync.drift import param_divergence, replica_cosine, topk_jaccard
@@ -348,6 +348,28 @@ def test_every_reducer_pins_one_steps_bytes(tmp_path: Path, kind: str) -> None:
         assert max(r["div"]) < 1e-6
     else:
         assert r["div"][-1] > 1e-4  # every worker kept its own gradient: the replicas stepped apart
+
+
+# One job per mixer in the MIXERS registry (world, sync, every step's bytes of one worker): a new mixer adds its line
+# here. async_ps needs Ray: test_async_ps_pulls_are_counted_and_timed pins its bytes.
+MIXER_JOBS = {
+    "none": (2, S("vector_avg"), [0] * 6),
+    "average": (2, S("local_sgd", mixer={"period": 4}), [0, 0, 0, all_reduce_bytes(4 * N_PARAMS, 2), 0, 0]),
+    "gossip": (3, S("gossip", mixer={"topology": "ring", "period": 2}), [0, 2 * 4 * N_PARAMS] * 3),
+}
+
+
+@pytest.mark.parametrize("kind", [k for k in MIXERS if k != "async_ps"])
+def test_every_mixer_pins_its_bytes_per_step(tmp_path: Path, kind: str) -> None:
+    """Each registered mixer on real gloo: every step's bytes exactly, and replicas equal right after a round."""
+    assert kind in MIXER_JOBS, f"mixer {kind!r} is registered but has no line in MIXER_JOBS"
+    world, sync, expected = MIXER_JOBS[kind]
+    r = run(tmp_path, world, sync)
+    assert _sync(sync).mixer.kind == kind
+    assert r["bytes"] == expected
+    assert r["div"][0] > 1e-5  # every worker stepped alone first: there was something to mix
+    if kind == "average":
+        assert r["div"][3] < 1e-7  # right after its round
 
 
 def test_neighbours_agree_across_ranks() -> None:
