@@ -3,7 +3,7 @@
 The config layer sits below the layers that implement variants (ragtrain/sync, ...) and imports none of them: the
 CLI checks a whole config before torch is imported. So an entry names its class by import path and carries the
 facts the config checks read (the keys the variant reads, what it combines with); `load` imports the class when
-a worker builds it. tests/sync/test_registries.py checks that every entry's path names a class of its family.
+a worker builds it. tests/test_registries.py checks that every entry's path names a class of its family.
 docs/adding-a-variant.md says, family by family, how to add one.
 """
 

@@ -8,10 +8,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ragtrain.config.registry import Variant
 from ragtrain.errors import check as _check
 
-TUNE_SCHEDULERS = ("fifo", "asha")
-TUNE_SEARCHERS = ("random", "optuna")
+
+@dataclass(frozen=True)
+class SchedulerVariant(Variant):
+    """A trial scheduler (ragtrain/tune/schedulers/)."""
+
+    stops_early: bool = False  # stops trials on their training curves: tune.asha_metric, the retriever stage
+
+
+@dataclass(frozen=True)
+class SearcherVariant(Variant):
+    """A search algorithm (ragtrain/tune/searchers/)."""
+
+    grid: bool = True  # can sample a `grid` domain of tune.space
+
+
+# One registry per family: name -> the class and the facts the checks read (docs/adding-a-variant.md)
+TUNE_SCHEDULERS: dict[str, SchedulerVariant] = {
+    "fifo": SchedulerVariant("ragtrain.tune.schedulers.fifo:Fifo"),
+    "asha": SchedulerVariant("ragtrain.tune.schedulers.asha:Asha", stops_early=True),
+}
+TUNE_SEARCHERS: dict[str, SearcherVariant] = {
+    "random": SearcherVariant("ragtrain.tune.searchers.random_search:RandomSearch"),
+    "optuna": SearcherVariant("ragtrain.tune.searchers.optuna_tpe:OptunaTPE", grid=False),
+}
 TUNE_TIME_ATTRS = ("step", "training_iteration")
 
 
@@ -26,8 +49,8 @@ class TuneConfig:
     num_samples: int = 1  # samples of the space (each grid point is repeated num_samples times)
     max_concurrent_trials: int | None = None  # None: cluster CPUs // one trial's peak CPUs (trainer | pool)
     trial_cpus: float = 0.0  # the trial's driver function only; its trainer workers and pool reserve their own
-    scheduler: str = "fifo"  # fifo | asha
-    searcher: str = "random"  # random | optuna
+    scheduler: str = "fifo"  # a name in TUNE_SCHEDULERS: fifo | asha
+    searcher: str = "random"  # a name in TUNE_SEARCHERS: random | optuna
     seed: int | None = None  # searcher seed
     asha_metric: str = "train/loss"  # asha: a metric every log window reports (retriever.train.log_every)
     asha_mode: str = "min"

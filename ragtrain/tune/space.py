@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ragtrain.config import (
     MIXERS,
     REDUCERS,
+    TUNE_SEARCHERS,
     Config,
     ConfigError,
     to_typed,
@@ -199,8 +200,10 @@ def validate(
         check_key(p.key)
         if p.key == SYNC_KEY and p.kind not in ("choice", "grid"):
             raise ConfigError(f"tune.space['sync'] takes choice or grid of conf/sync option names, got {p.kind}")
-        if p.kind == "grid" and searcher == "optuna":
-            raise ConfigError(f"tune.space['{p.key}'] uses grid, which tune.searcher=optuna cannot sample: use choice")
+        if p.kind == "grid" and not TUNE_SEARCHERS[searcher].grid:
+            raise ConfigError(
+                f"tune.space['{p.key}'] uses grid, which tune.searcher={searcher} cannot sample: use choice"
+            )
         for v in candidates(p):
             try:
                 out.append(apply(base, {**_reader(p.key, params, base, sync_opts), p.key: v}, sync_opts))

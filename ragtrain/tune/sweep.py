@@ -22,9 +22,6 @@ from omegaconf import OmegaConf
 from ray import tune
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
-from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-from ray.tune.search import ConcurrencyLimiter
-from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from ragtrain.cluster.resources import (
     SWEEP_WORKER_START_TIMEOUT_S,
@@ -34,13 +31,14 @@ from ragtrain.cluster.resources import (
     node_capacities,
     remove_recorded_placement_groups,
 )
-from ragtrain.config import Config, ConfigError, absolute_paths, changed_keys, to_flat_dict
+from ragtrain.config import TUNE_SCHEDULERS, Config, ConfigError, absolute_paths, changed_keys, to_flat_dict
 from ragtrain.console import get_logger
 from ragtrain.track.mlflow import RunLogger, absolute_tracking_uri, check_tracking_uri, tracking_uri, update_run
 from ragtrain.tune import space as sp
 from ragtrain.tune.guard import MetricGuard, recorded_error
 from ragtrain.tune.results import close_orphans, finish
-from ragtrain.tune.searchers import FinalMetricOptunaSearch
+from ragtrain.tune.schedulers.base import build_scheduler
+from ragtrain.tune.searchers.base import build_searcher
 from ragtrain.tune.trial import (  # noqa: F401  (re-exported: the sweep's public names stay importable from here)
     DONE_KEY,
     NAME,
@@ -60,7 +58,6 @@ log = get_logger(__name__)
 # Reported at every log window while training (what ASHA can act on); everything else (trained/..., run/...,
 # any later pipeline phase) is reported once, when the trial's pipeline ends.
 WINDOW_PREFIXES = ("train/", "comm/", "drift/", "sync/", "val/")
-UNCAPPED_T = 10**6  # ASHA needs a max_t for its rungs; a trial reaching it would be stopped before its evaluation
 
 
 def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
@@ -79,7 +76,8 @@ def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
             f"tune.metric must be a final pipeline metric <phase>/<name> (e.g. trained/ndcg@10, "
             f"run/train/samples_per_s), not a training-window one {list(WINDOW_PREFIXES)}, got {t.metric!r}"
         )
-    if t.scheduler == "asha" and not normalize_metric(t.asha_metric).startswith(WINDOW_PREFIXES):
+    stops_early = TUNE_SCHEDULERS[t.scheduler].stops_early
+    if stops_early and not normalize_metric(t.asha_metric).startswith(WINDOW_PREFIXES):
         raise ConfigError(
             f"tune.asha_metric must be reported at every log window (starting with "
             f"{list(WINDOW_PREFIXES)}, e.g. train/loss), got {t.asha_metric!r}"
@@ -90,8 +88,10 @@ def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
             f"tune.asha_metric={t.asha_metric!r} is reported only when validation runs: set "
             f"retriever.train.val_every={tr.log_every} (= retriever.train.log_every), got {tr.val_every}"
         )
-    if t.scheduler == "asha" and "retriever" not in cfg.stages:
-        raise ConfigError("tune.scheduler=asha needs the retriever stage (it stops trials on their training curves)")
+    if stops_early and "retriever" not in cfg.stages:
+        raise ConfigError(
+            f"tune.scheduler={t.scheduler} needs the retriever stage (it stops trials on their training curves)"
+        )
     params = sp.parse_space(t.space)
     base = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     base.update(tune=None, resume=False)
@@ -229,29 +229,6 @@ def trial_dirname(trial) -> str:
     return trial.trial_id
 
 
-def _searcher(t, concurrency: int):
-    """The search algorithm, limited to `concurrency` running trials."""
-    if t.searcher == "optuna":
-        optuna = FinalMetricOptunaSearch(metric=normalize_metric(t.metric), mode=t.mode, seed=t.seed)
-        return ConcurrencyLimiter(optuna, max_concurrent=concurrency)
-
-    # Tune ignores TuneConfig.max_concurrent_trials for a BasicVariantGenerator passed in: it takes its own.
-    return BasicVariantGenerator(random_state=t.seed, max_concurrent=concurrency)
-
-
-def _scheduler(t):
-    if t.scheduler == "asha":
-        return ASHAScheduler(
-            time_attr=t.time_attr,
-            metric=normalize_metric(t.asha_metric),
-            mode=t.asha_mode,
-            max_t=t.max_t or UNCAPPED_T,
-            grace_period=t.grace_period,
-            reduction_factor=t.reduction_factor,
-        )
-    return FIFOScheduler()
-
-
 def _state_file(plan: SweepPlan) -> Path:
     return plan.out_dir / "tune" / "sweep_state.json"
 
@@ -321,7 +298,7 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: list | None = Non
     record.unlink(missing_ok=True)
     guard = MetricGuard(
         normalize_metric(t.metric),
-        normalize_metric(t.asha_metric) if t.scheduler == "asha" else None,
+        normalize_metric(t.asha_metric) if TUNE_SCHEDULERS[t.scheduler].stops_early else None,
         DONE_KEY,
         record=str(record),
     )
@@ -337,8 +314,8 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: list | None = Non
             trainable,
             param_space=sp.to_tune(plan.params),
             tune_config=tune.TuneConfig(
-                search_alg=_searcher(t, concurrency),
-                scheduler=_scheduler(t),
+                search_alg=build_searcher(t, concurrency),
+                scheduler=build_scheduler(t),
                 num_samples=t.num_samples,
                 trial_dirname_creator=trial_dirname,
             ),

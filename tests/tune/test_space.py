@@ -198,7 +198,7 @@ def test_base_is_plain_data(tmp_path: Path) -> None:
 
 def test_optuna_searcher_waits_for_its_metric() -> None:
     """Intermediate results (train/loss) lack the sweep metric: the searcher skips them instead of a KeyError."""
-    from ragtrain.tune.searchers import FinalMetricOptunaSearch
+    from ragtrain.tune.searchers.optuna_tpe import FinalMetricOptunaSearch
 
     params = sp.parse_space({"retriever.train.lr": {"loguniform": [1e-5, 1e-3]}, "sync": {"choice": ["ddp", "topk"]}})
     searcher = FinalMetricOptunaSearch(metric="trained/ndcg@10", mode="max", seed=0)

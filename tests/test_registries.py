@@ -1,5 +1,5 @@
-"""The variant registries the config checks read: every entry names a class of its family, and a new entry is all
-the config and the builder need to accept a new variant."""
+"""The variant registries the config checks read (ragtrain/config/registry.py): every entry names a class of its
+family, and a new entry is all the config and the builder need to accept a new variant."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from ragtrain.config import (
     MIXERS,
     REDUCER_SCOPES,
     REDUCERS,
+    TUNE_SCHEDULERS,
+    TUNE_SEARCHERS,
     ConfigError,
     MixerConfig,
     ReducerConfig,
@@ -26,12 +28,16 @@ from ragtrain.sync.reducers.allreduce import AllReduce
 from ragtrain.sync.reducers.base import Reducer, SliceReducer
 from ragtrain.sync.registry import build_sync
 from ragtrain.sync.scopes.base import MixerScope, ReducerScope
+from ragtrain.tune.schedulers.base import Scheduler
+from ragtrain.tune.searchers.base import Searcher
 
 FAMILIES = [
     (REDUCERS, Reducer, ReducerConfig),
     (MIXERS, Mixer, MixerConfig),
     (REDUCER_SCOPES, ReducerScope, None),
     (MIXER_SCOPES, MixerScope, None),
+    (TUNE_SCHEDULERS, Scheduler, None),
+    (TUNE_SEARCHERS, Searcher, None),
 ]
 
 
@@ -83,3 +89,21 @@ def test_one_registry_line_is_all_a_new_reducer_needs(monkeypatch) -> None:
     assert "'half'" in str(e.value)  # the valid choices come from the registry
     model = nn.Linear(2, 2)
     assert strategy.wrap(model, torch.device("cpu")) is model  # one process: no DDP, the model as it is
+
+
+def test_tune_variants_build_tune_objects() -> None:
+    """Each scheduler and searcher builds the Ray Tune object a sweep runs with, from the sweep's typed config."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search import ConcurrencyLimiter
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    from ragtrain.config import TuneConfig
+    from ragtrain.tune.schedulers.base import build_scheduler
+    from ragtrain.tune.searchers.base import build_searcher
+
+    t = TuneConfig(space={"retriever.train.lr": {"choice": [1e-5]}}, max_t=7)
+    assert isinstance(build_scheduler(t), FIFOScheduler) and isinstance(build_searcher(t, 2), BasicVariantGenerator)
+    t.scheduler, t.searcher = "asha", "optuna"
+    asha, optuna = build_scheduler(t), build_searcher(t, 3)
+    assert isinstance(asha, ASHAScheduler) and asha._max_t == 7
+    assert isinstance(optuna, ConcurrencyLimiter) and optuna.max_concurrent == 3
