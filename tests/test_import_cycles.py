@@ -50,7 +50,6 @@ def _reaches_itself(start: str) -> list[str] | None:
     [
         "ragtrain.sync.base",
         "ragtrain.sync.composed",
-        "ragtrain.sync.registry",
         "ragtrain.sync.reducers.base",
         "ragtrain.sync.mixers.base",
         "ragtrain.sync.scopes.base",

@@ -23,10 +23,10 @@ from ragtrain.config import (
     sync_preset,
 )
 from ragtrain.config.sync import ReducerVariant
+from ragtrain.sync.composed import build_sync
 from ragtrain.sync.mixers.base import Mixer
 from ragtrain.sync.reducers.allreduce import AllReduce
 from ragtrain.sync.reducers.base import Reducer, SliceReducer
-from ragtrain.sync.registry import build_sync
 from ragtrain.sync.scopes.base import MixerScope, ReducerScope
 from ragtrain.tune.schedulers.base import Scheduler
 from ragtrain.tune.searchers.base import Searcher

@@ -31,8 +31,8 @@ from ragtrain.retriever.validation import ValSet, validate
 from ragtrain.rss import peak_rss_mb
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.sync.comm import STATS
+from ragtrain.sync.composed import build_sync
 from ragtrain.sync.drift import drift_metrics
-from ragtrain.sync.registry import build_sync
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
 

@@ -1,6 +1,6 @@
 """The small Protocol every sync strategy implements, and the helpers strategies share.
 
-Strategies import this module; it imports none of them (build_sync in ragtrain/sync/registry.py builds one).
+Strategies import this module; it imports none of them (build_sync in ragtrain/sync/composed.py builds one).
 """
 
 from __future__ import annotations

@@ -22,11 +22,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ragtrain.config import MIXER_SCOPES, MIXERS, REDUCER_SCOPES, REDUCERS, SyncConfig
-from ragtrain.sync.base import ddp, world_size
+from ragtrain.sync.base import SyncStrategy, ddp, world_size
 from ragtrain.sync.mixers.base import build_mixer
 from ragtrain.sync.reducers.allreduce import AllReduce
 from ragtrain.sync.reducers.base import SliceReducer, done
 from ragtrain.sync.scopes.base import build_mixer_scope, build_reducer_scope, layout, matching_params
+
+
+def build_sync(cfg: SyncConfig, node_ids: list[str] | None = None) -> SyncStrategy:
+    """The strategy `cfg` composes; node_ids[rank] = that rank's Ray node (node scopes group ranks by it)."""
+    return ComposedSync(cfg, node_ids)
 
 
 class ComposedSync:

@@ -78,7 +78,7 @@ def test_live_index_broadcast_runs_on_the_workers_gpu(nccl_group) -> None:
 
 def test_async_ps_pushes_and_pulls_a_gpu_replica(ray_session) -> None:
     from ragtrain.config import sync_preset
-    from ragtrain.sync.registry import build_sync
+    from ragtrain.sync.composed import build_sync
 
     device = torch.device("cuda", 0)
     torch.manual_seed(0)

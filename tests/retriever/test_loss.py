@@ -152,7 +152,7 @@ def _rank_inputs(r: int, world: int):
 def _local_step(rank: int, world: int, port: int, out: str) -> None:
     """A replica that trains apart (gossip): no DDP, gradient_groups from the strategy; save its own gradients."""
     from ragtrain.config import sync_preset
-    from ragtrain.sync.registry import build_sync
+    from ragtrain.sync.composed import build_sync
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -236,7 +236,7 @@ def test_hierarchical_gradients_flow_inside_the_node_only(tmp_path: Path) -> Non
 def test_strategies_name_whose_gradients_they_average() -> None:
     """DDP-like strategies: every rank; replicas that train apart: their own rank; local SGD switches after warm-up."""
     from ragtrain.config import sync_preset
-    from ragtrain.sync.registry import build_sync
+    from ragtrain.sync.composed import build_sync
 
     # hierarchical and hybrid on one node are DDP
     for name in ("ddp", "fp16", "powersgd", "topk", "hierarchical", "hybrid_powersgd"):

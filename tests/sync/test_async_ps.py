@@ -30,7 +30,7 @@ def _loop(config: dict) -> None:
     from torch import nn
 
     from ragtrain.config import sync_preset
-    from ragtrain.sync.registry import build_sync
+    from ragtrain.sync.composed import build_sync
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

@@ -14,9 +14,9 @@ from torch import nn
 from ragtrain.config import MIXERS, REDUCERS, ConfigError, MixerConfig, SyncConfig, sync_preset
 from ragtrain.sync.base import flat_params
 from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
+from ragtrain.sync.composed import build_sync
 from ragtrain.sync.drift import param_divergence, replica_cosine, topk_jaccard
 from ragtrain.sync.mixers.gossip import neighbours
-from ragtrain.sync.registry import build_sync
 from tests.conftest import spawn
 
 
