@@ -53,3 +53,31 @@ def test_answer_recall_hand_computed() -> None:
 def test_answer_recall_without_an_answerable_question_is_an_error() -> None:
     with pytest.raises(ValueError, match="no evaluable question"):
         answer_recall({"q": ["p"]}, {"q": ["a"]}, {"p": "a"}, qids=["other"])
+
+
+def test_the_evaluation_output_carries_answer_recall_when_the_data_has_answers(tmp_path) -> None:
+    """Retrieval.evaluate on a real Flat index whose inner products are set by hand (one-hot passage vectors)."""
+    import numpy as np
+
+    from ragtrain.config import Config
+    from ragtrain.data.types import Passage, RetrievalData
+    from ragtrain.index.facade import BuiltIndex, Retrieval
+    from ragtrain.index.faiss_index import build_configured
+
+    texts = ["Paris is in France.", "The Seine flows north.", "Lyon is a city.", "Bread and cheese."]
+    ids = [f"p{i}" for i in range(4)]
+    corpus = {i: Passage(i, "Title Seine", t) for i, t in zip(ids, texts)}  # the title is not searched
+    qrels = {"q1": {"p0": 1}, "q2": {"p1": 1}}
+    answers = {"q1": ["Paris"], "q2": ["north"]}
+    data = RetrievalData("x", corpus, {"q1": "?", "q2": "?"}, qrels, qrels, "dev", answers=answers)
+    scores = [[0.1, 0.9, 0.8, 0.7], [0.9, 0.2, 0.8, 0.1]]  # q1: p1 p2 p3 p0 | q2: p0 p2 p1 p3
+    cfg = Config(output_dir=str(tmp_path))
+    r = Retrieval(cfg, data)
+    index = build_configured(np.eye(4, dtype=np.float32), ids, cfg.index, "fp", "one-hot", 0, 0)
+    r.encode_queries = lambda built, qids: np.array(scores, dtype=np.float32)[: len(qids)]
+    m = r.evaluate(BuiltIndex("one-hot", index, [], ids, {}))
+    # first passage holding the answer: q1 at rank 4 (p0), q2 at rank 3 (p1)
+    assert m["answer_recall@1"] == 0.0 and m["answer_recall@5"] == 1.0
+    assert m["recall@1"] == 0.0 and m["ndcg@10"] > 0
+    r.data.answers = {}  # a retrieval-only dataset: no answer recall in its output
+    assert not any(k.startswith("answer_recall") for k in r.evaluate(BuiltIndex("one-hot", index, [], ids, {})))
