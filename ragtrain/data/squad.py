@@ -31,6 +31,7 @@ from __future__ import annotations
 import difflib
 import json
 import random
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,7 @@ class SquadFile:
     path: Path
     articles: dict[str, list[str]] = field(default_factory=dict)
     questions: list[Question] = field(default_factory=list)
-    skipped: dict[str, int] = field(default_factory=dict)  # what data.on_error=skip dropped, by kind
+    skipped: Counter[str] = field(default_factory=Counter)  # what data.on_error=skip dropped, by kind
 
 
 def squad_file(root: str | Path) -> Path:
@@ -133,7 +134,7 @@ def _is_v2(doc: dict[str, Any]) -> tuple[bool, int]:
             for qa in para.get("qas", []) if isinstance(para, dict) else []:
                 if isinstance(qa, dict) and ("is_impossible" in qa or "plausible_answers" in qa):
                     v2 = True
-                    unanswerable += bool(qa.get("is_impossible")) or not qa.get("answers")
+                    unanswerable += bool(qa.get("is_impossible") or not qa.get("answers"))
     return v2, unanswerable
 
 
@@ -181,10 +182,8 @@ def read_squad(root: str | Path, on_error: str = "fail") -> SquadFile:
                 if qid in seen_q:
                     raise DataError(f"{qw}: duplicate question id (also {seen_q[qid]})")
                 seen_q[qid] = qw
-                if v2 and (qa.get("is_impossible") or not qa.get("answers")):
-                    out.skipped["unanswerable questions (SQuAD v2.0)"] = (
-                        out.skipped.get("unanswerable questions (SQuAD v2.0)", 0) + 1
-                    )
+                if v2 and (qa.get("is_impossible") or not qa.get("answers")):  # only under skip: fail stopped above
+                    out.skipped["unanswerable questions (SQuAD v2.0)"] += 1
                     continue
                 golds = _field(qa, "answers", list, qw)
                 if not golds:
@@ -196,7 +195,7 @@ def read_squad(root: str | Path, on_error: str = "fail") -> SquadFile:
                     start = _field(ans, "answer_start", int, aw)
                     if not atext.strip():
                         raise DataError(f"{aw}: empty answer text")
-                    if context[start : start + len(atext)] != atext or start < 0:
+                    if start < 0 or context[start : start + len(atext)] != atext:
                         got = context[max(start, 0) : max(start, 0) + len(atext)]
                         mismatched.append(f"{aw}: {atext!r} at answer_start {start} reads {got!r}")
                         continue
@@ -204,9 +203,7 @@ def read_squad(root: str | Path, on_error: str = "fail") -> SquadFile:
                 if kept:
                     out.questions.append(Question(qid, text, title, f"{title}#{p}", kept))
                 else:  # only under skip: fail stops below, before anything is used
-                    out.skipped["questions with no matching answer left"] = (
-                        out.skipped.get("questions with no matching answer left", 0) + 1
-                    )
+                    out.skipped["questions with no matching answer left"] += 1
         out.articles[title] = contexts
     if mismatched:
         if on_error == "fail":
