@@ -138,6 +138,26 @@ def _is_v2(doc: dict[str, Any]) -> tuple[bool, int]:
     return v2, unanswerable
 
 
+def _answers(qa: dict[str, Any], context: str, where: str, mismatched: list[str]) -> list[tuple[str, int]]:
+    """A question's (text, answer_start) answers whose span reads their text; the others go to `mismatched`."""
+    golds = _field(qa, "answers", list, where)
+    if not golds:
+        raise DataError(f"{where}: 'answers' is empty (SQuAD v1.1 questions have at least one)")
+    kept: list[tuple[str, int]] = []
+    for i, ans in enumerate(golds):
+        aw = f"{where}, answer {i}"
+        text = _field(ans, "text", str, aw)
+        start = _field(ans, "answer_start", int, aw)
+        if not text.strip():
+            raise DataError(f"{aw}: empty answer text")
+        if start < 0 or context[start : start + len(text)] != text:
+            got = context[max(start, 0) : max(start, 0) + len(text)]
+            mismatched.append(f"{aw}: {text!r} at answer_start {start} reads {got!r}")
+            continue
+        kept.append((text, start))
+    return kept
+
+
 def read_squad(root: str | Path, on_error: str = "fail") -> SquadFile:
     """Parse and check the SQuAD file at data.root (see the module doc); raises DataError on bad input."""
     if on_error not in ("fail", "skip"):
@@ -185,21 +205,7 @@ def read_squad(root: str | Path, on_error: str = "fail") -> SquadFile:
                 if v2 and (qa.get("is_impossible") or not qa.get("answers")):  # only under skip: fail stopped above
                     out.skipped["unanswerable questions (SQuAD v2.0)"] += 1
                     continue
-                golds = _field(qa, "answers", list, qw)
-                if not golds:
-                    raise DataError(f"{qw}: 'answers' is empty (SQuAD v1.1 questions have at least one)")
-                kept: list[tuple[str, int]] = []
-                for i, ans in enumerate(golds):
-                    aw = f"{qw}, answer {i}"
-                    atext = _field(ans, "text", str, aw)
-                    start = _field(ans, "answer_start", int, aw)
-                    if not atext.strip():
-                        raise DataError(f"{aw}: empty answer text")
-                    if start < 0 or context[start : start + len(atext)] != atext:
-                        got = context[max(start, 0) : max(start, 0) + len(atext)]
-                        mismatched.append(f"{aw}: {atext!r} at answer_start {start} reads {got!r}")
-                        continue
-                    kept.append((atext, start))
+                kept = _answers(qa, context, qw, mismatched)
                 if kept:
                     out.questions.append(Question(qid, text, title, f"{title}#{p}", kept))
                 else:  # only under skip: fail stops below, before anything is used
