@@ -94,3 +94,29 @@ def test_the_evaluation_output_carries_answer_recall_when_the_data_has_answers(t
     assert m["recall@1"] == 0.0 and m["ndcg@10"] > 0
     r.data.answers = {}  # a retrieval-only dataset: no answer recall in its output
     assert not any(k.startswith("answer_recall") for k in r.evaluate(BuiltIndex("one-hot", index, [], ids, {})))
+
+
+def test_a_chunked_documents_corpus_counts_answers_on_its_passages(tmp_path) -> None:
+    """qrels on documents (MaxP ranking) while answer recall reads the retrieved chunks themselves."""
+    import numpy as np
+
+    from ragtrain.config import Config
+    from ragtrain.data.types import Passage, RetrievalData
+    from ragtrain.index.facade import BuiltIndex, Retrieval
+    from ragtrain.index.faiss_index import build_configured
+
+    chunks = {"d1#0": "Nothing here.", "d1#1": "The answer is Vistula.", "d2#0": "Warsaw lies on a river."}
+    corpus = {p: Passage(p, "", t, doc_id=p.split("#")[0]) for p, t in chunks.items()}
+    doc_of = {p: p.split("#")[0] for p in chunks}
+    qrels = {"q1": {"d1": 1}}
+    data = RetrievalData("x", corpus, {"q1": "?"}, qrels, qrels, "dev", answers={"q1": ["Vistula"]}, doc_of=doc_of)
+    cfg = Config(output_dir=str(tmp_path))
+    cfg.index.top_k = 2
+    r = Retrieval(cfg, data)
+    ids = list(chunks)
+    index = build_configured(np.eye(3, dtype=np.float32), ids, cfg.index, "fp", "one-hot", 0, 0)
+    r.encode_queries = lambda built, qids: np.array([[0.9, 0.1, 0.5]], dtype=np.float32)[: len(qids)]
+    m = r.evaluate(BuiltIndex("one-hot", index, [], ids, {}))
+    # documents: d1 (its chunk d1#0 first) at rank 1; passages: d1#0, d2#0, d1#1 -> the answer at rank 3
+    assert m["recall@1"] == 1.0
+    assert (m["answer_recall@1"], m["answer_recall@5"]) == (0.0, 1.0)
