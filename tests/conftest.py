@@ -33,6 +33,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
 SCIFACT = REPO.parent / "shared" / "data" / "scifact"
+# The SQuAD file where ${ragtrain.data_root:} finds it ($RAGTRAIN_DATA, else ../shared/data): tests skip without it
+SQUAD = (REPO / os.environ.get("RAGTRAIN_DATA", "../shared/data")).resolve() / "squad"
 RAY_CPUS = 4  # logical CPUs: light tasks may exceed the 2 physical cores
 
 # Multi-process gloo tests start their ranks from a fork server that has imported torch once: a fresh interpreter per

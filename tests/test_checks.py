@@ -53,7 +53,7 @@ def test_dev_size_is_a_count_or_a_fraction(tmp_path) -> None:
         ("data.dev_size=40", "data=beir and data=documents"),
         ("data.prepare=ray", "data=beir and data=documents"),
         ("data.glob=*.md", "data=documents"),
-        ("data.on_error=skip", "data=documents"),
+        ("data.on_error=skip", "data=documents and data=squad"),
     ],
 )
 def test_folder_keys_set_with_synthetic_data_are_refused(tmp_path, override: str, where: str) -> None:

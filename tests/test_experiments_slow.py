@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.conftest import REPO, SCIFACT
+from tests.conftest import REPO, SCIFACT, SQUAD
 
 pytestmark = pytest.mark.slow
 
@@ -44,3 +44,14 @@ def test_scifact_zeroshot_dev(tmp_path: Path) -> None:
     _run(tmp_path, "experiment=scifact_zeroshot", f"data.root={SCIFACT}")
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())["zeroshot"]
     assert m["ndcg@10"] == pytest.approx(0.6749, abs=2e-3)  # measured 2026-11-30 (experiments/README.md)
+
+
+@pytest.mark.skipif(not SQUAD.exists(), reason=f"SQuAD not present at {SQUAD}")
+def test_squad_rag_on_two_articles_of_the_shared_file(tmp_path: Path) -> None:
+    # the shared file holds out Super_Bowl_50's and Warsaw's questions: two articles with questions instead
+    _run(tmp_path, "experiment=squad_rag", f"data.root={SQUAD}", "data.test_titles=[Normans,Nikola_Tesla]",
+         "data.split=test")  # fmt: skip
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())["zeroshot"]
+    # measured 2026-12-05 (experiments/README.md): 623 questions, every one of the 2,067 paragraphs indexed
+    assert m["ndcg@10"] == pytest.approx(0.6976, abs=2e-3)
+    assert m["answer_recall@5"] == pytest.approx(0.8283, abs=2e-3)

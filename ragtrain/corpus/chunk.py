@@ -17,9 +17,9 @@ import re
 from bisect import bisect_left, bisect_right
 from typing import Any
 
-from ragtrain.data.types import DataError
+from ragtrain.data.types import DataError, Passage
 
-__all__ = ["chunk_document", "sentence_starts", "token_spans"]
+__all__ = ["chunk_document", "chunk_passage", "sentence_starts", "token_spans"]
 
 # A sentence starts after . ! ? (and closing quotes/brackets) plus whitespace, after the CJK full stops 。！？
 # (no space follows them), and at every line start.
@@ -77,6 +77,13 @@ def chunk_document(doc: dict[str, str], tokenizer: Any, max_tokens: int, overlap
         if k < len(bounds) and bounds[k] < j:  # a sentence start inside the overlap: begin the window there
             nxt = bounds[k]
         i = nxt
+
+
+def chunk_passage(p: Passage, tokenizer: Any, max_tokens: int, overlap: int) -> list[Passage]:
+    """`chunk_document` of one passage, as Passages whose doc_id is `p.id` (data=squad's paragraphs: offsets index
+    the paragraph's text as given, so answer spans map onto chunks)."""
+    record = {"id": p.id, "title": p.title, "text": p.text, "source": f"passage {p.id!r}"}
+    return [Passage(**c) for c in chunk_document(record, tokenizer, max_tokens, overlap)]
 
 
 def _passage(doc: dict[str, str], k: int, start: int, end: int) -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""Stage 0, corpus preparation: the configured dataset (synthetic KB, BEIR folder or documents folder), read,
-cleaned, deduplicated and chunked (in the driver or as Ray Data tasks), streamed into the run's passage store."""
+"""Stage 0, corpus preparation: the configured dataset (synthetic KB, BEIR folder, documents folder or SQuAD file),
+read, cleaned, deduplicated and chunked (in the driver or as Ray Data tasks), streamed into the run's passage store."""
 
 from __future__ import annotations
 
+import functools
 import random
 import tempfile
 from collections.abc import Callable, Mapping
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ragtrain.config import DataConfig, DataSource, RetrieverConfig
 from ragtrain.console import get_logger
+from ragtrain.corpus.chunk import chunk_passage
 from ragtrain.corpus.dataset import (
     beir_corpus_files,
     check_chunk_budget,
@@ -23,6 +25,7 @@ from ragtrain.corpus.prepare import use_ray
 from ragtrain.corpus.read import list_documents
 from ragtrain.corpus.stream import stream_documents
 from ragtrain.data import RetrievalData, load_beir, make_synthetic
+from ragtrain.data.squad import load_squad
 from ragtrain.data.store import write_store
 
 if TYPE_CHECKING:
@@ -65,7 +68,8 @@ def load_data(
     ray_tasks: int = 2,
     stream: StreamEncode | None = None,
 ) -> RetrievalData:
-    """The configured dataset: the synthetic KB, a BEIR folder or a documents folder, chunked when configured.
+    """The configured dataset: the synthetic KB, a BEIR folder, a documents folder or a SQuAD file, chunked when
+    configured (SQuAD: qrels on the chunk of each answer, `ragtrain/data/squad.py`).
 
     `retriever` (its tokenizer) is needed for data.chunk.enabled; `out_dir` receives the generated documents
     (data.generate=true; a temporary folder when None) and, with `store`, the corpus as a `PassageStore`
@@ -90,6 +94,27 @@ def load_data(
 
         tokenizer = load_tokenizer(retriever)
         check_chunk_budget(cfg.chunk.max_tokens, tokenizer.model_max_length, retriever.passage_max_length)
+    if cfg.source == DataSource.squad:  # one JSON file, read and chunked here (2,067 paragraphs: no Ray needed)
+        c = cfg.chunk
+        chunk = (
+            functools.partial(chunk_passage, tokenizer=tokenizer, max_tokens=c.max_tokens, overlap=c.overlap)
+            if c.enabled
+            else None
+        )
+        assert cfg.root is not None  # checked by DataConfig
+        return load_squad(
+            cfg.root,
+            cfg.split,
+            cfg.dev_titles,
+            cfg.test_titles,
+            cfg.dev_articles,
+            cfg.test_articles,
+            cfg.seed,
+            cfg.on_error.value,
+            store_path=corpus_dir / "passages.arrow" if corpus_dir else None,
+            chunk=chunk,
+            log=log.info,
+        )
     root = data_folder(cfg, out_dir)
     files = list_documents(root, cfg.glob) if cfg.source == DataSource.documents else beir_corpus_files(root)
     on_ray = docs_store is not None and prepare_on_ray(cfg, sum(file_size(f) for f in files), start_ray)

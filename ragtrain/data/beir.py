@@ -7,8 +7,8 @@ Folder layout::
     <root>/qrels/<split>.tsv header ``query-id<TAB>corpus-id<TAB>score``, then one pair per line
 
 If both a plain and a ``.gz`` file exist, the plain one is read. A query's
-``metadata.answer`` string, when present, is loaded into ``RetrievalData.answers``
-(this is how ``write_beir`` exports the synthetic KB's short answers).
+``metadata.answers`` (a list of strings) or ``metadata.answer`` (one string), when present, is loaded into
+``RetrievalData.answers`` (``write_beir`` writes ``metadata.answers``: the synthetic KB's or SQuAD's short answers).
 
 Split semantics
 ---------------
@@ -131,17 +131,22 @@ def _read_corpus(path: Path, store_path: Path | None = None) -> Mapping[str, Pas
     return corpus
 
 
-def _read_queries(path: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """Parse a BEIR queries file into ``({qid: text}, {qid: answer from metadata})``."""
+def _read_queries(path: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Parse a BEIR queries file into ``({qid: text}, {qid: gold answers from metadata})``."""
     queries: dict[str, str] = {}
-    answers: dict[str, str] = {}
+    answers: dict[str, list[str]] = {}
     for lineno, obj in _read_jsonl(path, required=("_id", "text"), optional=(), kind="query"):
         if not obj["text"].strip():
             raise DataError(f"{path}:{lineno}: query {obj['_id']!r} has no text")
         queries[obj["_id"]] = obj["text"]
         meta = obj.get("metadata")
-        if isinstance(meta, dict) and isinstance(meta.get("answer"), str):
-            answers[obj["_id"]] = meta["answer"]
+        if not isinstance(meta, dict):
+            continue
+        golds = meta.get("answers")
+        if isinstance(golds, list) and golds and all(isinstance(a, str) for a in golds):
+            answers[obj["_id"]] = list(golds)
+        elif isinstance(meta.get("answer"), str):
+            answers[obj["_id"]] = [meta["answer"]]
     return queries, answers
 
 
@@ -347,7 +352,7 @@ def write_beir(data: RetrievalData, root: str | Path, qrels: dict[str, dict[str,
         for qid, text in data.queries.items():
             obj: dict[str, Any] = {"_id": qid, "text": text}
             if qid in data.answers:
-                obj["metadata"] = {"answer": data.answers[qid]}
+                obj["metadata"] = {"answers": list(data.answers[qid])}
             f.write(json.dumps(obj, ensure_ascii=False) + "\n")
     for name, split_qrels in qrels.items():
         with open(root / "qrels" / f"{name}.tsv", "w", encoding="utf-8") as f:

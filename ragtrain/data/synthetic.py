@@ -268,7 +268,7 @@ def make_synthetic(
     width = max(4, len(str(num_entities * len(RELATIONS))))
     corpus: dict[str, Passage] = {}
     queries: dict[str, str] = {}
-    answers: dict[str, str] = {}
+    answers: dict[str, list[str]] = {}
     qrels: dict[str, dict[str, dict[str, int]]] = {s: {} for s in SPLITS}
     for ent, (first, last) in enumerate(names):
         name = f"{first} {last}"
@@ -298,7 +298,7 @@ def make_synthetic(
             did, qid = f"d{num:0{width}d}", f"q{num:0{width}d}"
             corpus[did] = Passage(id=did, title=name, text=f"{fact} {filler}")
             queries[qid] = rng.choice(_QUESTIONS[rel]).format(name=name)
-            answers[qid] = value
+            answers[qid] = [value]
             qrels[split_of[ent]][qid] = {did: 1}
 
     return RetrievalData(

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import re
-import string
 from collections import Counter
 from collections.abc import Sequence
 
-_PUNCT = set(string.punctuation)
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
+from ragtrain.eval.answers import normalize_answer  # the one normalisation (answer recall@k uses it too)
 
-
-def normalize_answer(s: str) -> str:
-    """Lower-case, drop punctuation, drop the articles a/an/the, collapse whitespace (SQuAD order)."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in _PUNCT)
-    s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
+__all__ = ["best_over_golds", "exact_match", "f1_score", "normalize_answer", "score"]
 
 
 def exact_match(prediction: str, gold: str) -> float:

@@ -45,7 +45,7 @@ def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
         for qid in sorted(qrels):
             if qid in data.answers:
                 gold = [d for d, grade in qrels[qid].items() if grade > 0 and d in data.corpus]
-                out.append(GenExample(qid, data.queries[qid], [data.answers[qid]], gold))
+                out.append(GenExample(qid, data.queries[qid], list(data.answers[qid]), gold))
         return out
 
     train, evaluation = examples(data.train_qrels), examples(data.eval_qrels)

@@ -29,7 +29,8 @@ from ragtrain.data import RetrievalData
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.align import fit_alignment
 from ragtrain.embed.encoders import EncodeFault, QueryEncoder, encoder_dim
-from ragtrain.eval.metrics import evaluate, maxp_run, run_from_scores
+from ragtrain.eval.answers import answer_recall
+from ragtrain.eval.metrics import DEFAULT_KS, evaluate, maxp_run, run_from_scores
 from ragtrain.index import vector_cache
 from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.mining import mine_rows, positive_scores
@@ -295,8 +296,24 @@ class Retrieval:
         return out
 
     def evaluate(self, built: BuiltIndex) -> dict[str, float]:
-        """Retrieval metrics of `built` on the evaluated split."""
-        return evaluate(self.ranked(built), self.data.eval_qrels)
+        """Retrieval metrics of `built` on the evaluated split; with short answers (SQuAD, the synthetic KB) also
+        answer_recall@k: a gold answer in one of the top-k passages (ragtrain/eval/answers.py)."""
+        ranked = self.ranked(built)
+        metrics = evaluate(ranked, self.data.eval_qrels)
+        qids = sorted(q for q in self.data.eval_qrels if q in self.data.answers)
+        if qids:
+            # on passages, the reader's input: a chunked corpus's document ranking is searched again as passages
+            run = ranked if not self.data.doc_of else self.search(built, qids, max(DEFAULT_KS))
+            metrics |= answer_recall(run, self.data.answers, self.passage_texts(run), qids)
+        return metrics
+
+    def passage_texts(self, run: dict[str, list[str]]) -> dict[str, str]:
+        """Passage id -> body text of every passage in `run`, read from the store in one batch."""
+        ids = list(dict.fromkeys(p for ranked in run.values() for p in ranked))
+        corpus = self.data.corpus
+        if isinstance(corpus, PassageStore):
+            return {p.id: p.text for p in corpus.passages([self.positions[i] for i in ids])}
+        return {i: corpus[i].text for i in ids}
 
     def evaluate_stale(self, stale: BuiltIndex, trained: BuiltIndex, step: int) -> dict[str, dict[str, float]]:
         """The stale (zero-shot) vectors searched with the trained query encoder, as is and after an orthogonal map

@@ -130,7 +130,8 @@ def test_chunk_larger_than_the_encoder_is_a_config_error(tmp_path: Path) -> None
     [
         (
             ["data.root=/my/beir"],
-            r"data.root is set but data=synthetic .* data.source choices: \['synthetic', 'beir', 'documents'\]",
+            r"data.root is set but data=synthetic .* "
+            r"data.source choices: \['synthetic', 'beir', 'documents', 'squad'\]",
         ),
         (["data=documents"], r"data.root must be set for data.source=documents"),
         (["data=beir"], r"data.root must be set for data.source=beir"),
@@ -147,7 +148,7 @@ def test_chunk_larger_than_the_encoder_is_a_config_error(tmp_path: Path) -> None
             ["data=documents", "data.root=/x", "stages=[retriever,index,generator]"],
             r"data.chunk.enabled is not supported with the generator",
         ),
-        (["data.chunk.enabled=true"], r"data.chunk.enabled needs data=documents or data=beir"),
+        (["data.chunk.enabled=true"], r"data.chunk.enabled needs data=documents, data=beir or data=squad"),
     ],
 )
 def test_bad_data_config_names_the_key(tmp_path: Path, overrides: list[str], message: str) -> None:

@@ -57,9 +57,18 @@ def test_round_trip_with_dev_file(tmp_path: Path) -> None:
 
 def test_round_trip_answers_via_metadata(tmp_path: Path) -> None:
     data = _small()
-    data.answers = {"q0": "forty two"}
+    data.answers = {"q0": ["forty two", "42"], "q1": ["x"]}
     write_beir(data, tmp_path / "a", {"test": {"q0": {"d0": 1}}})
-    assert load_beir(tmp_path / "a", split="test").answers == {"q0": "forty two"}
+    assert load_beir(tmp_path / "a", split="test").answers == {"q0": ["forty two", "42"], "q1": ["x"]}
+
+
+def test_a_single_metadata_answer_is_read_as_a_list(tmp_path: Path) -> None:
+    write_beir(_small(), tmp_path / "a", {"test": {"q0": {"d0": 1}}})
+    queries = tmp_path / "a" / "queries.jsonl"
+    lines = queries.read_text().splitlines()
+    lines[0] = json.dumps({**json.loads(lines[0]), "metadata": {"answer": "forty two"}})
+    queries.write_text("\n".join(lines) + "\n")
+    assert load_beir(tmp_path / "a", split="test").answers == {"q0": ["forty two"]}
 
 
 def test_gzip_corpus_and_title_handling(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def test_answers_in_gold_passage_not_in_question() -> None:
     assert set(qrels) == set(data.queries)
     for qid, grades in qrels.items():
         ((gold, grade),) = grades.items()
-        answer = data.answers[qid]
+        (answer,) = data.answers[qid]  # one gold answer per question
         assert grade == 1 and answer
         assert answer in data.corpus[gold].text
         assert answer.lower() not in data.queries[qid].lower()
@@ -118,4 +118,4 @@ def test_export_round_trip(tmp_path: Path) -> None:
     assert loaded.corpus == data.corpus and loaded.queries == data.queries and loaded.answers == data.answers
     assert loaded.train_qrels == data.train_qrels and loaded.eval_qrels == data.eval_qrels
     assert loaded.fingerprint() == data.fingerprint()
-    assert json.loads((tmp_path / "kb" / "queries.jsonl").read_text().splitlines()[0])["metadata"]["answer"]
+    assert json.loads((tmp_path / "kb" / "queries.jsonl").read_text().splitlines()[0])["metadata"]["answers"]
