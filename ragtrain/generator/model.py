@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragtrain.config.generator import Arch, GeneratorConfig
+from ragtrain.config.generator import PACKAGED, Arch, GeneratorConfig
 from ragtrain.embed.model import minilm_path
+from ragtrain.generator.packaged import packaged_folder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from installed packages, local paths or the cache
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -37,7 +38,10 @@ _DROPOUT_KEYS = (
 
 
 def resolve_path(name: str) -> str:
-    """ "minilm"/"tiny" -> the shipped all-MiniLM-L6-v2 folder; anything else is a local path or cached name."""
+    """ "minilm"/"tiny" -> the shipped all-MiniLM-L6-v2 folder; a packaged model ("smollm2") -> its dequantised
+    HF folder (made on first use); anything else is a local path or cached name."""
+    if name in PACKAGED:
+        return packaged_folder(name)
     return minilm_path() if name in ("minilm", "tiny") else name
 
 
@@ -252,7 +256,8 @@ def collate(
 
 
 class AnswerDecoder:
-    """Token ids -> answer text. WordPiece splits punctuation ("hurdy-gurdy" -> "hurdy - gurdy"), which SQuAD
+    """Token ids -> answer text: the first non-empty line (an answer is a span; a pretrained chat model goes on
+    with explanations on later lines). WordPiece splits punctuation ("hurdy-gurdy" -> "hurdy - gurdy"), which SQuAD
     normalisation would then score as two words against the gold's one; re-join where the tokenizer is lossy."""
 
     def __init__(self, tokenizer):
@@ -261,5 +266,5 @@ class AnswerDecoder:
         self.rejoin = probe.replace(" ", "") == "a-bo'c" and probe != "a-b o'c"
 
     def __call__(self, ids: Sequence[int]) -> str:
-        text = self.tok.decode(list(ids), skip_special_tokens=True).strip()
+        text = self.tok.decode(list(ids), skip_special_tokens=True).strip().split("\n", 1)[0].strip()
         return re.sub(r" ?([-'/]) ?", r"\1", text) if self.rejoin else text

@@ -20,7 +20,7 @@ from ragtrain.config.generator import Arch, GenPrecision
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
 from ragtrain.generator.model import load_tokenizer, resolve_path
-from ragtrain.generator.prompt import PromptPassages, PromptTooLongError
+from ragtrain.generator.prompt import ChatTemplateError, PromptPassages, PromptTooLongError
 from ragtrain.generator.retriever_client import IndexPayload, RetrievalService, check_encoder, load_snapshots
 from ragtrain.generator.train import GenData, GenExample, fit_generator, prompt_builder
 from ragtrain.index.faiss_index import IndexMismatchError
@@ -124,7 +124,10 @@ def check_model(cfg: Config) -> Any:
 
 def check_prompts(cfg: Config, gen: Any, tokenizer: Any) -> None:
     """Every training and evaluated question fits the prompt budget with the template (questions are never cut)."""
-    builder = prompt_builder(cfg.generator, tokenizer)
+    try:
+        builder = prompt_builder(cfg.generator, tokenizer)
+    except ChatTemplateError as e:
+        raise ConfigError(f"generator.prompt=chat: generator.model={cfg.generator.model!r}: {e}") from None
     for ex in list(gen.train) + list(gen.eval):
         try:
             builder.source(ex.question)

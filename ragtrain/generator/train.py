@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from ragtrain.config import Config
-from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
+from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GenPrecision, PromptStyle
 from ragtrain.generator.model import (
     AnswerDecoder,
     GenModel,
@@ -121,6 +121,7 @@ def prompt_builder(g: GeneratorConfig, tokenizer) -> PromptBuilder:
         g.passage_max_tokens,
         Template(g.question_prefix, g.passage_prefix, g.answer_prefix),
         causal=g.arch == Arch.causal,
+        chat=PromptStyle(g.prompt) == PromptStyle.chat,
     )
 
 
