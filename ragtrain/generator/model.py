@@ -164,6 +164,13 @@ class GenModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of the target tokens' cross-entropy in fp32 (callers divide by the global token count)."""
+        return -self.target_logprobs(input_ids, attention_mask, labels).sum()
+
+    def target_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """Per sequence, the sum of its target tokens' log-probabilities in fp32 (shape [batch]): log p(target |
+        source) with the target's EOS (the answer likelihood of joint training; -forward() summed)."""
         if self.arch == Arch.causal:  # labels already hold -100 over the prompt; predict token t+1 from t
             logits = self.hf(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
             target = labels[:, 1:]
@@ -178,9 +185,10 @@ class GenModel(nn.Module):
                 decoder_attention_mask=(labels >= 0).long(),
             ).logits
             target = labels
-        return F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
+        nll = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="none"
         )
+        return -nll.view(target.shape).sum(dim=1)
 
     @torch.no_grad()
     def generate(
