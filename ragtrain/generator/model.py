@@ -154,7 +154,7 @@ class GenModel(nn.Module):
 
     def __init__(self, hf: nn.Module, arch: Arch, tokenizer):
         super().__init__()
-        self.hf, self.arch = hf, Arch(arch)
+        self.hf, self.arch, self.tokenizer = hf, Arch(arch), tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
         cfg = hf.config
@@ -261,6 +261,26 @@ def collate(
     for i, t in enumerate(targets):
         labels[i, : len(t)] = torch.tensor(t, dtype=torch.long)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def untie_encoder_decoder(hf: Any) -> None:
+    """BERT2BERT with generator.tie_embeddings shares one word-embedding matrix between the encoder and the decoder,
+    a tie `save_pretrained` does not know and refuses to save: give the decoder its own copy (same values, so the
+    exported model computes the same logits) and keep the decoder's own input/output tie, which transformers
+    declares."""
+    # lazy: transformers is heavy (~1 s); this module imports without it
+    from transformers import EncoderDecoderModel
+
+    if not isinstance(hf, EncoderDecoderModel):
+        return
+    enc, dec = hf.encoder.get_input_embeddings(), hf.decoder.get_input_embeddings()
+    if dec.weight is not enc.weight:
+        return
+    copy = torch.nn.Embedding.from_pretrained(enc.weight.detach().clone(), freeze=False, padding_idx=enc.padding_idx)
+    hf.decoder.set_input_embeddings(copy)
+    out = hf.decoder.get_output_embeddings()
+    if out is not None and out.weight is enc.weight:
+        out.weight = copy.weight
 
 
 class AnswerDecoder:

