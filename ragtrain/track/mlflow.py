@@ -302,22 +302,22 @@ class RunLogger:
     def log_generator_model(self, folder: str | Path, causal: bool) -> str | None:
         """Log a transformers `save_pretrained` folder (model + tokenizer) as this run's generator; returns its URI.
 
-        Causal LMs: an MLflow model `generator` (transformers flavour, task text-generation):
+        Causal LMs: an MLflow model `export/generator` (transformers flavour, task text-generation):
         `mlflow.transformers.load_model(uri)` gives a pipeline, `return_type="components"` the model and
         tokenizer. Seq2seq / BERT2BERT: plain artifacts `export/generator`, not an MLflow model, since the flavour
         needs a pipeline task and transformers 5 removed `text2text-generation` (KeyError); load those with
         `transformers.AutoModel*.from_pretrained` on the downloaded folder."""
         if not self.enabled:
             return None
+        # "export/generator" for both kinds: the stage's results (predictions.json, ...) already sit in "generator"
         if not causal:
             self.client.log_artifacts(self.run_id, str(folder), "export/generator")
-            uri = f"runs:/{self.run_id}/export/generator"
         else:
             with tempfile.TemporaryDirectory() as d:
                 # save_model + the run's client, not log_model: see log_retriever_model
                 save_generator_model(folder, Path(d) / "generator")
-                self.client.log_artifacts(self.run_id, str(Path(d) / "generator"), "generator")
-            uri = f"runs:/{self.run_id}/generator"
+                self.client.log_artifacts(self.run_id, str(Path(d) / "generator"), "export/generator")
+        uri = f"runs:/{self.run_id}/export/generator"
         self.set_tags({"ragtrain.generator_model": uri})
         return uri
 

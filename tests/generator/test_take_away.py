@@ -35,7 +35,7 @@ def test_causal_generator_is_logged_as_an_mlflow_transformers_model(tmp_path: Pa
     logger = RunLogger(LoggerConfig(tracking_uri=uri, experiment_name="take_away"), run_name="gen")
     model_uri = logger.log_generator_model(folder, causal=True)
     logger.end()
-    assert model_uri == f"runs:/{logger.run_id}/generator"
+    assert model_uri == f"runs:/{logger.run_id}/export/generator"
     assert open_client(uri).get_run(logger.run_id).data.tags["ragtrain.generator_model"] == model_uri
 
     mlflow.set_tracking_uri(uri)
