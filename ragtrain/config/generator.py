@@ -172,6 +172,7 @@ class GeneratorEvalConfig:
     max_new_tokens: int = 16
     batch_size: int = 32
     max_questions: int = 0  # evaluate the first N questions of the split (0 = all)
+    before: bool = False  # also evaluate the generator as loaded, before fine-tuning (gen_before_rag/em, ...)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in EVAL_MODES]

@@ -30,6 +30,8 @@ from ragtrain.index.sharded import ShardGroup, is_sharded, open_saved, read_shar
 log = get_logger(__name__)
 
 PHASES = {"closed_book": "gen_closed_book", "rag": "gen_rag", "oracle": "gen_oracle"}
+# generator.eval.before: the same modes scored before fine-tuning
+PHASES.update({f"before_{mode}": f"gen_before_{mode}" for mode in list(PHASES)})
 
 
 def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
@@ -192,7 +194,8 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
     """EM / F1 per mode side by side."""
     modes = [p for p in PHASES.values() if p in results]
     rows = [[k] + [results[m].get(k) for m in modes] for k in ("em", "f1", "gold_in_top_k")]
-    return tabulate(rows, headers=["metric"] + [m.removeprefix("gen_") for m in modes], floatfmt=".4f", missingval="")
+    headers = ["metric"] + [m.removeprefix("gen_").replace("before_", "untrained ") for m in modes]
+    return tabulate(rows, headers=headers, floatfmt=".4f", missingval="")
 
 
 def run_generator_stage(

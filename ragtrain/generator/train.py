@@ -247,6 +247,7 @@ class GenReplica:
     steps: int
     start_step: int
     history: list[dict[str, float]]
+    before: dict[str, dict[str, float]]  # generator.eval.before: the scores before fine-tuning (kept in checkpoints)
 
     @property
     def cfg(self) -> Config:
@@ -287,17 +288,19 @@ def setup_generator(args: WorkerArgs) -> GenReplica:
     sched = warmup_linear_decay(optim, min(t.warmup_steps, steps - 1) if steps > 1 else 0, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=GenPrecision(t.precision) == GenPrecision.fp16)
     history: list[dict[str, float]] = []
+    before: dict[str, dict[str, float]] = {}
     start_step, extra = w.restore(model.hf, optim, sched)
     if start_step:
         scaler.load_state_dict(extra["scaler"])
         history = list(extra["history"])
+        before = dict(extra.get("before", {}))
     ddp = model
     if w.world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
     return GenReplica(args, w, data, client, model, ddp, builder, targets, params, optim, sched, scaler,
-                      Sampler(len(data.train), t.seed), steps, start_step, history)  # fmt: skip
+                      Sampler(len(data.train), t.seed), steps, start_step, history, before)  # fmt: skip
 
 
 def step_inputs(r: GenReplica, step: int) -> tuple[list, list, int]:
@@ -382,6 +385,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     """One Ray Train worker: set up -> train with retrieval in the loop -> evaluate -> save."""
     r = setup_generator(args)
     t, w = r.cfg.generator.train, r.w
+    if r.cfg.generator.eval.before and r.start_step == 0:  # the untrained model's EM / F1, same questions and modes
+        r.before, _ = evaluate(r.model, r.builder, r.data, r.client, r.cfg, w.device, w.rank, w.world)
     window, run_tokens = GenWindow(r), 0
     loop_start = time.perf_counter()
     w.window_seconds()  # the first log window starts here, after the set-up
@@ -396,8 +401,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         if t.checkpoint_every and done % t.checkpoint_every == 0 and done < r.steps:
             # every rank writes its own part (RNG states differ)
             last = {"train/loss": r.history[-1]["loss"] if r.history else float("nan")}
-            w.checkpoint(done, r.model.hf, r.optim, r.sched, {"scaler": r.scaler.state_dict(), "history": r.history},
-                         last)  # fmt: skip
+            extra = {"scaler": r.scaler.state_dict(), "history": r.history, "before": r.before}
+            w.checkpoint(done, r.model.hf, r.optim, r.sched, extra, last)
         w.end_step(done, r.steps)
     finish_generator(r, time.perf_counter() - loop_start - w.measure_s, run_tokens)
 
@@ -418,6 +423,7 @@ def finish_generator(r: GenReplica, loop_s: float, run_tokens: int) -> None:
         "train/final_loss": r.history[-1]["loss"],
         "train/retrieval_s": r.client.seconds,
         **{f"{mode}/{k}": v for mode, res in results.items() for k, v in res.items()},
+        **{f"before_{mode}/{k}": v for mode, res in r.before.items() for k, v in res.items()},
     }
 
     def write(folder: Path) -> None:  # rank 0 writes the weights and predictions into the final checkpoint

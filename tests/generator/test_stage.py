@@ -30,6 +30,7 @@ def _overrides() -> list[str]:
         "generator.train.warmup_steps=2",
         "generator.train.oracle_steps=2",
         "generator.eval.max_new_tokens=4",
+        "generator.eval.before=true",
         "resources.trainer.num_workers=2",
     ]
 
@@ -97,6 +98,11 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     run = client.get_run(logger.run_id)
     for key in ("gen_closed_book/em", "gen_rag/em", "gen_oracle/em", "gen_rag/f1", "run/gen_train/steps"):
         assert key in run.data.metrics, key
+    # generator.eval.before: the same modes and questions, scored before fine-tuning
+    for phase in ("gen_before_closed_book", "gen_before_rag", "gen_before_oracle"):
+        assert results[phase]["n"] == n_eval and 0 <= results[phase]["em"] <= results[phase]["f1"] + 1e-9 <= 1 + 1e-9
+        assert run.data.metrics[f"{phase}/f1"] == pytest.approx(results[phase]["f1"])
+    assert results["gen_before_rag"]["gold_in_top_k"] == results["gen_rag"]["gold_in_top_k"]  # same retrieval
     losses = client.get_metric_history(logger.run_id, "gen_train/loss")  # rank 0, every log window
     assert sorted(m.step for m in losses) == [1, 2, 3, 4, 5, 6]
     for key in ("gen_train/tokens_per_s", "gen_train/samples_per_s"):
