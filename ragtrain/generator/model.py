@@ -6,6 +6,7 @@ and `generate(batch, ...)` -> answer token ids. `collate` builds the batch (padd
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Sequence
@@ -158,6 +159,8 @@ class GenModel(nn.Module):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
         cfg = hf.config
+        # transformers' causal LMs take `logits_to_keep` (positions whose logits are computed) since 4.50
+        self.keeps_logits = self.arch == Arch.causal and "logits_to_keep" in inspect.signature(hf.forward).parameters
         self.start_id = getattr(cfg, "decoder_start_token_id", None)
         if self.start_id is None:
             self.start_id = self.pad_id
@@ -172,8 +175,15 @@ class GenModel(nn.Module):
         """Per sequence, the sum of its target tokens' log-probabilities in fp32 (shape [batch]): log p(target |
         source) with the target's EOS (the answer likelihood of joint training; -forward() summed)."""
         if self.arch == Arch.causal:  # labels already hold -100 over the prompt; predict token t+1 from t
-            logits = self.hf(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
             target = labels[:, 1:]
+            if self.keeps_logits:
+                # Only the positions that predict a target token (in any row) go through the LM head: over a
+                # whole prompt, SmolLM2's 49k x 576 head is a fifth of the step and its fp32 logits hundreds of MB.
+                keep = (target >= 0).any(dim=0).nonzero().flatten()
+                logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+                target = target[:, keep]
+            else:
+                logits = self.hf(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         else:
             dec_in = labels.new_full(labels.shape, self.pad_id)
             dec_in[:, 0] = self.start_id

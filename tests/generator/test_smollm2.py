@@ -171,3 +171,25 @@ def test_packaged_smollm2_loads_and_answers() -> None:
     answer = AnswerDecoder(tok)(out[0])
     assert answer and "\n" not in answer and "denver broncos" in answer.lower()
     assert time.perf_counter() - start < 120
+
+
+def test_the_lm_head_runs_on_answer_positions_only_with_the_same_loss(llama_dir) -> None:
+    """Causal LMs compute logits only where a row predicts a target token (logits_to_keep): same per-sequence
+    log-likelihoods and gradients as the logits of every position."""
+    g = _chat_cfg(llama_dir)
+    tok = load_tokenizer(g)
+    torch.manual_seed(0)
+    m = build_generator(g, tok)
+    assert m.keeps_logits
+    b = prompt_builder(g, tok)
+    src = [b.source("which team won super bowl 50?", [PASSAGE, PASSAGE]), b.source("where is warsaw?")]
+    batch = collate(src, [b.target("the denver broncos", 16), b.target("poland", 16)], m.arch, m.pad_id)
+    results = []
+    for keep in (True, False):
+        m.keeps_logits = keep
+        m.zero_grad()
+        logp = m.target_logprobs(**batch)
+        logp.sum().backward()
+        results.append((logp.detach(), m.hf.lm_head.weight.grad.clone()))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
