@@ -203,7 +203,8 @@ def run_generator_stage(
 ) -> dict[str, dict[str, float]]:
     """Train + evaluate the generator; returns {"gen_closed_book": {em, f1, n}, "gen_rag": ..., "gen_oracle":
     ..., "gen_train": {steps, seconds, wall_seconds, samples_per_s, tokens_per_s, final_loss, ...}}; writes
-    <out_dir>/generator/ (generator.safetensors, predictions.json, loss_history.json, metrics.json)."""
+    <out_dir>/generator/ (the model as a Hugging Face folder: save_pretrained + tokenizer; predictions.json,
+    loss_history.json, metrics.json)."""
     g = cfg.generator
     out_dir = Path(out_dir)
     gen_data = build_gen_data(cfg, data)  # fails fast on missing answers
