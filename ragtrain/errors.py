@@ -25,6 +25,6 @@ def driver_path(path: str) -> str:
 
 def local_model(name: str) -> str:
     """A model named by a local folder, made absolute (`driver_path`); a hub name or a ragtrain alias unchanged."""
-    if name in ("minilm", "tiny"):  # ragtrain's aliases, even where a folder of that name sits in the cwd
+    if name in ("minilm", "tiny", "smollm2"):  # ragtrain's aliases, even where a folder of that name sits in the cwd
         return name
     return driver_path(name) if name and Path(name).expanduser().exists() else name

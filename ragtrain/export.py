@@ -8,6 +8,7 @@ The retriever is written with sentence-transformers' own classes (Transformer ->
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import sys
@@ -19,9 +20,9 @@ import torch
 from omegaconf import OmegaConf
 
 from ragtrain.config import Config, Pooling
+from ragtrain.config.generator import Arch
 from ragtrain.console import get_logger
 from ragtrain.embed.model import build_encoder, load_tokenizer, resolve_model_path
-from ragtrain.generator.model import load_tokenizer as load_generator_tokenizer
 
 log = get_logger(__name__)
 
@@ -178,37 +179,24 @@ def with_pooler(backbone: Any, r: Any, seed: int) -> Any:
     return full
 
 
-def _untie_encoder_decoder_embeddings(hf: Any) -> None:
-    """BERT2BERT with generator.tie_embeddings shares one word-embedding matrix between the encoder and the decoder,
-    a tie `save_pretrained` does not know and refuses to save: give the decoder its own copy (same values, so the
-    exported model computes the same logits) and keep the decoder's own input/output tie, which transformers
-    declares."""
-    from transformers import EncoderDecoderModel  # lazy: transformers is heavy (~1 s); this module imports without it
-
-    if not isinstance(hf, EncoderDecoderModel):
-        return
-    enc, dec = hf.encoder.get_input_embeddings(), hf.decoder.get_input_embeddings()
-    if dec.weight is not enc.weight:
-        return
-    copy = torch.nn.Embedding.from_pretrained(enc.weight.detach().clone(), freeze=False, padding_idx=enc.padding_idx)
-    hf.decoder.set_input_embeddings(copy)
-    out = hf.decoder.get_output_embeddings()
-    if out is not None and out.weight is enc.weight:
-        out.weight = copy.weight
-
-
-def export_generator(cfg: Config, weights_dir: str | Path, folder: str | Path) -> Path:
-    """Save the generator trained by this run (`<weights_dir>/generator.safetensors`) with `save_pretrained`."""
+def export_generator(weights_dir: str | Path, folder: str | Path) -> Path:
+    """The generator trained by this run (`<weights_dir>`: its Hugging Face model folder, written by the generator
+    stage) without the run's result files, at `folder` (hard links where the file system allows: SmolLM2's
+    weights are 538 MB)."""
     # lazy: ragtrain.generator.train imports ray; this module imports without it
-    from ragtrain.generator.train import load_generator
+    from ragtrain.generator.train import RUN_FILES
 
-    model = load_generator(cfg, weights_dir)
-    _untie_encoder_decoder_embeddings(model.hf)
     folder = Path(folder)
     shutil.rmtree(folder, ignore_errors=True)
-    model.hf.save_pretrained(str(folder))
-    load_generator_tokenizer(cfg.generator).save_pretrained(str(folder))
+    shutil.copytree(weights_dir, folder, ignore=shutil.ignore_patterns(*RUN_FILES), copy_function=_link_or_copy)
     return folder
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links not allowed
+        shutil.copy2(src, dst)
 
 
 def export_run(
@@ -225,9 +213,9 @@ def export_run(
         exported["retriever"] = export_retriever(cfg, weights, root / RETRIEVER_DIR, card)
         logger.log_retriever_model(exported["retriever"], cfg.logger.register_as)
     gen_weights = Path(out) / "generator"
-    if "generator" in cfg.stages and (gen_weights / "generator.safetensors").exists():
-        exported["generator"] = export_generator(cfg, gen_weights, root / GENERATOR_DIR)
-        logger.log_generator_model(exported["generator"])
+    if "generator" in cfg.stages and (gen_weights / "config.json").exists():
+        exported["generator"] = export_generator(gen_weights, root / GENERATOR_DIR)
+        logger.log_generator_model(exported["generator"], causal=cfg.generator.arch == Arch.causal)
     for name, path in exported.items():
         log.info(f"[export] {name}: {path.resolve()}")
     sys.stdout.flush()

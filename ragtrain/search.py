@@ -158,14 +158,14 @@ def generate_answer(cfg: Config, out: Path, question: str, hits: Sequence[dict[s
     import torch  # lazy: torch is heavy (seconds); this module imports without it
 
     # lazy: ragtrain.generator.model imports torch; this module imports without it
-    from ragtrain.generator.model import AnswerDecoder, collate, load_tokenizer
+    from ragtrain.generator.model import AnswerDecoder, collate
 
     # lazy: ragtrain.generator.train imports ray/torch; this module imports without them
     from ragtrain.generator.train import load_generator, prompt_builder
 
     g = cfg.generator
     model = load_generator(cfg, out / "generator")
-    tokenizer = load_tokenizer(g)
+    tokenizer = model.tokenizer  # saved with the model
     texts = [passage_text(h["title"], h["text"], g.include_title) for h in hits[: g.retrieval.top_k] if h["text"]]
     source = prompt_builder(g, tokenizer).source(question, texts)
     batch = collate([source], [[]], model.arch, model.pad_id, for_generation=True)
@@ -196,9 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SearchError(f"-k must be > 0, got {args.k}")
         if not args.question.strip():
             raise SearchError("the question is empty")
-        if args.generate and not (out / "generator" / "generator.safetensors").exists():
+        if args.generate and not (out / "generator" / "config.json").exists():
             raise SearchError(
-                f"--generate: this run has no generator ({out / 'generator' / 'generator.safetensors'} "
+                f"--generate: this run has no generator ({out / 'generator' / 'config.json'} "
                 "is missing): run with stages [retriever, index, generator], or drop --generate"
             )
         cfg, hits = search(out, args.question, args.k)

@@ -213,14 +213,14 @@ def test_search_generate_without_a_generator_and_a_folder_without_index_fail_in_
     cfg, _, _ = finished_run
     res = _search(cfg.output_dir, "who founded it?", "--generate")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
-    assert "no generator" in res.stderr and "generator.safetensors" in res.stderr
+    assert "no generator" in res.stderr and "config.json" in res.stderr
     res = _search(str(tmp_path), "who founded it?")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
     assert "holds no index" in res.stderr and str(tmp_path) in res.stderr
 
 
 def test_search_generate_answers_with_the_runs_generator(finished_run, capsys) -> None:
-    """--generate loads <run>/generator/generator.safetensors; here an untrained tiny T5 stands in for a trained one
+    """--generate loads <run>/generator (an HF model folder); here an untrained tiny T5 stands in for a trained one
     (the generator stage's own tests cover training), so the answer is a string, not a right one. The CLI's `main`
     in-process: the entry point itself runs as a process in test_search_cli_returns_the_runs_ranking."""
     from ragtrain.generator.model import build_generator
@@ -231,12 +231,15 @@ def test_search_generate_answers_with_the_runs_generator(finished_run, capsys) -
     cfg, _, _ = finished_run
     gen_dir = Path(cfg.output_dir) / "generator"
     gen_dir.mkdir(exist_ok=True)
+    before = set(gen_dir.iterdir())
     try:
-        save_generator(build_generator(cfg.generator, gen_tokenizer(cfg.generator)), gen_dir)
+        tok = gen_tokenizer(cfg.generator)
+        save_generator(build_generator(cfg.generator, tok), tok, gen_dir)
         capsys.readouterr()
         code = main([cfg.output_dir, "who founded it?", "--generate"])  # the table: default -k 5, then the answer
-    finally:
-        (gen_dir / "generator.safetensors").unlink(missing_ok=True)
+    finally:  # the shared run keeps no generator: the test above expects none
+        for f in set(gen_dir.iterdir()) - before:
+            f.unlink()
     out = capsys.readouterr()
     assert code == 0, out.err
     lines = out.out.strip().splitlines()
@@ -260,8 +263,10 @@ def test_generator_export_is_a_plain_transformers_folder(tmp_path: Path, generat
     torch.manual_seed(0)
     model = build_generator(cfg.generator, gen_tokenizer(cfg.generator)).eval()
     (tmp_path / "generator").mkdir()
-    save_generator(model, tmp_path / "generator")
-    folder = export_generator(cfg, tmp_path / "generator", tmp_path / "export" / "generator")
+    save_generator(model, gen_tokenizer(cfg.generator), tmp_path / "generator")
+    (tmp_path / "generator" / "predictions.json").write_text("{}")  # the run's results stay out of the export
+    folder = export_generator(tmp_path / "generator", tmp_path / "export" / "generator")
+    assert not (folder / "predictions.json").exists() and (folder / "config.json").exists()
     cls = EncoderDecoderModel if generator == "bert2bert_minilm" else AutoModelForSeq2SeqLM
     hf = cls.from_pretrained(str(folder)).eval()
     tok = AutoTokenizer.from_pretrained(str(folder))

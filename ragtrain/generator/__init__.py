@@ -1,7 +1,7 @@
 """Generator stage: retrieval-augmented fine-tuning of a seq2seq / causal LM under DDP, scored by EM / F1.
 
 Modules: config (typed config), prompt (template + question-safe truncation), model (architectures),
-retrieval (Ray actor retrieval service / per-worker copy), metrics (SQuAD EM / F1), train (the TorchTrainer
-recipe), stage (`run_generator_stage`, the pipeline's entry point). Kept import-light: ragtrain.config imports
-ragtrain.config.generator.
+packaged (pip-packaged GGUF models, dequantised once into a cache), retrieval (Ray actor retrieval service /
+per-worker copy), metrics (SQuAD EM / F1), train (the TorchTrainer recipe), stage (`run_generator_stage`, the
+pipeline's entry point). Kept import-light: ragtrain.config imports ragtrain.config.generator.
 """

@@ -6,6 +6,7 @@ and `generate(batch, ...)` -> answer token ids. `collate` builds the batch (padd
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Sequence
@@ -15,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragtrain.config.generator import Arch, GeneratorConfig
+from ragtrain.config.generator import PACKAGED, Arch, GeneratorConfig
 from ragtrain.embed.model import minilm_path
+from ragtrain.generator.packaged import packaged_folder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from installed packages, local paths or the cache
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -37,7 +39,10 @@ _DROPOUT_KEYS = (
 
 
 def resolve_path(name: str) -> str:
-    """ "minilm"/"tiny" -> the shipped all-MiniLM-L6-v2 folder; anything else is a local path or cached name."""
+    """ "minilm"/"tiny" -> the shipped all-MiniLM-L6-v2 folder; a packaged model ("smollm2") -> its dequantised
+    HF folder (made on first use); anything else is a local path or cached name."""
+    if name in PACKAGED:
+        return packaged_folder(name)
     return minilm_path() if name in ("minilm", "tiny") else name
 
 
@@ -150,19 +155,35 @@ class GenModel(nn.Module):
 
     def __init__(self, hf: nn.Module, arch: Arch, tokenizer):
         super().__init__()
-        self.hf, self.arch = hf, Arch(arch)
+        self.hf, self.arch, self.tokenizer = hf, Arch(arch), tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
         cfg = hf.config
+        # transformers' causal LMs take `logits_to_keep` (positions whose logits are computed) since 4.50
+        self.keeps_logits = self.arch == Arch.causal and "logits_to_keep" in inspect.signature(hf.forward).parameters
         self.start_id = getattr(cfg, "decoder_start_token_id", None)
         if self.start_id is None:
             self.start_id = self.pad_id
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of the target tokens' cross-entropy in fp32 (callers divide by the global token count)."""
+        return -self.target_logprobs(input_ids, attention_mask, labels).sum()
+
+    def target_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """Per sequence, the sum of its target tokens' log-probabilities in fp32 (shape [batch]): log p(target |
+        source) with the target's EOS (the answer likelihood of joint training; -forward() summed)."""
         if self.arch == Arch.causal:  # labels already hold -100 over the prompt; predict token t+1 from t
-            logits = self.hf(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
             target = labels[:, 1:]
+            if self.keeps_logits:
+                # Only the positions that predict a target token (in any row) go through the LM head: over a
+                # whole prompt, SmolLM2's 49k x 576 head is a fifth of the step and its fp32 logits hundreds of MB.
+                keep = (target >= 0).any(dim=0).nonzero().flatten()
+                logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+                target = target[:, keep]
+            else:
+                logits = self.hf(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         else:
             dec_in = labels.new_full(labels.shape, self.pad_id)
             dec_in[:, 0] = self.start_id
@@ -174,9 +195,10 @@ class GenModel(nn.Module):
                 decoder_attention_mask=(labels >= 0).long(),
             ).logits
             target = labels
-        return F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
+        nll = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="none"
         )
+        return -nll.view(target.shape).sum(dim=1)
 
     @torch.no_grad()
     def generate(
@@ -251,8 +273,29 @@ def collate(
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def untie_encoder_decoder(hf: Any) -> None:
+    """BERT2BERT with generator.tie_embeddings shares one word-embedding matrix between the encoder and the decoder,
+    a tie `save_pretrained` does not know and refuses to save: give the decoder its own copy (same values, so the
+    exported model computes the same logits) and keep the decoder's own input/output tie, which transformers
+    declares."""
+    # lazy: transformers is heavy (~1 s); this module imports without it
+    from transformers import EncoderDecoderModel
+
+    if not isinstance(hf, EncoderDecoderModel):
+        return
+    enc, dec = hf.encoder.get_input_embeddings(), hf.decoder.get_input_embeddings()
+    if dec.weight is not enc.weight:
+        return
+    copy = torch.nn.Embedding.from_pretrained(enc.weight.detach().clone(), freeze=False, padding_idx=enc.padding_idx)
+    hf.decoder.set_input_embeddings(copy)
+    out = hf.decoder.get_output_embeddings()
+    if out is not None and out.weight is enc.weight:
+        out.weight = copy.weight
+
+
 class AnswerDecoder:
-    """Token ids -> answer text. WordPiece splits punctuation ("hurdy-gurdy" -> "hurdy - gurdy"), which SQuAD
+    """Token ids -> answer text: the first non-empty line (an answer is a span; a pretrained chat model goes on
+    with explanations on later lines). WordPiece splits punctuation ("hurdy-gurdy" -> "hurdy - gurdy"), which SQuAD
     normalisation would then score as two words against the gold's one; re-join where the tokenizer is lossy."""
 
     def __init__(self, tokenizer):
@@ -261,5 +304,5 @@ class AnswerDecoder:
         self.rejoin = probe.replace(" ", "") == "a-bo'c" and probe != "a-b o'c"
 
     def __call__(self, ids: Sequence[int]) -> str:
-        text = self.tok.decode(list(ids), skip_special_tokens=True).strip()
+        text = self.tok.decode(list(ids), skip_special_tokens=True).strip().split("\n", 1)[0].strip()
         return re.sub(r" ?([-'/]) ?", r"\1", text) if self.rejoin else text

@@ -6,6 +6,15 @@ left out when the tokenizer has none — e.g. T5 has no [CLS] and no [SEP]):
     [CLS] {question_prefix} question [SEP] {passage_prefix} passage_1 [SEP] ... {passage_prefix} passage_k [SEP]
     + for causal LMs: {answer_prefix}                  (the answer tokens + EOS follow as the target)
 
+With `chat=True` (`generator.prompt=chat`, causal LMs with a chat template) the same pieces, separated by
+newlines, form the user turn of the tokenizer's own chat template, and the template's assistant header takes the
+place of `answer_prefix`:
+
+    {template up to the user's text} {question_prefix} question \n {passage_prefix} passage_1 \n ...
+    {template from the end of the user's text to the assistant's answer}
+
+A causal LM's tokenizer without `[SEP]` (GPT-2, Llama) separates the pieces with a newline in either style.
+
 `passage_i` is `"{title}: {text}"` (or `text` without titles), cut to `passage_max_tokens`. Passages are added
 in the given order until the source budget (`max_source_length`) is spent; the passage that crosses the budget
 is cut to the tokens left (dropped if fewer than MIN_PASSAGE_TOKENS are left) and later ones are dropped. The
@@ -23,6 +32,27 @@ MIN_PASSAGE_TOKENS = 4  # a passage stub shorter than this carries no fact, only
 
 class PromptTooLongError(ValueError):
     """The question (plus the template's fixed tokens) does not fit in the source budget."""
+
+
+class ChatTemplateError(ValueError):
+    """generator.prompt=chat with a tokenizer that has no usable chat template."""
+
+
+_USER_SLOT = "\x00ragtrain-user-text\x00"  # stands for the user's text while the template is rendered
+
+
+def chat_frame(tokenizer) -> tuple[str, str]:
+    """The chat template's text before and after the user's message (the latter ends with the assistant header),
+    from rendering it once around a placeholder: the pieces are then tokenised like every other prompt piece."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("the tokenizer has no chat template: use generator.prompt=plain")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _USER_SLOT}], add_generation_prompt=True, tokenize=False
+    )
+    head, found, tail = text.partition(_USER_SLOT)
+    if not found:
+        raise ChatTemplateError("the chat template drops the user's message: use generator.prompt=plain")
+    return head, tail
 
 
 @dataclass(frozen=True)
@@ -59,7 +89,13 @@ class PromptBuilder:
     """Token-level prompt assembly for one tokenizer (passage token ids are cached by text)."""
 
     def __init__(
-        self, tokenizer, max_source_length: int, passage_max_tokens: int, template: Template, causal: bool = False
+        self,
+        tokenizer,
+        max_source_length: int,
+        passage_max_tokens: int,
+        template: Template,
+        causal: bool = False,
+        chat: bool = False,
     ):
         self.tok, self.max_len, self.template, self.causal = tokenizer, max_source_length, template, causal
         self.passage_max = passage_max_tokens if passage_max_tokens > 0 else max_source_length
@@ -68,9 +104,10 @@ class PromptBuilder:
         sep = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else None
         self.sep = [sep] if sep is not None else []
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else sep
-        if not self.sep and not template.passage_prefix:
-            # No [SEP] (GPT-2, T5) and no passage prefix: without a marker the question and the passages would run
-            # into one another, so pieces end with a newline, or EOS where the tokenizer drops newlines (T5).
+        if not self.sep and (causal or chat or not template.passage_prefix):
+            # No [SEP] (GPT-2, Llama, T5) and, for T5-style models, no passage prefix: without a marker the question
+            # and the passages would run into one another, so pieces end with a newline, or EOS where the tokenizer
+            # drops newlines (T5). (T5's own "question: ... context: ..." layout needs no marker.)
             self.sep = self._ids("\n") or ([eos] if eos is not None else [])
         # Seq2seq sources end with EOS (T5 is trained that way) unless the [SEP] after each piece already ends it.
         ended = self.sep[-1:] in ([sep], [eos])  # the last piece's marker already ends the source
@@ -79,6 +116,9 @@ class PromptBuilder:
         self.q_prefix = self._ids(template.question_prefix)
         self.p_prefix = self._ids(template.passage_prefix)
         self.a_prefix = self._ids(template.answer_prefix) if causal else []
+        if chat:  # the template's own frame around the user turn; its assistant header is the answer prefix
+            head, tail = chat_frame(tokenizer)
+            self.start, self.a_prefix, self.end = self._ids(head), self._ids(tail), []
         self._cache: dict[str, list[int]] = {}
 
     def _ids(self, text: str) -> list[int]:

@@ -20,7 +20,7 @@ from ragtrain.config.generator import Arch, GenPrecision
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
 from ragtrain.generator.model import load_tokenizer, resolve_path
-from ragtrain.generator.prompt import PromptPassages, PromptTooLongError
+from ragtrain.generator.prompt import ChatTemplateError, PromptPassages, PromptTooLongError
 from ragtrain.generator.retriever_client import IndexPayload, RetrievalService, check_encoder, load_snapshots
 from ragtrain.generator.train import GenData, GenExample, fit_generator, prompt_builder
 from ragtrain.index.faiss_index import IndexMismatchError
@@ -30,6 +30,8 @@ from ragtrain.index.sharded import ShardGroup, is_sharded, open_saved, read_shar
 log = get_logger(__name__)
 
 PHASES = {"closed_book": "gen_closed_book", "rag": "gen_rag", "oracle": "gen_oracle"}
+# generator.eval.before: the same modes scored before fine-tuning
+PHASES.update({f"before_{mode}": f"gen_before_{mode}" for mode in list(PHASES)})
 
 
 def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
@@ -124,7 +126,10 @@ def check_model(cfg: Config) -> Any:
 
 def check_prompts(cfg: Config, gen: Any, tokenizer: Any) -> None:
     """Every training and evaluated question fits the prompt budget with the template (questions are never cut)."""
-    builder = prompt_builder(cfg.generator, tokenizer)
+    try:
+        builder = prompt_builder(cfg.generator, tokenizer)
+    except ChatTemplateError as e:
+        raise ConfigError(f"generator.prompt=chat: generator.model={cfg.generator.model!r}: {e}") from None
     for ex in list(gen.train) + list(gen.eval):
         try:
             builder.source(ex.question)
@@ -189,7 +194,8 @@ def summary_table(results: dict[str, dict[str, float]]) -> str:
     """EM / F1 per mode side by side."""
     modes = [p for p in PHASES.values() if p in results]
     rows = [[k] + [results[m].get(k) for m in modes] for k in ("em", "f1", "gold_in_top_k")]
-    return tabulate(rows, headers=["metric"] + [m.removeprefix("gen_") for m in modes], floatfmt=".4f", missingval="")
+    headers = ["metric"] + [m.removeprefix("gen_").replace("before_", "untrained ") for m in modes]
+    return tabulate(rows, headers=headers, floatfmt=".4f", missingval="")
 
 
 def run_generator_stage(
@@ -197,7 +203,8 @@ def run_generator_stage(
 ) -> dict[str, dict[str, float]]:
     """Train + evaluate the generator; returns {"gen_closed_book": {em, f1, n}, "gen_rag": ..., "gen_oracle":
     ..., "gen_train": {steps, seconds, wall_seconds, samples_per_s, tokens_per_s, final_loss, ...}}; writes
-    <out_dir>/generator/ (generator.safetensors, predictions.json, loss_history.json, metrics.json)."""
+    <out_dir>/generator/ (the model as a Hugging Face folder: save_pretrained + tokenizer; predictions.json,
+    loss_history.json, metrics.json)."""
     g = cfg.generator
     out_dir = Path(out_dir)
     gen_data = build_gen_data(cfg, data)  # fails fast on missing answers

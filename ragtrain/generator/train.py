@@ -23,16 +23,16 @@ from typing import Any
 
 import ray
 import torch
-from safetensors.torch import load_model, save_model
 
 from ragtrain.config import Config
-from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GenPrecision
+from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GenPrecision, PromptStyle
 from ragtrain.generator.model import (
     AnswerDecoder,
     GenModel,
     build_generator,
     collate,
     load_tokenizer,
+    untie_encoder_decoder,
 )
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.qa_metrics import score
@@ -42,9 +42,12 @@ from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
 
-WEIGHTS_FILE = "generator.safetensors"
+# save_pretrained's weights: one file, or an index of shards for a large model
+WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
 PREDICTIONS_FILE = "predictions.json"
 HISTORY_FILE = "loss_history.json"
+METRICS_FILE = "metrics.json"  # written by the stage next to them
+RUN_FILES = (PREDICTIONS_FILE, HISTORY_FILE, METRICS_FILE)  # the run's results, not part of the model folder
 
 
 @dataclass
@@ -121,6 +124,7 @@ def prompt_builder(g: GeneratorConfig, tokenizer) -> PromptBuilder:
         g.passage_max_tokens,
         Template(g.question_prefix, g.passage_prefix, g.answer_prefix),
         causal=g.arch == Arch.causal,
+        chat=PromptStyle(g.prompt) == PromptStyle.chat,
     )
 
 
@@ -132,21 +136,33 @@ def autocast(precision: GenPrecision, device: torch.device) -> AbstractContextMa
     return torch.autocast(device.type, dtype=torch.bfloat16 if p == GenPrecision.bf16 else torch.float16)
 
 
-def save_generator(model: GenModel, folder: str | Path) -> Path:
-    """safetensors, no pickle; tied tensors are stored once (safetensors' save_model drops the aliases)."""
-    path = Path(folder) / WEIGHTS_FILE
-    save_model(model.hf, str(path))
-    return path
+def save_generator(model: GenModel, tokenizer, folder: str | Path) -> Path:
+    """The generator as a Hugging Face model folder in `folder`: `save_pretrained` (safetensors) + its tokenizer,
+    so it loads with plain transformers (AutoModelForCausalLM / AutoModelForSeq2SeqLM / EncoderDecoderModel and
+    AutoTokenizer). BERT2BERT's encoder/decoder embedding tie is saved as two equal matrices (`untie_encoder_decoder`
+    changes `model` in place: call it last). Returns the weights file (the final checkpoint's completeness mark)."""
+    untie_encoder_decoder(model.hf)
+    model.hf.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    for name in WEIGHTS_FILES:
+        if (Path(folder) / name).exists():
+            return Path(folder) / name
+    raise FileNotFoundError(f"save_pretrained wrote none of {WEIGHTS_FILES} into {folder}")
 
 
 def load_generator(cfg: Config, folder: str | Path) -> GenModel:
-    """Rebuild the configured architecture and load a checkpoint saved by `save_generator` (strict)."""
-    path = Path(folder) / WEIGHTS_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"no generator weights at {path}")
-    model = build_generator(cfg.generator, load_tokenizer(cfg.generator))
-    load_model(model.hf, str(path), strict=True)
-    return model.eval()
+    """A generator saved by `save_generator` (a trained run's <output_dir>/generator), with its own tokenizer, in
+    eval mode; `cfg.generator` names its architecture."""
+    # lazy: transformers is heavy (~1 s); this module's workers import it when they build the model anyway
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
+
+    folder = Path(folder)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"no generator model at {folder} (config.json is missing)")
+    arch = Arch(cfg.generator.arch)
+    cls = {Arch.bert2bert: EncoderDecoderModel, Arch.seq2seq: AutoModelForSeq2SeqLM}.get(arch, AutoModelForCausalLM)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return GenModel(cls.from_pretrained(str(folder)), arch, tokenizer).eval()
 
 
 def _prompts(
@@ -231,6 +247,7 @@ class GenReplica:
     steps: int
     start_step: int
     history: list[dict[str, float]]
+    before: dict[str, dict[str, float]]  # generator.eval.before: the scores before fine-tuning (kept in checkpoints)
 
     @property
     def cfg(self) -> Config:
@@ -271,17 +288,19 @@ def setup_generator(args: WorkerArgs) -> GenReplica:
     sched = warmup_linear_decay(optim, min(t.warmup_steps, steps - 1) if steps > 1 else 0, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=GenPrecision(t.precision) == GenPrecision.fp16)
     history: list[dict[str, float]] = []
+    before: dict[str, dict[str, float]] = {}
     start_step, extra = w.restore(model.hf, optim, sched)
     if start_step:
         scaler.load_state_dict(extra["scaler"])
         history = list(extra["history"])
+        before = dict(extra.get("before", {}))
     ddp = model
     if w.world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
     return GenReplica(args, w, data, client, model, ddp, builder, targets, params, optim, sched, scaler,
-                      Sampler(len(data.train), t.seed), steps, start_step, history)  # fmt: skip
+                      Sampler(len(data.train), t.seed), steps, start_step, history, before)  # fmt: skip
 
 
 def step_inputs(r: GenReplica, step: int) -> tuple[list, list, int]:
@@ -366,6 +385,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     """One Ray Train worker: set up -> train with retrieval in the loop -> evaluate -> save."""
     r = setup_generator(args)
     t, w = r.cfg.generator.train, r.w
+    if r.cfg.generator.eval.before and r.start_step == 0:  # the untrained model's EM / F1, same questions and modes
+        r.before, _ = evaluate(r.model, r.builder, r.data, r.client, r.cfg, w.device, w.rank, w.world)
     window, run_tokens = GenWindow(r), 0
     loop_start = time.perf_counter()
     w.window_seconds()  # the first log window starts here, after the set-up
@@ -380,8 +401,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         if t.checkpoint_every and done % t.checkpoint_every == 0 and done < r.steps:
             # every rank writes its own part (RNG states differ)
             last = {"train/loss": r.history[-1]["loss"] if r.history else float("nan")}
-            w.checkpoint(done, r.model.hf, r.optim, r.sched, {"scaler": r.scaler.state_dict(), "history": r.history},
-                         last)  # fmt: skip
+            extra = {"scaler": r.scaler.state_dict(), "history": r.history, "before": r.before}
+            w.checkpoint(done, r.model.hf, r.optim, r.sched, extra, last)
         w.end_step(done, r.steps)
     finish_generator(r, time.perf_counter() - loop_start - w.measure_s, run_tokens)
 
@@ -402,11 +423,12 @@ def finish_generator(r: GenReplica, loop_s: float, run_tokens: int) -> None:
         "train/final_loss": r.history[-1]["loss"],
         "train/retrieval_s": r.client.seconds,
         **{f"{mode}/{k}": v for mode, res in results.items() for k, v in res.items()},
+        **{f"before_{mode}/{k}": v for mode, res in r.before.items() for k, v in res.items()},
     }
 
     def write(folder: Path) -> None:  # rank 0 writes the weights and predictions into the final checkpoint
-        save_generator(r.model, folder)
-        files = {PREDICTIONS_FILE: predictions, HISTORY_FILE: r.history, "meta.json": {"weights": WEIGHTS_FILE}}
+        weights = save_generator(r.model, r.builder.tok, folder)
+        files = {PREDICTIONS_FILE: predictions, HISTORY_FILE: r.history, "meta.json": {"weights": weights.name}}
         for name, obj in files.items():
             Path(folder, name).write_text(json.dumps(obj, indent=1))
 

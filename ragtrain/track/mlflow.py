@@ -299,14 +299,24 @@ class RunLogger:
             log.info(f"[export] registered the retriever as models:/{register_as}/{version.version}")
         return uri
 
-    def log_generator_model(self, folder: str | Path) -> str | None:
-        """Log a transformers `save_pretrained` folder as artifacts `export/generator` of this run; returns its
-        runs:/ URI. Not an MLflow model: mlflow's transformers flavour needs a pipeline task, and transformers 5
-        removed `text2text-generation` (seq2seq generators fail with KeyError); causal ones have no ragtrain
-        prompt there either. Load it with `transformers.AutoModel*.from_pretrained` on the downloaded folder."""
+    def log_generator_model(self, folder: str | Path, causal: bool) -> str | None:
+        """Log a transformers `save_pretrained` folder (model + tokenizer) as this run's generator; returns its URI.
+
+        Causal LMs: an MLflow model `export/generator` (transformers flavour, task text-generation):
+        `mlflow.transformers.load_model(uri)` gives a pipeline, `return_type="components"` the model and
+        tokenizer. Seq2seq / BERT2BERT: plain artifacts `export/generator`, not an MLflow model, since the flavour
+        needs a pipeline task and transformers 5 removed `text2text-generation` (KeyError); load those with
+        `transformers.AutoModel*.from_pretrained` on the downloaded folder."""
         if not self.enabled:
             return None
-        self.client.log_artifacts(self.run_id, str(folder), "export/generator")
+        # "export/generator" for both kinds: the stage's results (predictions.json, ...) already sit in "generator"
+        if not causal:
+            self.client.log_artifacts(self.run_id, str(folder), "export/generator")
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                # save_model + the run's client, not log_model: see log_retriever_model
+                save_generator_model(folder, Path(d) / "generator")
+                self.client.log_artifacts(self.run_id, str(Path(d) / "generator"), "export/generator")
         uri = f"runs:/{self.run_id}/export/generator"
         self.set_tags({"ragtrain.generator_model": uri})
         return uri
@@ -347,6 +357,25 @@ def save_retriever_model(folder: str | Path, out: str | Path) -> None:
             f"torch=={_version('torch').split('+')[0]}",
             f"transformers=={_version('transformers')}",
         ],
+    )
+
+
+def save_generator_model(folder: str | Path, out: str | Path) -> None:
+    """Save a causal LM's `save_pretrained` folder (with its tokenizer) as an MLflow transformers model at `out`.
+
+    Built from a pipeline: mlflow 3.17's path-to-checkpoint route fails under transformers 5 (its task table
+    holds class names where mlflow expects classes)."""
+    # lazy: mlflow and transformers take seconds to import; this module imports without them
+    import mlflow.transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    generate = pipeline("text-generation", model=model, tokenizer=AutoTokenizer.from_pretrained(str(folder)))
+    mlflow.transformers.save_model(
+        generate,
+        str(out),
+        # explicit requirements: inferring them starts a subprocess that re-imports the model (slow)
+        pip_requirements=[f"torch=={_version('torch').split('+')[0]}", f"transformers=={_version('transformers')}"],
     )
 
 

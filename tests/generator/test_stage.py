@@ -30,6 +30,7 @@ def _overrides() -> list[str]:
         "generator.train.warmup_steps=2",
         "generator.train.oracle_steps=2",
         "generator.eval.max_new_tokens=4",
+        "generator.eval.before=true",
         "resources.trainer.num_workers=2",
     ]
 
@@ -97,6 +98,11 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     run = client.get_run(logger.run_id)
     for key in ("gen_closed_book/em", "gen_rag/em", "gen_oracle/em", "gen_rag/f1", "run/gen_train/steps"):
         assert key in run.data.metrics, key
+    # generator.eval.before: the same modes and questions, scored before fine-tuning
+    for phase in ("gen_before_closed_book", "gen_before_rag", "gen_before_oracle"):
+        assert results[phase]["n"] == n_eval and 0 <= results[phase]["em"] <= results[phase]["f1"] + 1e-9 <= 1 + 1e-9
+        assert run.data.metrics[f"{phase}/f1"] == pytest.approx(results[phase]["f1"])
+    assert results["gen_before_rag"]["gold_in_top_k"] == results["gen_rag"]["gold_in_top_k"]  # same retrieval
     losses = client.get_metric_history(logger.run_id, "gen_train/loss")  # rank 0, every log window
     assert sorted(m.step for m in losses) == [1, 2, 3, 4, 5, 6]
     for key in ("gen_train/tokens_per_s", "gen_train/samples_per_s"):
@@ -126,7 +132,8 @@ def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
     assert len(ckpts) == 2  # step 3 and the final one (num_to_keep=2)
     metas = [json.loads((c / "meta.json").read_text()) for c in ckpts]
     step3, final = (ckpts[0], ckpts[1]) if metas[0]["step"] == 3 else (ckpts[1], ckpts[0])
-    assert (final / "generator.safetensors").exists() and json.loads((final / "meta.json").read_text())["final"]
+    assert (final / "model.safetensors").exists() and json.loads((final / "meta.json").read_text())["final"]
+    assert (final / "config.json").exists() and (final / "tokenizer_config.json").exists()  # an HF model folder
     assert (step3 / "rank0.safetensors").exists() and (step3 / "rank1.safetensors").exists()
     assert not list(out.rglob("*.bin")) and not list(out.rglob("*.pkl"))
     states = list(out.rglob("rank*_state.pt"))  # the step-3 checkpoint's optimizer/RNG state, one per rank

