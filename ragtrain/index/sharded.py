@@ -31,13 +31,14 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ragtrain.console import get_logger, worker_setup
 from ragtrain.corpus.encode import ShardSet, write_shards
 from ragtrain.data.store import PassageStore
-from ragtrain.embed.encoders import EncodeBatch, LocalEncoder, encoder_dim
+from ragtrain.embed.encoders import EncodeBatch, LocalEncoder
 from ragtrain.errors import ConfigError
+from ragtrain.index.checks import check_refresh
 from ragtrain.index.faiss_index import (
     METRIC,
     DenseIndex,
@@ -47,13 +48,13 @@ from ragtrain.index.faiss_index import (
     load_index,
     make_index,
 )
-from ragtrain.index.host import BuildHolder, host_options
 from ragtrain.index.live_rows import LiveRows
+from ragtrain.index.priority import PRIORITIES
 from ragtrain.index.shards import build_from_shards, iter_rows, save_atomic, trained_empty
 from ragtrain.rss import peak_rss_mb
 
 if TYPE_CHECKING:
-    from ragtrain.config import Config, IndexConfig, PoolResources, RetrieverConfig
+    from ragtrain.config import IndexConfig, PoolResources, RefreshConfig, RetrieverConfig
 
 log = get_logger(__name__)
 
@@ -126,31 +127,25 @@ def resolve_shards(setting: str, rows: int, nodes: Sequence[dict] | None = None)
     return n
 
 
-def check_shard_config(cfg: Config, rows: int, nodes: Sequence[dict] | None = None) -> None:
-    """index.shards against the corpus (and, for `auto`, the cluster's `nodes`), before any work: a ConfigError
-    names the key; a setting that works but leaves part of the run on one index gets a warning line."""
-    idx, r = cfg.index, cfg.refresh
-    if r.enabled and r.consistency == "aligned" and nodes is None:
-        dim = encoder_dim(cfg.retriever)
-        if r.anchors < dim or r.anchors > rows:
-            raise ConfigError(
-                f"refresh.anchors={r.anchors}: refresh.consistency=aligned fits a {dim} x {dim} map between encoder "
-                f"versions and needs at least {dim} anchor passages (the encoder's dimension) and at most the "
-                f"corpus's {rows}"
-            )
-    if idx.shards == "1" and not r.sharded:  # a partial refresh or a policy runs on index shards even at 1
-        return
+def check_shard_config(
+    idx: IndexConfig,
+    refresh: RefreshConfig,
+    dim: int,
+    rows: int,
+    nodes: Sequence[dict] | None = None,
+    encode_fault: bool = False,
+) -> None:
+    """index.shards and the live refresh against the corpus of `rows` passages and the encoder's `dim` (and, for
+    `auto`, the cluster's `nodes`), before any work: a ConfigError names the key. `encode_fault`:
+    fault.kill_encode_actor_at_batch is set."""
+    if nodes is None:
+        check_refresh(refresh, dim, rows)
     if idx.shards != "auto" or nodes is not None:
         resolve_shards(idx.shards, rows, nodes)
-    if cfg.fault.kill_encode_actor_at_batch >= 0:
-        why = (
-            f"index.shards={idx.shards}"
-            if idx.shards != "1"
-            else f"refresh.fraction={r.fraction} and refresh.consistency={r.consistency} (a refresh on index shards)"
-        )
+    if encode_fault and idx.shards != "1":
         raise ConfigError(
-            f"fault.kill_encode_actor_at_batch kills a Ray Data encode actor, and with {why} the index shards "
-            "encode instead: inject it with index.shards=1 and a full, global refresh"
+            f"fault.kill_encode_actor_at_batch kills a Ray Data encode actor, and with index.shards={idx.shards} "
+            "the index shards encode instead: inject it with index.shards=1"
         )
 
 
@@ -277,9 +272,10 @@ def _batches(q: np.ndarray) -> list[np.ndarray]:
 # ------------------------------------------------------------------------------------------------------ the actor
 
 
-class _Shard(BuildHolder):
+class _Shard:
     """The actor's body (a plain class, so tests can run it in-process): shard `shard`'s builds by tag, persisted
-    under `<root>/<tag>/shard-<shard>/`; a restarted actor reloads them from there."""
+    under `<root>/<tag>/shard-<shard>/`; a restarted actor reloads them from there. Each search, parameter change
+    or codec call goes to the `DenseIndex` of the build `tag`."""
 
     def __init__(self, shard: int, root: str, threads: int = 0) -> None:
         worker_setup()
@@ -417,8 +413,26 @@ class _Shard(BuildHolder):
         index = self.indexes[tag]
         return {**manifest, "doc_ids": index.doc_ids, "meta": asdict(index.meta)}
 
-    def holder(self) -> str:
-        return f"index shard {self.shard}"
+    def build_of(self, tag: str) -> DenseIndex:
+        if tag not in self.indexes:
+            raise KeyError(f"index shard {self.shard} holds no build {tag!r} (it holds {sorted(self.indexes)})")
+        return self.indexes[tag]
+
+    def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`DenseIndex.search` on the build `tag` (this shard's rows)."""
+        return self.build_of(tag).search(queries, k)
+
+    def set_search_params(self, tag: str, nprobe: int, ef_search: int) -> None:
+        """IVF nprobe / HNSW efSearch of the build `tag`."""
+        self.build_of(tag).set_search_params(nprobe, ef_search)
+
+    def reconstruct_first(self, tag: str, n: int) -> np.ndarray | None:
+        """`DenseIndex.reconstruct_first` of the build `tag`."""
+        return self.build_of(tag).reconstruct_first(n)
+
+    def as_stored(self, tag: str, x: np.ndarray) -> np.ndarray:
+        """`DenseIndex.as_stored` of the build `tag`."""
+        return self.build_of(tag).as_stored(x)
 
     def save(self, tag: str, folder: str) -> dict:
         """Place this shard's persisted build `tag` in `folder` (hard links where the file system allows)."""
@@ -509,7 +523,7 @@ class _Shard(BuildHolder):
             version,
             lambda texts: enc.encode(texts, retriever.passage_max_length, "passage"),
             fraction,
-            priority,
+            PRIORITIES[priority](),
             hot,
             seed,
         )
@@ -580,7 +594,7 @@ def _link_tree(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-# 0 CPUs, as the index host: a shard works while the driver waits on it, and a reservation would take a CPU from
+# 0 CPUs: a shard works while the driver waits on it, and a reservation would take a CPU from
 # the trainer for the whole run. Its calls are retried on the restarted actor (searches and builds are idempotent).
 # Threaded (max_concurrency): searches and mining go on while a live refresh encodes in another thread; a build
 # is swapped in by one assignment, so a search sees the old build or the new one.
@@ -621,6 +635,20 @@ def _gather(refs: Sequence[Any], shards: Sequence[int], what: str, timeout_s: fl
     return out
 
 
+def pool_node_options(pool: PoolResources, nodes: list[dict]) -> dict[str, Any]:
+    """Where a shard goes without index nodes: a 0-CPU actor would land on the driver's node (on KubeRay the head,
+    meant for the driver alone), so it goes next to the pool: to a node that carries the pool's custom resources
+    (soft: any node if none is alive)."""
+    opts: dict[str, Any] = {}
+    if pool.resources:
+        fit = [
+            n["NodeID"] for n in nodes if n.get("Alive") and all(n["Resources"].get(k, 0) > 0 for k in pool.resources)
+        ]
+        if fit:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(fit[0], soft=True)
+    return opts
+
+
 class ShardGroup:
     """The run's N IndexShard actors: on a cluster with `index_node` nodes, a placement group SPREADs them over those
     nodes (one per node when there are enough); elsewhere N actors on the pool's node. FAISS and torch threads per
@@ -652,7 +680,7 @@ class ShardGroup:
             ]
         else:
             per_node, cpus = n, float(ray.cluster_resources().get("CPU", 1))
-            opts = [host_options(pool, nodes)] * n
+            opts = [pool_node_options(pool, nodes)] * n
         threads = max(1, int(cpus) // per_node)
         self.actors = [IndexShard.options(**o).remote(i, str(self.root), threads) for i, o in enumerate(opts)]
         self.versions: dict[str, int] = {}
@@ -892,10 +920,14 @@ class LocalShards(_Merged):
         """Nothing to free elsewhere."""
 
 
-def open_saved(folder: str | Path, expect_corpus: str | None = None, mmap: bool = False) -> Any:
-    """A saved index folder, one index (`load_index`) or sharded (`LocalShards`), checked against the corpus."""
+def open_saved(folder: str | Path, expect_corpus: str | None = None, mmap: bool = False) -> LocalShards:
+    """A saved index folder (`ShardedIndex.save`) in this process, every shard checked, and checked against the
+    corpus."""
     if not is_sharded(folder):
-        return load_index(folder, expect_corpus=expect_corpus, mmap=mmap)
+        raise IndexMismatchError(
+            f"{folder} holds no {SHARDED}: not an index saved by this ragtrain (an older one wrote a single "
+            "index): rebuild it with the index stage"
+        )
     index = LocalShards.load(folder, mmap=mmap)
     if expect_corpus is not None and index.meta.corpus_fingerprint != expect_corpus:
         raise IndexMismatchError(

@@ -206,8 +206,8 @@ def on_shards(ray_session, tmp_path_factory):
 def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards, capsys) -> None:
     """Each shard read its rows from the passage store and encoded them; the evaluation, the mined negatives and
     the generator's searcher equal those of one index of the same vectors; the saved folder serves `python -m
-    ragtrain.search`, and a missing shard there is one line naming it (exit 2). (The Ray Data encode and the
-    index host against the shards: the slow pipeline test below.)"""
+    ragtrain.search`, and a missing shard there is one line naming it (exit 2). (The Ray Data encode of one
+    shard against three shards' own encodes: the slow pipeline test below.)"""
     from omegaconf import OmegaConf
 
     from ragtrain.generator.retriever_client import IndexPayload, Searcher
@@ -387,7 +387,7 @@ def test_a_sharded_quickstart_gives_the_figures_of_one_index(ray_session, tmp_pa
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path / "3"), "index.shards=3"]))
     data = load_data(cfg.data, cfg.retriever)
     payload = resolve_index(cfg, data, None, Path(cfg.output_dir))
-    assert isinstance(payload.index_bytes, ShardedIndex)
+    assert isinstance(payload.index, ShardedIndex)
     questions = [data.queries[q] for q in sorted(data.eval_qrels)[:3]]
     assert Searcher(payload).search(questions, 4) == [
         open_saved(saved).search_ids(q, 4)[0]

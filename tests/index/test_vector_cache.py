@@ -149,11 +149,11 @@ def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
         np.testing.assert_array_equal(built.index.search(q, 3)[1], np.argsort(-(q @ vecs.T), axis=1)[:, :3])
         metrics = retrieval.evaluate(built)
         assert 0.0 <= metrics["ndcg@10"] <= 1.0
-        # Evaluation reads the index in the host actor: the driver's build holds ids and snapshots, no vector
-        # matrix and no FAISS index, and once the host forgets the build the same evaluation cannot run
-        from ragtrain.index.host import RemoteIndex
+        # Evaluation reads the index in the shard actor: the driver's build holds ids and snapshots, no vector
+        # matrix and no FAISS index, and once the shard forgets the build the same evaluation cannot run
+        from ragtrain.index.sharded import ShardedIndex
 
-        assert isinstance(built.index, RemoteIndex)
+        assert isinstance(built.index, ShardedIndex)
         held = [v for obj in (built, built.index, retrieval) for v in vars(obj).values()]
         assert not any(isinstance(v, np.ndarray) and v.size >= vecs.size for v in held)
         assert not any(type(v).__module__.startswith("faiss") for v in held)
