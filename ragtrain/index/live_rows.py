@@ -1,7 +1,7 @@
 """One index shard's live rows: its passages' vectors, the encoder version of each, and the partial re-encode.
 
 An `IndexShard` (index/sharded.py) holds one `LiveRows` while training refreshes its part of the live index
-(index/sharded_refresh.py drives every shard). A refresh round hands the shard a new encoder snapshot; the shard
+(index/refresh_service.py drives every shard). A refresh round hands the shard a new encoder snapshot; the shard
 re-encodes a share `refresh.fraction` of its rows, chosen by `refresh.priority` (one class each in
 `ragtrain/index/priority/`: oldest, drift, hot).
 

@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +22,6 @@ import numpy as np
 from ragtrain.corpus.encode import ShardSet
 from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, build_from_chunks
 from ragtrain.index.faiss_index import trained_empty as faiss_trained_empty
-from ragtrain.rss import peak_rss_mb
 
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig
@@ -154,27 +153,3 @@ def save_atomic(index: DenseIndex, folder: str | Path, complete: Callable[[Path]
     tmp.rename(folder)
     shutil.rmtree(old, ignore_errors=True)
     return folder
-
-
-def build_and_save_remote(
-    shard_folder: str,
-    factory: str,
-    out_folder: str,
-    corpus_fingerprint: str,
-    encoder: str,
-    seed: int = 0,
-    num_cpus: float = 1.0,
-    resources: dict | None = None,
-) -> dict:
-    """Build from shards and save in a Ray task (e.g. on an `index_node`): the driver gets metadata only.
-    Returns the index metadata plus the task's peak RSS (MB)."""
-    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
-
-    @ray.remote(num_cpus=num_cpus, resources=resources or None)
-    def _build() -> dict:
-        faiss.omp_set_num_threads(max(1, int(num_cpus)))
-        index = build_from_shards(shard_folder, factory, corpus_fingerprint, encoder, seed=seed)
-        save_atomic(index, out_folder)
-        return {**asdict(index.meta), "peak_rss_mb": peak_rss_mb()}
-
-    return ray.get(_build.remote())

@@ -98,13 +98,16 @@ def storage_part(out_dir: str) -> dict:
 
 
 def sync_part(cfg, train) -> dict:
-    """hierarchical, hybrid_powersgd and layerwise on 4 workers over both nodes; where the pool's actors land."""
+    """hierarchical, hybrid_powersgd and layerwise on 4 workers over both nodes; where the live refresh's reserved
+    CPUs (resources.pool) land."""
     import re
     from dataclasses import replace
 
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
     from ragtrain.config import sync_preset
     from ragtrain.embed.model import build_encoder
-    from ragtrain.index.pool import EncoderPool
+    from ragtrain.index.refresh_service import reserve
     from ragtrain.retriever.train import fit_retriever
 
     out_dir = cfg.output_dir
@@ -139,9 +142,9 @@ def sync_part(cfg, train) -> dict:
     n_top = sum(v.numel() for k, v in weights.items() if re.search(top[0], k))
     shapes = [list(v.shape) for v in weights.values()]
 
-    pool = EncoderPool(cfg.retriever, cfg.resources.pool)
-    pool_nodes = pool.node_ids()
-    pool.shutdown()
+    reserved = reserve(cfg.resources.pool)
+    pool_nodes = sorted(set(placement_group_table(reserved)["bundles_to_node_id"].values()))
+    remove_placement_group(reserved)
     return {
         "metrics": fit.metrics,
         "hybrid": hybrid.metrics,
@@ -154,7 +157,8 @@ def sync_part(cfg, train) -> dict:
 
 
 def refresh_part(cfg, out_dir: str) -> dict:
-    """The pipeline with live refresh: 2 trainer workers; the pool and its index service on the labelled node."""
+    """The pipeline with live refresh: 2 trainer workers; the refresh's reservation and its service on the labelled
+    node."""
     from dataclasses import replace
 
     from ragtrain.config import RefreshConfig, SyncConfig, TrainerResources

@@ -189,6 +189,34 @@ def _until(condition, what: str, deadline_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def test_a_refresh_that_cannot_be_reserved_says_what_it_asked(ray_session, monkeypatch) -> None:
+    import ragtrain.index.refresh_service as refresh_service
+    from ragtrain.config import PoolResources
+
+    monkeypatch.setattr(refresh_service, "PLACEMENT_TIMEOUT_S", 1.0)  # the real wait is 30 s
+    with pytest.raises(TimeoutError, match="no_such_resource") as e:
+        refresh_service.reserve(PoolResources(num_actors=1, cpus_per_actor=1, resources={"no_such_resource": 1}))
+    assert "resources.pool" in str(e.value) and "live refresh" in str(e.value)
+    # the reservation was given back: its CPUs are free again
+    assert ray_session.available_resources().get("CPU", 0) >= 1
+
+
+def test_the_refresh_reserves_its_cpus_in_a_placement_group(ray_session) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    from ragtrain.config import PoolResources
+    from ragtrain.index.refresh_service import reserve
+
+    before = ray_session.available_resources().get("CPU", 0)
+    pg = reserve(PoolResources(num_actors=2, cpus_per_actor=0.5))
+    try:
+        table = ray_session.util.placement_group_table(pg)
+        assert table["state"] == "CREATED" and len(table["bundles"]) == 2
+        assert ray_session.available_resources().get("CPU", 0) == pytest.approx(before - 1.0)
+    finally:
+        remove_placement_group(pg)
+
+
 def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tmp_path) -> None:
     import ray
 

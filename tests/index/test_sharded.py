@@ -325,16 +325,6 @@ def _the_live_rows_survive_a_restart_and_a_failed_round(sharded, service, change
             ("index.shards=2", "fault.kill_encode_actor_at_batch=0"),
             r"^fault.kill_encode_actor_at_batch kills a Ray Data",
         ),
-        (
-            (
-                "refresh.enabled=true",
-                "refresh.every_steps=2",
-                "refresh.fraction=0.5",
-                "fault.kill_encode_actor_at_batch=0",
-            ),
-            r"^fault.kill_encode_actor_at_batch kills a Ray Data encode actor, and with refresh.fraction=0.5 and "
-            r"refresh.consistency=global \(a refresh on index shards\) the index shards encode instead",
-        ),
     ],
 )
 def test_shard_settings_the_run_cannot_serve_fail_before_any_work(ray_session, tmp_path, overrides, match) -> None:
