@@ -8,8 +8,8 @@ zero-shot index: `ragtrain.corpus.stream`; prepare_s is then 0 and encode_s the 
   data=documents folder; not timed as pipeline work), then run through the pipeline's own data path as
   data.prepare=ray runs it: Ray Data tasks read + clean the files and chunk the documents
   (`ragtrain.corpus.prepare`), streamed back to the driver, which deduplicates and writes the passage stores;
-  `ragtrain.corpus.encode.encode_to_shards` (the pipeline's EncodeBatch actors) encodes the store into parquet
-  shards, and `ragtrain.index.shards.build_from_shards` indexes them in a Ray task (saved through a temporary
+  `ragtrain.corpus.encode.encode_to_vectors` (the pipeline's EncodeBatch actors) encodes the store into parquet
+  shards, and `ragtrain.index.vector_files.build_from_vectors` indexes them in a Ray task (saved through a temporary
   folder). The driver never holds all texts or any vector. Recorded: passages, prepare_s (read..store), encode_s,
   docs_per_s (passages / (prepare_s + encode_s)), per_core_encode_docs_per_s, driver_peak_rss_mb (this process's
   VmHWM), driver_rss_after_init_mb (before any data), worker_peak_rss_mb (max of the encode actors' and the index
@@ -19,7 +19,7 @@ zero-shot index: `ragtrain.corpus.stream`; prepare_s is then 0 and encode_s the 
 Throughput mode (same texts, same cores, same precision, side by side in one run):
     python benchmarks/corpus_scale.py --compare-docs 2000 [--reps 2]
   MiniLM, fp32: A = sentence-transformers in this process (torch threads = actors x cpus per actor); B = Ray Data
-  encode_to_shards; then B again with bf16. Ray Data's wall time includes its actor start-up and model load (every
+  encode_to_vectors; then B again with bf16. Ray Data's wall time includes its actor start-up and model load (every
   corpus encode pays it); its steady rate (rows / the slowest actor's encode seconds) is printed next to it.
   Written to benchmarks/results/corpus_scale_throughput.json. (Figures of earlier runs also hold a side C, the
   live refresh's former EncoderPool, since replaced by the index shards.)
@@ -164,13 +164,13 @@ def scale(args) -> None:
     from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
     from ragtrain.corpus import encode as encode_mod
     from ragtrain.corpus.dataset import chunk_data, load_documents
-    from ragtrain.corpus.encode import ShardSet, encode_to_shards
+    from ragtrain.corpus.encode import VectorSet, encode_to_vectors
     from ragtrain.embed.model import load_tokenizer
-    from ragtrain.index.shards import build_from_shards, save_atomic
+    from ragtrain.index.vector_files import build_from_vectors, save_atomic
     from ragtrain.rss import peak_rss_mb
 
     actor_env = dict(kv.split("=", 1) for kv in args.actor_env)
-    encode_mod.ACTOR_ENV.update(actor_env)  # encode_to_shards reads it when it starts the actor pool
+    encode_mod.ACTOR_ENV.update(actor_env)  # encode_to_vectors reads it when it starts the actor pool
     work = Path(tempfile.mkdtemp(prefix="corpus_scale-", dir=args.workdir))
     t0 = time.perf_counter()
     write_corpus_folder(work / "docs", args.passages, args.per_file)  # the user's files: not the pipeline's time
@@ -219,7 +219,7 @@ def scale(args) -> None:
             log=lambda m: None,
         )
         prepare_s = 0.0  # fused with the encode: the stream's wall time is encode_s
-        shards = ShardSet.load(work / "vectors")
+        shards = VectorSet.load(work / "vectors")
     else:
         data, _ = load_documents(
             work / "docs",
@@ -239,7 +239,7 @@ def scale(args) -> None:
             retriever=cfg,
         )
         prepare_s = time.perf_counter() - t0
-        shards = encode_to_shards(
+        shards = encode_to_vectors(
             data.corpus, weights_ref, cfg, index, pool, work / "vectors", max_length=64, stats_dir=str(stats_dir)
         )
     actors = actor_stats(stats_dir)
@@ -250,7 +250,7 @@ def scale(args) -> None:
         import faiss  # lazy: the task's own import (the driver never builds the index)
 
         faiss.omp_set_num_threads(1)
-        index = build_from_shards(shards.folder, args.factory, "generated", f"{args.retriever}@init")
+        index = build_from_vectors(shards.folder, args.factory, "generated", f"{args.retriever}@init")
         save_atomic(index, work / "index")
         return {**asdict(index.meta), "peak_rss_mb": peak_rss_mb()}
 
@@ -324,7 +324,7 @@ def compare(args) -> None:
     import torch
 
     from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
-    from ragtrain.corpus.encode import encode_to_shards
+    from ragtrain.corpus.encode import encode_to_vectors
     from ragtrain.embed.model import minilm_path
 
     cores = int(args.actors * args.cpus_per_actor)
@@ -352,7 +352,7 @@ def compare(args) -> None:
         sd.mkdir(exist_ok=True)
         for p in sd.glob("*.json"):
             p.unlink()
-        s = encode_to_shards(
+        s = encode_to_vectors(
             (i, t), ref, cfg, index, pool_res, work / tag, max_length=args.max_length, stats_dir=str(sd)
         )
         steady = s.rows / max(max(a["seconds"] for a in actor_stats(sd)), 1e-9)

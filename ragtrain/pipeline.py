@@ -43,8 +43,8 @@ from ragtrain.index import vector_cache
 from ragtrain.index.checks import check_refresh
 from ragtrain.index.facade import BuiltIndex, Retrieval
 from ragtrain.index.faiss_index import check_index_config
-from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
-from ragtrain.index.shards import save_atomic
+from ragtrain.index.vector_files import save_atomic
+from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, sample_ids
 from ragtrain.precision import resolved_index, resolved_params
 from ragtrain.repair.distill import distill_consensus
 from ragtrain.reranker.model import check_teacher

@@ -373,7 +373,7 @@ class IndexConfig:
     precision: Precision = Precision.auto  # bf16: embed-only encoders hold bf16 weights (~1e-4 cosine off)
     batch_size: int = 64
     shard_size: int = 512  # passages per pool task / per Ray Data encode call (one parquet shard each)
-    vector_dtype: str = "float32"  # stored vector shards: float32 | float16 (half the disk; FAISS adds them as fp32)
+    vector_dtype: str = "float32"  # stored vector files: float32 | float16 (half the disk; FAISS adds them as fp32)
     top_k: int = 100  # depth retrieved for evaluation
     nprobe: int = 16  # IVF search parameter
     ef_search: int = 128  # HNSW search parameter

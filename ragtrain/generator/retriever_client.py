@@ -18,7 +18,7 @@ import numpy as np
 import ray
 import torch
 
-from ragtrain.config import Config, Precision, RetrieverConfig
+from ragtrain.config import Precision, RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.embed.encoders import QueryEncoder
 from ragtrain.embed.model import build_encoder
@@ -39,9 +39,11 @@ class IndexPayload:
     precision: Precision = Precision.auto  # query-encoding precision (auto: resolved where the encoder runs)
 
     @classmethod
-    def from_index(cls, index: Index, cfg: Config, weights: list[dict[str, torch.Tensor]]) -> IndexPayload:
-        """Package an index with the encoder snapshot(s) that built it."""
-        return cls(index, cfg.retriever, weights, cfg.index.precision)
+    def from_index(
+        cls, index: Index, retriever: RetrieverConfig, weights: list[dict[str, torch.Tensor]], precision: Precision
+    ) -> IndexPayload:
+        """Package an index with the encoder snapshot(s) that built it (queries encoded at `precision`)."""
+        return cls(index, retriever, weights, precision)
 
 
 class Searcher:
@@ -100,7 +102,7 @@ class RetrievalClient:
         return [self._cache[(q, k)] for q in questions]
 
 
-def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, torch.Tensor]]:
+def load_snapshots(retriever: RetrieverConfig, seed: int, encoder: str) -> list[dict[str, torch.Tensor]]:
     """The encoder weights an index's metadata names: `<model>@init`, `<model>@<file>.safetensors`, or
     `vector_avg of N replicas in <dir>` (replica_*.safetensors)."""
     if encoder.startswith("vector_avg of ") and " in " in encoder:
@@ -110,14 +112,14 @@ def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, t
             raise FileNotFoundError(f"the index was built from encoder replicas in {folder}, which holds none")
         return [load_weights(folder, f.stem) for f in files]
     model, _, where = encoder.partition("@")
-    if model != cfg.retriever.model:
+    if model != retriever.model:
         raise IndexMismatchError(
             f"the index was built by encoder {encoder!r} but retriever.model is "
-            f"{cfg.retriever.model!r}: use the same retriever config as the index build"
+            f"{retriever.model!r}: use the same retriever config as the index build"
         )
     if where == "init":
-        torch.manual_seed(cfg.seed)  # the pipeline seeds the same way before building the untrained encoder
-        return [{k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}]
+        torch.manual_seed(seed)  # the pipeline seeds the same way before building the untrained encoder
+        return [{k: v.detach().clone() for k, v in build_encoder(retriever).state_dict().items()}]
     path = Path(where)
     if not path.exists():
         raise FileNotFoundError(f"the index was built by encoder weights {path}, which no longer exist")

@@ -149,7 +149,7 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
                 "to a saved index"
             )
         index = open_saved(folder, expect_corpus=data.fingerprint(), mmap=True)  # one index, or sharded
-        weights = load_snapshots(cfg, index.meta.encoder, out_dir)
+        weights = load_snapshots(cfg.retriever, cfg.seed, index.meta.encoder)
     else:
         index, weights = built.index, built.snapshots
         if index.meta.corpus_fingerprint != data.fingerprint():
@@ -165,7 +165,7 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
         group = ShardGroup(len(read_sharded(folder)), out_dir / "shards", cfg.resources.pool, cfg.index.shard_timeout_s)
         index = group.load("generator", folder)
     index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
-    return IndexPayload.from_index(index, cfg, weights)
+    return IndexPayload.from_index(index, cfg.retriever, weights, cfg.index.precision)
 
 
 def check_resources(cfg: Config) -> None:

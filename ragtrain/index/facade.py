@@ -23,7 +23,7 @@ from ragtrain.cluster.resources import record_placement_group
 from ragtrain.config import Config, IndexConfig, RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import passage_qrels
-from ragtrain.corpus.encode import SHARDS_META, ShardSet, build_threads, encode_to_shards
+from ragtrain.corpus.encode import VECTORS_META, VectorSet, build_threads, encode_to_vectors
 from ragtrain.data import RetrievalData
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.align import fit_alignment
@@ -33,7 +33,7 @@ from ragtrain.index import vector_cache
 from ragtrain.index.base import Index
 from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores
-from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, map_shards, mean_shards, sample_ids
+from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, map_vectors, mean_vectors, sample_ids
 from ragtrain.precision import resolved_index
 
 log = get_logger(__name__)
@@ -51,7 +51,7 @@ class BuiltIndex:
     snapshots: list[dict[str, torch.Tensor]]
     corpus_ids: list[str]  # corpus order
     stats: dict
-    shards: Any = None  # ShardSet: the vectors on disk (several snapshots: their consensus, shard by shard)
+    shards: Any = None  # VectorSet: the vectors on disk (several snapshots: their consensus, shard by shard)
     _encoder: Any = field(default=None, repr=False)
 
     def query_encoder(self, retriever: RetrieverConfig, idx: IndexConfig) -> QueryEncoder:
@@ -122,7 +122,7 @@ class Retrieval:
             self._reserved = None
 
     def build(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str, step: int) -> BuiltIndex:
-        """Encode the corpus into vector shards (`vectors_of`) and build the FAISS index from them.
+        """Encode the corpus into vector files (`vectors_of`) and build the FAISS index from them.
 
         One snapshot: its vectors. Several (sync=vector_avg: one per replica): every replica encodes every
         passage and the index holds the re-normalised mean vector; queries are averaged the same way.
@@ -141,7 +141,7 @@ class Retrieval:
         seconds = sum(s.seconds for s in sets)
         # vector_avg: the consensus is computed shard by shard into its own shard folder; the index shards build
         # FAISS from it either way, so the driver holds neither vectors nor index
-        shards = sets[0] if len(sets) == 1 else mean_shards(sets, vec_dir / tag)
+        shards = sets[0] if len(sets) == 1 else mean_vectors(sets, vec_dir / tag)
         index = self.index_from(tag, shards, encoder_name, step)
         stats = {"docs": len(self.doc_ids), "seconds": seconds, "index_build_seconds": index.meta.build_seconds}
         if all(s.stats.get("cache_hit") for s in sets):  # nothing was encoded: no throughput to report
@@ -154,7 +154,7 @@ class Retrieval:
     def vectors_of(
         self, tag: str, weights: dict[str, torch.Tensor], folder: Path, fault: Any, alone: bool = True
     ) -> Any:
-        """The corpus's vectors under `weights` as a ShardSet in `folder`: from the corpus stream (`alone`: one
+        """The corpus's vectors under `weights` as a VectorSet in `folder`: from the corpus stream (`alone`: one
         snapshot) or the vector cache when they hold them, else encoded: on Ray Data's encode actors (the corpus
         stream's encode) with one index shard, by the shards themselves (each its row range, where it runs) with
         several."""
@@ -184,7 +184,7 @@ class Retrieval:
             threads = build_threads(pool)
             n, each = len(self.doc_ids), f"{threads} torch thread{'s' if threads > 1 else ''} each"
             log.info(f"[{tag}] encoding {n} passages on Ray Data ({pool.num_actors} actors, {each})")
-            got = encode_to_shards(
+            got = encode_to_vectors(
                 source, ray.put(weights), cfg.retriever, idx, pool, folder, vector_dtype=idx.vector_dtype,
                 fault=fault, num_gpus_per_actor=pool.gpus_per_actor, num_threads=threads,
             )  # fmt: skip
@@ -193,10 +193,10 @@ class Retrieval:
         return got
 
     def _streamed(self, folder: Path, weights: dict[str, torch.Tensor]) -> Any:
-        """The ShardSet the corpus stream wrote in `folder` when it holds this corpus under these weights, else None."""
-        if not (folder / SHARDS_META).exists():
+        """The VectorSet the corpus stream wrote in `folder` if it holds this corpus under these weights, or None."""
+        if not (folder / VECTORS_META).exists():
             return None
-        shards = ShardSet.load(folder)
+        shards = VectorSet.load(folder)
         if not shards.stats.get("streamed") or shards.stats.get("corpus") != self.fingerprint:
             return None
         cfg = self.cfg
@@ -261,7 +261,7 @@ class Retrieval:
         idx, seed = resolved_index(self.cfg), self.cfg.seed
         anchors = sample_ids(self.doc_ids, idx.align_anchors, seed)
         align = fit_alignment(stale.shards.vectors_of(anchors), trained.shards.vectors_of(anchors), "orthogonal")
-        aligned = map_shards(stale.shards, align.apply, Path(stale.shards.folder).parent / "stale_aligned")
+        aligned = map_vectors(stale.shards, align.apply, Path(stale.shards.folder).parent / "stale_aligned")
         measured = sample_ids(self.doc_ids, DRIFT_SAMPLE, seed + 1)
         out = {}
         for tag, shards in (("stale", stale.shards), ("stale_aligned", aligned)):
@@ -318,7 +318,7 @@ class Retrieval:
 
         if len(built.snapshots) != 1:
             raise ValueError(
-                f"the live index service starts from one encoder's vector shards; {built.tag!r} holds the "
+                f"the live index service starts from one encoder's vector files; {built.tag!r} holds the "
                 f"consensus of {len(built.snapshots)} replicas"
             )
         cfg, r, pool = self.cfg, self.cfg.refresh, self.cfg.resources.pool

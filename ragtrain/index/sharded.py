@@ -1,7 +1,7 @@
 """A sharded index: `index.shards=N` IndexShard actors, each owning a contiguous range of the passage store.
 
 Each shard reads its own rows' texts from the store (by row range, on its node), encodes them with the corpus
-encoder (`EncodeBatch`, the Ray Data stage's class), writes them as vector shards, and builds its FAISS index from
+encoder (`EncodeBatch`, the Ray Data stage's class), writes them as vector files, and builds its FAISS index from
 them; trained types (IVF, PQ) copy one quantiser trained once on a seeded sample of the whole corpus (the same
 sample a single index trains on), so every shard scores alike and a sharded index finds what one index finds. A
 shard persists every build as `<root>/<tag>/shard-<i>/` (index files + `manifest.json`: rows, version, factory,
@@ -34,7 +34,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ragtrain.console import get_logger, worker_setup
-from ragtrain.corpus.encode import ShardSet, write_shards
+from ragtrain.corpus.encode import VectorSet, write_vectors
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.encoders import EncodeBatch, LocalEncoder
 from ragtrain.errors import ConfigError
@@ -50,7 +50,7 @@ from ragtrain.index.faiss_index import (
 )
 from ragtrain.index.live_rows import LiveRows
 from ragtrain.index.priority import PRIORITIES
-from ragtrain.index.shards import build_from_shards, iter_rows, save_atomic, trained_empty
+from ragtrain.index.vector_files import build_from_vectors, iter_rows, save_atomic, trained_empty
 from ragtrain.rss import peak_rss_mb
 
 if TYPE_CHECKING:
@@ -317,7 +317,7 @@ class _Shard:
         folder: str,
     ) -> dict:
         """Encode rows [start, stop) of `source` (a PassageStore, read here; or [ObjectRef of (ids, texts)] of
-        just these rows) with the snapshot `weights` ([ObjectRef]) into vector shards in `folder`; returns
+        just these rows) with the snapshot `weights` ([ObjectRef]) into vector files in `folder`; returns
         {rows, dim, files, seconds}."""
         t0 = time.perf_counter()
         enc = EncodeBatch(
@@ -344,7 +344,7 @@ class _Shard:
                 chunk_ids, chunk_texts = read(a, min(stop, a + TEXT_CHUNK))
                 yield chunk_ids, enc.encode(chunk_texts)
 
-        shards = write_shards(folder, chunks(), idx.vector_dtype)
+        shards = write_vectors(folder, chunks(), idx.vector_dtype)
         return {
             "rows": shards.rows,
             "dim": shards.dim,
@@ -366,14 +366,14 @@ class _Shard:
         trained: Any,
         version: int,
     ) -> dict:
-        """Build `tag` from rows [start, stop) of the vector shards in `shard_folder` (`trained`: serialised
+        """Build `tag` from rows [start, stop) of the vector files in `shard_folder` (`trained`: serialised
         bytes of the shared trained empty index, or None for types without training), persist it, and hold it;
         returns its manifest plus its row ids."""
         # Free the old build's memory first (two copies of a large shard need not fit); its files stay until the
         # new build is persisted, so a crash meanwhile restarts from the old version
         self.indexes.pop(tag, None)
         quantizer = faiss.deserialize_index(trained) if trained is not None else None
-        index = build_from_shards(
+        index = build_from_vectors(
             shard_folder,
             idx.factory,
             fingerprint,
@@ -454,7 +454,7 @@ class _Shard:
         from) as this shard's live rows, and their texts' source (a PassageStore, or [ObjectRef of (ids, texts)]
         of these rows) for re-encoding. A persisted live state of the same rows (a restart) is continued, unless
         `fresh` (the start of a run's live index)."""
-        vecs = np.concatenate([v for _, v in iter_rows(ShardSet.load(vector_folder), start, stop)])
+        vecs = np.concatenate([v for _, v in iter_rows(VectorSet.load(vector_folder), start, stop)])
         if isinstance(source, PassageStore):
 
             def read(local: np.ndarray) -> list[str]:  # one slice per run of consecutive rows
@@ -606,7 +606,7 @@ IndexShard = ray.remote(
 @ray.remote(num_cpus=0)
 def _train_quantizer(shard_folder: str, factory: str, seed: int) -> Any:
     """The shared quantiser: `trained_empty` on the whole set's seeded sample, serialised (read where it runs)."""
-    index, _ = trained_empty(ShardSet.load(shard_folder), factory, seed)
+    index, _ = trained_empty(VectorSet.load(shard_folder), factory, seed)
     return faiss.serialize_index(index)
 
 
@@ -694,9 +694,9 @@ class ShardGroup:
 
     def encode(
         self, source: Any, weights_ref: Any, retriever: RetrieverConfig, idx: IndexConfig, folder: str | Path
-    ) -> ShardSet:
+    ) -> VectorSet:
         """Every shard encodes its rows of `source` (a PassageStore, or an (ids, texts) pair of lists) with the
-        snapshot `weights_ref` into `folder/shard-<i>/`; returns the whole set as one ShardSet (corpus order)."""
+        snapshot `weights_ref` into `folder/shard-<i>/`; returns the whole set as one VectorSet (corpus order)."""
         rows = len(source) if isinstance(source, PassageStore) else len(source[0])
         folder = Path(folder).resolve()
         shutil.rmtree(folder, ignore_errors=True)
@@ -715,7 +715,7 @@ class ShardGroup:
             "shard_seconds": [p["seconds"] for p in parts],
             "shard_peak_rss_mb": [p["peak_rss_mb"] for p in parts],
         }
-        return ShardSet(
+        return VectorSet(
             str(Path(folder).resolve()),
             [f"shard-{i}/{f}" for i, p in enumerate(parts) for f in p["files"]],
             sum(p["rows"] for p in parts),
@@ -726,7 +726,7 @@ class ShardGroup:
         ).save_meta()
 
     def build(
-        self, tag: str, shards: ShardSet, idx: IndexConfig, fingerprint: str, encoder: str, step: int, seed: int
+        self, tag: str, shards: VectorSet, idx: IndexConfig, fingerprint: str, encoder: str, step: int, seed: int
     ) -> ShardedIndex:
         """Build `tag` from the vector set `shards`: shard i indexes its row range, every shard copying one
         quantiser trained once on the set's seeded sample (IVF, PQ); each persists its build before answering."""

@@ -252,11 +252,11 @@ def shard_kill_part(out_dir: str) -> dict:
 
     from ragtrain.config import IndexConfig, PoolResources
     from ragtrain.index.sharded import SEARCH_BATCH, ShardGroup, resolve_shards
-    from tests.index.test_shards import _vectors, _write_shards
+    from tests.index.test_vector_files import _vectors, _write_vectors
 
     out = Path(out_dir)
     x = _vectors(300)
-    shards = _write_shards(out / "vec", [f"d{i}" for i in range(300)], x, per_file=50)
+    shards = _write_vectors(out / "vec", [f"d{i}" for i in range(300)], x, per_file=50)
     n = resolve_shards("auto", shards.rows, ray.nodes())
     group = ShardGroup(n, out / "shards", PoolResources(num_actors=1), timeout_s=60.0)
     index = group.build("t", shards, IndexConfig(), "fp", "enc", 0, seed=0)

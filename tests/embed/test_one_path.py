@@ -85,7 +85,7 @@ def test_no_module_outside_embed_runs_an_encoder_forward_to_embed() -> None:
 
 
 def test_one_function_fills_every_faiss_index() -> None:
-    """Vector shards, an index shard's row range, a live shard's rebuild and an in-memory matrix: every FAISS
+    """Vector files, an index shard's row range, a live shard's rebuild and an in-memory matrix: every FAISS
     `add` in ragtrain is `faiss_index.build_from_chunks`'s."""
     adds = {
         (str(p.relative_to(PACKAGE)), i)

@@ -46,7 +46,7 @@ def built(ray_session, tmp_path_factory):
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
     from ragtrain.index.facade import BuiltIndex, Retrieval
-    from tests.index.test_shards import _write_shards
+    from tests.index.test_vector_files import _write_vectors
 
     tmp = tmp_path_factory.mktemp("gen")
     cfg = _cfg(tmp)
@@ -55,7 +55,7 @@ def built(ray_session, tmp_path_factory):
     weights = {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
     retrieval = Retrieval(cfg, data)
     vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
-    shards = _write_shards(tmp / "vectors", retrieval.doc_ids, vecs, per_file=64)
+    shards = _write_vectors(tmp / "vectors", retrieval.doc_ids, vecs, per_file=64)
     name = f"{cfg.retriever.model}@init"
     held = retrieval.index_from("zeroshot", shards, name, 0)
     index = BuiltIndex("zeroshot", held, [weights], retrieval.doc_ids, {}, shards=shards)

@@ -106,10 +106,10 @@ def test_static_mining_in_the_pipeline_applies_the_filters_in_corpus_positions(t
     order = [3, 0, 4, 1, 2]
     by_score = sorted(range(5), key=lambda i: -s[order[i]])
     index = _FakeIndex([[s[order[i]] for i in by_score]], [by_score], [corpus[i] for i in order])
-    # the positive's vector is read from the build's vector shards (in shard order), gold rows only
-    from tests.index.test_shards import _write_shards
+    # the positive's vector is read from the build's vector files (in shard order), gold rows only
+    from tests.index.test_vector_files import _write_vectors
 
-    shards = _write_shards(tmp_path / "s", [corpus[i] for i in order], vecs[order], per_file=2)
+    shards = _write_vectors(tmp_path / "s", [corpus[i] for i in order], vecs[order], per_file=2)
     built = BuiltIndex("fake", index, [], corpus, {}, shards=shards)
     assert r.mine_negatives(built) == {"q0": [3]}
     r.cfg.retriever.train = RetrieverTrainConfig(hard_negative_depth=5, hard_negative_max_score=0.9)

@@ -148,13 +148,13 @@ def _service(cfg, data, tmp_path):
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
     from ragtrain.index.facade import BuiltIndex, Retrieval
-    from tests.index.test_shards import _write_shards
+    from tests.index.test_vector_files import _write_vectors
 
     torch.manual_seed(0)
     weights = build_encoder(cfg.retriever).state_dict()
     retrieval = Retrieval(cfg, data)
     vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
-    shards = _write_shards(tmp_path / "v0", retrieval.doc_ids, vecs, per_file=64)
+    shards = _write_vectors(tmp_path / "v0", retrieval.doc_ids, vecs, per_file=64)
     index = retrieval.index_from("zeroshot", shards, f"{cfg.retriever.model}@init", 0)
     built = BuiltIndex("zeroshot", index, [weights], retrieval.doc_ids, {}, shards=shards)
     service, probe = retrieval.start_service(built, weights)

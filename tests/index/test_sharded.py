@@ -28,8 +28,8 @@ from ragtrain.index.sharded import (
     resolve_shards,
     shard_ranges,
 )
-from ragtrain.index.shards import build_configured_from_shards
-from tests.index.test_shards import _vectors, _write_shards
+from ragtrain.index.vector_files import build_configured_from_vectors
+from tests.index.test_vector_files import _vectors, _write_vectors
 
 ROWS = 400
 
@@ -39,7 +39,7 @@ def vectors(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
     x = _vectors(ROWS)
     x[7] = x[300]  # a duplicate passage: equal scores
-    return x, _write_shards(tmp / "vec", [f"d{i}" for i in range(ROWS)], x, per_file=64), tmp
+    return x, _write_vectors(tmp / "vec", [f"d{i}" for i in range(ROWS)], x, per_file=64), tmp
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_merge_orders_by_score_then_global_row_and_pads_last() -> None:
 def test_n_shards_return_exactly_what_one_index_returns(groups, vectors, factory) -> None:
     x, shards, _ = vectors
     idx = IndexConfig(factory=factory, nprobe=3)
-    one = build_configured_from_shards(shards, idx, "fp", "enc", 2, seed=0)
+    one = build_configured_from_vectors(shards, idx, "fp", "enc", 2, seed=0)
     q = _vectors(30, seed=5)
     want_scores, want_rows = one.search(q, 10)
     for n, group in groups.items():
@@ -220,17 +220,17 @@ def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards
     assert a.index.meta.extra["shards"] == 3 and a.index.meta.extra["rows_per_shard"] == [40, 40, 40]
     assert [f.split("/")[0] for f in a.shards.files] == ["shard-0", "shard-1", "shard-2"]
     assert a.shards.ids() == sharded.doc_ids == a.index.doc_ids  # corpus order, range after range
-    one = build_configured_from_shards(a.shards, cfg.index, sharded.fingerprint, "tiny@init", 0, cfg.seed)
+    one = build_configured_from_vectors(a.shards, cfg.index, sharded.fingerprint, "tiny@init", 0, cfg.seed)
     b = BuiltIndex("one", one, [weights], sharded.doc_ids, {}, a.shards)
     want = sharded.evaluate(b)
     assert {k: metrics[k] for k in want} == pytest.approx(want, abs=1e-12)
     assert metrics["index_shard_peak_rss_mb"] > 0 and "index_host_peak_rss_mb" not in metrics
     assert sharded.mine_negatives(a) == sharded.mine_negatives(b)
-    payload = IndexPayload.from_index(a.index, cfg, [weights])  # the generator's searchers scatter too
+    payload = IndexPayload.from_index(a.index, cfg.retriever, [weights], cfg.index.precision)  # searchers scatter
     questions = [data.queries[q] for q in sorted(data.eval_qrels)[:5]]
-    assert Searcher(payload).search(questions, 5) == Searcher(IndexPayload.from_index(one, cfg, [weights])).search(
-        questions, 5
-    )
+    assert Searcher(payload).search(questions, 5) == Searcher(
+        IndexPayload.from_index(one, cfg.retriever, [weights], cfg.index.precision)
+    ).search(questions, 5)
     a.index.save(out / "index")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     _, hits = search(out, questions[0], k=3)
