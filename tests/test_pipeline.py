@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from ragtrain.config import ConfigError, to_typed
 from ragtrain.data import make_synthetic
-from ragtrain.index.faiss_index import load_index
+from ragtrain.index.sharded import open_saved
 from ragtrain.pipeline import run
 from tests.conftest import compose, tiny_overrides
 
@@ -62,8 +62,9 @@ def test_outputs_written(quickstart_run) -> None:
     assert "batch_size: 4" in (out / "config.yaml").read_text()
     assert (out / "encoder" / "encoder.safetensors").exists()
     data = make_synthetic(num_entities=cfg.data.num_entities, seed=cfg.data.seed)
-    index = load_index(out / "index", expect_dim=cfg.retriever.tiny.hidden_size, expect_corpus=data.fingerprint())
-    assert index.index.ntotal == len(data.corpus)
+    index = open_saved(out / "index", expect_corpus=data.fingerprint())
+    assert index.meta.dim == cfg.retriever.tiny.hidden_size
+    assert index.ntotal == len(data.corpus)
     # the corpus the run read: a passage store in the run folder (Ray Data's read tasks and the trainers read it)
     from ragtrain.data.store import PassageStore
 

@@ -111,7 +111,7 @@ def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_pa
     once, built from the shards under <output_dir>/vectors/zeroshot."""
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
-    from ragtrain.index.faiss_index import load_index
+    from ragtrain.index.sharded import open_saved
     from ragtrain.pipeline import run
     from tests.conftest import compose, tiny_overrides
 
@@ -125,9 +125,9 @@ def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_pa
     results = run(cfg)
     out = tmp_path / "out"
     assert (out / "vectors" / ".encode_actor_killed").exists(), "the injected actor death never fired"
-    index = load_index(out / "index")
+    index = open_saved(out / "index")
     corpus = list(load_data(cfg.data).corpus)
-    assert sorted(index.doc_ids) == sorted(corpus) and index.index.ntotal == len(corpus)
+    assert sorted(index.doc_ids) == sorted(corpus) and index.ntotal == len(corpus)
     assert (out / "vectors" / "zeroshot" / "shards.json").exists()
     assert results["zeroshot"]["ndcg@10"] >= 0.0
     assert not list(out.glob("index.tmp-*"))  # the temporary folder was renamed

@@ -169,7 +169,7 @@ def test_a_run_indexes_what_the_stream_encoded_without_encoding_again(ray_sessio
     encoded once, as the two-step path encodes it, and the zero-shot index is built from the stream's shards."""
     import logging
 
-    from ragtrain.index.faiss_index import load_index
+    from ragtrain.index.sharded import open_saved
     from ragtrain.pipeline import run
     from tests.conftest import tiny_overrides
 
@@ -193,8 +193,8 @@ def test_a_run_indexes_what_the_stream_encoded_without_encoding_again(ray_sessio
     assert "in one Ray Data stream" in text and "passage vectors from the corpus stream" in text
     assert "encoding" not in text  # Retrieval.build encoded nothing itself
     shards = VectorSet.load(out / "vectors" / "zeroshot")
-    store_ids = (out / "index" / "doc_ids.txt").read_text().split("\n")
-    assert shards.stats["streamed"] and shards.ids() == [i for i in store_ids if i]
-    assert load_index(out / "index").ntotal == shards.rows
+    saved = open_saved(out / "index")
+    assert shards.stats["streamed"] and shards.ids() == saved.doc_ids
+    assert saved.ntotal == shards.rows
     assert 0.0 < results["zeroshot"]["ndcg@10"] <= 1.0 and results["zeroshot"]["encode_docs_per_s"] > 0
     _same_as_two_steps(root, tmp_path, out, initial_weights(cfg))
