@@ -389,8 +389,9 @@ class IndexConfig:
     # a folder: encoded corpora are kept there and reused when the same weights, corpus and encode settings come
     # again (a sweep's zero-shot index, repeated runs; ragtrain/index/vector_cache.py). null: always encode
     cache_dir: str | None = None
-    # Index shards (ragtrain/index/sharded.py): 1 = one index in the run's index host; N = N IndexShard actors, each
-    # encoding, indexing and searching a contiguous range of passages; auto = one per node offering `index_node`
+    # Index shards (ragtrain/index/sharded.py), the only index: N IndexShard actors (1 by default), each indexing
+    # and searching a contiguous range of passages (with N > 1 each also encodes it); auto = one per node offering
+    # `index_node`
     shards: str = "1"
     shard_timeout_s: float = 120.0  # a search waits this long for every shard (one restarting) before failing
 

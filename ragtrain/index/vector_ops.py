@@ -2,7 +2,7 @@
 
 Used where a run derives vectors from other vectors: vector_avg's consensus (the re-normalised mean of every
 replica's files), the stale index mapped onto the trained space (`index.align_anchors`), and drift between two
-encodes, measured on a seeded sample of rows. Each result is a `VectorSet` that the index host builds FAISS from.
+encodes, measured on a seeded sample of rows. Each result is a `VectorSet` that the index shards build FAISS from.
 """
 
 from __future__ import annotations
