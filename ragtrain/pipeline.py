@@ -40,7 +40,7 @@ from ragtrain.embed.encoders import EncodeFault, encoder_dim
 from ragtrain.embed.model import build_encoder, check_model_offline
 from ragtrain.export import export_run
 from ragtrain.index import vector_cache
-from ragtrain.index.checks import check_refresh
+from ragtrain.index.checks import check_refresh, refresh_warnings
 from ragtrain.index.facade import BuiltIndex, Retrieval
 from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.vector_files import save_atomic
@@ -298,9 +298,9 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
     from ragtrain.index.sharded import check_shard_config
 
-    for line in ineffective_settings(cfg):
-        log.warning(line)
     check_refresh(cfg.refresh)  # the variant names, against their registries
+    for line in ineffective_settings(cfg) + refresh_warnings(cfg.refresh):
+        log.warning(line)
     if cfg.logger.backend == LoggerBackend.mlflow:  # a store that cannot work fails in seconds, not after training
         check_tracking_uri(tracking_uri(cfg.logger))
     if cfg.resume:  # before anything in the folder is touched (the store it was logged to is asked too)

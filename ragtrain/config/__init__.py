@@ -812,9 +812,6 @@ def ineffective_settings(cfg: Config) -> list[str]:
             f"sync={cfg.sync.strategy} is a no-op with resources.trainer.num_workers=1: one replica has "
             "nothing to exchange (0 bytes sent); use 2 or more workers to compare sync strategies"
         )
-    r = cfg.refresh
-    if r.enabled and r.anchors != RefreshConfig.anchors and r.consistency != "aligned":
-        out.append(f"refresh.anchors={r.anchors} is read only by refresh.consistency=aligned ({r.consistency} here)")
     if cfg.data.split == "train":
         out.append(
             "data.split=train: the figures are measured on the training queries, not held-out ones "

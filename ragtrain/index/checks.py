@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from ragtrain.config import RefreshConfig
 from ragtrain.errors import ConfigError
 from ragtrain.index.consistency import POLICIES
 from ragtrain.index.priority import PRIORITIES
-
-if TYPE_CHECKING:
-    from ragtrain.config import RefreshConfig
 
 
 def check_refresh(refresh: RefreshConfig, dim: int | None = None, rows: int | None = None) -> None:
@@ -23,3 +19,13 @@ def check_refresh(refresh: RefreshConfig, dim: int | None = None, rows: int | No
             raise ConfigError(f"{key}={value!r} is not a known choice; valid choices: {list(registry)}")
     if refresh.enabled and dim is not None and rows is not None:
         POLICIES[refresh.consistency]().check(refresh, dim, rows)
+
+
+def refresh_warnings(refresh: RefreshConfig) -> list[str]:
+    """Live-refresh settings that are legal but read by nothing here (one warning line each)."""
+    policy = POLICIES.get(refresh.consistency)
+    if refresh.enabled and refresh.anchors != RefreshConfig.anchors and policy and not policy.needs_anchors:
+        needing = [name for name, p in POLICIES.items() if p.needs_anchors]
+        return [f"refresh.anchors={refresh.anchors} is read only by refresh.consistency={'/'.join(needing)} "
+                f"({refresh.consistency} here)"]  # fmt: skip
+    return []

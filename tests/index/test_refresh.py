@@ -241,6 +241,13 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
         new = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in weights.items()}
         ok = ray.get(service.refresh.remote(5, [ray.put(new)]))
         assert ok["ok"] and ok["version"] == 1
+        # one index shard has the store's figures too: every row re-encoded, one version searched, its encode timed
+        m = ok["metrics"]
+        assert (
+            m["index/encoded_fraction"] == 1.0
+            and m["index/version_skew"] == 0.0
+            and m["index/shard0_encode_seconds"] > 0
+        )
         v1 = ray.get(service.latest.remote())
         assert v1.step == 5 and not np.allclose(v1.probe_vectors, v0.probe_vectors)
         # a snapshot that does not fit the encoder: the refresh fails, version 1 stays live and searchable

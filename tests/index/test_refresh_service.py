@@ -174,6 +174,27 @@ def test_an_unknown_variant_is_refused_with_the_registrys_names(key, value, matc
         check_refresh(RefreshConfig(enabled=True, every_steps=2, **{key: value}))
 
 
+def test_an_unknown_variant_on_the_command_line_is_one_line_and_exit_2(tmp_path) -> None:
+    from tests.test_checks import _cli
+
+    r = _cli(tmp_path, "refresh.enabled=true", "refresh.every_steps=2", "refresh.priority=newest")
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert (
+        last
+        == "config error: refresh.priority='newest' is not a known choice; valid choices: ['oldest', 'drift', 'hot']"
+    )
+    assert "Traceback" not in r.stderr and not (tmp_path / "out" / "config.yaml").exists()
+
+
+def test_anchors_under_a_policy_that_reads_none_warn() -> None:
+    from ragtrain.index.checks import refresh_warnings
+
+    eager = RefreshConfig(enabled=True, every_steps=2, consistency="eager", anchors=512)
+    assert refresh_warnings(eager) == ["refresh.anchors=512 is read only by refresh.consistency=aligned (eager here)"]
+    assert refresh_warnings(RefreshConfig(enabled=True, every_steps=2, consistency="aligned", anchors=512)) == []
+
+
 def test_a_registered_variant_is_a_valid_choice(monkeypatch) -> None:
     """Adding a variant is its class and one registry line: the checks accept its name from then on."""
 
