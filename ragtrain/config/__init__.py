@@ -372,7 +372,7 @@ class IndexConfig:
     factory: str = "Flat"  # any faiss.index_factory string: Flat, IVF64,Flat, HNSW32, IVF64,PQ16, ...
     precision: Precision = Precision.auto  # bf16: embed-only encoders hold bf16 weights (~1e-4 cosine off)
     batch_size: int = 64
-    shard_size: int = 512  # passages per pool task / per Ray Data encode call (one parquet shard each)
+    shard_size: int = 512  # passages per Ray Data encode call (one parquet vector file each)
     vector_dtype: str = "float32"  # stored vector files: float32 | float16 (half the disk; FAISS adds them as fp32)
     top_k: int = 100  # depth retrieved for evaluation
     nprobe: int = 16  # IVF search parameter
