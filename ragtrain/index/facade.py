@@ -127,7 +127,6 @@ class Retrieval:
         One snapshot: its vectors. Several (sync=vector_avg: one per replica): every replica encodes every
         passage and the index holds the re-normalised mean vector; queries are averaged the same way.
         """
-
         cfg, idx = self.cfg, resolved_index(self.cfg)  # auto: as the encode actors will run it (key, index meta)
         # A factory FAISS rejects, or more IVF lists than passages: fail before encoding anything
         check_index_config(idx.factory, encoder_dim(cfg.retriever), len(self.doc_ids))
@@ -139,7 +138,7 @@ class Retrieval:
         folders = [vec_dir / (tag if len(snapshots) == 1 else f"{tag}_{i}") for i in range(len(snapshots))]
         sets = [self.vectors_of(tag, w, f, fault, alone=len(snapshots) == 1) for w, f in zip(snapshots, folders)]
         seconds = sum(s.seconds for s in sets)
-        # vector_avg: the consensus is computed shard by shard into its own shard folder; the index shards build
+        # vector_avg: the consensus is computed file by file into its own vector folder; the index shards build
         # FAISS from it either way, so the driver holds neither vectors nor index
         shards = sets[0] if len(sets) == 1 else mean_vectors(sets, vec_dir / tag)
         index = self.index_from(tag, shards, encoder_name, step)

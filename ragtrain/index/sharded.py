@@ -1,16 +1,17 @@
-"""A sharded index: `index.shards=N` IndexShard actors, each owning a contiguous range of the passage store.
+"""The index: `index.shards=N` IndexShard actors (N=1 by default), each owning a contiguous range of the passages.
 
-Each shard reads its own rows' texts from the store (by row range, on its node), encodes them with the corpus
-encoder (`EncodeBatch`, the Ray Data stage's class), writes them as vector files, and builds its FAISS index from
-them; trained types (IVF, PQ) copy one quantiser trained once on a seeded sample of the whole corpus (the same
-sample a single index trains on), so every shard scores alike and a sharded index finds what one index finds. A
-shard persists every build as `<root>/<tag>/shard-<i>/` (index files + `manifest.json`: rows, version, factory,
+With N > 1 each shard reads its own rows' texts from the store (by row range, on its node), encodes them with the
+corpus encoder (`EncodeBatch`, the Ray Data stage's class) and writes them as vector files; every shard builds its
+FAISS index from its rows of a vector set; trained types (IVF, PQ) copy one quantiser trained once on a seeded
+sample of the whole corpus (the same sample one shard trains on), so every shard scores alike and N shards find
+what one finds. A shard persists every build as `<root>/<tag>/shard-<i>/` (index files + `manifest.json`: rows, version, factory,
 dim, checksum) before it answers, and an actor restarted after a crash reloads its last persisted builds.
 
 A search encodes its queries once (the caller), sends them to every shard in batches, and merges the shards' top-k
 by score, ties broken by global row: with Flat, N shards return exactly the ids and scores of one index.
-`ShardedIndex` (actors) and `LocalShards` (a saved folder loaded in-process, `python -m ragtrain.search`) have
-`DenseIndex`'s interface, so evaluation, mining and the generator's retrieval search either the same way. The
+`ShardedIndex` (the actors' handle) is the one implementation of the `Index` protocol (index/base.py): evaluation,
+mining, the live refresh and the generator's retrieval search through it. `LocalShards` reads a saved folder in
+this process with the same merge (`python -m ragtrain.search`, the checks of a saved index before Ray starts). The
 driver holds the passage ids and the metadata, never vectors.
 """
 
