@@ -4,8 +4,9 @@ With N > 1 each shard reads its own rows' texts from the store (by row range, on
 corpus encoder (`EncodeBatch`, the Ray Data stage's class) and writes them as vector files; every shard builds its
 FAISS index from its rows of a vector set; trained types (IVF, PQ) copy one quantiser trained once on a seeded
 sample of the whole corpus (the same sample one shard trains on), so every shard scores alike and N shards find
-what one finds. A shard persists every build as `<root>/<tag>/shard-<i>/` (index files + `manifest.json`: rows, version, factory,
-dim, checksum) before it answers, and an actor restarted after a crash reloads its last persisted builds.
+what one finds. A shard persists every build as `<root>/<tag>/shard-<i>/` (index files + `manifest.json`: rows,
+version, factory, dim, checksum) before it answers, and an actor restarted after a crash reloads its last persisted
+builds.
 
 A search encodes its queries once (the caller), sends them to every shard in batches, and merges the shards' top-k
 by score, ties broken by global row: with Flat, N shards return exactly the ids and scores of one index.
