@@ -652,15 +652,17 @@ def pool_node_options(pool: PoolResources, nodes: list[dict]) -> dict[str, Any]:
 
 
 class ShardGroup:
-    """The run's N IndexShard actors: on a cluster with `index_node` nodes, a placement group SPREADs them over those
-    nodes (one per node when there are enough); elsewhere N actors on the pool's node. FAISS and torch threads per
-    shard: the CPUs of its node shared by the shards placed there."""
+    """The run's N IndexShard actors: N > 1 on a cluster with `index_node` nodes, a placement group SPREADs them over
+    those nodes (one per node when there are enough); elsewhere, and one shard always, on the pool's node. FAISS and
+    torch threads per shard: the CPUs of its node shared by the shards placed there."""
 
     def __init__(
         self, n: int, root: str | Path, pool: PoolResources, timeout_s: float, nodes: list[dict] | None = None
     ) -> None:
         nodes = ray.nodes() if nodes is None else nodes
-        found = index_nodes(nodes)
+        # One shard has nothing to spread: it goes next to the pool and claims no `index_node`, which the pool's
+        # actors and the live refresh's reservation may claim whole (deploy/: 2 x 0.5 of a node's 1)
+        found = index_nodes(nodes) if n > 1 else []
         self.n, self.root, self.timeout_s, self.pg = n, Path(root).resolve(), timeout_s, None
         self.root.mkdir(parents=True, exist_ok=True)
         if found:
