@@ -50,7 +50,7 @@ test-slow: setup
 	$(PY) -m pytest -q --durations=15 -m slow
 
 bench: setup
-	$(PY) benchmarks/pool_throughput.py
+	$(PY) benchmarks/refresh_throughput.py
 	$(PY) benchmarks/train_throughput.py
 
 # The RayJob's image (deploy/Dockerfile): the official Ray image of .venv's Ray version + the committed tree

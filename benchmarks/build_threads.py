@@ -2,11 +2,11 @@
 free core (`ragtrain.corpus.encode.build_threads`, after), side by side in one run.
 
 What is compared
-    `encode_to_shards` of the same passages (the first --docs SciFact passages, chunked to --max-tokens MiniLM
+    `encode_to_vectors` of the same passages (the first --docs SciFact passages, chunked to --max-tokens MiniLM
     tokens as `data.chunk` does, or whole) with the laptop's pool, `resources.pool` = 1 actor x 1 CPU, on a local
     Ray of `ray.init(num_cpus=2)`, MiniLM at the precision `auto` picks here. Before: `num_threads=1`, the pool's
     own CPU. After: `build_threads(pool)`, what a build that nothing runs beside now gets. Repetitions alternate
-    before, after, before, after (--reps); each is timed around `encode_to_shards` (actor start and model load
+    before, after, before, after (--reps); each is timed around `encode_to_vectors` (actor start and model load
     included: a build pays them too). We print passages/s per repetition, the medians and after / before.
 
 Data: ../shared/data/scifact (override with $RAGTRAIN_DATA); exits 0 with a message when it is absent.
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
-    from ragtrain.corpus.encode import build_threads, encode_to_shards
+    from ragtrain.corpus.encode import build_threads, encode_to_vectors
     from ragtrain.embed.model import build_encoder
     from ragtrain.precision import resolve
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.reps):
                 for side, threads in sides.items():
                     t0 = time.perf_counter()
-                    encode_to_shards((ids, texts), weights, retriever, idx, pool, Path(tmp, side), num_threads=threads)
+                    encode_to_vectors((ids, texts), weights, retriever, idx, pool, Path(tmp, side), num_threads=threads)
                     rates[side].append(len(texts) / (time.perf_counter() - t0))
                     print(f"rep {rep + 1} {side:>6} ({threads} threads): {rates[side][-1]:7.1f} passages/s")
         med = {k: statistics.median(v) for k, v in rates.items()}

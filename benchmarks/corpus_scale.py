@@ -8,8 +8,8 @@ zero-shot index: `ragtrain.corpus.stream`; prepare_s is then 0 and encode_s the 
   data=documents folder; not timed as pipeline work), then run through the pipeline's own data path as
   data.prepare=ray runs it: Ray Data tasks read + clean the files and chunk the documents
   (`ragtrain.corpus.prepare`), streamed back to the driver, which deduplicates and writes the passage stores;
-  `ragtrain.corpus.encode.encode_to_shards` (the pipeline's EncodeBatch actors) encodes the store into parquet
-  shards, and `ragtrain.index.shards.build_from_shards` indexes them in a Ray task (saved through a temporary
+  `ragtrain.corpus.encode.encode_to_vectors` (the pipeline's EncodeBatch actors) encodes the store into parquet
+  shards, and `ragtrain.index.vector_files.build_from_vectors` indexes them in a Ray task (saved through a temporary
   folder). The driver never holds all texts or any vector. Recorded: passages, prepare_s (read..store), encode_s,
   docs_per_s (passages / (prepare_s + encode_s)), per_core_encode_docs_per_s, driver_peak_rss_mb (this process's
   VmHWM), driver_rss_after_init_mb (before any data), worker_peak_rss_mb (max of the encode actors' and the index
@@ -19,10 +19,10 @@ zero-shot index: `ragtrain.corpus.stream`; prepare_s is then 0 and encode_s the 
 Throughput mode (same texts, same cores, same precision, side by side in one run):
     python benchmarks/corpus_scale.py --compare-docs 2000 [--reps 2]
   MiniLM, fp32: A = sentence-transformers in this process (torch threads = actors x cpus per actor); B = Ray Data
-  encode_to_shards; C = EncoderPool (warm actors, as before); then B again with bf16. Ray Data's wall time includes
-  its actor start-up and model load (every corpus encode pays it); its steady rate (rows / the slowest actor's
-  encode seconds) is printed next to it. Also the start-up cost on a 64-text corpus (the live refresh's question:
-  Ray Data per refresh vs the warm pool). Written to benchmarks/results/corpus_scale_throughput.json.
+  encode_to_vectors; then B again with bf16. Ray Data's wall time includes its actor start-up and model load (every
+  corpus encode pays it); its steady rate (rows / the slowest actor's encode seconds) is printed next to it.
+  Written to benchmarks/results/corpus_scale_throughput.json. (Figures of earlier runs also hold a side C, the
+  live refresh's former EncoderPool, since replaced by the index shards.)
 
     python benchmarks/corpus_scale.py --plot   # benchmarks/corpus_scale.png from corpus_scale.json
 """
@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -163,13 +164,13 @@ def scale(args) -> None:
     from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
     from ragtrain.corpus import encode as encode_mod
     from ragtrain.corpus.dataset import chunk_data, load_documents
-    from ragtrain.corpus.encode import ShardSet, encode_to_shards
+    from ragtrain.corpus.encode import VectorSet, encode_to_vectors
     from ragtrain.embed.model import load_tokenizer
-    from ragtrain.index.shards import build_and_save_remote
+    from ragtrain.index.vector_files import build_from_vectors, save_atomic
     from ragtrain.rss import peak_rss_mb
 
     actor_env = dict(kv.split("=", 1) for kv in args.actor_env)
-    encode_mod.ACTOR_ENV.update(actor_env)  # encode_to_shards reads it when it starts the actor pool
+    encode_mod.ACTOR_ENV.update(actor_env)  # encode_to_vectors reads it when it starts the actor pool
     work = Path(tempfile.mkdtemp(prefix="corpus_scale-", dir=args.workdir))
     t0 = time.perf_counter()
     write_corpus_folder(work / "docs", args.passages, args.per_file)  # the user's files: not the pipeline's time
@@ -218,7 +219,7 @@ def scale(args) -> None:
             log=lambda m: None,
         )
         prepare_s = 0.0  # fused with the encode: the stream's wall time is encode_s
-        shards = ShardSet.load(work / "vectors")
+        shards = VectorSet.load(work / "vectors")
     else:
         data, _ = load_documents(
             work / "docs",
@@ -238,14 +239,22 @@ def scale(args) -> None:
             retriever=cfg,
         )
         prepare_s = time.perf_counter() - t0
-        shards = encode_to_shards(
+        shards = encode_to_vectors(
             data.corpus, weights_ref, cfg, index, pool, work / "vectors", max_length=64, stats_dir=str(stats_dir)
         )
     actors = actor_stats(stats_dir)
     t0 = time.perf_counter()
-    meta = build_and_save_remote(
-        shards.folder, args.factory, str(work / "index"), "generated", f"{args.retriever}@init"
-    )
+
+    @ray.remote(num_cpus=1)
+    def build_and_save() -> dict:  # in a Ray task: the driver gets metadata only
+        import faiss  # lazy: the task's own import (the driver never builds the index)
+
+        faiss.omp_set_num_threads(1)
+        index = build_from_vectors(shards.folder, args.factory, "generated", f"{args.retriever}@init")
+        save_atomic(index, work / "index")
+        return {**asdict(index.meta), "peak_rss_mb": peak_rss_mb()}
+
+    meta = ray.get(build_and_save.remote())
     index_s = time.perf_counter() - t0
     cores = args.actors * args.cpus_per_actor
     row = {
@@ -315,14 +324,11 @@ def compare(args) -> None:
     import torch
 
     from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
-    from ragtrain.corpus.encode import encode_to_shards
+    from ragtrain.corpus.encode import encode_to_vectors
     from ragtrain.embed.model import minilm_path
-    from ragtrain.index.pool import EncoderPool
 
     cores = int(args.actors * args.cpus_per_actor)
-    # Twice the cores as logical CPUs: the EncoderPool's placement group holds `cores` of them for the whole run, and
-    # Ray Data's actors need their own; the sides run one after the other, so `cores` cores work at any time.
-    start_ray(max(args.num_cpus, 2 * cores + 1), args.ray_worker_niceness0)
+    start_ray(max(args.num_cpus, cores + 1), args.ray_worker_niceness0)
     cfg = RetrieverConfig(model="minilm", passage_max_length=args.max_length)
     pool_res = PoolResources(num_actors=args.actors, cpus_per_actor=args.cpus_per_actor)
     ids, texts = texts_list(args.compare_docs)
@@ -339,11 +345,6 @@ def compare(args) -> None:
     sides = set(args.sides.split(","))
     fp32 = IndexConfig(batch_size=64, shard_size=256, precision=Precision.fp32)
     bf16 = IndexConfig(batch_size=64, shard_size=256, precision=Precision.bf16)
-    pool = None
-    if "pool" in sides:
-        pool = EncoderPool(cfg, pool_res)
-        pool.set_weights("v0", ref)
-        pool.encode(texts[:64], args.max_length, fp32, progress=False)  # warm-up
 
     def ray_data(index: IndexConfig, tag: str, docs=None):
         i, t = (ids, texts) if docs is None else (ids[:docs], texts[:docs])
@@ -351,7 +352,7 @@ def compare(args) -> None:
         sd.mkdir(exist_ok=True)
         for p in sd.glob("*.json"):
             p.unlink()
-        s = encode_to_shards(
+        s = encode_to_vectors(
             (i, t), ref, cfg, index, pool_res, work / tag, max_length=args.max_length, stats_dir=str(sd)
         )
         steady = s.rows / max(max(a["seconds"] for a in actor_stats(sd)), 1e-9)
@@ -372,10 +373,6 @@ def compare(args) -> None:
         s, steady = ray_data(fp32, "fp32")
         r["raydata_fp32_docs_per_s"], r["raydata_fp32_steady_docs_per_s"] = s.docs_per_s, steady
         b = s.read_all(order=ids)[1]
-        if pool is not None:
-            t = time.perf_counter()
-            pool.encode(texts, args.max_length, fp32, progress=False)
-            r["pool_fp32_docs_per_s"] = len(texts) / (time.perf_counter() - t)
         if "bf16" in sides:
             s, steady = ray_data(bf16, "bf16")
             r["raydata_bf16_docs_per_s"], r["raydata_bf16_steady_docs_per_s"] = s.docs_per_s, steady
@@ -383,20 +380,10 @@ def compare(args) -> None:
         r["min_cosine_st_vs_raydata"] = float(cos.min())
         print(f"rep {rep}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.items()), flush=True)
         out["reps"].append(r)
-    if pool is not None:  # start-up on a small corpus: what one live refresh of 64 texts would cost on each path
-        t = time.perf_counter()
-        ray_data(fp32, "small", docs=64)
-        out["raydata_64_texts_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        pool.encode(texts[:64], args.max_length, fp32, progress=False)
-        out["pool_warm_64_texts_s"] = time.perf_counter() - t
     med = {k: statistics.median(r[k] for r in out["reps"]) for k in out["reps"][0]}
     out["median"] = med
     out["ratio_raydata_vs_st"] = med["raydata_fp32_docs_per_s"] / med["st_fp32_docs_per_s"]
     out["ratio_raydata_steady_vs_st"] = med["raydata_fp32_steady_docs_per_s"] / med["st_fp32_docs_per_s"]
-    if pool is not None:
-        out["ratio_pool_vs_st"] = med["pool_fp32_docs_per_s"] / med["st_fp32_docs_per_s"]
-        pool.shutdown()
     if "bf16" in sides:
         out["ratio_bf16_vs_fp32_raydata"] = med["raydata_bf16_docs_per_s"] / med["raydata_fp32_docs_per_s"]
         out["ratio_bf16_vs_fp32_raydata_steady"] = (
@@ -476,9 +463,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument(
         "--sides",
-        default="st,raydata,pool,bf16",
+        default="st,raydata,bf16",
         help="compare mode: comma list; sentence-transformers (st) and Ray Data fp32 always run, "
-        "'pool' adds the EncoderPool and the 64-text start-up figures, 'bf16' Ray Data in bf16",
+        "'bf16' adds Ray Data in bf16",
     )
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--workdir", default=None)
@@ -495,8 +482,8 @@ def main() -> None:
     )
     p.add_argument("--out", default="corpus_scale_throughput.json", help="compare mode: file under benchmarks/results")
     args = p.parse_args()
-    if not set(args.sides.split(",")) <= {"st", "raydata", "pool", "bf16"}:
-        p.error(f"--sides: choose from st, raydata, pool, bf16; got {args.sides!r}")
+    if not set(args.sides.split(",")) <= {"st", "raydata", "bf16"}:
+        p.error(f"--sides: choose from st, raydata, bf16; got {args.sides!r}")
     if args.plot:
         plot(args)
     elif args.compare_docs:

@@ -5,12 +5,12 @@
 For each N a BEIR folder of N short passages (the generator of corpus_scale.py, 12-30 words each) with 100 dev
 queries is written once; then each (N, mode) runs in a fresh process (VmHWM is per process):
 `ragtrain.pipeline.run` with `data=beir retriever=tiny stages=[index] logger=none` — read the corpus, encode it on
-Ray Data (2 actors), build the Flat index from the shards in the run's index host actor, evaluate nDCG@10. Mode
+Ray Data (2 actors), build the Flat index from the vector files in the run's index shard actor, evaluate nDCG@10. Mode
 `store` is what every run does
 (the corpus streams into `<output_dir>/corpus/passages.arrow` and Ray Data's read tasks read it); mode `memory`
 loads the same corpus as a dict in the driver and sends its texts through the object store (the path before the
 passage store, kept for small corpora and tests). Recorded per run: driver peak RSS (VmHWM), RSS after imports,
-the index host's peak RSS (where the index lives), wall seconds, nDCG@10. `--overrides retriever.tiny.hidden_size=384`
+the index shard's peak RSS (where the index lives), wall seconds, nDCG@10. `--overrides retriever.tiny.hidden_size=384`
 gives the vectors MiniLM's width at the tiny model's encode cost. Printed side by side with the growth from the
 smallest to the largest N; appended to
 benchmarks/results/driver_memory.json.
@@ -105,7 +105,7 @@ def child(root: str, mode: str, out: str, overrides: list[str]) -> None:
                 "mode": mode,
                 "driver_peak_rss_mb": peak_rss_mb(),
                 "rss_after_imports_mb": rss_imports,
-                "index_host_peak_rss_mb": z["index_host_peak_rss_mb"],
+                "index_shard_peak_rss_mb": z["index_shard_peak_rss_mb"],
                 "wall_s": wall,
                 "ndcg@10": z["ndcg@10"],
                 "overrides": overrides,
@@ -160,7 +160,7 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"N={n:>8,} {mode:>6}: driver peak {row['driver_peak_rss_mb']:7.1f} MB (after imports "
-                    f"{row['rss_after_imports_mb']:.1f}), index host peak {row['index_host_peak_rss_mb']:7.1f} MB, "
+                    f"{row['rss_after_imports_mb']:.1f}), index shard peak {row['index_shard_peak_rss_mb']:7.1f} MB, "
                     f"{row['wall_s']:6.1f} s, nDCG@10 {row['ndcg@10']:.4f}",
                     flush=True,
                 )
@@ -170,8 +170,8 @@ def main() -> None:
         a = next(r for r in rows if r["passages"] == lo and r["mode"] == mode)
         b = next(r for r in rows if r["passages"] == hi and r["mode"] == mode)
         print(
-            f"  {mode:>6}: driver {b['driver_peak_rss_mb'] - a['driver_peak_rss_mb']:+8.1f} MB, index host "
-            f"{b['index_host_peak_rss_mb'] - a['index_host_peak_rss_mb']:+8.1f} MB"
+            f"  {mode:>6}: driver {b['driver_peak_rss_mb'] - a['driver_peak_rss_mb']:+8.1f} MB, index shard "
+            f"{b['index_shard_peak_rss_mb'] - a['index_shard_peak_rss_mb']:+8.1f} MB"
         )
     RESULTS.parent.mkdir(exist_ok=True)
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else []

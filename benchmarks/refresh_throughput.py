@@ -1,13 +1,14 @@
-"""Training throughput while the pool refreshes the index vs while it does not, isolated vs oversubscribed.
+"""Training throughput while the index shards refresh the index vs while they do not, isolated vs oversubscribed.
 
 What is compared (both inside ONE training run each, so both sides of a ratio share the machine's state)
     Every step of a live-refresh run (``refresh.enabled``) is timed on rank 0 and tagged with whether a refresh
     was running when it ended; ratio = samples/s of tagged steps / samples/s of untagged steps
     (``index/refresh_throughput_ratio``, from ``ragtrain.index.refresh.LiveIndexClient.summary``).
-    A: isolated: ``resources=laptop`` -- 1 trainer worker with 1 CPU (1 torch thread) and 1 pool actor with
-       1 CPU (1 torch thread), each in its own placement group, on ``num_cpus=2`` (= the cores).
+    A: isolated: ``resources=laptop`` -- 1 trainer worker with 1 CPU (1 torch thread) and the refresh's 1 reserved
+       CPU (``resources.pool``: the one index shard encodes with 1 torch thread), each in its own placement group,
+       on ``num_cpus=2`` (= the cores).
     B: oversubscribed: the same, but the trainer worker takes 2 CPUs (2 torch threads) on ``num_cpus=3``, so during
-       a refresh 3 busy threads share 2 cores -- what happens when the trainer and the pool are not kept apart.
+       a refresh 3 busy threads share 2 cores -- what happens when the trainer and the refresh are not kept apart.
     Time spent measuring staleness and taking snapshots is outside the step times on both sides.
     C: the machine's ceiling: a fixed 1-thread torch workload (MiniLM-sized matmuls) timed alone, then while a second
        process runs the same workload on the other core. Its ratio bounds what any isolation can reach here: on
@@ -41,6 +42,7 @@ KEYS = [
     "index/steps_during_refresh",
     "index/refreshes",
     "train/samples_per_s",
+    "index/refresh_seconds_total",
 ]
 
 
@@ -114,6 +116,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10, help="refresh.every_steps")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--entities", type=int, default=200)
+    p.add_argument("--sides", default="A,B", help="comma-separated sides to run: A, B")
     args = p.parse_args()
     load = os.getloadavg()[0]
     if load > (os.cpu_count() or 1):
@@ -122,18 +125,25 @@ def main() -> None:
         "A isolated (1+1 CPU)": ["resources.num_cpus=2"],
         "B oversubscribed (2+1 CPU on 2 cores)": ["resources.num_cpus=3", "resources.trainer.cpus_per_worker=2"],
     }
+    wanted = set(args.sides.split(","))
+    sides = {k: v for k, v in sides.items() if k[0] in wanted}
     roof = ceiling()
     with tempfile.TemporaryDirectory() as d:
         out = {name: run_side(f"side{i}", extra, args, Path(d)) for i, (name, extra) in enumerate(sides.items())}
     from tabulate import tabulate
 
-    rows = [[name, *[v[k] for k in KEYS]] for name, v in out.items()]
-    print(tabulate(rows, headers=["side", *KEYS], floatfmt=".3g"))
+    rows = [
+        [name, *[v[k] for k in KEYS], v["index/refresh_seconds_total"] / max(1.0, v["index/refreshes"])]
+        for name, v in out.items()
+    ]
+    print(tabulate(rows, headers=["side", *KEYS, "s/refresh"], floatfmt=".3g"))
     print(
         f"C ceiling: one busy thread beside another busy process runs at {roof['ceiling_ratio']:.3f}x its speed "
         f"alone ({roof['matmuls_per_s_beside_another']:.1f} vs {roof['matmuls_per_s_alone']:.1f} matmuls/s); "
-        f"isolated ratio / ceiling = "
-        f"{out['A isolated (1+1 CPU)']['index/refresh_throughput_ratio'] / roof['ceiling_ratio']:.3f}"
+        + "; ".join(
+            f"{name}: ratio / ceiling = {v['index/refresh_throughput_ratio'] / roof['ceiling_ratio']:.3f}"
+            for name, v in out.items()
+        )
     )
     results = REPO / "benchmarks" / "results"
     results.mkdir(exist_ok=True)

@@ -5,8 +5,8 @@ offering the `index_node` resource (separate raylets on 127.0.0.1), so `ShardGro
 The driver runs on the head.
 
 Data: `--rows` seeded float32 unit vectors of `--dim` dimensions around `--clusters` gaussian centres (each row:
-a centre plus gaussian noise of expected norm `--noise`, re-normalised), written as a vector ShardSet folder with
-`ragtrain.index.shard_ops.write_shards`. Queries are other seeded vectors drawn around the same centres.
+a centre plus gaussian noise of expected norm `--noise`, re-normalised), written as a vector VectorSet folder with
+`ragtrain.index.vector_ops.write_vectors`. Queries are other seeded vectors drawn around the same centres.
 
 Measured, for N in (1, 2, 3) shards and each factory in `--factories` (a fresh `ShardGroup` per pair, closed
 before the next):
@@ -169,15 +169,15 @@ class ExactTopK:
 
 
 def write_vectors(folder: Path, rows: int, centres: np.ndarray, noise: float, seed: int, exact: ExactTopK) -> Any:
-    """The vector ShardSet of the generated rows (ids p000000000, ...); `exact` sees every chunk on the way."""
-    from ragtrain.corpus.encode import write_shards
+    """The vector VectorSet of the generated rows (ids p000000000, ...); `exact` sees every chunk on the way."""
+    from ragtrain.corpus.encode import write_vectors
 
     def chunks() -> Iterator[tuple[list[str], np.ndarray]]:
         for start, x in row_chunks(rows, centres, noise, seed):
             exact.add(start, x)
             yield [f"p{i:09d}" for i in range(start, start + len(x))], x
 
-    return write_shards(folder, chunks())
+    return write_vectors(folder, chunks())
 
 
 # ------------------------------------------------------------------------------------------------- measurement
@@ -342,7 +342,7 @@ def refresh_rounds(
     import faiss
 
     from ragtrain.index.sharded import shard_ranges
-    from ragtrain.index.shards import iter_rows
+    from ragtrain.index.vector_files import iter_rows
 
     faiss.omp_set_num_threads(1)  # as a shard actor on its 1-CPU node
     out = []

@@ -180,6 +180,11 @@ def dispatch(cfg: DictConfig) -> None:
     variants = sync_variants(cfg, CONF_DIR) if typed.compare.strategies else {}
     if typed.compare.variants:  # named override sets, e.g. experiment=scifact_refresh
         variants.update(override_variants(cfg))
+    # lazy: ragtrain.index imports numpy; the CLI starts without it
+    from ragtrain.index.checks import check_refresh
+
+    for each in [typed, *variants.values()]:  # every variant's live-refresh choices, before the first one runs
+        check_refresh(each.refresh)
     if variants:
         # lazy: ragtrain.variants imports pandas/pyarrow/torch; the CLI starts without them
         from ragtrain.variants import run_variants

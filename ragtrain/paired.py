@@ -46,7 +46,10 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     from ragtrain.index.facade import BuiltIndex, Retrieval
 
     # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
-    from ragtrain.index.faiss_index import IndexMismatchError, load_index
+    from ragtrain.index.faiss_index import IndexMismatchError
+
+    # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
+    from ragtrain.index.sharded import open_saved
 
     out = Path(out)
     if not (out / "index" / "index_meta.json").exists():
@@ -58,7 +61,7 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="ragtrain-paired-") as tmp:  # the corpus as a store, not in memory
         data = load_data(cfg.data, cfg.retriever, Path(tmp))
         try:
-            index = load_index(out / "index", expect_corpus=data.fingerprint())
+            index = open_saved(out / "index", expect_corpus=data.fingerprint())  # its shards, in this process
         except (FileNotFoundError, IndexMismatchError) as e:
             raise SearchError(str(e)) from None
         index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)

@@ -40,10 +40,11 @@ from ragtrain.embed.encoders import EncodeFault, encoder_dim
 from ragtrain.embed.model import build_encoder, check_model_offline
 from ragtrain.export import export_run
 from ragtrain.index import vector_cache
+from ragtrain.index.checks import check_refresh, refresh_warnings
 from ragtrain.index.facade import BuiltIndex, Retrieval
 from ragtrain.index.faiss_index import check_index_config
-from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
-from ragtrain.index.shards import save_atomic
+from ragtrain.index.vector_files import save_atomic
+from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, sample_ids
 from ragtrain.precision import resolved_index, resolved_params
 from ragtrain.repair.distill import distill_consensus
 from ragtrain.reranker.model import check_teacher
@@ -297,7 +298,8 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
     from ragtrain.index.sharded import check_shard_config
 
-    for line in ineffective_settings(cfg):
+    check_refresh(cfg.refresh)  # the variant names, against their registries
+    for line in ineffective_settings(cfg) + refresh_warnings(cfg.refresh):
         log.warning(line)
     if cfg.logger.backend == LoggerBackend.mlflow:  # a store that cannot work fails in seconds, not after training
         check_tracking_uri(tracking_uri(cfg.logger))
@@ -343,7 +345,9 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
             log.warning(line)
     # Also when no zero-shot index is built first: a bad factory must not wait for the end of training to fail
     check_index_config(cfg.index.factory, dim, len(data.corpus))
-    check_shard_config(cfg, len(data.corpus))  # index.shards: a count now, `auto` once Ray is up (below)
+    fault = cfg.fault.kill_encode_actor_at_batch >= 0
+    # index.shards: a count now, `auto` once Ray is up (below); the live refresh's policy settings
+    check_shard_config(cfg.index, cfg.refresh, dim, len(data.corpus), encode_fault=fault)
     if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training
         # lazy: ragtrain.generator.stage imports ray; this module imports without it
         from ragtrain.generator.stage import preflight
@@ -357,7 +361,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     if cfg.index.shards == "auto":  # one shard per index node: the live cluster says how many
         import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
-        check_shard_config(cfg, len(data.corpus), ray.nodes())
+        check_shard_config(cfg.index, cfg.refresh, dim, len(data.corpus), ray.nodes(), encode_fault=fault)
     return data
 
 
@@ -492,22 +496,21 @@ def zeroshot_phase(s: RunState) -> None:
 
 
 def train_phase(s: RunState, callbacks: list | None, report_intermediate: bool) -> None:
-    """Retriever training on Ray Train: beside the live index service (refresh.enabled) or after the pool has
-    given its CPUs back; with a cross-encoder teacher when one is configured. Saves the trained weights."""
+    """Retriever training on Ray Train: beside the live refresh on the index shards (refresh.enabled, its CPUs
+    reserved apart from the trainer's); with a cross-encoder teacher when one is configured. Saves the trained
+    weights."""
     # lazy: ragtrain.retriever.train imports ray; this module imports without it
     from ragtrain.retriever.train import fit_retriever
 
     cfg, retrieval, t = s.cfg, s.retrieval, s.cfg.retriever.train
     service = probe = None
-    if cfg.refresh.enabled:  # the pool refreshes the index while training steps
+    if cfg.refresh.enabled:  # the index shards refresh the index while training steps
         service, probe = retrieval.start_service(s.zeroshot, s.weights)
-    else:
-        retrieval.release()  # without refresh the trainer and the pool take turns on the CPUs
     examples = build_examples(s.data.queries, retrieval.train_qrels, retrieval.positions, s.negatives)
     teacher = None
     if cfg.retriever.teacher.weight > 0:  # a cross-encoder scores the mined candidates (ragtrain/reranker)
         teacher, s.results["teacher_rerank"] = prepare_teacher(cfg, retrieval, s.zeroshot, examples, s.logger.sink())
-    if s.zeroshot is not None:  # searched for the last time (evaluation, mining, the teacher): the host frees it
+    if s.zeroshot is not None:  # searched for the last time (evaluation, mining, the teacher): the shards free it
         s.zeroshot.index.drop()  # before the trained index arrives; its vectors stay in the shards (alignment)
     try:
         sink = s.logger.sink()

@@ -60,7 +60,7 @@ def encoder_weights(cfg: Config, encoder: str, out: Path) -> list:
     if encoder.startswith("vector_avg of ") and " in " in encoder and not Path(encoder.rsplit(" in ", 1)[1]).exists():
         encoder = f"{encoder.rsplit(' in ', 1)[0]} in {out / 'encoder'}"
     try:
-        return load_snapshots(cfg, encoder, out)
+        return load_snapshots(cfg.retriever, cfg.seed, encoder)
     except (FileNotFoundError, ValueError) as e:
         raise SearchError(f"{out / 'index' / 'index_meta.json'}: {e}") from None
 

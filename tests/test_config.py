@@ -225,7 +225,7 @@ def test_bad_override_variant_names_the_problem(tmp_path, variant, message) -> N
 
 
 def test_relative_paths_are_made_absolute_on_the_driver(tmp_path: Path, monkeypatch) -> None:
-    """Ray Data tasks, scoring actors, index hosts and Tune trials run in other folders: every user path reaches
+    """Ray Data tasks, scoring actors, index shards and Tune trials run in other folders: every user path reaches
     them absolute, resolved against the folder the command ran in."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "teacher").mkdir()

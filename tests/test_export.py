@@ -184,7 +184,7 @@ def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
 
     from ragtrain.data import make_synthetic
     from ragtrain.embed.encoders import QueryEncoder
-    from ragtrain.index.faiss_index import load_index
+    from ragtrain.index.sharded import open_saved
     from ragtrain.retriever.train import load_weights
 
     cfg, _, _ = finished_run
@@ -201,7 +201,7 @@ def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
     model.load_state_dict(load_weights(out / "encoder"))
     # encoded as the CLI encodes queries: the index's precision (auto: bf16 weights where the CPU runs bf16)
     q = QueryEncoder(cfg.retriever, [model.state_dict()], precision=cfg.index.precision.value).encode([question])
-    index = load_index(out / "index")
+    index = open_saved(out / "index")
     scores, rows = index.search(np.ascontiguousarray(q), 3)
     assert [h["id"] for h in hits] == [index.doc_ids[r] for r in rows[0]]
     assert [h["score"] for h in hits] == pytest.approx(scores[0].tolist(), abs=1e-5)
@@ -327,26 +327,41 @@ def test_the_mlflow_model_embeds_documents_and_queries_with_their_prefixes(tmp_p
 def test_search_on_an_index_of_another_dimension_fails_in_one_line(finished_run, tmp_path: Path) -> None:
     # an index folder from another run (or a config edited after the index was built): a FAISS assertion before
     import shutil
+    from dataclasses import asdict
 
     import numpy as np
 
-    from ragtrain.index.faiss_index import build_index, load_index
+    from ragtrain.index.faiss_index import build_index
+    from ragtrain.index.sharded import SHARDED, open_saved, persist
 
     cfg, _, _ = finished_run
     run = tmp_path / "run"
     shutil.copytree(cfg.output_dir, run, ignore=shutil.ignore_patterns("mlflow*", "checkpoints"))
-    saved = load_index(run / "index")
+    saved = open_saved(run / "index")
     other = np.random.default_rng(0).standard_normal((len(saved.doc_ids), 8)).astype(np.float32)
     built = build_index(other, saved.doc_ids, "Flat", saved.meta.corpus_fingerprint, saved.meta.encoder)
-    shutil.rmtree(run / "index")
-    built.save(run / "index")
+    shutil.rmtree(run / "index")  # the same layout as a run's (one index shard), with 8-dim vectors
+    n = len(saved.doc_ids)
+    m = persist(built, run / "index" / "shard-0", {"shard": 0, "start": 0, "stop": n, "version": 1})
+    (run / "index" / "index_meta.json").write_text(json.dumps(asdict(built.meta)))
+    entry = {"shard": 0, "folder": "shard-0", "start": 0, "stop": n, "rows": n, "version": 1, "checksum": m["checksum"]}
+    (run / "index" / SHARDED).write_text(json.dumps({"shards": [entry]}))
     res = _search(str(run), "who founded it?")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
     assert "the index holds 8-dim vectors but the run's encoder" in res.stderr
 
 
-@pytest.mark.parametrize("broken", ["corpus/passages.arrow", "index/index.faiss"])
-def test_search_on_a_truncated_file_names_it_in_one_line(finished_run, tmp_path: Path, broken: str, capsys) -> None:
+@pytest.mark.parametrize(
+    ("broken", "names", "says"),
+    [
+        ("corpus/passages.arrow", "corpus/passages.arrow", "not a readable "),
+        # an index file is checked against its shard's manifest before FAISS reads it
+        ("index/shard-0/index.faiss", "index/shard-0", "is corrupt"),
+    ],
+)
+def test_search_on_a_truncated_file_names_it_in_one_line(
+    finished_run, tmp_path: Path, broken: str, names: str, says: str, capsys
+) -> None:
     """Arrow's and FAISS's own tracebacks before."""
     import shutil
 
@@ -360,7 +375,7 @@ def test_search_on_a_truncated_file_names_it_in_one_line(finished_run, tmp_path:
     assert main([str(run), "who founded it?"]) == 2
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0, err
-    assert err.startswith(f"search error: {run / broken}: not a readable ") and "corrupt or truncated" in err
+    assert err.startswith("search error: ") and str(run / names) in err and says in err and "corrupt" in err
 
 
 def test_search_of_a_run_that_did_not_finish_says_so(finished_run, tmp_path: Path, capsys) -> None:

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from ragtrain.config import ConfigError, to_typed
 from ragtrain.data import make_synthetic
-from ragtrain.index.faiss_index import load_index
+from ragtrain.index.sharded import open_saved
 from ragtrain.pipeline import run
 from tests.conftest import compose, tiny_overrides
 
@@ -38,16 +38,16 @@ def test_encoded_corpora_go_to_the_cache(quickstart_run) -> None:
     """index.cache_dir: both encodes of the run (zero-shot, trained) are stored, each equal to the run's own shards."""
     import numpy as np
 
-    from ragtrain.corpus.encode import ShardSet
+    from ragtrain.corpus.encode import VectorSet
 
     cfg, results, tmp = quickstart_run
     entries = sorted(p for p in (tmp / "vector_cache").iterdir() if not p.name.startswith("."))
     assert len(entries) == 2  # nothing half-written (temporary names) is left either
     assert not [p for p in (tmp / "vector_cache").iterdir() if p.name.startswith(".")]
-    run_sets = [ShardSet.load(Path(cfg.output_dir) / "vectors" / tag) for tag in ("zeroshot", "trained")]
+    run_sets = [VectorSet.load(Path(cfg.output_dir) / "vectors" / tag) for tag in ("zeroshot", "trained")]
     for mine in run_sets:  # each of the run's encodes is one cache entry, vector for vector
         ids, vec = mine.read_all()
-        assert any(np.array_equal(ShardSet.load(e).read_all(order=ids)[1], vec) for e in entries)
+        assert any(np.array_equal(VectorSet.load(e).read_all(order=ids)[1], vec) for e in entries)
     assert "encode_cache_hit" not in results["zeroshot"] and results["zeroshot"]["encode_docs_per_s"] > 0
 
 
@@ -62,8 +62,9 @@ def test_outputs_written(quickstart_run) -> None:
     assert "batch_size: 4" in (out / "config.yaml").read_text()
     assert (out / "encoder" / "encoder.safetensors").exists()
     data = make_synthetic(num_entities=cfg.data.num_entities, seed=cfg.data.seed)
-    index = load_index(out / "index", expect_dim=cfg.retriever.tiny.hidden_size, expect_corpus=data.fingerprint())
-    assert index.index.ntotal == len(data.corpus)
+    index = open_saved(out / "index", expect_corpus=data.fingerprint())
+    assert index.meta.dim == cfg.retriever.tiny.hidden_size
+    assert index.ntotal == len(data.corpus)
     # the corpus the run read: a passage store in the run folder (Ray Data's read tasks and the trainers read it)
     from ragtrain.data.store import PassageStore
 

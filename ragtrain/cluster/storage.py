@@ -1,6 +1,6 @@
 """On a cluster of several nodes, every path the run shares must be visible from every node: checked up front.
 
-Ray Data read tasks open the passage store, encode actors write vector shards, the index is built from them in a
+Ray Data read tasks open the passage store, encode actors write vector files, the index is built from them in a
 Ray task, Ray Train workers checkpoint and rank 0 logs to a SQLite store, all by path. Without a filesystem that
 every node mounts, each of these fails in its own way, late, naming a file that exists on the driver. So before any
 work a tiny task pinned to each alive node looks for what the driver wrote or read, and a missing path is one line

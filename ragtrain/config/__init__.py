@@ -427,8 +427,8 @@ class IndexConfig:
     factory: str = "Flat"  # any faiss.index_factory string: Flat, IVF64,Flat, HNSW32, IVF64,PQ16, ...
     precision: Precision = Precision.auto  # bf16: embed-only encoders hold bf16 weights (~1e-4 cosine off)
     batch_size: int = 64
-    shard_size: int = 512  # passages per pool task / per Ray Data encode call (one parquet shard each)
-    vector_dtype: str = "float32"  # stored vector shards: float32 | float16 (half the disk; FAISS adds them as fp32)
+    shard_size: int = 512  # passages per Ray Data encode call (one parquet vector file each)
+    vector_dtype: str = "float32"  # stored vector files: float32 | float16 (half the disk; FAISS adds them as fp32)
     top_k: int = 100  # depth retrieved for evaluation
     nprobe: int = 16  # IVF search parameter
     ef_search: int = 128  # HNSW search parameter
@@ -444,8 +444,9 @@ class IndexConfig:
     # a folder: encoded corpora are kept there and reused when the same weights, corpus and encode settings come
     # again (a sweep's zero-shot index, repeated runs; ragtrain/index/vector_cache.py). null: always encode
     cache_dir: str | None = None
-    # Index shards (ragtrain/index/sharded.py): 1 = one index in the run's index host; N = N IndexShard actors, each
-    # encoding, indexing and searching a contiguous range of passages; auto = one per node offering `index_node`
+    # Index shards (ragtrain/index/sharded.py), the only index: N IndexShard actors (1 by default), each indexing
+    # and searching a contiguous range of passages (with N > 1 each also encodes it); auto = one per node offering
+    # `index_node`
     shards: str = "1"
     shard_timeout_s: float = 120.0  # a search waits this long for every shard (one restarting) before failing
 
@@ -606,14 +607,10 @@ def with_sync_preset(sync: Any, preset: Any) -> DictConfig:
     return OmegaConf.merge(base, preset)
 
 
-CONSISTENCY = ("global", "eager", "aligned")
-PRIORITIES = ("oldest", "drift", "hot")
-
-
 @dataclass
 class RefreshConfig:
-    """Live index refresh during retriever training (ragtrain/index/refresh.py): the pool re-encodes the corpus
-    with a recent encoder snapshot while training steps; hard negatives come from the live index."""
+    """Live index refresh during retriever training (ragtrain/index/refresh_service.py): the index shards re-encode
+    their rows with a recent encoder snapshot while training steps; hard negatives come from the live index."""
 
     enabled: bool = False
     every_steps: int = 0  # refresh every N steps (0 = only when drift_threshold is exceeded)
@@ -621,11 +618,10 @@ class RefreshConfig:
     check_every: int = 5  # steps between staleness measurements (and adaptive checks) on rank 0
     probe_passages: int = 128  # staleness probe: passages (gold passages of the probe queries + seeded others)
     probe_queries: int = 32  # staleness probe: training queries whose recall@10 is compared stale vs fresh
-    # With index shards (index.shards > 1, or fraction < 1), each shard refreshes its own rows
-    # (ragtrain/index/sharded_refresh.py): when a shard's new rows become searchable (global: all at one barrier;
-    # eager: each shard when done; aligned: eager, older rows mapped into the newest space through anchors), and
-    # which share of its rows a round re-encodes, chosen by priority (oldest: round robin; drift: predicted from a
-    # sample; hot: retrieved or mined most)
+    # Each index shard refreshes its own rows: when its new rows become searchable (a policy of
+    # ragtrain/index/consistency/: global, eager, aligned), and which share of its rows a round re-encodes, chosen
+    # by a priority of ragtrain/index/priority/ (oldest, drift, hot). Both names are checked against those
+    # registries before any work (ragtrain/index/sharded.py: check_refresh)
     consistency: str = "global"
     fraction: float = 1.0
     priority: str = "oldest"
@@ -644,17 +640,8 @@ class RefreshConfig:
         _check(self.check_every > 0, k + "check_every", "must be > 0", self.check_every)
         _check(self.probe_queries > 0, k + "probe_queries", "must be > 0", self.probe_queries)
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
-        _check(
-            self.consistency in CONSISTENCY, k + "consistency", f"must be one of {list(CONSISTENCY)}", self.consistency
-        )
         _check(0.0 < self.fraction <= 1.0, k + "fraction", "must be in (0, 1]", self.fraction)
-        _check(self.priority in PRIORITIES, k + "priority", f"must be one of {list(PRIORITIES)}", self.priority)
         _check(self.anchors > 0, k + "anchors", "must be > 0", self.anchors)
-
-    @property
-    def sharded(self) -> bool:
-        """Whether a live refresh needs the per-shard service (a partial refresh, or a consistency policy)."""
-        return self.enabled and (self.fraction < 1.0 or self.consistency != "global")
 
 
 @dataclass
@@ -676,7 +663,6 @@ class FaultConfig:
     max_failures: int = 0  # Ray Train restarts the worker group from the latest checkpoint up to this many times
     kill_worker_at_step: int = 0  # > 0: rank `kill_rank` exits (os._exit) after this step, once per run
     kill_rank: int = 0
-    kill_pool_actor_at_shard: int = -1  # >= 0: the pool actor that gets this shard dies before encoding it, once
     kill_encode_actor_at_batch: int = -1  # >= 0: the Ray Data encode actor that reaches its batch N dies, once per run
 
     def __post_init__(self) -> None:
@@ -881,14 +867,6 @@ def ineffective_settings(cfg: Config) -> list[str]:
             f"sync={cfg.sync.strategy} is a no-op with resources.trainer.num_workers=1: one replica has "
             "nothing to exchange (0 bytes sent); use 2 or more workers to compare sync strategies"
         )
-    r = cfg.refresh
-    if r.sharded and cfg.index.shards == "1" and r.fraction >= 1.0:
-        out.append(
-            f"refresh.consistency={r.consistency} with one index shard and a full refresh (refresh.fraction=1): "
-            "every round swaps the one shard at once, as global does; use index.shards >= 2 or refresh.fraction < 1"
-        )
-    if r.enabled and r.anchors != RefreshConfig.anchors and r.consistency != "aligned":
-        out.append(f"refresh.anchors={r.anchors} is read only by refresh.consistency=aligned ({r.consistency} here)")
     if cfg.data.split == "train":
         out.append(
             "data.split=train: the figures are measured on the training queries, not held-out ones "

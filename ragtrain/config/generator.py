@@ -59,11 +59,6 @@ class GenPrecision(str, Enum):
     fp16 = "fp16"  # autocast + GradScaler, GPU only
 
 
-class RetrievalMode(str, Enum):
-    service = "service"  # Ray actors hold the index + question encoder; workers call them (HF RAG's Ray pattern)
-    local = "local"  # every worker loads its own copy (small indexes: no actor round trips)
-
-
 EVAL_MODES = ("closed_book", "rag", "oracle")
 
 
@@ -149,19 +144,14 @@ class GeneratorTrainConfig:
 
 @dataclass
 class GeneratorRetrievalConfig:
-    mode: RetrievalMode = RetrievalMode.service
-    top_k: int = 3  # passages per RAG prompt
-    num_actors: int = 1  # service mode
-    cpus_per_actor: float = 0.0  # 0: the actors share the trainer's CPUs (lookups are light and cached per question)
+    top_k: int = 3  # passages per RAG prompt (each worker encodes its questions; the run's index shards search)
     index_dir: str | None = None  # a saved index; default: the index built by this run (<output_dir>/index)
     encoder_check: int = 8  # re-encode this many passages and compare with the index's vectors (0 = skip)
 
     def __post_init__(self) -> None:
-        if self.index_dir:  # loaded by the index host, which runs in another folder
+        if self.index_dir:  # loaded by the index shards, which run in another folder
             self.index_dir = driver_path(self.index_dir)
         _check(self.top_k > 0, "retrieval.top_k", "must be > 0", self.top_k)
-        _check(self.num_actors > 0, "retrieval.num_actors", "must be > 0", self.num_actors)
-        _check(self.cpus_per_actor >= 0, "retrieval.cpus_per_actor", "must be >= 0", self.cpus_per_actor)
         _check(self.encoder_check >= 0, "retrieval.encoder_check", "must be >= 0", self.encoder_check)
 
 

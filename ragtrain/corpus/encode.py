@@ -1,11 +1,11 @@
-"""Corpus encoding as a Ray Data stage: rows {id, text} -> `map_batches(EncodeBatch)` -> parquet vector shards.
+"""Corpus encoding as a Ray Data stage: rows {id, text} -> `map_batches(EncodeBatch)` -> parquet vector files.
 
 Ray Data runs `EncodeBatch` (ragtrain/embed/encoders.py, the one way texts become vectors) in an actor pool. Each
 actor builds the encoder from the RetrieverConfig and loads the weights snapshot from the object store once, in
 `__init__`; then it embeds one batch of rows per call (`ragtrain.embed.model.encode_texts`: length-sorted inner
-batches) and returns (id, vector) rows that Ray Data writes as parquet shards under `<output_dir>/vectors/<tag>/`
-while the next batches encode. The driver never holds the vectors: it gets back a `ShardSet` (folder, files, row
-count, dim), and FAISS is built from the files (`ragtrain/index/shards.py`).
+batches) and returns (id, vector) rows that Ray Data writes as parquet vector files under `<output_dir>/vectors/<tag>/`
+while the next batches encode. The driver never holds the vectors: it gets back a `VectorSet` (folder, files, row
+count, dim), and FAISS is built from the files (`ragtrain/index/vector_files.py`).
 
 Fault tolerance is Ray Data's: the actors are started with `max_restarts` / `max_task_retries`, so a batch whose
 actor died is retried on the restarted actor, and its output is written once (tested with an injected death:
@@ -30,8 +30,8 @@ from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConf
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.encoders import VECTOR_DTYPES, EncodeBatch, EncodeFault
 
-SHARDS_META = "shards.json"  # written last: a folder without it is an unfinished encode
-SHARD_FILE_ROWS = 16384  # at most this many rows per parquet shard (64 MB of MiniLM fp32 vectors)
+VECTORS_META = "shards.json"  # written last: a folder without it is an unfinished encode
+VECTOR_FILE_ROWS = 16384  # at most this many rows per parquet vector file (64 MB of MiniLM fp32 vectors)
 MAX_ACTOR_RESTARTS = 3  # a dead encode actor is restarted this many times; its batch is retried on it
 # Leave this much of the cluster's CPU to Ray Data's own read / write tasks: an actor pool that claims every
 # logical CPU starves them and the stream stalls.
@@ -46,8 +46,8 @@ ACTOR_ENV = {
 
 
 @dataclass
-class ShardSet:
-    """Vector shards on disk: parquet files of (id, vector) rows, and their summary (`shards.json`)."""
+class VectorSet:
+    """Vector files on disk: parquet files of (id, vector) rows, and their summary (`shards.json`)."""
 
     folder: str
     files: list[str]
@@ -61,8 +61,8 @@ class ShardSet:
     def docs_per_s(self) -> float:
         return self.rows / max(self.seconds, 1e-9)
 
-    def iter_shards(self, columns: Sequence[str] = ("id", "vector")) -> Iterator[tuple[list[str], np.ndarray]]:
-        """(ids, [n, dim] vectors in the stored dtype) per shard file, in file order; one file in memory at a time."""
+    def iter_parts(self, columns: Sequence[str] = ("id", "vector")) -> Iterator[tuple[list[str], np.ndarray]]:
+        """(ids, [n, dim] vectors in the stored dtype) per vector file, in file order; one file in memory at a time."""
         import pyarrow.parquet as pq  # lazy: pyarrow loads a native library; this module imports without it
 
         for f in self.files:
@@ -77,7 +77,7 @@ class ShardSet:
             yield ids, arr
 
     def ids(self) -> list[str]:
-        """Every row's id in shard order (ids only: the vectors are not read)."""
+        """Every row's id in file order (ids only: the vectors are not read)."""
         import pyarrow.parquet as pq  # lazy: pyarrow loads a native library; this module imports without it
 
         out: list[str] = []
@@ -86,18 +86,18 @@ class ShardSet:
         return out
 
     def vectors_of(self, wanted: Sequence[str]) -> np.ndarray:
-        """fp32 vectors of the ids in `wanted`, in that order, read shard by shard (only those rows are kept)."""
+        """fp32 vectors of the ids in `wanted`, in that order, read file by file (only those rows are kept)."""
         where = {d: i for i, d in enumerate(wanted)}
         out = np.empty((len(where), self.dim), dtype=np.float32)
         found = 0
-        for ids, vecs in self.iter_shards():
+        for ids, vecs in self.iter_parts():
             hits = [(i, where[d]) for i, d in enumerate(ids) if d in where]
             if hits:
                 rows, slots = zip(*hits)
                 out[list(slots)] = vecs[list(rows)]
                 found += len(hits)
         if found != len(where):
-            raise ValueError(f"{self.folder}: {len(where) - found} of {len(where)} wanted ids are not in the shards")
+            raise ValueError(f"{self.folder}: {len(where) - found} of {len(where)} wanted ids are not in the files")
         return out
 
     def read_all(self, order: Sequence[str] | None = None) -> tuple[list[str], np.ndarray]:
@@ -105,7 +105,7 @@ class ShardSet:
         (tests, the live-refresh service's version 0): this is the whole matrix."""
         ids: list[str] = []
         out = np.empty((self.rows, self.dim), dtype=np.float32)
-        for shard_ids, vecs in self.iter_shards():
+        for shard_ids, vecs in self.iter_parts():
             out[len(ids) : len(ids) + len(shard_ids)] = vecs
             ids.extend(shard_ids)
         if order is not None:
@@ -113,34 +113,34 @@ class ShardSet:
             missing = [d for d in order if d not in pos]
             if missing or len(order) != len(ids):
                 raise ValueError(
-                    f"{self.folder}: shards hold {len(ids)} ids, asked for {len(order)} "
+                    f"{self.folder}: the files hold {len(ids)} ids, asked for {len(order)} "
                     f"({len(missing)} missing, e.g. {missing[:3]})"
                 )
             out = out[[pos[d] for d in order]]
             ids = list(order)
         return ids, out
 
-    def save_meta(self) -> ShardSet:
+    def save_meta(self) -> VectorSet:
         """Write `shards.json` (every field but the folder): written last, so a folder without it is unfinished."""
         meta = asdict(self)
         meta.pop("folder")
-        Path(self.folder, SHARDS_META).write_text(json.dumps(meta, indent=2))
+        Path(self.folder, VECTORS_META).write_text(json.dumps(meta, indent=2))
         return self
 
     @classmethod
-    def load(cls, folder: str | Path) -> ShardSet:
-        meta = Path(folder, SHARDS_META)
+    def load(cls, folder: str | Path) -> VectorSet:
+        meta = Path(folder, VECTORS_META)
         if not meta.exists():
-            raise FileNotFoundError(f"{meta} is missing: {folder} is not a finished vector-shard folder")
+            raise FileNotFoundError(f"{meta} is missing: {folder} is not a finished vector folder")
         d = json.loads(meta.read_text())
         d["folder"] = str(Path(folder).resolve())
         return cls(**d)
 
 
-def write_shards(
+def write_vectors(
     folder: str | Path, chunks: Iterable[tuple[list[str], np.ndarray]], dtype: str = "float32"
-) -> ShardSet:
-    """Write (ids, vectors) chunks as a shard folder in encode_to_shards' layout (replaced if it exists)."""
+) -> VectorSet:
+    """Write (ids, vectors) chunks as a vector folder in encode_to_vectors' layout (replaced if it exists)."""
     # lazy: pyarrow loads a native library; this module imports without it
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -160,8 +160,8 @@ def write_shards(
         )
         rows += len(ids)
     if rows == 0:
-        raise ValueError(f"write_shards: no rows to write into {out}")
-    return ShardSet(str(out.resolve()), files, rows, dim, dtype).save_meta()
+        raise ValueError(f"write_vectors: no rows to write into {out}")
+    return VectorSet(str(out.resolve()), files, rows, dim, dtype).save_meta()
 
 
 def actor_cpus(pool: PoolResources) -> float:
@@ -283,7 +283,7 @@ def encode_stage(
         )
 
 
-def encode_to_shards(
+def encode_to_vectors(
     rows: Any,
     weights_ref: Any,
     retriever: RetrieverConfig,
@@ -299,8 +299,8 @@ def encode_to_shards(
     num_gpus_per_actor: float = 0.0,
     preserve_order: bool = True,
     num_threads: int | None = None,
-) -> ShardSet:
-    """Encode a dataset of rows {id, text} into parquet shards under `out_dir` (replaced if it exists).
+) -> VectorSet:
+    """Encode a dataset of rows {id, text} into parquet vector files under `out_dir` (replaced if it exists).
 
     rows: a `ray.data.Dataset` with columns id and text (streamed: read -> clean -> chunk -> encode -> write), a
     `PassageStore` (read by Ray Data tasks a range at a time), or an (ids, texts) pair of lists. weights_ref: an
@@ -347,14 +347,14 @@ def encode_to_shards(
         # pool that holds all but IO_CPU_RESERVE of a small cluster (the stream would stall)
         # max_rows_per_file: without it Ray Data may gather every block into one file (seen: 20k rows, 1 file),
         # and then one write task holds all vectors and the index is built from a single "shard"
-        ds.write_parquet(str(out), max_rows_per_file=SHARD_FILE_ROWS, ray_remote_args={"num_cpus": IO_CPU_RESERVE / 2})
+        ds.write_parquet(str(out), max_rows_per_file=VECTOR_FILE_ROWS, ray_remote_args={"num_cpus": IO_CPU_RESERVE / 2})
     finally:
         ctx.enable_progress_bars, ctx.execution_options.preserve_order = saved
-    return seal_shards(out, vector_dtype, time.perf_counter() - start)
+    return seal_vectors(out, vector_dtype, time.perf_counter() - start)
 
 
-def seal_shards(out: Path, vector_dtype: str, seconds: float) -> ShardSet:
-    """The parquet files Ray Data wrote in `out` as a ShardSet: counted from their metadata (not read), and
+def seal_vectors(out: Path, vector_dtype: str, seconds: float) -> VectorSet:
+    """The parquet files Ray Data wrote in `out` as a VectorSet: counted from their metadata (not read), and
     `shards.json` written last, so a folder without it is an unfinished encode."""
     import pyarrow.parquet as pq  # lazy: pyarrow loads a native library; this module imports without it
 
@@ -366,5 +366,5 @@ def seal_shards(out: Path, vector_dtype: str, seconds: float) -> ShardSet:
         if not dim and md.num_rows:
             dim = int(pq.read_schema(out / f).field("vector").type.list_size)
     if n == 0:
-        raise ValueError("encode_to_shards: the dataset had no rows to encode")
-    return ShardSet(str(out), files, n, dim, vector_dtype, seconds).save_meta()
+        raise ValueError("encode_to_vectors: the dataset had no rows to encode")
+    return VectorSet(str(out), files, n, dim, vector_dtype, seconds).save_meta()

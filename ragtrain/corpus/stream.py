@@ -37,13 +37,13 @@ from ragtrain.data.types import DataError, Passage, RetrievalData
 
 from .chunk import chunk_document
 from .dataset import check_corpus_ids, locate
-from .encode import build_threads, encode_stage, write_shards
+from .encode import build_threads, encode_stage, write_vectors
 from .prepare import FILES_PER_TASK, PREP_CPUS, _ordered, _tokenizer, read_clean_batch
 
 __all__ = ["StreamEncode", "passages_batch", "stream_documents"]
 
 # vectors per shard file the driver writes: it buffers one file's worth (6 MB at 384 dims), so fewer than
-# encode_to_shards' SHARD_FILE_ROWS, whose files Ray Data's write tasks write
+# encode_to_vectors' VECTOR_FILE_ROWS, whose files Ray Data's write tasks write
 SHARD_ROWS = 4096
 # Ray Data merges what a task yields into blocks of up to DataContext.target_max_block_size (128 MiB), and an encode
 # actor takes whole blocks: a 20,000-document corpus made five blocks, and one of two actors encoded all of them
@@ -308,7 +308,7 @@ def _keep(batch: Any, gate: _Gate, writer: Any, doc_of: dict[str, str] | None) -
 
 
 def seal(shards: Any, seconds: float, key: str, fingerprint: str, driver_s: float) -> None:
-    """The streamed vector shards' metadata, written again last (`shards.json`): the cache key and the corpus they
+    """The streamed vector files' metadata, written again last (`shards.json`): the cache key and the corpus they
     hold, so the run's first index reads them instead of encoding again."""
     shards.seconds = seconds
     shards.stats = {"streamed": True, "key": key, "corpus": fingerprint, "driver_rows_s": round(driver_s, 3)}
@@ -332,7 +332,7 @@ def _shards_of(
         busy[0] += time.perf_counter() - t0
         if len(ids) >= SHARD_ROWS:
             t0 = time.perf_counter()
-            yield ids, np.concatenate(vecs)  # written by write_shards before the next block is asked for
+            yield ids, np.concatenate(vecs)  # written by write_vectors before the next block is asked for
             ids, vecs = [], []
             busy[0] += time.perf_counter() - t0
     if ids:
@@ -358,7 +358,7 @@ def stream_documents(
     log: Callable[[str], None] = print,
 ) -> RetrievalData:
     """Read, clean, chunk and encode a documents folder in one Ray Data stream into the passage store at
-    `store_path` and vector shards in `enc.folder`; returns the dataset (queries and qrels read after the corpus).
+    `store_path` and vector files in `enc.folder`; returns the dataset (queries and qrels read after the corpus).
     On any error nothing of the stream is left: no store, no shard folder."""
     import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
@@ -389,7 +389,7 @@ def stream_documents(
     folder = Path(enc.folder).resolve()
     store = None
     try:
-        shards = write_shards(folder, rows(), enc.index.vector_dtype)
+        shards = write_vectors(folder, rows(), enc.index.vector_dtype)
         store = writer.close()
         for msg in gate.skipped[:5]:
             log(f"[data] skipped {msg}")

@@ -4,9 +4,9 @@ through the classes here.
 `EncodeBatch` holds one encoder replica (built from the RetrieverConfig, weights loaded once, bf16 weights where the
 precision says so) and embeds texts with the configured prefix, truncation, pooling and normalisation: Ray Data runs
 it in an actor pool for the corpus (`ragtrain/corpus/encode.py`), index shards run it for their rows
-(`ragtrain/index/sharded.py`), and `LocalEncoder` runs it in-process for a few texts. `QueryEncoder` is the search
-side: one snapshot's vectors, or the consensus of several replicas' (sync=vector_avg). The live refresh's pool
-(`ragtrain/index/pool.py`), validation and the drift and staleness probes of training call `encode_texts` on the
+(`ragtrain/index/sharded.py`), and `LocalEncoder` runs it in-process for a few texts (the index shards' live
+refresh rounds too). `QueryEncoder` is the search side: one snapshot's vectors, or the consensus of several
+replicas' (sync=vector_avg). Validation and the drift and staleness probes of training call `encode_texts` on the
 model they hold.
 """
 

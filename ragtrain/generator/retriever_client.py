@@ -1,32 +1,29 @@
-"""Retrieval for the generator: the FAISS index + the question encoder, as a Ray actor service or per-worker copy.
+"""Retrieval for the generator: the question encoder in each worker, the run's index shards behind it.
 
-The service follows the pattern of HF RAG's Ray retriever (`RagRayDistributedRetriever`): a few Ray actors hold
-the index, and every training worker sends them its questions, so N workers do not each load the index. With
-`generator.retrieval.mode=local` every worker loads its own copy instead (no actor round trips; fine for small
-indexes). The index is frozen while the generator trains, so a client caches results per question: later epochs
-never ask again.
+The generator searches the same shard group as evaluation and mining: an `IndexPayload` carries the `Index` handle
+(the shard actors), so every worker encodes its own questions (`QueryEncoder`) and scatters them to the shards;
+no copy of the index is made for the generator. The index is frozen while the generator trains, so a client
+caches results per question: later epochs never ask again.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 import ray
 import torch
 
-from ragtrain.config import Config, Precision, RetrieverConfig
-from ragtrain.config.generator import RetrievalMode
+from ragtrain.config import Precision, RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.embed.encoders import QueryEncoder
 from ragtrain.embed.model import build_encoder
-from ragtrain.index.faiss_index import DenseIndex, IndexMeta, IndexMismatchError
-from ragtrain.index.sharded import ShardedIndex
+from ragtrain.index.base import Index
+from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.retriever.train import load_weights
 
 log = get_logger(__name__)
@@ -34,46 +31,29 @@ log = get_logger(__name__)
 
 @dataclass
 class IndexPayload:
-    """Everything a searcher needs, picklable (the FAISS index travels as its serialised bytes)."""
+    """Everything a searcher needs, picklable: the index's handle (its shard actors) and the encoder snapshot(s)."""
 
-    index_bytes: Any  # np.ndarray, an ObjectRef to one (an index held by an IndexHost), or a ShardedIndex handle
-    doc_ids: list[str]
+    index: Index
     retriever: RetrieverConfig
     weights: list[dict[str, torch.Tensor]]  # encoder snapshot(s); several = vector_avg (mean of query vectors)
     precision: Precision = Precision.auto  # query-encoding precision (auto: resolved where the encoder runs)
-    nprobe: int = 16
-    ef_search: int = 128
-    meta: dict = field(default_factory=dict)
 
     @classmethod
-    def from_index(cls, index, cfg: Config, weights: list[dict[str, torch.Tensor]]) -> IndexPayload:
-        """Package a DenseIndex or RemoteIndex with the encoder snapshot(s) that built it."""
-        return cls(
-            index.serialize(),
-            list(index.doc_ids),
-            cfg.retriever,
-            weights,
-            cfg.index.precision,
-            cfg.index.nprobe,
-            cfg.index.ef_search,
-            asdict(index.meta),
-        )
+    def from_index(
+        cls, index: Index, retriever: RetrieverConfig, weights: list[dict[str, torch.Tensor]], precision: Precision
+    ) -> IndexPayload:
+        """Package an index with the encoder snapshot(s) that built it (queries encoded at `precision`)."""
+        return cls(index, retriever, weights, precision)
 
 
 class Searcher:
-    """In-process retrieval: the one query encoder (`QueryEncoder`) and the one index search (`DenseIndex`)."""
+    """The one query encoder (`QueryEncoder`) in this process, the one index search (the shards) behind it."""
 
     def __init__(self, payload: IndexPayload, num_threads: int = 0):
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.p = payload
-        raw = payload.index_bytes
-        raw = ray.get(raw) if isinstance(raw, ray.ObjectRef) else raw  # nested in the payload: Ray left it a ref
-        if isinstance(raw, ShardedIndex):  # index.shards > 1: every searcher scatters to the same shard actors
-            self.index = raw
-        else:
-            self.index = DenseIndex(faiss.deserialize_index(raw), payload.doc_ids, IndexMeta(**payload.meta))
-        self.index.set_search_params(payload.nprobe, payload.ef_search)
+        self.index = payload.index
         self.encoder = QueryEncoder(payload.retriever, payload.weights, precision=Precision(payload.precision).value)
 
     def encode(self, texts: Sequence[str], max_length: int, role: str = "query") -> np.ndarray:
@@ -87,41 +67,22 @@ class Searcher:
         return self.index.search_ids(self.encode(questions, self.p.retriever.query_max_length), k)
 
 
-@ray.remote
-class RetrievalActor:
-    """One service replica: a Searcher behind a Ray actor."""
-
-    def __init__(self, payload: IndexPayload, num_threads: int):
-        self.searcher = Searcher(payload, max(1, num_threads))
-
-    def search(self, questions: list[str], k: int) -> list[list[str]]:
-        return self.searcher.search(questions, k)
-
-    def ready(self) -> bool:
-        return True
-
-
 class RetrievalClient:
-    """Picklable worker-side handle: asks the service actors (round robin) or a local Searcher; caches answers."""
+    """Picklable worker-side handle: a Searcher made where it is first used (from the payload in the object store);
+    caches answers."""
 
-    def __init__(self, mode: RetrievalMode, actors: list | None = None, payload_ref: Any = None):
-        self.mode, self.actors, self.payload_ref = RetrievalMode(mode), list(actors or []), payload_ref
+    def __init__(self, payload_ref: Any):
+        self.payload_ref = payload_ref
         self._local: Searcher | None = None
         self._cache: dict[tuple[str, int], list[str]] = {}
-        self._next = 0
         self.seconds = 0.0  # time spent waiting for retrieval (throughput accounting)
         self.calls = 0
 
-    def __getstate__(self) -> dict:  # ship handles only, never a loaded searcher or a cache
-        return {"mode": self.mode, "actors": self.actors, "payload_ref": self.payload_ref}
+    def __getstate__(self) -> dict:  # ship the payload's handle only, never a loaded searcher or a cache
+        return {"payload_ref": self.payload_ref}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["mode"], state["actors"], state["payload_ref"])
-
-    def start_at(self, rank: int) -> None:
-        """Service mode: send the first call to actor `rank` (mod the actor count), then round-robin from there;
-        every rank calls once per step, so starting all of them on actor 0 would leave the other actors idle."""
-        self._next = int(rank)
+        self.__init__(state["payload_ref"])
 
     def _searcher(self) -> Searcher:
         if self._local is None:
@@ -134,44 +95,14 @@ class RetrievalClient:
         todo = list(dict.fromkeys(q for q in questions if (q, k) not in self._cache))
         if todo:
             start = time.perf_counter()
-            if self.mode == RetrievalMode.local:
-                found = self._searcher().search(todo, k)
-            else:
-                actor = self.actors[self._next % len(self.actors)]
-                self._next += 1
-                found = ray.get(actor.search.remote(todo, k))
+            found = self._searcher().search(todo, k)
             self._cache.update({(q, k): ids for q, ids in zip(todo, found)})
             self.seconds += time.perf_counter() - start
             self.calls += 1
         return [self._cache[(q, k)] for q in questions]
 
 
-class RetrievalService:
-    """Driver side: starts the actors (service mode) or puts the payload in the object store (local mode)."""
-
-    def __init__(self, payload: IndexPayload, mode: RetrievalMode, num_actors: int = 1, cpus_per_actor: float = 0.0):
-        self.mode = RetrievalMode(mode)
-        self.payload_ref = ray.put(payload)
-        self.actors: list = []
-        if self.mode == RetrievalMode.service:
-            self.actors = [
-                RetrievalActor.options(num_cpus=cpus_per_actor).remote(self.payload_ref, max(1, int(cpus_per_actor)))
-                for _ in range(num_actors)
-            ]
-            ray.get([a.ready.remote() for a in self.actors])  # a broken payload fails here, before training
-
-    def client(self) -> RetrievalClient:
-        """A handle for workers (and the driver)."""
-        return RetrievalClient(self.mode, self.actors, self.payload_ref)
-
-    def shutdown(self) -> None:
-        """Kill the actors."""
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []
-
-
-def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, torch.Tensor]]:
+def load_snapshots(retriever: RetrieverConfig, seed: int, encoder: str) -> list[dict[str, torch.Tensor]]:
     """The encoder weights an index's metadata names: `<model>@init`, `<model>@<file>.safetensors`, or
     `vector_avg of N replicas in <dir>` (replica_*.safetensors)."""
     if encoder.startswith("vector_avg of ") and " in " in encoder:
@@ -181,14 +112,14 @@ def load_snapshots(cfg: Config, encoder: str, out_dir: Path) -> list[dict[str, t
             raise FileNotFoundError(f"the index was built from encoder replicas in {folder}, which holds none")
         return [load_weights(folder, f.stem) for f in files]
     model, _, where = encoder.partition("@")
-    if model != cfg.retriever.model:
+    if model != retriever.model:
         raise IndexMismatchError(
             f"the index was built by encoder {encoder!r} but retriever.model is "
-            f"{cfg.retriever.model!r}: use the same retriever config as the index build"
+            f"{retriever.model!r}: use the same retriever config as the index build"
         )
     if where == "init":
-        torch.manual_seed(cfg.seed)  # the pipeline seeds the same way before building the untrained encoder
-        return [{k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}]
+        torch.manual_seed(seed)  # the pipeline seeds the same way before building the untrained encoder
+        return [{k: v.detach().clone() for k, v in build_encoder(retriever).state_dict().items()}]
     path = Path(where)
     if not path.exists():
         raise FileNotFoundError(f"the index was built by encoder weights {path}, which no longer exist")

@@ -21,11 +21,10 @@ from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
 from ragtrain.generator.model import load_tokenizer, resolve_path
 from ragtrain.generator.prompt import ChatTemplateError, PromptPassages, PromptTooLongError
-from ragtrain.generator.retriever_client import IndexPayload, RetrievalService, check_encoder, load_snapshots
+from ragtrain.generator.retriever_client import IndexPayload, RetrievalClient, check_encoder, load_snapshots
 from ragtrain.generator.train import GenData, GenExample, fit_generator, prompt_builder
 from ragtrain.index.faiss_index import IndexMismatchError
-from ragtrain.index.host import RemoteIndex, start_host
-from ragtrain.index.sharded import ShardGroup, is_sharded, open_saved, read_sharded
+from ragtrain.index.sharded import ShardGroup, open_saved, read_sharded
 
 log = get_logger(__name__)
 
@@ -142,7 +141,7 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
 
     `built` given (this run's `BuiltIndex`): its index and snapshots. Otherwise the index is loaded from
     generator.retrieval.index_dir (default <out_dir>/index) and its metadata names the encoder. The driver checks a
-    saved index memory-mapped and loads it for searching into an index host, so it never holds the vectors.
+    saved index memory-mapped and loads it for searching into index shards, so it never holds the vectors.
     Returns an IndexPayload (None with check_only); raises FileNotFoundError / IndexMismatchError with the reason.
     """
     folder = None
@@ -155,7 +154,7 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
                 "to a saved index"
             )
         index = open_saved(folder, expect_corpus=data.fingerprint(), mmap=True)  # one index, or sharded
-        weights = load_snapshots(cfg, index.meta.encoder, out_dir)
+        weights = load_snapshots(cfg.retriever, cfg.seed, index.meta.encoder)
     else:
         index, weights = built.index, built.snapshots
         if index.meta.corpus_fingerprint != data.fingerprint():
@@ -167,15 +166,11 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     )
     if check_only:
         return None
-    if folder is not None and ray.is_initialized() and is_sharded(folder):  # the searchers scatter to the shards
+    if folder is not None:  # the searchers scatter to index shards that hold the saved folder
         group = ShardGroup(len(read_sharded(folder)), out_dir / "shards", cfg.resources.pool, cfg.index.shard_timeout_s)
         index = group.load("generator", folder)
-    elif folder is not None and ray.is_initialized():  # searchers fetch it from a host's object, not via the driver
-        index = RemoteIndex.load(start_host(cfg.resources.pool), "generator", folder)
-    payload = IndexPayload.from_index(index, cfg, weights)
-    if isinstance(payload.index_bytes, ray.ObjectRef):  # made before the host goes out of scope with this frame
-        ray.wait([payload.index_bytes], fetch_local=False)
-    return payload
+    index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
+    return IndexPayload.from_index(index, cfg.retriever, weights, cfg.index.precision)
 
 
 def check_resources(cfg: Config) -> None:
@@ -211,12 +206,9 @@ def run_generator_stage(
     payload = resolve_index(cfg, data, built, out_dir)
     check_resources(cfg)
     if retrieval is not None:
-        retrieval.release()  # the encoder pool's CPUs go to the trainer
-    service = RetrievalService(payload, g.retrieval.mode, g.retrieval.num_actors, g.retrieval.cpus_per_actor)
-    try:
-        fit = fit_generator(cfg, gen_data, service.client(), logger.sink() if logger else None, out_dir / "generator")
-    finally:
-        service.shutdown()
+        retrieval.release()  # the live refresh's reserved CPUs (if still held) go to the trainer
+    client = RetrievalClient(ray.put(payload))
+    fit = fit_generator(cfg, gen_data, client, logger.sink() if logger else None, out_dir / "generator")
     m = fit.metrics
     results: dict[str, dict[str, float]] = {}
     for mode, phase in PHASES.items():

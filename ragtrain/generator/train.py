@@ -263,7 +263,7 @@ class GenInputs:
     """What the generator stage's workers receive beside the config."""
 
     data: Any  # ObjectRef of the GenData
-    retrieval: RetrievalClient  # passages for each question: from the index host or service actors
+    retrieval: RetrievalClient  # passages for each question: from the run's index shards
 
 
 def setup_generator(args: WorkerArgs) -> GenReplica:
@@ -276,7 +276,6 @@ def setup_generator(args: WorkerArgs) -> GenReplica:
     inputs: GenInputs = args.inputs
     data: GenData = w.fetch(inputs.data)
     client: RetrievalClient = inputs.retrieval
-    client.start_at(w.rank)  # service mode: the ranks start on different actors, so every actor serves a step
     tokenizer = load_tokenizer(g)
     model = build_generator(g, tokenizer).to(device)
     model.train()

@@ -1,12 +1,11 @@
 """Retrieval over the configured corpus: build an index on Ray Data, search it, evaluate it, mine negatives from it.
 
-`Retrieval.build` returns a `BuiltIndex` (the FAISS index, the encoder snapshot(s) that built it and where its
-vectors are); everything after takes that value, so no caller saves and restores state around a call. The index
-of a build lives in the run's `IndexHost` actor (`index/host.py`), or with index.shards > 1 in its IndexShard
-actors (`index/sharded.py`: each encodes and indexes a row range, searches are scattered and merged): the driver
-holds its passage ids, not its vectors. Every search encodes its queries with `QueryEncoder` (the corpus actors'
-own class, `ragtrain/corpus/encode.py`) and searches through `DenseIndex.search` (dimension and metric checks);
-hard negatives come from the one rule in `mining.py`.
+`Retrieval.build` returns a `BuiltIndex` (the index, the encoder snapshot(s) that built it and where its vectors
+are); everything after takes that value, so no caller saves and restores state around a call. Every index lives in
+the run's shard group (`index/sharded.py`: index.shards IndexShard actors, one by default, each indexing a row
+range; searches are scattered and merged): the driver holds its passage ids, not its vectors. Every search
+encodes its queries with `QueryEncoder` (the corpus actors' own class, `ragtrain/corpus/encode.py`); hard negatives
+come from the one rule in `mining.py`; the live refresh runs on the same shards (`refresh_service.py`).
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ import numpy as np
 import torch
 
 from ragtrain.cluster.resources import record_placement_group
-from ragtrain.config import Config
+from ragtrain.config import Config, IndexConfig, RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import passage_qrels
-from ragtrain.corpus.encode import SHARDS_META, ShardSet, build_threads, encode_to_shards
+from ragtrain.corpus.encode import VECTORS_META, VectorSet, build_threads, encode_to_vectors
 from ragtrain.data import RetrievalData
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.align import fit_alignment
@@ -32,9 +31,10 @@ from ragtrain.embed.encoders import EncodeFault, QueryEncoder, encoder_dim
 from ragtrain.eval.answers import answer_recall
 from ragtrain.eval.metrics import DEFAULT_KS, evaluate, maxp_run, run_from_scores
 from ragtrain.index import vector_cache
+from ragtrain.index.base import Index
 from ragtrain.index.faiss_index import check_index_config
-from ragtrain.index.mining import mine_rows, positive_scores
-from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, map_shards, mean_shards, sample_ids
+from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores
+from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, map_vectors, mean_vectors, sample_ids
 from ragtrain.precision import resolved_index
 
 log = get_logger(__name__)
@@ -48,17 +48,17 @@ class BuiltIndex:
     """One index build: the FAISS index, the encoder snapshot(s) behind it, and its vectors' whereabouts."""
 
     tag: str
-    index: Any  # RemoteIndex (held by the run's IndexHost), ShardedIndex (index.shards > 1); DenseIndex in tests
+    index: Index  # a ShardedIndex held by the run's shard group
     snapshots: list[dict[str, torch.Tensor]]
     corpus_ids: list[str]  # corpus order
     stats: dict
-    shards: Any = None  # ShardSet: the vectors on disk (several snapshots: their consensus, shard by shard)
+    shards: Any = None  # VectorSet: the vectors on disk (several snapshots: their consensus, shard by shard)
     _encoder: Any = field(default=None, repr=False)
 
-    def query_encoder(self, cfg: Config):
+    def query_encoder(self, retriever: RetrieverConfig, idx: IndexConfig) -> QueryEncoder:
         """The QueryEncoder of this build's snapshot(s) (loaded once)."""
         if self._encoder is None:
-            self._encoder = QueryEncoder(cfg.retriever, self.snapshots, cfg.index.batch_size, cfg.index.precision.value)
+            self._encoder = QueryEncoder(retriever, self.snapshots, idx.batch_size, idx.precision.value)
         return self._encoder
 
 
@@ -67,9 +67,8 @@ class Retrieval:
 
     def __init__(self, cfg: Config, data: RetrievalData):
         self.cfg, self.data = cfg, data
-        self._pool = None
-        self._host = None
         self._shards = None
+        self._reserved = None  # the live refresh's CPUs (a placement group), held while it runs
         self.doc_ids = list(data.corpus)
         self.fingerprint = data.fingerprint()
         # Training and mining work on passages: with chunks, every chunk of a judged document carries its grade
@@ -81,40 +80,10 @@ class Retrieval:
         return {d: i for i, d in enumerate(self.doc_ids)}
 
     def passages(self) -> Sequence[str]:
-        """Every passage's text in corpus order (the trainer's and the live pool's input): a PassageStore's
+        """Every passage's text in corpus order (the trainer's and the live refresh's input): a PassageStore's
         on-demand view (pickled as the store's path), or a list for an in-memory corpus."""
         corpus = self.data.corpus
         return corpus.texts() if isinstance(corpus, PassageStore) else [p.full_text() for p in corpus.values()]
-
-    @property
-    def pool(self):
-        """The encoder actor pool of the live index service (refresh.enabled), started on first use."""
-        # lazy: ragtrain.index.pool imports ray; this module imports without it
-        from ragtrain.index.pool import EncoderPool
-
-        if self._pool is None:
-            # With index shards the live refresh encodes on the shards' threads: the pool is only its reservation
-            self._pool = EncoderPool(self.cfg.retriever, self.cfg.resources.pool, start_actors=not self.sharded)
-            self._pool.fault_shard = self.cfg.fault.kill_pool_actor_at_shard  # fault injection (tests)
-            record_placement_group(self.cfg.output_dir, self._pool.placement_group)  # a stopped trial's reaper
-        return self._pool
-
-    @property
-    def host(self):
-        """The IndexHost actor that holds this run's indexes, started on first use."""
-        if self._host is None:
-            # lazy: ragtrain.index.host imports faiss/ray; this module imports without them
-            from ragtrain.index.host import start_host
-
-            pool = self.cfg.resources.pool
-            self._host = start_host(pool, threads=max(1, int(pool.cpus_per_actor * pool.num_actors)))
-        return self._host
-
-    @property
-    def sharded(self) -> bool:
-        """Whether this run's indexes live in IndexShard actors: index.shards other than 1, or a live refresh that
-        refreshes shard by shard (refresh.fraction < 1 or a consistency policy; then one shard is one actor)."""
-        return self.cfg.index.shards != "1" or self.cfg.refresh.sharded
 
     @property
     def shard_group(self):
@@ -133,44 +102,32 @@ class Retrieval:
             )
         return self._shards
 
-    def index_from(self, tag: str, shards: Any, encoder_name: str, step: int) -> Any:
-        """FAISS of the vector set `shards` under `tag`: in the index host, or split over the index shards."""
-        # lazy: ragtrain.index.host imports faiss/ray; this module imports without them
-        from ragtrain.index.host import RemoteIndex
-
+    def index_from(self, tag: str, shards: Any, encoder_name: str, step: int) -> Index:
+        """The index of the vector set `shards` under `tag`, split over the index shards."""
         cfg = self.cfg
-        if self.sharded:
-            return self.shard_group.build(tag, shards, cfg.index, self.fingerprint, encoder_name, step, cfg.seed)
-        return RemoteIndex.build(
-            self.host, tag, shards.folder, cfg.index, self.fingerprint, encoder_name, step, cfg.seed
-        )
+        return self.shard_group.build(tag, shards, cfg.index, self.fingerprint, encoder_name, step, cfg.seed)
 
     def close(self) -> None:
-        """Stop the pool, the index host and the index shards (the end of a run)."""
-        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
-
+        """Release the refresh's CPUs and stop the index shards (the end of a run)."""
         self.release()
-        if self._host is not None:
-            ray.kill(self._host)
-            self._host = None
         if self._shards is not None:
             self._shards.close()
             self._shards = None
 
     def release(self) -> None:
-        """Stop the pool so its CPUs go back to the cluster (the trainer needs them on a small machine)."""
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        """Give the live refresh's reserved CPUs back to the cluster (the trainer needs them on a small machine)."""
+        if self._reserved is not None:
+            from ray.util.placement_group import remove_placement_group  # lazy: ray is heavy (~0.5 s)
+
+            remove_placement_group(self._reserved)
+            self._reserved = None
 
     def build(self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str, step: int) -> BuiltIndex:
-        """Encode the corpus into vector shards (`vectors_of`) and build the FAISS index from them.
+        """Encode the corpus into vector files (`vectors_of`) and build the FAISS index from them.
 
         One snapshot: its vectors. Several (sync=vector_avg: one per replica): every replica encodes every
         passage and the index holds the re-normalised mean vector; queries are averaged the same way.
         """
-        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
-
         cfg, idx = self.cfg, resolved_index(self.cfg)  # auto: as the encode actors will run it (key, index meta)
         # A factory FAISS rejects, or more IVF lists than passages: fail before encoding anything
         check_index_config(idx.factory, encoder_dim(cfg.retriever), len(self.doc_ids))
@@ -182,26 +139,25 @@ class Retrieval:
         folders = [vec_dir / (tag if len(snapshots) == 1 else f"{tag}_{i}") for i in range(len(snapshots))]
         sets = [self.vectors_of(tag, w, f, fault, alone=len(snapshots) == 1) for w, f in zip(snapshots, folders)]
         seconds = sum(s.seconds for s in sets)
-        # vector_avg: the consensus is computed shard by shard into its own shard folder; the index host builds
-        # FAISS from the shards either way, so the driver holds neither vectors nor index
-        shards = sets[0] if len(sets) == 1 else mean_shards(sets, vec_dir / tag)
+        # vector_avg: the consensus is computed file by file into its own vector folder; the index shards build
+        # FAISS from it either way, so the driver holds neither vectors nor index
+        shards = sets[0] if len(sets) == 1 else mean_vectors(sets, vec_dir / tag)
         index = self.index_from(tag, shards, encoder_name, step)
         stats = {"docs": len(self.doc_ids), "seconds": seconds, "index_build_seconds": index.meta.build_seconds}
         if all(s.stats.get("cache_hit") for s in sets):  # nothing was encoded: no throughput to report
             stats["encode_cache_hit"] = 1.0
         else:
             stats["docs_per_s"] = len(self.doc_ids) * len(sets) / seconds
-        if self.sharded:  # where the index's memory went: the largest shard's process
-            stats["index_shard_peak_rss_mb"] = max(index.meta.extra["shard_peak_rss_mb"])
-        else:
-            stats["index_host_peak_rss_mb"] = ray.get(self.host.peak_rss_mb.remote())
+        stats["index_shard_peak_rss_mb"] = max(index.meta.extra["shard_peak_rss_mb"])  # the largest shard's process
         return BuiltIndex(tag, index, list(snapshots), self.doc_ids, stats, shards)
 
     def vectors_of(
         self, tag: str, weights: dict[str, torch.Tensor], folder: Path, fault: Any, alone: bool = True
     ) -> Any:
-        """The corpus's vectors under `weights` as a ShardSet in `folder`: from the corpus stream (`alone`: one
-        snapshot) or the vector cache when they hold them, else encoded on the index shards or on Ray Data."""
+        """The corpus's vectors under `weights` as a VectorSet in `folder`: from the corpus stream (`alone`: one
+        snapshot) or the vector cache when they hold them, else encoded: on Ray Data's encode actors (the corpus
+        stream's encode) with one index shard, by the shards themselves (each its row range, where it runs) with
+        several."""
         import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         cfg, idx = self.cfg, resolved_index(self.cfg)
@@ -221,14 +177,14 @@ class Retrieval:
         # A store is read by Ray Data's tasks (or the shards) a range at a time; an in-memory corpus goes as lists
         source = self.data.corpus if isinstance(self.data.corpus, PassageStore) else (self.doc_ids, self.passages())
         pool = cfg.resources.pool
-        if self.sharded:  # each shard reads and encodes its own row range, where it runs
+        if self.shard_group.n > 1:  # each shard reads and encodes its own row range, where it runs
             log.info(f"[{tag}] encoding {len(self.doc_ids)} passages on {self.shard_group.n} index shards")
             got = self.shard_group.encode(source, ray.put(weights), cfg.retriever, idx, folder)
         else:
             threads = build_threads(pool)
             n, each = len(self.doc_ids), f"{threads} torch thread{'s' if threads > 1 else ''} each"
             log.info(f"[{tag}] encoding {n} passages on Ray Data ({pool.num_actors} actors, {each})")
-            got = encode_to_shards(
+            got = encode_to_vectors(
                 source, ray.put(weights), cfg.retriever, idx, pool, folder, vector_dtype=idx.vector_dtype,
                 fault=fault, num_gpus_per_actor=pool.gpus_per_actor, num_threads=threads,
             )  # fmt: skip
@@ -237,10 +193,10 @@ class Retrieval:
         return got
 
     def _streamed(self, folder: Path, weights: dict[str, torch.Tensor]) -> Any:
-        """The ShardSet the corpus stream wrote in `folder` when it holds this corpus under these weights, else None."""
-        if not (folder / SHARDS_META).exists():
+        """The VectorSet the corpus stream wrote in `folder` if it holds this corpus under these weights, or None."""
+        if not (folder / VECTORS_META).exists():
             return None
-        shards = ShardSet.load(folder)
+        shards = VectorSet.load(folder)
         if not shards.stats.get("streamed") or shards.stats.get("corpus") != self.fingerprint:
             return None
         cfg = self.cfg
@@ -252,21 +208,19 @@ class Retrieval:
     def build_and_evaluate(
         self, tag: str, snapshots: list[dict[str, torch.Tensor]], encoder_name: str, step: int
     ) -> tuple[BuiltIndex, dict[str, float]]:
-        """`build`, then `evaluate` on the split; returns (build, metrics incl. the pool's encode docs/s and the
-        index host's peak RSS)."""
+        """`build`, then `evaluate` on the split; returns (build, metrics incl. the encode's docs/s and the largest
+        index shard's peak RSS)."""
         built = self.build(tag, snapshots, encoder_name, step)
-        extra = {
-            k: built.stats[k]
-            for k in ("index_host_peak_rss_mb", "index_shard_peak_rss_mb", "encode_cache_hit")
-            if k in built.stats
-        }
+        extra = {k: built.stats[k] for k in ("index_shard_peak_rss_mb", "encode_cache_hit") if k in built.stats}
         if "docs_per_s" in built.stats:
             extra["encode_docs_per_s"] = built.stats["docs_per_s"]
         return built, {**self.evaluate(built), **extra}
 
     def encode_queries(self, built: BuiltIndex, qids: list[str]) -> np.ndarray:
         """The queries' vectors under `built`'s snapshot(s), encoded as its passages were."""
-        return built.query_encoder(self.cfg).encode([self.data.queries[q] for q in qids], role="query")
+        return built.query_encoder(self.cfg.retriever, self.cfg.index).encode(
+            [self.data.queries[q] for q in qids], role="query"
+        )
 
     def search(
         self, built: BuiltIndex, qids: list[str], k: int, vectors: np.ndarray | None = None
@@ -319,18 +273,24 @@ class Retrieval:
         """The stale (zero-shot) vectors searched with the trained query encoder, as is and after an orthogonal map
         onto the trained space fitted on `index.align_anchors` anchor passages (their trained vectors are rows of
         `trained`). Returns {"stale": ..., "stale_aligned": ...}. Shard by shard: only the anchors' vectors and a
-        drift sample are read into the driver; the mapped vectors are written as shards for the index host."""
+        drift sample are read into the driver; the mapped vectors are written as a vector set for the index shards."""
         idx, seed = resolved_index(self.cfg), self.cfg.seed
         anchors = sample_ids(self.doc_ids, idx.align_anchors, seed)
         align = fit_alignment(stale.shards.vectors_of(anchors), trained.shards.vectors_of(anchors), "orthogonal")
-        aligned = map_shards(stale.shards, align.apply, Path(stale.shards.folder).parent / "stale_aligned")
+        aligned = map_vectors(stale.shards, align.apply, Path(stale.shards.folder).parent / "stale_aligned")
         measured = sample_ids(self.doc_ids, DRIFT_SAMPLE, seed + 1)
         out = {}
         for tag, shards in (("stale", stale.shards), ("stale_aligned", aligned)):
             index = self.index_from(tag, shards, tag, step)
             # searched with the trained encoder: the question is how far the old vectors lag it
             view = BuiltIndex(
-                tag, index, trained.snapshots, self.doc_ids, {}, shards, _encoder=trained.query_encoder(self.cfg)
+                tag,
+                index,
+                trained.snapshots,
+                self.doc_ids,
+                {},
+                shards,
+                _encoder=trained.query_encoder(self.cfg.retriever, self.cfg.index),
             )
             out[tag] = {
                 **self.evaluate(view),
@@ -343,7 +303,7 @@ class Retrieval:
 
     def mine_negatives(self, built: BuiltIndex) -> dict[str, list[int]]:
         """Hard-negative candidates (corpus positions) for each training query: the one rule of mining.py."""
-        t = self.cfg.retriever.train
+        spec = MiningSpec.of(self.cfg.retriever.train)
         qids = sorted(self.train_qrels)
         index = built.index
         row = {d: i for i, d in enumerate(index.doc_ids)}  # the index's row order (shard order)
@@ -352,84 +312,69 @@ class Retrieval:
         gold = [[row[d] for d, g in self.train_qrels[q].items() if g > 0 and d in row] for q in qids]
         qvecs = self.encode_queries(built, qids)
         positive = None
-        if t.hard_negative_margin is not None:  # each query's positive, scored on the stored vectors of gold only
+        if spec.margin is not None:  # each query's positive, scored on the stored vectors of gold only
             wanted = sorted({r for g in gold for r in g})
             local = {r: i for i, r in enumerate(wanted)}
             ids = [index.doc_ids[r] for r in wanted]
             vecs = built.shards.vectors_of(ids)
             positive = positive_scores(qvecs, [[local[r] for r in g] for g in gold], vecs)
-        mined = mine_rows(
-            index,
-            qvecs,
-            gold,
-            t.hard_negative_depth,
-            t.hard_negative_skip_top,
-            t.hard_negative_margin,
-            t.hard_negative_max_score,
-            positive=positive,
-        )
+        mined = mine_rows(index, qvecs, gold, spec, positive=positive)
         return {q: [pos[index.doc_ids[r]] for r in rows] for q, rows in zip(qids, mined)}
 
     def start_service(self, built: BuiltIndex, weights: dict[str, torch.Tensor]):
-        """Start the live index service on the pool (refresh.enabled) with version 0 = `built`'s vectors, encoded
-        with `weights`; returns (service actor, staleness probe)."""
-        # lazy: ray is heavy (~0.5 s); this module imports without it
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        """Start the live refresh (refresh.enabled) on the index shards with version 0 = `built`'s vectors,
+        encoded with `weights`; returns (service actor, staleness probe)."""
+        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: as ray
 
-        # lazy: ragtrain.index.refresh imports ray; this module imports without it
-        from ragtrain.index.refresh import IndexService, make_probe
+        # lazy: ragtrain.index.refresh_service imports faiss/ray; this module imports without them
+        from ragtrain.index.refresh import make_probe
+        from ragtrain.index.refresh_service import RefreshService, RefreshSpec, reserve
+        from ragtrain.index.sharded import shard_ranges
 
         if len(built.snapshots) != 1:
             raise ValueError(
-                f"the live index service starts from one encoder's vector shards; {built.tag!r} holds the "
+                f"the live index service starts from one encoder's vector files; {built.tag!r} holds the "
                 f"consensus of {len(built.snapshots)} replicas"
             )
-        r = self.cfg.refresh
+        cfg, r, pool = self.cfg, self.cfg.refresh, self.cfg.resources.pool
         qids = sorted(self.train_qrels)  # the order of TrainExample.qidx (build_examples)
         pos = self.positions
         gold = [[pos[d] for d, g in sorted(self.train_qrels[q].items()) if g > 0] for q in qids]
         queries = [self.data.queries[q] for q in qids]
-        probe = make_probe(gold, queries, len(self.doc_ids), r.probe_queries, r.probe_passages, self.cfg.seed)
-        # The service builds FAISS indexes: it lives in the pool's placement group (0 CPUs of its own, on the
-        # pool's node), so index work never takes the trainer's CPUs.
-        strategy = PlacementGroupSchedulingStrategy(self.pool.placement_group, placement_group_bundle_index=0)
-        if self.sharded:  # each index shard refreshes its own rows (index/sharded_refresh.py)
-            # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
-            from ragtrain.index.sharded import shard_ranges
-
-            # lazy: ragtrain.index.sharded_refresh imports faiss/ray; this module imports without them
-            from ragtrain.index.sharded_refresh import ShardedIndexService
-
-            corpus, texts = self.data.corpus, self.passages()
-            sources = [
-                corpus if isinstance(corpus, PassageStore) else [ray.put((self.doc_ids[a:b], list(texts[a:b])))]
-                for a, b in shard_ranges(len(self.doc_ids), self.shard_group.n)
-            ]
-            service = ShardedIndexService.options(num_cpus=0, scheduling_strategy=strategy).remote(
-                self.cfg, self.pool, self.shard_group.actors, self.doc_ids, texts, sources, queries, gold, probe
-            )
-            publish = service.publish.remote(0, built.index.tag, built.shards.folder, [ray.put(weights)])
-        else:
-            service = IndexService.options(num_cpus=0, scheduling_strategy=strategy).remote(
-                self.cfg, self.pool, self.passages(), self.doc_ids, self.fingerprint, queries, gold, probe
-            )
-            publish = service.publish.remote(0, built.shards.folder, [ray.put(weights)])
-        stats = ray.get(publish)
+        probe = make_probe(gold, queries, len(self.doc_ids), r.probe_queries, r.probe_passages, cfg.seed)
+        # The refresh's CPUs (resources.pool) are reserved in a placement group, so the trainer never gets them; the
+        # service lives there (0 CPUs of its own) and the shards' round encodes share them, every core each
+        self._reserved = reserve(pool)
+        record_placement_group(cfg.output_dir, self._reserved)  # a stopped trial's reaper
+        group = self.shard_group
+        spec = RefreshSpec(
+            r, cfg.retriever, resolved_index(cfg), MiningSpec.of(cfg.retriever.train), cfg.seed,
+            threads=max(1, int(pool.cpus_per_actor * pool.num_actors) // group.n),
+        )  # fmt: skip
+        corpus, texts = self.data.corpus, self.passages()
+        sources = [
+            corpus if isinstance(corpus, PassageStore) else [ray.put((self.doc_ids[a:b], list(texts[a:b])))]
+            for a, b in shard_ranges(len(self.doc_ids), group.n)
+        ]
+        strategy = PlacementGroupSchedulingStrategy(self._reserved, placement_group_bundle_index=0)
+        service = RefreshService.options(num_cpus=0, scheduling_strategy=strategy).remote(
+            spec, group.actors, self.doc_ids, texts, sources, queries, gold, probe
+        )
+        stats = ray.get(service.publish.remote(0, built.index.tag, built.shards.folder, [ray.put(weights)]))
         if not stats.get("ok"):
             ray.kill(service)
             raise RuntimeError(f"the live index service could not publish version 0: {stats}")
         return service, probe
 
     def stop_service(self, service) -> dict:
-        """Wait for a running refresh, collect the service's refresh history, and release the pool."""
+        """Wait for a running refresh, collect the service's refresh history, and release the refresh's CPUs."""
         import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         ray.get(service.close.remote())
         report = ray.get(service.report.remote())
         ray.kill(service)
-        # The pool serves only the live refresh. Its placement group holds the pool's CPUs and custom resources
-        # (index_node on a cluster): the final index's Ray Data encode actors ask for the same ones and would wait
-        # forever behind it (the 2-node test hung here).
+        # The reservation holds the pool's CPUs and custom resources (index_node on a cluster): the final index's
+        # Ray Data encode actors ask for the same ones and would wait forever behind it (the 2-node test hung here).
         self.release()
         return report

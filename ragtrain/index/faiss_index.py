@@ -213,8 +213,8 @@ def build_from_chunks(
     meta: IndexMeta,
 ) -> DenseIndex:
     """The one way a FAISS index is filled: every chunk of (ids, vectors) added in order to `index` (empty, trained
-    where its type needs it: `trained_empty`); `meta` gets the row count and the build time. Vector shards on disk
-    (`ragtrain/index/shards.py`), a row range of them (an index shard) and an in-memory matrix (`build_index`: one
+    where its type needs it: `trained_empty`); `meta` gets the row count and the build time. Vector files on disk
+    (`ragtrain/index/vector_files.py`), a row range of them (an index shard) and an in-memory matrix (`build_index`: one
     chunk) all come through here."""
     start = time.perf_counter()
     doc_ids: list[str] = []

@@ -1,14 +1,9 @@
 """One index shard's live rows: its passages' vectors, the encoder version of each, and the partial re-encode.
 
 An `IndexShard` (index/sharded.py) holds one `LiveRows` while training refreshes its part of the live index
-(index/sharded_refresh.py drives every shard). A refresh round hands the shard a new encoder snapshot; the shard
-re-encodes a share `refresh.fraction` of its rows, chosen by `refresh.priority`:
-
-- `oldest`: round robin (the rows whose vectors are oldest come first);
-- `drift`: a seeded sample of the rows is re-encoded first; every other row's drift (1 - cos between its stored and
-  its new vector) is predicted as its nearest sampled row's (in the stored space), and the rows predicted to move
-  most are re-encoded;
-- `hot`: the rows retrieved or mined most since the last round (counts from the service), the rest by age.
+(index/refresh_service.py drives every shard). A refresh round hands the shard a new encoder snapshot; the shard
+re-encodes a share `refresh.fraction` of its rows, chosen by `refresh.priority` (one class each in
+`ragtrain/index/priority/`: oldest, drift, hot).
 
 New vectors wait (`pending`) until the service applies them: it decides when a shard's new rows become searchable
 (`refresh.consistency`). The index a search sees is built from the stored vectors; under `aligned`, rows still at
@@ -25,53 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-PRIORITIES = ("oldest", "drift", "hot")
-DRIFT_SAMPLE_SHARE = 0.1  # of a round's budget: the rows encoded first to estimate the drift of the others
+from ragtrain.index.priority.base import RefreshPriority, RoundRows
+
 STATE = "live_state.npz"
-
-
-def select_rows(
-    priority: str,
-    versions: np.ndarray,
-    budget: int,
-    cursor: int,
-    hot: np.ndarray | None = None,
-    predicted_drift: np.ndarray | None = None,
-) -> np.ndarray:
-    """Local rows to re-encode this round (at most `budget`, sorted): see the module's priorities.
-
-    `oldest` takes the `budget` rows from `cursor` on, round robin (rows are re-encoded in turn, so the next ones
-    are always the oldest). `hot` takes the rows with the highest counts first, `drift` the highest
-    `predicted_drift`; ties (rows nobody retrieved, say) go to the rows at the oldest version, then round robin
-    from `cursor`."""
-    n = len(versions)
-    budget = max(0, min(int(budget), n))
-    by_age = (np.arange(n) + cursor) % n  # round-robin order from the cursor
-    if priority == "oldest":
-        chosen = by_age[:budget]
-    elif priority in ("hot", "drift"):
-        if priority == "drift" and predicted_drift is None:
-            raise ValueError("priority 'drift' needs each row's predicted drift")
-        score = predicted_drift if priority == "drift" else (np.zeros(n) if hot is None else hot)
-        first = np.asarray(score, dtype=np.float64)
-        turn = np.empty(n, dtype=np.int64)
-        turn[by_age] = np.arange(n)
-        # ties (zero counts, say) go to the oldest vectors first, then round robin from the cursor
-        chosen = np.lexsort((turn, versions, -first))[:budget]
-    else:
-        raise ValueError(f"refresh.priority={priority!r} is unknown; valid choices: {list(PRIORITIES)}")
-    return np.sort(chosen)
-
-
-def predict_drift(stored: np.ndarray, sample_rows: np.ndarray, sample_drift: np.ndarray) -> np.ndarray:
-    """Every row's drift, predicted as that of its most similar sampled row in the stored space (1-NN)."""
-    out = np.empty(len(stored), dtype=np.float64)
-    anchors = stored[sample_rows]
-    for a in range(0, len(stored), 8192):  # bounded memory: 8192 x sample scores at a time
-        nearest = np.argmax(stored[a : a + 8192] @ anchors.T, axis=1)
-        out[a : a + 8192] = sample_drift[nearest]
-    out[sample_rows] = sample_drift
-    return out
 
 
 class LiveRows:
@@ -100,34 +51,31 @@ class LiveRows:
         version: int,
         encode: Callable[[list[str]], np.ndarray],
         fraction: float,
-        priority: str,
+        priority: RefreshPriority,
         hot: np.ndarray | None,
         seed: int,
     ) -> dict:
-        """Re-encode this round's share of the rows with `encode` (the new snapshot); kept pending until `apply`."""
+        """Re-encode this round's share of the rows with `encode` (the new snapshot), the rows chosen by
+        `priority`; kept pending until `apply`."""
         t0 = time.perf_counter()
         budget = self.rows if fraction >= 1.0 else max(1, round(fraction * self.rows))
-        got_rows: list[np.ndarray] = []
-        got_vecs: list[np.ndarray] = []
-        predicted = None
-        if priority == "drift" and budget < self.rows:
-            rng = np.random.default_rng([seed, version])
-            sample = np.sort(rng.choice(self.rows, size=max(1, int(budget * DRIFT_SAMPLE_SHARE)), replace=False))
-            fresh = encode(self.read_texts(sample))
-            drift = 1.0 - np.sum(fresh * self.vectors[sample], axis=1)
-            predicted = predict_drift(self.vectors, sample, drift)
-            predicted[sample] = -np.inf  # encoded already: the rest of the budget goes to the others
-            got_rows.append(sample)
-            got_vecs.append(fresh)
-            budget -= len(sample)
-        chosen = select_rows(priority, self.versions, budget, self.cursor, hot, predicted)
+        choice = priority.choose(
+            RoundRows(
+                self.vectors, self.versions, self.cursor, budget, version, seed, hot,
+                lambda local: encode(self.read_texts(local)),
+            )
+        )  # fmt: skip
+        got_rows, got_vecs = [choice.encoded_rows], []
+        if choice.encoded_vectors is not None:
+            got_vecs.append(choice.encoded_vectors)
+        chosen = np.sort(choice.rows)
         if len(chosen):
             got_rows.append(chosen)
             got_vecs.append(encode(self.read_texts(chosen)))
-        rows = np.concatenate(got_rows) if got_rows else np.zeros(0, dtype=np.int64)
+        rows = np.concatenate(got_rows).astype(np.int64)
         vecs = np.concatenate(got_vecs) if got_vecs else np.zeros((0, self.vectors.shape[1]), np.float32)
         # the cursor moves when the round is applied: a round that never lands leaves its rows next in turn
-        cursor = (self.cursor + len(chosen)) % self.rows if priority == "oldest" else self.cursor
+        cursor = (self.cursor + len(chosen)) % self.rows if priority.moves_cursor else self.cursor
         moved = 1.0 - np.sum(vecs * self.vectors[rows], axis=1) if len(rows) else np.zeros(0)
         self.pending = (version, rows, np.ascontiguousarray(vecs, dtype=np.float32), cursor)
         return {

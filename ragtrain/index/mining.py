@@ -17,11 +17,34 @@ up with random non-gold passages when a query has too few left.
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from ragtrain.config import RetrieverTrainConfig
+
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MiningSpec:
+    """The mining rule's settings (`retriever.train.hard_negative_*`), built once on the driver."""
+
+    depth: int  # the index's top `depth` rows are the candidates
+    skip_top: int = 0
+    margin: float | None = None
+    max_score: float | None = None
+
+    @classmethod
+    def of(cls, train: RetrieverTrainConfig) -> MiningSpec:
+        return cls(
+            train.hard_negative_depth,
+            train.hard_negative_skip_top,
+            train.hard_negative_margin,
+            train.hard_negative_max_score,
+        )
 
 
 def hard_negative_candidates(
@@ -68,19 +91,16 @@ def mine_rows(
     index,
     qvecs: np.ndarray,
     gold: Sequence[Sequence[int]],
-    depth: int,
-    skip_top: int,
-    margin: float | None = None,
-    max_score: float | None = None,
+    spec: MiningSpec,
     passage_vectors: np.ndarray | None = None,
     positive: np.ndarray | None = None,
 ) -> list[list[int]]:
-    """Hard-negative candidates (index rows) per query: the index's top `depth` rows through
-    `hard_negative_candidates`. `margin` needs each query's positive score: `positive` (one per query, e.g. from
-    `positive_scores` over the gold rows' vectors only), or `passage_vectors` (rows aligned with the index)."""
-    scores, rows = index.search(qvecs, depth)
+    """Hard-negative candidates (index rows) per query: the index's top `spec.depth` rows through
+    `hard_negative_candidates`. `spec.margin` needs each query's positive score: `positive` (one per query, e.g.
+    from `positive_scores` over the gold rows' vectors only), or `passage_vectors` (rows aligned with the index)."""
+    scores, rows = index.search(qvecs, spec.depth)
     pos = positive
-    if margin is not None and pos is None:
+    if spec.margin is not None and pos is None:
         if passage_vectors is None:
             raise ValueError("hard_negative_margin needs the passage vectors to score each query's positive")
         pos = positive_scores(np.asarray(qvecs, dtype=np.float32), gold, passage_vectors)
@@ -91,11 +111,11 @@ def mine_rows(
             hard_negative_candidates(
                 [int(r) for r in rows[i][ok]],
                 set(gold[i]),
-                skip_top,
+                spec.skip_top,
                 scores[i][ok].tolist(),
                 None if pos is None else float(pos[i]),
-                margin,
-                max_score,
+                spec.margin,
+                spec.max_score,
             )
         )
     return out

@@ -1,9 +1,10 @@
-"""Live index refresh: the pool re-encodes the corpus with a recent encoder snapshot while training keeps stepping.
+"""Live index refresh, the trainer's side: the index shards re-encode the corpus with a recent encoder snapshot
+while training keeps stepping.
 
-`IndexService` (a threaded Ray actor next to the pool) holds the live index version: the FAISS index, the hard-
-negative candidates it yields for every training query (ANCE-style) and the stored vectors of a fixed staleness
-probe. `refresh(step, [weights_ref])` builds the next version in a background thread of the actor and swaps it in
-whole when done; a failed refresh keeps the old version and says why. `LiveIndexClient` is the worker side.
+The refresh service (`RefreshService`, index/refresh_service.py) publishes live versions: the hard-negative
+candidates the live index yields for every training query (ANCE-style) and the stored vectors of a fixed staleness
+probe. `refresh(step, [weights_ref])` runs a round in a background thread of the service; a failed round keeps
+what is live and says why. `LiveIndexClient` is the worker side; `VersionBook` the versions the service keeps.
 
 Which version a step mines from is decided once per step, by rank 0 (`begin_step`): it asks the service for the
 step's version (`version_for_step`: the newest, recorded in a `VersionBook`; a step replayed after a worker
@@ -15,25 +16,19 @@ Training never waits for a refresh.
 
 from __future__ import annotations
 
-import threading
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import faiss
 import numpy as np
 import ray
 import torch
 import torch.distributed as dist
 
-from ragtrain.config import Config
-from ragtrain.console import get_logger, progress_bars
-from ragtrain.corpus.encode import ShardSet
-from ragtrain.index.faiss_index import build_configured, exact_search
-from ragtrain.index.mining import mine_rows
-from ragtrain.precision import resolved_index
+from ragtrain.config import RefreshConfig
+from ragtrain.console import get_logger
+from ragtrain.index.faiss_index import exact_search
 
 log = get_logger(__name__)
 
@@ -143,156 +138,6 @@ def staleness(
     }
 
 
-class LiveService:
-    """What trainers ask a live index service (`IndexService` here, `ShardedIndexService` over index shards): the
-    published versions in `self.book` under `self._swap`, one refresh at a time under `self._busy`."""
-
-    book: VersionBook
-    _swap: threading.Lock
-    _busy: threading.Lock
-    history: list[dict[str, Any]]
-    failures: list[str]
-
-    def version(self) -> int:
-        """The live version number (-1 before the first publish): a cheap poll."""
-        with self._swap:
-            return self.book.version()
-
-    def latest(self) -> LiveVersion | None:
-        """The live version."""
-        with self._swap:
-            return self.book.latest()
-
-    def version_for_step(self, step: int) -> int:
-        """The version training step `step` mines from (rank 0 asks once per step; see VersionBook)."""
-        with self._swap:
-            return self.book.version_for_step(step)
-
-    def get(self, version: int) -> LiveVersion:
-        """A kept version (what the other ranks fetch after rank 0's broadcast)."""
-        with self._swap:
-            return self.book.get(version)
-
-    def busy(self) -> bool:
-        """Whether a refresh is running now."""
-        return self._busy.locked()
-
-    def report(self) -> dict[str, Any]:
-        """Refresh history and failures."""
-        return {"history": list(self.history), "failures": list(self.failures)}
-
-    def close(self) -> None:
-        """Wait for a running refresh to finish, so the pool can be handed back to the driver."""
-        with self._busy:
-            pass
-
-
-@ray.remote(max_concurrency=4)  # one thread refreshes while the others answer workers' polls
-class IndexService(LiveService):
-    """Holds the live index version; builds the next one on the pool without blocking anyone."""
-
-    def __init__(
-        self,
-        cfg: Config,
-        pool,
-        passages: list[str],
-        doc_ids: list[str],
-        fingerprint: str,
-        train_queries: list[str],
-        train_gold: list[list[int]],
-        probe: Probe,
-    ):
-        faiss.omp_set_num_threads(max(1, int(cfg.resources.pool.cpus_per_actor)))  # stay inside the pool's CPUs
-        self.cfg, self.pool, self.passages, self.doc_ids = cfg, pool, passages, doc_ids
-        self.fingerprint, self.train_queries, self.train_gold, self.probe = (
-            fingerprint,
-            train_queries,
-            train_gold,
-            probe,
-        )
-        self.pool.invalidate()  # the driver may have loaded weights since this copy of the pool was made
-        self.book = VersionBook()
-        self.index = None
-        self._busy = threading.Lock()  # only one refresh at a time
-        self._swap = threading.Lock()
-        self.failures: list[str] = []
-        self.history: list[dict[str, float]] = []
-
-    def publish(self, step: int, shard_folder: str, weights: list) -> dict[str, Any]:
-        """Version 0 from the vector shards of an encode already done (the zero-shot index), not a second encode.
-        The service reads them itself: the driver that started it never holds the vector matrix."""
-        try:
-            vectors = ShardSet.load(shard_folder).read_all(order=self.doc_ids)[1]
-        except Exception as e:  # the caller sees why version 0 is missing
-            return {"ok": False, "error": repr(e), "step": step}
-        return self._run(step, weights[0], vectors)
-
-    def refresh(self, step: int, weights: list) -> dict[str, Any]:
-        """Encode the corpus with the snapshot in `weights[0]` (an ObjectRef, passed inside a list so Ray does not
-        resolve it here) and swap the new version in; returns its stats, or why it was skipped or failed."""
-        return self._run(step, weights[0], None)
-
-    def _run(self, step: int, weights_ref, vectors: np.ndarray | None) -> dict[str, Any]:
-        if not self._busy.acquire(blocking=False):
-            return {"ok": False, "skipped": "a refresh is already running", "step": step}
-        start = time.perf_counter()
-        try:
-            version = self.book.version() + 1
-            self.pool.set_weights(("refresh", version, step), weights_ref)
-            r, idx = self.cfg.retriever, resolved_index(self.cfg)  # the pool's precision, as the first build's
-            if vectors is None:
-                # a bar per refresh where training draws one (console.progress_bars: the quiet console on a terminal)
-                vectors, _ = self.pool.encode(
-                    self.passages,
-                    r.passage_max_length,
-                    idx,
-                    progress=progress_bars(),
-                    desc=f"[refresh] v{version} encode",
-                    role="passage",
-                )
-            index = build_configured(
-                vectors, self.doc_ids, idx, self.fingerprint, f"{r.model}@step{step}", step, self.cfg.seed
-            )
-            index.meta.version = version
-            qvecs, _ = self.pool.encode(self.train_queries, r.query_max_length, idx, progress=False, role="query")
-            t = r.train
-            negatives = mine_rows(
-                index,
-                qvecs,
-                self.train_gold,
-                t.hard_negative_depth,
-                t.hard_negative_skip_top,
-                t.hard_negative_margin,
-                t.hard_negative_max_score,
-                vectors,
-            )
-            live = LiveVersion(version, step, negatives, vectors[self.probe.rows].copy(), time.perf_counter() - start)
-            with self._swap:  # atomic: readers see the old version or the new one, never a mix
-                self.book.publish(live)
-                self.index = index
-            stats = {
-                "ok": True,
-                "version": version,
-                "step": step,
-                "seconds": live.build_seconds,
-                "node": ray.get_runtime_context().get_node_id(),
-            }
-            self.history.append(stats)
-            return stats
-        except Exception as e:  # keep serving the old version; the caller logs the failure
-            self.failures.append(f"step {step}: {e!r}")
-            traceback.print_exc()
-            return {"ok": False, "error": repr(e), "step": step, "seconds": time.perf_counter() - start}
-        finally:
-            self._busy.release()
-
-    def search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k (scores, rows) from the live index."""
-        with self._swap:
-            index = self.index
-        return index.search(qvecs, k)
-
-
 def _call(service, name: str, *args):
     """Call a service method: a Ray actor handle (ray.get of .remote) or a plain object such as a VersionBook."""
     method = getattr(service, name)
@@ -308,8 +153,15 @@ class LiveIndexClient:
     fixes its version for all.
     """
 
-    def __init__(self, service, cfg: Config, rank: int, broadcast: bool = False, device: torch.device | None = None):
-        self.service, self.cfg, self.rank, self.broadcast = service, cfg, rank, broadcast
+    def __init__(
+        self,
+        service,
+        refresh: RefreshConfig,
+        rank: int,
+        broadcast: bool = False,
+        device: torch.device | None = None,
+    ):
+        self.service, self.refresh, self.rank, self.broadcast = service, refresh, rank, broadcast
         self.device = device or torch.device("cpu")  # NCCL broadcasts only tensors on the worker's GPU
         self.live: LiveVersion = _call(service, "latest")
         self.switched = False
@@ -320,7 +172,7 @@ class LiveIndexClient:
         self.refreshes = 0
         self.failures = 0
         self.seconds: list[float] = []  # each finished refresh's wall time
-        self.round_metrics: list[dict[str, float]] = []  # each finished sharded round's metrics
+        self.round_metrics: list[dict[str, float]] = []  # each finished round's metrics
         self.steps: list[tuple[float, int, bool]] = []  # (seconds, samples, a refresh was running) per step
         self.mixed_steps = 0  # steps whose negatives came from a version that mixed encoder versions
 
@@ -374,7 +226,7 @@ class LiveIndexClient:
 
     def due(self, step: int, drift: float | None) -> bool:
         """Whether rank 0 should start a refresh now: none running, and the schedule (steps or drift) says so."""
-        r = self.cfg.refresh
+        r = self.refresh
         if self.pending is not None:
             return False
         if r.every_steps and step - self.live.step >= r.every_steps:
@@ -396,11 +248,11 @@ class LiveIndexClient:
         done = self.finished()
         if done is not None and done.get("ok"):
             out.update({"index/refresh_seconds": done["seconds"], "index/version": done["version"]})
-            out.update(done.get("metrics", {}))  # a sharded refresh's version mix, mixed recall, encoded share
+            out.update(done.get("metrics", {}))  # the round's version mix, mixed recall, encoded share
         if done is not None and "error" in done:
             out["index/refresh_failures"] = self.failures
         drift = None
-        if step % self.cfg.refresh.check_every == 0:
+        if step % self.refresh.check_every == 0:
             out["index/lag_steps"] = step - self.live.step
             m = measure_fn(self.live.probe_vectors)
             drift = m["index/drift_cosine"]
@@ -435,7 +287,7 @@ class LiveIndexClient:
             ("index/mixed_recall_at_10", np.mean),
             ("index/mined_agreement", np.mean),
             ("index/version_skew", np.max),
-        ):  # a sharded refresh's rounds (index/sharded_refresh.py)
+        ):  # the refresh rounds' own figures (index/refresh_service.py)
             got = [m[key] for m in rounds if key in m]
             if got:
                 out[f"{key}_{how.__name__}"] = float(how(got))
@@ -454,7 +306,7 @@ class LiveIndexClient:
         return out
 
     def start(self, step: int, state_dict: dict) -> None:
-        """Start a refresh with this snapshot (put in the object store once; the pool actors fetch it)."""
+        """Start a refresh with this snapshot (put in the object store once; the index shards fetch it)."""
         weights = {k: v.detach().cpu().clone() for k, v in state_dict.items()}
         self.pending = self.service.refresh.remote(step, [ray.put(weights)])
         self.pending_since = time.perf_counter()

@@ -1,16 +1,18 @@
-"""A sharded index: `index.shards=N` IndexShard actors, each owning a contiguous range of the passage store.
+"""The index: `index.shards=N` IndexShard actors (N=1 by default), each owning a contiguous range of the passages.
 
-Each shard reads its own rows' texts from the store (by row range, on its node), encodes them with the corpus
-encoder (`EncodeBatch`, the Ray Data stage's class), writes them as vector shards, and builds its FAISS index from
-them; trained types (IVF, PQ) copy one quantiser trained once on a seeded sample of the whole corpus (the same
-sample a single index trains on), so every shard scores alike and a sharded index finds what one index finds. A
-shard persists every build as `<root>/<tag>/shard-<i>/` (index files + `manifest.json`: rows, version, factory,
-dim, checksum) before it answers, and an actor restarted after a crash reloads its last persisted builds.
+With N > 1 each shard reads its own rows' texts from the store (by row range, on its node), encodes them with the
+corpus encoder (`EncodeBatch`, the Ray Data stage's class) and writes them as vector files; every shard builds its
+FAISS index from its rows of a vector set; trained types (IVF, PQ) copy one quantiser trained once on a seeded
+sample of the whole corpus (the same sample one shard trains on), so every shard scores alike and N shards find
+what one finds. A shard persists every build as `<root>/<tag>/shard-<i>/` (index files + `manifest.json`: rows,
+version, factory, dim, checksum) before it answers, and an actor restarted after a crash reloads its last persisted
+builds.
 
 A search encodes its queries once (the caller), sends them to every shard in batches, and merges the shards' top-k
 by score, ties broken by global row: with Flat, N shards return exactly the ids and scores of one index.
-`ShardedIndex` (actors) and `LocalShards` (a saved folder loaded in-process, `python -m ragtrain.search`) have
-`DenseIndex`'s interface, so evaluation, mining and the generator's retrieval search either the same way. The
+`ShardedIndex` (the actors' handle) is the one implementation of the `Index` protocol (index/base.py): evaluation,
+mining, the live refresh and the generator's retrieval search through it. `LocalShards` reads a saved folder in
+this process with the same merge (`python -m ragtrain.search`, the checks of a saved index before Ray starts). The
 driver holds the passage ids and the metadata, never vectors.
 """
 
@@ -31,13 +33,14 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ragtrain.console import get_logger, worker_setup
-from ragtrain.corpus.encode import ShardSet, write_shards
+from ragtrain.corpus.encode import VectorSet, write_vectors
 from ragtrain.data.store import PassageStore
-from ragtrain.embed.encoders import EncodeBatch, LocalEncoder, encoder_dim
+from ragtrain.embed.encoders import EncodeBatch, LocalEncoder
 from ragtrain.errors import ConfigError
+from ragtrain.index.checks import check_refresh
 from ragtrain.index.faiss_index import (
     METRIC,
     DenseIndex,
@@ -47,13 +50,13 @@ from ragtrain.index.faiss_index import (
     load_index,
     make_index,
 )
-from ragtrain.index.host import BuildHolder, host_options
 from ragtrain.index.live_rows import LiveRows
-from ragtrain.index.shards import build_from_shards, iter_rows, save_atomic, trained_empty
+from ragtrain.index.priority import PRIORITIES
+from ragtrain.index.vector_files import build_from_vectors, iter_rows, save_atomic, trained_empty
 from ragtrain.rss import peak_rss_mb
 
 if TYPE_CHECKING:
-    from ragtrain.config import Config, IndexConfig, PoolResources, RetrieverConfig
+    from ragtrain.config import IndexConfig, PoolResources, RefreshConfig, RetrieverConfig
 
 log = get_logger(__name__)
 
@@ -126,31 +129,25 @@ def resolve_shards(setting: str, rows: int, nodes: Sequence[dict] | None = None)
     return n
 
 
-def check_shard_config(cfg: Config, rows: int, nodes: Sequence[dict] | None = None) -> None:
-    """index.shards against the corpus (and, for `auto`, the cluster's `nodes`), before any work: a ConfigError
-    names the key; a setting that works but leaves part of the run on one index gets a warning line."""
-    idx, r = cfg.index, cfg.refresh
-    if r.enabled and r.consistency == "aligned" and nodes is None:
-        dim = encoder_dim(cfg.retriever)
-        if r.anchors < dim or r.anchors > rows:
-            raise ConfigError(
-                f"refresh.anchors={r.anchors}: refresh.consistency=aligned fits a {dim} x {dim} map between encoder "
-                f"versions and needs at least {dim} anchor passages (the encoder's dimension) and at most the "
-                f"corpus's {rows}"
-            )
-    if idx.shards == "1" and not r.sharded:  # a partial refresh or a policy runs on index shards even at 1
-        return
+def check_shard_config(
+    idx: IndexConfig,
+    refresh: RefreshConfig,
+    dim: int,
+    rows: int,
+    nodes: Sequence[dict] | None = None,
+    encode_fault: bool = False,
+) -> None:
+    """index.shards and the live refresh against the corpus of `rows` passages and the encoder's `dim` (and, for
+    `auto`, the cluster's `nodes`), before any work: a ConfigError names the key. `encode_fault`:
+    fault.kill_encode_actor_at_batch is set."""
+    if nodes is None:
+        check_refresh(refresh, dim, rows)
     if idx.shards != "auto" or nodes is not None:
         resolve_shards(idx.shards, rows, nodes)
-    if cfg.fault.kill_encode_actor_at_batch >= 0:
-        why = (
-            f"index.shards={idx.shards}"
-            if idx.shards != "1"
-            else f"refresh.fraction={r.fraction} and refresh.consistency={r.consistency} (a refresh on index shards)"
-        )
+    if encode_fault and idx.shards != "1":
         raise ConfigError(
-            f"fault.kill_encode_actor_at_batch kills a Ray Data encode actor, and with {why} the index shards "
-            "encode instead: inject it with index.shards=1 and a full, global refresh"
+            f"fault.kill_encode_actor_at_batch kills a Ray Data encode actor, and with index.shards={idx.shards} "
+            "the index shards encode instead: inject it with index.shards=1"
         )
 
 
@@ -277,9 +274,10 @@ def _batches(q: np.ndarray) -> list[np.ndarray]:
 # ------------------------------------------------------------------------------------------------------ the actor
 
 
-class _Shard(BuildHolder):
+class _Shard:
     """The actor's body (a plain class, so tests can run it in-process): shard `shard`'s builds by tag, persisted
-    under `<root>/<tag>/shard-<shard>/`; a restarted actor reloads them from there."""
+    under `<root>/<tag>/shard-<shard>/`; a restarted actor reloads them from there. Each search, parameter change
+    or codec call goes to the `DenseIndex` of the build `tag`."""
 
     def __init__(self, shard: int, root: str, threads: int = 0) -> None:
         worker_setup()
@@ -321,7 +319,7 @@ class _Shard(BuildHolder):
         folder: str,
     ) -> dict:
         """Encode rows [start, stop) of `source` (a PassageStore, read here; or [ObjectRef of (ids, texts)] of
-        just these rows) with the snapshot `weights` ([ObjectRef]) into vector shards in `folder`; returns
+        just these rows) with the snapshot `weights` ([ObjectRef]) into vector files in `folder`; returns
         {rows, dim, files, seconds}."""
         t0 = time.perf_counter()
         enc = EncodeBatch(
@@ -348,7 +346,7 @@ class _Shard(BuildHolder):
                 chunk_ids, chunk_texts = read(a, min(stop, a + TEXT_CHUNK))
                 yield chunk_ids, enc.encode(chunk_texts)
 
-        shards = write_shards(folder, chunks(), idx.vector_dtype)
+        shards = write_vectors(folder, chunks(), idx.vector_dtype)
         return {
             "rows": shards.rows,
             "dim": shards.dim,
@@ -370,14 +368,14 @@ class _Shard(BuildHolder):
         trained: Any,
         version: int,
     ) -> dict:
-        """Build `tag` from rows [start, stop) of the vector shards in `shard_folder` (`trained`: serialised
+        """Build `tag` from rows [start, stop) of the vector files in `shard_folder` (`trained`: serialised
         bytes of the shared trained empty index, or None for types without training), persist it, and hold it;
         returns its manifest plus its row ids."""
         # Free the old build's memory first (two copies of a large shard need not fit); its files stay until the
         # new build is persisted, so a crash meanwhile restarts from the old version
         self.indexes.pop(tag, None)
         quantizer = faiss.deserialize_index(trained) if trained is not None else None
-        index = build_from_shards(
+        index = build_from_vectors(
             shard_folder,
             idx.factory,
             fingerprint,
@@ -417,8 +415,26 @@ class _Shard(BuildHolder):
         index = self.indexes[tag]
         return {**manifest, "doc_ids": index.doc_ids, "meta": asdict(index.meta)}
 
-    def holder(self) -> str:
-        return f"index shard {self.shard}"
+    def build_of(self, tag: str) -> DenseIndex:
+        if tag not in self.indexes:
+            raise KeyError(f"index shard {self.shard} holds no build {tag!r} (it holds {sorted(self.indexes)})")
+        return self.indexes[tag]
+
+    def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`DenseIndex.search` on the build `tag` (this shard's rows)."""
+        return self.build_of(tag).search(queries, k)
+
+    def set_search_params(self, tag: str, nprobe: int, ef_search: int) -> None:
+        """IVF nprobe / HNSW efSearch of the build `tag`."""
+        self.build_of(tag).set_search_params(nprobe, ef_search)
+
+    def reconstruct_first(self, tag: str, n: int) -> np.ndarray | None:
+        """`DenseIndex.reconstruct_first` of the build `tag`."""
+        return self.build_of(tag).reconstruct_first(n)
+
+    def as_stored(self, tag: str, x: np.ndarray) -> np.ndarray:
+        """`DenseIndex.as_stored` of the build `tag`."""
+        return self.build_of(tag).as_stored(x)
 
     def save(self, tag: str, folder: str) -> dict:
         """Place this shard's persisted build `tag` in `folder` (hard links where the file system allows)."""
@@ -440,7 +456,7 @@ class _Shard(BuildHolder):
         from) as this shard's live rows, and their texts' source (a PassageStore, or [ObjectRef of (ids, texts)]
         of these rows) for re-encoding. A persisted live state of the same rows (a restart) is continued, unless
         `fresh` (the start of a run's live index)."""
-        vecs = np.concatenate([v for _, v in iter_rows(ShardSet.load(vector_folder), start, stop)])
+        vecs = np.concatenate([v for _, v in iter_rows(VectorSet.load(vector_folder), start, stop)])
         if isinstance(source, PassageStore):
 
             def read(local: np.ndarray) -> list[str]:  # one slice per run of consecutive rows
@@ -509,7 +525,7 @@ class _Shard(BuildHolder):
             version,
             lambda texts: enc.encode(texts, retriever.passage_max_length, "passage"),
             fraction,
-            priority,
+            PRIORITIES[priority](),
             hot,
             seed,
         )
@@ -580,7 +596,7 @@ def _link_tree(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-# 0 CPUs, as the index host: a shard works while the driver waits on it, and a reservation would take a CPU from
+# 0 CPUs: a shard works while the driver waits on it, and a reservation would take a CPU from
 # the trainer for the whole run. Its calls are retried on the restarted actor (searches and builds are idempotent).
 # Threaded (max_concurrency): searches and mining go on while a live refresh encodes in another thread; a build
 # is swapped in by one assignment, so a search sees the old build or the new one.
@@ -592,7 +608,7 @@ IndexShard = ray.remote(
 @ray.remote(num_cpus=0)
 def _train_quantizer(shard_folder: str, factory: str, seed: int) -> Any:
     """The shared quantiser: `trained_empty` on the whole set's seeded sample, serialised (read where it runs)."""
-    index, _ = trained_empty(ShardSet.load(shard_folder), factory, seed)
+    index, _ = trained_empty(VectorSet.load(shard_folder), factory, seed)
     return faiss.serialize_index(index)
 
 
@@ -621,16 +637,32 @@ def _gather(refs: Sequence[Any], shards: Sequence[int], what: str, timeout_s: fl
     return out
 
 
+def pool_node_options(pool: PoolResources, nodes: list[dict]) -> dict[str, Any]:
+    """Where a shard goes without index nodes: a 0-CPU actor would land on the driver's node (on KubeRay the head,
+    meant for the driver alone), so it goes next to the pool: to a node that carries the pool's custom resources
+    (soft: any node if none is alive)."""
+    opts: dict[str, Any] = {}
+    if pool.resources:
+        fit = [
+            n["NodeID"] for n in nodes if n.get("Alive") and all(n["Resources"].get(k, 0) > 0 for k in pool.resources)
+        ]
+        if fit:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(fit[0], soft=True)
+    return opts
+
+
 class ShardGroup:
-    """The run's N IndexShard actors: on a cluster with `index_node` nodes, a placement group SPREADs them over those
-    nodes (one per node when there are enough); elsewhere N actors on the pool's node. FAISS and torch threads per
-    shard: the CPUs of its node shared by the shards placed there."""
+    """The run's N IndexShard actors: N > 1 on a cluster with `index_node` nodes, a placement group SPREADs them over
+    those nodes (one per node when there are enough); elsewhere, and one shard always, on the pool's node. FAISS and
+    torch threads per shard: the CPUs of its node shared by the shards placed there."""
 
     def __init__(
         self, n: int, root: str | Path, pool: PoolResources, timeout_s: float, nodes: list[dict] | None = None
     ) -> None:
         nodes = ray.nodes() if nodes is None else nodes
-        found = index_nodes(nodes)
+        # One shard has nothing to spread: it goes next to the pool and claims no `index_node`, which the pool's
+        # actors and the live refresh's reservation may claim whole (deploy/: 2 x 0.5 of a node's 1)
+        found = index_nodes(nodes) if n > 1 else []
         self.n, self.root, self.timeout_s, self.pg = n, Path(root).resolve(), timeout_s, None
         self.root.mkdir(parents=True, exist_ok=True)
         if found:
@@ -652,7 +684,7 @@ class ShardGroup:
             ]
         else:
             per_node, cpus = n, float(ray.cluster_resources().get("CPU", 1))
-            opts = [host_options(pool, nodes)] * n
+            opts = [pool_node_options(pool, nodes)] * n
         threads = max(1, int(cpus) // per_node)
         self.actors = [IndexShard.options(**o).remote(i, str(self.root), threads) for i, o in enumerate(opts)]
         self.versions: dict[str, int] = {}
@@ -666,9 +698,9 @@ class ShardGroup:
 
     def encode(
         self, source: Any, weights_ref: Any, retriever: RetrieverConfig, idx: IndexConfig, folder: str | Path
-    ) -> ShardSet:
+    ) -> VectorSet:
         """Every shard encodes its rows of `source` (a PassageStore, or an (ids, texts) pair of lists) with the
-        snapshot `weights_ref` into `folder/shard-<i>/`; returns the whole set as one ShardSet (corpus order)."""
+        snapshot `weights_ref` into `folder/shard-<i>/`; returns the whole set as one VectorSet (corpus order)."""
         rows = len(source) if isinstance(source, PassageStore) else len(source[0])
         folder = Path(folder).resolve()
         shutil.rmtree(folder, ignore_errors=True)
@@ -687,7 +719,7 @@ class ShardGroup:
             "shard_seconds": [p["seconds"] for p in parts],
             "shard_peak_rss_mb": [p["peak_rss_mb"] for p in parts],
         }
-        return ShardSet(
+        return VectorSet(
             str(Path(folder).resolve()),
             [f"shard-{i}/{f}" for i, p in enumerate(parts) for f in p["files"]],
             sum(p["rows"] for p in parts),
@@ -698,7 +730,7 @@ class ShardGroup:
         ).save_meta()
 
     def build(
-        self, tag: str, shards: ShardSet, idx: IndexConfig, fingerprint: str, encoder: str, step: int, seed: int
+        self, tag: str, shards: VectorSet, idx: IndexConfig, fingerprint: str, encoder: str, step: int, seed: int
     ) -> ShardedIndex:
         """Build `tag` from the vector set `shards`: shard i indexes its row range, every shard copying one
         quantiser trained once on the set's seeded sample (IVF, PQ); each persists its build before answering."""
@@ -892,10 +924,14 @@ class LocalShards(_Merged):
         """Nothing to free elsewhere."""
 
 
-def open_saved(folder: str | Path, expect_corpus: str | None = None, mmap: bool = False) -> Any:
-    """A saved index folder, one index (`load_index`) or sharded (`LocalShards`), checked against the corpus."""
+def open_saved(folder: str | Path, expect_corpus: str | None = None, mmap: bool = False) -> LocalShards:
+    """A saved index folder (`ShardedIndex.save`) in this process, every shard checked, and checked against the
+    corpus."""
     if not is_sharded(folder):
-        return load_index(folder, expect_corpus=expect_corpus, mmap=mmap)
+        raise IndexMismatchError(
+            f"{folder} holds no {SHARDED}: not an index saved by this ragtrain (an older one wrote a single "
+            "index): rebuild it with the index stage"
+        )
     index = LocalShards.load(folder, mmap=mmap)
     if expect_corpus is not None and index.meta.corpus_fingerprint != expect_corpus:
         raise IndexMismatchError(

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragtrain.console import get_logger
-from ragtrain.corpus.encode import SHARDS_META, ShardSet
+from ragtrain.corpus.encode import VECTORS_META, VectorSet
 from ragtrain.precision import resolve_with_reason
 
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig, RetrieverConfig
-    from ragtrain.corpus.encode import ShardSet
+    from ragtrain.corpus.encode import VectorSet
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 # The code between a text and its stored vector: tokenising, the forward pass and pooling, the Ray Data encode
@@ -89,18 +89,18 @@ def _copy_tree(src: Path, dst: Path) -> None:
             shutil.copy2(f, target)
 
 
-def lookup(cache_dir: str | Path, key: str, dest: str | Path) -> ShardSet | None:
-    """The cached shards of `key` placed in `dest` (replacing it), or None on a miss."""
+def lookup(cache_dir: str | Path, key: str, dest: str | Path) -> VectorSet | None:
+    """The cached vector files of `key` placed in `dest` (replacing it), or None on a miss."""
     entry = Path(cache_dir) / key
-    if not (entry / SHARDS_META).exists():  # absent, or an unfinished entry (never renamed into place)
+    if not (entry / VECTORS_META).exists():  # absent, or an unfinished entry (never renamed into place)
         return None
     _copy_tree(entry, Path(dest))
-    shards = ShardSet.load(dest)
+    shards = VectorSet.load(dest)
     shards.seconds, shards.stats = 0.0, {**shards.stats, "cache_hit": 1.0}
     return shards
 
 
-def store(cache_dir: str | Path, key: str, shards: ShardSet) -> Path:
+def store(cache_dir: str | Path, key: str, shards: VectorSet) -> Path:
     """Add a finished shard folder to the cache under `key` (a concurrent writer of the same key wins, harmlessly)."""
     root = Path(cache_dir)
     entry = root / key

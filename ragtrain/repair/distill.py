@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragtrain.embed.model import BiEncoder, build_encoder, load_tokenizer, tokenize
-from ragtrain.index.shard_ops import DRIFT_SAMPLE, drift, sample_ids
+from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, sample_ids
 
 
 class StudentEncoder(nn.Module):

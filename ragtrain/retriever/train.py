@@ -228,7 +228,7 @@ def connect_live_index(r: Replica, service: Any, probe: Probe) -> None:
     decides there."""
     w = r.w
     broadcast = w.world > 1 and r.strategy.gather_negatives
-    r.live = LiveIndexClient(service, r.cfg, w.rank, broadcast=broadcast, device=w.device)
+    r.live = LiveIndexClient(service, r.cfg.refresh, w.rank, broadcast=broadcast, device=w.device)
     probe_texts = [r.data.passages[i] for i in probe.rows]
 
     def measure(stale):  # rank 0: the current encoder on the staleness probe

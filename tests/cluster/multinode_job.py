@@ -98,13 +98,16 @@ def storage_part(out_dir: str) -> dict:
 
 
 def sync_part(cfg, train) -> dict:
-    """hierarchical, hybrid_powersgd and layerwise on 4 workers over both nodes; where the pool's actors land."""
+    """hierarchical, hybrid_powersgd and layerwise on 4 workers over both nodes; where the live refresh's reserved
+    CPUs (resources.pool) land."""
     import re
     from dataclasses import replace
 
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
     from ragtrain.config import sync_preset
     from ragtrain.embed.model import build_encoder
-    from ragtrain.index.pool import EncoderPool
+    from ragtrain.index.refresh_service import reserve
     from ragtrain.retriever.train import fit_retriever
 
     out_dir = cfg.output_dir
@@ -139,9 +142,9 @@ def sync_part(cfg, train) -> dict:
     n_top = sum(v.numel() for k, v in weights.items() if re.search(top[0], k))
     shapes = [list(v.shape) for v in weights.values()]
 
-    pool = EncoderPool(cfg.retriever, cfg.resources.pool)
-    pool_nodes = pool.node_ids()
-    pool.shutdown()
+    reserved = reserve(cfg.resources.pool)
+    pool_nodes = sorted(set(placement_group_table(reserved)["bundles_to_node_id"].values()))
+    remove_placement_group(reserved)
     return {
         "metrics": fit.metrics,
         "hybrid": hybrid.metrics,
@@ -154,7 +157,8 @@ def sync_part(cfg, train) -> dict:
 
 
 def refresh_part(cfg, out_dir: str) -> dict:
-    """The pipeline with live refresh: 2 trainer workers; the pool and its index service on the labelled node."""
+    """The pipeline with live refresh: 2 trainer workers; the refresh's reservation and its service on the labelled
+    node."""
     from dataclasses import replace
 
     from ragtrain.config import RefreshConfig, SyncConfig, TrainerResources
@@ -248,11 +252,11 @@ def shard_kill_part(out_dir: str) -> dict:
 
     from ragtrain.config import IndexConfig, PoolResources
     from ragtrain.index.sharded import SEARCH_BATCH, ShardGroup, resolve_shards
-    from tests.index.test_shards import _vectors, _write_shards
+    from tests.index.test_vector_files import _vectors, _write_vectors
 
     out = Path(out_dir)
     x = _vectors(300)
-    shards = _write_shards(out / "vec", [f"d{i}" for i in range(300)], x, per_file=50)
+    shards = _write_vectors(out / "vec", [f"d{i}" for i in range(300)], x, per_file=50)
     n = resolve_shards("auto", shards.rows, ray.nodes())
     group = ShardGroup(n, out / "shards", PoolResources(num_actors=1), timeout_s=60.0)
     index = group.build("t", shards, IndexConfig(), "fp", "enc", 0, seed=0)

@@ -80,7 +80,7 @@ def test_live_refresh_builds_every_version_on_the_labelled_node(tmp_path: Path) 
 @pytest.mark.slow
 def test_node_scoped_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None:
     res = _job(tmp_path / "out", "sync")
-    assert res["pool_nodes"] == [res["labelled_node"]]  # the pool landed on the index_node-labelled node
+    assert res["pool_nodes"] == [res["labelled_node"]]  # the refresh's CPUs: on the index_node-labelled node
     m, p = res["metrics"], 4 * res["n_params"]
     assert m["sync/nodes"] == 2  # 4 workers found 2 nodes (2 workers each)
     # every step: a 2-worker all-reduce inside the node; every 2nd step: a 4-worker all-reduce of parameters

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
-from ragtrain.corpus.encode import ShardSet, encode_to_shards
+from ragtrain.corpus.encode import VectorSet, encode_to_vectors
 from ragtrain.embed.encoders import EncodeFault, QueryEncoder
 
 MAX_LENGTH = 32
@@ -42,13 +42,13 @@ def test_killed_encode_actor_every_passage_exactly_once_equal_to_in_process(ray_
     a PassageStore read by Ray Data's tasks (what every run encodes); the shards equal in-process encoding."""
     from ragtrain.data import Passage
     from ragtrain.data.store import write_store
-    from ragtrain.index.shards import build_from_shards
+    from ragtrain.index.vector_files import build_from_vectors
 
     ids, texts = _corpus(96, seed=2)
     store = write_store(tmp_path / "passages.arrow", (Passage(i, "", t) for i, t in zip(ids, texts)))
     index = IndexConfig(batch_size=8, shard_size=8)  # 12 batches over 2 actors: the death is mid-pipeline
     marker = tmp_path / "killed"
-    shards = encode_to_shards(
+    shards = encode_to_vectors(
         store,
         ray_session.put(weights),
         CFG,
@@ -63,11 +63,11 @@ def test_killed_encode_actor_every_passage_exactly_once_equal_to_in_process(ray_
     got = shards.ids()
     # every passage exactly once in the shards (the retried batch lands after the others: the index names its rows)
     assert len(got) == len(ids) and sorted(got) == ids
-    built = build_from_shards(shards, "Flat", "fp", "tiny")
+    built = build_from_vectors(shards, "Flat", "fp", "tiny")
     assert built.index.ntotal == len(ids) and sorted(built.doc_ids) == sorted(ids)  # ... and in the index
     _, vecs = shards.read_all(order=ids)
     np.testing.assert_allclose(vecs, _local(weights, texts, index), atol=1e-5)
-    again = ShardSet.load(tmp_path / "k")  # shards.json describes the folder
+    again = VectorSet.load(tmp_path / "k")  # shards.json describes the folder
     assert (again.rows, again.dim, again.files) == (shards.rows, shards.dim, shards.files)
 
 
@@ -87,7 +87,7 @@ def test_encode_batch_writes_float16_vectors_when_asked(weights) -> None:
 
 def test_empty_dataset_is_refused(ray_session, tmp_path, weights) -> None:
     with pytest.raises(ValueError, match="no rows"):
-        encode_to_shards(([], []), ray_session.put(weights), CFG, IndexConfig(), POOL, tmp_path / "e")
+        encode_to_vectors(([], []), ray_session.put(weights), CFG, IndexConfig(), POOL, tmp_path / "e")
 
 
 @pytest.mark.parametrize(("factory", "match"), [("IVF4096,Flat", "4096 IVF lists"), ("IVF8,Nope", "not a valid faiss")])
@@ -111,7 +111,7 @@ def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_pa
     once, built from the shards under <output_dir>/vectors/zeroshot."""
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
-    from ragtrain.index.faiss_index import load_index
+    from ragtrain.index.sharded import open_saved
     from ragtrain.pipeline import run
     from tests.conftest import compose, tiny_overrides
 
@@ -125,9 +125,9 @@ def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_pa
     results = run(cfg)
     out = tmp_path / "out"
     assert (out / "vectors" / ".encode_actor_killed").exists(), "the injected actor death never fired"
-    index = load_index(out / "index")
+    index = open_saved(out / "index")
     corpus = list(load_data(cfg.data).corpus)
-    assert sorted(index.doc_ids) == sorted(corpus) and index.index.ntotal == len(corpus)
+    assert sorted(index.doc_ids) == sorted(corpus) and index.ntotal == len(corpus)
     assert (out / "vectors" / "zeroshot" / "shards.json").exists()
     assert results["zeroshot"]["ndcg@10"] >= 0.0
     assert not list(out.glob("index.tmp-*"))  # the temporary folder was renamed

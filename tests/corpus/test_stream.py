@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ragtrain.config import ConfigError, IndexConfig, PoolResources, Precision, to_typed
-from ragtrain.corpus.encode import ShardSet
+from ragtrain.corpus.encode import VectorSet
 from ragtrain.corpus.load import load_data
 from ragtrain.corpus.stream import StreamEncode
 from ragtrain.data.types import DataError
@@ -63,7 +63,7 @@ def _same_as_two_steps(root: Path, tmp_path: Path, out: Path, weights):
     Returns (the two-step data, the stream's shards)."""
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.index.faiss_index import build_index
-    from ragtrain.index.shards import build_from_shards
+    from ragtrain.index.vector_files import build_from_vectors
 
     driver = to_typed(
         compose(
@@ -86,7 +86,7 @@ def _same_as_two_steps(root: Path, tmp_path: Path, out: Path, weights):
     store = "corpus/passages.arrow"
     assert (out / store).read_bytes() == (tmp_path / "two" / store).read_bytes()
     # every passage exactly once, in corpus order, with the vector the two-step encode gave it
-    shards = ShardSet.load(out / "vectors" / "zeroshot")
+    shards = VectorSet.load(out / "vectors" / "zeroshot")
     ids = list(two.corpus)
     assert shards.ids() == ids and shards.rows == len(ids) > 36
     assert shards.stats["streamed"] and shards.stats["corpus"] == two.fingerprint()
@@ -94,7 +94,7 @@ def _same_as_two_steps(root: Path, tmp_path: Path, out: Path, weights):
     np.testing.assert_allclose(got, want, atol=1e-5)
     # a Flat index from the streamed shards answers as one from the two-step vectors: the same scores, and its ids
     # score the same under the two-step vectors (repeated sentences make exact ties, whose order floats decide)
-    a = build_from_shards(shards, "Flat", "fp", "tiny")
+    a = build_from_vectors(shards, "Flat", "fp", "tiny")
     b = build_index(want, ids, "Flat", "fp", "tiny")
     queries = want[::7] + 0.01
     (sa, ia), (sb, _) = a.search(queries, 10), b.search(queries, 10)
@@ -169,7 +169,7 @@ def test_a_run_indexes_what_the_stream_encoded_without_encoding_again(ray_sessio
     encoded once, as the two-step path encodes it, and the zero-shot index is built from the stream's shards."""
     import logging
 
-    from ragtrain.index.faiss_index import load_index
+    from ragtrain.index.sharded import open_saved
     from ragtrain.pipeline import run
     from tests.conftest import tiny_overrides
 
@@ -192,9 +192,9 @@ def test_a_run_indexes_what_the_stream_encoded_without_encoding_again(ray_sessio
     text = caplog.text
     assert "in one Ray Data stream" in text and "passage vectors from the corpus stream" in text
     assert "encoding" not in text  # Retrieval.build encoded nothing itself
-    shards = ShardSet.load(out / "vectors" / "zeroshot")
-    store_ids = (out / "index" / "doc_ids.txt").read_text().split("\n")
-    assert shards.stats["streamed"] and shards.ids() == [i for i in store_ids if i]
-    assert load_index(out / "index").ntotal == shards.rows
+    shards = VectorSet.load(out / "vectors" / "zeroshot")
+    saved = open_saved(out / "index")
+    assert shards.stats["streamed"] and shards.ids() == saved.doc_ids
+    assert saved.ntotal == shards.rows
     assert 0.0 < results["zeroshot"]["ndcg@10"] <= 1.0 and results["zeroshot"]["encode_docs_per_s"] > 0
     _same_as_two_steps(root, tmp_path, out, initial_weights(cfg))

@@ -34,30 +34,23 @@ def tiny():
     return cfg, build_encoder(cfg).state_dict()
 
 
-def test_every_encoder_gives_the_vectors_of_encode_texts(ray_session, tiny) -> None:
-    import ray
-
-    from ragtrain.index.pool import EncoderActor
-
+def test_every_encoder_gives_the_vectors_of_encode_texts(tiny) -> None:
     cfg, weights = tiny
     model = build_encoder(cfg)
     model.load_state_dict(weights)
-    actor = EncoderActor.remote(cfg, 1)  # the live refresh pool's actor
-    ray.get(actor.set_weights.remote(0, ray.put(weights)))
     for role in ("query", "passage"):  # each with its own prefix
         want = encode_texts(model, load_tokenizer(cfg), TEXTS, 24, 5, Precision.fp32, role=role).numpy()
         batch = EncodeBatch(cfg, weights, 24, batch_size=8)  # the corpus actors' class, run here
         batch.role = role
         got = {
             "EncodeBatch": batch.encode(TEXTS),
+            # the index shards' encoder of the live refresh's rounds
             "LocalEncoder": LocalEncoder(cfg, weights, batch_size=3).encode(TEXTS, 24, role),
             "QueryEncoder": QueryEncoder(cfg, [weights], batch_size=16).encode(TEXTS, 24, role),
-            "EncoderActor": ray.get(actor.encode.remote(0, TEXTS, 24, 4, "fp32", role=role))[2],
         }
         assert np.abs(want).sum() > 0
         for name, vecs in got.items():  # batch sizes differ: only float rounding may
             np.testing.assert_allclose(vecs, want, rtol=0, atol=1e-5, err_msg=f"{name} ({role})")
-    ray.kill(actor)
 
 
 def _forward_calls(path: Path) -> list[str]:
@@ -92,7 +85,7 @@ def test_no_module_outside_embed_runs_an_encoder_forward_to_embed() -> None:
 
 
 def test_one_function_fills_every_faiss_index() -> None:
-    """Vector shards, an index shard's row range, a live shard's rebuild and an in-memory matrix: every FAISS
+    """Vector files, an index shard's row range, a live shard's rebuild and an in-memory matrix: every FAISS
     `add` in ragtrain is `faiss_index.build_from_chunks`'s."""
     adds = {
         (str(p.relative_to(PACKAGE)), i)

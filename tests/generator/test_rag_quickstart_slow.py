@@ -15,7 +15,7 @@ def test_rag_quickstart_composes(tmp_path) -> None:
     g = cfg.generator
     assert cfg.stages == ["retriever", "index", "generator"]
     assert g.arch.value == "bert2bert" and g.decoder_layers == 2 and g.train.precision.value == "auto"
-    assert g.retrieval.mode.value == "service" and g.eval.modes == ["closed_book", "rag", "oracle"]
+    assert g.eval.modes == ["closed_book", "rag", "oracle"]
 
 
 @pytest.mark.slow

@@ -34,26 +34,3 @@ def test_a_matching_encoder_passes_and_another_fails_whatever_the_index_type(fac
     assert check_encoder(CFG, [ours], "fp32", texts[:8], index, 8) > 0.99
     with pytest.raises(IndexMismatchError, match="does not match the index"):
         check_encoder(CFG, [other], "fp32", texts[:8], index, 8)
-
-
-def test_service_mode_ranks_start_on_different_actors(ray_session) -> None:
-    # Every rank calls once per step: clients that all start on actor 0 would leave the other actors idle
-    import ray
-
-    from ragtrain.generator.retriever_client import RetrievalClient, RetrievalMode
-
-    @ray.remote(num_cpus=0)
-    class Named:
-        def __init__(self, name: str):
-            self.name = name
-
-        def search(self, questions: list[str], k: int) -> list[list[str]]:
-            return [[self.name] * k for _ in questions]
-
-    actors = [Named.remote("a0"), Named.remote("a1")]
-    served = []
-    for rank in range(2):
-        client = RetrievalClient(RetrievalMode.service, actors)
-        client.start_at(rank)
-        served.append([client.search([f"step {s}"], 1)[0][0] for s in range(3)])
-    assert served == [["a0", "a1", "a0"], ["a1", "a0", "a1"]]

@@ -41,14 +41,13 @@ def _cfg(tmp: Path, *extra: str):
 
 @pytest.fixture(scope="module")
 def built(ray_session, tmp_path_factory):
-    """A tiny-retriever index of the 24-entity KB, held by the run's index host as in a pipeline run (built from
-    shards encoded in-process: the Ray Data encode is tested in tests/corpus), saved to <out>/index."""
+    """A tiny-retriever index of the 24-entity KB, held by the run's index shard as in a pipeline run (built from
+    vectors encoded in-process: the Ray Data encode is tested in tests/corpus), saved to <out>/index."""
     from ragtrain.corpus.load import load_data
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
     from ragtrain.index.facade import BuiltIndex, Retrieval
-    from ragtrain.index.host import RemoteIndex
-    from tests.index.test_shards import _write_shards
+    from tests.index.test_vector_files import _write_vectors
 
     tmp = tmp_path_factory.mktemp("gen")
     cfg = _cfg(tmp)
@@ -57,12 +56,10 @@ def built(ray_session, tmp_path_factory):
     weights = {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
     retrieval = Retrieval(cfg, data)
     vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
-    shards = _write_shards(tmp / "vectors", retrieval.doc_ids, vecs, per_file=64)
+    shards = _write_vectors(tmp / "vectors", retrieval.doc_ids, vecs, per_file=64)
     name = f"{cfg.retriever.model}@init"
-    remote = RemoteIndex.build(
-        retrieval.host, "zeroshot", shards.folder, cfg.index, retrieval.fingerprint, name, 0, cfg.seed
-    )
-    index = BuiltIndex("zeroshot", remote, [weights], retrieval.doc_ids, {}, shards=shards)
+    held = retrieval.index_from("zeroshot", shards, name, 0)
+    index = BuiltIndex("zeroshot", held, [weights], retrieval.doc_ids, {}, shards=shards)
     out = Path(cfg.output_dir)
     index.index.save(out / "index")
     yield tmp, cfg, data, retrieval, index
@@ -154,8 +151,9 @@ def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
 
 @pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
 def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -> None:
-    from ragtrain.config.generator import RetrievalMode
-    from ragtrain.generator.retriever_client import RetrievalService
+    import ray
+
+    from ragtrain.generator.retriever_client import RetrievalClient
     from ragtrain.generator.stage import build_gen_data, resolve_index
     from ragtrain.generator.train import fit_generator
 
@@ -169,8 +167,7 @@ def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -
         "logger=none",
     )
     payload = resolve_index(cfg1, data, index, Path(cfg1.output_dir))
-    service = RetrievalService(payload, RetrievalMode.local)  # the other retrieval mode, same results
-    fit = fit_generator(cfg1, build_gen_data(cfg1, data), service.client(), None)
+    fit = fit_generator(cfg1, build_gen_data(cfg1, data), RetrievalClient(ray.put(payload)), None)
     two = json.loads((Path(cfg2.output_dir) / "generator" / "loss_history.json").read_text())
     one = [h["loss"] for h in fit.loss_history]
     assert len(one) == len(two) == 6
@@ -271,17 +268,16 @@ def test_encoder_index_mismatch_fails_clearly(built, tmp_path, override: str, ma
         preflight(cfg, data)
 
 
-def test_a_saved_index_is_searched_from_a_host_not_through_the_driver(built, tmp_path) -> None:
-    import ray
-
+def test_a_saved_index_is_searched_from_shards_not_through_the_driver(built, tmp_path) -> None:
     from ragtrain.generator.retriever_client import Searcher
     from ragtrain.generator.stage import resolve_index
+    from ragtrain.index.sharded import ShardedIndex
 
     _, cfg0, data, _, index = built
     cfg = _cfg(tmp_path, "stages=[generator]", f"generator.retrieval.index_dir={Path(cfg0.output_dir) / 'index'}")
     assert resolve_index(cfg, data, None, tmp_path, check_only=True) is None
     payload = resolve_index(cfg, data, None, tmp_path)
-    assert isinstance(payload.index_bytes, ray.ObjectRef)  # the host's serialised copy: the driver never fetched it
+    assert isinstance(payload.index, ShardedIndex)  # shard actors hold the saved folder: the driver holds no vector
     questions = [data.queries[q] for q in list(data.eval_qrels)[:5]]
     expected = Searcher(resolve_index(cfg0, data, index, tmp_path)).search(questions, 5)
     assert Searcher(payload).search(questions, 5) == expected

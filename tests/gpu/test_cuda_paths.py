@@ -72,7 +72,7 @@ def test_live_index_broadcast_runs_on_the_workers_gpu(nccl_group) -> None:
         def version_for_step(self, step: int) -> int:
             return 3
 
-    client = LiveIndexClient(Service(), cfg=None, rank=0, broadcast=True, device=nccl_group)
+    client = LiveIndexClient(Service(), refresh=None, rank=0, broadcast=True, device=nccl_group)
     assert client.begin_step(0) == 3
 
 

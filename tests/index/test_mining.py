@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from ragtrain.config import ConfigError, RetrieverTrainConfig  # noqa: E402
-from ragtrain.index.mining import mine_rows, positive_scores  # noqa: E402
+from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores  # noqa: E402
 from ragtrain.retriever.batching import TrainData, TrainExample, local_batch  # noqa: E402
 
 RANKED = ["gold", "a", "b", "c", "d"]
@@ -78,13 +78,13 @@ def test_positive_score_comes_from_the_vectors_even_when_gold_is_not_retrieved()
     assert positive_scores(q, [[4, 0]], vecs)[0] == pytest.approx(s[0])  # several gold: the best one
     index = _FakeIndex([[s[0], s[1], s[2], s[3], -1.0]], [[0, 1, 2, 3, -1]])  # gold row 4 not in the top 4
     # threshold (1 - 0.05) x 0.8 = 0.76: rows 0..2 (cos 0.1..0.5 = 0.995, 0.955, 0.878) go, row 3 (0.362) stays
-    assert mine_rows(index, q, [[4]], 5, 0, margin=0.05, passage_vectors=vecs) == [[3]]
-    assert mine_rows(index, q, [[4]], 5, 0, max_score=0.9) == [[2, 3]]
-    assert mine_rows(index, q, [[4]], 5, 0) == [[0, 1, 2, 3]]  # -1 padding dropped
+    assert mine_rows(index, q, [[4]], MiningSpec(5, 0, margin=0.05), passage_vectors=vecs) == [[3]]
+    assert mine_rows(index, q, [[4]], MiningSpec(5, 0, max_score=0.9)) == [[2, 3]]
+    assert mine_rows(index, q, [[4]], MiningSpec(5, 0)) == [[0, 1, 2, 3]]  # -1 padding dropped
     with pytest.raises(ValueError, match="passage vectors"):
-        mine_rows(index, q, [[4]], 5, 0, margin=0.05)
+        mine_rows(index, q, [[4]], MiningSpec(5, 0, margin=0.05))
     # the live index service calls it with these arguments in this order
-    assert mine_rows(index, q, [[4]], 5, 0, 0.05, None, vecs) == [[3]]
+    assert mine_rows(index, q, [[4]], MiningSpec(5, 0, 0.05, None), vecs) == [[3]]
 
 
 def test_static_mining_in_the_pipeline_applies_the_filters_in_corpus_positions(tmp_path) -> None:
@@ -106,10 +106,10 @@ def test_static_mining_in_the_pipeline_applies_the_filters_in_corpus_positions(t
     order = [3, 0, 4, 1, 2]
     by_score = sorted(range(5), key=lambda i: -s[order[i]])
     index = _FakeIndex([[s[order[i]] for i in by_score]], [by_score], [corpus[i] for i in order])
-    # the positive's vector is read from the build's vector shards (in shard order), gold rows only
-    from tests.index.test_shards import _write_shards
+    # the positive's vector is read from the build's vector files (in shard order), gold rows only
+    from tests.index.test_vector_files import _write_vectors
 
-    shards = _write_shards(tmp_path / "s", [corpus[i] for i in order], vecs[order], per_file=2)
+    shards = _write_vectors(tmp_path / "s", [corpus[i] for i in order], vecs[order], per_file=2)
     built = BuiltIndex("fake", index, [], corpus, {}, shards=shards)
     assert r.mine_negatives(built) == {"q0": [3]}
     r.cfg.retriever.train = RetrieverTrainConfig(hard_negative_depth=5, hard_negative_max_score=0.9)

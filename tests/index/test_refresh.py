@@ -11,7 +11,7 @@ import torch
 
 from ragtrain.config import ConfigError, to_typed
 from ragtrain.index.faiss_index import build_index
-from ragtrain.index.mining import mine_rows
+from ragtrain.index.mining import MiningSpec, mine_rows
 from ragtrain.index.refresh import (
     LiveIndexClient,
     LiveVersion,
@@ -33,7 +33,7 @@ def test_mined_negatives_skip_gold_and_top_ranks() -> None:
     index = build_index(docs, [f"d{i}" for i in range(50)], "Flat", "fp", "test")
     gold = [[3, 7], [10], [0, 1, 2]]
     qvecs = docs[[3, 10, 0]]  # each query sits on a gold passage: gold ranks first and must be removed
-    negs = mine_rows(index, qvecs, gold, depth=12, skip_top=2)
+    negs = mine_rows(index, qvecs, gold, MiningSpec(depth=12, skip_top=2))
     _, rows = index.search(qvecs, 12)
     for i, g in enumerate(gold):
         assert rows[i][0] in g  # gold ranks first ...
@@ -86,7 +86,7 @@ def _agree(rank: int, world: int, port: int, out: str, broadcast: bool) -> None:
 
     import torch.distributed as dist
 
-    from ragtrain.config import Config
+    from ragtrain.config import RefreshConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -95,7 +95,7 @@ def _agree(rank: int, world: int, port: int, out: str, broadcast: bool) -> None:
     if rank == 1:
         book.version_for_step(0)  # its answer for step 0 is version 0 ...
     book.publish(_version(1, step=0))  # ... rank 0's is version 1
-    client = LiveIndexClient(book, Config(), rank, broadcast=broadcast)
+    client = LiveIndexClient(book, RefreshConfig(), rank, broadcast=broadcast)
     assert client.live.version == 1  # the newest at start-up
     client.live = book.get(0)  # both ranks mined step -1 from version 0
     seen = [client.begin_step(0), client.negatives()]
@@ -143,19 +143,20 @@ def test_refresh_needs_a_schedule(tmp_path) -> None:
 
 
 def _service(cfg, data, tmp_path):
-    """The live service started from version-0 shards encoded in-process (the service reads only the shards; the
-    Ray Data encode that writes them in a run is tested in tests/corpus/test_encode.py)."""
+    """The live service started from a version-0 build of vectors encoded in-process (the Ray Data encode that
+    writes them in a run is tested in tests/corpus/test_encode.py), on the run's one index shard."""
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
     from ragtrain.index.facade import BuiltIndex, Retrieval
-    from tests.index.test_shards import _write_shards
+    from tests.index.test_vector_files import _write_vectors
 
     torch.manual_seed(0)
     weights = build_encoder(cfg.retriever).state_dict()
     retrieval = Retrieval(cfg, data)
     vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
-    shards = _write_shards(tmp_path / "v0", retrieval.doc_ids, vecs, per_file=64)
-    built = BuiltIndex("zeroshot", None, [weights], retrieval.doc_ids, {}, shards=shards)
+    shards = _write_vectors(tmp_path / "v0", retrieval.doc_ids, vecs, per_file=64)
+    index = retrieval.index_from("zeroshot", shards, f"{cfg.retriever.model}@init", 0)
+    built = BuiltIndex("zeroshot", index, [weights], retrieval.doc_ids, {}, shards=shards)
     service, probe = retrieval.start_service(built, weights)
     return retrieval, service, probe, weights
 
@@ -188,6 +189,34 @@ def _until(condition, what: str, deadline_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def test_a_refresh_that_cannot_be_reserved_says_what_it_asked(ray_session, monkeypatch) -> None:
+    import ragtrain.index.refresh_service as refresh_service
+    from ragtrain.config import PoolResources
+
+    monkeypatch.setattr(refresh_service, "PLACEMENT_TIMEOUT_S", 1.0)  # the real wait is 30 s
+    with pytest.raises(TimeoutError, match="no_such_resource") as e:
+        refresh_service.reserve(PoolResources(num_actors=1, cpus_per_actor=1, resources={"no_such_resource": 1}))
+    assert "resources.pool" in str(e.value) and "live refresh" in str(e.value)
+    # the reservation was given back: its CPUs are free again
+    assert ray_session.available_resources().get("CPU", 0) >= 1
+
+
+def test_the_refresh_reserves_its_cpus_in_a_placement_group(ray_session) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    from ragtrain.config import PoolResources
+    from ragtrain.index.refresh_service import reserve
+
+    before = ray_session.available_resources().get("CPU", 0)
+    pg = reserve(PoolResources(num_actors=2, cpus_per_actor=0.5))
+    try:
+        table = ray_session.util.placement_group_table(pg)
+        assert table["state"] == "CREATED" and len(table["bundles"]) == 2
+        assert ray_session.available_resources().get("CPU", 0) == pytest.approx(before - 1.0)
+    finally:
+        remove_placement_group(pg)
+
+
 def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tmp_path) -> None:
     import ray
 
@@ -212,6 +241,13 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
         new = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in weights.items()}
         ok = ray.get(service.refresh.remote(5, [ray.put(new)]))
         assert ok["ok"] and ok["version"] == 1
+        # one index shard has the store's figures too: every row re-encoded, one version searched, its encode timed
+        m = ok["metrics"]
+        assert (
+            m["index/encoded_fraction"] == 1.0
+            and m["index/version_skew"] == 0.0
+            and m["index/shard0_encode_seconds"] > 0
+        )
         v1 = ray.get(service.latest.remote())
         assert v1.step == 5 and not np.allclose(v1.probe_vectors, v0.probe_vectors)
         # a snapshot that does not fit the encoder: the refresh fails, version 1 stays live and searchable
@@ -236,7 +272,7 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
         retrieval.close()
 
 
-# a training run beside the pool (~50 s); the service swap and rank-0 version rule stay in the default suite
+# a training run beside the live refresh (~50 s); the service swap and rank-0 version rule stay in the default suite
 @pytest.mark.slow
 def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None:
     """A real run: versions increase during training, steps go on while a refresh runs, no stall."""
@@ -247,7 +283,7 @@ def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None
     overrides = [
         "experiment=quickstart",
         *tiny_overrides(tmp_path),
-        "resources=laptop",  # 1 trainer worker + 1 pool actor, each in its own placement group
+        "resources=laptop",  # 1 trainer worker + the refresh's 1 CPU, each in its own placement group
         "resources.num_cpus=4",
         "data.num_entities=150",  # a corpus big enough that a refresh spans several training steps
         "retriever.passage_max_length=128",
@@ -267,7 +303,9 @@ def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None
     # none: the refresh would always be finished when its step ends).
     assert t["index/steps_during_refresh"] >= 3
     history = json.loads((tmp_path / "out" / "refresh_history.json").read_text())["history"]
-    assert [h["version"] for h in history] == list(range(len(history)))
+    # one entry per round (version 0, the zero-shot index, is published at the start, not a round); at one shard
+    # under `global` each round publishes one state
+    assert [h["version"] for h in history] == list(range(1, len(history) + 1))
     assert results["trained"]["ndcg@10"] > results["zeroshot"]["ndcg@10"]
     client = MlflowClient(cfg.logger.tracking_uri)
     run_id = client.search_runs([client.get_experiment_by_name("refresh-test").experiment_id])[0].info.run_id
@@ -301,10 +339,10 @@ def test_adaptive_refresh_follows_measured_drift(ray_session, tmp_path, threshol
     results = run(to_typed(compose(overrides)))
     history = json.loads((tmp_path / "out" / "refresh_history.json").read_text())["history"]
     if threshold > 0.5:  # 16 small steps never move the tiny encoder's passage vectors that far
-        assert results["train"]["index/refreshes"] == 0 and len(history) == 1
+        assert results["train"]["index/refreshes"] == 0 and history == []
         return
     assert results["train"]["index/refreshes"] >= 1
-    started = [h["step"] for h in history[1:]]  # version 0 is the zero-shot index (step 0)
+    started = [h["step"] for h in history]  # the rounds (version 0, the zero-shot index, is no round)
     assert started and all(s % 5 == 0 for s in started)  # only at checks, never on a step count
 
 
@@ -313,11 +351,11 @@ def test_the_summary_sums_refresh_seconds_and_summarises_sharded_rounds(ray_sess
     refresh's rounds the mean encoded fraction and mixed recall and the largest version skew."""
     import ray
 
-    from ragtrain.config import Config
+    from ragtrain.config import RefreshConfig
 
     book = VersionBook()
     book.publish(_version(0))
-    client = LiveIndexClient(book, Config(), rank=0)
+    client = LiveIndexClient(book, RefreshConfig(), rank=0)
     rounds = [
         {"ok": True, "version": 1, "step": 2, "seconds": 3.0, "metrics": {"index/encoded_fraction": 0.25,
          "index/mixed_recall_at_10": 0.9, "index/mined_agreement": 0.6, "index/version_skew": 1.0}},
@@ -338,11 +376,11 @@ def test_the_summary_sums_refresh_seconds_and_summarises_sharded_rounds(ray_sess
 def test_the_summary_counts_the_steps_that_mined_from_mixed_versions() -> None:
     """Published states can mix encoder versions for a moment; what counts for training is whether a step's
     negatives came from one: index/steps_on_mixed_versions."""
-    from ragtrain.config import Config
+    from ragtrain.config import RefreshConfig
 
     book = VersionBook()
     book.publish(_version(0))
-    client = LiveIndexClient(book, Config(), rank=0)
+    client = LiveIndexClient(book, RefreshConfig(), rank=0)
     mixed = LiveVersion(1, 2, [[7]], np.zeros((1, 2), dtype=np.float32), 0.0, version_skew=1.0)
     for step in range(6):
         if step == 2:

@@ -28,8 +28,8 @@ from ragtrain.index.sharded import (
     resolve_shards,
     shard_ranges,
 )
-from ragtrain.index.shards import build_configured_from_shards
-from tests.index.test_shards import _vectors, _write_shards
+from ragtrain.index.vector_files import build_configured_from_vectors
+from tests.index.test_vector_files import _vectors, _write_vectors
 
 ROWS = 400
 
@@ -39,7 +39,7 @@ def vectors(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
     x = _vectors(ROWS)
     x[7] = x[300]  # a duplicate passage: equal scores
-    return x, _write_shards(tmp / "vec", [f"d{i}" for i in range(ROWS)], x, per_file=64), tmp
+    return x, _write_vectors(tmp / "vec", [f"d{i}" for i in range(ROWS)], x, per_file=64), tmp
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_merge_orders_by_score_then_global_row_and_pads_last() -> None:
 def test_n_shards_return_exactly_what_one_index_returns(groups, vectors, factory) -> None:
     x, shards, _ = vectors
     idx = IndexConfig(factory=factory, nprobe=3)
-    one = build_configured_from_shards(shards, idx, "fp", "enc", 2, seed=0)
+    one = build_configured_from_vectors(shards, idx, "fp", "enc", 2, seed=0)
     q = _vectors(30, seed=5)
     want_scores, want_rows = one.search(q, 10)
     for n, group in groups.items():
@@ -206,8 +206,8 @@ def on_shards(ray_session, tmp_path_factory):
 def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards, capsys) -> None:
     """Each shard read its rows from the passage store and encoded them; the evaluation, the mined negatives and
     the generator's searcher equal those of one index of the same vectors; the saved folder serves `python -m
-    ragtrain.search`, and a missing shard there is one line naming it (exit 2). (The Ray Data encode and the
-    index host against the shards: the slow pipeline test below.)"""
+    ragtrain.search`, and a missing shard there is one line naming it (exit 2). (The Ray Data encode of one
+    shard against three shards' own encodes: the slow pipeline test below.)"""
     from omegaconf import OmegaConf
 
     from ragtrain.generator.retriever_client import IndexPayload, Searcher
@@ -220,17 +220,17 @@ def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards
     assert a.index.meta.extra["shards"] == 3 and a.index.meta.extra["rows_per_shard"] == [40, 40, 40]
     assert [f.split("/")[0] for f in a.shards.files] == ["shard-0", "shard-1", "shard-2"]
     assert a.shards.ids() == sharded.doc_ids == a.index.doc_ids  # corpus order, range after range
-    one = build_configured_from_shards(a.shards, cfg.index, sharded.fingerprint, "tiny@init", 0, cfg.seed)
+    one = build_configured_from_vectors(a.shards, cfg.index, sharded.fingerprint, "tiny@init", 0, cfg.seed)
     b = BuiltIndex("one", one, [weights], sharded.doc_ids, {}, a.shards)
     want = sharded.evaluate(b)
     assert {k: metrics[k] for k in want} == pytest.approx(want, abs=1e-12)
     assert metrics["index_shard_peak_rss_mb"] > 0 and "index_host_peak_rss_mb" not in metrics
     assert sharded.mine_negatives(a) == sharded.mine_negatives(b)
-    payload = IndexPayload.from_index(a.index, cfg, [weights])  # the generator's searchers scatter too
+    payload = IndexPayload.from_index(a.index, cfg.retriever, [weights], cfg.index.precision)  # searchers scatter
     questions = [data.queries[q] for q in sorted(data.eval_qrels)[:5]]
-    assert Searcher(payload).search(questions, 5) == Searcher(IndexPayload.from_index(one, cfg, [weights])).search(
-        questions, 5
-    )
+    assert Searcher(payload).search(questions, 5) == Searcher(
+        IndexPayload.from_index(one, cfg.retriever, [weights], cfg.index.precision)
+    ).search(questions, 5)
     a.index.save(out / "index")
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     _, hits = search(out, questions[0], k=3)
@@ -325,16 +325,6 @@ def _the_live_rows_survive_a_restart_and_a_failed_round(sharded, service, change
             ("index.shards=2", "fault.kill_encode_actor_at_batch=0"),
             r"^fault.kill_encode_actor_at_batch kills a Ray Data",
         ),
-        (
-            (
-                "refresh.enabled=true",
-                "refresh.every_steps=2",
-                "refresh.fraction=0.5",
-                "fault.kill_encode_actor_at_batch=0",
-            ),
-            r"^fault.kill_encode_actor_at_batch kills a Ray Data encode actor, and with refresh.fraction=0.5 and "
-            r"refresh.consistency=global \(a refresh on index shards\) the index shards encode instead",
-        ),
     ],
 )
 def test_shard_settings_the_run_cannot_serve_fail_before_any_work(ray_session, tmp_path, overrides, match) -> None:
@@ -387,7 +377,7 @@ def test_a_sharded_quickstart_gives_the_figures_of_one_index(ray_session, tmp_pa
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path / "3"), "index.shards=3"]))
     data = load_data(cfg.data, cfg.retriever)
     payload = resolve_index(cfg, data, None, Path(cfg.output_dir))
-    assert isinstance(payload.index_bytes, ShardedIndex)
+    assert isinstance(payload.index, ShardedIndex)
     questions = [data.queries[q] for q in sorted(data.eval_qrels)[:3]]
     assert Searcher(payload).search(questions, 4) == [
         open_saved(saved).search_ids(q, 4)[0]

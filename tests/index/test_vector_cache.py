@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragtrain.config import IndexConfig, RetrieverConfig
-from ragtrain.corpus.encode import SHARDS_META, ShardSet
+from ragtrain.corpus.encode import VECTORS_META, VectorSet
 from ragtrain.index import vector_cache
 
 
@@ -60,7 +60,7 @@ def test_key_holds_the_resolved_precision_not_auto():
     assert auto != vector_cache.cache_key(_weights(), r, IndexConfig(precision=other), "corpus-a", 128)
 
 
-def _shards(folder, rows: int = 3) -> ShardSet:
+def _shards(folder, rows: int = 3) -> VectorSet:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -70,9 +70,9 @@ def _shards(folder, rows: int = 3) -> ShardSet:
         {"id": [f"d{i}" for i in range(rows)], "vector": pa.FixedSizeListArray.from_arrays(pa.array(vec.ravel()), 2)}
     )
     pq.write_table(table, folder / "part-0.parquet")
-    s = ShardSet(str(folder), ["part-0.parquet"], rows, 2, "float32", 1.5)
+    s = VectorSet(str(folder), ["part-0.parquet"], rows, 2, "float32", 1.5)
     meta = {k: v for k, v in s.__dict__.items() if k != "folder"}
-    (folder / SHARDS_META).write_text(json.dumps(meta))
+    (folder / VECTORS_META).write_text(json.dumps(meta))
     return s
 
 
@@ -128,7 +128,7 @@ def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
     from ragtrain.embed.model import build_encoder
     from ragtrain.index.facade import Retrieval
     from tests.conftest import compose, tiny_overrides
-    from tests.index.test_shards import _write_shards
+    from tests.index.test_vector_files import _write_vectors
 
     cache = tmp_path / "cache"
     cfg = to_typed(compose(tiny_overrides(tmp_path) + [f"index.cache_dir={cache}"]))
@@ -141,7 +141,7 @@ def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
         key = vector_cache.cache_key(
             weights, cfg.retriever, cfg.index, retrieval.fingerprint, cfg.retriever.passage_max_length
         )
-        vector_cache.store(cache, key, _write_shards(tmp_path / "encoded", retrieval.doc_ids, vecs, per_file=64))
+        vector_cache.store(cache, key, _write_vectors(tmp_path / "encoded", retrieval.doc_ids, vecs, per_file=64))
         built = retrieval.build("zeroshot", [weights], "tiny@init", 0)
         assert built.stats["encode_cache_hit"] == 1.0 and "docs_per_s" not in built.stats
         assert Path(built.shards.folder) == Path(cfg.output_dir).resolve() / "vectors" / "zeroshot"
@@ -149,11 +149,11 @@ def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
         np.testing.assert_array_equal(built.index.search(q, 3)[1], np.argsort(-(q @ vecs.T), axis=1)[:, :3])
         metrics = retrieval.evaluate(built)
         assert 0.0 <= metrics["ndcg@10"] <= 1.0
-        # Evaluation reads the index in the host actor: the driver's build holds ids and snapshots, no vector
-        # matrix and no FAISS index, and once the host forgets the build the same evaluation cannot run
-        from ragtrain.index.host import RemoteIndex
+        # Evaluation reads the index in the shard actor: the driver's build holds ids and snapshots, no vector
+        # matrix and no FAISS index, and once the shard forgets the build the same evaluation cannot run
+        from ragtrain.index.sharded import ShardedIndex
 
-        assert isinstance(built.index, RemoteIndex)
+        assert isinstance(built.index, ShardedIndex)
         held = [v for obj in (built, built.index, retrieval) for v in vars(obj).values()]
         assert not any(isinstance(v, np.ndarray) and v.size >= vecs.size for v in held)
         assert not any(type(v).__module__.startswith("faiss") for v in held)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from ragtrain.config import to_typed
 from ragtrain.data import make_synthetic
 from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
-from ragtrain.index.faiss_index import load_index
+from ragtrain.index.sharded import open_saved
 from ragtrain.pipeline import run
 from tests.conftest import compose, tiny_overrides
 
@@ -46,7 +46,7 @@ def test_vector_avg_index_is_mean_of_replica_vectors(ray_session, tmp_path) -> N
         torch.testing.assert_close(mean[k], (replicas[0][k] + replicas[1][k]) / 2)
 
     data = make_synthetic(num_entities=cfg.data.num_entities, seed=cfg.data.seed)
-    index = load_index(tmp_path / "out" / "index", expect_corpus=data.fingerprint())
+    index = open_saved(tmp_path / "out" / "index", expect_corpus=data.fingerprint())
     assert "vector_avg" in index.meta.encoder  # the saved index is the consensus one, not the student's
     texts = [p.full_text() for p in data.corpus.values()][:10]
     tok = load_tokenizer(cfg.retriever)

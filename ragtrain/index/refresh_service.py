@@ -1,18 +1,10 @@
-"""The live index over index shards: each shard refreshes its own rows, under a consistency policy.
+"""The live index: the run's index shards refresh their own rows while training steps, under a consistency policy.
 
-`ShardedIndexService` has `IndexService`'s interface (index/refresh.py: the trainer's `LiveIndexClient` talks to
-either), but the live index is the run's IndexShard actors (index/sharded.py), each holding `LiveRows`
-(index/live_rows.py). A refresh round hands every shard the new encoder snapshot; each re-encodes its share
-(`refresh.fraction`, chosen by `refresh.priority`) while training steps. When the new rows become searchable is
-`refresh.consistency`:
-
-- `global`: every shard builds its new index under a new tag; the service switches every search to that tag at
-  once, after the last shard is done. Searches never mix the versions of a round.
-- `eager`: each shard's new rows are searched as soon as that shard is done: searches see several encoder
-  versions at once (the inconsistency of an index distributed over nodes).
-- `aligned`: eager, and rows still at an older version are searched through a linear map into the newest
-  version's space (orthogonal Procrustes, `repair/align.py`), fitted on `refresh.anchors` passages that every
-  version encodes.
+`RefreshService` (a threaded Ray actor) drives the run's IndexShard actors (index/sharded.py), each holding
+`LiveRows` (index/live_rows.py); the trainer's `LiveIndexClient` (index/refresh.py) talks to it. A refresh round
+hands every shard the new encoder snapshot; each re-encodes its share (`refresh.fraction`, chosen by
+`refresh.priority`: index/priority/) while training steps. When the new rows become searchable is
+`refresh.consistency` (index/consistency/: global, eager, aligned). One shard (index.shards=1) is the same path.
 
 Every state that searches can see is published as a `LiveVersion` (negatives re-mined with the newest snapshot's
 query vectors), and measured on the staleness probe: `index/version_skew` (newest - oldest encoder version of the
@@ -27,20 +19,22 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from ragtrain.config import Config
+from ragtrain.config import IndexConfig, PoolResources, RefreshConfig, RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.embed.align import fit_alignment
+from ragtrain.index.consistency import POLICIES
 from ragtrain.index.faiss_index import METRIC, IndexMeta, exact_search
 from ragtrain.index.live_rows import version_summary
-from ragtrain.index.mining import mine_rows, positive_scores
-from ragtrain.index.refresh import LiveService, LiveVersion, Probe, VersionBook
+from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores
+from ragtrain.index.refresh import LiveVersion, Probe, VersionBook
 from ragtrain.index.sharded import LIVE_BASE, LiveStateLost, ShardedIndex, _gather, shard_ranges
-from ragtrain.precision import resolved_index
 
 log = get_logger(__name__)
 
@@ -69,9 +63,40 @@ def mined_agreement(
     """Mean Jaccard overlap of the hard negatives mined (same rules as training's) for each query from `seen`
     passage vectors with those mined from `consistent` ones: how much a mixed index changes what training learns
     from. A query with no candidates in either counts as agreeing."""
-    a = mine_rows(_Exact(seen), queries, gold, depth, skip_top)
-    b = mine_rows(_Exact(consistent), queries, gold, depth, skip_top)
+    spec = MiningSpec(depth, skip_top)
+    a = mine_rows(_Exact(seen), queries, gold, spec)
+    b = mine_rows(_Exact(consistent), queries, gold, spec)
     return float(np.mean([len(set(x) & set(y)) / len(set(x) | set(y)) if x or y else 1.0 for x, y in zip(a, b)]))
+
+
+@dataclass(frozen=True)
+class RefreshSpec:
+    """What the refresh service reads, resolved on the driver (never the run's whole config)."""
+
+    refresh: RefreshConfig  # consistency, fraction, priority, anchors
+    retriever: RetrieverConfig  # the encoder the shards rebuild from each snapshot
+    index: IndexConfig  # precision resolved for the encode; factory; shard_timeout_s
+    mining: MiningSpec
+    seed: int
+    threads: int  # torch threads of each shard's round encode: the refresh's reserved CPUs shared by the shards
+
+
+PLACEMENT_TIMEOUT_S = 30.0
+
+
+def reserve(pool: PoolResources) -> PlacementGroup:
+    """The live refresh's CPUs: `resources.pool` as a placement group (one bundle per actor, custom resources
+    included), so they are never handed to the trainer; the service lives in it and the shards encode on its share."""
+    bundle = {"CPU": float(pool.cpus_per_actor), **{k: float(v) for k, v in pool.resources.items()}}
+    pg = placement_group([bundle] * pool.num_actors, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:  # feasible on paper (checked up front) but held by someone else: say so instead of hanging
+        remove_placement_group(pg)
+        raise TimeoutError(
+            f"resources.pool: {pool.num_actors} x {bundle} could not be reserved for the live refresh within "
+            f"{PLACEMENT_TIMEOUT_S:.0f} s (free now: {ray.available_resources()}); other work holds them"
+        )
+    return pg
 
 
 def anchor_rows(rows: int, n: int, seed: int) -> list[int]:
@@ -80,13 +105,13 @@ def anchor_rows(rows: int, n: int, seed: int) -> list[int]:
 
 
 @ray.remote(max_concurrency=4)  # one thread refreshes while the others answer the workers' polls
-class ShardedIndexService(LiveService):
-    """The live index held by index shards; refreshes run in a thread of this actor, shard by shard."""
+class RefreshService:
+    """The live index held by the index shards: the published versions in `self.book` under `self._swap`, one
+    refresh at a time under `self._busy`, run in a thread of this actor, shard by shard."""
 
     def __init__(
         self,
-        cfg: Config,
-        pool,
+        spec: RefreshSpec,
         actors: list,
         doc_ids: list[str],
         passages,
@@ -95,10 +120,9 @@ class ShardedIndexService(LiveService):
         train_gold: list[list[int]],
         probe: Probe,
     ):
-        # `pool`: the refresh's reservation (a placement group without actors): this service lives in it, and
-        # the shards encode on its share of CPUs
-        self.cfg, self.pool, self.actors, self.doc_ids, self.passages = cfg, pool, actors, doc_ids, passages
+        self.spec, self.actors, self.doc_ids, self.passages = spec, actors, doc_ids, passages
         self.sources, self.train_queries, self.train_gold, self.probe = sources, train_queries, train_gold, probe
+        self.policy = POLICIES[spec.refresh.consistency]()
         self.ranges = shard_ranges(len(doc_ids), len(actors))
         self.offsets = [a for a, _ in self.ranges]
         self.book = VersionBook()
@@ -108,7 +132,7 @@ class ShardedIndexService(LiveService):
         self.last_version = 0  # the newest version a round started: a failed round's number is never reused
         self.encoder_steps: dict[int, int] = {}  # encoder version -> training step of its snapshot
         self.anchors: dict[int, np.ndarray] = {}  # encoder version -> its vectors of the anchor passages
-        self.anchor_rows = anchor_rows(len(doc_ids), cfg.refresh.anchors, cfg.seed)
+        self.anchor_rows = anchor_rows(len(doc_ids), spec.refresh.anchors, spec.seed)
         self.maps: dict[int, np.ndarray] = {}
         self.hot = np.zeros(len(doc_ids), dtype=np.int64)  # rows retrieved or mined since the last round
         self._busy = threading.Lock()
@@ -116,9 +140,39 @@ class ShardedIndexService(LiveService):
         self.failures: list[str] = []
         self.history: list[dict[str, Any]] = []
 
+    # ------------------------------------------------------------------------------------- what trainers ask
+
+    def version(self) -> int:
+        """The live version number (-1 before the first publish): a cheap poll."""
+        with self._swap:
+            return self.book.version()
+
+    def latest(self) -> LiveVersion | None:
+        """The live version."""
+        with self._swap:
+            return self.book.latest()
+
+    def version_for_step(self, step: int) -> int:
+        """The version training step `step` mines from (rank 0 asks once per step; see VersionBook)."""
+        with self._swap:
+            return self.book.version_for_step(step)
+
+    def get(self, version: int) -> LiveVersion:
+        """A kept version (what the other ranks fetch after rank 0's broadcast)."""
+        with self._swap:
+            return self.book.get(version)
+
+    def busy(self) -> bool:
+        """Whether a refresh is running now."""
+        return self._busy.locked()
+
+    def report(self) -> dict[str, Any]:
+        """Refresh history and failures."""
+        return {"history": list(self.history), "failures": list(self.failures)}
+
     # ------------------------------------------------------------------------------------------------ shards
 
-    def _call(
+    def call_shards(
         self, shards: list[int], method: str, *args, what: str = "a live refresh call", quick: bool = False
     ) -> list[Any]:
         """One call per shard; a shard that lost its live rows (restarted) starts them again from disk, once.
@@ -128,7 +182,7 @@ class ShardedIndexService(LiveService):
         out = []
         for i, ref in zip(shards, refs):
             try:
-                out.append(_gather([ref], [i], what, self.cfg.index.shard_timeout_s if quick else None)[0])
+                out.append(_gather([ref], [i], what, self.spec.index.shard_timeout_s if quick else None)[0])
             except LiveStateLost:
                 self._start([i])
                 out.append(_gather([getattr(self.actors[i], method).remote(*args)], [i], what, None)[0])
@@ -155,7 +209,7 @@ class ShardedIndexService(LiveService):
         parts = self._split(rows)
         out = {}
         for s, local in parts.items():
-            vecs = self._call([s], "live_rows", local, maps, what="a row fetch", quick=True)[0]
+            vecs = self.call_shards([s], "live_rows", local, maps, what="a row fetch", quick=True)[0]
             out.update({self.offsets[s] + lr: v for lr, v in zip(local, vecs)})
         return np.stack([out[r] for r in rows])
 
@@ -168,12 +222,12 @@ class ShardedIndexService(LiveService):
             self._start(list(range(len(self.actors))), fresh=True)
             self.from_tag = LIVE_BASE  # every shard now holds its own persisted copy of the start build
             self.encoder_steps[0] = step
-            if self.cfg.refresh.consistency == "aligned":
+            if self.policy.needs_anchors:
                 self.anchors[0] = self._rows(self.anchor_rows, {})
             qvecs = self._encode(0, step, weights[0], self.train_queries, "query")
             fresh = self._rows(self.probe.rows, {})
             self.dim = int(fresh.shape[1])
-            return self._publish(step, qvecs, fresh, {"encoded_rows": 0})
+            return self.publish_state(step, qvecs, fresh, {"encoded_rows": 0})
         except Exception as e:  # the caller sees why version 0 is missing
             traceback.print_exc()
             return {"ok": False, "error": repr(e), "step": step}
@@ -195,7 +249,6 @@ class ShardedIndexService(LiveService):
 
     def _round(self, step: int, weights_ref, start: float) -> dict[str, Any]:
         """Encode the round's texts, start every shard's re-encode, let the new rows land as the policy says."""
-        r = self.cfg.refresh
         # a new number for every snapshot, even after a failed round: a shard's encoder and its rows' versions
         # never take an older snapshot's label
         self.last_version = v = max(self.last_version, self.encoder_version) + 1
@@ -203,13 +256,12 @@ class ShardedIndexService(LiveService):
         qvecs = self._encode(v, step, weights_ref, self.train_queries, "query")
         fresh = self._encode(v, step, weights_ref, [self.passages[i] for i in self.probe.rows], "passage")
         extra = len(self.probe.rows)
-        if r.consistency == "aligned":
+        if self.policy.needs_anchors:
             anchors = [self.passages[i] for i in self.anchor_rows]
             self.anchors[v] = self._encode(v, step, weights_ref, anchors, "passage")
             extra += len(self.anchor_rows)
         encoding = self._launch(v, weights_ref)
-        land = self._land_at_once if r.consistency == "global" else self._land_each
-        encoded, states = land(v, step, qvecs, fresh, encoding)
+        encoded, states = self.policy.land(self, v, step, qvecs, fresh, encoding)
         stats = {
             "ok": True,
             "version": self.book.version(),
@@ -226,63 +278,31 @@ class ShardedIndexService(LiveService):
     def _launch(self, v: int, weights_ref) -> dict[Any, tuple[int, tuple]]:
         """Every shard starts re-encoding its share of rows with the snapshot of version v (the hot counts since
         the last round go with it); returns {ObjectRef: (shard, its call's arguments)}."""
-        cfg, r = self.cfg, self.cfg.refresh
+        spec, r = self.spec, self.spec.refresh
         hot, self.hot = self.hot, np.zeros_like(self.hot)
-        pool = cfg.resources.pool  # the refresh's CPUs, shared by the shards: training keeps its own
-        threads = max(1, int(pool.cpus_per_actor * pool.num_actors) // len(self.actors))
-        idx = resolved_index(cfg)
         out = {}
         for i, (a, b) in enumerate(self.ranges):
-            args = (v, [weights_ref], cfg.retriever, idx, r.fraction, r.priority, hot[a:b], cfg.seed, threads)
+            args = (
+                v,
+                [weights_ref],
+                spec.retriever,
+                spec.index,
+                r.fraction,
+                r.priority,
+                hot[a:b],
+                spec.seed,
+                spec.threads,
+            )
             out[self.actors[i].live_encode.remote(*args)] = (i, args)
         return out
 
-    def _encoded(self, ref, shard: int, args: tuple) -> dict:
+    def encoded(self, ref, shard: int, args: tuple) -> dict:
         """A shard's encode result; one restarted since the last round gets its rows back from disk, then encodes."""
         try:
             return _gather([ref], [shard], "a live encode", None)[0]
         except LiveStateLost:
             self._start([shard])
             return _gather([self.actors[shard].live_encode.remote(*args)], [shard], "a live encode", None)[0]
-
-    def _land_at_once(self, v, step, qvecs, fresh, encoding) -> tuple[dict[int, dict], list[dict]]:
-        """global: every shard builds version v under a new tag from its stored rows with the round's new ones in
-        place (nothing applied yet); then every search switches to it at once, and the shards apply the round.
-        A shard that restarts before the barrier lost its new rows: the round fails, and searches keep the old
-        tag, which the restarted shard rebuilt from its persisted (older) rows: still one version everywhere."""
-        encoded = {i: self._encoded(ref, i, args) for ref, (i, args) in encoding.items()}
-        shards = list(range(len(self.actors)))
-        tag = f"live{v}"
-        try:
-            self._call(shards, "live_build", tag, {}, v)
-        except Exception:
-            for i in shards:  # free the new builds that were made; the old tag stays searched
-                self.actors[i].drop.remote(tag)
-            raise
-        old, self.tag = self.tag, tag  # the barrier: every search from now on sees version v everywhere
-        self.encoder_version = v
-        self._call(shards, "live_apply", v)
-        states = [self._publish(step, qvecs, fresh, {})]
-        self._call(shards, "drop", old)
-        return encoded, states
-
-    def _land_each(self, v, step, qvecs, fresh, encoding) -> tuple[dict[int, dict], list[dict]]:
-        """eager / aligned: each shard's new rows are searched as soon as it is done (aligned: every older
-        version's rows through the map into v, so every shard's index changes with each landing)."""
-        encoded, states, pending = {}, [], list(encoding)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            i, args = encoding[done[0]]
-            encoded[i] = self._encoded(done[0], i, args)
-            self._call([i], "live_apply", v)
-            self.encoder_version = v
-            if self.cfg.refresh.consistency == "aligned":
-                self.maps = self._fit_maps(v)
-                self._call(list(range(len(self.actors))), "live_build", self.tag, self.maps)
-            else:
-                self._call([i], "live_build", self.tag, {})
-            states.append(self._publish(step, qvecs, fresh, {}))
-        return encoded, states
 
     def _round_metrics(self, encoded: dict[int, dict], states: list[dict], extra: int) -> dict[str, float]:
         """The round's figures: the share of rows re-encoded, the worst version skew and the mean mixed recall of
@@ -302,29 +322,26 @@ class ShardedIndexService(LiveService):
     def _encode(self, v: int, step: int, weights_ref, texts: list[str], role: str) -> np.ndarray:
         """A few texts (queries, probe and anchor passages) with the snapshot of encoder version v, on shard 0: the
         shards' own encoder, so the probe's fresh vectors are what a shard would store."""
-        cfg = self.cfg
-        return self._call([0], "encode_few", v, [weights_ref], cfg.retriever, resolved_index(cfg), texts, role)[0]
+        spec = self.spec
+        return self.call_shards([0], "encode_few", v, [weights_ref], spec.retriever, spec.index, texts, role)[0]
 
-    def _fit_maps(self, newest: int) -> dict[int, np.ndarray]:
+    def fit_maps(self, newest: int) -> dict[int, np.ndarray]:
         """For every older encoder version still stored: the orthogonal map of its anchors onto the newest's."""
         return {u: fit_alignment(self.anchors[u], self.anchors[newest]).weight for u in self.anchors if u != newest}
 
-    def _publish(self, step: int, qvecs: np.ndarray, fresh_probe: np.ndarray, extra: dict) -> dict[str, Any]:
+    def publish_state(self, step: int, qvecs: np.ndarray, fresh_probe: np.ndarray, extra: dict) -> dict[str, Any]:
         """Publish the state searches see now: negatives mined with the newest snapshot's query vectors, the
         probe's stored vectors, and what the state mixes."""
-        t = self.cfg.retriever.train
-        mixes = self._call(list(range(len(self.actors))), "live_mix", quick=True)
+        m = self.spec.mining
+        mixes = self.call_shards(list(range(len(self.actors))), "live_mix", quick=True)
         index = _LiveSearch(self)
         positive = None
-        if t.hard_negative_margin is not None:  # each query's positive, on its gold rows' searchable vectors only
+        if m.margin is not None:  # each query's positive, on its gold rows' searchable vectors only
             wanted = sorted({g for gs in self.train_gold for g in gs})
             local = {g: i for i, g in enumerate(wanted)}
             gold = [[local[g] for g in gs] for gs in self.train_gold]
             positive = positive_scores(qvecs, gold, self._rows(wanted, self.maps))
-        negatives = mine_rows(
-            index, qvecs, self.train_gold, t.hard_negative_depth, t.hard_negative_skip_top,
-            t.hard_negative_margin, t.hard_negative_max_score, positive=positive,
-        )  # fmt: skip
+        negatives = mine_rows(index, qvecs, self.train_gold, m, positive=positive)
         for rows in negatives:
             np.add.at(self.hot, np.asarray(rows, dtype=np.int64), 1)
         seen = self._rows(self.probe.rows, self.maps)
@@ -332,9 +349,7 @@ class ShardedIndexService(LiveService):
         metrics = {
             **version_summary(mixes, self.encoder_steps, step),
             "index/mixed_recall_at_10": mixed_recall(pq, seen, fresh_probe),
-            "index/mined_agreement": mined_agreement(
-                pq, seen, fresh_probe, self.probe.gold, t.hard_negative_depth, t.hard_negative_skip_top
-            ),
+            "index/mined_agreement": mined_agreement(pq, seen, fresh_probe, self.probe.gold, m.depth, m.skip_top),
         }
         with self._swap:
             version = self.book.version() + 1
@@ -345,11 +360,11 @@ class ShardedIndexService(LiveService):
     def _index(self) -> ShardedIndex:
         if self.meta is None:
             self.meta = IndexMeta(
-                factory=self.cfg.index.factory, dim=self.dim, metric=METRIC, ntotal=len(self.doc_ids),
+                factory=self.spec.index.factory, dim=self.dim, metric=METRIC, ntotal=len(self.doc_ids),
                 corpus_fingerprint="", encoder="live", encoder_step=0, precision="",
             )  # fmt: skip
         return ShardedIndex(
-            self.actors, self.tag, self.doc_ids, self.meta, self.offsets, self.cfg.index.shard_timeout_s
+            self.actors, self.tag, self.doc_ids, self.meta, self.offsets, self.spec.index.shard_timeout_s
         )
 
     def close(self) -> None:
@@ -358,7 +373,7 @@ class ShardedIndexService(LiveService):
         with self._busy:
             shards = list(range(len(self.actors)))
             refs = [a.live_end.remote([self.tag, LIVE_BASE]) for a in self.actors]
-            _gather(refs, shards, "the end of the live index", self.cfg.index.shard_timeout_s)
+            _gather(refs, shards, "the end of the live index", self.spec.index.shard_timeout_s)
 
     # ------------------------------------------------------------------------------------------- searches
 
@@ -374,14 +389,14 @@ class ShardedIndexService(LiveService):
         try:
             return self._index().search(qvecs, k)
         except KeyError:  # Ray's error of a task that raised KeyError is one: "index shard i holds no build ..."
-            self._call(list(range(len(self.actors))), "live_mix", quick=True)  # restores the restarted ones
+            self.call_shards(list(range(len(self.actors))), "live_mix", quick=True)  # restores the restarted ones
             return self._index().search(qvecs, k)
 
 
 class _LiveSearch:
     """The live index as `mine_rows` asks for it, searched through the service (which restores restarted shards)."""
 
-    def __init__(self, service: ShardedIndexService) -> None:
+    def __init__(self, service: RefreshService) -> None:
         self.service = service
 
     def search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -9,8 +9,14 @@ import pytest
 from ragtrain.config import RefreshConfig, to_typed
 from ragtrain.embed.align import fit_alignment
 from ragtrain.errors import ConfigError
-from ragtrain.index.live_rows import LiveRows, predict_drift, select_rows, version_summary
-from ragtrain.index.sharded_refresh import mined_agreement, mixed_recall
+from ragtrain.index.checks import check_refresh
+from ragtrain.index.consistency import POLICIES
+from ragtrain.index.consistency.eager import Eager
+from ragtrain.index.live_rows import LiveRows, version_summary
+from ragtrain.index.priority import PRIORITIES
+from ragtrain.index.priority.base import RoundRows, by_score
+from ragtrain.index.priority.drift import predict_drift
+from ragtrain.index.refresh_service import mined_agreement, mixed_recall
 from tests.conftest import compose, tiny_overrides
 
 
@@ -18,16 +24,41 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
 
+def _round(versions: np.ndarray, budget: int, cursor: int, hot: np.ndarray | None = None, vectors=None) -> RoundRows:
+    n = len(versions)
+    stored = np.eye(n, dtype=np.float32) if vectors is None else vectors
+    return RoundRows(stored, versions, cursor, budget, 1, 0, hot, lambda rows: -stored[rows])
+
+
+def _chosen(priority: str, r: RoundRows) -> list[int]:
+    choice = PRIORITIES[priority]().choose(r)
+    return sorted([*choice.encoded_rows.tolist(), *choice.rows.tolist()])
+
+
 def test_oldest_is_round_robin_hot_takes_counts_first_drift_takes_the_largest() -> None:
     versions = np.zeros(10, dtype=np.int64)
-    assert select_rows("oldest", versions, 4, cursor=8).tolist() == [0, 1, 8, 9]
+    assert _chosen("oldest", _round(versions, 4, cursor=8)) == [0, 1, 8, 9]
     hot = np.array([0, 5, 0, 0, 9, 0, 0, 0, 0, 1])
-    assert select_rows("hot", versions, 3, cursor=0, hot=hot).tolist() == [1, 4, 9]
-    assert select_rows("hot", versions, 5, cursor=6, hot=hot).tolist() == [1, 4, 6, 7, 9]  # then by age
-    drift = np.linspace(0, 1, 10)
-    assert select_rows("drift", versions, 2, cursor=0, predicted_drift=drift).tolist() == [8, 9]
-    with pytest.raises(ValueError, match="priority 'drift' needs"):
-        select_rows("drift", versions, 2, cursor=0)
+    assert _chosen("hot", _round(versions, 3, cursor=0, hot=hot)) == [1, 4, 9]
+    assert _chosen("hot", _round(versions, 5, cursor=6, hot=hot)) == [1, 4, 6, 7, 9]  # then by age
+    assert sorted(by_score(np.linspace(0, 1, 10), _round(versions, 2, cursor=0), 2).tolist()) == [8, 9]
+    # drift: a seeded sample (10 % of the budget) is encoded first; rows near a sampled row that moved come next.
+    # Rows 0-19 lie near one axis and move (their new vector is the opposite one), rows 20-39 near another and stay.
+    near = _unit(np.repeat(np.eye(2), 20, axis=0) + 0.01 * np.random.default_rng(0).normal(size=(40, 2)))
+    r = RoundRows(
+        near,
+        np.zeros(40, dtype=np.int64),
+        0,
+        20,
+        1,
+        1,
+        None,
+        lambda rows: np.where(rows[:, None] < 20, -near[rows], near[rows]),
+    )
+    choice = PRIORITIES["drift"]().choose(r)
+    assert choice.encoded_rows.tolist() == [13, 20]  # the seed's sample: one row of each kind
+    assert len(choice.rows) == 18 and all(row < 20 for row in choice.rows)  # the moving kind, the sample aside
+    assert _chosen("drift", _round(versions, 10, cursor=3)) == list(range(10))  # a full round needs no sample
 
 
 def test_drift_of_unsampled_rows_is_their_nearest_sampled_rows() -> None:
@@ -47,7 +78,7 @@ def test_a_partial_round_encodes_its_share_applies_it_and_a_restart_continues_fr
         return new[[int(t) for t in batch]]
 
     for version, want in ((1, range(0, 10)), (2, range(10, 20))):  # oldest: round robin over the rows
-        stats = rows.encode_round(version, encode, 0.25, "oldest", None, seed=0)
+        stats = rows.encode_round(version, encode, 0.25, PRIORITIES["oldest"](), None, seed=0)
         assert stats["encoded"] == 10
         assert rows.apply(version) == {0: 40 - 10 * version, **{v: 10 for v in range(1, version + 1)}}
         np.testing.assert_array_equal(rows.vectors[list(want)], new[list(want)])
@@ -57,7 +88,9 @@ def test_a_partial_round_encodes_its_share_applies_it_and_a_restart_continues_fr
     np.testing.assert_array_equal(again.vectors, rows.vectors)
     with pytest.raises(RuntimeError, match="no pending round of version 3"):
         again.apply(3)
-    drift = rows.encode_round(3, encode, 0.25, "drift", None, seed=0)  # a sample first, then the predicted rest
+    drift = rows.encode_round(
+        3, encode, 0.25, PRIORITIES["drift"](), None, seed=0
+    )  # a sample first, then the predicted rest
     assert drift["encoded"] == 10
 
 
@@ -71,14 +104,16 @@ def test_a_round_lands_in_a_staged_build_first_and_moves_the_cursor_only_when_ap
     def encode(batch: list[str]) -> np.ndarray:
         return new[[int(t) for t in batch]]
 
-    rows.encode_round(1, encode, 0.25, "oldest", None, seed=0)
+    rows.encode_round(1, encode, 0.25, PRIORITIES["oldest"](), None, seed=0)
     staged = rows.staged(1)
     np.testing.assert_array_equal(staged[:5], new[:5])
     np.testing.assert_array_equal(staged[5:], old[5:])
     np.testing.assert_array_equal(rows.vectors, old)  # nothing stored yet
     with pytest.raises(RuntimeError, match="no pending round of version 2"):
         rows.staged(2)
-    rows.encode_round(2, encode, 0.25, "oldest", None, seed=0)  # round 1 never landed: the same rows again
+    rows.encode_round(
+        2, encode, 0.25, PRIORITIES["oldest"](), None, seed=0
+    )  # round 1 never landed: the same rows again
     assert rows.pending[1].tolist() == [0, 1, 2, 3, 4] and rows.cursor == 0
     rows.apply(2)
     assert rows.cursor == 5 and rows.mix() == {0: 15, 2: 5}
@@ -118,8 +153,6 @@ def test_eager_mixes_versions_and_aligned_maps_the_old_rows_into_the_new_space()
 @pytest.mark.parametrize(
     ("key", "value", "match"),
     [
-        ("consistency", "lazy", r"^refresh.consistency must be one of \['global', 'eager', 'aligned'\]"),
-        ("priority", "random", r"^refresh.priority must be one of \['oldest', 'drift', 'hot'\]"),
         ("fraction", 0.0, r"^refresh.fraction must be in \(0, 1\]"),
         ("fraction", 1.5, r"^refresh.fraction must be in \(0, 1\]"),
     ],
@@ -127,6 +160,49 @@ def test_eager_mixes_versions_and_aligned_maps_the_old_rows_into_the_new_space()
 def test_bad_refresh_settings_name_the_key_and_the_choices(key, value, match) -> None:
     with pytest.raises(ConfigError, match=match):
         RefreshConfig(enabled=True, every_steps=2, **{key: value})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("consistency", "lazy", r"^refresh.consistency='lazy' is not a known choice; valid choices: \['global', "),
+        ("priority", "random", r"^refresh.priority='random' is not a known choice; valid choices: \['oldest', "),
+    ],
+)
+def test_an_unknown_variant_is_refused_with_the_registrys_names(key, value, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        check_refresh(RefreshConfig(enabled=True, every_steps=2, **{key: value}))
+
+
+def test_an_unknown_variant_on_the_command_line_is_one_line_and_exit_2(tmp_path) -> None:
+    from tests.test_checks import _cli
+
+    r = _cli(tmp_path, "refresh.enabled=true", "refresh.every_steps=2", "refresh.priority=newest")
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert (
+        last
+        == "config error: refresh.priority='newest' is not a known choice; valid choices: ['oldest', 'drift', 'hot']"
+    )
+    assert "Traceback" not in r.stderr and not (tmp_path / "out" / "config.yaml").exists()
+
+
+def test_anchors_under_a_policy_that_reads_none_warn() -> None:
+    from ragtrain.index.checks import refresh_warnings
+
+    eager = RefreshConfig(enabled=True, every_steps=2, consistency="eager", anchors=512)
+    assert refresh_warnings(eager) == ["refresh.anchors=512 is read only by refresh.consistency=aligned (eager here)"]
+    assert refresh_warnings(RefreshConfig(enabled=True, every_steps=2, consistency="aligned", anchors=512)) == []
+
+
+def test_a_registered_variant_is_a_valid_choice(monkeypatch) -> None:
+    """Adding a variant is its class and one registry line: the checks accept its name from then on."""
+
+    class Patient(Eager):  # e.g. a policy that waits for half the shards before landing any
+        pass
+
+    monkeypatch.setitem(POLICIES, "patient", Patient)
+    check_refresh(RefreshConfig(enabled=True, every_steps=2, consistency="patient"), dim=8, rows=100)
 
 
 def test_aligned_with_fewer_anchors_than_the_dimension_fails_before_any_work(ray_session, tmp_path) -> None:
@@ -143,6 +219,5 @@ def test_ties_go_to_the_oldest_vectors() -> None:
     """Rows nobody retrieved (count 0) are taken oldest version first, not always from the same place."""
     versions = np.array([3, 3, 0, 3, 1, 0, 3, 3])
     hot = np.array([0, 0, 0, 0, 0, 0, 5, 0])
-    assert select_rows("hot", versions, 3, cursor=0, hot=hot).tolist() == [2, 5, 6]
-    drift = np.zeros(8)
-    assert select_rows("drift", versions, 3, cursor=0, predicted_drift=drift).tolist() == [2, 4, 5]
+    assert _chosen("hot", _round(versions, 3, cursor=0, hot=hot)) == [2, 5, 6]
+    assert sorted(by_score(np.zeros(8), _round(versions, 3, cursor=0), 3).tolist()) == [2, 4, 5]

@@ -1,7 +1,7 @@
-"""FAISS from vector shards: check the factory first, train IVF/PQ on a seeded sample, add shard by shard.
+"""FAISS from vector files: check the factory first, train IVF/PQ on a seeded sample, add file by file.
 
-The index holds the rows in shard order (the ids come from the shards), so the caller never needs the whole vector
-matrix: only one shard file is in memory at a time next to the index itself. A Flat index built this way equals
+The index holds the rows in file order (the ids come from the files), so the caller never needs the whole vector
+matrix: only one vector file is in memory at a time next to the index itself. A Flat index built this way equals
 one built from all vectors at once (same ids, same scores; tested), and so does a trained index whose training
 sample covers the corpus (`train_size >= rows`). Saving goes through a temporary folder renamed on success.
 """
@@ -12,29 +12,28 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
 
-from ragtrain.corpus.encode import ShardSet
+from ragtrain.corpus.encode import VectorSet
 from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, build_from_chunks
 from ragtrain.index.faiss_index import trained_empty as faiss_trained_empty
-from ragtrain.rss import peak_rss_mb
 
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig
-    from ragtrain.corpus.encode import ShardSet
+    from ragtrain.corpus.encode import VectorSet
 
 
-def _sample(shards: ShardSet, size: int, seed: int) -> np.ndarray:
-    """fp32 rows at seeded random positions, in corpus (shard) order; read shard by shard."""
+def _sample(shards: VectorSet, size: int, seed: int) -> np.ndarray:
+    """fp32 rows at seeded random positions, in corpus (file) order; read file by file."""
     pick = np.sort(np.random.default_rng(seed).choice(shards.rows, size=size, replace=False))
     out = np.empty((size, shards.dim), dtype=np.float32)
     start = got = 0
-    for _, vecs in shards.iter_shards(columns=("id", "vector")):
+    for _, vecs in shards.iter_parts(columns=("id", "vector")):
         end = start + len(vecs)
         lo, hi = np.searchsorted(pick, [start, end])
         out[got : got + hi - lo] = vecs[pick[lo:hi] - start]
@@ -43,8 +42,8 @@ def _sample(shards: ShardSet, size: int, seed: int) -> np.ndarray:
     return out
 
 
-def iter_rows(shards: ShardSet, start: int = 0, stop: int | None = None):
-    """(ids, vectors) of rows [start, stop) in shard order, one file at a time; files wholly outside the range are
+def iter_rows(shards: VectorSet, start: int = 0, stop: int | None = None):
+    """(ids, vectors) of rows [start, stop) in file order, one file at a time; files wholly outside the range are
     skipped by their parquet row counts (not read), so a slice of a large set costs only its own files."""
     import pyarrow.parquet as pq  # lazy: pyarrow loads a native library; this module imports without it
 
@@ -53,7 +52,7 @@ def iter_rows(shards: ShardSet, start: int = 0, stop: int | None = None):
     for f in shards.files:
         n = pq.read_metadata(Path(shards.folder, f)).num_rows
         if at + n > start and at < stop:
-            for ids, vecs in replace(shards, files=[f]).iter_shards():
+            for ids, vecs in replace(shards, files=[f]).iter_parts():
                 lo, hi = max(0, start - at), min(n, stop - at)
                 yield ids[lo:hi], vecs[lo:hi]
         at += n
@@ -62,16 +61,16 @@ def iter_rows(shards: ShardSet, start: int = 0, stop: int | None = None):
 
 
 def trained_empty(
-    shards: ShardSet, factory: str, seed: int = 0, train_size: int | None = None
+    shards: VectorSet, factory: str, seed: int = 0, train_size: int | None = None
 ) -> tuple[faiss.Index, int]:
-    """`faiss_index.trained_empty` on a seeded sample of the shards' rows (read shard by shard)."""
+    """`faiss_index.trained_empty` on a seeded sample of the files' rows (read file by file)."""
     return faiss_trained_empty(
         factory, shards.dim, shards.rows, lambda size, seed: _sample(shards, size, seed), seed, train_size
     )
 
 
-def build_from_shards(
-    shards: ShardSet | str | Path,
+def build_from_vectors(
+    shards: VectorSet | str | Path,
     factory: str,
     corpus_fingerprint: str,
     encoder: str,
@@ -83,14 +82,14 @@ def build_from_shards(
     rows: tuple[int, int] | None = None,
     trained: faiss.Index | None = None,
 ) -> DenseIndex:
-    """An inner-product index of every shard row; ids in shard order.
+    """An inner-product index of every shard row; ids in file order.
 
     Trained types (IVF, PQ) train on a seeded sample of `train_size` rows (default: what their quantisers use,
-    256 per centroid, capped at the corpus), then every shard is added in turn. `rows` = (start, stop): only that
+    256 per centroid, capped at the corpus), then every file is added in turn. `rows` = (start, stop): only that
     row range is added; `trained`: an empty trained index to copy instead of training one (`trained_empty`).
     """
-    if not isinstance(shards, ShardSet):
-        shards = ShardSet.load(shards)
+    if not isinstance(shards, VectorSet):
+        shards = VectorSet.load(shards)
     start = time.perf_counter()
     if trained is not None:
         index, sampled = faiss.clone_index(trained), 0  # trained once on the whole set's sample, elsewhere
@@ -114,21 +113,23 @@ def build_from_shards(
         },
     )
     try:
-        return build_from_chunks(shards.iter_shards() if rows is None else iter_rows(shards, *rows), index, meta)
+        return build_from_chunks(shards.iter_parts() if rows is None else iter_rows(shards, *rows), index, meta)
     except ValueError as e:
         raise ValueError(f"{shards.folder}: {e}") from None
 
 
-def build_configured_from_shards(
-    shards: ShardSet | str | Path,
+def build_configured_from_vectors(
+    shards: VectorSet | str | Path,
     idx: IndexConfig,
     corpus_fingerprint: str,
     encoder: str,
     encoder_step: int,
     seed: int,
 ) -> DenseIndex:
-    """`build_from_shards` with the `index` config group's factory, precision and search parameters."""
-    index = build_from_shards(shards, idx.factory, corpus_fingerprint, encoder, encoder_step, idx.precision.value, seed)
+    """`build_from_vectors` with the `index` config group's factory, precision and search parameters."""
+    index = build_from_vectors(
+        shards, idx.factory, corpus_fingerprint, encoder, encoder_step, idx.precision.value, seed
+    )
     index.set_search_params(idx.nprobe, idx.ef_search)
     return index
 
@@ -154,27 +155,3 @@ def save_atomic(index: DenseIndex, folder: str | Path, complete: Callable[[Path]
     tmp.rename(folder)
     shutil.rmtree(old, ignore_errors=True)
     return folder
-
-
-def build_and_save_remote(
-    shard_folder: str,
-    factory: str,
-    out_folder: str,
-    corpus_fingerprint: str,
-    encoder: str,
-    seed: int = 0,
-    num_cpus: float = 1.0,
-    resources: dict | None = None,
-) -> dict:
-    """Build from shards and save in a Ray task (e.g. on an `index_node`): the driver gets metadata only.
-    Returns the index metadata plus the task's peak RSS (MB)."""
-    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
-
-    @ray.remote(num_cpus=num_cpus, resources=resources or None)
-    def _build() -> dict:
-        faiss.omp_set_num_threads(max(1, int(num_cpus)))
-        index = build_from_shards(shard_folder, factory, corpus_fingerprint, encoder, seed=seed)
-        save_atomic(index, out_folder)
-        return {**asdict(index.meta), "peak_rss_mb": peak_rss_mb()}
-
-    return ray.get(_build.remote())

@@ -1,0 +1,30 @@
+"""`refresh.consistency=aligned`: eager, and rows still at an older encoder version are searched through a linear
+map into the newest version's space (orthogonal Procrustes, `ragtrain/embed/align.py`), fitted on
+`refresh.anchors` passages that every version encodes; so every shard's index changes with each landing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ragtrain.errors import ConfigError
+from ragtrain.index.consistency.eager import Eager
+
+if TYPE_CHECKING:
+    from ragtrain.config import RefreshConfig
+    from ragtrain.index.refresh_service import RefreshService
+
+
+class Aligned(Eager):
+    needs_anchors = True
+
+    def rebuild(self, service: RefreshService, shard: int, v: int) -> None:
+        service.maps = service.fit_maps(v)
+        service.call_shards(list(range(len(service.actors))), "live_build", service.tag, service.maps)
+
+    def check(self, refresh: RefreshConfig, dim: int, rows: int) -> None:
+        if refresh.anchors < dim or refresh.anchors > rows:
+            raise ConfigError(
+                f"refresh.anchors={refresh.anchors}: refresh.consistency=aligned fits a {dim} x {dim} map between "
+                f"encoder versions and needs at least {dim} anchor passages (the encoder's dimension) and at most the "
+                f"corpus's {rows}"
+            )
