@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from tabulate import tabulate
 
+from ragtrain import run_lock
 from ragtrain.cluster.resources import check_config, init_ray
 from ragtrain.cluster.storage import check_shared_paths, shared_paths
 from ragtrain.config import (
@@ -395,9 +396,14 @@ def run(
     every log window, so schedulers see learning curves) and its sweep's `parent_run_id` (MLflow child run).
     """
     initial = functools.cache(lambda: initial_weights(cfg))  # built once: by the corpus stream, or below
-    data, out, run_log = start_run(cfg, initial)
-    logger = open_logger(cfg, out, run_log, parent_run_id)
-    status, cleanup = "FAILED", [lambda: detach_run_log(run_log)]
+    data, out, run_log, lock = start_run(cfg, initial)
+    try:
+        logger = open_logger(cfg, out, run_log, parent_run_id)
+    except BaseException as e:  # the folder is marked failed (not left "running") and let go
+        write_status(out, "failed", error=f"{type(e).__name__}: {e}"[:2000])
+        lock.release()
+        raise
+    status, cleanup = "FAILED", [lambda: detach_run_log(run_log), lock.release]
     try:
         log_config(cfg, out, logger)
         s = RunState(cfg, data, out, logger, Retrieval(cfg, data), initial(), f"{cfg.retriever.model}@init")
@@ -429,22 +435,32 @@ def run(
             logger.end(status)
 
 
-def start_run(cfg: Config, initial: Callable[[], dict[str, torch.Tensor]]) -> tuple[RetrievalData, Path, Any]:
+def start_run(
+    cfg: Config, initial: Callable[[], dict[str, torch.Tensor]]
+) -> tuple[RetrievalData, Path, Any, run_lock.RunLock]:
     """Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
     folder that failed them is never taken for a run by resume=true, and what the checks wrote is removed.
-    Returns (data, the run's folder, its log handler)."""
+    Returns (data, the run's folder, its log handler, this process's lock on the folder)."""
+    run_lock.check_owner(cfg.output_dir)  # a live run's folder: refused before anything, whatever the settings
     check_fresh_output(cfg)
-    with undo_on_failure(cfg.output_dir, cfg.index.cache_dir):
-        out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
-        if cfg.index.cache_dir:  # the cache is written after the first encode: refuse an unwritable one now
-            prepare_output_dir(cfg.index.cache_dir, "index.cache_dir")
-        with collect_log_lines() as check_lines:  # the [data] lines: into ragtrain.log once the checks pass
-            data = preflight_checks(cfg, out, initial)
+    lock = None
+    try:
+        with undo_on_failure(cfg.output_dir, cfg.index.cache_dir):
+            out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
+            lock = run_lock.acquire(out)  # the folder is this process's until the run ends
+            if cfg.index.cache_dir:  # the cache is written after the first encode: refuse an unwritable one now
+                prepare_output_dir(cfg.index.cache_dir, "index.cache_dir")
+            with collect_log_lines() as check_lines:  # the [data] lines: into ragtrain.log once the checks pass
+                data = preflight_checks(cfg, out, initial)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
     write_status(out, "running")
     run_log = attach_run_log(out)  # ragtrain's lines of this run, timestamped, in <output_dir>/ragtrain.log
     replay(check_lines, run_log)
-    return data, out, run_log
+    return data, out, run_log, lock
 
 
 def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None) -> Any:
