@@ -469,6 +469,12 @@ def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None)
     resume_id = run_file.read_text().strip() if cfg.resume and run_file.exists() else None
     try:
         logger = RunLogger(cfg.logger, run_name=cfg.experiment_name, parent_run_id=parent_run_id, run_id=resume_id)
+    except Exception as e:  # a store the checks could not judge (e.g. a schema of another MLflow version): one line
+        detach_run_log(run_log)
+        uri = redact_uri(tracking_uri(cfg.logger))
+        raise ConfigError(
+            f"logger.tracking_uri={uri!r}: MLflow cannot open the store ({str(e).splitlines()[0][:300]})"
+        ) from e
     except BaseException:
         detach_run_log(run_log)
         raise
