@@ -24,7 +24,16 @@ from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from ragtrain.cluster.resources import InfeasibleResourcesError  # noqa: E402
-from ragtrain.config import ConfigError, override_variants, register_configs, sync_variants, to_typed  # noqa: E402
+from ragtrain.config import (  # noqa: E402
+    ConfigError,
+    check_ascii_numbers,
+    has_non_ascii_digits,
+    non_ascii_digits,
+    override_variants,
+    register_configs,
+    sync_variants,
+    to_typed,
+)
 from ragtrain.console import configure  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -62,7 +71,13 @@ def check_overrides(argv: list[str]) -> None:
     except (HydraException, OmegaConfBaseException) as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             return  # Hydra reports it in full
-        print(f"config error: {override_error_line(e)}", file=sys.stderr)
+        bare = [a for a in argv if has_non_ascii_digits(a.partition("=")[2])]  # Hydra's lexer takes only 0-9
+        line = (
+            non_ascii_digits(*bare[0].lstrip("+~").split("=", 1), " (quote it if it is text, not a number)")
+            if bare
+            else override_error_line(e)
+        )
+        print(f"config error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
     global _EXISTING_BEFORE
     try:
@@ -167,6 +182,7 @@ def scrub_hydra_files() -> None:
 
 def dispatch(cfg: DictConfig) -> None:
     """Check everything that needs no work, then run one pipeline, a sync comparison or a Tune sweep."""
+    check_ascii_numbers(cfg, HydraConfig.get().overrides.task)  # `seed=١٢`: int() would read 12
     typed = to_typed(cfg)  # resolves interpolations and runs every range check before any work
     if typed.tune is not None:  # tune=NAME: a sweep; its space is checked here too, before Ray starts
         # lazy: ragtrain.tune.sweep imports pandas/pyarrow/ray; the CLI starts without them
