@@ -393,12 +393,7 @@ class LiveIndexClient:
             self.switched = False
         if self.rank != 0:
             return out
-        done = self.finished()
-        if done is not None and done.get("ok"):
-            out.update({"index/refresh_seconds": done["seconds"], "index/version": done["version"]})
-            out.update(done.get("metrics", {}))  # a sharded refresh's version mix, mixed recall, encoded share
-        if done is not None and "error" in done:
-            out["index/refresh_failures"] = self.failures
+        out.update(self._done_metrics(self.finished()))
         drift = None
         if step % self.cfg.refresh.check_every == 0:
             out["index/lag_steps"] = step - self.live.step
@@ -409,12 +404,25 @@ class LiveIndexClient:
             self.start(step, state_dict_fn())
         return out
 
-    def drain(self) -> None:
-        """Wait for a refresh still running at the end of training (its snapshot lives in this worker's store)."""
-        if self.pending is not None:
-            ray.wait([self.pending])
-            self.finished()
-            self.pull()
+    def _done_metrics(self, done: dict[str, Any] | None) -> dict[str, float]:
+        """What a finished refresh logs: its seconds and version (and a sharded round's metrics), or a failure."""
+        out: dict[str, float] = {}
+        if done is not None and done.get("ok"):
+            out.update({"index/refresh_seconds": done["seconds"], "index/version": done["version"]})
+            out.update(done.get("metrics", {}))  # a sharded refresh's version mix, mixed recall, encoded share
+        if done is not None and "error" in done:
+            out["index/refresh_failures"] = self.failures
+        return out
+
+    def drain(self) -> dict[str, float]:
+        """Wait for a refresh still running at the end of training (its snapshot lives in this worker's store);
+        returns its metrics, for rank 0 to log at the last step as `after_step` would have."""
+        if self.pending is None:
+            return {}
+        ray.wait([self.pending])
+        out = self._done_metrics(self.finished())
+        self.pull()
+        return out
 
     def summary(self) -> dict[str, float]:
         """Rank 0's refresh summary: counts, and training throughput while a refresh ran vs while none did."""

@@ -89,8 +89,8 @@ class NoLiveIndex:
     def after_step(self, *args) -> dict[str, float]:
         return {}
 
-    def drain(self) -> None:
-        return None
+    def drain(self) -> dict[str, float]:
+        return {}
 
     def summary(self) -> dict[str, float]:
         return {}
@@ -367,7 +367,9 @@ def finish(r: Replica, loop_s: float, drift_history: list[dict[str, float]]) -> 
     w, gb = r.w, r.global_batch
     ran = r.steps - r.start_step  # steps of this attempt (after a restart: since the checkpoint)
     if w.rank == 0:
-        r.live.drain()
+        drained = r.live.drain()  # a refresh still running when training ended: its metrics, at the last step
+        if drained:
+            w.log(drained, r.steps, r.steps)
     summary = {
         "step": r.steps,
         "train/samples_per_s": ran * gb / loop_s,
