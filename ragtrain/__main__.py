@@ -44,12 +44,33 @@ _EXISTING_BEFORE: set[Path] | None = None
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean bad input (config, data, a cluster too small, a mismatched index): one line, exit 2."""
+    """Exceptions that mean bad input (config, data, a cluster too small, a mismatched index) or a store that
+    cannot serve (an index shard lost beyond its restarts): one line, exit 2."""
     # lazy: ragtrain.data loads its readers and ragtrain.index.faiss_index loads faiss; the CLI starts without them
     from ragtrain.data.types import DataError
     from ragtrain.index.faiss_index import IndexMismatchError
+    from ragtrain.index.sharded import ShardUnavailableError
 
-    return ConfigError, DataError, InfeasibleResourcesError, IndexMismatchError
+    return ConfigError, DataError, InfeasibleResourcesError, IndexMismatchError, ShardUnavailableError
+
+
+ERROR_KINDS = {
+    "ConfigError": "config",
+    "DataError": "data",
+    "InfeasibleResourcesError": "resources",
+    "IndexMismatchError": "index",
+    "ShardUnavailableError": "index",
+}
+
+
+def error_line(e: BaseException) -> str:
+    """`<kind> error: <message>`: the message of the error itself, also when Ray re-raised it from an actor or a
+    task (a RayTaskError whose text holds the remote traceback; its `cause` is the error that was raised)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):  # ray.exceptions.RayTaskError
+        e = cause
+    kind = next((k for c in type(e).__mro__ if (k := ERROR_KINDS.get(c.__name__))), "input")
+    return f"{kind} error: {e}"
 
 
 def verbose(cfg: DictConfig) -> bool:
@@ -150,13 +171,7 @@ def main(cfg: DictConfig) -> None:
     except user_errors() as e:
         if verbose(cfg):  # the traceback too, then the same line, clean-up and exit code
             traceback.print_exc()
-        kind = {
-            "ConfigError": "config",
-            "DataError": "data",
-            "InfeasibleResourcesError": "resources",
-            "IndexMismatchError": "index",
-        }.get(type(e).__name__, "input")
-        print(f"{kind} error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:  # the job's folder, then the sweep's when only multirun.yaml is left
             remove_sweep_folder(Path(hc.runtime.output_dir), Path(hc.sweep.dir))

@@ -568,3 +568,29 @@ def test_a_store_that_fails_once_the_run_folder_exists_marks_it_failed(ray_sessi
     assert status["status"] == "failed" and "out-of-date database schema" in status["error"]
     assert not (out / LOCK_FILE).exists()
     check_fresh_output(cfg)  # a failed run's folder may be reused
+
+
+def _shard_lost() -> None:
+    from ragtrain.index.sharded import ShardUnavailableError
+
+    raise ShardUnavailableError("index shard 2 did not answer within 5s (index.shard_timeout_s): it is restarting")
+
+
+def test_store_errors_reach_a_cli_user_as_one_line(ray_session) -> None:
+    """ShardUnavailableError (raised on the driver, or inside the refresh service's actor and re-raised by Ray with
+    the actor's traceback in its text) is a store error: one `index error:` line, exit 2."""
+    import ray
+
+    from ragtrain.__main__ import error_line, user_errors
+    from ragtrain.index.sharded import ShardUnavailableError
+
+    want = "index error: index shard 2 did not answer within 5s (index.shard_timeout_s): it is restarting"
+    try:
+        _shard_lost()
+    except user_errors() as e:
+        assert error_line(e) == want
+    try:
+        ray.get(ray.remote(_shard_lost).remote())
+    except user_errors() as e:  # a RayTaskError that is also a ShardUnavailableError
+        assert isinstance(e, ShardUnavailableError) and len(str(e).splitlines()) > 1  # the remote traceback
+        assert error_line(e) == want
