@@ -522,7 +522,7 @@ def train_phase(s: RunState, callbacks: list | None, report_intermediate: bool) 
     cfg, retrieval, t = s.cfg, s.retrieval, s.cfg.retriever.train
     service = probe = None
     if cfg.refresh.enabled:  # the pool refreshes the index while training steps
-        service, probe = retrieval.start_service(s.zeroshot, s.weights)
+        service, probe = start_live_index(s)
     else:
         retrieval.release()  # without refresh the trainer and the pool take turns on the CPUs
     examples = build_examples(s.data.queries, retrieval.train_qrels, retrieval.positions, s.negatives)
@@ -547,6 +547,27 @@ def train_phase(s: RunState, callbacks: list | None, report_intermediate: bool) 
         (s.out / "refresh_history.json").write_text(json.dumps(refresh_report, indent=2))
         s.logger.log_artifact(s.out / "refresh_history.json")
     save_trained(s, fit)
+
+
+def start_live_index(s: RunState) -> tuple[Any, Any]:
+    """The live index service: from the zero-shot index, or for a run resumed from a training checkpoint, from an
+    index of the checkpoint's weights, its versions numbered on from the checkpoint's newest one (a resumed run's
+    live index neither restarts from the untrained encoder nor repeats version numbers it logged)."""
+    # lazy: ragtrain.retriever.train imports ray; this module imports without it
+    from ragtrain.retriever.train import checkpoint_weights
+    from ragtrain.train.harness import resume_or_none
+
+    path, meta = resume_or_none(s.cfg, "retriever")
+    if path is None or meta.get("final"):  # a fresh run, or the stage finished before (it is not trained again)
+        return s.retrieval.start_service(s.zeroshot, s.weights)
+    weights, step = checkpoint_weights(s.cfg, path), int(meta["step"])
+    start = s.retrieval.build("resumed", [weights], f"{s.cfg.retriever.model}@{path.name}", step)
+    first = int(meta.get("live_version", -1)) + 1
+    log.info(f"[index] resume: the live index starts from the step-{step} checkpoint's weights as version {first}")
+    try:
+        return s.retrieval.start_service(start, weights, first_version=first, step=step)
+    finally:
+        start.index.drop()  # the service holds its own copy (as the zero-shot index's, dropped after training starts)
 
 
 def save_trained(s: RunState, fit: Any) -> None:

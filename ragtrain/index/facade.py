@@ -353,9 +353,10 @@ class Retrieval:
         )
         return {q: [pos[index.doc_ids[r]] for r in rows] for q, rows in zip(qids, mined)}
 
-    def start_service(self, built: BuiltIndex, weights: dict[str, torch.Tensor]):
-        """Start the live index service on the pool (refresh.enabled) with version 0 = `built`'s vectors, encoded
-        with `weights`; returns (service actor, staleness probe)."""
+    def start_service(self, built: BuiltIndex, weights: dict[str, torch.Tensor], first_version: int = 0, step: int = 0):
+        """Start the live index service on the pool (refresh.enabled) with its first version = `built`'s vectors,
+        encoded with `weights` at training step `step`, numbered `first_version` (a resumed run continues from its
+        checkpoint: both nonzero); returns (service actor, staleness probe)."""
         # lazy: ray is heavy (~0.5 s); this module imports without it
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -392,12 +393,14 @@ class Retrieval:
             service = ShardedIndexService.options(num_cpus=0, scheduling_strategy=strategy).remote(
                 self.cfg, self.pool, self.shard_group.actors, self.doc_ids, texts, sources, queries, gold, probe
             )
-            publish = service.publish.remote(0, built.index.tag, built.shards.folder, [ray.put(weights)])
+            ray.get(service.number_from.remote(first_version))
+            publish = service.publish.remote(step, built.index.tag, built.shards.folder, [ray.put(weights)])
         else:
             service = IndexService.options(num_cpus=0, scheduling_strategy=strategy).remote(
                 self.cfg, self.pool, self.passages(), self.doc_ids, self.fingerprint, queries, gold, probe
             )
-            publish = service.publish.remote(0, built.shards.folder, [ray.put(weights)])
+            ray.get(service.number_from.remote(first_version))
+            publish = service.publish.remote(step, built.shards.folder, [ray.put(weights)])
         stats = ray.get(publish)
         if not stats.get("ok"):
             ray.kill(service)

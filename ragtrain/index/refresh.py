@@ -65,8 +65,8 @@ class VersionBook:
     A plain object: the service holds one, and tests use it directly as the service (same methods).
     """
 
-    def __init__(self, keep: int = 8):
-        self.keep = keep
+    def __init__(self, keep: int = 8, first: int = 0):
+        self.keep, self.first = keep, first  # `first`: the number of the first version published (a resumed run's)
         self.versions: dict[int, LiveVersion] = {}
         self.used: dict[int, int] = {}  # training step -> version its negatives came from
 
@@ -77,8 +77,8 @@ class VersionBook:
             del self.versions[v]
 
     def version(self) -> int:
-        """The newest version number (-1 before the first publish)."""
-        return max(self.versions, default=-1)
+        """The newest version number (`first` - 1 before the first publish)."""
+        return max(self.versions, default=self.first - 1)
 
     def latest(self) -> LiveVersion | None:
         """The newest version."""
@@ -157,6 +157,13 @@ class LiveService:
         """The live version number (-1 before the first publish): a cheap poll."""
         with self._swap:
             return self.book.version()
+
+    def number_from(self, first: int) -> None:
+        """Number the versions from `first` (before the first publish): a resumed run continues its numbers."""
+        with self._swap:
+            if self.book.versions:
+                raise RuntimeError("the live index's versions are numbered before its first publish")
+            self.book = VersionBook(self.book.keep, first)
 
     def latest(self) -> LiveVersion | None:
         """The live version."""
@@ -423,6 +430,10 @@ class LiveIndexClient:
         out = self._done_metrics(self.finished())
         self.pull()
         return out
+
+    def checkpoint_info(self) -> dict[str, int]:
+        """Rank 0: the newest version number published, for the checkpoint (a resumed run numbers on from it)."""
+        return {"live_version": int(_call(self.service, "version"))} if self.rank == 0 else {}
 
     def summary(self) -> dict[str, float]:
         """Rank 0's refresh summary: counts, and training throughput while a refresh ran vs while none did."""

@@ -184,12 +184,14 @@ class Worker:
         sched: Any,
         extra: dict[str, Any],
         metrics: dict[str, float] | None = None,
+        info: dict[str, Any] | None = None,
     ) -> None:
-        """Every rank writes its part of the step-`step` checkpoint; Ray Train merges them into one folder."""
+        """Every rank writes its part of the step-`step` checkpoint; Ray Train merges them into one folder (`info`:
+        rank 0's plain values for meta.json)."""
         import ray.train  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         with self.not_training(), tempfile.TemporaryDirectory() as d:
-            save_train_state(d, self.rank, self.world, step, model, optim, sched, extra, self.args.fit_id)
+            save_train_state(d, self.rank, self.world, step, model, optim, sched, extra, self.args.fit_id, info)
             ray.train.report({"step": step, **(metrics or {})}, checkpoint=ray.train.Checkpoint.from_directory(d))
 
     def end_step(self, done: int, steps: int) -> None:

@@ -64,6 +64,14 @@ def _version(v: int, step: int = 0) -> LiveVersion:
     return LiveVersion(v, step, [[100 + v]], np.zeros((1, 2), dtype=np.float32), 0.0)
 
 
+def test_a_resumed_runs_versions_are_numbered_on_from_its_checkpoint() -> None:
+    """A resumed run's live index publishes its first version as the checkpoint's newest + 1, not 0 again."""
+    book = VersionBook(first=4)
+    assert book.version() == 3 and book.latest() is None
+    book.publish(_version(book.version() + 1, step=8))
+    assert book.version() == 4 and book.version_for_step(9) == 4
+
+
 def test_version_book_keeps_each_steps_version_for_a_replay() -> None:
     """The first ask fixes a step's version; after a restart the step gets the same one, later steps the newest."""
     book = VersionBook(keep=3)
