@@ -276,10 +276,14 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
         )
 
     def precheck(data: RetrievalData, passages: int) -> None:  # the stream's first pass, before it encodes
+        # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
+        from ragtrain.index.sharded import check_shard_config
+
         check_qrels(data)
         if not cfg.data.chunk.enabled:  # chunked, the training examples are counted on chunks: after the stream
             check_train_batch(cfg, data)
         check_index_config(cfg.index.factory, encoder_dim(cfg.retriever), passages)
+        check_shard_config(cfg, passages, ray_nodes() if cfg.index.shards == "auto" else None)  # Ray is up here
 
     return StreamEncode(
         weights=weights,
@@ -356,10 +360,15 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     )
     start_ray()
     if cfg.index.shards == "auto":  # one shard per index node: the live cluster says how many
-        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
-
-        check_shard_config(cfg, len(data.corpus), ray.nodes())
+        check_shard_config(cfg, len(data.corpus), ray_nodes())
     return data
+
+
+def ray_nodes() -> list[dict]:
+    """The live cluster's nodes (`index.shards=auto` is one shard per index node)."""
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
+
+    return ray.nodes()
 
 
 @dataclass
