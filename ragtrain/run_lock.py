@@ -67,7 +67,7 @@ def read_owner(path: Path) -> tuple[dict[str, Any], float] | None:
     (a crash while it was written) names no one."""
     try:
         text, age = path.read_text(), time.time() - path.stat().st_mtime
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no lock; or no folder yet (prepare_output_dir says why)
         return None
     try:
         owner = json.loads(text)

@@ -129,3 +129,23 @@ def test_a_finished_run_leaves_no_lock(quickstart_run) -> None:
     cfg, _, _ = quickstart_run
     assert json.loads((Path(cfg.output_dir) / "status.json").read_text())["status"] == "complete"
     assert not (Path(cfg.output_dir) / run_lock.LOCK_FILE).exists()
+
+
+def test_cli_resume_into_a_live_runs_folder_is_one_line_and_exit_2(tmp_path, live_pid) -> None:
+    import sys
+
+    from tests.conftest import REPO
+
+    cfg = _cfg(tmp_path)
+    out, before = _running_run(cfg, live_pid)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HF_HUB_OFFLINE": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    args = [sys.executable, "-m", "ragtrain", "experiment=quickstart", *tiny_overrides(tmp_path), "resume=true"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        f"config error: output_dir={str(out)!r} belongs to a run that is still running (pid {live_pid} on host "
+        f"{socket.gethostname()}, started 2026-01-01T00:00:00+0000; {out / run_lock.LOCK_FILE}): wait for it to "
+        "finish or stop it, or choose another output_dir"
+    ]
+    _unchanged(out, before)
