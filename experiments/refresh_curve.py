@@ -23,40 +23,71 @@ import pandas as pd
 import yaml
 
 
+class VariantError(ValueError):
+    """A variant's file cannot be read (truncated, damaged, or not what a run writes); the message names it."""
+
+
+DAMAGED = "the file is truncated or damaged: rerun the variant, or move its folder out of the run's"
+
+
+def read_file(path: Path) -> dict:
+    """A variant's JSON or YAML file as a mapping; VariantError names the file when it cannot be."""
+    kind = "YAML" if path.suffix == ".yaml" else "JSON"
+    try:
+        doc = yaml.safe_load(path.read_text()) if kind == "YAML" else json.loads(path.read_text())
+    except (ValueError, yaml.YAMLError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise VariantError(f"{path}: not readable {kind} ({str(e).splitlines()[0][:120]}): {DAMAGED}") from None
+    if not isinstance(doc, dict):
+        raise VariantError(f"{path}: not a mapping ({type(doc).__name__}): {DAMAGED}")
+    return doc
+
+
+def section(path: Path, doc: dict, *keys: str) -> dict:
+    """doc[keys[0]][keys[1]]...: a VariantError names the file and the missing key."""
+    for i, key in enumerate(keys):
+        got = doc.get(key) if isinstance(doc, dict) else None
+        if got is None:
+            raise VariantError(f"{path}: no {'.'.join(keys[: i + 1])!r} figures ({sorted(doc)[:6]} there): {DAMAGED}")
+        doc = got
+    return doc
+
+
 def variant_row(folder: Path) -> dict | None:
     """One variant's figures, or None for a folder that is not a finished variant."""
     paths = [folder / n for n in ("config.yaml", "metrics.json", "refresh_history.json")]
     if not all(p.is_file() for p in paths):
         return None
-    cfg = yaml.safe_load(paths[0].read_text())
-    metrics = json.loads(paths[1].read_text())
-    rounds = [r for r in json.loads(paths[2].read_text())["history"] if r.get("ok")]
+    cfg, metrics, history = (read_file(p) for p in paths)
+    refresh = section(paths[0], cfg, "refresh")
+    ndcg, train = section(paths[1], metrics, "trained", "ndcg@10"), section(paths[1], metrics, "train")
+    rounds = [r for r in section(paths[2], history, "history") if isinstance(r, dict) and r.get("ok")]
     states = [s for r in rounds for s in r.get("state_metrics", [])]
 
     def mean_of(key: str, rows: list[dict]) -> float:
         got = [m[key] for m in rows if key in m]
         return sum(got) / len(got) if got else float("nan")
 
-    round_metrics = [r["metrics"] for r in rounds]
+    round_metrics = [r.get("metrics", {}) for r in rounds]
     encode_s = sum(v for m in round_metrics for k, v in m.items() if k.endswith("_encode_seconds"))
     return {
         "variant": folder.name,
-        "consistency": cfg["refresh"]["consistency"],
-        "fraction": float(cfg["refresh"]["fraction"]),
-        "priority": cfg["refresh"]["priority"] if float(cfg["refresh"]["fraction"]) < 1 else "(all rows)",
+        "consistency": refresh.get("consistency"),
+        "fraction": float(refresh.get("fraction", 1.0)),
+        "priority": refresh.get("priority") if float(refresh.get("fraction", 1.0)) < 1 else "(all rows)",
         "rounds": len(rounds),
         "encoded_per_round": mean_of("index/encoded_fraction", round_metrics),
         "shard_encode_s": encode_s,
         "mixed_recall@10": mean_of("index/mixed_recall_at_10", states),
         "mined_agreement": mean_of("index/mined_agreement", states),
-        "samples_per_s": metrics["train"].get("train/samples_per_s", float("nan")),
-        "ndcg@10": metrics["trained"]["ndcg@10"],
+        "samples_per_s": train.get("train/samples_per_s", float("nan")),
+        "ndcg@10": ndcg,
     }
 
 
 def round_rows(folder: Path) -> list[dict]:
     """Per successful round of one variant: its step and the worst state searches saw during it."""
-    rounds = json.loads((folder / "refresh_history.json").read_text())["history"]
+    path = folder / "refresh_history.json"
+    rounds = section(path, read_file(path), "history")
     out = []
     for r in (r for r in rounds if r.get("ok") and r.get("state_metrics")):
         states = r["state_metrics"]
@@ -131,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run.is_dir():
         print(f"error: {args.run} is not a folder", file=sys.stderr)
         return 2
-    rows = [r for f in sorted(args.run.iterdir()) if f.is_dir() and (r := variant_row(f)) is not None]
+    try:
+        rows = [r for f in sorted(args.run.iterdir()) if f.is_dir() and (r := variant_row(f)) is not None]
+    except VariantError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not rows:
         print(
             f"error: no finished variant (config.yaml, metrics.json, refresh_history.json) in {args.run}",

@@ -24,7 +24,16 @@ from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from ragtrain.cluster.resources import InfeasibleResourcesError  # noqa: E402
-from ragtrain.config import ConfigError, override_variants, register_configs, sync_variants, to_typed  # noqa: E402
+from ragtrain.config import (  # noqa: E402
+    ConfigError,
+    check_ascii_numbers,
+    has_non_ascii_digits,
+    non_ascii_digits,
+    override_variants,
+    register_configs,
+    sync_variants,
+    to_typed,
+)
 from ragtrain.console import configure  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -35,12 +44,33 @@ _EXISTING_BEFORE: set[Path] | None = None
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean bad input (config, data, a cluster too small, a mismatched index): one line, exit 2."""
+    """Exceptions that mean bad input (config, data, a cluster too small, a mismatched index) or a store that
+    cannot serve (an index shard lost beyond its restarts): one line, exit 2."""
     # lazy: ragtrain.data loads its readers and ragtrain.index.faiss_index loads faiss; the CLI starts without them
     from ragtrain.data.types import DataError
     from ragtrain.index.faiss_index import IndexMismatchError
+    from ragtrain.index.sharded import ShardUnavailableError
 
-    return ConfigError, DataError, InfeasibleResourcesError, IndexMismatchError
+    return ConfigError, DataError, InfeasibleResourcesError, IndexMismatchError, ShardUnavailableError
+
+
+ERROR_KINDS = {
+    "ConfigError": "config",
+    "DataError": "data",
+    "InfeasibleResourcesError": "resources",
+    "IndexMismatchError": "index",
+    "ShardUnavailableError": "index",
+}
+
+
+def error_line(e: BaseException) -> str:
+    """`<kind> error: <message>`: the message of the error itself, also when Ray re-raised it from an actor or a
+    task (a RayTaskError whose text holds the remote traceback; its `cause` is the error that was raised)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):  # ray.exceptions.RayTaskError
+        e = cause
+    kind = next((k for c in type(e).__mro__ if (k := ERROR_KINDS.get(c.__name__))), "input")
+    return f"{kind} error: {e}"
 
 
 def verbose(cfg: DictConfig) -> bool:
@@ -62,7 +92,13 @@ def check_overrides(argv: list[str]) -> None:
     except (HydraException, OmegaConfBaseException) as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             return  # Hydra reports it in full
-        print(f"config error: {override_error_line(e)}", file=sys.stderr)
+        bare = [a for a in argv if has_non_ascii_digits(a.partition("=")[2])]  # Hydra's lexer takes only 0-9
+        line = (
+            non_ascii_digits(*bare[0].lstrip("+~").split("=", 1), " (quote it if it is text, not a number)")
+            if bare
+            else override_error_line(e)
+        )
+        print(f"config error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
     global _EXISTING_BEFORE
     try:
@@ -135,13 +171,7 @@ def main(cfg: DictConfig) -> None:
     except user_errors() as e:
         if verbose(cfg):  # the traceback too, then the same line, clean-up and exit code
             traceback.print_exc()
-        kind = {
-            "ConfigError": "config",
-            "DataError": "data",
-            "InfeasibleResourcesError": "resources",
-            "IndexMismatchError": "index",
-        }.get(type(e).__name__, "input")
-        print(f"{kind} error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:  # the job's folder, then the sweep's when only multirun.yaml is left
             remove_sweep_folder(Path(hc.runtime.output_dir), Path(hc.sweep.dir))
@@ -167,6 +197,7 @@ def scrub_hydra_files() -> None:
 
 def dispatch(cfg: DictConfig) -> None:
     """Check everything that needs no work, then run one pipeline, a set of variants or a Tune sweep."""
+    check_ascii_numbers(cfg, HydraConfig.get().overrides.task)  # `seed=١٢`: int() would read 12
     typed = to_typed(cfg)  # resolves interpolations and runs every range check before any work
     if typed.tune is not None:  # tune=NAME: a sweep; its space is checked here too, before Ray starts
         # lazy: ragtrain.tune.sweep imports pandas/pyarrow/ray; the CLI starts without them

@@ -1,7 +1,8 @@
 """Training checkpoints that continue a run exactly (retriever and generator stages), and fault injection.
 
 Layout of one checkpoint folder (Ray Train merges every rank's files into it):
-    meta.json                    step, world size, fit id (rank 0); a stage's final checkpoint has "final": true
+    meta.json                    step, world size, fit id (rank 0), and what the stage adds (the retriever: the
+                                 live index's newest version number, `live_version`); a final checkpoint: "final"
     rank{r}.safetensors          rank r's model replica (encoder replicas differ under local SGD / gossip)
     rank{r}_state.pt             optimizer, scheduler, the stage's extra state (sync-strategy buffers; the generator's
                                  grad scaler and loss history), RNG states (torch.save of tensors and plain
@@ -40,8 +41,10 @@ def save_train_state(
     sched: Any,
     extra: dict[str, Any],
     fit_id: str = "",
+    info: dict[str, Any] | None = None,
 ) -> None:
-    """Write this rank's part of the checkpoint at `step` (completed optimizer steps) into `folder`."""
+    """Write this rank's part of the checkpoint at `step` (completed optimizer steps) into `folder`; `info` (plain
+    values, rank 0's) goes into meta.json for the driver to read without loading the state."""
     folder = Path(folder)
     # save_model stores tied tensors once (a generator's shared embeddings); save_file would refuse them
     save_model(model, str(folder / f"rank{rank}.safetensors"))
@@ -53,7 +56,8 @@ def save_train_state(
         folder / f"rank{rank}_state.pt",
     )
     if rank == 0:
-        (folder / "meta.json").write_text(json.dumps({"step": step, "world": world, "fit_id": fit_id}))
+        meta = {**(info or {}), "step": step, "world": world, "fit_id": fit_id}
+        (folder / "meta.json").write_text(json.dumps(meta))
 
 
 def load_train_state(

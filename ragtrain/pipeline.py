@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from tabulate import tabulate
 
+from ragtrain import run_lock
 from ragtrain.cluster.resources import check_config, init_ray
 from ragtrain.cluster.storage import check_shared_paths, shared_paths
 from ragtrain.config import (
@@ -276,10 +277,15 @@ def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.
         )
 
     def precheck(data: RetrievalData, passages: int) -> None:  # the stream's first pass, before it encodes
+        # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
+        from ragtrain.index.sharded import check_shard_config
+
         check_qrels(data)
         if not cfg.data.chunk.enabled:  # chunked, the training examples are counted on chunks: after the stream
             check_train_batch(cfg, data)
         check_index_config(cfg.index.factory, encoder_dim(cfg.retriever), passages)
+        nodes = ray_nodes() if cfg.index.shards == "auto" else None  # Ray is up here
+        check_shard_config(cfg.index, cfg.refresh, encoder_dim(cfg.retriever), passages, nodes, fault is not None)
 
     return StreamEncode(
         weights=weights,
@@ -359,10 +365,15 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     )
     start_ray()
     if cfg.index.shards == "auto":  # one shard per index node: the live cluster says how many
-        import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
-
-        check_shard_config(cfg.index, cfg.refresh, dim, len(data.corpus), ray.nodes(), encode_fault=fault)
+        check_shard_config(cfg.index, cfg.refresh, dim, len(data.corpus), ray_nodes(), encode_fault=fault)
     return data
+
+
+def ray_nodes() -> list[dict]:
+    """The live cluster's nodes (`index.shards=auto` is one shard per index node)."""
+    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
+
+    return ray.nodes()
 
 
 @dataclass
@@ -399,9 +410,14 @@ def run(
     every log window, so schedulers see learning curves) and its sweep's `parent_run_id` (MLflow child run).
     """
     initial = functools.cache(lambda: initial_weights(cfg))  # built once: by the corpus stream, or below
-    data, out, run_log = start_run(cfg, initial)
-    logger = open_logger(cfg, out, run_log, parent_run_id)
-    status, cleanup = "FAILED", [lambda: detach_run_log(run_log)]
+    data, out, run_log, lock = start_run(cfg, initial)
+    try:
+        logger = open_logger(cfg, out, run_log, parent_run_id)
+    except BaseException as e:  # the folder is marked failed (not left "running") and let go
+        write_status(out, "failed", error=f"{type(e).__name__}: {e}"[:2000])
+        lock.release()
+        raise
+    status, cleanup = "FAILED", [lambda: detach_run_log(run_log), lock.release]
     try:
         log_config(cfg, out, logger)
         s = RunState(cfg, data, out, logger, Retrieval(cfg, data), initial(), f"{cfg.retriever.model}@init")
@@ -433,22 +449,32 @@ def run(
             logger.end(status)
 
 
-def start_run(cfg: Config, initial: Callable[[], dict[str, torch.Tensor]]) -> tuple[RetrievalData, Path, Any]:
+def start_run(
+    cfg: Config, initial: Callable[[], dict[str, torch.Tensor]]
+) -> tuple[RetrievalData, Path, Any, run_lock.RunLock]:
     """Every check that needs no training runs first; config.yaml is written only once they have all passed, so a
     folder that failed them is never taken for a run by resume=true, and what the checks wrote is removed.
-    Returns (data, the run's folder, its log handler)."""
+    Returns (data, the run's folder, its log handler, this process's lock on the folder)."""
+    run_lock.check_owner(cfg.output_dir)  # a live run's folder: refused before anything, whatever the settings
     check_fresh_output(cfg)
-    with undo_on_failure(cfg.output_dir, cfg.index.cache_dir):
-        out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
-        if cfg.index.cache_dir:  # the cache is written after the first encode: refuse an unwritable one now
-            prepare_output_dir(cfg.index.cache_dir, "index.cache_dir")
-        with collect_log_lines() as check_lines:  # the [data] lines: into ragtrain.log once the checks pass
-            data = preflight_checks(cfg, out, initial)
+    lock = None
+    try:
+        with undo_on_failure(cfg.output_dir, cfg.index.cache_dir):
+            out = prepare_output_dir(cfg.output_dir)  # an unwritable folder fails before any work
+            lock = run_lock.acquire(out)  # the folder is this process's until the run ends
+            if cfg.index.cache_dir:  # the cache is written after the first encode: refuse an unwritable one now
+                prepare_output_dir(cfg.index.cache_dir, "index.cache_dir")
+            with collect_log_lines() as check_lines:  # the [data] lines: into ragtrain.log once the checks pass
+                data = preflight_checks(cfg, out, initial)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # the resolved, typed config
     write_status(out, "running")
     run_log = attach_run_log(out)  # ragtrain's lines of this run, timestamped, in <output_dir>/ragtrain.log
     replay(check_lines, run_log)
-    return data, out, run_log
+    return data, out, run_log, lock
 
 
 def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None) -> Any:
@@ -457,6 +483,12 @@ def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None)
     resume_id = run_file.read_text().strip() if cfg.resume and run_file.exists() else None
     try:
         logger = RunLogger(cfg.logger, run_name=cfg.experiment_name, parent_run_id=parent_run_id, run_id=resume_id)
+    except Exception as e:  # a store the checks could not judge (e.g. a schema of another MLflow version): one line
+        detach_run_log(run_log)
+        uri = redact_uri(tracking_uri(cfg.logger))
+        raise ConfigError(
+            f"logger.tracking_uri={uri!r}: MLflow cannot open the store ({str(e).splitlines()[0][:300]})"
+        ) from e
     except BaseException:
         detach_run_log(run_log)
         raise
@@ -505,7 +537,7 @@ def train_phase(s: RunState, callbacks: list | None, report_intermediate: bool) 
     cfg, retrieval, t = s.cfg, s.retrieval, s.cfg.retriever.train
     service = probe = None
     if cfg.refresh.enabled:  # the index shards refresh the index while training steps
-        service, probe = retrieval.start_service(s.zeroshot, s.weights)
+        service, probe = start_live_index(s)
     examples = build_examples(s.data.queries, retrieval.train_qrels, retrieval.positions, s.negatives)
     teacher = None
     if cfg.retriever.teacher.weight > 0:  # a cross-encoder scores the mined candidates (ragtrain/reranker)
@@ -528,6 +560,27 @@ def train_phase(s: RunState, callbacks: list | None, report_intermediate: bool) 
         (s.out / "refresh_history.json").write_text(json.dumps(refresh_report, indent=2))
         s.logger.log_artifact(s.out / "refresh_history.json")
     save_trained(s, fit)
+
+
+def start_live_index(s: RunState) -> tuple[Any, Any]:
+    """The live index service: from the zero-shot index, or for a run resumed from a training checkpoint, from an
+    index of the checkpoint's weights, its versions numbered on from the checkpoint's newest one (a resumed run's
+    live index neither restarts from the untrained encoder nor repeats version numbers it logged)."""
+    # lazy: ragtrain.retriever.train imports ray; this module imports without it
+    from ragtrain.retriever.train import checkpoint_weights
+    from ragtrain.train.harness import resume_or_none
+
+    path, meta = resume_or_none(s.cfg, "retriever")
+    if path is None or meta.get("final"):  # a fresh run, or the stage finished before (it is not trained again)
+        return s.retrieval.start_service(s.zeroshot, s.weights)
+    weights, step = checkpoint_weights(s.cfg, path), int(meta["step"])
+    start = s.retrieval.build("resumed", [weights], f"{s.cfg.retriever.model}@{path.name}", step)
+    first = int(meta.get("live_version", -1)) + 1
+    log.info(f"[index] resume: the live index starts from the step-{step} checkpoint's weights as version {first}")
+    try:
+        return s.retrieval.start_service(start, weights, first_version=first, step=step)
+    finally:
+        start.index.drop()  # the service holds its own copy (as the zero-shot index's, dropped after training starts)
 
 
 def save_trained(s: RunState, fit: Any) -> None:

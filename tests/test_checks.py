@@ -530,3 +530,67 @@ def test_a_resume_checks_everything_before_touching_the_folder(quickstart_run, t
     with pytest.raises(ConfigError, match=match):
         run(resumed)
     _unchanged(copy, before)
+
+
+def test_cli_a_broken_tracking_store_is_one_line_before_any_work(tmp_path) -> None:
+    """A garbage SQLite file passed the checks and failed 25-45 s later with an 85-line traceback."""
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(bytes(range(256)) * 40)
+    # a factory no 24-entity corpus can train: the run's first check of its data would fail here, in seconds
+    r = _cli(tmp_path, f"logger.tracking_uri=sqlite:///{garbage}", "index.factory='IVF4096,Flat'")
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: logger.tracking_uri") and f"{garbage} cannot be used as an MLflow" in last
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_store_that_fails_once_the_run_folder_exists_marks_it_failed(ray_session, tmp_path) -> None:
+    """A store MLflow refuses only when it opens it (a schema from another MLflow version) left the folder
+    'running' for good, so the next run there was refused; now the folder says failed and the next run may go."""
+    import json
+    import sqlite3
+
+    from ragtrain.pipeline import check_fresh_output, run
+    from ragtrain.run_lock import LOCK_FILE
+
+    cfg = _cfg(tmp_path, "stages=[index]")
+    db = Path(cfg.logger.tracking_uri.removeprefix("sqlite:///"))
+    con = sqlite3.connect(db)
+    con.execute("UPDATE alembic_version SET version_num = '0000future'")
+    con.commit()
+    con.close()
+    with pytest.raises(
+        ConfigError, match=r"logger.tracking_uri=.* MLflow cannot open the store \(Detected out-of-date"
+    ):
+        run(cfg)
+    out = Path(cfg.output_dir)
+    status = json.loads((out / "status.json").read_text())
+    assert status["status"] == "failed" and "out-of-date database schema" in status["error"]
+    assert not (out / LOCK_FILE).exists()
+    check_fresh_output(cfg)  # a failed run's folder may be reused
+
+
+def _shard_lost() -> None:
+    from ragtrain.index.sharded import ShardUnavailableError
+
+    raise ShardUnavailableError("index shard 2 did not answer within 5s (index.shard_timeout_s): it is restarting")
+
+
+def test_store_errors_reach_a_cli_user_as_one_line(ray_session) -> None:
+    """ShardUnavailableError (raised on the driver, or inside the refresh service's actor and re-raised by Ray with
+    the actor's traceback in its text) is a store error: one `index error:` line, exit 2."""
+    import ray
+
+    from ragtrain.__main__ import error_line, user_errors
+    from ragtrain.index.sharded import ShardUnavailableError
+
+    want = "index error: index shard 2 did not answer within 5s (index.shard_timeout_s): it is restarting"
+    try:
+        _shard_lost()
+    except user_errors() as e:
+        assert error_line(e) == want
+    try:
+        ray.get(ray.remote(_shard_lost).remote())
+    except user_errors() as e:  # a RayTaskError that is also a ShardUnavailableError
+        assert isinstance(e, ShardUnavailableError) and len(str(e).splitlines()) > 1  # the remote traceback
+        assert error_line(e) == want

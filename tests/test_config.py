@@ -275,3 +275,63 @@ def test_a_saved_config_with_relative_paths_compares_equal_after_resolution(tmp_
     assert changed_keys(saved, now, ()) == ["data.root"]
     assert changed_keys(absolute_paths(saved), now, ()) == []
     assert absolute_paths({"generator.retrieval.index_dir": "None"}) == {"generator.retrieval.index_dir": "None"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (
+            ["experiment=quickstart", "compare.only=[full_global]"],
+            r"compare.only picks among compare.variants, and this experiment has none",
+        ),
+        (
+            ["experiment=sync_compare", "compare.only=[ddp]"],
+            r"compare.only picks among compare.variants, and this experiment has none .*compare.strategies=\[",
+        ),
+        (["index.shard_timeout_s=inf"], r"index.shard_timeout_s must be a number of seconds in \[1, 3600\], got inf"),
+        (["index.shard_timeout_s=nan"], r"index.shard_timeout_s must be a number of seconds in \[1, 3600\], got nan"),
+        (["index.shard_timeout_s=0.001"], r"index.shard_timeout_s must be a number of seconds in \[1, 3600\]"),
+        (
+            ["experiment=quickstart", "refresh.enabled=true", "refresh.every_steps=5", "refresh.priority=hot"],
+            r"refresh.priority=hot chooses the rows a partial refresh re-encodes, and refresh.fraction=1.0",
+        ),
+        (["refresh.priority=drift"], r"refresh.priority applies only with refresh.enabled=true"),
+    ],
+)
+def test_settings_that_would_be_ignored_fail_naming_the_key(overrides: list, match: str, tmp_path: Path) -> None:
+    """Accepted and ignored (compare.only without variants, refresh.priority on a full refresh), or a timeout that
+    never fires (inf, nan) or always does (0.001 s)."""
+    with pytest.raises(ConfigError, match=match):
+        to_typed(compose([*overrides, f"output_dir={tmp_path}"]))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("seed", "١٢"), ("retriever.train.max_steps", "１２"), ("index.nprobe", "٤")]
+)
+def test_numbers_in_other_scripts_digits_are_refused_naming_the_key(key: str, value: str, tmp_path: Path) -> None:
+    """Python's int() reads '١٢' (Arabic-Indic) and '１２' (full-width) as 12: quoted (Hydra's lexer refuses them
+    bare), a slip of the input method ran as that number."""
+    from ragtrain.config import check_ascii_numbers
+
+    over = f"{key}='{value}'"
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}={value!r} is written with digits other than 0-9"):
+        check_ascii_numbers(compose([over, f"output_dir={tmp_path}"]), [over])
+    named = "experiment_name='run٢'"  # a string key may hold any script
+    check_ascii_numbers(compose([f"output_dir={tmp_path}", named]), [named])
+
+
+@pytest.mark.parametrize("value", ["'١٢'", "١٢"])
+def test_cli_a_number_in_other_digits_is_one_line_and_exit_2(tmp_path: Path, value: str) -> None:
+    r = _cli("experiment=quickstart", f"seed={value}", f"output_dir={tmp_path}/out")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "config error: seed='١٢' is written with digits other than 0-9" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_variant_number_in_other_digits_is_refused(tmp_path) -> None:
+    from ragtrain.config import override_variants
+
+    cfg = compose(["experiment=scifact_refresh", f"output_dir={tmp_path}"])
+    cfg.compare.variants = {"odd": ["retriever.train.max_steps='１２'"]}
+    with pytest.raises(ConfigError, match=r"compare.variants.odd: retriever.train.max_steps='１２' is written with"):
+        override_variants(cfg)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ragtrain.config.generator import GeneratorConfig
 from ragtrain.config.sync import (  # noqa: F401  (re-exported: the root schema's sync group)
@@ -458,7 +458,14 @@ class IndexConfig:
             "must be a positive number of shards or auto (one per node offering the index_node resource)",
             self.shards,
         )
-        _check(self.shard_timeout_s > 0, "index.shard_timeout_s", "must be > 0", self.shard_timeout_s)
+        # a search or a refresh call waits this long for a shard: below 1 s a busy shard counts as lost, above an
+        # hour (inf, and nan, which compares false) a lost one is waited on for good
+        _check(
+            SHARD_TIMEOUT_RANGE[0] <= self.shard_timeout_s <= SHARD_TIMEOUT_RANGE[1],
+            "index.shard_timeout_s",
+            f"must be a number of seconds in [{SHARD_TIMEOUT_RANGE[0]:g}, {SHARD_TIMEOUT_RANGE[1]:g}]",
+            self.shard_timeout_s,
+        )
         _check(bool(self.factory.strip()), "index.factory", "must be a faiss index_factory string", self.factory)
         _check(
             self.vector_dtype in ("float32", "float16"),
@@ -607,6 +614,9 @@ def with_sync_preset(sync: Any, preset: Any) -> DictConfig:
     return OmegaConf.merge(base, preset)
 
 
+SHARD_TIMEOUT_RANGE = (1.0, 3600.0)  # index.shard_timeout_s, seconds
+
+
 @dataclass
 class RefreshConfig:
     """Live index refresh during retriever training (ragtrain/index/refresh_service.py): the index shards re-encode
@@ -724,6 +734,7 @@ class Config:
         self._check_features()
         self._check_teacher()
         self._check_refresh()
+        self._check_compare()
 
     def _check_paths(self) -> None:
         # experiment_name names the run's folder (outputs/<experiment_name>/<time>): a folder below outputs/, never a
@@ -857,6 +868,24 @@ class Config:
             "set refresh.enabled=false",
             self.refresh.enabled,
         )
+        r = self.refresh
+        if r.enabled and r.fraction >= 1.0 and r.priority != RefreshConfig.priority:
+            raise ConfigError(
+                f"refresh.priority={r.priority} chooses the rows a partial refresh re-encodes, and "
+                f"refresh.fraction={r.fraction} re-encodes every row each round: set refresh.fraction < 1 or "
+                "remove refresh.priority"
+            )
+
+    def _check_compare(self) -> None:
+        c = self.compare
+        hint = f"; to run a subset of compare.strategies, list it there: compare.strategies={c.strategies}"
+        _check(
+            not c.only or bool(c.variants),
+            "compare.only",
+            "picks among compare.variants, and this experiment has none (it would run everything)"
+            + (hint if c.strategies else ""),
+            c.only,
+        )
 
 
 def ineffective_settings(cfg: Config) -> list[str]:
@@ -951,6 +980,33 @@ def unknown_keys(node: Any, obj: Any, prefix: str = "") -> list[str]:
     return out
 
 
+def check_ascii_numbers(cfg: DictConfig, overrides: Sequence[str], where: str = "") -> None:
+    """A number typed with other digits than 0-9 is refused, naming its key: Python's int() and float() read any
+    script's digits (`seed=١٢` and `seed=１２` are 12), so a slip of the input method would run unnoticed. Only
+    numeric keys: a string may hold any script."""
+    for item in overrides:
+        key, sep, value = str(item).lstrip("+~").partition("=")
+        if not sep or not has_non_ascii_digits(value):
+            continue
+        try:
+            typed = OmegaConf.select(cfg, key.strip(), throw_on_missing=False)
+        except Exception:  # an interpolation that does not resolve here: not a number this check can judge
+            continue
+        items = list(typed) if isinstance(typed, ListConfig) else [typed]
+        if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
+            raise ConfigError(non_ascii_digits(f"{where}{key.strip()}", value, f" (Python reads it as {typed})"))
+
+
+def non_ascii_digits(key: str, value: str, read_as: str = "") -> str:
+    """The message for a number typed with digits other than 0-9."""
+    shown = value.strip().strip("'\"")
+    return f"{key}={shown!r} is written with digits other than 0-9{read_as}: type it with 0-9"
+
+
+def has_non_ascii_digits(text: str) -> bool:
+    return any(c.isdigit() and not c.isascii() for c in text)
+
+
 def to_typed(cfg: DictConfig) -> Config:
     """Resolve interpolations (driver only) and build the typed config, running every range check."""
     typed = _to_object(cfg, Config, "the ragtrain schema (conf/config.yaml defaults)")
@@ -1000,6 +1056,7 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
             if not _has_key(cfg, key):
                 raise ConfigError(f"compare.variants.{name} sets unknown config key {key!r}")
             OmegaConf.update(variant, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=True)
+            check_ascii_numbers(variant, [str(item)], f"compare.variants.{name}: ")
         variant.compare.variants, variant.compare.only = {}, []
         variant.output_dir = str(Path(cfg.output_dir, name))
         variant.logger.run_name = f"{cfg.experiment_name}/{name}"

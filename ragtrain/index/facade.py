@@ -321,9 +321,10 @@ class Retrieval:
         mined = mine_rows(index, qvecs, gold, spec, positive=positive)
         return {q: [pos[index.doc_ids[r]] for r in rows] for q, rows in zip(qids, mined)}
 
-    def start_service(self, built: BuiltIndex, weights: dict[str, torch.Tensor]):
-        """Start the live refresh (refresh.enabled) on the index shards with version 0 = `built`'s vectors,
-        encoded with `weights`; returns (service actor, staleness probe)."""
+    def start_service(self, built: BuiltIndex, weights: dict[str, torch.Tensor], first_version: int = 0, step: int = 0):
+        """Start the live refresh (refresh.enabled) on the index shards with its first version = `built`'s vectors,
+        encoded with `weights` at training step `step`, numbered `first_version` (a resumed run continues from its
+        checkpoint: both nonzero); returns (service actor, staleness probe)."""
         import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: as ray
 
@@ -361,10 +362,11 @@ class Retrieval:
         service = RefreshService.options(num_cpus=0, scheduling_strategy=strategy).remote(
             spec, group.actors, self.doc_ids, texts, sources, queries, gold, probe
         )
-        stats = ray.get(service.publish.remote(0, built.index.tag, built.shards.folder, [ray.put(weights)]))
+        ray.get(service.number_from.remote(first_version))
+        stats = ray.get(service.publish.remote(step, built.index.tag, built.shards.folder, [ray.put(weights)]))
         if not stats.get("ok"):
             ray.kill(service)
-            raise RuntimeError(f"the live index service could not publish version 0: {stats}")
+            raise RuntimeError(f"the live index service could not publish version {first_version}: {stats}")
         return service, probe
 
     def stop_service(self, service) -> dict:

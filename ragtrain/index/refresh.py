@@ -60,8 +60,8 @@ class VersionBook:
     A plain object: the service holds one, and tests use it directly as the service (same methods).
     """
 
-    def __init__(self, keep: int = 8):
-        self.keep = keep
+    def __init__(self, keep: int = 8, first: int = 0):
+        self.keep, self.first = keep, first  # `first`: the number of the first version published (a resumed run's)
         self.versions: dict[int, LiveVersion] = {}
         self.used: dict[int, int] = {}  # training step -> version its negatives came from
 
@@ -72,8 +72,8 @@ class VersionBook:
             del self.versions[v]
 
     def version(self) -> int:
-        """The newest version number (-1 before the first publish)."""
-        return max(self.versions, default=-1)
+        """The newest version number (`first` - 1 before the first publish)."""
+        return max(self.versions, default=self.first - 1)
 
     def latest(self) -> LiveVersion | None:
         """The newest version."""
@@ -245,12 +245,7 @@ class LiveIndexClient:
             self.switched = False
         if self.rank != 0:
             return out
-        done = self.finished()
-        if done is not None and done.get("ok"):
-            out.update({"index/refresh_seconds": done["seconds"], "index/version": done["version"]})
-            out.update(done.get("metrics", {}))  # the round's version mix, mixed recall, encoded share
-        if done is not None and "error" in done:
-            out["index/refresh_failures"] = self.failures
+        out.update(self._done_metrics(self.finished()))
         drift = None
         if step % self.refresh.check_every == 0:
             out["index/lag_steps"] = step - self.live.step
@@ -261,12 +256,29 @@ class LiveIndexClient:
             self.start(step, state_dict_fn())
         return out
 
-    def drain(self) -> None:
-        """Wait for a refresh still running at the end of training (its snapshot lives in this worker's store)."""
-        if self.pending is not None:
-            ray.wait([self.pending])
-            self.finished()
-            self.pull()
+    def _done_metrics(self, done: dict[str, Any] | None) -> dict[str, float]:
+        """What a finished refresh logs: its seconds and version (and a sharded round's metrics), or a failure."""
+        out: dict[str, float] = {}
+        if done is not None and done.get("ok"):
+            out.update({"index/refresh_seconds": done["seconds"], "index/version": done["version"]})
+            out.update(done.get("metrics", {}))  # a sharded refresh's version mix, mixed recall, encoded share
+        if done is not None and "error" in done:
+            out["index/refresh_failures"] = self.failures
+        return out
+
+    def drain(self) -> dict[str, float]:
+        """Wait for a refresh still running at the end of training (its snapshot lives in this worker's store);
+        returns its metrics, for rank 0 to log at the last step as `after_step` would have."""
+        if self.pending is None:
+            return {}
+        ray.wait([self.pending])
+        out = self._done_metrics(self.finished())
+        self.pull()
+        return out
+
+    def checkpoint_info(self) -> dict[str, int]:
+        """Rank 0: the newest version number published, for the checkpoint (a resumed run numbers on from it)."""
+        return {"live_version": int(_call(self.service, "version"))} if self.rank == 0 else {}
 
     def summary(self) -> dict[str, float]:
         """Rank 0's refresh summary: counts, and training throughput while a refresh ran vs while none did."""

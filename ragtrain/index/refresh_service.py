@@ -147,6 +147,13 @@ class RefreshService:
         with self._swap:
             return self.book.version()
 
+    def number_from(self, first: int) -> None:
+        """Number the versions from `first` (before the first publish): a resumed run continues its numbers."""
+        with self._swap:
+            if self.book.versions:
+                raise RuntimeError("the live index's versions are numbered before its first publish")
+            self.book = VersionBook(self.book.keep, first)
+
     def latest(self) -> LiveVersion | None:
         """The live version."""
         with self._swap:

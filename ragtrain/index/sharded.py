@@ -18,7 +18,6 @@ driver holds the passage ids and the metadata, never vectors.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -40,6 +39,7 @@ from ragtrain.corpus.encode import VectorSet, write_vectors
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.encoders import EncodeBatch, LocalEncoder
 from ragtrain.errors import ConfigError
+from ragtrain.index import integrity
 from ragtrain.index.checks import check_refresh
 from ragtrain.index.faiss_index import (
     METRIC,
@@ -151,14 +151,6 @@ def check_shard_config(
         )
 
 
-def _checksum(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def read_manifest(folder: Path) -> dict:
     """A shard folder's manifest, checked against its files: IndexMismatchError names the shard folder when it is
     missing, unfinished or corrupt (index bytes that do not match the recorded checksum)."""
@@ -169,13 +161,7 @@ def read_manifest(folder: Path) -> dict:
         m = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise IndexMismatchError(f"index shard {folder}: unreadable {MANIFEST} ({e})") from None
-    index_file = folder / "index.faiss"
-    if not index_file.exists():
-        raise IndexMismatchError(f"index shard {folder}: {index_file.name} is missing")
-    if _checksum(index_file) != m.get("checksum"):
-        raise IndexMismatchError(
-            f"index shard {folder} is corrupt: {index_file.name} does not match the checksum in its {MANIFEST}"
-        )
+    integrity.check_shard_files(folder, m, MANIFEST)  # every file a search reads, index.faiss first
     return m
 
 
@@ -185,7 +171,8 @@ def persist(index: DenseIndex, folder: Path, manifest: dict) -> dict:
 
     def complete(tmp: Path) -> None:
         manifest.update(rows=index.ntotal, dim=index.meta.dim, factory=index.meta.factory)
-        manifest["checksum"] = _checksum(tmp / "index.faiss")
+        manifest["files"] = integrity.file_checksums(tmp)
+        manifest["checksum"] = manifest["files"]["index.faiss"]
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
     manifest = dict(manifest)
@@ -852,11 +839,13 @@ class ShardedIndex(_Merged):
                 "rows": m["rows"],
                 "version": m["version"],
                 "checksum": m["checksum"],
+                "manifest": integrity.sha256_file(folder / f"shard-{i}" / MANIFEST),
             }
             for i, m in enumerate(manifests)
         ]
         (folder / "index_meta.json").write_text(json.dumps(asdict(self.meta), indent=2, sort_keys=True))
-        (folder / SHARDED).write_text(json.dumps({"shards": entries}, indent=2))
+        listed = {"shards": entries, "index_meta": integrity.sha256_file(folder / "index_meta.json")}
+        (folder / SHARDED).write_text(json.dumps(integrity.seal_shard_list(listed), indent=2))
         return folder
 
     def drop(self) -> None:
@@ -870,18 +859,25 @@ def is_sharded(folder: str | Path) -> bool:
 
 
 def read_sharded(folder: Path) -> list[dict]:
-    """The shard entries of a saved sharded index, each shard folder checked (IndexMismatchError names a missing
-    or corrupt one)."""
+    """The shard entries of a saved sharded index, every file a search reads checked against its checksum and the
+    list against the shards (`index.integrity`): IndexMismatchError names the file that is missing, edited or
+    damaged."""
     try:
-        entries = json.loads((folder / SHARDED).read_text())["shards"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        doc = json.loads((folder / SHARDED).read_text())
+        entries = doc["shards"]
+        meta = integrity.check_shard_list(folder, SHARDED, doc)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise IndexMismatchError(f"{folder / SHARDED}: unreadable list of index shards ({e})") from None
+    manifests = []
     for e in entries:
         m = read_manifest(folder / e["folder"])
         if m["checksum"] != e["checksum"] or m["rows"] != e["rows"]:
             raise IndexMismatchError(
                 f"index shard {folder / e['folder']} is not the one {SHARDED} lists (another build's files)"
             )
+        integrity.check_manifest_file(folder / e["folder"] / MANIFEST, e, folder / SHARDED)
+        manifests.append(m)
+    integrity.check_consistency(folder, entries, manifests, meta)
     return entries
 
 

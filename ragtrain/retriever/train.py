@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ragtrain.checkpoint import CheckpointError
 from ragtrain.config import Config
 from ragtrain.embed.model import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
@@ -71,6 +72,24 @@ def load_weights(folder: str | Path, name: str = "encoder") -> dict[str, torch.T
     return load_file(str(path))
 
 
+def checkpoint_weights(cfg: Config, folder: str | Path) -> dict[str, torch.Tensor]:
+    """The encoder weights of a training checkpoint (rank 0's replica; LoRA adapters merged), as the live index
+    and the pool load them: on the driver, where a resumed run's live index starts from them."""
+    from safetensors.torch import load_model  # lazy: only a resumed run's driver needs it (load_file does not merge
+    # the tied tensors save_model stored once)
+
+    encoder = build_encoder(cfg.retriever)
+    apply_lora(encoder, cfg.retriever.lora)  # the replica the workers trained and saved (lora.py)
+    try:
+        load_model(encoder, str(Path(folder) / "rank0.safetensors"), strict=True)
+    except Exception as e:  # a truncated file, another architecture
+        raise CheckpointError(
+            f"checkpoint {folder} is corrupt or incompatible ({type(e).__name__}: {e}); delete it to fall back to "
+            "an earlier one, or start a new run (resume=false)"
+        ) from None
+    return {k: v.detach().clone() for k, v in plain_state_dict(encoder).items()}
+
+
 def drift_probe(data: TrainData, cfg: Config) -> tuple[list[str], list[str]]:
     """The fixed drift probe set: the first sync.probe_passages training queries and their positive passages."""
     exs = data.examples[: min(cfg.sync.probe_passages, len(data.examples))]
@@ -89,8 +108,11 @@ class NoLiveIndex:
     def after_step(self, *args) -> dict[str, float]:
         return {}
 
-    def drain(self) -> None:
-        return None
+    def drain(self) -> dict[str, float]:
+        return {}
+
+    def checkpoint_info(self) -> dict[str, int]:
+        return {}
 
     def summary(self) -> dict[str, float]:
         return {}
@@ -357,7 +379,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         if (cfg.sync.eval_every and done % cfg.sync.eval_every == 0) or done == r.steps:
             drift_history.append(measure_drift(r, done))
         if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < r.steps:
-            w.checkpoint(done, r.encoder, r.optim, r.sched, r.strategy.state_dict())
+            w.checkpoint(done, r.encoder, r.optim, r.sched, r.strategy.state_dict(), info=r.live.checkpoint_info())
         w.end_step(done, r.steps)
     finish(r, time.perf_counter() - loop_start - w.measure_s, drift_history)
 
@@ -367,7 +389,9 @@ def finish(r: Replica, loop_s: float, drift_history: list[dict[str, float]]) -> 
     w, gb = r.w, r.global_batch
     ran = r.steps - r.start_step  # steps of this attempt (after a restart: since the checkpoint)
     if w.rank == 0:
-        r.live.drain()
+        drained = r.live.drain()  # a refresh still running when training ended: its metrics, at the last step
+        if drained:
+            w.log(drained, r.steps, r.steps)
     summary = {
         "step": r.steps,
         "train/samples_per_s": ran * gb / loop_s,

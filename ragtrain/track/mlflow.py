@@ -111,6 +111,8 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
             raise ConfigError(
                 f"{where}={shown!r}: nothing can be created in {folder} ({e.strerror}); choose a writable path"
             ) from None
+        if db is not None and db.exists():
+            check_sqlite_store(db, f"{where}={shown!r}")
         return
     if scheme in ("http", "https"):
         request = urllib.request.Request(uri.rstrip("/") + "/health")
@@ -136,6 +138,45 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
                 f"{where}={shown!r} does not answer within {timeout:.0f}s ({e}): start the MLflow "
                 "server, fix the URI, or use logger=none"
             ) from None
+
+
+# Tables of MLflow's SQLite schema that a run writes into: a database without them is not an MLflow store
+MLFLOW_TABLES = ("alembic_version", "experiments", "runs", "metrics", "params")
+
+
+def check_sqlite_store(db: Path, setting: str) -> None:
+    """Open an existing SQLite store as MLflow will and write to it (rolled back): a file that is not a database, a
+    truncated one, another program's database or one this process cannot write fails now, in one line naming the
+    file, not after Ray and the data are up (MLflow would fail there with a long traceback). SQLite itself, not
+    MLflow: milliseconds, where importing MLflow takes seconds. An empty file is a new store (MLflow fills it)."""
+    import sqlite3  # lazy: only SQLite stores need it
+
+    if db.stat().st_size == 0:
+        return
+    con = None
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=rw", uri=True, timeout=10, isolation_level=None)
+        damage = con.execute("PRAGMA quick_check").fetchone()[0]
+        if damage != "ok":
+            raise sqlite3.DatabaseError(f"database disk image is malformed: {damage}")
+        tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        missing = [t for t in MLFLOW_TABLES if t not in tables]
+        con.execute("BEGIN IMMEDIATE")  # a write lock, then a write (it creates the journal), never committed
+        con.execute("CREATE TABLE ragtrain_write_probe (x INTEGER)")
+        con.execute("ROLLBACK")
+    except sqlite3.Error as e:  # "file is not a database", "malformed", "attempt to write a readonly database"
+        raise ConfigError(
+            f"{setting}: {db} cannot be used as an MLflow store ({e}); repair or remove the file, or choose "
+            "another logger.tracking_uri"
+        ) from None
+    finally:
+        if con is not None:
+            con.close()
+    if tables and missing:
+        raise ConfigError(
+            f"{setting}: {db} is a SQLite database but not an MLflow store (it lacks the tables {missing}); "
+            "choose another file for logger.tracking_uri"
+        )
 
 
 def mlflow_key(name: str) -> str:

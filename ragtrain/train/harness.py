@@ -184,12 +184,14 @@ class Worker:
         sched: Any,
         extra: dict[str, Any],
         metrics: dict[str, float] | None = None,
+        info: dict[str, Any] | None = None,
     ) -> None:
-        """Every rank writes its part of the step-`step` checkpoint; Ray Train merges them into one folder."""
+        """Every rank writes its part of the step-`step` checkpoint; Ray Train merges them into one folder (`info`:
+        rank 0's plain values for meta.json)."""
         import ray.train  # lazy: ray is heavy (~0.5 s); this module imports without it
 
         with self.not_training(), tempfile.TemporaryDirectory() as d:
-            save_train_state(d, self.rank, self.world, step, model, optim, sched, extra, self.args.fit_id)
+            save_train_state(d, self.rank, self.world, step, model, optim, sched, extra, self.args.fit_id, info)
             ray.train.report({"step": step, **(metrics or {})}, checkpoint=ray.train.Checkpoint.from_directory(d))
 
     def end_step(self, done: int, steps: int) -> None:
@@ -283,13 +285,8 @@ def fit(
     Workers get the absolute output folder (checkpoint scans and fault markers must not depend on their cwd).
     A stage that had finished before (resume=true finds a final checkpoint) is not trained again.
     """
-    # lazy: ray is heavy (~0.5 s); this module imports without it
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     # lazy: ragtrain.train.process_group imports pandas/pyarrow/ray; this module imports without them
-    from ragtrain.train.process_group import LoopbackTorchConfig
+    from ragtrain.train.process_group import rendezvous_folder
 
     cfg = replace(args.cfg, output_dir=str(Path(args.cfg.output_dir).resolve()))
     args = replace(args, cfg=cfg)
@@ -301,11 +298,33 @@ def fit(
     if start_from is not None:
         log.info(f"[{args.stage}] resume from step {meta['step']}: {start_from}")
         args = replace(args, resume_from=str(start_from))
+    with rendezvous_folder() as store_folder:  # removed when the fit ends, failed or not
+        return _fit(loop, args, num_workers, callbacks, store_folder, start)
+
+
+def _fit(
+    loop: Callable[[WorkerArgs], None],
+    args: WorkerArgs,
+    num_workers: int,
+    callbacks: list | None,
+    store_folder: str,
+    start: float,
+) -> Fitted:
+    """`fit`'s Ray Train run, its process group's rendezvous files in `store_folder`."""
+    # lazy: ray is heavy (~0.5 s); this module imports without it
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    # lazy: ragtrain.train.process_group imports pandas/pyarrow/ray; this module imports without them
+    from ragtrain.train.process_group import LoopbackTorchConfig
+
+    cfg = args.cfg
     r = cfg.resources.trainer
     trainer = TorchTrainer(
         _entry,
         train_loop_config={"loop": loop, "args": args, "driver_node": ray.get_runtime_context().get_node_id()},
-        torch_config=LoopbackTorchConfig(backend="nccl" if r.use_gpu else "gloo"),
+        torch_config=LoopbackTorchConfig(backend="nccl" if r.use_gpu else "gloo", store_folder=store_folder),
         scaling_config=ScalingConfig(
             num_workers=num_workers,
             use_gpu=r.use_gpu,

@@ -3,17 +3,21 @@
 Ray Train rendezvous through a TCPStore on rank 0, and torch binds that store's server to the wildcard address
 (`::`, every interface) whatever host it is given: the one listening socket of a local run that was not on
 127.0.0.1. When the workers' node address is a loopback address (local Ray, ragtrain's default), every worker is on
-this machine, so the group rendezvous through a FileStore in the temp folder instead, and nothing listens beyond
-loopback (gloo's own sockets bind the node address). On a cluster (a routable node address) Ray Train's own TCP
-rendezvous is used unchanged.
+this machine, so the group rendezvous through a FileStore instead, and nothing listens beyond loopback (gloo's own
+sockets bind the node address). The FileStore's files go into a folder the fit makes (`rendezvous_folder`) and
+removes when it ends, failed or not: a worker group that dies leaves its file behind otherwise. On a cluster (a
+routable node address) Ray Train's own TCP rendezvous is used unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
+import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import ray
@@ -42,7 +46,8 @@ class _LoopbackTorchBackend(_TorchBackend):
         if not is_loopback(address):
             super().on_start(worker_group, backend_config)
             return
-        self.store_file = os.path.join(tempfile.gettempdir(), f"ragtrain-pg-{uuid.uuid4().hex}")
+        folder = backend_config.store_folder or tempfile.gettempdir()
+        self.store_file = os.path.join(folder, f"ragtrain-pg-{uuid.uuid4().hex}")  # a restart: a new file
         worker_group.execute(_set_torch_distributed_env_vars)
         ray.get(
             [
@@ -72,6 +77,18 @@ class _LoopbackTorchBackend(_TorchBackend):
 class LoopbackTorchConfig(TorchConfig):
     """`TorchConfig` whose process group never listens beyond loopback on a local Ray (see the module docstring)."""
 
+    store_folder: str | None = None  # where the FileStore's files go (`rendezvous_folder`); None: the temp folder
+
     @property
     def backend_cls(self):
         return _LoopbackTorchBackend
+
+
+@contextlib.contextmanager
+def rendezvous_folder() -> Iterator[str]:
+    """A folder of one fit's FileStore files (`ragtrain-pg-*` in the temp folder), removed when the fit ends."""
+    folder = tempfile.mkdtemp(prefix="ragtrain-pg-")
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -126,7 +126,7 @@ def test_one_stream_equals_prepare_then_encode_even_when_an_actor_dies(ray_sessi
     assert "dup" not in set(one.doc_of.values()) and len(set(one.doc_of.values())) == 35  # 36 read, 1 duplicate
 
 
-@pytest.mark.parametrize("case", ["repeated_id", "ivf_lists"])
+@pytest.mark.parametrize("case", ["repeated_id", "ivf_lists", "too_many_shards"])
 def test_whole_corpus_checks_fail_the_stream_before_encoding_and_leave_nothing(
     ray_session, tmp_path: Path, case: str
 ) -> None:
@@ -139,10 +139,15 @@ def test_whole_corpus_checks_fail_the_stream_before_encoding_and_leave_nothing(
     if case == "repeated_id":
         write_folder(root, {"zz.txt": "fine now", "zz2.jsonl": json.dumps({"_id": "c", "text": "another c"}) + "\n"})
         match = r"duplicate document id 'c': in .*c\.html and in .*zz2\.jsonl:1"
-    else:
+    elif case == "ivf_lists":
         extra, match = (
             ("index=ivf", "index.factory='IVF4096,Flat'", "data.on_error=skip"),
             r"asks for 4096 IVF lists but the corpus has only \d+ vectors",
+        )
+    else:  # data.prepare=ray with more index shards than passages: it failed after the whole encode
+        extra, match = (
+            ("index.shards=999", "data.on_error=skip"),
+            r"index.shards=999 asks for 999 shards but the corpus has only \d+ passages",
         )
     cfg = _cfg(root, tmp_path, *extra)
     out = tmp_path / case

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,24 @@ def test_the_rounds_view_takes_each_rounds_worst_state(tmp_path: Path) -> None:
     png = tmp_path / "rounds.png"
     assert script.main([str(run), "--png", str(tmp_path / "curve.png"), "--rounds-png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "message"),
+    [
+        ("refresh_history.json", lambda b: b[: len(b) // 2], r"refresh_history.json: not readable JSON \(.*\): the"),
+        ("metrics.json", lambda b: b"{}", r"metrics.json: no 'trained' figures \(.*\): the"),
+        ("config.yaml", lambda b: b"refresh: [", r"config.yaml: not readable YAML \(.*\): the"),
+        ("refresh_history.json", lambda b: b'{"history": [{"ok": true}]', r"refresh_history.json: not readable JSON"),
+    ],
+)
+def test_a_truncated_file_of_a_variant_is_one_line_and_exit_2(tmp_path: Path, capsys, name, damage, message) -> None:
+    """A truncated refresh_history.json ended in a JSONDecodeError traceback."""
+    run = tmp_path / "run"
+    _variant(run, "full_global", 1.0, "oldest", 0.87, [_round(1.0, [2.0, 3.0], [1.0], [1.0])] * 2)
+    path = run / "full_global" / name
+    path.write_bytes(damage(path.read_bytes()))
+    assert _script().main([str(run), "--png", str(tmp_path / "curve.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path}: "), err
+    assert re.search(message, err[0]) and "truncated or damaged" in err[0], err

@@ -64,6 +64,14 @@ def _version(v: int, step: int = 0) -> LiveVersion:
     return LiveVersion(v, step, [[100 + v]], np.zeros((1, 2), dtype=np.float32), 0.0)
 
 
+def test_a_resumed_runs_versions_are_numbered_on_from_its_checkpoint() -> None:
+    """A resumed run's live index publishes its first version as the checkpoint's newest + 1, not 0 again."""
+    book = VersionBook(first=4)
+    assert book.version() == 3 and book.latest() is None
+    book.publish(_version(book.version() + 1, step=8))
+    assert book.version() == 4 and book.version_for_step(9) == 4
+
+
 def test_version_book_keeps_each_steps_version_for_a_replay() -> None:
     """The first ask fixes a step's version; after a restart the step gets the same one, later steps the newest."""
     book = VersionBook(keep=3)
@@ -390,3 +398,35 @@ def test_the_summary_counts_the_steps_that_mined_from_mixed_versions() -> None:
         client.begin_step(step)
         client.after_step(step, dict, lambda _: {"index/drift_cosine": 0.0}, 1.0, 4)
     assert client.summary()["index/steps_on_mixed_versions"] == 2.0  # steps 2 and 3
+
+
+@ray.remote
+def _a_refresh_that_ends_after_training(book_version: int) -> dict:
+    import time
+
+    time.sleep(1.0)  # still encoding when the last training step ends
+    return {"ok": True, "version": book_version, "step": 4, "seconds": 1.0, "metrics": {"index/encoded_fraction": 0.5}}
+
+
+def test_a_refresh_still_running_when_training_ends_keeps_its_metrics(ray_session, tmp_path) -> None:
+    """drain() waited for the refresh and dropped its metrics: its version and seconds never reached MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    from ragtrain.config import Config, LoggerConfig
+    from ragtrain.track.mlflow import RunLogger
+    from tests.conftest import mlflow_db
+
+    book = VersionBook()
+    book.publish(_version(0))
+    client = LiveIndexClient(book, Config(), rank=0)
+    client.pending = _a_refresh_that_ends_after_training.remote(1)
+    assert client.in_flight()
+    book.publish(_version(1, step=4))  # what the service publishes when the refresh completes
+    logger = RunLogger(LoggerConfig(tracking_uri=mlflow_db(tmp_path / "m.db"), experiment_name="drain"), "r")
+    metrics = client.drain()  # what rank 0 logs at the last step (retriever/train.py: finish)
+    logger.sink().log(metrics, step=4)
+    store = MlflowClient(logger.uri)
+    assert [(m.step, m.value) for m in store.get_metric_history(logger.run_id, "index/version")] == [(4, 1.0)]
+    assert [m.value for m in store.get_metric_history(logger.run_id, "index/refresh_seconds")] == [1.0]
+    assert store.get_metric_history(logger.run_id, "index/encoded_fraction")[0].value == 0.5
+    assert client.live.version == 1 and client.summary()["index/refreshes"] == 1

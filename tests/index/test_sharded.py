@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -383,3 +384,130 @@ def test_a_sharded_quickstart_gives_the_figures_of_one_index(ray_session, tmp_pa
         open_saved(saved).search_ids(q, 4)[0]
         for q in (Searcher(payload).encode([t], cfg.retriever.query_max_length) for t in questions)
     ]
+
+
+def _swap_first_ids(path: Path) -> None:
+    lines = path.read_text().splitlines()
+    lines[0], lines[1] = lines[1], lines[0]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _edit_json(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc, indent=2))
+
+
+def _swap_ranges(doc: dict) -> None:  # shard 0 and 1 "hold" each other's rows: rows still add up
+    a, b = doc["shards"][0], doc["shards"][1]
+    for k in ("start", "stop", "rows"):
+        a[k], b[k] = b[k], a[k]
+
+
+# (file, its damage, the message): every file a search of a saved sharded index reads
+DAMAGES = {
+    "shard ids": ("shard-1/doc_ids.txt", _swap_first_ids, r"shard-1 is corrupt: doc_ids.txt does not match"),
+    "shard meta": (
+        "shard-0/index_meta.json",
+        lambda p: _edit_json(p, lambda d: d.update(encoder="other@x")),
+        r"shard-0 is corrupt: index_meta.json does not match",
+    ),
+    "shard manifest": (
+        "shard-2/manifest.json",
+        lambda p: _edit_json(p, lambda d: d.update(start=d["start"] + 1)),
+        r"shard-2/manifest.json does not match the checksum in .*sharded.json",
+    ),
+    "shard list": (
+        "sharded.json",
+        lambda p: _edit_json(p, _swap_ranges),
+        r"sharded.json does not match its own checksum",
+    ),
+    "top meta": (
+        "index_meta.json",
+        lambda p: _edit_json(p, lambda d: d.update(ntotal=d["ntotal"] - 1)),
+        r"index/index_meta.json does not match the checksum in .*sharded.json",
+    ),
+    "top meta truncated": (
+        "index_meta.json",
+        lambda p: p.write_bytes(p.read_bytes()[:40]),
+        r"index/index_meta.json does not match the checksum in .*sharded.json",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_every_file_a_saved_sharded_index_is_searched_with_is_checked(groups, vectors, tmp_path, damage) -> None:
+    """Edits to a saved index's files other than index.faiss gave other passages' ids with exit 0."""
+    _, shards, _ = vectors
+    index = groups[3].build("checked", shards, IndexConfig(), "fp", "enc", 1, seed=0)
+    out = index.save(tmp_path / "index")
+    index.drop()
+    open_saved(out)  # as saved: it loads
+    name, edit, match = DAMAGES[damage]
+    edit(out / name)
+    with pytest.raises(IndexMismatchError, match=match):
+        open_saved(out)
+
+
+def test_the_list_of_shards_is_checked_for_consistency(groups, vectors, tmp_path) -> None:
+    """A list of shards whose checksum holds (rewritten by a tool) must still describe one index: contiguous
+    ranges that add up to the metadata's rows, every shard of one dim, metric, factory and encoder."""
+    from ragtrain.index.integrity import seal_shard_list
+    from ragtrain.index.sharded import SHARDED
+
+    _, shards, _ = vectors
+    index = groups[3].build("listed", shards, IndexConfig(), "fp", "enc", 1, seed=0)
+    out = index.save(tmp_path / "index")
+    index.drop()
+    saved = json.loads((out / SHARDED).read_text())
+
+    def resealed(edit) -> None:
+        doc = json.loads(json.dumps(saved))
+        edit(doc)
+        (out / SHARDED).write_text(json.dumps(seal_shard_list(doc), indent=2))
+
+    resealed(_swap_ranges)
+    with pytest.raises(
+        IndexMismatchError, match=r"shard-0 holds rows \[133, 266\) but .*manifest.json says \[0, 133\)"
+    ):
+        open_saved(out)
+    resealed(lambda d: d["shards"].pop())
+    with pytest.raises(IndexMismatchError, match=r"the shards hold rows \[0, 266\), its index_meta.json 400"):
+        open_saved(out)
+    resealed(lambda d: None)
+    open_saved(out)
+    _edit_json(out / "shard-1" / MANIFEST, lambda d: d.update(encoder="other@x"))
+    m1 = out / "shard-1" / MANIFEST  # a shard of another encoder, listed with its manifest's checksum
+    resealed(lambda d: d["shards"][1].update(manifest=_sha256(m1)))
+    with pytest.raises(IndexMismatchError, match=r"shard-1 was built by encoder 'other@x', the index by 'enc'"):
+        open_saved(out)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("damage", ["top meta truncated", "shard ids"])
+def test_search_of_a_damaged_saved_index_is_one_line_and_exit_2(groups, vectors, tmp_path, capsys, damage) -> None:
+    """`python -m ragtrain.search <run> "q"` on a run whose saved index was damaged: one line naming the file."""
+    from omegaconf import OmegaConf
+
+    from ragtrain.config import to_typed
+    from ragtrain.search import main as search_main
+    from tests.conftest import compose, tiny_overrides
+
+    _, shards, _ = vectors
+    out = tmp_path / "run"
+    index = groups[3].build("searched", shards, IndexConfig(), "fp", "enc", 1, seed=0)
+    index.save(out / "index")
+    index.drop()
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path)]))
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    name, edit, match = DAMAGES[damage]
+    edit(out / "index" / name)
+    capsys.readouterr()
+    assert search_main([str(out), "a question"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("search error: ") and re.search(match, err[0]), err

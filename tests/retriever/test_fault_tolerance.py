@@ -12,7 +12,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from ray.train import TrainingFailedError
 
-from ragtrain.checkpoint import CheckpointError, latest_checkpoint, load_train_state
+from ragtrain.checkpoint import CheckpointError, latest_checkpoint, load_train_state, read_meta
 from ragtrain.config import to_typed
 from ragtrain.pipeline import run
 from tests.conftest import compose, tiny_overrides
@@ -106,11 +106,53 @@ def test_corrupt_checkpoint_is_named(tmp_path) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     good = tmp_path / "checkpoint_000001"
     good.mkdir()
-    save_train_state(good, 0, 2, 4, enc, opt, sched, extra={"sync": {}})
+    save_train_state(good, 0, 2, 4, enc, opt, sched, extra={"sync": {}}, info={"live_version": 3})
     assert load_train_state(good, 0, 2, enc, opt, sched)[0] == 4  # the intact one loads
+    assert read_meta(good)["live_version"] == 3  # what a resumed run's live index numbers on from
+    from ragtrain.retriever.train import checkpoint_weights
+
+    got = checkpoint_weights(cfg, good)  # the weights a resumed run's live index starts from
+    assert got.keys() == enc.state_dict().keys() and all(torch.equal(got[k], v) for k, v in enc.state_dict().items())
     weights = good / "rank0.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated
     with pytest.raises(CheckpointError, match=f"checkpoint {good} is corrupt or incompatible"):
         load_train_state(good, 0, 2, enc, opt, sched)
     with pytest.raises(CheckpointError, match="written by 2 workers, this run has 3"):
         load_train_state(good, 0, 3, enc, opt, sched)
+
+
+@pytest.mark.slow  # two runs with a live index (~170 s on 2 shared cores); the parts: test_refresh.py, below
+def test_a_resumed_run_continues_its_live_index_from_the_checkpoint(ray_session, tmp_path) -> None:
+    """Stopped at step 5 (checkpoint at 4), then resume=true: the live index restarted from the untrained encoder
+    (index/lag_steps counted from step 0) and numbered its versions from 0 again (index/version repeated)."""
+    import json
+    from dataclasses import replace
+
+    over = [
+        "retriever.train.max_steps=8",
+        "checkpoint.every_steps=2",
+        "resources.trainer.num_workers=1",
+        "retriever.train.hard_negatives=1",
+        "refresh.enabled=true",
+        "refresh.every_steps=2",
+        "refresh.check_every=1",
+    ]
+    cfg = _cfg(tmp_path, "live", *over, "fault.kill_worker_at_step=5", "fault.max_failures=0")
+    with pytest.raises(TrainingFailedError):
+        run(cfg)
+    ckpt = latest_checkpoint(Path(cfg.output_dir) / "ray" / "retriever")
+    meta = read_meta(ckpt)
+    assert meta["step"] == 4 and meta["live_version"] >= 0
+    logged_before = _history(cfg, "index/version")
+    resumed = replace(cfg, resume=True)  # the kill does not repeat: its marker is there (checkpoint.py)
+    run(resumed)
+    history = json.loads((Path(resumed.output_dir) / "refresh_history.json").read_text())["history"]
+    assert (history[0]["version"], history[0]["step"]) == (meta["live_version"] + 1, 4)  # the checkpoint's weights
+    assert [h["version"] for h in history] == list(
+        range(meta["live_version"] + 1, meta["live_version"] + 1 + len(history))
+    )
+    versions = _history(resumed, "index/version")
+    assert [v for _, v in versions] == sorted(v for _, v in versions), versions  # numbers never go back
+    assert all(v > max((b for _, b in logged_before), default=-1) for s, v in versions if s > 5), versions
+    lag = [(s, v) for s, v in _history(resumed, "index/lag_steps") if s > 5]  # logged by the resumed run
+    assert lag and all(v <= s - 4 for s, v in lag), lag  # its live index is never older than the checkpoint

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
-from ragtrain.config import LoggerConfig
-from ragtrain.track.mlflow import MetricSink, RunLogger, tracking_uri
+from ragtrain.config import ConfigError, LoggerConfig
+from ragtrain.track.mlflow import MetricSink, RunLogger, check_tracking_uri, tracking_uri
 
 
 def test_uri_precedence(tmp_path: Path, monkeypatch) -> None:
@@ -50,3 +52,84 @@ def test_the_default_store_folder_is_made_by_the_run_not_by_its_checks(tmp_path:
     run = RunLogger(LoggerConfig(experiment_name="default-store"), "r")
     assert (tmp_path / "mlruns" / "mlflow.db").is_file()
     assert MlflowClient(uri).get_run(run.run_id).info.run_name == "r"
+
+
+def _broken_store(folder: Path, how: str) -> Path:
+    """A SQLite store as a careless user leaves it: random bytes, a copy cut short, another program's database."""
+    import sqlite3
+
+    from tests.conftest import mlflow_db
+
+    db = folder / f"{how}.db"
+    if how == "garbage":
+        db.write_bytes(bytes(range(256)) * 40)
+    elif how == "truncated":
+        mlflow_db(folder / "whole.db")
+        whole = (folder / "whole.db").read_bytes()
+        db.write_bytes(whole[: len(whole) // 3])
+        (folder / "whole.db").unlink()
+    elif how == "foreign":
+        con = sqlite3.connect(db)
+        con.execute("CREATE TABLE notes (text TEXT)")
+        con.commit()
+        con.close()
+    return db
+
+
+@pytest.mark.parametrize(
+    ("how", "match"),
+    [
+        ("garbage", r"cannot be used as an MLflow store \(file is not a database\)"),
+        ("truncated", r"cannot be used as an MLflow store \(database disk image is malformed"),
+        ("foreign", r"is a SQLite database but not an MLflow store \(it lacks the tables \['alembic_version'"),
+    ],
+)
+def test_a_broken_sqlite_store_fails_its_check_naming_the_file(tmp_path: Path, how: str, match: str) -> None:
+    """It passed the check (its folder is writable) and failed after Ray and the data were up, 85 lines long."""
+    db = _broken_store(tmp_path, how)
+    with pytest.raises(ConfigError, match=rf"logger.tracking_uri .*: {db} {match}"):
+        check_tracking_uri(f"sqlite:///{db}")
+
+
+def test_a_store_this_user_cannot_write_fails_its_check(tmp_path: Path) -> None:
+    """A read-only store: MLflow reads it and fails at the run's first write. Checked as an unprivileged user (root
+    writes whatever the mode bits say), in a folder of its own that user can enter."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.conftest import REPO, mlflow_db
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        if os.geteuid() == 0:
+            pytest.skip("no setpriv to check as an unprivileged user")
+        folder = tmp_path
+        prefix: list[str] = []
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="ragtrain-ro-"))
+        folder.chmod(0o777)  # the folder is writable: only the file is read-only
+        prefix = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    try:
+        uri = mlflow_db(folder / "mlflow.db")
+        (folder / "mlflow.db").chmod(0o444)
+        code = f"from ragtrain.track.mlflow import check_tracking_uri; check_tracking_uri({uri!r})"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        r = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode != 0 and "attempt to write a readonly database" in r.stderr, r.stderr[-2000:]
+        assert f"{folder / 'mlflow.db'} cannot be used as an MLflow store" in r.stderr
+    finally:
+        if prefix:
+            shutil.rmtree(folder)
+
+
+def test_a_good_store_passes_and_is_not_changed(tmp_path: Path) -> None:
+    from tests.conftest import mlflow_db
+
+    uri = mlflow_db(tmp_path / "m.db")
+    before = (tmp_path / "m.db").read_bytes()
+    check_tracking_uri(uri)
+    assert (tmp_path / "m.db").read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["m.db"]
+    (tmp_path / "empty.db").touch()  # an empty file: a new store, MLflow fills it
+    check_tracking_uri(f"sqlite:///{tmp_path / 'empty.db'}")

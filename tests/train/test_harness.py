@@ -91,3 +91,32 @@ def test_without_a_terminal_the_step_lines_print_and_no_bar_is_drawn(tmp_path, c
     out = capsys.readouterr()
     assert w._bar is None and "training" not in out.err
     assert "[retriever] step 2/2 train/loss=0.5" in out.out
+
+
+def _loop_that_fails(args) -> None:
+    """A training loop that notes where its process group's rendezvous file is, then fails (a crash mid-fit)."""
+    import os
+    from pathlib import Path
+
+    out = Path(args.cfg.output_dir)
+    stores = sorted(str(p) for p in (out.parent / "tmp").glob("ragtrain-pg-*/*"))
+    (out / f"stores-{os.getpid()}.txt").write_text("\n".join(stores))
+    raise RuntimeError("this fit fails on purpose")
+
+
+def test_a_fit_removes_its_rendezvous_files_also_when_it_fails(ray_session, tmp_path, monkeypatch) -> None:
+    """Two gloo workers on a local Ray rendezvous through a FileStore; `ragtrain-pg-*` files were left in the temp
+    folder after runs. The fit's files now live in a folder of its own, removed when the fit ends, failed or not."""
+    import tempfile
+
+    from ragtrain.train.harness import fit
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the driver's temp folder
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "resources.trainer.num_workers=2"]))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(Exception, match="this fit fails on purpose"):
+        fit(_loop_that_fails, WorkerArgs(cfg, "retriever", cpus_per_worker=1.0), num_workers=2)
+    seen = [p.read_text() for p in sorted((tmp_path / "out").glob("stores-*.txt"))]
+    assert len(seen) == 2 and all(s.strip() for s in seen), seen  # each rank saw its group's file in the run's folder
+    assert list((tmp_path / "tmp").glob("ragtrain-pg-*")) == []
