@@ -72,6 +72,17 @@ def mlflow_db(path: Path) -> str:
     return f"sqlite:///{path}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """One intra-op thread for torch in the test process (as tests/index/test_faiss_index.py does for faiss): its
+    tensors are tiny, and on 2 cores shared with Ray workers a second OpenMP thread spins instead of helping (the
+    150-step distillation test took 58 s of CPU with 2 threads on a loaded box, 4 s with one). Ray workers and
+    gloo ranks set their own thread counts from their CPUs."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A real local Ray cluster, started once for the whole test session."""
