@@ -131,6 +131,19 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
     ]
 
 
+def quickstart_overrides(tmp: Path) -> list[str]:
+    """The shared quickstart run's settings that decide its figures (its logging, profile and cache aside): a run
+    composed with them and another index.shards must give the same figures (tests/index/test_sharded.py)."""
+    return [
+        "experiment=quickstart",
+        *tiny_overrides(tmp),
+        "generator=tiny_t5",
+        "index.align_anchors=32",
+        "retriever.train.log_every=2",
+        "retriever.train.val_every=2",
+    ]
+
+
 @pytest.fixture(scope="session")
 def quickstart_run(ray_session, tmp_path_factory):
     """ONE finished tiny quickstart (2 gloo workers, ddp, 4 steps, zero-shot + trained indexes, the stale index aligned
@@ -145,15 +158,10 @@ def quickstart_run(ray_session, tmp_path_factory):
     cfg = to_typed(
         compose(
             [
-                "experiment=quickstart",
-                *tiny_overrides(tmp),
-                "generator=tiny_t5",
-                "index.align_anchors=32",
+                *quickstart_overrides(tmp),
                 "logger.experiment_name=qs-test",
                 f"logger.register_as={REGISTERED_MODEL}",
                 "profile=true",
-                "retriever.train.log_every=2",
-                "retriever.train.val_every=2",
                 f"index.cache_dir={tmp / 'vector_cache'}",
             ]
         )
