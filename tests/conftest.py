@@ -72,6 +72,17 @@ def mlflow_db(path: Path) -> str:
     return f"sqlite:///{path}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """One intra-op thread for torch in the test process (as tests/index/test_faiss_index.py does for faiss): its
+    tensors are tiny, and on 2 cores shared with Ray workers a second OpenMP thread spins instead of helping (the
+    150-step distillation test took 58 s of CPU with 2 threads on a loaded box, 4 s with one). Ray workers and
+    gloo ranks set their own thread counts from their CPUs."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A real local Ray cluster, started once for the whole test session."""
@@ -120,6 +131,19 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
     ]
 
 
+def quickstart_overrides(tmp: Path) -> list[str]:
+    """The shared quickstart run's settings that decide its figures (its logging, profile and cache aside): a run
+    composed with them and another index.shards must give the same figures (tests/index/test_sharded.py)."""
+    return [
+        "experiment=quickstart",
+        *tiny_overrides(tmp),
+        "generator=tiny_t5",
+        "index.align_anchors=32",
+        "retriever.train.log_every=2",
+        "retriever.train.val_every=2",
+    ]
+
+
 @pytest.fixture(scope="session")
 def quickstart_run(ray_session, tmp_path_factory):
     """ONE finished tiny quickstart (2 gloo workers, ddp, 4 steps, zero-shot + trained indexes, the stale index aligned
@@ -134,15 +158,10 @@ def quickstart_run(ray_session, tmp_path_factory):
     cfg = to_typed(
         compose(
             [
-                "experiment=quickstart",
-                *tiny_overrides(tmp),
-                "generator=tiny_t5",
-                "index.align_anchors=32",
+                *quickstart_overrides(tmp),
                 "logger.experiment_name=qs-test",
                 f"logger.register_as={REGISTERED_MODEL}",
                 "profile=true",
-                "retriever.train.log_every=2",
-                "retriever.train.val_every=2",
                 f"index.cache_dir={tmp / 'vector_cache'}",
             ]
         )

@@ -332,7 +332,8 @@ def test_search_on_an_index_of_another_dimension_fails_in_one_line(finished_run,
     import numpy as np
 
     from ragtrain.index.faiss_index import build_index
-    from ragtrain.index.sharded import SHARDED, open_saved, persist
+    from ragtrain.index.integrity import seal_shard_list, sha256_file
+    from ragtrain.index.sharded import MANIFEST, SHARDED, open_saved, persist
 
     cfg, _, _ = finished_run
     run = tmp_path / "run"
@@ -342,10 +343,15 @@ def test_search_on_an_index_of_another_dimension_fails_in_one_line(finished_run,
     built = build_index(other, saved.doc_ids, "Flat", saved.meta.corpus_fingerprint, saved.meta.encoder)
     shutil.rmtree(run / "index")  # the same layout as a run's (one index shard), with 8-dim vectors
     n = len(saved.doc_ids)
-    m = persist(built, run / "index" / "shard-0", {"shard": 0, "start": 0, "stop": n, "version": 1})
-    (run / "index" / "index_meta.json").write_text(json.dumps(asdict(built.meta)))
+    meta = built.meta
+    about = {"shard": 0, "start": 0, "stop": n, "version": 1, "encoder": meta.encoder}
+    m = persist(built, run / "index" / "shard-0", {**about, "corpus_fingerprint": meta.corpus_fingerprint})
+    (run / "index" / "index_meta.json").write_text(json.dumps(asdict(meta)))
     entry = {"shard": 0, "folder": "shard-0", "start": 0, "stop": n, "rows": n, "version": 1, "checksum": m["checksum"]}
-    (run / "index" / SHARDED).write_text(json.dumps({"shards": [entry]}))
+    entry["manifest"] = sha256_file(run / "index" / "shard-0" / MANIFEST)  # sealed as a save seals its list
+    listed = {"shards": [entry], "index_meta": sha256_file(run / "index" / "index_meta.json")}
+    (run / "index" / SHARDED).write_text(json.dumps(seal_shard_list(listed)))
+    open_saved(run / "index")  # a well-formed saved index: only its dimension differs from the run's encoder
     res = _search(str(run), "who founded it?")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
     assert "the index holds 8-dim vectors but the run's encoder" in res.stderr

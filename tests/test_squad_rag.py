@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ragtrain.index.sharded import open_saved
 from tests.conftest import REPO, mlflow_db
 from tests.data.test_squad import qa
 
@@ -58,7 +59,7 @@ def test_the_squad_rag_command_evaluates_the_named_articles_with_every_paragraph
         [sys.executable, "-m", "ragtrain", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert (out / "index" / "doc_ids.txt").read_text().split() == [
+    assert open_saved(out / "index").doc_ids == [
         "Super_Bowl_50#0",
         "Super_Bowl_50#1",
         "Warsaw#0",

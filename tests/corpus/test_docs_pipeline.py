@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from ragtrain.config import to_typed
+from ragtrain.index.sharded import open_saved
 from ragtrain.pipeline import run
 from tests.conftest import compose, tiny_overrides
 
@@ -32,8 +33,7 @@ def test_docs_quickstart_runs_on_chunks_and_evaluates_documents(ray_session, tmp
     results = run(cfg)
     out = Path(cfg.output_dir)
     assert len(list((out / "docs" / "articles").iterdir())) == 24  # generated into the run's folder
-    ids = (out / "index" / "doc_ids.txt").read_text().split("\n")
-    ids = [i for i in ids if i]
+    ids = open_saved(out / "index").doc_ids  # the saved index: its shards' ids, in row order
     assert len(ids) > 24 and all("#" in i for i in ids)  # the index holds chunks
     for phase in ("zeroshot", "trained"):
         # every one of the 24 documents is within the top 100 only if chunk hits are mapped to documents (MaxP)

@@ -280,6 +280,46 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
         retrieval.close()
 
 
+def test_a_small_run_refreshes_its_sharded_index_while_training(ray_session, tmp_path) -> None:
+    """The live refresh during training in a small form: 2 index shards refresh every 2 steps while one trainer
+    worker mines its negatives from the live index; several rounds land, versions advance, and the refresh's
+    metrics reach MLflow. (That steps go on while a round runs needs a corpus whose refresh spans several steps:
+    the slow test below.)"""
+    from mlflow.tracking import MlflowClient
+
+    from ragtrain.pipeline import run
+
+    overrides = [
+        "experiment=quickstart",
+        *tiny_overrides(tmp_path),
+        "resources=laptop",  # 1 trainer worker + the refresh's 1 CPU, each in its own placement group
+        "resources.num_cpus=4",
+        "index.shards=2",
+        "retriever.train.max_steps=16",
+        "retriever.train.hard_negatives=1",
+        "refresh.enabled=true",
+        "refresh.every_steps=2",
+        "refresh.check_every=2",
+        "zeroshot_eval=false",
+        "export=false",
+        "logger.experiment_name=small-refresh",
+    ]
+    cfg = to_typed(compose(overrides))
+    results = run(cfg)
+    t = results["train"]
+    assert t["index/refreshes"] >= 2 and t["index/final_version"] >= 2 and t["index/refresh_failures"] == 0
+    history = json.loads((tmp_path / "out" / "refresh_history.json").read_text())["history"]
+    assert [h["version"] for h in history] == list(range(1, len(history) + 1)) and len(history) >= 2
+    assert all(h["metrics"]["index/encoded_fraction"] == 1.0 for h in history)  # both shards, every row
+    client = MlflowClient(cfg.logger.tracking_uri)
+    run_id = client.search_runs([client.get_experiment_by_name("small-refresh").experiment_id])[0].info.run_id
+    versions = [m.value for m in client.get_metric_history(run_id, "index/version")]
+    assert versions == sorted(versions) and versions[-1] >= 2, versions
+    for key in ("index/lag_steps", "index/drift_cosine", "index/refresh_seconds", "index/shard1_encode_seconds"):
+        assert client.get_metric_history(run_id, key), key
+    assert 0.0 <= results["trained"]["ndcg@10"] <= 1.0
+
+
 # a training run beside the live refresh (~50 s); the service swap and rank-0 version rule stay in the default suite
 @pytest.mark.slow
 def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None:

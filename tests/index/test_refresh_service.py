@@ -177,7 +177,10 @@ def test_an_unknown_variant_is_refused_with_the_registrys_names(key, value, matc
 def test_an_unknown_variant_on_the_command_line_is_one_line_and_exit_2(tmp_path) -> None:
     from tests.test_checks import _cli
 
-    r = _cli(tmp_path, "refresh.enabled=true", "refresh.every_steps=2", "refresh.priority=newest")
+    # a partial refresh (fraction < 1): one that re-encodes every row reads no priority, and says so first
+    r = _cli(
+        tmp_path, "refresh.enabled=true", "refresh.every_steps=2", "refresh.fraction=0.5", "refresh.priority=newest"
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert (

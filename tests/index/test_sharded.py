@@ -208,7 +208,7 @@ def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards
     """Each shard read its rows from the passage store and encoded them; the evaluation, the mined negatives and
     the generator's searcher equal those of one index of the same vectors; the saved folder serves `python -m
     ragtrain.search`, and a missing shard there is one line naming it (exit 2). (The Ray Data encode of one
-    shard against three shards' own encodes: the slow pipeline test below.)"""
+    shard against three shards' own encodes: the pipeline test below.)"""
     from omegaconf import OmegaConf
 
     from ragtrain.generator.retriever_client import IndexPayload, Searcher
@@ -346,23 +346,19 @@ def test_a_shard_count_that_is_not_one_is_refused_by_the_config(value) -> None:
         IndexConfig(shards=value)
 
 
-@pytest.mark.slow  # two pipeline runs of their own; the Retrieval-level equality above is in the default suite
-def test_a_sharded_quickstart_gives_the_figures_of_one_index(ray_session, tmp_path) -> None:
+def test_a_sharded_quickstart_gives_the_figures_of_one_index(quickstart_run, tmp_path) -> None:
+    """The shared quickstart (index.shards=1: one Ray Data encode, one shard) and the same run at index.shards=3
+    (each shard encodes its own range) give the same figures before and after training; the saved 3-shard folder
+    serves the generator's searcher as it ranks in-process."""
     from ragtrain.config import to_typed
     from ragtrain.pipeline import run
-    from tests.conftest import compose, tiny_overrides
+    from tests.conftest import compose, quickstart_overrides
 
-    results = {
-        n: run(
-            to_typed(
-                compose(["experiment=quickstart", *tiny_overrides(tmp_path / n), "logger=none", f"index.shards={n}"])
-            )
-        )
-        for n in ("1", "3")
-    }
+    one = quickstart_run[1]
+    three = run(to_typed(compose([*quickstart_overrides(tmp_path / "3"), "logger=none", "index.shards=3"])))
     for phase in ("zeroshot", "trained"):
         for key in ("ndcg@10", "mrr@10", "recall@100"):
-            assert results["3"][phase][key] == pytest.approx(results["1"][phase][key], abs=1e-9), (phase, key)
+            assert three[phase][key] == pytest.approx(one[phase][key], abs=1e-9), (phase, key)
     saved = tmp_path / "3" / "out" / "index"
     assert open_saved(saved).meta.extra["shards"] == 3 and sorted(p.name for p in saved.glob("shard-*")) == [
         "shard-0",
@@ -375,7 +371,7 @@ def test_a_sharded_quickstart_gives_the_figures_of_one_index(ray_session, tmp_pa
     from ragtrain.generator.stage import resolve_index
     from ragtrain.index.sharded import ShardedIndex
 
-    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path / "3"), "index.shards=3"]))
+    cfg = to_typed(compose([*quickstart_overrides(tmp_path / "3"), "index.shards=3"]))
     data = load_data(cfg.data, cfg.retriever)
     payload = resolve_index(cfg, data, None, Path(cfg.output_dir))
     assert isinstance(payload.index, ShardedIndex)
