@@ -59,7 +59,7 @@ def test_live_refresh_on_real_shards_reports_probe_and_whole_corpus(ray_session,
     full, half = rounds[1.0], rounds[0.5]
     assert full["encoded_fraction"] == 1.0 and half["encoded_fraction"] == 0.5
     # the full round is the whole corpus's reference (itself: exactly 1); the service's probe compares the stored
-    # rows with the probe passages encoded apart, in other batches (bf16 where the CPU has it): close to 1, not always equal
+    # rows with the probe passages encoded apart, in other batches (bf16 where the CPU has it): near 1, not always 1
     assert full["whole"]["index/mixed_recall_at_10"] == 1.0 and full["whole"]["index/mined_agreement"] == 1.0
     assert full["probe"]["index/mixed_recall_at_10"] >= 0.9 and full["probe"]["index/mined_agreement"] >= 0.9
     assert half["whole"]["queries"] == 9 and half["whole"]["passages"] == 16
