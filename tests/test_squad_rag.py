@@ -1,17 +1,15 @@
-"""`python -m ragtrain experiment=squad_rag ... 'data.test_titles=[Super_Bowl_50,Warsaw]' data.split=test`, as users
-type it, on a small SQuAD v1.1 file that asks questions about those two articles: the shipped MiniLM indexes every
-paragraph (real Ray, real FAISS, real MLflow SQLite store) and only those articles' questions are evaluated."""
+"""`python -m ragtrain experiment=squad_rag ... 'data.test_titles=[Super_Bowl_50,Warsaw]' data.split=test`'s
+overrides, composed as the command composes them, on a small SQuAD v1.1 file that asks questions about those two
+articles: the shipped MiniLM indexes every paragraph (real Ray, real FAISS, real MLflow SQLite store) and only those
+articles' questions are evaluated."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from ragtrain.index.sharded import open_saved
-from tests.conftest import REPO, mlflow_db
+from tests.conftest import mlflow_db
 from tests.data.test_squad import qa
 
 SB = "Super Bowl 50 was played in 2016. The Denver Broncos defeated the Carolina Panthers 24-10 to win it."
@@ -40,12 +38,17 @@ def squad_file(path: Path) -> None:
     path.write_text(json.dumps({"version": "1.1", "data": data}))
 
 
-def test_the_squad_rag_command_evaluates_the_named_articles_with_every_paragraph_indexed(tmp_path: Path) -> None:
+def test_the_squad_rag_command_evaluates_the_named_articles_with_every_paragraph_indexed(ray_session, tmp_path) -> None:
+    """The command's overrides, composed as `python -m ragtrain` composes them and run on the test session's Ray
+    (a subprocess would start a Ray cluster and import everything again; the CLI's own path is tested in
+    tests/test_checks.py and by the experiments' slow tests)."""
+    from ragtrain.config import to_typed
+    from ragtrain.pipeline import run
+    from tests.conftest import compose
+
     (tmp_path / "squad").mkdir()
     squad_file(tmp_path / "squad" / "dev-v1.1.json")
     out = tmp_path / "out"
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    env.pop("RAY_ADDRESS", None)
     args = [
         "experiment=squad_rag",
         f"data.root={tmp_path / 'squad'}",
@@ -54,11 +57,9 @@ def test_the_squad_rag_command_evaluates_the_named_articles_with_every_paragraph
         "data.dev_articles=1",  # of the file's 4 articles with questions; the shipped 4 would leave no train article
         f"output_dir={out}",
         f"logger.tracking_uri={mlflow_db(tmp_path / 'mlflow.db')}",
+        "resources.num_cpus=4",  # the test session's Ray cluster (tests/conftest.py: RAY_CPUS)
     ]
-    r = subprocess.run(
-        [sys.executable, "-m", "ragtrain", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
+    run(to_typed(compose(args)))
     assert open_saved(out / "index").doc_ids == [
         "Super_Bowl_50#0",
         "Super_Bowl_50#1",
