@@ -23,11 +23,22 @@ class Eager(ConsistencyPolicy):
         fresh: np.ndarray,
         encoding: dict[Any, tuple],
     ) -> Landed:
+        import time
+
         import ray  # lazy: the registry is read by the CLI's checks, which start without Ray
 
+        from ragtrain.index.sharded import ShardUnavailableError
+
         encoded, states, pending = {}, [], list(encoding)
+        deadline = time.monotonic() + service.spec.refresh.timeout_s
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:  # the shards that landed keep their rows, as eager always allows
+                late = sorted(encoding[r][0] for r in pending)
+                raise ShardUnavailableError(
+                    f"index shard {', '.join(map(str, late))} did not answer a live encode within "
+                    f"{service.spec.refresh.timeout_s:g} s (refresh.timeout_s): it is stopped or its node is lost"
+                )
             i, args = encoding[done[0]]
             encoded[i] = service.encoded(done[0], i, args)
             service.call_shards([i], "live_apply", v)
