@@ -891,7 +891,28 @@ class Config:
             "set refresh.enabled=false",
             self.refresh.enabled,
         )
-        r = self.refresh
+        r, f = self.refresh, self.fault
+        for key in ("hold_shard_encode", "kill_shard_before_apply"):  # the live refresh's fault hooks
+            shard = getattr(f, key)
+            _check(
+                shard < 0 or r.enabled,
+                f"fault.{key}",
+                "acts on a live refresh round: it needs refresh.enabled=true",
+                shard,
+            )
+            _check(
+                shard < 0 or not self.index.shards.isdigit() or shard < int(self.index.shards),
+                f"fault.{key}",
+                f"names an index shard, and index.shards={self.index.shards} numbers them from 0",
+                shard,
+            )
+        _check(
+            f.kill_shard_before_apply < 0 or r.consistency == "global",
+            "fault.kill_shard_before_apply",
+            f"kills a shard between the barrier and the apply of refresh.consistency=global, and "
+            f"refresh.consistency={r.consistency} has no barrier",
+            f.kill_shard_before_apply,
+        )
         if r.enabled and r.fraction >= 1.0 and r.priority != RefreshConfig.priority:
             raise ConfigError(
                 f"refresh.priority={r.priority} chooses the rows a partial refresh re-encodes, and "

@@ -36,7 +36,8 @@ class Eager(ConsistencyPolicy):
             if not done:  # the shards that landed keep their rows, as eager always allows
                 late = sorted(encoding[r][0] for r in pending)
                 raise ShardUnavailableError(
-                    f"index shard {', '.join(map(str, late))} did not answer a live encode within "
+                    f"index shard{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not answer a live "
+                    f"encode within "
                     f"{service.spec.refresh.timeout_s:g} s (refresh.timeout_s): it is stopped or its node is lost"
                 )
             i, args = encoding[done[0]]
