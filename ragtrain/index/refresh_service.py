@@ -145,6 +145,9 @@ class RefreshService:
         self.hot = np.zeros(len(doc_ids), dtype=np.int64)  # rows retrieved or mined since the last round
         self._busy = threading.Lock()
         self._swap = threading.Lock()
+        # held from a round's staging to its barrier (global) and by every restart of a shard's live rows: a search
+        # that restarts a crashed shard meanwhile resolves its journal against the barrier's outcome, not before it
+        self._barrier = threading.RLock()
         self.failures: list[str] = []
         self.history: list[dict[str, Any]] = []
 
@@ -213,14 +216,16 @@ class RefreshService:
     def _start(self, shards: list[int], fresh: bool = False) -> None:
         """(Re)start the live rows of `shards` from disk; a journaled round is finished if it is the version
         searches were switched to (`encoder_version`), else dropped."""
-        refs = [
-            self.actors[i].live_start.remote(
-                self.from_tag, self.vector_folder, self.sources[i], *self.ranges[i], fresh, self.encoder_version
-            )
-            for i in shards
-        ]
-        self._wait(refs, shards, "the start of the live rows")
-        self._wait([self.actors[i].live_build.remote(self.tag, self.maps) for i in shards], shards, "a live build")
+        with self._barrier:
+            refs = [
+                self.actors[i].live_start.remote(
+                    self.from_tag, self.vector_folder, self.sources[i], *self.ranges[i], fresh, self.encoder_version
+                )
+                for i in shards
+            ]
+            self._wait(refs, shards, "the start of the live rows")
+            builds = [self.actors[i].live_build.remote(self.tag, self.maps) for i in shards]
+            self._wait(builds, shards, "a live build")
 
     def _split(self, rows: list[int]) -> dict[int, list[int]]:
         """Global rows -> {shard: local rows}."""

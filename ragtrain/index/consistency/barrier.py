@@ -32,16 +32,17 @@ class Global(ConsistencyPolicy):
         encoded = {i: service.encoded(ref, i, args) for ref, (i, args) in encoding.items()}
         shards = list(range(len(service.actors)))
         tag = f"live{v}"
-        try:  # each shard journals its staged round, then builds it (not yet searched)
-            service.call_shards(shards, "live_build", tag, {}, v)
-        except Exception:
-            for i in shards:  # free the new builds and journals that were made; the old tag stays searched
-                service.actors[i].live_discard.remote(tag)
-            raise
-        # the barrier, the commit point: every search from now on sees version v everywhere, and a shard restarted
-        # from here on finishes its journaled round of v (service._start passes encoder_version)
-        old, service.tag = service.tag, tag
-        service.encoder_version = v
+        with service._barrier:  # a shard restarted meanwhile (by a search) waits for the barrier's outcome
+            try:  # each shard journals its staged round, then builds it (not yet searched)
+                service.call_shards(shards, "live_build", tag, {}, v)
+            except Exception:
+                for i in shards:  # free the new builds and journals that were made; the old tag stays searched
+                    service.actors[i].live_discard.remote(tag)
+                raise
+            # the barrier, the commit point: every search from now on sees version v everywhere, and a shard
+            # restarted from here on finishes its journaled round of v (service._start passes encoder_version)
+            old, service.tag = service.tag, tag
+            service.encoder_version = v
         service.call_shards(shards, "live_apply", v, service.spec.fault.kill_shard_before_apply)
         states = [service.publish_state(step, qvecs, fresh, {})]
         service.call_shards(shards, "drop", old)

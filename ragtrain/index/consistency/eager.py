@@ -3,6 +3,7 @@ several encoder versions at once (the inconsistency of an index distributed over
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,11 +24,9 @@ class Eager(ConsistencyPolicy):
         fresh: np.ndarray,
         encoding: dict[Any, tuple],
     ) -> Landed:
-        import time
-
         import ray  # lazy: the registry is read by the CLI's checks, which start without Ray
 
-        from ragtrain.index.sharded import ShardUnavailableError
+        from ragtrain.index.sharded import ShardUnavailableError  # lazy: it imports faiss and ray, as above
 
         encoded, states, pending = {}, [], list(encoding)
         deadline = time.monotonic() + service.spec.refresh.timeout_s
