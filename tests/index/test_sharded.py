@@ -336,21 +336,27 @@ def _announced(root: Path, shard: int) -> dict | None:
 
 @contextmanager
 def _live(sharded, built, weights, cfg, **fault):
-    """A live service on the module's 3 shards with these fault hooks, the hooks' once-per-run markers cleared."""
+    """A live service on the module's 3 shards with these fault hooks, the hooks' once-per-run markers cleared;
+    version 0 is a build of the zero-shot vectors of its own (a test above drops the zero-shot build, as runs do)."""
     import ray
+
+    from ragtrain.index.facade import BuiltIndex
 
     shutil.rmtree(sharded.shard_group.root / FAULTS, ignore_errors=True)
     saved = replace(cfg.fault)
     for k, v in fault.items():
         setattr(cfg.fault, k, v)
+    index = sharded.index_from("faults", built.shards, "tiny@init", 0)
     service = None
     try:
-        service, _ = sharded.start_service(built, weights)
+        start = BuiltIndex("faults", index, [weights], sharded.doc_ids, {}, built.shards)
+        service, _ = sharded.start_service(start, weights)
         yield service, ray
     finally:
         cfg.fault = saved
         if service is not None:
             sharded.stop_service(service)
+        index.drop()
 
 
 # each test kills a shard the module's others spare: an actor is restarted at most MAX_SHARD_RESTARTS times
