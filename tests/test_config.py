@@ -277,6 +277,9 @@ def test_a_saved_config_with_relative_paths_compares_equal_after_resolution(tmp_
     assert absolute_paths({"generator.retrieval.index_dir": "None"}) == {"generator.retrieval.index_dir": "None"}
 
 
+_LIVE = ["refresh.enabled=true", "refresh.every_steps=5"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
@@ -296,6 +299,17 @@ def test_a_saved_config_with_relative_paths_compares_equal_after_resolution(tmp_
             r"refresh.priority=hot chooses the rows a partial refresh re-encodes, and refresh.fraction=1.0",
         ),
         (["refresh.priority=drift"], r"refresh.priority applies only with refresh.enabled=true"),
+        ([*_LIVE, "refresh.timeout_s=inf"], r"refresh.timeout_s must be a number of seconds in \[1, 86400\], got inf"),
+        ([*_LIVE, "refresh.timeout_s=0.5"], r"refresh.timeout_s must be a number of seconds in \[1, 86400\], got 0.5"),
+        (["fault.hold_shard_encode=0"], r"fault.hold_shard_encode acts on a live refresh round: it needs refresh"),
+        (
+            [*_LIVE, "index.shards=3", "fault.kill_shard_before_apply=3"],
+            r"fault.kill_shard_before_apply names an index shard, and index.shards=3 numbers them from 0, got 3",
+        ),
+        (
+            [*_LIVE, "refresh.consistency=eager", "fault.kill_shard_before_apply=0"],
+            r"fault.kill_shard_before_apply kills a shard between the barrier and the apply of .*eager has no barrier",
+        ),
     ],
 )
 def test_settings_that_would_be_ignored_fail_naming_the_key(overrides: list, match: str, tmp_path: Path) -> None:

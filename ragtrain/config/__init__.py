@@ -615,6 +615,7 @@ def with_sync_preset(sync: Any, preset: Any) -> DictConfig:
 
 
 SHARD_TIMEOUT_RANGE = (1.0, 3600.0)  # index.shard_timeout_s, seconds
+REFRESH_TIMEOUT_RANGE = (1.0, 86400.0)  # refresh.timeout_s, seconds
 
 
 @dataclass
@@ -636,6 +637,9 @@ class RefreshConfig:
     fraction: float = 1.0
     priority: str = "oldest"
     anchors: int = 1024  # aligned: passages every encoder version encodes (at least the encoder's dimension)
+    # How long a round waits for a shard's encode or build: past it the round is abandoned (one log line naming the
+    # shard), the live version stays and training goes on. Long enough for a full re-encode of a large shard
+    timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         k = "refresh."
@@ -652,6 +656,14 @@ class RefreshConfig:
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
         _check(0.0 < self.fraction <= 1.0, k + "fraction", "must be in (0, 1]", self.fraction)
         _check(self.anchors > 0, k + "anchors", "must be > 0", self.anchors)
+        # below a second a working shard counts as stopped; above a day (inf, and nan, which compares false) a
+        # stopped one holds the refresh for good
+        _check(
+            REFRESH_TIMEOUT_RANGE[0] <= self.timeout_s <= REFRESH_TIMEOUT_RANGE[1],
+            k + "timeout_s",
+            f"must be a number of seconds in [{REFRESH_TIMEOUT_RANGE[0]:g}, {REFRESH_TIMEOUT_RANGE[1]:g}]",
+            self.timeout_s,
+        )
 
 
 @dataclass
@@ -674,11 +686,22 @@ class FaultConfig:
     kill_worker_at_step: int = 0  # > 0: rank `kill_rank` exits (os._exit) after this step, once per run
     kill_rank: int = 0
     kill_encode_actor_at_batch: int = -1  # >= 0: the Ray Data encode actor that reaches its batch N dies, once per run
+    # >= 0: that index shard's first live refresh encode announces itself (its pid and the version, in
+    # <output_dir>/shards/.faults/encoding-shard-<i>.json) and holds until that file is removed: a signal sent then
+    # lands while the round is in flight (once per run)
+    hold_shard_encode: int = -1
+    # >= 0: under refresh.consistency=global, that index shard dies (os._exit) between the barrier and the apply of
+    # the first round (once per run)
+    kill_shard_before_apply: int = -1
 
     def __post_init__(self) -> None:
         _check(self.max_failures >= -1, "fault.max_failures", "must be >= 0 (or -1: unlimited)", self.max_failures)
         _check(self.kill_worker_at_step >= 0, "fault.kill_worker_at_step", "must be >= 0", self.kill_worker_at_step)
         _check(self.kill_rank >= 0, "fault.kill_rank", "must be >= 0", self.kill_rank)
+        for key in ("hold_shard_encode", "kill_shard_before_apply"):
+            _check(
+                getattr(self, key) >= -1, "fault." + key, "must be a shard number >= 0 (or -1: off)", getattr(self, key)
+            )
 
 
 STAGES = ("retriever", "index", "generator")
@@ -868,7 +891,28 @@ class Config:
             "set refresh.enabled=false",
             self.refresh.enabled,
         )
-        r = self.refresh
+        r, f = self.refresh, self.fault
+        for key in ("hold_shard_encode", "kill_shard_before_apply"):  # the live refresh's fault hooks
+            shard = getattr(f, key)
+            _check(
+                shard < 0 or r.enabled,
+                f"fault.{key}",
+                "acts on a live refresh round: it needs refresh.enabled=true",
+                shard,
+            )
+            _check(
+                shard < 0 or not self.index.shards.isdigit() or shard < int(self.index.shards),
+                f"fault.{key}",
+                f"names an index shard, and index.shards={self.index.shards} numbers them from 0",
+                shard,
+            )
+        _check(
+            f.kill_shard_before_apply < 0 or r.consistency == "global",
+            "fault.kill_shard_before_apply",
+            f"kills a shard between the barrier and the apply of refresh.consistency=global, and "
+            f"refresh.consistency={r.consistency} has no barrier",
+            f.kill_shard_before_apply,
+        )
         if r.enabled and r.fraction >= 1.0 and r.priority != RefreshConfig.priority:
             raise ConfigError(
                 f"refresh.priority={r.priority} chooses the rows a partial refresh re-encodes, and "

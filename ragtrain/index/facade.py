@@ -351,7 +351,7 @@ class Retrieval:
         group = self.shard_group
         spec = RefreshSpec(
             r, cfg.retriever, resolved_index(cfg), MiningSpec.of(cfg.retriever.train), cfg.seed,
-            threads=max(1, int(pool.cpus_per_actor * pool.num_actors) // group.n),
+            threads=max(1, int(pool.cpus_per_actor * pool.num_actors) // group.n), fault=cfg.fault,
         )  # fmt: skip
         corpus, texts = self.data.corpus, self.passages()
         sources = [

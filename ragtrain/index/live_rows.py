@@ -9,6 +9,12 @@ New vectors wait (`pending`) until the service applies them: it decides when a s
 (`refresh.consistency`). The index a search sees is built from the stored vectors; under `aligned`, rows still at
 an older encoder version enter it through a linear map into the newest version's space. The state (vectors and
 versions) is persisted on every apply, so a restarted shard continues from its last applied round.
+
+Under `global` a round becomes searchable everywhere at one barrier, and each shard applies it after: the round is
+journaled (`JOURNAL`: its rows, vectors and cursor) when the shard stages it, before the barrier. A shard that dies
+between the barrier and its apply finds the journal on restart and `resolve`s it against the newest version the
+service committed: applied if that is the journal's version (roll forward), dropped otherwise (roll back), so every
+shard ends on the committed version.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import numpy as np
 from ragtrain.index.priority.base import RefreshPriority, RoundRows
 
 STATE = "live_state.npz"
+JOURNAL = "live_journal.npz"  # a staged round not yet applied (global): finished or dropped by `resolve`
 
 
 class LiveRows:
@@ -34,6 +41,7 @@ class LiveRows:
         self.vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         self.versions = np.zeros(len(vectors), dtype=np.int64)
         self.cursor = 0
+        self.applied = 0  # the version of the last round applied (0: none yet)
         # (version, rows, their new vectors, the round-robin cursor once they are applied)
         self.pending: tuple[int, np.ndarray, np.ndarray, int] | None = None
         state = folder / STATE
@@ -41,6 +49,7 @@ class LiveRows:
             with np.load(state) as z:
                 if z["vectors"].shape == self.vectors.shape:
                     self.vectors, self.versions, self.cursor = z["vectors"], z["versions"], int(z["cursor"])
+                    self.applied = int(z["applied"]) if "applied" in z else int(self.versions.max(initial=0))
 
     @property
     def rows(self) -> int:
@@ -92,14 +101,49 @@ class LiveRows:
         return self.pending
 
     def apply(self, version: int) -> dict:
-        """Make the pending round's vectors this shard's stored ones (and persist them); returns the version mix."""
+        """Make the pending round's vectors this shard's stored ones (and persist them); returns the version mix.
+        A round already applied (a journal finished on restart, then the service's apply retried) is a no-op."""
+        if self.pending is None and self.applied == version:
+            return self.mix()
         _, rows, vecs, cursor = self._pending(version)
         self.vectors[rows] = vecs
         self.versions[rows] = version
-        self.cursor = cursor
+        self.cursor, self.applied = cursor, version
         self.pending = None
-        self._persist()
+        self._persist()  # first: a crash before the journal goes finds the state applied, and drops the journal
+        (self.folder / JOURNAL).unlink(missing_ok=True)
         return self.mix()
+
+    def journal(self, version: int) -> None:
+        """Persist the pending round of `version` (atomically) before the barrier makes it searchable: a restart
+        between the barrier and the apply finishes it (`resolve`)."""
+        _, rows, vecs, cursor = self._pending(version)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{JOURNAL}.{os.getpid()}.npz"
+        np.savez(tmp, version=np.int64(version), rows=rows, vectors=vecs, cursor=np.int64(cursor))
+        os.replace(tmp, self.folder / JOURNAL)
+
+    def drop_journal(self) -> None:
+        """Forget a staged round that will not be applied (the round failed before its barrier)."""
+        (self.folder / JOURNAL).unlink(missing_ok=True)
+
+    def resolve(self, committed: int) -> str | None:
+        """On restart: finish a journaled round the service committed (`committed`: the newest version searches
+        were switched to), or drop one it did not. Returns what happened, or None when there was no journal."""
+        path = self.folder / JOURNAL
+        if not path.exists():
+            return None
+        with np.load(path) as z:
+            version, rows, vecs, cursor = int(z["version"]), z["rows"], z["vectors"], int(z["cursor"])
+        if self.applied >= version:  # applied, and the crash came before the journal was removed
+            path.unlink(missing_ok=True)
+            return None
+        if version == committed:
+            self.pending = (version, rows, np.ascontiguousarray(vecs, dtype=np.float32), cursor)
+            self.apply(version)
+            return "rolled forward"
+        path.unlink(missing_ok=True)
+        return "rolled back"
 
     def staged(self, version: int) -> np.ndarray:
         """The stored vectors with the pending round of `version` in place, before it is applied: what a build
@@ -138,7 +182,13 @@ class LiveRows:
     def _persist(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.folder / f".{STATE}.{os.getpid()}.npz"
-        np.savez(tmp, vectors=self.vectors, versions=self.versions, cursor=np.int64(self.cursor))
+        np.savez(
+            tmp,
+            vectors=self.vectors,
+            versions=self.versions,
+            cursor=np.int64(self.cursor),
+            applied=np.int64(self.applied),
+        )
         os.replace(tmp, self.folder / STATE)  # atomic: a crash leaves the previous round's state
 
 

@@ -221,7 +221,7 @@ class LiveIndexClient:
             self.round_metrics.append(stats.get("metrics", {}))
         elif "error" in stats:
             self.failures += 1
-            log.info(f"[index] refresh from step {stats['step']} failed, the old index stays live: {stats['error']}")
+            log.warning(f"[index] refresh from step {stats['step']} failed, the old index stays live: {stats['error']}")
         return stats
 
     def due(self, step: int, drift: float | None) -> bool:

@@ -26,7 +26,7 @@ import numpy as np
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from ragtrain.config import IndexConfig, PoolResources, RefreshConfig, RetrieverConfig
+from ragtrain.config import FaultConfig, IndexConfig, PoolResources, RefreshConfig, RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.embed.align import fit_alignment
 from ragtrain.index.consistency import POLICIES
@@ -34,7 +34,14 @@ from ragtrain.index.faiss_index import METRIC, IndexMeta, exact_search
 from ragtrain.index.live_rows import version_summary
 from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores
 from ragtrain.index.refresh import LiveVersion, Probe, VersionBook
-from ragtrain.index.sharded import LIVE_BASE, LiveStateLost, ShardedIndex, _gather, shard_ranges
+from ragtrain.index.sharded import (
+    LIVE_BASE,
+    LiveStateLost,
+    ShardedIndex,
+    ShardUnavailableError,
+    _gather,
+    shard_ranges,
+)
 
 log = get_logger(__name__)
 
@@ -73,12 +80,13 @@ def mined_agreement(
 class RefreshSpec:
     """What the refresh service reads, resolved on the driver (never the run's whole config)."""
 
-    refresh: RefreshConfig  # consistency, fraction, priority, anchors
+    refresh: RefreshConfig  # consistency, fraction, priority, anchors, timeout_s
     retriever: RetrieverConfig  # the encoder the shards rebuild from each snapshot
     index: IndexConfig  # precision resolved for the encode; factory; shard_timeout_s
     mining: MiningSpec
     seed: int
     threads: int  # torch threads of each shard's round encode: the refresh's reserved CPUs shared by the shards
+    fault: FaultConfig  # the shard fault hooks (hold_shard_encode, kill_shard_before_apply) for fault tests
 
 
 PLACEMENT_TIMEOUT_S = 30.0
@@ -137,6 +145,9 @@ class RefreshService:
         self.hot = np.zeros(len(doc_ids), dtype=np.int64)  # rows retrieved or mined since the last round
         self._busy = threading.Lock()
         self._swap = threading.Lock()
+        # held from a round's staging to its barrier (global) and by every restart of a shard's live rows: a search
+        # that restarts a crashed shard meanwhile resolves its journal against the barrier's outcome, not before it
+        self._barrier = threading.RLock()
         self.failures: list[str] = []
         self.history: list[dict[str, Any]] = []
 
@@ -184,24 +195,37 @@ class RefreshService:
     ) -> list[Any]:
         """One call per shard; a shard that lost its live rows (restarted) starts them again from disk, once.
         `quick` calls (row fetches, version mixes) wait at most index.shard_timeout_s, as searches do; encodes and
-        builds take as long as their rows need."""
+        builds at most refresh.timeout_s (a shard stopped past it: ShardUnavailableError naming it)."""
         refs = [getattr(self.actors[i], method).remote(*args) for i in shards]
         out = []
         for i, ref in zip(shards, refs):
             try:
-                out.append(_gather([ref], [i], what, self.spec.index.shard_timeout_s if quick else None)[0])
+                out.append(self._wait([ref], [i], what, quick)[0])
             except LiveStateLost:
                 self._start([i])
-                out.append(_gather([getattr(self.actors[i], method).remote(*args)], [i], what, None)[0])
+                out.append(self._wait([getattr(self.actors[i], method).remote(*args)], [i], what, quick)[0])
         return out
 
+    def _wait(self, refs: list, shards: list[int], what: str, quick: bool = False) -> list[Any]:
+        if quick:
+            return _gather(refs, shards, what, self.spec.index.shard_timeout_s)
+        if self.book.latest() is None:  # version 0, before training: the shards' first encoder loads take their time
+            return _gather(refs, shards, what, None)
+        return _gather(refs, shards, what, self.spec.refresh.timeout_s, "refresh.timeout_s")
+
     def _start(self, shards: list[int], fresh: bool = False) -> None:
-        refs = [
-            self.actors[i].live_start.remote(self.from_tag, self.vector_folder, self.sources[i], *self.ranges[i], fresh)
-            for i in shards
-        ]
-        _gather(refs, shards, "the start of the live rows", None)
-        _gather([self.actors[i].live_build.remote(self.tag, self.maps) for i in shards], shards, "a live build", None)
+        """(Re)start the live rows of `shards` from disk; a journaled round is finished if it is the version
+        searches were switched to (`encoder_version`), else dropped."""
+        with self._barrier:
+            refs = [
+                self.actors[i].live_start.remote(
+                    self.from_tag, self.vector_folder, self.sources[i], *self.ranges[i], fresh, self.encoder_version
+                )
+                for i in shards
+            ]
+            self._wait(refs, shards, "the start of the live rows")
+            builds = [self.actors[i].live_build.remote(self.tag, self.maps) for i in shards]
+            self._wait(builds, shards, "a live build")
 
     def _split(self, rows: list[int]) -> dict[int, list[int]]:
         """Global rows -> {shard: local rows}."""
@@ -247,10 +271,12 @@ class RefreshService:
         start = time.perf_counter()
         try:
             return self._round(step, weights[0], start)
-        except Exception as e:  # keep serving what is live; the caller logs the failure
+        except Exception as e:  # keep serving what is live; the caller logs the failure (one line)
             self.failures.append(f"step {step}: {e!r}")
-            traceback.print_exc()
-            return {"ok": False, "error": repr(e), "step": step, "seconds": time.perf_counter() - start}
+            if not isinstance(e, ShardUnavailableError):  # a lost or stopped shard: its message says it all
+                traceback.print_exc()
+            error = f"{type(e).__name__}: {e}"
+            return {"ok": False, "error": error, "step": step, "seconds": time.perf_counter() - start}
         finally:
             self._busy.release()
 
@@ -299,17 +325,19 @@ class RefreshService:
                 hot[a:b],
                 spec.seed,
                 spec.threads,
+                spec.fault.hold_shard_encode,
             )
             out[self.actors[i].live_encode.remote(*args)] = (i, args)
         return out
 
     def encoded(self, ref, shard: int, args: tuple) -> dict:
-        """A shard's encode result; one restarted since the last round gets its rows back from disk, then encodes."""
+        """A shard's encode result (waiting at most refresh.timeout_s); one restarted since the last round gets its
+        rows back from disk, then encodes."""
         try:
-            return _gather([ref], [shard], "a live encode", None)[0]
+            return self._wait([ref], [shard], "a live encode")[0]
         except LiveStateLost:
             self._start([shard])
-            return _gather([self.actors[shard].live_encode.remote(*args)], [shard], "a live encode", None)[0]
+            return self._wait([self.actors[shard].live_encode.remote(*args)], [shard], "a live encode")[0]
 
     def _round_metrics(self, encoded: dict[int, dict], states: list[dict], extra: int) -> dict[str, float]:
         """The round's figures: the share of rows re-encoded, the worst version skew and the mean mixed recall of

@@ -68,6 +68,8 @@ SEARCH_BATCH = 1024  # queries per scattered call: bounds each message and lets 
 TEXT_CHUNK = 4096  # passages a shard reads, encodes and writes at a time (one vector file each)
 LIVE_BASE = "live-base"  # a shard's copy of the build its live rows started from (see _Shard.live_start)
 LIVE_STATE = ".live-rows"  # under a shard group's root: each shard's persisted live rows (not a build's tag)
+FAULTS = ".faults"  # under a shard group's root: the fault hooks' markers (fault.hold_shard_encode, ...)
+HOLD_MAX_S = 300.0  # fault.hold_shard_encode: the longest a held encode waits for its announcement's removal
 INDEX_NODE_SHARE = 0.001  # each shard's claim on `index_node`: a placement label, not a capacity (pools share it)
 
 
@@ -437,12 +439,20 @@ class _Shard:
     # -------------------------------------------------------------------------------- the live index (refresh)
 
     def live_start(
-        self, from_tag: str, vector_folder: str, source: Any, start: int, stop: int, fresh: bool = False
+        self,
+        from_tag: str,
+        vector_folder: str,
+        source: Any,
+        start: int,
+        stop: int,
+        fresh: bool = False,
+        committed: int = 0,
     ) -> dict:
         """Hold rows [start, stop)'s vectors from the vector set `vector_folder` (the build `from_tag` was made
         from) as this shard's live rows, and their texts' source (a PassageStore, or [ObjectRef of (ids, texts)]
         of these rows) for re-encoding. A persisted live state of the same rows (a restart) is continued, unless
-        `fresh` (the start of a run's live index)."""
+        `fresh` (the start of a run's live index); a journaled round is finished if it is the version searches
+        were switched to (`committed`), else dropped (`LiveRows.resolve`)."""
         vecs = np.concatenate([v for _, v in iter_rows(VectorSet.load(vector_folder), start, stop)])
         if isinstance(source, PassageStore):
 
@@ -461,6 +471,9 @@ class _Shard:
         if fresh:
             shutil.rmtree(self._live_folder(), ignore_errors=True)
         self.live = LiveRows(self._live_folder(), vecs.astype(np.float32), read)
+        resolved = self.live.resolve(committed)
+        if resolved is not None:
+            log.warning("index shard %d restarted between a barrier and its apply: %s", self.shard, resolved)
         if from_tag != LIVE_BASE:  # its own persisted copy: the run may drop `from_tag`, and a restart reloads this
             self.load(LIVE_BASE, str(self._folder(from_tag)))
         self.live_template = self.indexes[LIVE_BASE]  # ids, metadata and the trained quantiser of every rebuild
@@ -500,12 +513,16 @@ class _Shard:
         hot: np.ndarray | None,
         seed: int,
         threads: int,
+        hold_shard: int = -1,
     ) -> dict:
         """Re-encode this round's share of the live rows with the snapshot of `version` (kept pending), on
-        `threads` CPUs (the refresh's share of the cluster: training runs beside it)."""
+        `threads` CPUs (the refresh's share of the cluster: training runs beside it). `hold_shard`:
+        fault.hold_shard_encode."""
         import torch  # lazy: torch is heavy (seconds); this module imports without it
 
         live = self._live()
+        if hold_shard == self.shard and self._fault_once("hold-encode"):
+            self._hold(version)
         torch.set_num_threads(max(1, threads))
         enc = self._encoder(version, weights, retriever, idx)
         stats = live.encode_round(
@@ -518,9 +535,43 @@ class _Shard:
         )
         return {**stats, "shard": self.shard}
 
-    def live_apply(self, version: int) -> dict:
-        """Make the pending round searchable-to-be (stored and persisted); returns {version: rows}."""
-        return self._live().apply(version)
+    def live_apply(self, version: int, kill_shard: int = -1) -> dict:
+        """Make the pending round searchable-to-be (stored and persisted); returns {version: rows}. `kill_shard`:
+        fault.kill_shard_before_apply (the service calls this after the barrier)."""
+        live = self._live()
+        if kill_shard == self.shard and self._fault_once("kill-before-apply"):
+            log.warning(
+                "index shard %d exits before applying version %d (fault.kill_shard_before_apply)", self.shard, version
+            )
+            os._exit(1)
+        return live.apply(version)
+
+    def live_discard(self, tag: str) -> None:
+        """A round that failed before its barrier: forget its staged build `tag` and its journal."""
+        self.drop(tag)
+        if self.live is not None:
+            self.live.drop_journal()
+
+    def _fault_once(self, name: str) -> bool:
+        """Whether fault hook `name` fires now: once per run folder (a marker file), so a restarted shard's
+        retried call passes."""
+        marker = self.root / FAULTS / f"{name}-shard-{self.shard}"
+        if marker.exists():
+            return False
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(os.getpid()))
+        return True
+
+    def _hold(self, version: int) -> None:
+        """fault.hold_shard_encode: announce this encode (pid, version) and wait until the announcement is removed
+        (at most HOLD_MAX_S): a test's signal then lands while the round is in flight."""
+        note = self.root / FAULTS / f"encoding-shard-{self.shard}.json"
+        tmp = note.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "version": version, "shard": self.shard}))
+        os.replace(tmp, note)
+        deadline = time.monotonic() + HOLD_MAX_S
+        while note.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def live_build(self, tag: str, maps: dict[int, np.ndarray] | None = None, staged: int | None = None) -> dict:
         """Build `tag` from the live rows (rows at a version in `maps` through its map), copying the template
@@ -529,6 +580,8 @@ class _Shard:
         answers until this one replaces it (one assignment)."""
         live = self._live()
         t0 = time.perf_counter()
+        if staged is not None:  # before the barrier: a restart after it finishes the round from this journal
+            live.journal(staged)
         vectors = live.searchable(maps) if staged is None else live.staged(staged)
         index = faiss.clone_index(self.live_template.index)
         index.reset()  # keeps a trained quantiser (IVF, PQ): every shard still scores alike
@@ -602,9 +655,11 @@ def _train_quantizer(shard_folder: str, factory: str, seed: int) -> Any:
 # ------------------------------------------------------------------------------------------------ driver side
 
 
-def _gather(refs: Sequence[Any], shards: Sequence[int], what: str, timeout_s: float | None) -> list[Any]:
-    """ray.get of one call per shard, waiting at most `timeout_s` in all; a shard that does not answer in time, or
-    died beyond its restarts, is a ShardUnavailableError naming it."""
+def _gather(
+    refs: Sequence[Any], shards: Sequence[int], what: str, timeout_s: float | None, key: str = "index.shard_timeout_s"
+) -> list[Any]:
+    """ray.get of one call per shard, waiting at most `timeout_s` (the setting `key`) in all; a shard that does not
+    answer in time, or died beyond its restarts, is a ShardUnavailableError naming it."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     out = []
     for ref, shard in zip(refs, shards):
@@ -613,7 +668,7 @@ def _gather(refs: Sequence[Any], shards: Sequence[int], what: str, timeout_s: fl
         except GetTimeoutError:
             raise ShardUnavailableError(
                 f"index shard {shard} did not answer {what} within {timeout_s:g} s "
-                "(index.shard_timeout_s): it is restarting or its node is lost"
+                f"({key}): it is stopped, restarting or its node is lost"
             ) from None
         except RayActorError as e:
             cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

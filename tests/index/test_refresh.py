@@ -470,3 +470,75 @@ def test_a_refresh_still_running_when_training_ends_keeps_its_metrics(ray_sessio
     assert [m.value for m in store.get_metric_history(logger.run_id, "index/refresh_seconds")] == [1.0]
     assert store.get_metric_history(logger.run_id, "index/encoded_fraction")[0].value == 0.5
     assert client.live.version == 1 and client.summary()["index/refreshes"] == 1
+
+
+def test_a_stopped_shard_abandons_the_round_within_the_refresh_timeout_and_training_goes_on(
+    ray_session, tmp_path, capfd
+) -> None:
+    """The one index shard is SIGSTOPped while it encodes round 1 (it announces that through
+    fault.hold_shard_encode): the round is abandoned once refresh.timeout_s has passed, one log line names the shard,
+    training finishes with the zero-shot version, and the metrics count the failed round. The shard is resumed once
+    the failure is in MLflow (so nothing is left stopped, whatever happens)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from ragtrain.index.sharded import FAULTS
+    from ragtrain.pipeline import run
+
+    overrides = [
+        "experiment=quickstart",
+        *tiny_overrides(tmp_path),
+        "resources=laptop",
+        "stages=[retriever]",  # the trained index and the export add nothing here
+        "zeroshot_eval=false",
+        "export=false",
+        "retriever.train.max_steps=6",
+        "retriever.train.hard_negatives=2",
+        "refresh.enabled=true",
+        "refresh.every_steps=2",
+        "refresh.timeout_s=5",
+        "fault.hold_shard_encode=0",
+        "logger.experiment_name=stopped-shard",
+    ]
+    cfg = to_typed(compose(overrides))
+    note = tmp_path / "out" / "shards" / FAULTS / "encoding-shard-0.json"
+    seen: dict = {}
+
+    def failures_logged() -> bool:
+        client = MlflowClient(cfg.logger.tracking_uri)
+        exp = client.get_experiment_by_name("stopped-shard")
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        return bool(runs and client.get_metric_history(runs[0].info.run_id, "index/refresh_failures"))
+
+    def stop_the_shard() -> None:
+        _until(note.exists, "the shard never announced its encode", 180)
+        seen.update(json.loads(note.read_text()))
+        os.kill(seen["pid"], signal.SIGSTOP)
+        seen["stopped"] = time.monotonic()
+        note.unlink()  # resumed, it goes on at once
+        try:
+            _until(failures_logged, "the round's failure never reached MLflow", 120)
+            seen["failed"] = time.monotonic()
+        finally:
+            os.kill(seen["pid"], signal.SIGCONT)
+
+    watcher = threading.Thread(target=stop_the_shard, daemon=True)
+    watcher.start()
+    results = run(cfg)
+    watcher.join(timeout=5)
+    assert seen["version"] == 1 and "failed" in seen
+    # abandoned within the bound: 5 s of refresh.timeout_s, plus a step and an MLflow write on a busy box
+    assert seen["failed"] - seen["stopped"] < 5 + 30
+    t = results["train"]
+    assert t["index/refresh_failures"] >= 1 and t["index/final_version"] == t["index/refreshes"]
+    report = json.loads((tmp_path / "out" / "refresh_history.json").read_text())
+    assert report["failures"][0].startswith("step 2: ShardUnavailableError('index shard 0 did not answer a live encode")
+    assert "(refresh.timeout_s)" in report["failures"][0]
+    assert json.loads((tmp_path / "out" / "status.json").read_text())["status"] == "complete"
+    out, err = capfd.readouterr()
+    lines = [x for x in (out + err).splitlines() if "index shard 0" in x]
+    assert len(lines) == 1 and "refresh from step 2 failed, the old index stays live" in lines[0], lines

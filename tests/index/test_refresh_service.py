@@ -12,7 +12,7 @@ from ragtrain.errors import ConfigError
 from ragtrain.index.checks import check_refresh
 from ragtrain.index.consistency import POLICIES
 from ragtrain.index.consistency.eager import Eager
-from ragtrain.index.live_rows import LiveRows, version_summary
+from ragtrain.index.live_rows import JOURNAL, LiveRows, version_summary
 from ragtrain.index.priority import PRIORITIES
 from ragtrain.index.priority.base import RoundRows, by_score
 from ragtrain.index.priority.drift import predict_drift
@@ -117,6 +117,34 @@ def test_a_round_lands_in_a_staged_build_first_and_moves_the_cursor_only_when_ap
     assert rows.pending[1].tolist() == [0, 1, 2, 3, 4] and rows.cursor == 0
     rows.apply(2)
     assert rows.cursor == 5 and rows.mix() == {0: 15, 2: 5}
+
+
+def test_a_journaled_round_is_finished_when_committed_and_dropped_when_not(tmp_path) -> None:
+    """A staged round is journaled before the barrier; a shard restarted after it finishes the round the service
+    committed (its apply, retried, is then a no-op), and drops one it did not commit (a round that failed before
+    the barrier), keeping the last applied state."""
+    rng = np.random.default_rng(3)
+    old, new = _unit(rng.normal(size=(20, 8))), _unit(rng.normal(size=(20, 8)))
+
+    def encode(batch: list[str]) -> np.ndarray:
+        return new[[int(t) for t in batch]]
+
+    def restarted() -> LiveRows:
+        return LiveRows(tmp_path, old, lambda local: [str(i) for i in local])
+
+    for committed, want in ((0, "rolled back"), (1, "rolled forward")):
+        rows = restarted()
+        rows.encode_round(1, encode, 0.5, PRIORITIES["oldest"](), None, seed=0)
+        rows.journal(1)  # then the shard dies, before its apply
+        again = restarted()
+        assert again.resolve(committed) == want and not (tmp_path / JOURNAL).exists()
+        if committed == 0:
+            assert again.mix() == {0: 20} and again.cursor == 0
+            np.testing.assert_array_equal(again.vectors, old)
+    assert again.mix() == {0: 10, 1: 10} and again.cursor == 10 and again.applied == 1
+    np.testing.assert_array_equal(again.vectors[:10], new[:10])
+    assert again.apply(1) == {0: 10, 1: 10}  # the service's apply, retried on the restarted shard
+    assert restarted().mix() == {0: 10, 1: 10} and restarted().resolve(1) is None  # persisted, nothing journaled
 
 
 def test_eager_mixes_versions_and_aligned_maps_the_old_rows_into_the_new_space() -> None:

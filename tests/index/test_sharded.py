@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +20,9 @@ import pytest
 from ragtrain.config import IndexConfig, PoolResources
 from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import IndexMismatchError
+from ragtrain.index.live_rows import JOURNAL
 from ragtrain.index.sharded import (
+    FAULTS,
     LIVE_STATE,
     MANIFEST,
     SEARCH_BATCH,
@@ -311,6 +316,124 @@ def _the_live_rows_survive_a_restart_and_a_failed_round(sharded, service, change
     assert not failed["ok"] and "error" in failed
     again = ray.get(service.refresh.remote(9, [ray.put(changed)]))
     assert again["ok"] and again["encoder_version"] == 3, again
+
+
+def _until(condition, what: str, deadline_s: float = 120.0):
+    """Poll `condition` until it returns something true (returned); fail naming `what` past the deadline."""
+    end = time.monotonic() + deadline_s
+    while not (got := condition()):
+        if time.monotonic() > end:
+            raise TimeoutError(what)
+        time.sleep(0.02)
+    return got
+
+
+def _announced(root: Path, shard: int) -> dict | None:
+    """fault.hold_shard_encode's announcement: the held shard's pid and the version it is encoding."""
+    note = root / FAULTS / f"encoding-shard-{shard}.json"
+    return json.loads(note.read_text()) if note.exists() else None
+
+
+@contextmanager
+def _live(sharded, built, weights, cfg, **fault):
+    """A live service on the module's 3 shards with these fault hooks, the hooks' once-per-run markers cleared;
+    version 0 is a build of the zero-shot vectors of its own (a test above drops the zero-shot build, as runs do)."""
+    import ray
+
+    from ragtrain.index.facade import BuiltIndex
+
+    shutil.rmtree(sharded.shard_group.root / FAULTS, ignore_errors=True)
+    saved = replace(cfg.fault)
+    for k, v in fault.items():
+        setattr(cfg.fault, k, v)
+    index = sharded.index_from("faults", built.shards, "tiny@init", 0)
+    service = None
+    try:
+        start = BuiltIndex("faults", index, [weights], sharded.doc_ids, {}, built.shards)
+        service, _ = sharded.start_service(start, weights)
+        yield service, ray
+    finally:
+        cfg.fault = saved
+        if service is not None:
+            sharded.stop_service(service)
+        index.drop()
+
+
+# each test kills a shard the module's others spare: an actor is restarted at most MAX_SHARD_RESTARTS times
+@pytest.mark.parametrize(("consistency", "victim"), [("global", 2), ("eager", 0)])
+def test_a_shard_killed_during_a_round_is_restarted_and_the_round_lands_on_one_new_version(
+    on_shards, consistency, victim
+) -> None:
+    """A shard announces that it is encoding version 1 (fault.hold_shard_encode) and is SIGKILLed there, the round
+    still unanswered: Ray retries the encode on the restarted actor, which takes its rows back from disk, so the round
+    completes, every shard's rows are at version 1 (under global the one state published never mixed versions), and
+    the next round is version 2. Then a search held up by the stopped shard when it is killed is answered, after the
+    restore, exactly as before."""
+    cfg, _, sharded, built, _, weights, changed = on_shards
+    r = cfg.refresh
+    r.consistency, r.fraction, r.priority = consistency, 1.0, "oldest"
+    root, shard = sharded.shard_group.root, sharded.shard_group.actors[victim]
+    with _live(sharded, built, weights, cfg, hold_shard_encode=victim) as (service, ray):
+        pid = ray.get(shard.info.remote())["pid"]
+        round_ = service.refresh.remote(5, [ray.put(changed)])
+        note = _until(lambda: _announced(root, victim), "the shard never announced its encode")
+        assert note == {"pid": pid, "version": 1, "shard": victim}  # the round's encode is running in that process
+        assert ray.wait([round_], timeout=0)[0] == []  # and the round is unanswered: the kill lands mid-round
+        os.kill(pid, signal.SIGKILL)
+        (root / FAULTS / f"encoding-shard-{victim}.json").unlink()
+        done = ray.get(round_)
+        assert done["ok"] and done["encoder_version"] == 1, done
+        assert ray.get(shard.info.remote())["pid"] != pid
+        assert [ray.get(a.live_mix.remote()) for a in sharded.shard_group.actors] == [{1: 40}] * 3
+        states = ray.get(service.report.remote())["history"][-1]["state_metrics"]
+        if consistency == "global":  # one switch: searches saw version 0 everywhere, then version 1 everywhere
+            assert [s["index/version_skew"] for s in states] == [0.0]
+        again = ray.get(service.refresh.remote(7, [ray.put(changed)]))
+        assert again["ok"] and again["encoder_version"] == 2, again  # no version number repeats
+
+        queries = ray.get(shard.live_rows.remote([0, 1, 2]))
+        before = ray.get(service.search.remote(queries, 5))
+        pid = ray.get(shard.info.remote())["pid"]
+        os.kill(pid, signal.SIGSTOP)  # the shard cannot answer: the search below waits on it
+        try:
+            searching = service.search.remote(queries, 5)
+            assert ray.wait([searching], timeout=1.0)[0] == []  # in flight, held up by the stopped shard
+        finally:
+            os.kill(pid, signal.SIGKILL)  # a stopped process dies at once
+        after = ray.get(searching)  # retried on the restarted shard, whose live rows come back from disk
+        np.testing.assert_array_equal(after[1], before[1])
+        np.testing.assert_allclose(after[0], before[0], atol=1e-6)
+        assert ray.get(shard.live_mix.remote()) == {2: 40}
+
+
+def test_a_shard_killed_between_the_barrier_and_its_apply_finishes_the_round_from_its_journal(on_shards) -> None:
+    """Under global, shard 1 dies (fault.kill_shard_before_apply) after every search was switched to version 1 and
+    before it applied the round: restarted, it finishes the round it journaled before the barrier, so the round
+    completes, every shard (and its persisted state) is at version 1, no journal is left, and a search of the live
+    index is an exact search over every shard's rows: one version, no mix."""
+    cfg, _, sharded, built, _, weights, changed = on_shards
+    r = cfg.refresh
+    r.consistency, r.fraction, r.priority = "global", 1.0, "oldest"
+    root, group = sharded.shard_group.root, sharded.shard_group
+    with _live(sharded, built, weights, cfg, kill_shard_before_apply=1) as (service, ray):
+        pid = ray.get(group.actors[1].info.remote())["pid"]
+        done = ray.get(service.refresh.remote(5, [ray.put(changed)]))
+        assert (root / FAULTS / "kill-before-apply-shard-1").read_text() == str(pid)  # it died there
+        assert ray.get(group.actors[1].info.remote())["pid"] != pid
+        assert done["ok"] and done["encoder_version"] == 1, done
+        assert [ray.get(a.live_mix.remote()) for a in group.actors] == [{1: 40}] * 3
+        for i in range(3):
+            folder = root / LIVE_STATE / f"shard-{i}"
+            assert not (folder / JOURNAL).exists()
+            with np.load(folder / "live_state.npz") as z:
+                assert z["versions"].tolist() == [1] * 40 and int(z["applied"]) == 1
+        states = ray.get(service.report.remote())["history"][-1]["state_metrics"]
+        assert [s["index/version_skew"] for s in states] == [0.0]
+        rows = np.concatenate([ray.get(a.live_rows.remote(list(range(40)))) for a in group.actors])
+        queries = rows[[3, 50, 117]]
+        got = ray.get(service.search.remote(queries, 5))
+        want = np.argsort(-(queries @ rows.T), axis=1, kind="stable")[:, :5]
+        np.testing.assert_array_equal(got[1], want)
 
 
 @pytest.mark.parametrize(

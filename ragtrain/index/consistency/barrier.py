@@ -2,7 +2,10 @@
 search to that tag at once, after the last shard is done. Searches never mix the versions of a round.
 
 A shard that restarts before the barrier lost its new rows: the round fails, and searches keep the old tag, which
-the restarted shard rebuilt from its persisted (older) rows: still one version everywhere."""
+the restarted shard rebuilt from its persisted (older) rows: still one version everywhere. Every shard journals its
+staged round before the barrier (`LiveRows.journal`): one that dies between the barrier and its apply finishes the
+journaled round when the service restarts its rows (the apply retried on the restarted actor), so every shard
+ends on the new version, and no search mixes the two."""
 
 from __future__ import annotations
 
@@ -29,15 +32,18 @@ class Global(ConsistencyPolicy):
         encoded = {i: service.encoded(ref, i, args) for ref, (i, args) in encoding.items()}
         shards = list(range(len(service.actors)))
         tag = f"live{v}"
-        try:
-            service.call_shards(shards, "live_build", tag, {}, v)
-        except Exception:
-            for i in shards:  # free the new builds that were made; the old tag stays searched
-                service.actors[i].drop.remote(tag)
-            raise
-        old, service.tag = service.tag, tag  # the barrier: every search from now on sees version v everywhere
-        service.encoder_version = v
-        service.call_shards(shards, "live_apply", v)
+        with service._barrier:  # a shard restarted meanwhile (by a search) waits for the barrier's outcome
+            try:  # each shard journals its staged round, then builds it (not yet searched)
+                service.call_shards(shards, "live_build", tag, {}, v)
+            except Exception:
+                for i in shards:  # free the new builds and journals that were made; the old tag stays searched
+                    service.actors[i].live_discard.remote(tag)
+                raise
+            # the barrier, the commit point: every search from now on sees version v everywhere, and a shard
+            # restarted from here on finishes its journaled round of v (service._start passes encoder_version)
+            old, service.tag = service.tag, tag
+            service.encoder_version = v
+        service.call_shards(shards, "live_apply", v, service.spec.fault.kill_shard_before_apply)
         states = [service.publish_state(step, qvecs, fresh, {})]
         service.call_shards(shards, "drop", old)
         return encoded, states

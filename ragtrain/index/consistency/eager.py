@@ -3,6 +3,7 @@ several encoder versions at once (the inconsistency of an index distributed over
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,9 +26,19 @@ class Eager(ConsistencyPolicy):
     ) -> Landed:
         import ray  # lazy: the registry is read by the CLI's checks, which start without Ray
 
+        from ragtrain.index.sharded import ShardUnavailableError  # lazy: it imports faiss and ray, as above
+
         encoded, states, pending = {}, [], list(encoding)
+        deadline = time.monotonic() + service.spec.refresh.timeout_s
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:  # the shards that landed keep their rows, as eager always allows
+                late = sorted(encoding[r][0] for r in pending)
+                raise ShardUnavailableError(
+                    f"index shard{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not answer a live "
+                    f"encode within "
+                    f"{service.spec.refresh.timeout_s:g} s (refresh.timeout_s): it is stopped or its node is lost"
+                )
             i, args = encoding[done[0]]
             encoded[i] = service.encoded(done[0], i, args)
             service.call_shards([i], "live_apply", v)
