@@ -229,7 +229,7 @@ def parameter_mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
 
 def summary_table(results: dict[str, dict[str, float]]) -> str:
     """Metrics side by side per phase (zero-shot, trained, ...), with trained - zero-shot."""
-    phases = [p for p in results if p != "train" and not p.startswith("gen_")]  # retrieval phases only
+    phases = [p for p in results if p != "train" and not p.startswith(("gen_", "joint"))]  # retrieval phases only
     if not phases:
         return "(no retrieval phases)"
     keys = [k for k in results[phases[0]] if "@" in k]
@@ -327,8 +327,8 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
             # Without retriever training the trainer is not placed.
             check_config(
                 cfg.resources,
-                together="retriever" in cfg.stages and cfg.refresh.enabled,
-                trainer="retriever" in cfg.stages,
+                together=bool({"retriever", "joint"} & set(cfg.stages)) and cfg.refresh.enabled,
+                trainer=bool({"retriever", "joint"} & set(cfg.stages)),
             )
 
     started: list[bool] = []
@@ -354,7 +354,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     fault = cfg.fault.kill_encode_actor_at_batch >= 0
     # index.shards: a count now, `auto` once Ray is up (below); the live refresh's policy settings
     check_shard_config(cfg.index, cfg.refresh, dim, len(data.corpus), encode_fault=fault)
-    if "generator" in cfg.stages:  # no answers, a missing or mismatched saved index: fail before any training
+    if {"generator", "joint"} & set(cfg.stages):  # no answers, a missing or mismatched saved index: fail now
         # lazy: ragtrain.generator.stage imports ray; this module imports without it
         from ragtrain.generator.stage import preflight
 
@@ -427,6 +427,11 @@ def run(
             train_phase(s, train_callbacks, report_intermediate)
         if "index" in cfg.stages:
             index_phase(s)
+        if "joint" in cfg.stages:  # both models on this run's index (or the saved one: stages [joint])
+            # lazy: ragtrain.joint.stage imports ray; this module imports without it
+            from ragtrain.joint.stage import run_joint_stage
+
+            s.results.update(run_joint_stage(cfg, data, s.retrieval, s.built, out, logger))
         if "generator" in cfg.stages:  # retrieves with this run's index, or the saved one (stages: [generator])
             # lazy: ragtrain.generator.stage imports ray; this module imports without it
             from ragtrain.generator.stage import run_generator_stage
@@ -627,8 +632,8 @@ def report_phase(s: RunState) -> None:
     (out / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     logger.log_artifact(out / "metrics.json")
     for phase, m in results.items():  # zero-shot at step 0, the trained encoder at its last step
-        if phase.startswith("gen_"):
-            continue  # the generator stage logged its own, at its own steps
+        if phase.startswith(("gen_", "joint")):
+            continue  # the generator and joint stages logged their own, at their own steps
         prefix = "run/" if phase == "train" else f"{phase}/"  # run summary: run/train/samples_per_s, ...
         sink = logger.sink()
         if sink is not None:

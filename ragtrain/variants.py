@@ -27,7 +27,7 @@ def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFra
     for name, cfg in variants.items():
         log.info(f"\n######## variant: {name} ########")
         results = run(cfg)
-        rows.append({"strategy": name, **results["trained"], **results["train"]})
+        rows.append(variant_row(name, results))
     df = comparison_frame(rows)
     first = next(iter(variants.values()))
     files = write_comparison(
@@ -37,6 +37,20 @@ def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFra
     log.info("\n" + df.to_markdown(index=False, floatfmt=".4g"))
     log.info(f"comparison: {', '.join(str(f) for f in files)}")
     return df
+
+
+def variant_row(name: str, results: dict[str, dict[str, float]]) -> dict[str, float | str]:
+    """One variant's row: its index's retrieval figures (the trained index, or the shipped encoder's), its training
+    summary, and with a generator or joint stage the EM / F1 per mode and the stage's wall seconds."""
+    row: dict[str, float | str] = {"strategy": name, **results.get("trained", results.get("zeroshot", {}))}
+    row.update(results.get("train", {}))
+    for mode in ("rag", "closed_book", "oracle"):  # the joint stage's scores when it ran, else the generator's
+        scores = results.get(f"joint_{mode}") or results.get(f"gen_{mode}") or {}
+        row.update({f"{mode}/{k}": v for k, v in scores.items() if k in ("em", "f1", "gold_in_top_k")})
+    stage = results.get("joint") or results.get("gen_train")
+    if stage:
+        row["seconds"] = stage["wall_seconds"]
+    return row
 
 
 def _log_comparison(cfg: Config, files: list[Path]) -> None:

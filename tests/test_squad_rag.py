@@ -42,8 +42,8 @@ def test_the_squad_rag_command_evaluates_the_named_articles_with_every_paragraph
     """The command's overrides, composed as `python -m ragtrain` composes them and run on the test session's Ray
     (a subprocess would start a Ray cluster and import everything again; the CLI's own path is tested in
     tests/test_checks.py and by the experiments' slow tests)."""
-    from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.config import override_variants
+    from ragtrain.variants import run_variants
     from tests.conftest import compose
 
     (tmp_path / "squad").mkdir()
@@ -54,12 +54,16 @@ def test_the_squad_rag_command_evaluates_the_named_articles_with_every_paragraph
         f"data.root={tmp_path / 'squad'}",
         "data.test_titles=[Super_Bowl_50,Warsaw]",
         "data.split=test",
+        "compare.only=[retrieval]",  # the retrieval-only evaluation, not the experiment's four RAG variants
         "data.dev_articles=1",  # of the file's 4 articles with questions; the shipped 4 would leave no train article
         f"output_dir={out}",
         f"logger.tracking_uri={mlflow_db(tmp_path / 'mlflow.db')}",
         "resources.num_cpus=4",  # the test session's Ray cluster (tests/conftest.py: RAY_CPUS)
     ]
-    run(to_typed(compose(args)))
+    variants = override_variants(compose(args))  # as the CLI dispatches an experiment with variants
+    assert list(variants) == ["retrieval"]
+    run_variants(variants, out)
+    out = out / "retrieval"  # the variant's folder
     assert open_saved(out / "index").doc_ids == [
         "Super_Bowl_50#0",
         "Super_Bowl_50#1",

@@ -22,6 +22,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ragtrain.config.generator import GeneratorConfig
+from ragtrain.config.joint import JointConfig, PassageEncoder
 from ragtrain.config.sync import (  # noqa: F401  (re-exported: the root schema's sync group)
     CONSENSUS,
     GOSSIP_TOPOLOGIES,
@@ -704,7 +705,7 @@ class FaultConfig:
             )
 
 
-STAGES = ("retriever", "index", "generator")
+STAGES = ("retriever", "index", "joint", "generator")
 
 
 @dataclass
@@ -731,6 +732,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    joint: JointConfig = field(default_factory=JointConfig)
     experiment_name: str = "default"
     # retriever = train the bi-encoder; index = build the index with the final encoder and evaluate it
     stages: list[str] = field(default_factory=lambda: ["retriever", "index"])
@@ -803,6 +805,20 @@ class Config:
             self.stages,
         )
         _check(bool(self.stages), "stages", f"is empty: nothing to do; valid choices: {list(STAGES)}", self.stages)
+        # the live refresh starts from this run's index build: a saved index has no vector files of its own here
+        _check(
+            "joint" not in self.stages or "index" in self.stages or self.joint.passage_encoder == PassageEncoder.frozen,
+            "stages",
+            f"{self.stages}: joint.passage_encoder=trained refreshes the run's own index: add the index stage "
+            "(stages: [retriever, index, joint] or [index, joint])",
+            self.stages,
+        )
+        _check(
+            not (self.data.chunk.enabled and "joint" in self.stages),
+            "data.chunk.enabled",
+            "is not supported with the joint stage yet (its gold contexts are whole passages)",
+            True,
+        )
 
     def _check_features(self) -> None:
         """Settings that need another setting, or another stage."""
@@ -883,13 +899,21 @@ class Config:
             "applies only with refresh.enabled=true (the live index refresh is off): remove it or enable refresh",
             getattr(self.refresh, changed[0]) if changed else None,
         )
+        joint_full = "joint" in self.stages and self.joint.passage_encoder == PassageEncoder.trained
         _check(
-            not self.refresh.enabled or "retriever" in self.stages,
+            not self.refresh.enabled or "retriever" in self.stages or joint_full,
             "refresh.enabled",
             f"refreshes the index "
-            f"during retriever training, and stages {self.stages} train no retriever: add the retriever stage or "
-            "set refresh.enabled=false",
+            f"during retriever training (or joint training with joint.passage_encoder=trained), and stages "
+            f"{self.stages} train no passage encoder: add the retriever stage or set refresh.enabled=false",
             self.refresh.enabled,
+        )
+        _check(
+            not joint_full or self.refresh.enabled,
+            "joint.passage_encoder",
+            "=trained changes the passage vectors while training: it needs the live refresh (refresh.enabled=true "
+            "with refresh.every_steps > 0), or use joint.passage_encoder=frozen",
+            "trained",
         )
         r, f = self.refresh, self.fault
         for key in ("hold_shard_encode", "kill_shard_before_apply"):  # the live refresh's fault hooks

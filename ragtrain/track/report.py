@@ -18,6 +18,18 @@ COLUMNS = [
     "drift/param_divergence_mean",
     "drift/replica_cosine_mean",
     "drift/replica_topk_jaccard_mean",
+    # RAG variants (experiment=squad_rag): the generator's EM / F1 per mode, the retriever's answer recall
+    "rag/em",
+    "rag/f1",
+    "closed_book/em",
+    "closed_book/f1",
+    "oracle/em",
+    "oracle/f1",
+    "rag/gold_in_top_k",
+    "answer_recall@5",
+    "answer_recall@20",
+    "answer_recall@100",
+    "seconds",
 ]
 
 
@@ -38,6 +50,10 @@ def write_comparison(df: pd.DataFrame, out_dir: str | Path, title: str) -> list[
     df.to_csv(csv, index=False)
     md.write_text(f"# {title}\n\n" + df.to_markdown(index=False, floatfmt=".4g") + "\n")
 
+    if "rag/em" in df.columns:  # RAG variants: the generator's EM against the retriever's hit rate in its prompt
+        x = "rag/gold_in_top_k"
+        scatter_plot(df, x, "rag/em", png, label="strategy", title=title, log_x=False, ylabel="RAG EM")
+        return [csv, md, png]
     scatter_plot(
         df,
         "comm/bytes_per_step",
@@ -82,13 +98,14 @@ def scatter_plot(
     xlabel: str | None = None,
     ylabel: str | None = None,
     big: float = 1200.0,
+    log_x: bool | None = None,
 ) -> Path:
     """y vs x (log x when some x is positive), one colour per `color` value, marker area from `size`, annotated."""
     plt = _pyplot()
     d = df[pd.to_numeric(df[y], errors="coerce").notna()] if y in df else df.iloc[0:0]
     sizes = marker_sizes(d[size], big=big) if size and size in d else pd.Series([40.0] * len(d), index=d.index)
     xs = pd.to_numeric(d[x], errors="coerce") if x in d else pd.Series([float("nan")] * len(d), index=d.index)
-    log_x = bool((xs > 0).any())
+    log_x = bool((xs > 0).any()) if log_x is None else log_x
     xs = xs.clip(lower=1.0) if log_x else xs  # on a log axis, runs that sent nothing (vector_avg) sit at 1 byte
     fig, ax = plt.subplots(figsize=(7, 4.5))
     groups = d.groupby(d[color].astype(str), sort=True) if color and color in d else [(None, d)]
