@@ -70,3 +70,38 @@ def test_a_resumed_run_holds_the_checkpointed_history_then_its_own(tmp_path: Pat
     runs = find_runs(uri, experiment="resume-test")  # what compare and the reports read: the last run only
     assert [r.run_id for r in runs] == [third.run_id]
     assert runs[0].metrics["train/loss"] == 307
+
+
+def test_the_kept_steps_are_each_stages_checkpoint_step(tmp_path: Path) -> None:
+    """What the take-over keeps: a stage's metrics up to its latest checkpoint; all of a finished stage's; the
+    steps of a stage with no checkpoint yet (it trains from its first step again) none but step 0's."""
+    import json
+
+    import torch
+
+    from ragtrain.checkpoint import save_train_state
+    from ragtrain.config import to_typed
+    from ragtrain.pipeline import checkpointed_steps
+    from tests.conftest import compose, tiny_overrides
+
+    cfg = to_typed(
+        compose(
+            ["experiment=quickstart", *tiny_overrides(tmp_path), "stages=[retriever,index,generator]", "resume=true"]
+        )
+    )
+    model = torch.nn.Linear(2, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0)
+    for step in (2, 3):
+        Path(cfg.output_dir, "ray", "retriever", f"checkpoint_{step}").mkdir(parents=True)
+        save_train_state(
+            Path(cfg.output_dir, "ray", "retriever", f"checkpoint_{step}"), 0, 1, step, model, optim, sched, {}
+        )
+    keep = checkpointed_steps(cfg)
+    assert keep("train/loss") == 3 and keep("index/version") == 3 and keep("gen_train/loss") == 0
+
+    final = Path(cfg.output_dir, "ray", "retriever", "checkpoint_final")  # the stage finished: nothing is cut
+    final.mkdir()
+    (final / "encoder.safetensors").write_bytes(b"")
+    (final / "meta.json").write_text(json.dumps({"step": 4, "world": 1, "final": True}))
+    assert checkpointed_steps(cfg)("train/loss") is None
