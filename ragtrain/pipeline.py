@@ -483,11 +483,18 @@ def start_run(
 
 
 def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None) -> Any:
-    """The run's MLflow run (resume=true continues the one recorded in <output_dir>/mlflow_run_id)."""
+    """The run's MLflow run. resume=true: a new run takes over the one recorded in <output_dir>/mlflow_run_id with
+    its history up to the checkpoints it resumes from, and the file names the new run (a second resume chains)."""
     run_file = out / "mlflow_run_id"
     resume_id = run_file.read_text().strip() if cfg.resume and run_file.exists() else None
     try:
-        logger = RunLogger(cfg.logger, run_name=cfg.experiment_name, parent_run_id=parent_run_id, run_id=resume_id)
+        logger = RunLogger(
+            cfg.logger,
+            run_name=cfg.experiment_name,
+            parent_run_id=parent_run_id,
+            resume_of=resume_id or None,
+            keep_through=checkpointed_steps(cfg) if resume_id else None,
+        )
     except Exception as e:  # a store the checks could not judge (e.g. a schema of another MLflow version): one line
         detach_run_log(run_log)
         uri = redact_uri(tracking_uri(cfg.logger))
@@ -506,6 +513,26 @@ def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None)
             "another node: prefer an MLflow server (logger.tracking_uri or MLFLOW_TRACKING_URI)"
         )
     return logger
+
+
+def checkpointed_steps(cfg: Config) -> Callable[[str], int | None]:
+    """For a resumed run: the last step of each metric that its checkpoints account for (None: every step). A
+    stage's metrics (the generator's `gen_*`, the retriever's and the phases around it the rest) past its latest
+    checkpoint were logged by the stopped run after that point, and are logged again by the resumed one; a stage that
+    finished, or that this run does not train, keeps all of its metrics."""
+    # lazy: ragtrain.train.harness is the training layer's; this module imports it only when it resumes
+    from ragtrain.train.harness import resume_or_none
+
+    def last_step(stage: str) -> int | None:
+        if stage not in cfg.stages:
+            return None
+        _, meta = resume_or_none(cfg, stage)
+        if meta.get("final"):
+            return None
+        return int(meta.get("step", 0))  # no checkpoint: the stage trains from its first step again
+
+    retriever, generator = last_step("retriever"), last_step("generator")
+    return lambda key: generator if key.startswith("gen_") else retriever
 
 
 def log_config(cfg: Config, out: Path, logger: Any) -> None:

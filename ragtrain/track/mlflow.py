@@ -9,6 +9,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -228,6 +229,36 @@ class MetricSink:
         return cache[key]
 
 
+RESUMED_FROM, RESUMED_AS = "ragtrain.resumed_from", "ragtrain.resumed_as"
+MAX_BATCH_METRICS = 1000  # MLflow's log_batch limits
+MAX_BATCH_PARAMS = 100
+
+
+def take_over(client: Any, old_id: str, keep_through: Callable[[str], int | None]) -> str:
+    """A new run in `old_id`'s experiment, with its name, params and tags, that holds each of its metrics' points up
+    to step `keep_through(key)` (None: every point), steps and timestamps as logged; the old run is tagged
+    `ragtrain.resumed_as=<new id>` and KILLED. A resumed run continues from its checkpoint, and the stopped run had
+    logged steps past it that MLflow cannot delete: the new run's history is the checkpointed run's, then its own."""
+    from mlflow.entities import Param  # lazy: mlflow is heavy (~1 s); this module imports without it
+
+    old = client.get_run(old_id)
+    tags = {k: v for k, v in old.data.tags.items() if k not in ("mlflow.runName", RESUMED_AS)}
+    tags[RESUMED_FROM] = old_id
+    new_id = client.create_run(old.info.experiment_id, run_name=old.info.run_name, tags=tags).info.run_id
+    params = [Param(k, v) for k, v in sorted(old.data.params.items())]
+    for i in range(0, len(params), MAX_BATCH_PARAMS):
+        client.log_batch(new_id, params=params[i : i + MAX_BATCH_PARAMS])
+    for key in sorted(old.data.metrics):
+        last = keep_through(key)
+        points = [m for m in client.get_metric_history(old_id, key) if last is None or m.step <= last]
+        for i in range(0, len(points), MAX_BATCH_METRICS):
+            client.log_batch(new_id, metrics=points[i : i + MAX_BATCH_METRICS])
+    client.set_tag(old_id, RESUMED_AS, new_id)
+    client.set_terminated(old_id, "KILLED")
+    log.info(f"[mlflow] resume: run {new_id} takes over run {old_id}")
+    return new_id
+
+
 class RunLogger:
     """Driver-side logger for one pipeline run; a no-op when logger.backend=none."""
 
@@ -239,14 +270,21 @@ class RunLogger:
         parent_run_id: str | None = None,
         tags: dict[str, str] | None = None,
         run_id: str | None = None,
+        resume_of: str | None = None,
+        keep_through: Callable[[str], int | None] | None = None,
     ):
+        """`run_id`: attach to that run. `resume_of`: a new run that takes over that one (see `take_over`), keeping
+        of each metric the points up to step `keep_through(key)` (None: all of them)."""
         self.enabled = LoggerBackend(cfg.backend) == LoggerBackend.mlflow
         self.run_id: str | None = None
-        self.resumed = run_id is not None  # continues a run that already holds its params
+        self.resumed = run_id is not None or resume_of is not None  # a run that already holds its params
         self.uri = tracking_uri(cfg) if self.enabled else ""
         if not self.enabled:
             return
         self.client = open_client(self.uri)
+        if resume_of is not None:
+            self.run_id = take_over(self.client, resume_of, keep_through or (lambda key: None))
+            return
         if run_id is not None:  # attach to an existing run (a resumed sweep's parent) and mark it running again
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
@@ -459,7 +497,8 @@ def _record(run) -> RunRecord:
 
 
 def find_runs(uri: str, experiment: str | None = None, parent_run_id: str | None = None) -> list[RunRecord]:
-    """Runs of an experiment (by name) or the child runs of a parent run, oldest first."""
+    """Runs of an experiment (by name) or the child runs of a parent run, oldest first; not the runs that a resumed
+    run took over (tagged `ragtrain.resumed_as`)."""
     from mlflow.tracking import MlflowClient  # lazy: mlflow is heavy (~1 s); this module imports without it
 
     client = MlflowClient(uri)
@@ -476,7 +515,8 @@ def find_runs(uri: str, experiment: str | None = None, parent_run_id: str | None
             raise ValueError(f"no MLflow experiment {experiment!r} in {uri}; experiments there: {names}")
         exp_id, flt = exp.experiment_id, ""
     runs = client.search_runs([exp_id], filter_string=flt, max_results=5000, order_by=["attributes.start_time ASC"])
-    return [_record(r) for r in runs]
+    # a run that a resumed run took over is in its history: counting both would count the run twice
+    return [_record(r) for r in runs if RESUMED_AS not in r.data.tags]
 
 
 def get_run(uri: str, run_id: str) -> RunRecord:

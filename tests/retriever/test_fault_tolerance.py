@@ -15,6 +15,7 @@ from ray.train import TrainingFailedError
 from ragtrain.checkpoint import CheckpointError, latest_checkpoint, load_train_state, read_meta
 from ragtrain.config import to_typed
 from ragtrain.pipeline import run
+from ragtrain.track.mlflow import find_runs
 from tests.conftest import compose, tiny_overrides
 
 STEPS, EVERY, KILL_AT = 12, 4, 6
@@ -49,12 +50,14 @@ def _assert_same_weights(cfg, other) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
-def _history(cfg, key: str = "train/loss") -> list[tuple[int, float]]:
+def _history(cfg, key: str = "train/loss", run_id: str | None = None) -> list[tuple[int, float]]:
+    """The run's history of `key`: the one current run of the experiment (a run a resumed run took over is not)."""
     client = MlflowClient(cfg.logger.tracking_uri)
-    exp = client.get_experiment_by_name(cfg.logger.experiment_name)
-    runs = client.search_runs([exp.experiment_id])
-    assert len(runs) == 1, [r.info.run_name for r in runs]
-    return sorted((m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, key))
+    if run_id is None:
+        runs = find_runs(cfg.logger.tracking_uri, experiment=cfg.logger.experiment_name)
+        assert len(runs) == 1, [r.run_name for r in runs]
+        run_id = runs[0].run_id
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +126,9 @@ def test_corrupt_checkpoint_is_named(tmp_path) -> None:
 
 @pytest.mark.slow  # two runs with a live index (~170 s on 2 shared cores); the parts: test_refresh.py, below
 def test_a_resumed_run_continues_its_live_index_from_the_checkpoint(ray_session, tmp_path) -> None:
-    """Stopped at step 5 (checkpoint at 4), then resume=true: the live index restarted from the untrained encoder
-    (index/lag_steps counted from step 0) and numbered its versions from 0 again (index/version repeated)."""
+    """Stopped at step 5 (checkpoint at 4), then resume=true: the live index restarts from the checkpoint's encoder
+    (not the untrained one: index/lag_steps counted from step 4) and numbers its versions on (index/version never
+    repeats). The resumed MLflow run holds the stopped run's points up to step 4, then its own."""
     import json
     from dataclasses import replace
 
@@ -143,6 +147,7 @@ def test_a_resumed_run_continues_its_live_index_from_the_checkpoint(ray_session,
     ckpt = latest_checkpoint(Path(cfg.output_dir) / "ray" / "retriever")
     meta = read_meta(ckpt)
     assert meta["step"] == 4 and meta["live_version"] >= 0
+    stopped = (Path(cfg.output_dir) / "mlflow_run_id").read_text().strip()
     logged_before = _history(cfg, "index/version")
     resumed = replace(cfg, resume=True)  # the kill does not repeat: its marker is there (checkpoint.py)
     run(resumed)
@@ -153,6 +158,15 @@ def test_a_resumed_run_continues_its_live_index_from_the_checkpoint(ray_session,
     )
     versions = _history(resumed, "index/version")
     assert [v for _, v in versions] == sorted(v for _, v in versions), versions  # numbers never go back
-    assert all(v > max((b for _, b in logged_before), default=-1) for s, v in versions if s > 5), versions
-    lag = [(s, v) for s, v in _history(resumed, "index/lag_steps") if s > 5]  # logged by the resumed run
+    assert [(s, v) for s, v in versions if s <= 4] == [(s, v) for s, v in logged_before if s <= 4], versions
+    assert all(v > max((b for _, b in logged_before if s <= 4), default=-1) for s, v in versions if s > 4), versions
+    lag = [(s, v) for s, v in _history(resumed, "index/lag_steps") if s > 4]  # logged by the resumed run
     assert lag and all(v <= s - 4 for s, v in lag), lag  # its live index is never older than the checkpoint
+    loss = _history(resumed)  # the stopped run's steps up to the checkpoint, then the resumed run's own
+    assert [s for s, _ in loss] == list(range(1, 9)), loss
+    assert loss[:4] == _history(cfg, run_id=stopped)[:4]
+    client = MlflowClient(cfg.logger.tracking_uri)
+    new_id = (Path(cfg.output_dir) / "mlflow_run_id").read_text().strip()
+    assert client.get_run(new_id).data.tags["ragtrain.resumed_from"] == stopped
+    old_run = client.get_run(stopped)
+    assert old_run.info.status == "KILLED" and old_run.data.tags["ragtrain.resumed_as"] == new_id
