@@ -17,9 +17,14 @@ from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ragtrain"
 TEXTS = [f"passage {i}: " + "words " * (i % 7) + "end" for i in range(23)]
-# The only calls of a model's forward outside ragtrain/embed: the training step (a loss needs the graph, which
-# encode_texts' no-grad embedding must not keep) and the cross-encoder reranker (a score per pair, not a vector).
-FORWARD_ALLOWED = {("retriever/train.py", "QPEncoder.forward"), ("reranker/model.py", "score_pairs")}
+# The only calls of a model's forward outside ragtrain/embed: the training steps of the retriever and of joint
+# training (a loss needs the graph, which encode_texts' no-grad embedding must not keep) and the cross-encoder
+# reranker (a score per pair, not a vector).
+FORWARD_ALLOWED = {
+    ("retriever/train.py", "QPEncoder.forward"),
+    ("joint/train.py", "JointModel.forward"),
+    ("reranker/model.py", "score_pairs"),
+}
 
 
 @pytest.fixture(scope="module")
