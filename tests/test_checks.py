@@ -346,13 +346,14 @@ def test_a_sweep_folder_that_is_not_hydras_is_kept(tmp_path, monkeypatch) -> Non
         (("refresh.probe_queries=8",), r"refresh.probe_queries applies only with refresh.enabled=true"),
         (
             ("stages=[index]", "refresh.enabled=true", "refresh.every_steps=5"),
-            r"refresh.enabled refreshes the index during retriever training, and stages \['index'\] train no retriever",
+            r"refresh.enabled refreshes the index during retriever training \(or joint training with "
+            r"joint.passage_encoder=trained\), and stages \['index'\] train no passage encoder",
         ),
         (("stages=[index,index]",), r"stages lists \['index'\] more than once"),
         (
             ("stages=[index,retriever]",),
             r"stages must be in the order the pipeline runs them "
-            r"\(retriever -> index -> generator\): write \['retriever', 'index'\]",
+            r"\(retriever -> index -> joint -> generator\): write \['retriever', 'index'\]",
         ),
     ],
 )
