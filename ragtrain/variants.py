@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ragtrain.config import Config
+from ragtrain.config import SEED_MARK, Config
 from ragtrain.console import get_logger
 from ragtrain.pipeline import run
 from ragtrain.track.mlflow import RunLogger
@@ -24,10 +24,11 @@ def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFra
     """Run the pipeline once per variant (one MLflow run each), then write the comparison table (one row per
     variant, its name in the `strategy` column)."""
     rows = []
-    for name, cfg in variants.items():
-        log.info(f"\n######## variant: {name} ########")
+    for label, cfg in variants.items():
+        log.info(f"\n######## variant: {label} ########")
         results = run(cfg)
-        rows.append(variant_row(name, results))
+        name, seeded, _ = label.partition(SEED_MARK)  # compare.seeds: one row per variant and seed
+        rows.append(variant_row(name, results) | ({"seed": cfg.seed} if seeded else {}))
     df = comparison_frame(rows)
     first = next(iter(variants.values()))
     files = write_comparison(

@@ -349,3 +349,30 @@ def test_a_variant_number_in_other_digits_is_refused(tmp_path) -> None:
     cfg.compare.variants = {"odd": ["retriever.train.max_steps='１２'"]}
     with pytest.raises(ConfigError, match=r"compare.variants.odd: retriever.train.max_steps='１２' is written with"):
         override_variants(cfg)
+
+
+def test_compare_seeds_repeat_each_variant_per_seed(tmp_path) -> None:
+    from ragtrain.config import override_variants
+
+    cfg = compose(
+        [
+            "experiment=shard_refresh",
+            f"output_dir={tmp_path}",
+            "compare.only=[partial_hot,full_global]",
+            "compare.seeds=[3,5]",
+        ]
+    )
+    variants = override_variants(cfg)
+    assert list(variants) == ["partial_hot/seed=3", "partial_hot/seed=5", "full_global/seed=3", "full_global/seed=5"]
+    assert [v.seed for v in variants.values()] == [3, 5, 3, 5]
+    assert variants["full_global/seed=5"].output_dir == str(tmp_path / "full_global" / "seed5")
+    assert variants["full_global/seed=5"].logger.run_name == "shard_refresh/full_global/seed=5"
+    assert [v.zeroshot_eval for v in variants.values()] == [True, False, False, False]
+    assert all(v.compare.seeds == [] for v in variants.values())
+
+
+def test_cli_compare_seeds_without_variants_is_one_line(tmp_path) -> None:
+    r = _cli("compare.seeds=[0,1]", f"output_dir={tmp_path}/out")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "compare.seeds" in r.stderr and "compare.variants" in r.stderr
+    assert not (tmp_path / "out").exists()

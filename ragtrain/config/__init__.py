@@ -716,6 +716,9 @@ class CompareConfig:
     variants: dict[str, list[str]] = field(default_factory=dict)
     # run only these variants, in this order (e.g. compare.only=[full_global,partial_hot]); empty = every variant
     only: list[str] = field(default_factory=list)
+    # run every variant once per seed (the root `seed`), e.g. [0, 1]: the table gives each variant's mean and the
+    # spread (min, max) over seeds. Empty = once, at `seed`
+    seeds: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -954,6 +957,12 @@ class Config:
             + (hint if c.strategies else ""),
             c.only,
         )
+        _check(
+            not c.seeds or bool(c.variants),
+            "compare.seeds",
+            "repeats each of compare.variants once per seed, and this experiment has none (it would run once)",
+            c.seeds,
+        )
 
 
 def ineffective_settings(cfg: Config) -> list[str]:
@@ -1114,6 +1123,9 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
     if unknown:
         raise ConfigError(f"compare.only names {unknown}, which are not variants: choose from {list(named)}")
     chosen = {n: named[n] for n in cfg.compare.only} if cfg.compare.only else named
+    seeds = [int(x) for x in cfg.compare.seeds]
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"compare.seeds={seeds} repeats a seed: each seed is run once per variant")
     out: dict[str, Config] = {}
     for i, (name, overrides) in enumerate(chosen.items()):
         variant = copy.deepcopy(cfg)
@@ -1125,12 +1137,22 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
                 raise ConfigError(f"compare.variants.{name} sets unknown config key {key!r}")
             OmegaConf.update(variant, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=True)
             check_ascii_numbers(variant, [str(item)], f"compare.variants.{name}: ")
-        variant.compare.variants, variant.compare.only = {}, []
-        variant.output_dir = str(Path(cfg.output_dir, name))
-        variant.logger.run_name = f"{cfg.experiment_name}/{name}"
+        variant.compare.variants, variant.compare.only, variant.compare.seeds = {}, [], []
         variant.zeroshot_eval = bool(cfg.zeroshot_eval) and i == 0  # the zero-shot figure is the same for all
-        out[name] = to_typed(variant)
+        for seed in seeds or [None]:
+            each = copy.deepcopy(variant)
+            label = name if seed is None else f"{name}{SEED_MARK}{seed}"
+            folder = Path(cfg.output_dir, name)
+            each.output_dir = str(folder if seed is None else folder / f"seed{seed}")
+            each.logger.run_name = f"{cfg.experiment_name}/{label}"
+            if seed is not None:
+                each.seed = seed
+                each.zeroshot_eval = variant.zeroshot_eval and seed == seeds[0]
+            out[label] = to_typed(each)
     return out
+
+
+SEED_MARK = "/seed="  # a variant's label when compare.seeds repeats it: `frozen/seed=1`
 
 
 def _has_key(cfg: DictConfig, dotted: str) -> bool:

@@ -8,6 +8,7 @@ import pandas as pd
 
 COLUMNS = [
     "strategy",
+    "seed",  # compare.seeds: one row per variant and seed
     "ndcg@10",
     "recall@10",
     "recall@100",
@@ -48,8 +49,14 @@ def write_comparison(df: pd.DataFrame, out_dir: str | Path, title: str) -> list[
     out.mkdir(parents=True, exist_ok=True)
     csv, md, png = out / "comparison.csv", out / "comparison.md", out / "comparison.png"
     df.to_csv(csv, index=False)
-    md.write_text(f"# {title}\n\n" + df.to_markdown(index=False, floatfmt=".4g") + "\n")
+    text = f"# {title}\n\n" + df.to_markdown(index=False, floatfmt=".4g") + "\n"
+    if "seed" in df.columns:  # several seeds: each variant's mean and its spread over the seeds
+        text += "\n## Mean over seeds [min, max]\n\n" + seed_summary(df).to_markdown(index=False) + "\n"
+    md.write_text(text)
 
+    if "rag/em" in df.columns and "seed" in df.columns:  # RAG variants over seeds: EM per mode with the spread
+        seed_bars(df, ["rag/em", "closed_book/em", "oracle/em"], png, title=title, ylabel="exact match")
+        return [csv, md, png]
     if "rag/em" in df.columns:  # RAG variants: the generator's EM against the retriever's hit rate in its prompt
         x = "rag/gold_in_top_k"
         scatter_plot(df, x, "rag/em", png, label="strategy", title=title, log_x=False, ylabel="RAG EM")
@@ -67,6 +74,50 @@ def write_comparison(df: pd.DataFrame, out_dir: str | Path, title: str) -> list[
         big=4000.0,
     )
     return [csv, md, png]
+
+
+def seed_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per variant (in the order first run): each numeric column as `mean [min, max]` over its seeds."""
+    numeric = [c for c in df.columns if c not in ("strategy", "seed") and pd.api.types.is_numeric_dtype(df[c])]
+    groups = df.groupby("strategy", sort=False)
+    rows = []
+    for name, g in groups:
+        row = {"strategy": name, "seeds": len(g)}
+        for c in numeric:
+            v = g[c].dropna()
+            row[c] = f"{v.mean():.4g} [{v.min():.4g}, {v.max():.4g}]" if len(v) else ""
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def seed_bars(df: pd.DataFrame, metrics: list[str], path: str | Path, *, title: str, ylabel: str) -> Path:
+    """Grouped bars: each variant's mean of each metric over seeds, the whiskers its min and max, dots each seed."""
+    plt = _pyplot()
+    metrics = [m for m in metrics if m in df.columns and df[m].notna().any()]
+    names = list(dict.fromkeys(df["strategy"]))
+    width = 0.8 / max(len(metrics), 1)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(names), 4.2))
+    for j, m in enumerate(metrics):
+        xs, means, lo, hi = [], [], [], []
+        for i, n in enumerate(names):
+            v = df.loc[df["strategy"] == n, m].dropna()
+            if v.empty:
+                continue
+            x = i + (j - (len(metrics) - 1) / 2) * width
+            xs.append(x)
+            means.append(v.mean())
+            lo.append(v.mean() - v.min())
+            hi.append(v.max() - v.mean())
+            ax.scatter([x] * len(v), v, color="black", s=10, zorder=3)
+        ax.bar(xs, means, width, yerr=[lo, hi], capsize=3, label=m)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}\nbars: mean over seeds; whiskers: min and max; dots: each seed", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
 
 
 def _pyplot():
