@@ -80,9 +80,9 @@ class Answerer:
 
     def __call__(self, question: str, hits: Sequence[dict[str, Any]]) -> str:
         """The answer given the hits in rank order (as many as fit the prompt, the last cut)."""
-        # lazy: torch, ray and transformers are heavy (seconds); this module's argument checks run without them
-        import torch
+        import torch  # lazy: torch is heavy (seconds); this module's argument checks run without it
 
+        # lazy: ragtrain.generator.train imports ray/torch; this module's argument checks run without them
         from ragtrain.generator.model import collate
         from ragtrain.generator.train import autocast
 
