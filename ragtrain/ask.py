@@ -55,20 +55,23 @@ def generator_folder(cfg: Config, out: Path) -> Path:
 
 
 class Answerer:
-    """The run's generator with the prompt code it was trained with."""
+    """The run's generator with the prompt code it was trained with: its tokenizer and prompt at once (the checks of
+    a question need them), the model on first use (seconds: after every check has passed)."""
 
     def __init__(self, cfg: Config, folder: Path):
-        # lazy: ragtrain.generator.train imports ray/torch; this module's argument checks run without them
-        from ragtrain.generator.model import AnswerDecoder
-        from ragtrain.generator.train import load_generator, prompt_builder
+        # lazy: transformers and ragtrain.generator.train (ray/torch) are heavy; argument checks run without them
+        from transformers import AutoTokenizer
 
-        self.g = cfg.generator
+        from ragtrain.generator.model import AnswerDecoder
+        from ragtrain.generator.train import prompt_builder
+
+        self.cfg, self.g, self.folder, self.model = cfg, cfg.generator, folder, None
         try:
-            self.model = load_generator(cfg, folder)
-            self.builder = prompt_builder(self.g, self.model.tokenizer)  # the saved tokenizer, as trained
-        except (OSError, ValueError) as e:  # a truncated weights file, a tokenizer without the chat template...
-            raise AskError(f"{folder}: not a generator this run's config can load ({str(e).splitlines()[0]})") from None
-        self.decode = AnswerDecoder(self.model.tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))  # saved with the model, as trained
+            self.builder = prompt_builder(self.g, tokenizer)
+        except (OSError, ValueError) as e:  # a damaged tokenizer file, a tokenizer without the chat template...
+            raise AskError(f"{folder}: not a generator this run's config can use ({str(e).splitlines()[0]})") from None
+        self.decode = AnswerDecoder(tokenizer)
 
     def check(self, question: str) -> None:
         """The question alone (with the template's fixed tokens) fits generator.max_source_length: passages are cut
@@ -84,15 +87,18 @@ class Answerer:
 
         # lazy: ragtrain.generator.train imports ray/torch; this module's argument checks run without them
         from ragtrain.generator.model import collate
-        from ragtrain.generator.train import autocast
+        from ragtrain.generator.train import autocast, load_generator
 
+        if self.model is None:
+            try:
+                self.model = load_generator(self.cfg, self.folder)
+            except (OSError, ValueError) as e:  # e.g. a truncated weights file
+                raise AskError(f"{self.folder}: not a loadable generator ({str(e).splitlines()[0]})") from None
         texts = [passage_text(h["title"], h["text"], self.g.include_title) for h in hits if h["text"]]
-        m = self.model
+        m, g = self.model, self.g
         batch = collate([self.builder.source(question, texts)], [[]], m.arch, m.pad_id, for_generation=True)
-        with torch.no_grad(), autocast(self.g.train.precision, torch.device("cpu")):
-            ids = m.generate(
-                batch["input_ids"], batch["attention_mask"], self.g.eval.num_beams, self.g.eval.max_new_tokens
-            )
+        with torch.no_grad(), autocast(g.train.precision, torch.device("cpu")):
+            ids = m.generate(batch["input_ids"], batch["attention_mask"], g.eval.num_beams, g.eval.max_new_tokens)
         return self.decode(ids[0])
 
 
@@ -111,7 +117,7 @@ def ask(out: str | Path, question: str, k: int | None = None) -> dict[str, Any]:
     answerer = Answerer(cfg, folder)
     answerer.check(question)  # before the index is read
     k = k or cfg.generator.retrieval.top_k
-    _, hits = search(out, question, k)
+    _, hits = search(out, question, k)  # the index's checksums and k's range checked before the generator loads
     return {"question": question, "k": k, "answer": answerer(question, hits), "sources": hits, "generator": str(folder)}
 
 
