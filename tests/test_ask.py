@@ -45,7 +45,7 @@ def _save_generator(cfg, folder: Path) -> None:
 
     folder.mkdir(parents=True)
     tok = gen_tokenizer(cfg.generator)
-    torch.manual_seed(0)
+    torch.manual_seed(1)  # an untrained tiny T5 whose greedy answer is not empty (seed 0's emits padding only)
     save_generator(build_generator(cfg.generator, tok), tok, folder)
 
 
@@ -117,11 +117,11 @@ def test_ask_prints_the_answer_and_the_sources_search_returns(runs) -> None:
     assert got["sources"] == hits and [h["rank"] for h in hits] == list(range(1, got["k"] + 1))
     assert all(h["id"] and h["title"] and h["score"] for h in hits)
 
-    res = _ask_cli(str(gen), question, "-k", "2")  # the text form: the answer, then one line per source
+    res = _ask(str(gen), question)  # the text form (in this process): the answer, then a line per source
     assert res.returncode == 0, res.stderr
     lines = res.stdout.rstrip("\n").splitlines()
     assert lines[0] == f"answer: {got['answer']}" and lines[1:3] == ["", "sources:"]
-    assert len(lines) == 5
+    assert len(lines) == 3 + got["k"]
     for line, h in zip(lines[3:], hits):
         rank, score, pid, rest = line.split(maxsplit=3)
         assert (int(rank), pid) == (h["rank"], h["id"]) and float(score) == pytest.approx(h["score"], abs=1e-4)
@@ -150,7 +150,7 @@ def test_the_answer_is_the_generators_on_the_prompt_it_was_trained_with(runs) ->
         out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=g.eval.max_new_tokens,
                           num_beams=g.eval.num_beams, do_sample=False)  # fmt: skip
     want = tok.decode(out[0], skip_special_tokens=True).strip().split("\n", 1)[0].strip()
-    assert got["answer"] == want
+    assert got["answer"] == want and want
 
 
 def test_a_joint_run_asks_with_the_jointly_trained_encoder_and_generator(runs) -> None:
