@@ -59,9 +59,9 @@ class Answerer:
     a question need them), the model on first use (seconds: after every check has passed)."""
 
     def __init__(self, cfg: Config, folder: Path):
-        # lazy: transformers and ragtrain.generator.train (ray/torch) are heavy; argument checks run without them
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: transformers is heavy (~1 s); argument checks run without it
 
+        # lazy: ragtrain.generator.train imports ray/torch; this module's argument checks run without them
         from ragtrain.generator.model import AnswerDecoder
         from ragtrain.generator.train import prompt_builder
 
