@@ -68,7 +68,7 @@ def child(root: str, mode: str, out: str, overrides: list[str]) -> None:
     from ragtrain.rss import peak_rss_mb
 
     rss_imports = peak_rss_mb()
-    import ragtrain.index.facade  # noqa: F401  (torch, transformers, faiss: counted before any data)
+    import ragtrain.retrieval  # noqa: F401  (torch, transformers, faiss: counted before any data)
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
     from ragtrain.pipeline import run

@@ -3,8 +3,9 @@ noise?
 
 A 100-query dev set moves nDCG@10 by 0.01 per query, so two recipes 0.01 apart may be one query apart. This
 re-scores every run folder per query, on the same evaluated split, from its saved index and its query encoder (the
-one that built the index, or a joint run's jointly trained one, as `python -m ragtrain.search` does), and prints each run's mean with a bootstrap 95 % interval and its paired
-difference to the first run: the same resampled queries for both runs, so what the queries have in common cancels.
+one that built the index, or a joint run's jointly trained one, as `python -m ragtrain.search` does), and prints
+each run's mean with a bootstrap 95 % interval and its paired difference to the first run: the same resampled
+queries for both runs, so what the queries have in common cancels.
 `p(≤0)` is the share of resamples where the run does not beat the first one (small: a real gain). Runs must
 evaluate the same queries (same data, split and dev carve); anything else is refused in one line (exit 2).
 """
@@ -42,14 +43,13 @@ class Scored:
 
 def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     """Per-query `metric` of the run in `out` on its evaluated split (its saved index, its trained encoder)."""
-    # lazy: ragtrain.index.facade imports torch; this module imports without it
-    from ragtrain.index.facade import BuiltIndex, Retrieval
-
+    # lazy: ragtrain.retrieval imports torch; this module imports without it
     # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
     from ragtrain.index.faiss_index import IndexMismatchError
 
     # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
     from ragtrain.index.sharded import open_saved
+    from ragtrain.retrieval import BuiltIndex, Retrieval
 
     out = Path(out)
     if not (out / "index" / "index_meta.json").exists():

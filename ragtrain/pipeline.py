@@ -42,7 +42,6 @@ from ragtrain.embed.model import build_encoder, check_model_offline
 from ragtrain.export import export_run
 from ragtrain.index import vector_cache
 from ragtrain.index.checks import check_refresh, refresh_warnings
-from ragtrain.index.facade import BuiltIndex, Retrieval
 from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.vector_files import save_atomic
 from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, sample_ids
@@ -50,6 +49,7 @@ from ragtrain.precision import resolved_index, resolved_params
 from ragtrain.repair.distill import distill_consensus
 from ragtrain.reranker.model import check_teacher
 from ragtrain.reranker.stage import prepare_teacher
+from ragtrain.retrieval import BuiltIndex, Retrieval
 from ragtrain.retriever.batching import TrainData, build_examples, steps_per_epoch
 from ragtrain.retriever.lora import check_lora_targets
 from ragtrain.retriever.validation import make_val_set
@@ -378,7 +378,7 @@ def ray_nodes() -> list[dict]:
 
 @dataclass
 class RunState:
-    """What one run's phases hand each other: the data, the run's folder and MLflow run, the index facade, the
+    """What one run's phases hand each other: the data, the run's folder and MLflow run, the retrieval facade, the
     weights the next phase starts from, and every phase's metrics."""
 
     cfg: Config

@@ -716,8 +716,9 @@ class CompareConfig:
     variants: dict[str, list[str]] = field(default_factory=dict)
     # run only these variants, in this order (e.g. compare.only=[full_global,partial_hot]); empty = every variant
     only: list[str] = field(default_factory=list)
-    # run every variant once per seed (the root `seed`), e.g. [0, 1]: the table gives each variant's mean and the
-    # spread (min, max) over seeds. Empty = once, at `seed`
+    # run every variant once per seed, e.g. [0, 1]: each sets `seed`, retriever.train.seed, generator.train.seed and
+    # joint.seed (data.seed stays: the same split and eval questions); the table gives each variant's mean and its
+    # spread (min, max) over seeds. Empty = once
     seeds: list[int] = field(default_factory=list)
 
 
@@ -1145,13 +1146,15 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
             folder = Path(cfg.output_dir, name)
             each.output_dir = str(folder if seed is None else folder / f"seed{seed}")
             each.logger.run_name = f"{cfg.experiment_name}/{label}"
-            if seed is not None:
-                each.seed = seed
+            if seed is not None:  # every training seed, not the data's: the same split and eval sample per seed
+                for key in SEEDED:
+                    OmegaConf.update(each, key, seed, merge=True)
                 each.zeroshot_eval = variant.zeroshot_eval and seed == seeds[0]
             out[label] = to_typed(each)
     return out
 
 
+SEEDED = ("seed", "retriever.train.seed", "generator.train.seed", "joint.seed")  # what compare.seeds sets
 SEED_MARK = "/seed="  # a variant's label when compare.seeds repeats it: `frozen/seed=1`
 
 

@@ -7,6 +7,7 @@ Entry point for the pipeline: `run_generator_stage(cfg, data, retrieval, built, 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
             "questions with answers: it needs both"
         )
     g = cfg.generator
+    if 0 < g.eval.max_questions < len(evaluation):  # drawn with data.seed: the same questions for every training seed
+        evaluation = sorted(random.Random(cfg.data.seed).sample(evaluation, g.eval.max_questions), key=lambda e: e.qid)
     return GenData(train, evaluation, PromptPassages(data.corpus, g.include_title))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from ragtrain.generator.stage import PHASES, build_gen_data, resolve_index
 from ragtrain.index.vector_files import save_atomic
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
 from ragtrain.joint.train import HISTORY_FILE, PREDICTIONS_FILE, JointData, fit_joint
+from ragtrain.retriever.train import load_weights
 
 log = get_logger(__name__)
 
@@ -104,6 +105,10 @@ def run_joint_stage(
             results[PHASES[mode].replace("gen_", "joint_")] = {
                 k: m[f"{mode}/{k}"] for k in ("em", "f1", "n", "seconds", "gold_in_top_k") if f"{mode}/{k}" in m
             }
+    # the jointly trained retriever on the evaluated split: its query encoder over the index as training left it
+    # (frozen passages: the run's index; trained: the live index's final mix, as refreshed during training)
+    if built is not None:  # (stages [joint] on a saved index: searched by the generator's client only)
+        results["trained"] = retrieval.evaluate(replace(built, snapshots=[load_weights(out)], _encoder=None))
     results["joint"] = {
         "steps": float(j.max_steps),
         "wall_seconds": fit.seconds,

@@ -95,7 +95,7 @@ def test_pipeline_refuses_a_bad_index_before_encoding(tmp_path, factory, match) 
     """Retrieval.build checks the factory against the encoder's dim and the corpus size before any encode."""
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
-    from ragtrain.index.facade import Retrieval
+    from ragtrain.retrieval import Retrieval
     from tests.conftest import compose, tiny_overrides
 
     cfg = to_typed(compose(tiny_overrides(tmp_path) + [f"index.factory='{factory}'"]))

@@ -46,7 +46,7 @@ def built(ray_session, tmp_path_factory):
     from ragtrain.corpus.load import load_data
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
-    from ragtrain.index.facade import BuiltIndex, Retrieval
+    from ragtrain.retrieval import BuiltIndex, Retrieval
     from tests.index.test_vector_files import _write_vectors
 
     tmp = tmp_path_factory.mktemp("gen")

@@ -155,7 +155,7 @@ def _service(cfg, data, tmp_path):
     writes them in a run is tested in tests/corpus/test_encode.py), on the run's one index shard."""
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
-    from ragtrain.index.facade import BuiltIndex, Retrieval
+    from ragtrain.retrieval import BuiltIndex, Retrieval
     from tests.index.test_vector_files import _write_vectors
 
     torch.manual_seed(0)

@@ -188,8 +188,8 @@ def on_shards(ray_session, tmp_path_factory):
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
     from ragtrain.data.store import PassageStore
-    from ragtrain.index.facade import Retrieval
     from ragtrain.pipeline import initial_weights
+    from ragtrain.retrieval import Retrieval
     from tests.conftest import compose, tiny_overrides
 
     tmp = tmp_path_factory.mktemp("on_shards")
@@ -217,7 +217,7 @@ def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards
     from omegaconf import OmegaConf
 
     from ragtrain.generator.retriever_client import IndexPayload, Searcher
-    from ragtrain.index.facade import BuiltIndex
+    from ragtrain.retrieval import BuiltIndex
     from ragtrain.search import main as search_main
     from ragtrain.search import search
 
@@ -340,7 +340,7 @@ def _live(sharded, built, weights, cfg, **fault):
     version 0 is a build of the zero-shot vectors of its own (a test above drops the zero-shot build, as runs do)."""
     import ray
 
-    from ragtrain.index.facade import BuiltIndex
+    from ragtrain.retrieval import BuiltIndex
 
     shutil.rmtree(sharded.shard_group.root / FAULTS, ignore_errors=True)
     saved = replace(cfg.fault)

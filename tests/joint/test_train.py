@@ -58,7 +58,7 @@ def built(ray_session, tmp_path_factory):
     from ragtrain.corpus.load import load_data
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
-    from ragtrain.index.facade import BuiltIndex, Retrieval
+    from ragtrain.retrieval import BuiltIndex, Retrieval
     from tests.index.test_vector_files import _write_vectors
 
     tmp = tmp_path_factory.mktemp("joint")
@@ -138,6 +138,9 @@ def test_trained_passages_refresh_two_shards_and_end_on_one_version(built) -> No
     assert sum(mix.values()) == len(retrieval.doc_ids)
     assert report["history"] and all(h["ok"] for h in report["history"])
     assert results["joint"]["index/refreshes"] >= 1 and results["joint"]["index/final_version_count"] == 1
+    # the jointly trained retriever evaluated on the split, over the index the refresh left
+    assert {"ndcg@10", "recall@100", "answer_recall@5"} <= set(results["trained"])
+    assert 0 < results["trained"]["recall@100"] <= 1
     run = MlflowClient(logger.uri).get_run(logger.run_id)
     for key in ("joint/emdr2_loss", "joint/gen_loss", "index/drift_cosine", "index/version_skew",
                 "index/mixed_recall_at_10", "run/joint_rag/em"):  # fmt: skip
