@@ -1,6 +1,9 @@
 """Hand a run's models to the outside world: `<output_dir>/export/retriever` (a sentence-transformers folder with a
 model card) and `<output_dir>/export/generator` (a transformers `save_pretrained` folder), then MLflow models.
 
+A run with a joint stage serves the jointly trained models (`<output_dir>/joint`): its encoder and its generator are
+the ones exported (and the ones `python -m ragtrain.ask` answers with: `served_encoder`, `served_generator`).
+
 The retriever is written with sentence-transformers' own classes (Transformer -> Pooling -> Normalize), so
 `SentenceTransformer(folder)` loads it offline and gives ragtrain's vectors; query/passage prefixes become its
 `query` / `document` prompts (`encode_query`, `encode_document`).
@@ -21,14 +24,32 @@ from omegaconf import OmegaConf
 
 from ragtrain.config import Config, Pooling
 from ragtrain.config.generator import Arch
+from ragtrain.config.joint import PassageEncoder
 from ragtrain.console import get_logger
 from ragtrain.embed.model import build_encoder, load_tokenizer, resolve_model_path
+from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
 
 log = get_logger(__name__)
 
 EXPORT_DIR = "export"
 RETRIEVER_DIR = "retriever"
 GENERATOR_DIR = "generator"
+
+
+def served_encoder(cfg: Config, out: Path) -> Path | None:
+    """The weights file of the query encoder a run serves when it is not the one that built its index: the joint
+    stage's (its passage side may have stayed frozen, so the index was built by the encoder it started from);
+    None: the index's own encoder."""
+    return Path(out) / JOINT_DIR / ENCODER_FILE if "joint" in cfg.stages else None
+
+
+def served_generator(cfg: Config, out: Path) -> Path | None:
+    """The generator's HF folder a run serves: the joint stage's, else the generator stage's; None: neither ran."""
+    if "joint" in cfg.stages:
+        return Path(out) / JOINT_DIR / GENERATOR_FOLDER
+    if "generator" in cfg.stages:
+        return Path(out) / "generator"
+    return None
 
 
 def base_model_name(model: str) -> str:
@@ -63,6 +84,17 @@ def model_card(cfg: Config, data_desc: str, table: str, command: str) -> str:
         if trained
         else "Not trained by this run: the base model as indexed."
     )
+    if "joint" in cfg.stages:
+        j = cfg.joint
+        passages = (
+            "its passage side too (the run's index was re-encoded by it)"
+            if PassageEncoder(j.passage_encoder) == PassageEncoder.trained
+            else "its query side only: the run's index holds the passage vectors of the encoder it started from"
+        )
+        how += (
+            f" Then trained jointly with the generator ({j.loss}, {j.max_steps} steps, top {j.top_k} passages): "
+            f"{passages}; this is the jointly trained encoder."
+        )
     prefixes = ""
     if r.query_prefix or r.passage_prefix:
         prefixes = (
@@ -204,16 +236,23 @@ def export_run(
 ) -> dict[str, Path]:
     """Export what this run produced and log it to its MLflow run; returns {"retriever"|"generator": folder}.
 
-    `weights` is the encoder that built the run's index (None: the run used no encoder of its own).
+    `weights` is the encoder that built the run's index (None: the run used no encoder of its own); a run with a
+    joint stage exports the jointly trained encoder and generator instead (`served_encoder`, `served_generator`).
     """
+    # lazy: ragtrain.retriever.train imports ray; this module imports without it
+    from ragtrain.retriever.train import load_weights
+
     exported: dict[str, Path] = {}
     root = Path(out) / EXPORT_DIR
+    joint = served_encoder(cfg, out)
+    if joint is not None:
+        weights = load_weights(joint.parent, joint.stem)
     if weights is not None:
         card = model_card(cfg, data_desc, table, reproduce_command())
         exported["retriever"] = export_retriever(cfg, weights, root / RETRIEVER_DIR, card)
         logger.log_retriever_model(exported["retriever"], cfg.logger.register_as)
-    gen_weights = Path(out) / "generator"
-    if "generator" in cfg.stages and (gen_weights / "config.json").exists():
+    gen_weights = served_generator(cfg, out)
+    if gen_weights is not None and (gen_weights / "config.json").exists():
         exported["generator"] = export_generator(gen_weights, root / GENERATOR_DIR)
         logger.log_generator_model(exported["generator"], causal=cfg.generator.arch == Arch.causal)
     for name, path in exported.items():

@@ -2,9 +2,10 @@
 noise?
 
 A 100-query dev set moves nDCG@10 by 0.01 per query, so two recipes 0.01 apart may be one query apart. This
-re-scores every run folder per query, on the same evaluated split, from its saved index and the encoder that built
-it (as `python -m ragtrain.search` does), and prints each run's mean with a bootstrap 95 % interval and its paired
-difference to the first run: the same resampled queries for both runs, so what the queries have in common cancels.
+re-scores every run folder per query, on the same evaluated split, from its saved index and its query encoder (the
+one that built the index, or a joint run's jointly trained one, as `python -m ragtrain.search` does), and prints
+each run's mean with a bootstrap 95 % interval and its paired difference to the first run: the same resampled
+queries for both runs, so what the queries have in common cancels.
 `p(≤0)` is the share of resamples where the run does not beat the first one (small: a real gain). Runs must
 evaluate the same queries (same data, split and dev carve); anything else is refused in one line (exit 2).
 """
@@ -27,7 +28,7 @@ from ragtrain.config import changed_keys, flatten
 from ragtrain.console import quiet_cli
 from ragtrain.corpus.load import load_data
 from ragtrain.eval.metrics import per_query
-from ragtrain.search import SearchError, encoder_weights, load_run_config
+from ragtrain.search import SearchError, load_run_config, query_snapshots
 
 METRICS = ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100")
 
@@ -65,7 +66,7 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
             raise SearchError(str(e)) from None
         index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
         retrieval = Retrieval(cfg, data)  # the pipeline's own ranking (MaxP on chunks), searched in-process
-        built = BuiltIndex("saved", index, encoder_weights(cfg, index.meta.encoder, out), retrieval.doc_ids, {})
+        built = BuiltIndex("saved", index, query_snapshots(cfg, index.meta.encoder, out), retrieval.doc_ids, {})
         scores = per_query(retrieval.ranked(built), data.eval_qrels)
     if metric not in next(iter(scores.values())):
         raise SearchError(f"--metric {metric!r} is not a metric; valid choices: {list(next(iter(scores.values())))}")

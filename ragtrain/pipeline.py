@@ -666,7 +666,7 @@ def report_phase(s: RunState) -> None:
         if sink is not None:
             sink.skip_logged = cfg.resume  # a resumed run already holds the phases finished before
             sink.log({prefix + k: v for k, v in m.items()}, step=0 if phase == "zeroshot" else s.step)
-    if cfg.export and ({"retriever", "index"} & set(cfg.stages) or "generator" in cfg.stages):
+    if cfg.export:  # every stage leaves a model to export
         encoded = bool({"retriever", "index"} & set(cfg.stages))  # this run trained or indexed with `weights`
         d = s.data
         about = f"{d.name}: {len(d.corpus)} passages, {len(d.train_qrels)} training queries, evaluated on "

@@ -1,9 +1,10 @@
-"""`python -m ragtrain.search <output_dir> "a question" [-k 5] [--json] [--generate]`: query a finished run.
+"""`python -m ragtrain.search <output_dir> "a question" [-k 5] [--json]`: query a finished run.
 
 Top-k passages (rank, score, id, text) from the run's saved index (`<output_dir>/index`; a sharded one is searched
 shard by shard and merged), with the query encoded by the encoder that built it (named in `index_meta.json`,
-rebuilt from the run's `config.yaml`); `--generate` also answers with the run's generator
-(`<output_dir>/generator`). Bad input: one line on stderr, exit code 2.
+rebuilt from the run's `config.yaml`), or for a run with a joint stage by the jointly trained encoder
+(`<output_dir>/joint`). `python -m ragtrain.ask` answers with the run's generator on top of this search. Bad input:
+one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from omegaconf import OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from ragtrain.config import Config, ConfigError, to_typed  # noqa: E402
+from ragtrain.config.joint import PassageEncoder  # noqa: E402
 from ragtrain.console import quiet_cli  # noqa: E402
 from ragtrain.corpus.load import load_data  # noqa: E402
 from ragtrain.data.store import PassageStore  # noqa: E402
 from ragtrain.embed.encoders import QueryEncoder  # noqa: E402
-from ragtrain.generator.prompt import passage_text  # noqa: E402
 
 
 class SearchError(ValueError):
@@ -63,6 +64,32 @@ def encoder_weights(cfg: Config, encoder: str, out: Path) -> list:
         return load_snapshots(cfg.retriever, cfg.seed, encoder)
     except (FileNotFoundError, ValueError) as e:
         raise SearchError(f"{out / 'index' / 'index_meta.json'}: {e}") from None
+
+
+def query_snapshots(cfg: Config, encoder: str, out: Path) -> list:
+    """The query encoder's weights: the index's own encoder (`encoder`, from its metadata), or for a run with a joint
+    stage the jointly trained one, whose queries the index served during joint training (frozen passages: the
+    index of the encoder it started from; trained passages: the index the joint stage re-encoded with it)."""
+    # lazy: ragtrain.export and ragtrain.retriever.train import torch/ray; this module imports without them
+    from ragtrain.export import served_encoder
+    from ragtrain.retriever.train import load_weights
+
+    joint = served_encoder(cfg, out)
+    if joint is None:
+        return encoder_weights(cfg, encoder, out)
+    if not joint.exists():
+        raise SearchError(
+            f"{joint} is missing: the run's joint stage (stages={list(cfg.stages)}) did not finish; search a run "
+            "folder whose joint stage completed"
+        )
+    where = Path(encoder.partition("@")[2])
+    if PassageEncoder(cfg.joint.passage_encoder) == PassageEncoder.trained and where.parts[-2:] != joint.parts[-2:]:
+        raise SearchError(
+            f"{out / 'index'}: built by {encoder!r}, not by the jointly trained encoder ({joint}) that "
+            "joint.passage_encoder=trained re-encodes it with: the folder holds the index from before joint "
+            "training (a run of an older ragtrain); run it again to save the final index"
+        )
+    return [load_weights(joint.parent, joint.stem)]
 
 
 def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
@@ -122,8 +149,10 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
         index = open_saved(out / "index")  # one index, or a sharded one (every shard checked, a bad one named)
     except (FileNotFoundError, IndexMismatchError) as e:
         raise SearchError(str(e)) from None
+    if not 0 < k <= len(index.doc_ids):
+        raise SearchError(f"-k must be between 1 and {len(index.doc_ids)} (the index's passages), got {k}")
     # vector_avg: the index holds the replicas' re-normalised mean vectors, and queries are averaged the same way
-    snapshots = encoder_weights(cfg, index.meta.encoder, out)
+    snapshots = query_snapshots(cfg, index.meta.encoder, out)
     encoder = QueryEncoder(cfg.retriever, snapshots, precision=cfg.index.precision.value)
     if index.meta.dim != encoder.dim:  # e.g. a run folder whose config was edited after the index was built
         raise SearchError(
@@ -153,27 +182,6 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
     return cfg, hits
 
 
-def generate_answer(cfg: Config, out: Path, question: str, hits: Sequence[dict[str, Any]]) -> str:
-    """The run's generator's answer to `question` given its top `generator.retrieval.top_k` hits."""
-    import torch  # lazy: torch is heavy (seconds); this module imports without it
-
-    # lazy: ragtrain.generator.model imports torch; this module imports without it
-    from ragtrain.generator.model import AnswerDecoder, collate
-
-    # lazy: ragtrain.generator.train imports ray/torch; this module imports without them
-    from ragtrain.generator.train import load_generator, prompt_builder
-
-    g = cfg.generator
-    model = load_generator(cfg, out / "generator")
-    tokenizer = model.tokenizer  # saved with the model
-    texts = [passage_text(h["title"], h["text"], g.include_title) for h in hits[: g.retrieval.top_k] if h["text"]]
-    source = prompt_builder(g, tokenizer).source(question, texts)
-    batch = collate([source], [[]], model.arch, model.pad_id, for_generation=True)
-    with torch.no_grad():
-        ids = model.generate(batch["input_ids"], batch["attention_mask"], g.eval.num_beams, g.eval.max_new_tokens)
-    return AnswerDecoder(tokenizer)(ids[0])
-
-
 def hit_line(h: dict[str, Any], width: int = 160) -> str:
     """One table line per hit: a chunk's line breaks become spaces, and a text cut at `width` ends in '...'."""
     text = " ".join((f"{h['title']}: {h['text']}" if h["title"] else h["text"]).split())
@@ -188,7 +196,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("question")
     ap.add_argument("-k", type=int, default=5, help="passages to return (default 5)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    ap.add_argument("--generate", action="store_true", help="also answer with the run's generator")
     args = ap.parse_args(argv)
     out = Path(args.output_dir)
     try:
@@ -196,26 +203,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SearchError(f"-k must be > 0, got {args.k}")
         if not args.question.strip():
             raise SearchError("the question is empty")
-        if args.generate and not (out / "generator" / "config.json").exists():
-            raise SearchError(
-                f"--generate: this run has no generator ({out / 'generator' / 'config.json'} "
-                "is missing): run with stages [retriever, index, generator], or drop --generate"
-            )
-        cfg, hits = search(out, args.question, args.k)
-        answer = generate_answer(cfg, out, args.question, hits) if args.generate else None
+        _, hits = search(out, args.question, args.k)
     except SearchError as e:
         print(f"search error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        payload: dict[str, Any] = {"question": args.question, "k": args.k, "hits": hits}
-        if answer is not None:
-            payload["answer"] = answer
-        print(json.dumps(payload, indent=2, ensure_ascii=False))
+        print(json.dumps({"question": args.question, "k": args.k, "hits": hits}, indent=2, ensure_ascii=False))
         return 0
     for h in hits:
         print(hit_line(h))
-    if answer is not None:
-        print(f"\nanswer: {answer}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Use what was trained: the sentence-transformers export gives ragtrain's vectors, MLflow holds the model (and the
-registry its version), and `python -m ragtrain.search` answers from a finished run's folder."""
+registry its version), and `python -m ragtrain.search` searches a finished run's folder (`python -m ragtrain.ask`,
+its generator's answer: tests/test_ask.py)."""
 
 from __future__ import annotations
 
@@ -207,44 +208,10 @@ def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
     assert [h["score"] for h in hits] == pytest.approx(scores[0].tolist(), abs=1e-5)
 
 
-def test_search_generate_without_a_generator_and_a_folder_without_index_fail_in_one_line(
-    finished_run, tmp_path: Path
-) -> None:
-    cfg, _, _ = finished_run
-    res = _search(cfg.output_dir, "who founded it?", "--generate")
-    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
-    assert "no generator" in res.stderr and "config.json" in res.stderr
+def test_search_of_a_folder_without_index_fails_in_one_line(tmp_path: Path) -> None:
     res = _search(str(tmp_path), "who founded it?")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
     assert "holds no index" in res.stderr and str(tmp_path) in res.stderr
-
-
-def test_search_generate_answers_with_the_runs_generator(finished_run, capsys) -> None:
-    """--generate loads <run>/generator (an HF model folder); here an untrained tiny T5 stands in for a trained one
-    (the generator stage's own tests cover training), so the answer is a string, not a right one. The CLI's `main`
-    in-process: the entry point itself runs as a process in test_search_cli_returns_the_runs_ranking."""
-    from ragtrain.generator.model import build_generator
-    from ragtrain.generator.model import load_tokenizer as gen_tokenizer
-    from ragtrain.generator.train import save_generator
-    from ragtrain.search import main
-
-    cfg, _, _ = finished_run
-    gen_dir = Path(cfg.output_dir) / "generator"
-    gen_dir.mkdir(exist_ok=True)
-    before = set(gen_dir.iterdir())
-    try:
-        tok = gen_tokenizer(cfg.generator)
-        save_generator(build_generator(cfg.generator, tok), tok, gen_dir)
-        capsys.readouterr()
-        code = main([cfg.output_dir, "who founded it?", "--generate"])  # the table: default -k 5, then the answer
-    finally:  # the shared run keeps no generator: the test above expects none
-        for f in set(gen_dir.iterdir()) - before:
-            f.unlink()
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    lines = out.out.strip().splitlines()
-    assert [line.split()[0] for line in lines[:5]] == ["1", "2", "3", "4", "5"]  # one line per hit
-    assert lines[5] == "" and lines[6].startswith("answer:")  # (an untrained generator may answer nothing)
 
 
 @pytest.mark.parametrize("generator", ["tiny_t5", "bert2bert_minilm"])

@@ -1,5 +1,6 @@
 """The joint stage: the index and its encoder checked -> (trained passages: the live refresh started) -> fit_joint
--> the refresh stopped, the store's final version mix recorded -> both models saved under <output_dir>/joint.
+-> the refresh stopped, the store's final version mix recorded -> both models saved under <output_dir>/joint
+-> (trained passages) the corpus re-encoded by the final encoder, saved as the run's index (<output_dir>/index).
 
 Entry point for the pipeline: `run_joint_stage(cfg, data, retrieval, built, out_dir, logger)`, after the index
 stage. Bad input (no index, an index of another encoder, no answers) fails in the pipeline's preflight, through
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ from ragtrain.config.joint import PassageEncoder
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
 from ragtrain.generator.stage import PHASES, build_gen_data, resolve_index
-from ragtrain.joint.train import GENERATOR_FOLDER, HISTORY_FILE, PREDICTIONS_FILE, JointData, fit_joint
+from ragtrain.index.vector_files import save_atomic
+from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
+from ragtrain.joint.train import HISTORY_FILE, PREDICTIONS_FILE, JointData, fit_joint
 from ragtrain.retriever.train import load_weights
 
 log = get_logger(__name__)
@@ -42,14 +45,30 @@ def final_mix(service: Any, shards: int) -> dict[str, int]:
     return total
 
 
+def save_final_index(
+    cfg: Config, retrieval: Any, weights: dict[str, Any], out_dir: Path, logger: Any
+) -> dict[str, float]:
+    """The corpus encoded by the final encoder, evaluated and saved as the run's index (<out_dir>/index, replacing
+    the pre-joint one): the live index's rows were refreshed by snapshots older than the last step (and may mix
+    versions), and the folder's index must be the one the saved query encoder searches (`ragtrain.search`,
+    `ragtrain.ask`). Its metadata names <out_dir>/joint/encoder.safetensors as its encoder."""
+    name = f"{cfg.retriever.model}@{out_dir / JOINT_DIR / ENCODER_FILE}"
+    built, metrics = retrieval.build_and_evaluate("joint_index", [weights], name, cfg.joint.max_steps)
+    save_atomic(built.index, out_dir / "index")  # a temporary folder, renamed when complete
+    if logger is not None:
+        logger.log_json(asdict(built.index.meta), "index_meta.json")
+    return metrics
+
+
 def run_joint_stage(
     cfg: Config, data: RetrievalData, retrieval: Any, built: Any, out_dir: Path, logger: Any
 ) -> dict[str, dict[str, float]]:
     """Train both models jointly on the run's index; returns {"joint": summary, "joint_rag": {em, f1, ...}, ...}
     and writes <out_dir>/joint/ (encoder.safetensors, generator/ as an HF model folder, loss_history.json,
-    predictions.json, metrics.json; with trained passages refresh_history.json)."""
+    predictions.json, metrics.json; with trained passages refresh_history.json, and <out_dir>/index replaced by the
+    final encoder's index, evaluated as `joint_index`)."""
     j = cfg.joint
-    out = Path(out_dir) / "joint"
+    out = Path(out_dir) / JOINT_DIR
     gen = build_gen_data(cfg, data)
     # the index and the snapshot that built it, checked against each other (another encoder fails here)
     payload = resolve_index(cfg, data, built, Path(out_dir))
@@ -74,11 +93,13 @@ def run_joint_stage(
         if service is not None:
             report.update(retrieval.stop_service(service))
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("encoder.safetensors", HISTORY_FILE, PREDICTIONS_FILE):
+    for name in (ENCODER_FILE, HISTORY_FILE, PREDICTIONS_FILE):
         shutil.copy2(fit.folder / name, out / name)
     shutil.copytree(fit.folder / GENERATOR_FOLDER, out / GENERATOR_FOLDER, dirs_exist_ok=True)
     m = fit.metrics
     results: dict[str, dict[str, float]] = {}
+    if trained:
+        results["joint_index"] = save_final_index(cfg, retrieval, fit.weights, Path(out_dir), logger)
     for mode in ("closed_book", "rag", "oracle"):
         if f"{mode}/em" in m:
             results[PHASES[mode].replace("gen_", "joint_")] = {

@@ -50,6 +50,7 @@ from ragtrain.generator.train import (
     train_passages,
 )
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
+from ragtrain.joint import GENERATOR_FOLDER
 from ragtrain.joint.likelihood import answer_loglik
 from ragtrain.joint.losses import build_loss
 from ragtrain.retriever.train import load_state, load_weights, save_weights
@@ -59,7 +60,6 @@ from ragtrain.train.harness import Worker, WorkerArgs, fit
 
 HISTORY_FILE = "loss_history.json"
 PREDICTIONS_FILE = "predictions.json"
-GENERATOR_FOLDER = "generator"  # the fine-tuned generator as an HF model folder, inside the final checkpoint
 
 
 @dataclass

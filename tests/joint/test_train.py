@@ -146,6 +146,26 @@ def test_trained_passages_refresh_two_shards_and_end_on_one_version(built) -> No
                 "index/mixed_recall_at_10", "run/joint_rag/em"):  # fmt: skip
         assert key in run.data.metrics, key
     assert (out / "generator" / "config.json").exists() and (out / "encoder.safetensors").exists()
+    # the run's saved index is the final encoder's (the live rows were refreshed by older snapshots): its metadata
+    # names the joint encoder, its vectors are that encoder's, and `ragtrain.search` serves it with the joint queries
+    from omegaconf import OmegaConf
+
+    from ragtrain.embed.encoders import QueryEncoder
+    from ragtrain.index.sharded import open_saved
+    from ragtrain.retriever.train import load_weights
+    from ragtrain.search import search
+
+    saved = open_saved(Path(cfg.output_dir) / "index")
+    assert saved.meta.encoder == f"{cfg.retriever.model}@{out / 'encoder.safetensors'}"
+    final = load_weights(out)
+    want = QueryEncoder(cfg.retriever, [final]).encode(list(retrieval.passages()[:8]), role="passage")
+    np.testing.assert_allclose(saved.reconstruct_first(8), want, atol=1e-5)
+    assert 0 <= results["joint_index"]["ndcg@10"] <= 1
+    (Path(cfg.output_dir) / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    question = data.queries[sorted(data.eval_qrels)[0]]
+    _, hits = search(cfg.output_dir, question, 3)
+    scores, rows = saved.search(QueryEncoder(cfg.retriever, [final]).encode([question], role="query"), 3)
+    assert [h["id"] for h in hits] == [saved.doc_ids[r] for r in rows[0]]
 
 
 def test_joint_without_an_index_or_with_another_encoder_fails_clearly(built, tmp_path) -> None:
