@@ -423,6 +423,9 @@ class RetrieverConfig:
         _check(self.temperature > 0, "retriever.temperature", "must be > 0", self.temperature)
 
 
+INDEX_DEVICES = ("cpu", "cuda")  # where the index shards' FAISS indexes search
+
+
 @dataclass
 class IndexConfig:
     factory: str = "Flat"  # any faiss.index_factory string: Flat, IVF64,Flat, HNSW32, IVF64,PQ16, ...
@@ -450,9 +453,20 @@ class IndexConfig:
     # `index_node`
     shards: str = "1"
     shard_timeout_s: float = 120.0  # a search waits this long for every shard (one restarting) before failing
+    # cuda: each shard moves its FAISS index to its node's GPU and searches there (`pip install -e .[gpu]`: FAISS
+    # with GPU support); builds, saves and the live refresh's rebuilds go through a CPU copy
+    device: str = "cpu"
+    gpus_per_shard: float = 0.5  # index.device=cuda: each shard actor's claim on its GPU (shards may share one)
 
     def __post_init__(self) -> None:
         self.shards = str(self.shards).strip()
+        _check(self.device in INDEX_DEVICES, "index.device", f"must be one of {list(INDEX_DEVICES)}", self.device)
+        _check(
+            0 < self.gpus_per_shard <= 1,
+            "index.gpus_per_shard",
+            "must be a fraction of one GPU in (0, 1] (several shards share a GPU with fractions)",
+            self.gpus_per_shard,
+        )
         _check(
             self.shards == "auto" or (self.shards.isdigit() and int(self.shards) > 0),
             "index.shards",
