@@ -5,8 +5,8 @@
 #   (a) the generator stage (stages=[index,generator]): STEPS steps of batch BATCH, then EM / F1 on N questions in
 #       the three eval modes (rag, closed_book, oracle);
 #   (b) joint training (stages=[index,joint], joint.passage_encoder=trained): JOINT_STEPS steps with a live refresh
-#       of 2 index shards, index.device=cuda where FAISS has GPU support and a GPU is left for the shards, else cpu
-#       (a printed note says why).
+#       of 2 index shards, index.device=cuda where FAISS has GPU support (on one GPU the trainer's rank claims half
+#       of it, each shard a quarter; on more, the shards share the last GPU), else cpu (a printed note says why).
 # One summary line per part: tokens/s, samples/s, steps/s, EM / F1 per mode, seconds, torch / CUDA / GPU. Sized to
 # finish in < 5 minutes on one H100. The CPU test suite never needs this script.
 #
@@ -157,14 +157,16 @@ summary_a = (
 print(summary_a, flush=True)
 
 # (b) joint training with the passage encoder trained: the live refresh re-encodes the 2 shards' rows
+gpu_share = []
 if not dry:
     count, why = faiss_gpus()
-    if count and ngpu >= 2:
-        device, workers = "cuda", ngpu - 1  # the trainer's ranks take whole GPUs: the shards share the last one
-    else:
+    if not count:
         device = "cpu"
-        why = why or f"{ngpu} GPU: the trainer's rank takes it whole, and the shards need a GPU of their own"
         print(f"note: index.device=cpu for (b): {why}", flush=True)
+    elif ngpu == 1:  # one GPU for all: the trainer's rank claims half of it, each shard a quarter
+        device, gpu_share = "cuda", ["resources.trainer.gpus_per_worker=0.5", "index.gpus_per_shard=0.25"]
+    else:  # the trainer's ranks take whole GPUs (NCCL: one rank per GPU); the 2 shards share the last one
+        device, workers = "cuda", ngpu - 1
 every = max(1, joint_steps // 2)
 overrides = common + [
     "stages=[index,joint]", f"output_dir={out / 'joint'}", "joint.passage_encoder=trained",
@@ -174,7 +176,7 @@ overrides = common + [
 if dry:
     overrides += ["refresh.probe_passages=16", "refresh.probe_queries=4"]
 else:
-    overrides += [f"resources.trainer.num_workers={workers}", "joint.batch_size=8"]
+    overrides += [f"resources.trainer.num_workers={workers}", "joint.batch_size=8", *gpu_share]
 cfg = compose(overrides)
 print(f"== (b) joint training: {workers} worker(s), {joint_steps} steps of {cfg.joint.batch_size} x {workers}, "
       f"refresh every {every} steps, 2 shards on {device}", flush=True)

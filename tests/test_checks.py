@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -613,6 +614,8 @@ def test_index_shards_on_gpus_are_checked_beside_the_trainer() -> None:
     ):
         check_config(res, nodes=one_gpu, shard_gpus=(2, 0.5))
     check_config(res, nodes=[{"CPU": 16.0, "GPU": 2.0}], shard_gpus=(2, 0.5))  # 1 GPU for the shards, 1 to train
+    half = replace(res, trainer=replace(res.trainer, gpus_per_worker=0.5))
+    check_config(half, nodes=one_gpu, shard_gpus=(2, 0.25))  # one GPU shared: half to train, a quarter per shard
     with pytest.raises(InfeasibleResourcesError, match=r"index.device=cuda: 3 index shards x index.gpus_per_shard=1"):
         check_config(res, nodes=[{"CPU": 16.0, "GPU": 2.0}], shard_gpus=(3, 1.0))
 
@@ -622,6 +625,11 @@ def test_index_shards_on_gpus_are_checked_beside_the_trainer() -> None:
     [
         ("index.device=tpu", r"index.device must be one of \['cpu', 'cuda'\], got 'tpu'"),
         ("index.gpus_per_shard=0", r"index.gpus_per_shard must be a fraction of one GPU in \(0, 1\]"),
+        ("resources.trainer.gpus_per_worker=1.5", r"resources.trainer.gpus_per_worker must be a fraction of one GPU"),
+        (
+            "resources.trainer.gpus_per_worker=0.5",  # quickstart: 2 workers
+            r"resources.trainer.gpus_per_worker below 1 could put two of the 2 NCCL ranks on one GPU",
+        ),
     ],
 )
 def test_index_device_settings_name_the_key(tmp_path, override: str, match: str) -> None:

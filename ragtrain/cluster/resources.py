@@ -185,7 +185,7 @@ def check_config(
     groups = [
         (
             "resources.trainer" + beside,
-            {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {}), **t.resources},
+            {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.use_gpu else {}), **t.resources},
             t.num_workers,
         ),
         (

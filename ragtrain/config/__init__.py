@@ -510,11 +510,27 @@ class TrainerResources:
     num_workers: int = 2
     cpus_per_worker: float = 1.0
     use_gpu: bool = False
+    # use_gpu: each worker's claim on its GPU. A fraction leaves the rest of the GPU to index shards on it
+    # (index.device=cuda, index.gpus_per_shard) on a one-GPU machine; NCCL needs one GPU per rank, so only with 1 worker
+    gpus_per_worker: float = 1.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker
 
     def __post_init__(self) -> None:
         _check(self.num_workers > 0, "resources.trainer.num_workers", "must be > 0", self.num_workers)
         _check(self.cpus_per_worker > 0, "resources.trainer.cpus_per_worker", "must be > 0", self.cpus_per_worker)
+        _check(
+            0 < self.gpus_per_worker <= 1,
+            "resources.trainer.gpus_per_worker",
+            "must be a fraction of one GPU in (0, 1]",
+            self.gpus_per_worker,
+        )
+        _check(
+            self.gpus_per_worker == 1 or self.num_workers == 1,
+            "resources.trainer.gpus_per_worker",
+            f"below 1 could put two of the {self.num_workers} NCCL ranks on one GPU, which NCCL refuses: use 1 "
+            "worker or whole GPUs",
+            self.gpus_per_worker,
+        )
 
 
 @dataclass

@@ -657,6 +657,7 @@ class _Shard:
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
             "tags": sorted(self.indexes),
+            "on_gpu": sorted(self.on_gpu),  # index.device=cuda: the builds searched on the GPU
             "restored": self.restored,
             "peak_rss_mb": peak_rss_mb(),
             "versions": {t: m.get("version") for t, m in self.manifests.items()},
