@@ -60,6 +60,7 @@ echo "== tests/gpu"
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -120,8 +121,9 @@ if dry:
     env = f"torch {torch.__version__}, CPU dry run (gloo, fp32)"
 else:
     root = str(Path(squad).resolve())
-    name = torch.cuda.get_device_name(0)
-    env = f"torch {torch.__version__}, CUDA {torch.version.cuda}, {ngpu} x {name}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+    nccl = torch.cuda.nccl.version()  # a tuple (an int in older torch)
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    env = f"torch {torch.__version__}, CUDA {torch.version.cuda}, {ngpu} x {torch.cuda.get_device_name(0)}, NCCL {nccl}"
 print(f"== environment: {env}", flush=True)
 
 common = [
@@ -142,19 +144,31 @@ else:
         "generator.eval.batch_size=32", "index.batch_size=128",
     ]
 
+def part(name: str, cfg, summary) -> str:
+    """Run one part; a failure is printed and the next part still runs (one GPU session shows both)."""
+    start = time.perf_counter()
+    try:
+        line = summary(run(cfg), time.perf_counter() - start)
+    except Exception:  # reported here, and the script exits 1 at the end
+        traceback.print_exc()
+        line = f"GPU smoke ({name}) FAILED after {time.perf_counter() - start:.0f} s (traceback above); {env}"
+    print(line, flush=True)
+    return line
+
+
+def generator_summary(res: dict, secs: float) -> str:
+    t = res["gen_train"]
+    return (
+        f"GPU smoke (a) generator: {t['tokens_per_s']:.0f} tokens/s, {t['samples_per_s']:.1f} samples/s, "
+        f"{t['steps'] / t['seconds']:.2f} steps/s; {em_f1(res, 'gen')}; {secs:.0f} s in all; {env}"
+    )
+
+
 # (a) the generator stage
 cfg = compose(common + ["stages=[index,generator]", f"output_dir={out / 'generator'}"])
 print(f"== (a) generator stage: {cfg.generator.model}, {workers} worker(s), {steps} steps of {batch} x {workers}, "
       f"eval on {n} questions", flush=True)
-start = time.perf_counter()
-res = run(cfg)
-secs = time.perf_counter() - start
-t = res["gen_train"]
-summary_a = (
-    f"GPU smoke (a) generator: {t['tokens_per_s']:.0f} tokens/s, {t['samples_per_s']:.1f} samples/s, "
-    f"{t['steps'] / t['seconds']:.2f} steps/s; {em_f1(res, 'gen')}; {secs:.0f} s in all; {env}"
-)
-print(summary_a, flush=True)
+summary_a = part("a", cfg, generator_summary)
 
 # (b) joint training with the passage encoder trained: the live refresh re-encodes the 2 shards' rows
 gpu_share = []
@@ -180,16 +194,19 @@ else:
 cfg = compose(overrides)
 print(f"== (b) joint training: {workers} worker(s), {joint_steps} steps of {cfg.joint.batch_size} x {workers}, "
       f"refresh every {every} steps, 2 shards on {device}", flush=True)
-start = time.perf_counter()
-res = run(cfg)
-secs = time.perf_counter() - start
-j = res["joint"]
-summary_b = (
-    f"GPU smoke (b) joint: {j['train/samples_per_s']:.1f} samples/s, {j['steps'] / j['train/seconds']:.2f} steps/s, "
-    f"{j['index/refreshes']:.0f} refreshes of 2 shards ({j['index/refresh_seconds_total']:.1f} s) on "
-    f"index.device={device}; {em_f1(res, 'joint')}; {secs:.0f} s in all; {env}"
-)
-print(summary_b, flush=True)
+
+
+def joint_summary(res: dict, secs: float) -> str:
+    j = res["joint"]
+    return (
+        f"GPU smoke (b) joint: {j['train/samples_per_s']:.1f} samples/s, {j['steps'] / j['train/seconds']:.2f} "
+        f"steps/s, {j['index/refreshes']:.0f} refreshes of 2 shards ({j['index/refresh_seconds_total']:.1f} s) on "
+        f"index.device={device}; {em_f1(res, 'joint')}; {secs:.0f} s in all; {env}"
+    )
+
+
+summary_b = part("b", cfg, joint_summary)
 print("\n" + summary_a + "\n" + summary_b)
 (out / "summary.txt").write_text(summary_a + "\n" + summary_b + "\n")
+sys.exit(1 if "FAILED" in summary_a + summary_b else 0)
 EOF

@@ -302,7 +302,7 @@ class _Shard:
             tag = m.parent.parent.name
             try:
                 self._load(tag, m.parent)
-            except IndexMismatchError as e:  # one unreadable build must not keep the shard from starting
+            except (IndexMismatchError, ConfigError) as e:  # one unreadable build must not keep the shard from starting
                 log.warning("index shard %d does not restore the build %r: %s", shard, tag, e)
                 continue
             self.restored.append(tag)
@@ -315,16 +315,23 @@ class _Shard:
         index = load_index(folder)
         params = manifest.get("search_params", (16, 128))
         index.set_search_params(*params)
-        self._set_build(tag, index, params[0])
+        self._set_build(tag, index, self._gpu_copy(index, params[0]))
         self.manifests[tag] = manifest
         return manifest
 
-    def _set_build(self, tag: str, index: DenseIndex, nprobe: int) -> None:
-        """Make `index` the build `tag` (with device=cuda its GPU copy made first, searched with `nprobe`): a search
-        running meanwhile sees the previous build or this one, whole."""
-        if self.device == "cuda":
-            gpu = index_to_gpu(index.index, index.meta.factory)
-            set_gpu_search_params(gpu, nprobe)
+    def _gpu_copy(self, index: DenseIndex, nprobe: int) -> faiss.Index | None:
+        """With device=cuda, `index` copied to this actor's GPU and searched with `nprobe` (a factory FAISS cannot
+        put on a GPU: ConfigError naming index.factory); None on CPU."""
+        if self.device != "cuda":
+            return None
+        gpu = index_to_gpu(index.index, index.meta.factory)
+        set_gpu_search_params(gpu, nprobe)
+        return gpu
+
+    def _set_build(self, tag: str, index: DenseIndex, gpu: faiss.Index | None) -> None:
+        """Make `index` (and its GPU copy) the build `tag`: a search running meanwhile sees the previous build or
+        this one."""
+        if gpu is not None:
             self.on_gpu[tag] = gpu
         self.indexes[tag] = index
 
@@ -407,6 +414,7 @@ class _Shard:
             trained=quantizer,
         )
         index.set_search_params(idx.nprobe, idx.ef_search)
+        gpu = self._gpu_copy(index, idx.nprobe)  # before persisting: a build that cannot go on the GPU is not kept
         manifest = persist(
             index,
             self._folder(tag),
@@ -423,7 +431,7 @@ class _Shard:
                 "build_seconds": index.meta.build_seconds,
             },
         )
-        self._set_build(tag, index, idx.nprobe)
+        self._set_build(tag, index, gpu)
         self.manifests[tag] = manifest
         return {**manifest, "doc_ids": index.doc_ids, "meta": asdict(index.meta), "peak_rss_mb": peak_rss_mb()}
 
@@ -630,7 +638,7 @@ class _Shard:
         meta = replace(self.live_template.meta, build_seconds=0.0, extra={**self.live_template.meta.extra})
         built = build_from_chunks([(self.live_template.doc_ids, vectors)], index, meta)
         built.set_search_params(*self.live_params)
-        self._set_build(tag, built, self.live_params[0])
+        self._set_build(tag, built, self._gpu_copy(built, self.live_params[0]))
         return {"mix": live.mix(), "seconds": time.perf_counter() - t0}
 
     def live_end(self, tags: list[str]) -> None:

@@ -60,6 +60,7 @@ def test_two_gpu_shards_return_what_the_cpu_shards_return(setup, factory) -> Non
 
 
 def test_a_factory_faiss_cannot_put_on_a_gpu_names_index_factory(setup) -> None:
-    _, vecs, _, gpu, _ = setup
+    _, vecs, _, gpu, tmp = setup
     with pytest.raises(ConfigError, match=r"index.factory='HNSW8' cannot run on a GPU \(index.device=cuda\)"):
         gpu.build("hnsw", vecs, IndexConfig(factory="HNSW8"), "fp", "enc", 2, seed=0)
+    assert not list((tmp / "gpu").glob("hnsw/shard-*/manifest.json"))  # refused before it was persisted
