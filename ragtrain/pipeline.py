@@ -42,7 +42,7 @@ from ragtrain.embed.model import build_encoder, check_model_offline
 from ragtrain.export import export_run
 from ragtrain.index import vector_cache
 from ragtrain.index.checks import check_refresh, refresh_warnings
-from ragtrain.index.faiss_index import check_index_config
+from ragtrain.index.faiss_index import check_index_config, check_index_device
 from ragtrain.index.vector_files import save_atomic
 from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, sample_ids
 from ragtrain.precision import resolved_index, resolved_params
@@ -302,7 +302,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     """Every check that needs no training, in order of cost; returns the loaded (and stored) data. `weights()`: the
     initial weights, called only when the corpus stream encodes the zero-shot index."""
     # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
-    from ragtrain.index.sharded import check_shard_config
+    from ragtrain.index.sharded import check_shard_config, shard_gpu_claim
 
     check_refresh(cfg.refresh)  # the variant names, against their registries
     for line in ineffective_settings(cfg) + refresh_warnings(cfg.refresh):
@@ -329,11 +329,13 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
                 cfg.resources,
                 together=bool({"retriever", "joint"} & set(cfg.stages)) and cfg.refresh.enabled,
                 trainer=bool({"retriever", "joint"} & set(cfg.stages)),
+                shard_gpus=shard_gpu_claim(cfg.index),
             )
 
     started: list[bool] = []
     dim = encoder_dim(cfg.retriever)
     check_index_config(cfg.index.factory, dim)  # a factory string FAISS rejects: before reading anything
+    check_index_device(cfg.index.device, cfg.index.factory, dim)  # cuda: a GPU FAISS, a GPU, a GPU-capable factory
     # Bad data fails here, before Ray or MLflow start (a corpus prepared on Ray Data: just after Ray starts)
     data = load_data(
         cfg.data,

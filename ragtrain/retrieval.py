@@ -93,12 +93,16 @@ class Retrieval:
             import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
             # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
-            from ragtrain.index.sharded import ShardGroup, resolve_shards
+            from ragtrain.index.sharded import ShardGroup, resolve_shards, shard_gpus
 
             idx = self.cfg.index
             n = resolve_shards(idx.shards, len(self.doc_ids), ray.nodes())
             self._shards = ShardGroup(
-                n, Path(self.cfg.output_dir) / "shards", self.cfg.resources.pool, idx.shard_timeout_s
+                n,
+                Path(self.cfg.output_dir) / "shards",
+                self.cfg.resources.pool,
+                idx.shard_timeout_s,
+                gpu=shard_gpus(idx),
             )
         return self._shards
 

@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -595,3 +596,56 @@ def test_store_errors_reach_a_cli_user_as_one_line(ray_session) -> None:
     except user_errors() as e:  # a RayTaskError that is also a ShardUnavailableError
         assert isinstance(e, ShardUnavailableError) and len(str(e).splitlines()) > 1  # the remote traceback
         assert error_line(e) == want
+
+
+def test_index_shards_on_gpus_are_checked_beside_the_trainer() -> None:
+    """index.device=cuda: the shards hold their GPU share for the whole run, so the trainer's GPUs must fit beside."""
+    from ragtrain.cluster.resources import InfeasibleResourcesError, check_config
+    from ragtrain.config import PoolResources, ResourcesConfig, TrainerResources
+
+    res = ResourcesConfig(
+        trainer=TrainerResources(num_workers=1, cpus_per_worker=4, use_gpu=True),
+        pool=PoolResources(num_actors=2, cpus_per_actor=2),
+    )
+    one_gpu = [{"CPU": 16.0, "GPU": 1.0}]
+    check_config(res, nodes=one_gpu)  # CPU shards: the trainer has the GPU
+    with pytest.raises(
+        InfeasibleResourcesError, match=r"resources.trainer beside the index shards' GPUs .*index.device=cpu"
+    ):
+        check_config(res, nodes=one_gpu, shard_gpus=(2, 0.5))
+    check_config(res, nodes=[{"CPU": 16.0, "GPU": 2.0}], shard_gpus=(2, 0.5))  # 1 GPU for the shards, 1 to train
+    half = replace(res, trainer=replace(res.trainer, gpus_per_worker=0.5))
+    check_config(half, nodes=one_gpu, shard_gpus=(2, 0.25))  # one GPU shared: half to train, a quarter per shard
+    with pytest.raises(InfeasibleResourcesError, match=r"index.device=cuda: 3 index shards x index.gpus_per_shard=1"):
+        check_config(res, nodes=[{"CPU": 16.0, "GPU": 2.0}], shard_gpus=(3, 1.0))
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("index.device=tpu", r"index.device must be one of \['cpu', 'cuda'\], got 'tpu'"),
+        ("index.gpus_per_shard=0", r"index.gpus_per_shard must be a fraction of one GPU in \(0, 1\]"),
+        ("resources.trainer.gpus_per_worker=1.5", r"resources.trainer.gpus_per_worker must be a fraction of one GPU"),
+        (
+            "resources.trainer.gpus_per_worker=0.5",  # quickstart: 2 workers
+            r"resources.trainer.gpus_per_worker below 1 could put two of the 2 NCCL ranks on one GPU",
+        ),
+    ],
+)
+def test_index_device_settings_name_the_key(tmp_path, override: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        _cfg(tmp_path, override)
+
+
+def test_index_device_cuda_with_a_cpu_faiss_is_one_line_and_exit_2(tmp_path) -> None:
+    """The CPU build of FAISS (faiss-cpu) cannot hold an index on a GPU: the line says to install the gpu extra."""
+    from ragtrain.index.faiss_index import faiss_gpu_support
+
+    if faiss_gpu_support():
+        pytest.skip("this faiss has GPU support (tests/index/test_faiss_index.py covers the messages)")
+    r = _cli(tmp_path, "index.device=cuda")
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: index.device=cuda needs FAISS with GPU support"), last
+    assert "pip install -e .[gpu]" in last and "Traceback" not in r.stderr
+    assert not (tmp_path / "out" / "config.yaml").exists()

@@ -157,23 +157,35 @@ def check_feasible(
 
 
 def check_config(
-    res: ResourcesConfig, together: bool = False, nodes: list[dict[str, float]] | None = None, trainer: bool = True
+    res: ResourcesConfig,
+    together: bool = False,
+    nodes: list[dict[str, float]] | None = None,
+    trainer: bool = True,
+    shard_gpus: tuple[int, float] = (0, 0.0),
 ) -> None:
     """Check the trainer group and the index pool fit the cluster: each on its own when they take turns, or both
     at once (`together`: live index refresh keeps the pool busy while the trainer runs). `trainer=False` (no
-    retriever training in this run): only the pool is checked."""
+    retriever training in this run): only the pool is checked. `shard_gpus` (count, GPU each): index shards on
+    GPUs (index.device=cuda), held for the whole run: the other groups are checked against what they leave."""
     t, p = res.trainer, res.pool
     nodes = node_capacities() if nodes is None else nodes
+    count, each = shard_gpus
+    if count and each:
+        left = [dict(n) for n in nodes]
+        what = f"index.device=cuda: {count} index shards x index.gpus_per_shard={each:g}"
+        check_feasible(what, {"GPU": each}, count, nodes, left)
+        nodes = left  # the trainer and the pool run beside the shards
     free = [dict(n) for n in nodes] if together else None
     pool_what = (
         "resources.pool (alongside resources.trainer: refresh.enabled runs both at once)"
         if together
         else "resources.pool"
     )
+    beside = " beside the index shards' GPUs (index.device=cuda; or set index.device=cpu)" if count and each else ""
     groups = [
         (
-            "resources.trainer",
-            {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {}), **t.resources},
+            "resources.trainer" + beside,
+            {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.use_gpu else {}), **t.resources},
             t.num_workers,
         ),
         (

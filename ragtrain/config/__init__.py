@@ -423,6 +423,9 @@ class RetrieverConfig:
         _check(self.temperature > 0, "retriever.temperature", "must be > 0", self.temperature)
 
 
+INDEX_DEVICES = ("cpu", "cuda")  # where the index shards' FAISS indexes search
+
+
 @dataclass
 class IndexConfig:
     factory: str = "Flat"  # any faiss.index_factory string: Flat, IVF64,Flat, HNSW32, IVF64,PQ16, ...
@@ -450,9 +453,20 @@ class IndexConfig:
     # `index_node`
     shards: str = "1"
     shard_timeout_s: float = 120.0  # a search waits this long for every shard (one restarting) before failing
+    # cuda: each shard moves its FAISS index to its node's GPU and searches there (`pip install -e .[gpu]`: FAISS
+    # with GPU support); builds, saves and the live refresh's rebuilds go through a CPU copy
+    device: str = "cpu"
+    gpus_per_shard: float = 0.5  # index.device=cuda: each shard actor's claim on its GPU (shards may share one)
 
     def __post_init__(self) -> None:
         self.shards = str(self.shards).strip()
+        _check(self.device in INDEX_DEVICES, "index.device", f"must be one of {list(INDEX_DEVICES)}", self.device)
+        _check(
+            0 < self.gpus_per_shard <= 1,
+            "index.gpus_per_shard",
+            "must be a fraction of one GPU in (0, 1] (several shards share a GPU with fractions)",
+            self.gpus_per_shard,
+        )
         _check(
             self.shards == "auto" or (self.shards.isdigit() and int(self.shards) > 0),
             "index.shards",
@@ -496,11 +510,27 @@ class TrainerResources:
     num_workers: int = 2
     cpus_per_worker: float = 1.0
     use_gpu: bool = False
+    # use_gpu: each worker's claim on its GPU. A fraction leaves the rest of the GPU to index shards on it
+    # (index.device=cuda, index.gpus_per_shard) on a one-GPU machine; NCCL needs one GPU per rank, so only with 1 worker
+    gpus_per_worker: float = 1.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker
 
     def __post_init__(self) -> None:
         _check(self.num_workers > 0, "resources.trainer.num_workers", "must be > 0", self.num_workers)
         _check(self.cpus_per_worker > 0, "resources.trainer.cpus_per_worker", "must be > 0", self.cpus_per_worker)
+        _check(
+            0 < self.gpus_per_worker <= 1,
+            "resources.trainer.gpus_per_worker",
+            "must be a fraction of one GPU in (0, 1]",
+            self.gpus_per_worker,
+        )
+        _check(
+            self.gpus_per_worker == 1 or self.num_workers == 1,
+            "resources.trainer.gpus_per_worker",
+            f"below 1 could put two of the {self.num_workers} NCCL ranks on one GPU, which NCCL refuses: use 1 "
+            "worker or whole GPUs",
+            self.gpus_per_worker,
+        )
 
 
 @dataclass

@@ -25,7 +25,7 @@ from ragtrain.generator.prompt import ChatTemplateError, PromptPassages, PromptT
 from ragtrain.generator.retriever_client import IndexPayload, RetrievalClient, check_encoder, load_snapshots
 from ragtrain.generator.train import GenData, GenExample, fit_generator, prompt_builder
 from ragtrain.index.faiss_index import IndexMismatchError
-from ragtrain.index.sharded import ShardGroup, open_saved, read_sharded
+from ragtrain.index.sharded import ShardGroup, open_saved, read_sharded, shard_gpu_claim, shard_gpus
 
 log = get_logger(__name__)
 
@@ -170,7 +170,10 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     if check_only:
         return None
     if folder is not None:  # the searchers scatter to index shards that hold the saved folder
-        group = ShardGroup(len(read_sharded(folder)), out_dir / "shards", cfg.resources.pool, cfg.index.shard_timeout_s)
+        n = len(read_sharded(folder))
+        group = ShardGroup(
+            n, out_dir / "shards", cfg.resources.pool, cfg.index.shard_timeout_s, gpu=shard_gpus(cfg.index)
+        )
         index = group.load("generator", folder)
     index.set_search_params(cfg.index.nprobe, cfg.index.ef_search)
     return IndexPayload.from_index(index, cfg.retriever, weights, cfg.index.precision)
@@ -185,7 +188,7 @@ def check_resources(cfg: Config) -> None:
         num_workers=t.num_workers or r.trainer.num_workers,
         cpus_per_worker=t.cpus_per_worker or r.trainer.cpus_per_worker,
     )
-    check_config(replace(r, trainer=trainer))
+    check_config(replace(r, trainer=trainer), shard_gpus=shard_gpu_claim(cfg.index))
 
 
 def summary_table(results: dict[str, dict[str, float]]) -> str:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import faiss
 import numpy as np
@@ -161,6 +163,79 @@ def check_index_config(factory: str, dim: int, rows: int | None = None) -> None:
     """Refuse, before any encoding or training, a factory FAISS rejects or (given the corpus size `rows`) one the
     corpus is too small to train."""
     make_index(factory, dim, rows)
+
+
+# faiss-cpu (a dependency) and faiss-gpu-cu12 both install the `faiss` module: the CPU one goes, then the GPU one
+# is reinstalled over the files they shared (`make setup EXTRAS=dev,gpu` runs the same steps)
+GPU_EXTRA = (
+    "pip install -e .[gpu] && pip uninstall -y faiss-cpu && pip install --force-reinstall --no-deps faiss-gpu-cu12"
+)
+
+
+def faiss_gpu_support(lib: Any = faiss) -> bool:
+    """Whether this FAISS build has GPU support at all (faiss-gpu-cu12; faiss-cpu has no StandardGpuResources)."""
+    return hasattr(lib, "StandardGpuResources") and hasattr(lib, "get_num_gpus")
+
+
+def check_index_device(
+    device: str, factory: str, dim: int, lib: Any = faiss, visible_gpus: Callable[[], int] | None = None
+) -> None:
+    """index.device=cuda needs a FAISS with GPU support that sees a GPU, and a factory FAISS can put on one: a
+    ConfigError names what is missing, before any work. `visible_gpus`: how many CUDA GPUs this machine shows
+    (default: torch's count)."""
+    if device != "cuda":
+        return
+    version = getattr(lib, "__version__", "?")
+    if not faiss_gpu_support(lib):
+        raise ConfigError(
+            f"index.device=cuda needs FAISS with GPU support, and the installed faiss {version} is a CPU build: "
+            f"install the gpu extra ({GPU_EXTRA}) or set index.device=cpu"
+        )
+    if lib.get_num_gpus() == 0:
+        if visible_gpus is None:
+            import torch  # lazy: only a cuda index asks
+
+            visible_gpus = torch.cuda.device_count
+        seen = visible_gpus()
+        if seen == 0:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ConfigError(
+                "index.device=cuda, but no CUDA GPU is visible on this machine"
+                + (f" (CUDA_VISIBLE_DEVICES={shown!r})" if shown is not None else "")
+                + ": set index.device=cpu"
+            )
+        raise ConfigError(
+            f"index.device=cuda: faiss {version} sees no GPU while torch sees {seen}: faiss-gpu-cu12 needs the "
+            "CUDA 12 runtime libraries (libcudart.so.12, libcublas.so.12) beside the driver; install them or set "
+            "index.device=cpu"
+        )
+    index_to_gpu(make_index(factory, dim), factory, lib)  # HNSW and other CPU-only types fail here, named
+
+
+@functools.cache
+def gpu_resources(lib: Any = faiss) -> Any:
+    """One StandardGpuResources per process (its scratch memory and streams serve every index of the process)."""
+    return lib.StandardGpuResources()
+
+
+def index_to_gpu(index: faiss.Index, factory: str, lib: Any = faiss) -> faiss.Index:
+    """A copy of `index` on this process's first visible GPU (a Ray actor sees the GPU it was given as device 0);
+    a factory FAISS cannot put on a GPU is a ConfigError naming index.factory."""
+    try:
+        return lib.index_cpu_to_gpu(gpu_resources(lib), 0, index)
+    except (RuntimeError, AttributeError) as e:
+        raise ConfigError(
+            f"index.factory={factory!r} cannot run on a GPU (index.device=cuda): "
+            f"{str(e).strip().splitlines()[-1][:200]}; use Flat, IVF<n>,Flat or IVF<n>,PQ<m>, or index.device=cpu"
+        ) from None
+
+
+def set_gpu_search_params(index: faiss.Index, nprobe: int) -> None:
+    """IVF nprobe on a GPU index (GPU indexes have no HNSW; Flat has no parameter)."""
+    try:
+        faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", nprobe)
+    except RuntimeError:
+        pass  # a GPU Flat index has no nprobe
 
 
 POINTS_PER_CENTROID = 256  # faiss k-means subsamples to this many points per centroid anyway

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -47,8 +48,10 @@ from ragtrain.index.faiss_index import (
     IndexMeta,
     IndexMismatchError,
     build_from_chunks,
+    index_to_gpu,
     load_index,
     make_index,
+    set_gpu_search_params,
 )
 from ragtrain.index.live_rows import LiveRows
 from ragtrain.index.priority import PRIORITIES
@@ -129,6 +132,17 @@ def resolve_shards(setting: str, rows: int, nodes: Sequence[dict] | None = None)
             "every shard needs at least one"
         )
     return n
+
+
+def shard_gpus(idx: IndexConfig) -> float:
+    """The GPU fraction each index shard claims: index.gpus_per_shard with index.device=cuda, else 0."""
+    return idx.gpus_per_shard if idx.device == "cuda" else 0.0
+
+
+def shard_gpu_claim(idx: IndexConfig) -> tuple[int, float]:
+    """(shards, GPU each) that index.device=cuda holds for the whole run, for the resource checks (`auto`: counted
+    once the cluster resolves it, so 0 here)."""
+    return (int(idx.shards), idx.gpus_per_shard) if idx.device == "cuda" and idx.shards.isdigit() else (0, 0.0)
 
 
 def check_shard_config(
@@ -266,14 +280,20 @@ def _batches(q: np.ndarray) -> list[np.ndarray]:
 class _Shard:
     """The actor's body (a plain class, so tests can run it in-process): shard `shard`'s builds by tag, persisted
     under `<root>/<tag>/shard-<shard>/`; a restarted actor reloads them from there. Each search, parameter change
-    or codec call goes to the `DenseIndex` of the build `tag`."""
+    or codec call goes to the `DenseIndex` of the build `tag`.
 
-    def __init__(self, shard: int, root: str, threads: int = 0) -> None:
+    device=cuda (index.device): each build also gets a copy on the actor's GPU, and searches go there; the CPU
+    build stays the one that is persisted, saved, reconstructed and cloned for the live refresh's rebuilds (FAISS
+    writes only CPU indexes)."""
+
+    def __init__(self, shard: int, root: str, threads: int = 0, device: str = "cpu") -> None:
         worker_setup()
-        self.shard, self.root, self.threads = shard, Path(root), max(0, int(threads))
+        self.shard, self.root, self.threads, self.device = shard, Path(root), max(0, int(threads)), device
         if self.threads:  # FAISS would use every core of a node it shares with the other shards (torch: encode)
             faiss.omp_set_num_threads(self.threads)
         self.indexes: dict[str, DenseIndex] = {}
+        self.on_gpu: dict[str, faiss.Index] = {}  # device=cuda: the GPU copy of each build, what searches use
+        self.gpu_lock = threading.Lock()  # a FAISS GPU index is not thread-safe (max_concurrency threads search)
         self.manifests: dict[str, dict] = {}
         self.restored: list[str] = []
         self.live: Any = None  # LiveRows while a live refresh holds this shard's rows (live_start)
@@ -282,7 +302,7 @@ class _Shard:
             tag = m.parent.parent.name
             try:
                 self._load(tag, m.parent)
-            except IndexMismatchError as e:  # one unreadable build must not keep the shard from starting
+            except (IndexMismatchError, ConfigError) as e:  # one unreadable build must not keep the shard from starting
                 log.warning("index shard %d does not restore the build %r: %s", shard, tag, e)
                 continue
             self.restored.append(tag)
@@ -292,10 +312,28 @@ class _Shard:
 
     def _load(self, tag: str, folder: Path) -> dict:
         manifest = read_manifest(folder)
-        self.indexes[tag] = load_index(folder)
-        self.indexes[tag].set_search_params(*manifest.get("search_params", (16, 128)))
+        index = load_index(folder)
+        params = manifest.get("search_params", (16, 128))
+        index.set_search_params(*params)
+        self._set_build(tag, index, self._gpu_copy(index, params[0]))
         self.manifests[tag] = manifest
         return manifest
+
+    def _gpu_copy(self, index: DenseIndex, nprobe: int) -> faiss.Index | None:
+        """With device=cuda, `index` copied to this actor's GPU and searched with `nprobe` (a factory FAISS cannot
+        put on a GPU: ConfigError naming index.factory); None on CPU."""
+        if self.device != "cuda":
+            return None
+        gpu = index_to_gpu(index.index, index.meta.factory)
+        set_gpu_search_params(gpu, nprobe)
+        return gpu
+
+    def _set_build(self, tag: str, index: DenseIndex, gpu: faiss.Index | None) -> None:
+        """Make `index` (and its GPU copy) the build `tag`: a search running meanwhile sees the previous build or
+        this one."""
+        if gpu is not None:
+            self.on_gpu[tag] = gpu
+        self.indexes[tag] = index
 
     def encode(
         self,
@@ -363,6 +401,7 @@ class _Shard:
         # Free the old build's memory first (two copies of a large shard need not fit); its files stay until the
         # new build is persisted, so a crash meanwhile restarts from the old version
         self.indexes.pop(tag, None)
+        self.on_gpu.pop(tag, None)
         quantizer = faiss.deserialize_index(trained) if trained is not None else None
         index = build_from_vectors(
             shard_folder,
@@ -375,6 +414,7 @@ class _Shard:
             trained=quantizer,
         )
         index.set_search_params(idx.nprobe, idx.ef_search)
+        gpu = self._gpu_copy(index, idx.nprobe)  # before persisting: a build that cannot go on the GPU is not kept
         manifest = persist(
             index,
             self._folder(tag),
@@ -391,7 +431,8 @@ class _Shard:
                 "build_seconds": index.meta.build_seconds,
             },
         )
-        self.indexes[tag], self.manifests[tag] = index, manifest
+        self._set_build(tag, index, gpu)
+        self.manifests[tag] = manifest
         return {**manifest, "doc_ids": index.doc_ids, "meta": asdict(index.meta), "peak_rss_mb": peak_rss_mb()}
 
     def load(self, tag: str, folder: str) -> dict:
@@ -410,12 +451,20 @@ class _Shard:
         return self.indexes[tag]
 
     def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """`DenseIndex.search` on the build `tag` (this shard's rows)."""
-        return self.build_of(tag).search(queries, k)
+        """`DenseIndex.search` on the build `tag` (this shard's rows), on its GPU copy with device=cuda."""
+        build = self.build_of(tag)
+        gpu = self.on_gpu.get(tag)
+        if gpu is None:
+            return build.search(queries, k)
+        with self.gpu_lock:  # the same checks as on the CPU (shape, k), then FAISS's GPU search
+            return DenseIndex(gpu, build.doc_ids, build.meta).search(queries, k)
 
     def set_search_params(self, tag: str, nprobe: int, ef_search: int) -> None:
-        """IVF nprobe / HNSW efSearch of the build `tag`."""
+        """IVF nprobe / HNSW efSearch of the build `tag` (and of its GPU copy: nprobe)."""
         self.build_of(tag).set_search_params(nprobe, ef_search)
+        if tag in self.on_gpu:
+            with self.gpu_lock:
+                set_gpu_search_params(self.on_gpu[tag], nprobe)
 
     def reconstruct_first(self, tag: str, n: int) -> np.ndarray | None:
         """`DenseIndex.reconstruct_first` of the build `tag`."""
@@ -433,6 +482,7 @@ class _Shard:
     def drop(self, tag: str) -> None:
         """Forget the build `tag` and its persisted folder (a restart does not bring it back)."""
         self.indexes.pop(tag, None)
+        self.on_gpu.pop(tag, None)
         self.manifests.pop(tag, None)
         shutil.rmtree(self._folder(tag), ignore_errors=True)
 
@@ -588,7 +638,7 @@ class _Shard:
         meta = replace(self.live_template.meta, build_seconds=0.0, extra={**self.live_template.meta.extra})
         built = build_from_chunks([(self.live_template.doc_ids, vectors)], index, meta)
         built.set_search_params(*self.live_params)
-        self.indexes[tag] = built
+        self._set_build(tag, built, self._gpu_copy(built, self.live_params[0]))
         return {"mix": live.mix(), "seconds": time.perf_counter() - t0}
 
     def live_end(self, tags: list[str]) -> None:
@@ -615,6 +665,7 @@ class _Shard:
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
             "tags": sorted(self.indexes),
+            "on_gpu": sorted(self.on_gpu),  # index.device=cuda: the builds searched on the GPU
             "restored": self.restored,
             "peak_rss_mb": peak_rss_mb(),
             "versions": {t: m.get("version") for t, m in self.manifests.items()},
@@ -696,10 +747,17 @@ def pool_node_options(pool: PoolResources, nodes: list[dict]) -> dict[str, Any]:
 class ShardGroup:
     """The run's N IndexShard actors: N > 1 on a cluster with `index_node` nodes, a placement group SPREADs them over
     those nodes (one per node when there are enough); elsewhere, and one shard always, on the pool's node. FAISS and
-    torch threads per shard: the CPUs of its node shared by the shards placed there."""
+    torch threads per shard: the CPUs of its node shared by the shards placed there. `gpu` > 0 (index.device=cuda:
+    `shard_gpus`): each shard claims that fraction of a GPU and searches its index there."""
 
     def __init__(
-        self, n: int, root: str | Path, pool: PoolResources, timeout_s: float, nodes: list[dict] | None = None
+        self,
+        n: int,
+        root: str | Path,
+        pool: PoolResources,
+        timeout_s: float,
+        nodes: list[dict] | None = None,
+        gpu: float = 0.0,
     ) -> None:
         nodes = ray.nodes() if nodes is None else nodes
         # One shard has nothing to spread: it goes next to the pool and claims no `index_node`, which the pool's
@@ -710,9 +768,8 @@ class ShardGroup:
         if found:
             per_node = -(-n // len(found))
             cpus = min(float(x["Resources"].get("CPU", 1)) for x in found)
-            self.pg = placement_group(
-                [{INDEX_NODE: INDEX_NODE_SHARE}] * n, strategy="STRICT_SPREAD" if n <= len(found) else "SPREAD"
-            )
+            bundle = {INDEX_NODE: INDEX_NODE_SHARE, **({"GPU": gpu} if gpu > 0 else {})}
+            self.pg = placement_group([bundle] * n, strategy="STRICT_SPREAD" if n <= len(found) else "SPREAD")
             ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
             if not ready:
                 remove_placement_group(self.pg)
@@ -728,7 +785,10 @@ class ShardGroup:
             per_node, cpus = n, float(ray.cluster_resources().get("CPU", 1))
             opts = [pool_node_options(pool, nodes)] * n
         threads = max(1, int(cpus) // per_node)
-        self.actors = [IndexShard.options(**o).remote(i, str(self.root), threads) for i, o in enumerate(opts)]
+        device = "cuda" if gpu > 0 else "cpu"
+        if gpu > 0:  # Ray gives each shard its GPU as device 0 (CUDA_VISIBLE_DEVICES); shards may share one
+            opts = [{**o, "num_gpus": gpu} for o in opts]
+        self.actors = [IndexShard.options(**o).remote(i, str(self.root), threads, device) for i, o in enumerate(opts)]
         self.versions: dict[str, int] = {}
 
     def gather(self, refs: Sequence[Any], what: str, timeout_s: float | None = None) -> list[Any]:

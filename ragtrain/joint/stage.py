@@ -24,6 +24,7 @@ from ragtrain.config.joint import PassageEncoder
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
 from ragtrain.generator.stage import PHASES, build_gen_data, resolve_index
+from ragtrain.index.sharded import shard_gpu_claim
 from ragtrain.index.vector_files import save_atomic
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
 from ragtrain.joint.train import HISTORY_FILE, PREDICTIONS_FILE, JointData, fit_joint
@@ -76,7 +77,7 @@ def run_joint_stage(
         raise ValueError("joint training starts from one encoder; the index holds the consensus of several")
     trained = PassageEncoder(j.passage_encoder) == PassageEncoder.trained
     r = cfg.resources
-    check_config(r, together=trained, trainer=True)
+    check_config(r, together=trained, trainer=True, shard_gpus=shard_gpu_claim(cfg.index))
     jd = JointData(gen, list(retrieval.doc_ids), retrieval.passages(), retrieval.positions)
     sink = logger.sink() if logger is not None else None
     service = probe = None

@@ -328,7 +328,11 @@ def _fit(
         scaling_config=ScalingConfig(
             num_workers=num_workers,
             use_gpu=r.use_gpu,
-            resources_per_worker={"CPU": args.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {}), **r.resources},
+            resources_per_worker={
+                "CPU": args.cpus_per_worker,
+                **({"GPU": r.gpus_per_worker} if r.use_gpu else {}),
+                **r.resources,
+            },
         ),
         run_config=RunConfig(
             name=args.stage,

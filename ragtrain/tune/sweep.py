@@ -108,7 +108,7 @@ def trial_need(cfg: Config) -> dict[str, float]:
     t, p = cfg.resources.trainer, cfg.resources.pool
     trainer = {"CPU": t.num_workers * t.cpus_per_worker, **{k: v * t.num_workers for k, v in t.resources.items()}}
     if t.use_gpu:
-        trainer["GPU"] = float(t.num_workers)
+        trainer["GPU"] = t.num_workers * t.gpus_per_worker
     pool = {"CPU": p.num_actors * p.cpus_per_actor, **{k: v * p.num_actors for k, v in p.resources.items()}}
     if p.gpus_per_actor:
         pool["GPU"] = p.num_actors * p.gpus_per_actor

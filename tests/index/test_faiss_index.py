@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import faiss
 import numpy as np
@@ -384,3 +385,54 @@ def test_literal_pq_factories_with_polysemous_training(corpus, exact, factory: s
     assert idx.index.is_trained and idx.index.ntotal == N and idx.meta.factory == factory
     idx.set_search_params(nprobe=16)
     assert _recall(idx.search(q, K)[1], exact) >= 0.5
+
+
+class _FaissBuild:
+    """What check_index_device reads of a FAISS build: its GPU API, how many GPUs it sees, and how it copies an
+    index to one (the CPU box's faiss has none of it; these stand for the GPU builds on machines without them)."""
+
+    __version__ = "1.12.0"
+    StandardGpuResources = object
+
+    def __init__(self, gpus: int, convert_error: str | None = None) -> None:
+        self.gpus, self.convert_error = gpus, convert_error
+
+    def get_num_gpus(self) -> int:
+        return self.gpus
+
+    def index_cpu_to_gpu(self, res, device: int, index):
+        if self.convert_error:
+            raise RuntimeError(self.convert_error)
+        return index
+
+
+def test_index_device_cpu_needs_nothing_of_faiss() -> None:
+    from ragtrain.index.faiss_index import check_index_device
+
+    check_index_device("cpu", "HNSW32", DIM, lib=object())  # nothing is asked of FAISS
+
+
+@pytest.mark.parametrize(
+    ("lib", "visible", "match"),
+    [
+        (SimpleNamespace(__version__="1.15.1"), 1,
+         r"^index.device=cuda needs FAISS with GPU support, and the installed faiss 1.15.1 is a CPU build: "
+         r"install the gpu extra "
+         r"\(pip install -e .\[gpu\] && pip uninstall -y faiss-cpu && pip install --force-reinstall --no-deps "
+         r"faiss-gpu-cu12\) or set index.device=cpu$"),
+        (_FaissBuild(gpus=0), 0, r"^index.device=cuda, but no CUDA GPU is visible on this machine.*: set "
+         r"index.device=cpu$"),
+        (_FaissBuild(gpus=0), 2, r"^index.device=cuda: faiss 1.12.0 sees no GPU while torch sees 2: faiss-gpu-cu12 "
+         r"needs the CUDA 12 runtime libraries"),
+        (_FaissBuild(gpus=1, convert_error="Error: 'Could not find a GPU equivalent'\nGPU: HNSW unsupported"), 1,
+         r"^index.factory='HNSW32' cannot run on a GPU \(index.device=cuda\): GPU: HNSW unsupported; use Flat"),
+    ],
+)  # fmt: skip
+def test_index_device_cuda_names_what_is_missing(lib, visible: int, match: str) -> None:
+    from ragtrain.errors import ConfigError
+    from ragtrain.index.faiss_index import check_index_device, gpu_resources
+
+    gpu_resources.cache_clear()
+    with pytest.raises(ConfigError, match=match):
+        check_index_device("cuda", "HNSW32", DIM, lib=lib, visible_gpus=lambda: visible)
+    check_index_device("cuda", "Flat", DIM, lib=_FaissBuild(gpus=1), visible_gpus=lambda: 1)  # all there: passes
