@@ -229,8 +229,10 @@ REGISTERED_MODEL = "ragtrain-test-retriever"  # quickstart_run registers its ret
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
-    """A real MLflow tracking server (SQLite backend, proxied artifacts) in its own process group."""
+    """A real MLflow tracking server (SQLite backend, proxied artifacts) in its own process group. Its store is a copy
+    of the schema template (mlflow_db): a new store would make the server run MLflow's migrations before it answers."""
     tmp = tmp_path_factory.mktemp("mlflow_server")
+    store = mlflow_db(tmp / "server.db")
     port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no background job workers
     proc = subprocess.Popen(
@@ -240,7 +242,7 @@ def mlflow_server(tmp_path_factory):
             "mlflow",
             "server",
             "--backend-store-uri",
-            f"sqlite:///{tmp / 'server.db'}",
+            store,
             "--artifacts-destination",
             str(tmp / "artifacts"),
             "--host",
