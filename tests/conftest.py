@@ -139,6 +139,9 @@ def quickstart_overrides(tmp: Path) -> list[str]:
         *tiny_overrides(tmp),
         "generator=tiny_t5",
         "index.align_anchors=32",
+        # one encode actor: each actor is a process that imports torch and builds the encoder (~3 s of CPU), and
+        # 120 passages are one actor's work (the actor pool of 2 is tested in tests/corpus)
+        "resources.pool.num_actors=1",
         "retriever.train.log_every=2",
         "retriever.train.val_every=2",
     ]
