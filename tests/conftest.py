@@ -139,6 +139,9 @@ def quickstart_overrides(tmp: Path) -> list[str]:
         *tiny_overrides(tmp),
         "generator=tiny_t5",
         "index.align_anchors=32",
+        # one encode actor: each actor is a process that imports torch and builds the encoder (~3 s of CPU), and
+        # 120 passages are one actor's work (the actor pool of 2 is tested in tests/corpus)
+        "resources.pool.num_actors=1",
         "retriever.train.log_every=2",
         "retriever.train.val_every=2",
     ]
@@ -229,8 +232,10 @@ REGISTERED_MODEL = "ragtrain-test-retriever"  # quickstart_run registers its ret
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
-    """A real MLflow tracking server (SQLite backend, proxied artifacts) in its own process group."""
+    """A real MLflow tracking server (SQLite backend, proxied artifacts) in its own process group. Its store is a copy
+    of the schema template (mlflow_db): a new store would make the server run MLflow's migrations before it answers."""
     tmp = tmp_path_factory.mktemp("mlflow_server")
+    store = mlflow_db(tmp / "server.db")
     port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no background job workers
     proc = subprocess.Popen(
@@ -240,7 +245,7 @@ def mlflow_server(tmp_path_factory):
             "mlflow",
             "server",
             "--backend-store-uri",
-            f"sqlite:///{tmp / 'server.db'}",
+            store,
             "--artifacts-destination",
             str(tmp / "artifacts"),
             "--host",
