@@ -43,10 +43,13 @@ setup: $(VENV)/.installed
 quickstart: setup
 	$(PY) -m ragtrain experiment=quickstart
 
+# Two test processes (pytest-xdist), each with its own local Ray: a serial run leaves a core idle while one
+# process imports torch or starts Ray actors; files stay whole on one process (their module fixtures run once)
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: setup
 	$(PY) -m pytest -q --durations=15 -m slow
