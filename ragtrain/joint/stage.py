@@ -28,7 +28,6 @@ from ragtrain.index.sharded import shard_gpu_claim
 from ragtrain.index.vector_files import save_atomic
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
 from ragtrain.joint.train import HISTORY_FILE, PREDICTIONS_FILE, JointData, fit_joint
-from ragtrain.retriever.train import load_weights
 
 log = get_logger(__name__)
 
@@ -54,7 +53,7 @@ def save_final_index(
     versions), and the folder's index must be the one the saved query encoder searches (`ragtrain.search`,
     `ragtrain.ask`). Its metadata names <out_dir>/joint/encoder.safetensors as its encoder."""
     name = f"{cfg.retriever.model}@{out_dir / JOINT_DIR / ENCODER_FILE}"
-    built, metrics = retrieval.build_and_evaluate("joint_index", [weights], name, cfg.joint.max_steps)
+    built, metrics = retrieval.build_and_evaluate("trained", [weights], name, cfg.joint.max_steps)
     save_atomic(built.index, out_dir / "index")  # a temporary folder, renamed when complete
     if logger is not None:
         logger.log_json(asdict(built.index.meta), "index_meta.json")
@@ -67,7 +66,7 @@ def run_joint_stage(
     """Train both models jointly on the run's index; returns {"joint": summary, "joint_rag": {em, f1, ...}, ...}
     and writes <out_dir>/joint/ (encoder.safetensors, generator/ as an HF model folder, loss_history.json,
     predictions.json, metrics.json; with trained passages refresh_history.json, and <out_dir>/index replaced by the
-    final encoder's index, evaluated as `joint_index`)."""
+    final encoder's index, evaluated as the `trained` phase)."""
     j = cfg.joint
     out = Path(out_dir) / JOINT_DIR
     gen = build_gen_data(cfg, data)
@@ -99,17 +98,17 @@ def run_joint_stage(
     shutil.copytree(fit.folder / GENERATOR_FOLDER, out / GENERATOR_FOLDER, dirs_exist_ok=True)
     m = fit.metrics
     results: dict[str, dict[str, float]] = {}
+    # the jointly trained retriever on the evaluated split (the run's `trained` phase): with trained passages the
+    # final encoder on both sides, the index saved in the folder; with frozen ones its query side over the run's index
     if trained:
-        results["joint_index"] = save_final_index(cfg, retrieval, fit.weights, Path(out_dir), logger)
+        results["trained"] = save_final_index(cfg, retrieval, fit.weights, Path(out_dir), logger)
+    elif built is not None:  # (stages [joint] on a saved index: searched by the generator's client only)
+        results["trained"] = retrieval.evaluate(replace(built, snapshots=[fit.weights], _encoder=None))
     for mode in ("closed_book", "rag", "oracle"):
         if f"{mode}/em" in m:
             results[PHASES[mode].replace("gen_", "joint_")] = {
                 k: m[f"{mode}/{k}"] for k in ("em", "f1", "n", "seconds", "gold_in_top_k") if f"{mode}/{k}" in m
             }
-    # the jointly trained retriever on the evaluated split: its query encoder over the index as training left it
-    # (frozen passages: the run's index; trained: the live index's final mix, as refreshed during training)
-    if built is not None:  # (stages [joint] on a saved index: searched by the generator's client only)
-        results["trained"] = retrieval.evaluate(replace(built, snapshots=[load_weights(out)], _encoder=None))
     results["joint"] = {
         "steps": float(j.max_steps),
         "wall_seconds": fit.seconds,

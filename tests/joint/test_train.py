@@ -160,7 +160,7 @@ def test_trained_passages_refresh_two_shards_and_end_on_one_version(built) -> No
     final = load_weights(out)
     want = QueryEncoder(cfg.retriever, [final]).encode(list(retrieval.passages()[:8]), role="passage")
     np.testing.assert_allclose(saved.reconstruct_first(8), want, atol=1e-5)
-    assert 0 <= results["joint_index"]["ndcg@10"] <= 1
+    assert 0 <= results["trained"]["ndcg@10"] <= 1
     (Path(cfg.output_dir) / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     question = data.queries[sorted(data.eval_qrels)[0]]
     _, hits = search(cfg.output_dir, question, 3)
