@@ -168,7 +168,7 @@ class Retrieval:
         streamed = self._streamed(folder, weights) if alone else None
         if streamed is not None:  # encoded as the corpus was read (corpus/stream.py): the same weights, corpus
             log.info(f"[{tag}] {streamed.rows} passage vectors from the corpus stream ({folder})")
-            return streamed
+            return streamed.in_order(self.doc_ids)
         key = None
         if idx.cache_dir and fault is None:  # the same weights on the same corpus were encoded before: reuse
             key = vector_cache.cache_key(
@@ -177,7 +177,7 @@ class Retrieval:
             cached = vector_cache.lookup(idx.cache_dir, key, folder)
             if cached is not None:
                 log.info(f"[{tag}] {len(self.doc_ids)} passage vectors from the cache ({Path(idx.cache_dir) / key})")
-                return cached
+                return cached.in_order(self.doc_ids)
         # A store is read by Ray Data's tasks (or the shards) a range at a time; an in-memory corpus goes as lists
         source = self.data.corpus if isinstance(self.data.corpus, PassageStore) else (self.doc_ids, self.passages())
         pool = cfg.resources.pool
@@ -192,6 +192,7 @@ class Retrieval:
                 source, ray.put(weights), cfg.retriever, idx, pool, folder, vector_dtype=idx.vector_dtype,
                 fault=fault, num_gpus_per_actor=pool.gpus_per_actor, num_threads=threads,
             )  # fmt: skip
+        got = got.in_order(self.doc_ids)  # the index's row r is the corpus's row r (the live refresh relies on it)
         if key is not None:
             vector_cache.store(idx.cache_dir, key, got)
         return got

@@ -85,6 +85,32 @@ class VectorSet:
             out.extend(pq.read_table(Path(self.folder, f), columns=["id"]).column("id").to_pylist())
         return out
 
+    def in_order(self, doc_ids: Sequence[str]) -> VectorSet:
+        """These files ordered so that their rows are `doc_ids` in that order (the corpus's), `shards.json` rewritten.
+
+        Ray Data names the files of a write by the write task's index, which follows when a block was ready, not its
+        place in the dataset (seen: rows 512-1023 in the first file); the index shards and the live refresh number
+        rows in corpus order, so a file out of place would pair one passage's id with another's refreshed vector.
+        """
+        import pyarrow.parquet as pq  # lazy: pyarrow loads a native library; this module imports without it
+
+        where = {d: i for i, d in enumerate(doc_ids)}
+
+        def first(f: str) -> int:
+            head = pq.ParquetFile(Path(self.folder, f)).read_row_group(0, columns=["id"]).column("id")
+            return where.get(head[0].as_py(), len(where)) if len(head) else len(where)
+
+        files = sorted(self.files, key=first)
+        if files != self.files:
+            self.files = files
+            self.save_meta()
+        if self.ids() != list(doc_ids):
+            raise ValueError(
+                f"{self.folder}: the vector files hold {self.rows} rows that are not the corpus's {len(doc_ids)} "
+                "passages in corpus order, even with the files reordered"
+            )
+        return self
+
     def vectors_of(self, wanted: Sequence[str]) -> np.ndarray:
         """fp32 vectors of the ids in `wanted`, in that order, read file by file (only those rows are kept)."""
         where = {d: i for i, d in enumerate(wanted)}

@@ -148,3 +148,23 @@ def test_a_build_that_runs_alone_gives_the_pools_actors_every_free_cpu(ray_sessi
     assert build_threads(PoolResources(num_actors=2, cpus_per_actor=1)) == max(1, free // 2)
     assert build_threads(PoolResources(num_actors=1, cpus_per_actor=1, gpus_per_actor=1)) == 1
     assert build_threads(PoolResources(num_actors=4 * free, cpus_per_actor=1)) == 1
+
+
+def test_vector_files_written_out_of_place_are_put_in_corpus_order(tmp_path) -> None:
+    """Ray Data names a write's files by the order its write tasks started, not the blocks' place in the dataset
+    (seen on SQuAD: the first file held rows 512-1023): the index numbers rows as the corpus does, so the files are
+    reordered, and a set that is not the corpus in order is refused."""
+    from ragtrain.corpus.encode import VectorSet, write_vectors
+
+    ids = [f"d{i}" for i in range(7)]
+    vecs = np.arange(14, dtype=np.float32).reshape(7, 2)
+    # the second block first, as the write tasks named them
+    shards = write_vectors(tmp_path / "v", [(ids[3:6], vecs[3:6]), (ids[0:3], vecs[0:3]), (ids[6:], vecs[6:])])
+    assert shards.ids()[:3] == ["d3", "d4", "d5"]
+    ordered = shards.in_order(ids)
+    assert ordered.ids() == ids
+    got_ids, got = VectorSet.load(tmp_path / "v").read_all()  # shards.json rewritten: a later load sees the order
+    assert got_ids == ids
+    np.testing.assert_array_equal(got, vecs)
+    with pytest.raises(ValueError, match="not the corpus's 8 passages in corpus order"):
+        VectorSet.load(tmp_path / "v").in_order(ids + ["d7"])
