@@ -287,11 +287,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Files that start Ray run first, the rest keep their order: `make test` runs two processes (pytest-xdist,
-    whole files each), and unit files then fill the gaps while the long end-to-end files finish, instead of one
-    long file starting last on a process that is otherwise done."""
-    ray_files = {item.path for item in items if "ray_session" in item.fixturenames}
-    items.sort(key=lambda item: item.path not in ray_files)  # stable: the order within each group is kept
