@@ -86,29 +86,53 @@ class VectorSet:
         return out
 
     def in_order(self, doc_ids: Sequence[str]) -> VectorSet:
-        """These files ordered so that their rows are `doc_ids` in that order (the corpus's), `shards.json` rewritten.
+        """These files made to hold `doc_ids` in that order (the corpus's), `shards.json` rewritten.
 
         Ray Data names the files of a write by the write task's index, which follows when a block was ready, not its
-        place in the dataset (seen: rows 512-1023 in the first file); the index shards and the live refresh number
-        rows in corpus order, so a file out of place would pair one passage's id with another's refreshed vector.
+        place in the dataset, and one write task may take two blocks that are not neighbours (seen on SQuAD: a first
+        file with rows 512-1023, a last one with rows 2048-2066 then 512-1023). The index shards and the live refresh
+        number rows in corpus order, so a row out of place pairs one passage's id with another's refreshed vector. A
+        file holding several runs of rows is split at the breaks (one file in memory at a time), and the pieces are
+        ordered; a set whose rows are not exactly the corpus is refused.
         """
         import pyarrow.parquet as pq  # lazy: pyarrow loads a native library; this module imports without it
 
         where = {d: i for i, d in enumerate(doc_ids)}
-
-        def first(f: str) -> int:
-            head = pq.ParquetFile(Path(self.folder, f)).read_row_group(0, columns=["id"]).column("id")
-            return where.get(head[0].as_py(), len(where)) if len(head) else len(where)
-
-        files = sorted(self.files, key=first)
-        if files != self.files:
+        folder, pieces, split = Path(self.folder), [], False
+        for f in self.files:
+            table = pq.read_table(folder / f)
+            ids = table.column("id").to_pylist()
+            missing = [d for d in ids if d not in where]
+            if missing:
+                raise ValueError(
+                    f"{folder / f}: {len(missing)} ids are not passages of the corpus (first: {missing[0]!r})"
+                )
+            pos = [where[d] for d in ids]
+            cuts = [0] + [k for k in range(1, len(pos)) if pos[k] != pos[k - 1] + 1] + [len(pos)]
+            if len(cuts) == 2:
+                pieces.append((pos[0], len(pos), f))
+                continue
+            split = True
+            for j, (a, b) in enumerate(zip(cuts, cuts[1:])):
+                name = f"{Path(f).stem}-{j:03d}.parquet"
+                pq.write_table(table.slice(a, b - a), folder / name)
+                pieces.append((pos[a], b - a, name))
+            (folder / f).unlink()
+        pieces.sort()
+        start = 0
+        for first, rows, _ in pieces:
+            if first != start:
+                raise ValueError(
+                    f"{folder}: the vector files hold {self.rows} rows that are not the corpus's {len(doc_ids)} "
+                    f"passages once each (row {start} is missing or repeated)"
+                )
+            start += rows
+        if start != len(doc_ids):
+            raise ValueError(f"{folder}: the vector files hold {start} rows, the corpus {len(doc_ids)} passages")
+        files = [name for _, _, name in pieces]
+        if split or files != self.files:
             self.files = files
             self.save_meta()
-        if self.ids() != list(doc_ids):
-            raise ValueError(
-                f"{self.folder}: the vector files hold {self.rows} rows that are not the corpus's {len(doc_ids)} "
-                "passages in corpus order, even with the files reordered"
-            )
         return self
 
     def vectors_of(self, wanted: Sequence[str]) -> np.ndarray:

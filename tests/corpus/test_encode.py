@@ -151,20 +151,23 @@ def test_a_build_that_runs_alone_gives_the_pools_actors_every_free_cpu(ray_sessi
 
 
 def test_vector_files_written_out_of_place_are_put_in_corpus_order(tmp_path) -> None:
-    """Ray Data names a write's files by the order its write tasks started, not the blocks' place in the dataset
-    (seen on SQuAD: the first file held rows 512-1023): the index numbers rows as the corpus does, so the files are
-    reordered, and a set that is not the corpus in order is refused."""
+    """Ray Data names a write's files by when its write tasks started, and a task may take two blocks that are not
+    neighbours (seen on SQuAD: the first file held rows 512-1023, the last rows 2048-2066 then 512-1023): the index
+    numbers rows as the corpus does, so files are split at their breaks and ordered; a set that is not the corpus
+    once each is refused."""
     from ragtrain.corpus.encode import VectorSet, write_vectors
 
-    ids = [f"d{i}" for i in range(7)]
-    vecs = np.arange(14, dtype=np.float32).reshape(7, 2)
-    # the second block first, as the write tasks named them
-    shards = write_vectors(tmp_path / "v", [(ids[3:6], vecs[3:6]), (ids[0:3], vecs[0:3]), (ids[6:], vecs[6:])])
-    assert shards.ids()[:3] == ["d3", "d4", "d5"]
-    ordered = shards.in_order(ids)
-    assert ordered.ids() == ids
+    ids = [f"d{i}" for i in range(9)]
+    vecs = np.arange(18, dtype=np.float32).reshape(9, 2)
+    rows = [[3, 4, 5], [6, 7, 8, 0, 1, 2]]  # 3-5 first in name order, then one file of two blocks: 6-8 and 0-2
+    shards = write_vectors(tmp_path / "v", [([ids[i] for i in r], vecs[r]) for r in rows])
+    assert shards.ids() == [ids[i] for r in rows for i in r]
+    assert shards.in_order(ids).ids() == ids
     got_ids, got = VectorSet.load(tmp_path / "v").read_all()  # shards.json rewritten: a later load sees the order
     assert got_ids == ids
     np.testing.assert_array_equal(got, vecs)
-    with pytest.raises(ValueError, match="not the corpus's 8 passages in corpus order"):
-        VectorSet.load(tmp_path / "v").in_order(ids + ["d7"])
+    assert len(list((tmp_path / "v").glob("*.parquet"))) == 3  # the mixed file split in two, the original removed
+    with pytest.raises(ValueError, match="9 rows, the corpus 10 passages"):
+        VectorSet.load(tmp_path / "v").in_order(ids + ["d9"])
+    with pytest.raises(ValueError, match="not passages of the corpus"):
+        VectorSet.load(tmp_path / "v").in_order(ids[1:])
