@@ -100,8 +100,7 @@ class VectorSet:
         where = {d: i for i, d in enumerate(doc_ids)}
         folder, pieces, split = Path(self.folder), [], False
         for f in self.files:
-            table = pq.read_table(folder / f)
-            ids = table.column("id").to_pylist()
+            ids = pq.read_table(folder / f, columns=["id"]).column("id").to_pylist()  # the vectors only to split
             missing = [d for d in ids if d not in where]
             if missing:
                 raise ValueError(
@@ -112,7 +111,7 @@ class VectorSet:
             if len(cuts) == 2:
                 pieces.append((pos[0], len(pos), f))
                 continue
-            split = True
+            split, table = True, pq.read_table(folder / f)
             for j, (a, b) in enumerate(zip(cuts, cuts[1:])):
                 name = f"{Path(f).stem}-{j:03d}.parquet"
                 pq.write_table(table.slice(a, b - a), folder / name)
