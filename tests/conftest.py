@@ -113,6 +113,25 @@ def compose(overrides: list[str] | None = None):
         return hydra_compose(config_name="config", overrides=overrides or [])
 
 
+def in_process_index(cfg, data, folder: Path):
+    """The run's index (its shard group) of an untrained encoder seeded with `cfg.seed`, built from vectors encoded
+    in-process (the Ray Data encode is tested in tests/corpus). Returns (Retrieval, BuiltIndex, weights)."""
+    import torch
+
+    from ragtrain.embed.encoders import QueryEncoder
+    from ragtrain.embed.model import build_encoder
+    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from tests.index.test_vector_files import _write_vectors
+
+    torch.manual_seed(cfg.seed)
+    weights = {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
+    retrieval = Retrieval(cfg, data)
+    vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
+    shards = _write_vectors(folder, retrieval.doc_ids, vecs, per_file=64)
+    held = retrieval.index_from("zeroshot", shards, f"{cfg.retriever.model}@init", 0)
+    return retrieval, BuiltIndex("zeroshot", held, [weights], retrieval.doc_ids, {}, shards=shards), weights
+
+
 def tiny_overrides(tmp_path: Path) -> list[str]:
     """Shrink any experiment for CPU tests: tiny encoder, small KB, a few steps, outputs and MLflow in tmp_path."""
     return [

@@ -161,7 +161,7 @@ class GeneratorEvalConfig:
     num_beams: int = 1  # 1 = greedy
     max_new_tokens: int = 16
     batch_size: int = 32
-    max_questions: int = 0  # evaluate the first N questions of the split (0 = all)
+    max_questions: int = 0  # evaluate N questions of the split drawn with data.seed, the same in every run (0 = all)
     before: bool = False  # also evaluate the generator as loaded, before fine-tuning (gen_before_rag/em, ...)
 
     def __post_init__(self) -> None:

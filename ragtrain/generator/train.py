@@ -185,7 +185,7 @@ def evaluate(
     """EM/F1 per eval mode; ranks split the questions and gather predictions (every rank gets the scores)."""
     g = cfg.generator
     decode = AnswerDecoder(builder.tok)
-    exs = data.eval[: g.eval.max_questions or None]
+    exs = data.eval  # the split, or its generator.eval.max_questions sample (build_gen_data)
     mine = exs[rank::world]
     model.eval()
     results, predictions = {}, {}

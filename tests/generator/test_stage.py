@@ -44,22 +44,12 @@ def built(ray_session, tmp_path_factory):
     """A tiny-retriever index of the 24-entity KB, held by the run's index shard as in a pipeline run (built from
     vectors encoded in-process: the Ray Data encode is tested in tests/corpus), saved to <out>/index."""
     from ragtrain.corpus.load import load_data
-    from ragtrain.embed.encoders import QueryEncoder
-    from ragtrain.embed.model import build_encoder
-    from ragtrain.retrieval import BuiltIndex, Retrieval
-    from tests.index.test_vector_files import _write_vectors
+    from tests.conftest import in_process_index
 
     tmp = tmp_path_factory.mktemp("gen")
     cfg = _cfg(tmp)
     data = load_data(cfg.data)
-    torch.manual_seed(cfg.seed)
-    weights = {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
-    retrieval = Retrieval(cfg, data)
-    vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
-    shards = _write_vectors(tmp / "vectors", retrieval.doc_ids, vecs, per_file=64)
-    name = f"{cfg.retriever.model}@init"
-    held = retrieval.index_from("zeroshot", shards, name, 0)
-    index = BuiltIndex("zeroshot", held, [weights], retrieval.doc_ids, {}, shards=shards)
+    retrieval, index, _ = in_process_index(cfg, data, tmp / "vectors")
     out = Path(cfg.output_dir)
     index.index.save(out / "index")
     yield tmp, cfg, data, retrieval, index

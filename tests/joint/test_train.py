@@ -56,22 +56,13 @@ def built(ray_session, tmp_path_factory):
     """A tiny-retriever index of the 24-entity KB on 2 index shards (vectors encoded in-process, as the generator
     stage's tests do: the Ray Data encode is tested in tests/corpus)."""
     from ragtrain.corpus.load import load_data
-    from ragtrain.embed.encoders import QueryEncoder
-    from ragtrain.embed.model import build_encoder
-    from ragtrain.retrieval import BuiltIndex, Retrieval
-    from tests.index.test_vector_files import _write_vectors
+    from tests.conftest import in_process_index
 
     tmp = tmp_path_factory.mktemp("joint")
     llama = save_tiny_llama(tmp / "llama", chat=False)
     cfg = _cfg(tmp, llama)
     data = load_data(cfg.data)
-    torch.manual_seed(cfg.seed)
-    weights = {k: v.detach().clone() for k, v in build_encoder(cfg.retriever).state_dict().items()}
-    retrieval = Retrieval(cfg, data)
-    vecs = QueryEncoder(cfg.retriever, [weights]).encode(list(retrieval.passages()), role="passage")
-    shards = _write_vectors(tmp / "vectors", retrieval.doc_ids, vecs, per_file=64)
-    held = retrieval.index_from("zeroshot", shards, f"{cfg.retriever.model}@init", 0)
-    index = BuiltIndex("zeroshot", held, [weights], retrieval.doc_ids, {}, shards=shards)
+    retrieval, index, weights = in_process_index(cfg, data, tmp / "vectors")
     yield tmp, llama, data, retrieval, index, weights
     retrieval.close()
 
