@@ -299,6 +299,10 @@ _LIVE = ["refresh.enabled=true", "refresh.every_steps=5"]
             r"refresh.priority=hot chooses the rows a partial refresh re-encodes, and refresh.fraction=1.0",
         ),
         (["refresh.priority=drift"], r"refresh.priority applies only with refresh.enabled=true"),
+        (
+            ["experiment=squad_rag", "stages=[index,joint,generator]"],
+            r"stages.*the joint stage trains and evaluates the generator itself",
+        ),
         ([*_LIVE, "refresh.timeout_s=inf"], r"refresh.timeout_s must be a number of seconds in \[1, 86400\], got inf"),
         ([*_LIVE, "refresh.timeout_s=0.5"], r"refresh.timeout_s must be a number of seconds in \[1, 86400\], got 0.5"),
         (["fault.hold_shard_encode=0"], r"fault.hold_shard_encode acts on a live refresh round: it needs refresh"),

@@ -847,6 +847,16 @@ class Config:
             "(stages: [retriever, index, joint] or [index, joint])",
             self.stages,
         )
+        # the joint stage fine-tunes and scores the generator itself; a generator stage after it would start again
+        # from the untrained generator and retrieve from the pre-joint index, not the jointly trained retriever
+        _check(
+            not {"joint", "generator"} <= set(self.stages),
+            "stages",
+            f"{self.stages}: the joint stage trains and evaluates the generator itself (closed-book, RAG and oracle "
+            "EM; <output_dir>/joint/generator): use [index, joint] for joint training or [index, generator] for the "
+            "generator alone",
+            self.stages,
+        )
         _check(
             not (self.data.chunk.enabled and "joint" in self.stages),
             "data.chunk.enabled",
