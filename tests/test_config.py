@@ -380,3 +380,25 @@ def test_cli_compare_seeds_without_variants_is_one_line(tmp_path) -> None:
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "compare.seeds" in r.stderr and "compare.variants" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_squad_rag_variants_give_every_generator_the_same_training_budget(tmp_path) -> None:
+    """The variants differ in the retriever only: every generator (the generator stage's or the joint stage's)
+    trains the same steps on the same global batch, from one seeded order, without the gold-only curriculum the
+    joint stage lacks; joint_full keeps the 2 trainer workers and adds a CPU for its refresh actor."""
+    from ragtrain.config import override_variants
+
+    variants = override_variants(compose(["experiment=squad_rag", f"output_dir={tmp_path}"]))
+    assert len(variants) == 8
+    budget = set()
+    for name, v in variants.items():
+        workers = v.resources.trainer.num_workers
+        if "joint" in v.stages:
+            budget.add((v.joint.max_steps, v.joint.batch_size * workers, v.joint.seed == v.seed))
+        else:
+            assert v.generator.train.oracle_steps == 0, name
+            budget.add((v.generator.train.max_steps, v.generator.train.batch_size * workers,
+                        v.generator.train.seed == v.seed))  # fmt: skip
+    assert budget == {(20, 4, True)}
+    full = variants["joint_full/seed=0"].resources
+    assert (full.num_cpus, full.trainer.num_workers, full.pool.num_actors) == (3, 2, 1)
