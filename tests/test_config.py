@@ -384,8 +384,8 @@ def test_cli_compare_seeds_without_variants_is_one_line(tmp_path) -> None:
 
 def test_squad_rag_variants_give_every_generator_the_same_training_budget(tmp_path) -> None:
     """The variants differ in the retriever only: every generator (the generator stage's or the joint stage's)
-    trains the same steps on the same global batch, from one seeded order, without the gold-only curriculum the
-    joint stage lacks; joint_full keeps the 2 trainer workers and adds a CPU for its refresh actor."""
+    trains the same steps on the same global batch, from one seeded order, on one passage (the gold one in
+    training); joint_full keeps the 2 trainer workers and adds a CPU for its refresh actor."""
     from ragtrain.config import override_variants
 
     variants = override_variants(compose(["experiment=squad_rag", f"output_dir={tmp_path}"]))
@@ -399,6 +399,7 @@ def test_squad_rag_variants_give_every_generator_the_same_training_budget(tmp_pa
             assert v.generator.train.oracle_steps == 0, name
             budget.add((v.generator.train.max_steps, v.generator.train.batch_size * workers,
                         v.generator.train.seed == v.seed))  # fmt: skip
+        assert (v.generator.retrieval.top_k, v.generator.train.include_gold) == (1, True), name
     assert budget == {(20, 4, True)}
     full = variants["joint_full/seed=0"].resources
     assert (full.num_cpus, full.trainer.num_workers, full.pool.num_actors) == (3, 2, 1)

@@ -25,7 +25,7 @@ import ray
 import torch
 
 from ragtrain.config import Config
-from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GenPrecision, PromptStyle
+from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GeneratorTrainConfig, GenPrecision, PromptStyle
 from ragtrain.generator.model import (
     AnswerDecoder,
     GenModel,
@@ -114,6 +114,23 @@ def train_passages(
     else:
         fits.sort(key=ids.index)  # rank order among the passages that fit
     return fits + rest
+
+
+def step_passages(
+    ex: GenExample,
+    hits: list[str],
+    step: int,
+    t: GeneratorTrainConfig,
+    k: int,
+    rng: random.Random,
+    whole: Callable[[list[str]], int] | None = None,
+) -> list[str]:
+    """A training prompt's passage ids at `step`: the gold passage alone for the first `t.oracle_steps` (a curriculum:
+    the answer format is learned on the passage that holds the answer; `hits` is not read then), `train_passages`
+    after. The generator stage and the joint stage both call it, so joint training follows the same curriculum."""
+    if step < t.oracle_steps:
+        return list(ex.gold[:1])
+    return train_passages(ex, hits, k, t.include_gold, t.shuffle_passages, rng, whole)
 
 
 def prompt_builder(g: GeneratorConfig, tokenizer) -> PromptBuilder:
@@ -310,17 +327,16 @@ def step_inputs(r: GenReplica, step: int) -> tuple[list, list, int]:
     idx = [r.sampler(first + i) for i in range(r.global_batch)]
     mine = range(r.w.rank * per_rank, (r.w.rank + 1) * per_rank)
     exs = [data.train[idx[j]] for j in mine]
-    if step < t.oracle_steps:  # curriculum phase: the gold passage alone
-        pids = [e.gold[:1] for e in exs]
-    else:
-        hits = r.client.search([e.question for e in exs], g.retrieval.top_k)
-        pids = [
-            train_passages(
-                e, h, g.retrieval.top_k, t.include_gold, t.shuffle_passages, random.Random(f"{t.seed}-{first + j}"),
-                lambda ps, q=e.question: r.builder.whole_passages(q, [data.passages[p] for p in ps]),
-            )
-            for e, h, j in zip(exs, hits, mine)
-        ]  # fmt: skip
+    # curriculum phase (the gold passage alone): nothing to retrieve
+    curriculum = step < t.oracle_steps
+    hits = [[] for _ in exs] if curriculum else r.client.search([e.question for e in exs], g.retrieval.top_k)
+    pids = [
+        step_passages(
+            e, h, step, t, g.retrieval.top_k, random.Random(f"{t.seed}-{first + j}"),
+            lambda ps, q=e.question: r.builder.whole_passages(q, [data.passages[p] for p in ps]),
+        )
+        for e, h, j in zip(exs, hits, mine)
+    ]  # fmt: skip
     src = [r.builder.source(e.question, [data.passages[p] for p in ps]) for e, ps in zip(exs, pids)]
     return src, [r.targets[idx[j]] for j in mine], sum(len(r.targets[i]) for i in idx)
 

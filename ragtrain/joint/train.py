@@ -47,7 +47,7 @@ from ragtrain.generator.train import (
     evaluate,
     prompt_builder,
     save_generator,
-    train_passages,
+    step_passages,
 )
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.joint import GENERATOR_FOLDER
@@ -220,9 +220,9 @@ def step_batch(r: JointReplica, step: int) -> tuple[list[GenExample], list[list[
     if short:
         raise RuntimeError(f"the index returned fewer than joint.top_k={j.top_k} passages for {short[:3]}")
     passages = r.data.gen.passages
-    pids = [
-        train_passages(
-            e, h, g.retrieval.top_k, t.include_gold, t.shuffle_passages, random.Random(f"{j.seed}-{first + m}"),
+    pids = [  # the generator's own prompt passages (its gold-only curriculum included)
+        step_passages(
+            e, h, step, t, g.retrieval.top_k, random.Random(f"{j.seed}-{first + m}"),
             lambda ps, q=e.question: r.builder.whole_passages(q, [passages[p] for p in ps]),
         )
         for e, h, m in zip(exs, hits, mine)

@@ -81,3 +81,15 @@ def test_a_real_prompt_holds_the_gold_passage_whole() -> None:
         )
         src = b.source(ex.question, [texts[p] for p in ids])
         assert any(src[i : i + len(gold_ids)] == gold_ids for i in range(len(src)))  # the whole gold passage
+
+
+def test_step_passages_follow_the_gold_only_curriculum_then_the_retrieved_ones() -> None:
+    """One function chooses a training prompt's passages for the generator stage and the joint stage alike."""
+    from ragtrain.config.generator import GeneratorTrainConfig
+    from ragtrain.generator.train import step_passages
+
+    ex = GenExample("q1", "who?", ["x"], ["g"])
+    t = GeneratorTrainConfig(oracle_steps=2, include_gold=True, shuffle_passages=False)
+    assert [step_passages(ex, ["a", "b"], s, t, 2, random.Random(0)) for s in (0, 1)] == [["g"], ["g"]]
+    assert step_passages(ex, ["a", "b"], 2, t, 2, random.Random(0)) == ["a", "g"]  # the gold replaces b
+    assert step_passages(ex, ["a", "g", "b"], 2, t, 1, random.Random(0)) == ["g"]  # top 1: the gold replaces a
