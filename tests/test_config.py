@@ -400,6 +400,6 @@ def test_squad_rag_variants_give_every_generator_the_same_training_budget(tmp_pa
             budget.add((v.generator.train.max_steps, v.generator.train.batch_size * workers,
                         v.generator.train.seed == v.seed))  # fmt: skip
         assert (v.generator.retrieval.top_k, v.generator.train.include_gold) == (1, True), name
-    assert budget == {(20, 4, True)}
+    assert budget == {(16, 4, True)}
     full = variants["joint_full/seed=0"].resources
     assert (full.num_cpus, full.trainer.num_workers, full.pool.num_actors) == (3, 2, 1)
