@@ -241,8 +241,8 @@ def joint_step(r: JointReplica, step: int) -> dict[str, float]:
     questions = [e.question for e in exs]
     passages = r.data.gen.passages
     gen.eval()  # the target without dropout: a stable distribution to distil (and the same on every world size)
-    # in the training precision: k single-passage prompts per question are the step's largest forward (fp32 here
-    # made a bf16 step on an AMX CPU 1.4x slower); log-softmax runs in fp32 under autocast
+    # in the training precision, like the rest of the step: k single-passage prompts per question are its largest
+    # forward (log-softmax still runs in fp32 under autocast)
     with autocast(cfg.generator.train.precision, device):
         loglik = answer_loglik(gen, r.builder, questions, [[passages[p] for p in h] for h in hits],
                                [e.answers[0] for e in exs], cfg.generator.max_target_length).float()  # fmt: skip
