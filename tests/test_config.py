@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig
 
 from ragtrain.config import Config, ConfigError, to_flat_dict, to_typed
 from tests.conftest import CONF_DIR, REPO, compose
@@ -403,3 +404,21 @@ def test_squad_rag_variants_give_every_generator_the_same_training_budget(tmp_pa
     assert budget == {(16, 4, True)}
     full = variants["joint_full/seed=0"].resources
     assert (full.num_cpus, full.trainer.num_workers, full.pool.num_actors) == (3, 2, 1)
+    assert {v.resources.num_cpus for v in variants.values()} == {3}  # one local Ray for every variant
+
+
+def test_a_variant_cannot_resize_the_ray_session_the_variants_share(tmp_path) -> None:
+    """The first variant starts the local Ray every later one joins: a variant's own resources.num_cpus would be
+    ignored (and its resource check fail after the earlier variants ran), so it is refused when composed."""
+    from ragtrain.config import override_variants
+
+    def variant(name: str, cpus: int) -> DictConfig:
+        return compose(
+            ["experiment=squad_rag", f"output_dir={tmp_path}", f"compare.variants.{name}=['resources.num_cpus={cpus}']"]
+        )
+
+    with pytest.raises(ConfigError, match=r"compare.variants.joint_full sets 'resources.num_cpus=4', but every "
+                       r"variant runs in the one Ray session the first starts \(resources.num_cpus=3\)"):  # fmt: skip
+        override_variants(variant("joint_full", 4))
+    same = variant("frozen", 3)
+    assert override_variants(same)["frozen/seed=0"].resources.num_cpus == 3

@@ -1178,6 +1178,12 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
                 raise ConfigError(f"compare.variants.{name} sets unknown config key {key!r}")
             OmegaConf.update(variant, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=True)
             check_ascii_numbers(variant, [str(item)], f"compare.variants.{name}: ")
+            if key in SESSION_KEYS and variant.resources[key.split(".")[1]] != cfg.resources[key.split(".")[1]]:
+                # the first variant starts the local Ray that every later one joins: its own value would be ignored
+                raise ConfigError(
+                    f"compare.variants.{name} sets {item!r}, but every variant runs in the one Ray session the "
+                    f"first starts ({key}={cfg.resources[key.split('.')[1]]}): set {key} outside compare.variants"
+                )
         variant.compare.variants, variant.compare.only, variant.compare.seeds = {}, [], []
         variant.zeroshot_eval = bool(cfg.zeroshot_eval) and i == 0  # the zero-shot figure is the same for all
         for seed in seeds or [None]:
@@ -1194,6 +1200,7 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
     return out
 
 
+SESSION_KEYS = ("resources.num_cpus", "resources.dashboard")  # settings of the local Ray that variants share
 SEEDED = ("seed", "retriever.train.seed", "generator.train.seed", "joint.seed")  # what compare.seeds sets
 SEED_MARK = "/seed="  # a variant's label when compare.seeds repeats it: `frozen/seed=1`
 
