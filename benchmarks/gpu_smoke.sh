@@ -134,14 +134,13 @@ common = [
 ]
 if dry:
     common += [
-        # squad_rag sets resources.num_cpus for its own variants: each group's count instead
-        "resources=laptop", "resources.num_cpus=2", "retriever=tiny", "generator=tiny_gpt2", "generator.train.precision=fp32",
+        "resources=laptop", "retriever=tiny", "generator=tiny_gpt2", "generator.train.precision=fp32",
         "retriever.query_max_length=32", "retriever.passage_max_length=64", "data.dev_articles=2",
         "generator.eval.batch_size=4",
     ]
 else:
     common += [
-        "resources=gpu_node", "resources.num_cpus=null", f"resources.trainer.num_workers={workers}", "generator.train.precision=bf16",
+        "resources=gpu_node", f"resources.trainer.num_workers={workers}", "generator.train.precision=bf16",
         "generator.eval.batch_size=32", "index.batch_size=128",
     ]
 

@@ -1178,11 +1178,12 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
                 raise ConfigError(f"compare.variants.{name} sets unknown config key {key!r}")
             OmegaConf.update(variant, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=True)
             check_ascii_numbers(variant, [str(item)], f"compare.variants.{name}: ")
-            if key in SESSION_KEYS and variant.resources[key.split(".")[1]] != cfg.resources[key.split(".")[1]]:
+            field = key.removeprefix("resources.")
+            if key in SESSION_KEYS and variant.resources[field] != cfg.resources[field]:
                 # the first variant starts the local Ray that every later one joins: its own value would be ignored
                 raise ConfigError(
                     f"compare.variants.{name} sets {item!r}, but every variant runs in the one Ray session the "
-                    f"first starts ({key}={cfg.resources[key.split('.')[1]]}): set {key} outside compare.variants"
+                    f"first starts ({key}={cfg.resources[field]}): set {key} outside compare.variants"
                 )
         variant.compare.variants, variant.compare.only, variant.compare.seeds = {}, [], []
         variant.zeroshot_eval = bool(cfg.zeroshot_eval) and i == 0  # the zero-shot figure is the same for all
