@@ -852,9 +852,9 @@ class Config:
         _check(
             not {"joint", "generator"} <= set(self.stages),
             "stages",
-            f"{self.stages}: the joint stage trains and evaluates the generator itself (closed-book, RAG and oracle "
-            "EM; <output_dir>/joint/generator): use [index, joint] for joint training or [index, generator] for the "
-            "generator alone",
+            "lists both joint and generator: the joint stage trains and evaluates the generator itself (closed-book, "
+            "RAG and oracle EM; <output_dir>/joint/generator): use [index, joint] for joint training or [index, "
+            "generator] for the generator alone",
             self.stages,
         )
         _check(
