@@ -178,7 +178,8 @@ def truncation_report(corpus: Mapping[str, Any], retriever: RetrieverConfig, see
     lengths = [
         len(ids)
         for i in range(0, len(texts), 1024)
-        for ids in tokenizer(texts[i : i + 1024], add_special_tokens=True)["input_ids"]
+        # verbose=False: counting lengths past the model's limit is the point, not a mistake to warn of
+        for ids in tokenizer(texts[i : i + 1024], add_special_tokens=True, verbose=False)["input_ids"]
     ]
     over = [x for x in lengths if x > limit]
     if not over:

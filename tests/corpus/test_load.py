@@ -189,8 +189,9 @@ def test_cli_bad_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
-def test_passages_longer_than_the_encoder_are_reported_when_not_chunked(tmp_path: Path, monkeypatch) -> None:
-    """Without chunking, a 2,100-word document was cut to passage_max_length tokens without a word."""
+def test_passages_longer_than_the_encoder_are_reported_when_not_chunked(tmp_path: Path, monkeypatch, capfd) -> None:
+    """Without chunking, a 2,100-word document was cut to passage_max_length tokens without a word. The report is
+    the one line: counting the lengths does not also print the tokenizer's warning about a too-long sequence."""
     import ragtrain.corpus.load as load
     from ragtrain.corpus.load import truncation_report
     from ragtrain.data.store import write_store
@@ -212,6 +213,7 @@ def test_passages_longer_than_the_encoder_are_reported_when_not_chunked(tmp_path
         f"1 of {len(data.corpus)} passages exceed retriever.passage_max_length=64 tokens (longest "
     )
     assert "set data.chunk.enabled=true to split them" in line
+    assert "Token indices sequence length" not in capfd.readouterr().err
     assert int(line.split("(longest ")[1].split(", median")[0].replace(",", "")) > 2100  # word pieces, specials
     # a store is read by position, and a corpus larger than the sample is counted on a seeded sample
     store = write_store(
