@@ -211,16 +211,98 @@ def with_pooler(backbone: Any, r: Any, seed: int) -> Any:
     return full
 
 
-def export_generator(weights_dir: str | Path, folder: str | Path) -> Path:
+def base_license(model_dir: str | Path) -> str | None:
+    """The license a model folder's card (README.md front matter) declares, or None: none is declared."""
+    from huggingface_hub.repocard import metadata_load  # lazy: only the export reads cards
+
+    card = Path(model_dir) / "README.md"
+    license_ = metadata_load(card).get("license") if card.is_file() else None
+    return str(license_) if license_ else None
+
+
+def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> str:
+    """The generator's README.md: base model and its license, data, how it was trained, its EM / F1, the config and
+    the command. The license is the base model's (the fine-tuned weights derive from it); a card that declares none
+    says so, and MLflow then warns to check the license."""
+    # lazy: ragtrain.generator.model imports transformers; this module imports without it
+    from ragtrain.generator.model import resolve_path
+
+    g = cfg.generator
+    tiny = g.model == "tiny" and g.arch != Arch.bert2bert
+    base = f"a tiny {g.arch.value} LM built from a transformers config (random init)" if tiny else g.model
+    license_ = None if tiny else base_license(resolve_path(g.model))
+    if "joint" in cfg.stages:
+        j = cfg.joint
+        how = (
+            f"trained jointly with the retriever ({j.loss}, {j.max_steps} steps of {j.batch_size} questions per "
+            f"worker, the top {j.top_k} passages of the live index per question)"
+        )
+    else:
+        t = g.train
+        workers = t.num_workers or cfg.resources.trainer.num_workers
+        gold = ", the gold passage always in the prompt" if t.include_gold else ""
+        length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epochs"
+        how = (
+            f"fine-tuned on retrieved passages ({length}, global batch "
+            f"{t.batch_size * workers}, lr {t.lr}, top {g.retrieval.top_k} passages{gold}; the first "
+            f"{t.oracle_steps} steps on the gold passage alone)"
+        )
+    loader = "AutoModelForCausalLM" if g.arch == Arch.causal else "AutoModelForSeq2SeqLM"
+    if g.arch == Arch.bert2bert:
+        loader = "EncoderDecoderModel"
+    pipeline_tag = "text-generation" if g.arch == Arch.causal else "text2text-generation"
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return f"""---
+library_name: transformers
+pipeline_tag: {pipeline_tag}
+license: {license_ or "other"}
+tags: [ragtrain, retrieval-augmented-generation]
+---
+# {cfg.experiment_name}: ragtrain generator
+
+- **Base model**: {base} (license: {license_ or "not declared by the base model's card: check it before use"})
+- **Data**: {data_desc}
+- **Training**: {how}.
+- **Prompt**: {g.prompt.value}, at most {g.max_source_length} source and {g.max_target_length} answer tokens.
+
+```python
+from transformers import {loader}, AutoTokenizer
+model = {loader}.from_pretrained("path/to/export/generator")
+tokenizer = AutoTokenizer.from_pretrained("path/to/export/generator")
+```
+or, with the run's index and retriever: `python -m ragtrain.ask <run folder> "a question"`.
+
+## Answers ({cfg.data.split} split, SQuAD v1.1 normalisation)
+
+```
+{answers}
+```
+
+## Reproduce
+
+```
+{command}
+```
+
+## Resolved config
+
+```yaml
+{config_yaml}```
+"""
+
+
+def export_generator(weights_dir: str | Path, folder: str | Path, card: str | None = None) -> Path:
     """The generator trained by this run (`<weights_dir>`: its Hugging Face model folder, written by the generator
     stage) without the run's result files, at `folder` (hard links where the file system allows: SmolLM2's
-    weights are 538 MB)."""
+    weights are 538 MB), with `card` as its README.md."""
     # lazy: ragtrain.generator.train imports ray; this module imports without it
     from ragtrain.generator.train import RUN_FILES
 
     folder = Path(folder)
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(weights_dir, folder, ignore=shutil.ignore_patterns(*RUN_FILES), copy_function=_link_or_copy)
+    if card is not None:
+        (folder / "README.md").write_text(card, encoding="utf-8")
     return folder
 
 
@@ -232,9 +314,16 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def export_run(
-    cfg: Config, weights: dict[str, torch.Tensor] | None, out: Path, data_desc: str, table: str, logger: Any
+    cfg: Config,
+    weights: dict[str, torch.Tensor] | None,
+    out: Path,
+    data_desc: str,
+    table: str,
+    logger: Any,
+    answers: str = "",
 ) -> dict[str, Path]:
     """Export what this run produced and log it to its MLflow run; returns {"retriever"|"generator": folder}.
+    `table`: the retrieval metrics for the retriever's card; `answers`: the generator's EM / F1 for its card.
 
     `weights` is the encoder that built the run's index (None: the run used no encoder of its own); a run with a
     joint stage exports the jointly trained encoder and generator instead (`served_encoder`, `served_generator`).
@@ -247,13 +336,15 @@ def export_run(
     joint = served_encoder(cfg, out)
     if joint is not None:
         weights = load_weights(joint.parent, joint.stem)
+    command = reproduce_command()
     if weights is not None:
-        card = model_card(cfg, data_desc, table, reproduce_command())
+        card = model_card(cfg, data_desc, table, command)
         exported["retriever"] = export_retriever(cfg, weights, root / RETRIEVER_DIR, card)
         logger.log_retriever_model(exported["retriever"], cfg.logger.register_as)
     gen_weights = served_generator(cfg, out)
     if gen_weights is not None and (gen_weights / "config.json").exists():
-        exported["generator"] = export_generator(gen_weights, root / GENERATOR_DIR)
+        card = generator_card(cfg, data_desc, answers, command)
+        exported["generator"] = export_generator(gen_weights, root / GENERATOR_DIR, card)
         logger.log_generator_model(exported["generator"], causal=cfg.generator.arch == Arch.causal)
     for name, path in exported.items():
         log.info(f"[export] {name}: {path.resolve()}")

@@ -674,7 +674,13 @@ def report_phase(s: RunState) -> None:
         about = f"{d.name}: {len(d.corpus)} passages, {len(d.train_qrels)} training queries, evaluated on "
         about += f"{len(d.eval_qrels)} {d.split} queries"
         # <output_dir>/export: sentence-transformers + HF folders
-        export_run(cfg, s.weights if encoded else None, out, about, summary_table(results), logger)
+        answers = ""
+        if {"generator", "joint"} & set(cfg.stages):
+            # lazy: ragtrain.generator.stage imports ray; this module imports without it
+            from ragtrain.generator.stage import summary_table as answer_table
+
+            answers = answer_table(results, "joint_" if "joint" in cfg.stages else "gen_")
+        export_run(cfg, s.weights if encoded else None, out, about, summary_table(results), logger, answers)
     log.info(f"\n== {cfg.experiment_name}: {s.data.name} split={s.data.split} index={cfg.index.factory} ==")
     log.info(summary_table(results))
     if "train" in results:

@@ -200,7 +200,7 @@ def test_export_of_a_joint_run_holds_the_jointly_trained_models(runs, tmp_path: 
     jcfg.logger.register_as = None  # the registry is tested with the quickstart's own export
     logger = RunLogger(LoggerConfig(tracking_uri=mlflow_db(tmp_path / "m.db"), experiment_name="ask"), run_name="j")
     try:  # the pipeline passes the encoder that built the index: the joint run's own replaces it
-        exported = export_run(jcfg, load_weights(run / "encoder"), run, "synthetic", "table", logger)
+        exported = export_run(jcfg, load_weights(run / "encoder"), run, "synthetic", "table", logger, "em 0.25")
     finally:
         logger.end()
     st = SentenceTransformer(str(exported["retriever"]), device="cpu", local_files_only=True)
@@ -209,6 +209,9 @@ def test_export_of_a_joint_run_holds_the_jointly_trained_models(runs, tmp_path: 
     theirs = st.encode_document(texts, convert_to_tensor=True).cpu().float()
     assert torch.nn.functional.cosine_similarity(torch.as_tensor(ours), theirs).min().item() >= 0.9999
     assert "jointly trained encoder" in (exported["retriever"] / "README.md").read_text()
+    card = (exported["generator"] / "README.md").read_text()
+    assert f"trained jointly with the retriever ({jcfg.joint.loss}, {jcfg.joint.max_steps} steps" in card
+    assert "license: other\n" in card and "em 0.25" in card  # a tiny model from a config declares no license
     want = (run / JOINT_DIR / GENERATOR_FOLDER / "model.safetensors").read_bytes()
     assert (exported["generator"] / "model.safetensors").read_bytes() == want
 

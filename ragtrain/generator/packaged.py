@@ -51,10 +51,40 @@ def packaged_folder(name: str) -> str:
     if not gguf.exists():
         raise ConfigError(f"generator.model={name}: the package has no {p.gguf_file} (reinstall {p.requirement})")
     folder = cache_root() / f"{name}-{_sha256(gguf)[:16]}"
-    if (folder / "config.json").exists():
-        return str(folder)
-    _dequantise(gguf, folder)
+    if not (folder / "config.json").exists():
+        _dequantise(gguf, folder)
+    if not (folder / "README.md").exists():  # (folders dequantised before cards were written get one now)
+        write_card(gguf, p, folder)
     return str(folder)
+
+
+def gguf_metadata(gguf: Path) -> dict[str, str]:
+    """The GGUF file's `general.*` string fields (name, organization, license, ...), read from its header."""
+    from gguf import GGUFReader, GGUFValueType  # lazy: installed with the packaged model
+
+    out = {}
+    for key, f in GGUFReader(str(gguf)).fields.items():
+        if key.startswith("general.") and f.types == [GGUFValueType.STRING]:
+            out[key.removeprefix("general.")] = bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
+    return out
+
+
+def write_card(gguf: Path, p: PackagedModel, folder: Path) -> None:
+    """README.md of the dequantised folder: what it was made from and the license the GGUF declares (the card an
+    export of a model fine-tuned from it carries the license over from)."""
+    meta = gguf_metadata(gguf)
+    license_ = meta.get("license")
+    card = (
+        "---\nlibrary_name: transformers\npipeline_tag: text-generation\n"
+        + (f"license: {license_}\n" if license_ else "")
+        + f"---\n# {gguf.stem}, dequantised to fp32\n\n{meta.get('name', gguf.stem)}"
+        + (f" by {meta['organization']}" if "organization" in meta else "")
+        + f": dequantised by ragtrain from `{gguf.name}` of the `{p.requirement}` package"
+        + (f"; its declared license: {license_}.\n" if license_ else "; it declares no license.\n")
+    )
+    tmp = folder / f"README.md.{os.getpid()}"  # atomic: workers on one node may race here
+    tmp.write_text(card, encoding="utf-8")
+    tmp.replace(folder / "README.md")
 
 
 def _dequantise(gguf: Path, folder: Path) -> None:

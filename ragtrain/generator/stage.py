@@ -191,11 +191,11 @@ def check_resources(cfg: Config) -> None:
     check_config(replace(r, trainer=trainer), shard_gpus=shard_gpu_claim(cfg.index))
 
 
-def summary_table(results: dict[str, dict[str, float]]) -> str:
-    """EM / F1 per mode side by side."""
-    modes = [p for p in PHASES.values() if p in results]
+def summary_table(results: dict[str, dict[str, float]], prefix: str = "gen_") -> str:
+    """EM / F1 per mode side by side (`prefix` "joint_": the joint stage's generator)."""
+    modes = [p.replace("gen_", prefix) for p in PHASES.values() if p.replace("gen_", prefix) in results]
     rows = [[k] + [results[m].get(k) for m in modes] for k in ("em", "f1", "gold_in_top_k")]
-    headers = ["metric"] + [m.removeprefix("gen_").replace("before_", "untrained ") for m in modes]
+    headers = ["metric"] + [m.removeprefix(prefix).replace("before_", "untrained ") for m in modes]
     return tabulate(rows, headers=headers, floatfmt=".4f", missingval="")
 
 

@@ -446,13 +446,18 @@ def save_generator_model(folder: str | Path, out: str | Path) -> None:
     holds class names where mlflow expects classes)."""
     # lazy: mlflow and transformers take seconds to import; this module imports without them
     import mlflow.transformers
+    from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
     model = AutoModelForCausalLM.from_pretrained(str(folder))
     generate = pipeline("text-generation", model=model, tokenizer=AutoTokenizer.from_pretrained(str(folder)))
+    card = Path(folder) / "README.md"
     mlflow.transformers.save_model(
         generate,
         str(out),
+        # the folder's own card (ragtrain's export writes one): without it mlflow asks the Hub for the card of a
+        # local path, and warns twice, offline or not
+        model_card=ModelCard.load(card) if card.is_file() else None,
         # explicit requirements: inferring them starts a subprocess that re-imports the model (slow)
         pip_requirements=[f"torch=={_version('torch').split('+')[0]}", f"transformers=={_version('transformers')}"],
     )

@@ -193,3 +193,32 @@ def test_the_lm_head_runs_on_answer_positions_only_with_the_same_loss(llama_dir)
         results.append((logp.detach(), m.hf.lm_head.weight.grad.clone()))
     torch.testing.assert_close(results[0][0], results[1][0])
     torch.testing.assert_close(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("license_", ["apache-2.0", None])
+def test_the_dequantised_folder_gets_a_card_with_the_license_its_gguf_declares(tmp_path, license_) -> None:
+    """The card an export of a model fine-tuned from the packaged one takes its license from."""
+    import gguf
+
+    from ragtrain.export import base_license
+    from ragtrain.generator.packaged import write_card
+
+    path = tmp_path / "Tiny-Instruct.Q4_1.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("Tiny Instruct")
+    w.add_organization("SomeLab")
+    if license_:
+        w.add_license(license_)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (tmp_path / "hf").mkdir()
+    write_card(path, PackagedModel("llm_tiny", "llm-tiny==1.0", path.name), tmp_path / "hf")
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert base_license(tmp_path / "hf") == license_
+    assert (
+        "Tiny Instruct by SomeLab: dequantised by ragtrain from `Tiny-Instruct.Q4_1.gguf` of the `llm-tiny==1.0`"
+        in card
+    )
+    assert (f"its declared license: {license_}." if license_ else "it declares no license.") in card
