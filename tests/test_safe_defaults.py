@@ -33,13 +33,19 @@ def test_embedded_ray_starts_on_loopback_without_the_env_var(tmp_path: Path) -> 
     code = (
         "import ragtrain.__main__, ray; from ragtrain.cluster.resources import init_ray; "
         "from ragtrain.config import ResourcesConfig; init_ray(ResourcesConfig(num_cpus=1)); "
-        "print('node', ray.util.get_node_ip_address()); ray.shutdown()"
+        "print('node', ray.util.get_node_ip_address()); "
+        "print('watcher', ray.get_runtime_context().runtime_env['env_vars'].get('RAY_TRAIN_ENABLE_PREEMPTION_WATCHER'))"
+        "; ray.shutdown()"
     )
+    env = _env()
+    env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)  # (the tests' conftest sets it for their own Ray)
     res = subprocess.run(
-        [sys.executable, "-c", code], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "node 127.0.0.1" in res.stdout
+    # one machine drains no nodes: no preemption watcher actor per fit (Train V2 reads this in its controller)
+    assert "watcher 0" in res.stdout
 
 
 def test_a_cluster_address_keeps_rays_own_networking(tmp_path: Path) -> None:

@@ -69,6 +69,9 @@ def worker_env(worker_start_timeout_s: int = WORKER_START_TIMEOUT_S) -> dict[str
     return env
 
 
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
 def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TIMEOUT_S) -> None:
     """Connect to $RAY_ADDRESS if set, else start a local Ray with resources.num_cpus logical CPUs."""
     if os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
@@ -103,6 +106,10 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
         # machine (found through /tmp/ray) and then refuse num_cpus.
 
         env["PYTHONPATH"] = worker_pythonpath()  # the workers run the driver's ragtrain (e.g. a frozen copy)
+        # Train V2 starts a preemption watcher actor per fit to notice nodes being drained (spot capacity on a
+        # cluster); one machine's Ray drains none, and the actor costs a process start per fit and logs an error
+        # line about its restarts. The user's own setting wins.
+        env[PREEMPTION_WATCHER] = os.environ.get(PREEMPTION_WATCHER, "0")
         context = ray.init(
             address="local",
             num_cpus=res.num_cpus,
