@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ragtrain.config import Config, Pooling
-from ragtrain.config.generator import Arch
+from ragtrain.config.generator import PACKAGED, Arch
 from ragtrain.config.joint import PassageEncoder
 from ragtrain.console import get_logger
 from ragtrain.embed.model import build_encoder, load_tokenizer, resolve_model_path
@@ -220,6 +220,19 @@ def base_license(model_dir: str | Path) -> str | None:
     return str(license_) if license_ else None
 
 
+def answer_block(cfg: Config, results: dict[str, dict[str, float]]) -> str:
+    """The served generator's EM / F1 per mode and how many questions they were scored on (its card's table); ""
+    when the run trained no generator."""
+    if not {"generator", "joint"} & set(cfg.stages):
+        return ""
+    # lazy: ragtrain.generator.stage imports ray; this module imports without it
+    from ragtrain.generator.stage import summary_table
+
+    prefix = "joint_" if "joint" in cfg.stages else "gen_"
+    scored = next((int(m["n"]) for p, m in results.items() if p.startswith(prefix) and "n" in m), 0)
+    return f"{scored} {cfg.data.split} questions\n\n{summary_table(results, prefix)}"
+
+
 def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> str:
     """The generator's README.md: base model and its license, data, how it was trained, its EM / F1, the config and
     the command. The license is the base model's (the fine-tuned weights derive from it); a card that declares none
@@ -230,6 +243,9 @@ def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> s
     g = cfg.generator
     tiny = g.model == "tiny" and g.arch != Arch.bert2bert
     base = f"a tiny {g.arch.value} LM built from a transformers config (random init)" if tiny else g.model
+    if g.model in PACKAGED:
+        p = PACKAGED[g.model]
+        base = f"{Path(p.gguf_file).stem} (generator.model={g.model}: the {p.requirement} package)"
     license_ = None if tiny else base_license(resolve_path(g.model))
     if "joint" in cfg.stages:
         j = cfg.joint

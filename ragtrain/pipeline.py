@@ -39,7 +39,7 @@ from ragtrain.data import RetrievalData
 from ragtrain.data.types import DataError
 from ragtrain.embed.encoders import EncodeFault, encoder_dim
 from ragtrain.embed.model import build_encoder, check_model_offline
-from ragtrain.export import export_run
+from ragtrain.export import answer_block, export_run
 from ragtrain.index import vector_cache
 from ragtrain.index.checks import check_refresh, refresh_warnings
 from ragtrain.index.faiss_index import check_index_config, check_index_device
@@ -674,12 +674,7 @@ def report_phase(s: RunState) -> None:
         about = f"{d.name}: {len(d.corpus)} passages, {len(d.train_qrels)} training queries, evaluated on "
         about += f"{len(d.eval_qrels)} {d.split} queries"
         # <output_dir>/export: sentence-transformers + HF folders
-        answers = ""
-        if {"generator", "joint"} & set(cfg.stages):
-            # lazy: ragtrain.generator.stage imports ray; this module imports without it
-            from ragtrain.generator.stage import summary_table as answer_table
-
-            answers = answer_table(results, "joint_" if "joint" in cfg.stages else "gen_")
+        answers = answer_block(cfg, results)
         export_run(cfg, s.weights if encoded else None, out, about, summary_table(results), logger, answers)
     log.info(f"\n== {cfg.experiment_name}: {s.data.name} split={s.data.split} index={cfg.index.factory} ==")
     log.info(summary_table(results))

@@ -14,6 +14,8 @@ import torch
 from ray.train import TrainingFailedError
 
 from ragtrain.config import ConfigError, to_typed
+from ragtrain.export import answer_block
+from ragtrain.generator.stage import PHASES
 from ragtrain.index.faiss_index import IndexMismatchError
 from tests.conftest import compose, tiny_overrides
 
@@ -101,6 +103,11 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     assert all(r["passages"] == [] for r in preds["closed_book"])
     assert all(len(r["passages"]) == 1 and r["passages"][0] in gold[r["qid"]] for r in preds["oracle"])
     assert all(len(r["passages"]) == cfg.generator.retrieval.top_k for r in preds["rag"])
+    # the exported generator's card: these figures, and how many questions they were scored on
+    block = answer_block(cfg, results).splitlines()
+    em_row = next(line.split() for line in block if line.startswith("em "))
+    assert block[0] == f"{n_eval} {cfg.data.split} questions" and "untrained rag" in block[2]
+    assert em_row[1:] == [f"{results[p]['em']:.4f}" for p in PHASES.values() if p in results]
     hit = sum(bool(gold[r["qid"]] & set(r["passages"])) for r in preds["rag"]) / n_eval
     assert results["gen_rag"]["gold_in_top_k"] == pytest.approx(hit) and run.data.metrics[
         "gen_rag/gold_in_top_k"
