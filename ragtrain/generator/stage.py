@@ -16,7 +16,7 @@ import ray
 from tabulate import tabulate
 
 from ragtrain.cluster.resources import check_config
-from ragtrain.config import Config, ConfigError
+from ragtrain.config import Config, ConfigError, TrainerResources
 from ragtrain.config.generator import Arch, GenPrecision
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
@@ -69,6 +69,13 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Path | None = None) -> 
         raise ConfigError(
             "generator.train.precision=fp16 needs a GPU (resources.trainer.use_gpu=true); use bf16 or fp32 on CPU"
         )
+    if GenPrecision(g.train.precision) == GenPrecision.fp16 and "joint" in cfg.stages:
+        # fp16 needs loss scaling, which the generator stage has (GradScaler) and the joint step does not
+        raise ConfigError(
+            "generator.train.precision=fp16 is not supported by the joint stage (its step has no loss scaling): "
+            "use bf16 (a GPU since Ampere) or fp32"
+        )
+    generator_trainer(cfg)  # its worker count may differ from resources.trainer's, and is checked the same way
     gen = build_gen_data(cfg, data)
     tokenizer = check_model(cfg)
     check_prompts(cfg, gen, tokenizer)
@@ -179,16 +186,19 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     return IndexPayload.from_index(index, cfg.retriever, weights, cfg.index.precision)
 
 
-def check_resources(cfg: Config) -> None:
-    """The generator's worker group (generator.train.num_workers / cpus_per_worker over resources.trainer) fits
-    the cluster: an infeasible request fails in seconds instead of pending forever."""
-    r, t = cfg.resources, cfg.generator.train
-    trainer = replace(
-        r.trainer,
-        num_workers=t.num_workers or r.trainer.num_workers,
-        cpus_per_worker=t.cpus_per_worker or r.trainer.cpus_per_worker,
+def generator_trainer(cfg: Config) -> TrainerResources:
+    """The generator's worker group: generator.train.num_workers / cpus_per_worker over resources.trainer, checked
+    as resources.trainer is (e.g. 2 ranks on a fraction of one GPU each: NCCL refuses two ranks on one device)."""
+    r, t = cfg.resources.trainer, cfg.generator.train
+    return replace(
+        r, num_workers=t.num_workers or r.num_workers, cpus_per_worker=t.cpus_per_worker or r.cpus_per_worker
     )
-    check_config(replace(r, trainer=trainer), shard_gpus=shard_gpu_claim(cfg.index))
+
+
+def check_resources(cfg: Config) -> None:
+    """The generator's worker group fits the cluster: an infeasible request fails in seconds instead of pending
+    forever."""
+    check_config(replace(cfg.resources, trainer=generator_trainer(cfg)), shard_gpus=shard_gpu_claim(cfg.index))
 
 
 def summary_table(results: dict[str, dict[str, float]], prefix: str = "gen_") -> str:

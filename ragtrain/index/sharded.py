@@ -293,7 +293,9 @@ class _Shard:
             faiss.omp_set_num_threads(self.threads)
         self.indexes: dict[str, DenseIndex] = {}
         self.on_gpu: dict[str, faiss.Index] = {}  # device=cuda: the GPU copy of each build, what searches use
-        self.gpu_lock = threading.Lock()  # a FAISS GPU index is not thread-safe (max_concurrency threads search)
+        # FAISS's GPU resources serve one CPU thread at a time (max_concurrency threads search, build, refresh):
+        # every use of a GPU index holds this lock, its copy to the GPU and its freeing included
+        self.gpu_lock = threading.Lock()
         self.manifests: dict[str, dict] = {}
         self.restored: list[str] = []
         self.live: Any = None  # LiveRows while a live refresh holds this shard's rows (live_start)
@@ -324,16 +326,23 @@ class _Shard:
         put on a GPU: ConfigError naming index.factory); None on CPU."""
         if self.device != "cuda":
             return None
-        gpu = index_to_gpu(index.index, index.meta.factory)
-        set_gpu_search_params(gpu, nprobe)
-        return gpu
+        with self.gpu_lock:
+            gpu = index_to_gpu(index.index, index.meta.factory)
+            set_gpu_search_params(gpu, nprobe)
+            return gpu
 
     def _set_build(self, tag: str, index: DenseIndex, gpu: faiss.Index | None) -> None:
         """Make `index` (and its GPU copy) the build `tag`: a search running meanwhile sees the previous build or
         this one."""
         if gpu is not None:
-            self.on_gpu[tag] = gpu
+            with self.gpu_lock:  # the replaced GPU copy is freed here, under the lock
+                self.on_gpu[tag] = gpu
         self.indexes[tag] = index
+
+    def _drop_gpu(self, tag: str) -> None:
+        """Free the GPU copy of the build `tag` (if any), under the lock."""
+        with self.gpu_lock:
+            self.on_gpu.pop(tag, None)
 
     def encode(
         self,
@@ -401,7 +410,7 @@ class _Shard:
         # Free the old build's memory first (two copies of a large shard need not fit); its files stay until the
         # new build is persisted, so a crash meanwhile restarts from the old version
         self.indexes.pop(tag, None)
-        self.on_gpu.pop(tag, None)
+        self._drop_gpu(tag)
         quantizer = faiss.deserialize_index(trained) if trained is not None else None
         index = build_from_vectors(
             shard_folder,
@@ -453,11 +462,13 @@ class _Shard:
     def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """`DenseIndex.search` on the build `tag` (this shard's rows), on its GPU copy with device=cuda."""
         build = self.build_of(tag)
-        gpu = self.on_gpu.get(tag)
-        if gpu is None:
-            return build.search(queries, k)
         with self.gpu_lock:  # the same checks as on the CPU (shape, k), then FAISS's GPU search
-            return DenseIndex(gpu, build.doc_ids, build.meta).search(queries, k)
+            gpu = self.on_gpu.get(tag)
+            if gpu is not None:
+                found = DenseIndex(gpu, build.doc_ids, build.meta).search(queries, k)
+                del gpu  # the last reference may be ours (a refresh replaced the build): freed under the lock
+                return found
+        return build.search(queries, k)
 
     def set_search_params(self, tag: str, nprobe: int, ef_search: int) -> None:
         """IVF nprobe / HNSW efSearch of the build `tag` (and of its GPU copy: nprobe)."""
@@ -482,7 +493,7 @@ class _Shard:
     def drop(self, tag: str) -> None:
         """Forget the build `tag` and its persisted folder (a restart does not bring it back)."""
         self.indexes.pop(tag, None)
-        self.on_gpu.pop(tag, None)
+        self._drop_gpu(tag)
         self.manifests.pop(tag, None)
         shutil.rmtree(self._folder(tag), ignore_errors=True)
 

@@ -286,7 +286,7 @@ class Window:
     def log(self, done: int, history: list[dict[str, float]]) -> None:
         r, j = self.r, self.r.cfg.joint
         elapsed = r.w.window_seconds()
-        s = torch.tensor(self.sums[:3], dtype=torch.float64)
+        s = torch.tensor(self.sums[:3], dtype=torch.float64, device=r.w.device)  # NCCL reduces device tensors
         if r.w.world > 1:
             torch.distributed.all_reduce(s)
         n = self.sums[3]

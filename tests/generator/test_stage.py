@@ -288,6 +288,13 @@ def test_bad_config_and_data_fail_clearly(built, tmp_path) -> None:
     _, _, data, _, _ = built
     with pytest.raises(ConfigError, match="fp16 needs a GPU"):
         preflight(_cfg(tmp_path, "generator.train.precision=fp16"), data)
+    on_gpu = ("generator.train.precision=fp16", "resources.trainer.use_gpu=true", "stages=[retriever,index,joint]")
+    with pytest.raises(ConfigError, match=r"fp16 is not supported by the joint stage .*: use bf16 .* or fp32"):
+        preflight(_cfg(tmp_path, *on_gpu), data)  # its step has no loss scaling: fp16 gradients would underflow
+    # the generator's own worker count puts 2 NCCL ranks on a half GPU each: refused before the retriever trains
+    half = ("resources.trainer.num_workers=1", "resources.trainer.gpus_per_worker=0.5", "generator.train.num_workers=2")
+    with pytest.raises(ConfigError, match=r"gpus_per_worker below 1 could put two of the 2 NCCL ranks on one GPU"):
+        preflight(_cfg(tmp_path, *half), data)
     with pytest.raises(ConfigError, match="cannot be loaded offline"):
         preflight(_cfg(tmp_path, "generator=t5_pretrained", "generator.model=/nonexistent/t5"), data)
     with pytest.raises(ConfigError, match="needs short answers"):

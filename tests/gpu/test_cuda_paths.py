@@ -38,21 +38,24 @@ def test_gpu_collectives_are_timed_to_completion(nccl_group) -> None:
     STATS.reset()
     STATS.cuda = True
     try:
-        x = torch.ones(1 << 26, device=nccl_group)
-        dist.all_reduce(x)  # NCCL's first call sets up its communicator: not part of what is timed below
+        # Out of place: a world-1 group copies 1 GiB per call, real work on the GPU. (A world-1 in-place all-reduce
+        # is no work at all for NCCL, and would time nothing but the enqueue.)
+        x = torch.ones(1 << 28, device=nccl_group)
+        y = torch.empty_like(x)
+        dist.all_gather_into_tensor(y, x)  # NCCL's first call sets up its communicator: not timed below
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(5):
-            dist.all_reduce(x)
+            dist.all_gather_into_tensor(y, x)
         torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / 5  # one all-reduce, to completion
-        fut = counted_future(dist.all_reduce(x, async_op=True).get_future(), "grad", x.numel() * 4)
+        wall = (time.perf_counter() - start) / 5  # one collective, to completion
+        fut = counted_future(dist.all_gather_into_tensor(y, x, async_op=True).get_future(), "grad", x.numel() * 4)
         fut.wait()
         with STATS.timed("params", 8):
-            dist.all_reduce(x)
+            dist.all_gather_into_tensor(y, x)
         seconds = STATS.seconds
         assert set(seconds) == {"grad", "params"}
-        # to completion, not to the enqueue (which takes microseconds on a 256 MB tensor)
+        # to completion, not to the enqueue (which takes microseconds whatever the size)
         assert all(s > 0.3 * wall for s in seconds.values()), (seconds, wall)
         assert STATS.bytes["grad"] == x.numel() * 4
     finally:
