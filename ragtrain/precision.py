@@ -113,7 +113,8 @@ def expected(precision: PrecisionLike, gpus: float, key: str, announce: bool = T
         return resolve(value, "cuda" if gpus > 0 else "cpu", key, announce)
     import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
-    chosen, why = ray.get(ray.remote(num_gpus=gpus, num_cpus=0)(_probe).remote(value))
+    # a sliver of a GPU: the question needs a GPU's kind, not its capacity (a whole one may be held by other runs)
+    chosen, why = ray.get(ray.remote(num_gpus=min(gpus, 0.01), num_cpus=0)(_probe).remote(value))
     if announce:
         _once(f"[precision] {key} auto -> {chosen} ({why})")
     return chosen
