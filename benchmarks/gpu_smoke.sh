@@ -54,7 +54,7 @@ mkdir -p "$OUT"
 
 # First the unit tests of the paths only a GPU runs (NCCL tensors, CUDA timing, FAISS on the GPU; skipped on a CPU)
 echo "== tests/gpu"
-# a failing GPU test is reported at the end: parts (a) and (b) still run, so one GPU session shows everything
+# a failing GPU test is reported at the end: parts (a) and (b) still run, so one run of this script shows everything
 tests_rc=0
 "$PY" -m pytest -q -p no:cacheprovider tests/gpu || tests_rc=$?
 
@@ -148,7 +148,7 @@ else:
     ]
 
 def part(name: str, cfg, summary) -> str:
-    """Run one part; a failure is printed and the next part still runs (one GPU session shows both)."""
+    """Run one part; a failure is printed and the next part still runs (one run of this script shows both)."""
     start = time.perf_counter()
     try:
         line = summary(run(cfg), time.perf_counter() - start)

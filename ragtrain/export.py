@@ -11,6 +11,7 @@ The retriever is written with sentence-transformers' own classes (Transformer ->
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -211,13 +212,30 @@ def with_pooler(backbone: Any, r: Any, seed: int) -> Any:
     return full
 
 
-def base_license(model_dir: str | Path) -> str | None:
-    """The license a model folder's card (README.md front matter) declares, or None: none is declared."""
-    from huggingface_hub.repocard import metadata_load  # lazy: only the export reads cards
+def base_license(model: str | Path) -> str | None:
+    """The license a base model's card (README.md front matter) declares: a local folder's card, or a Hub name's
+    card in the local HF cache; None when there is no card, no front matter, or no license in it."""
+    import yaml  # lazy: only the export reads cards
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.repocard import metadata_load
 
-    card = Path(model_dir) / "README.md"
-    license_ = metadata_load(card).get("license") if card.is_file() else None
-    return str(license_) if license_ else None
+    card = Path(model) / "README.md"
+    if not card.is_file():
+        try:  # offline: only what is already cached
+            cached = None if Path(model).is_dir() else try_to_load_from_cache(str(model), "README.md")
+        except ValueError:  # not a Hub name either (HFValidationError)
+            cached = None
+        if not isinstance(cached, str):
+            return None
+        card = Path(cached)
+    try:
+        meta = metadata_load(card)
+    except (ValueError, yaml.YAMLError):  # front matter that is not a mapping, or not YAML
+        return None
+    value = meta.get("license") if isinstance(meta, dict) else None
+    if isinstance(value, list):
+        value = ", ".join(str(v) for v in value if v)
+    return str(value) if value else None
 
 
 def answer_block(cfg: Config, results: dict[str, dict[str, float]]) -> str:
@@ -241,12 +259,18 @@ def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> s
     from ragtrain.generator.model import resolve_path
 
     g = cfg.generator
-    tiny = g.model == "tiny" and g.arch != Arch.bert2bert
-    base = f"a tiny {g.arch.value} LM built from a transformers config (random init)" if tiny else g.model
-    if g.model in PACKAGED:
+    random_init = g.model == "tiny"  # built from a config: no base model, no license to carry over
+    license_ = None if random_init else base_license(resolve_path(g.model))
+    declared = "none: a random init" if random_init else license_ or "not declared by its card: check it before use"
+    if random_init and g.arch != Arch.bert2bert:
+        base = f"a tiny {g.arch.value} LM built from a transformers config (random init)"
+    elif g.arch == Arch.bert2bert:
+        base = f"a BERT2BERT encoder-decoder warm-started from {base_model_name(g.model)}"
+    elif g.model in PACKAGED:
         p = PACKAGED[g.model]
         base = f"{Path(p.gguf_file).stem} (generator.model={g.model}: the {p.requirement} package)"
-    license_ = None if tiny else base_license(resolve_path(g.model))
+    else:
+        base = g.model
     if "joint" in cfg.stages:
         j = cfg.joint
         how = (
@@ -258,10 +282,10 @@ def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> s
         workers = t.num_workers or cfg.resources.trainer.num_workers
         gold = ", the gold passage always in the prompt" if t.include_gold else ""
         length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epochs"
+        first = f"; the first {t.oracle_steps} steps on the gold passage alone" if t.oracle_steps else ""
         how = (
-            f"fine-tuned on retrieved passages ({length}, global batch "
-            f"{t.batch_size * workers}, lr {t.lr}, top {g.retrieval.top_k} passages{gold}; the first "
-            f"{t.oracle_steps} steps on the gold passage alone)"
+            f"fine-tuned on retrieved passages ({length}, global batch {t.batch_size * workers}, lr {t.lr}, top "
+            f"{g.retrieval.top_k} passages{gold}{first})"
         )
     loader = "AutoModelForCausalLM" if g.arch == Arch.causal else "AutoModelForSeq2SeqLM"
     if g.arch == Arch.bert2bert:
@@ -271,12 +295,12 @@ def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> s
     return f"""---
 library_name: transformers
 pipeline_tag: {pipeline_tag}
-license: {license_ or "other"}
+license: {json.dumps(license_ or "other")}
 tags: [ragtrain, retrieval-augmented-generation]
 ---
 # {cfg.experiment_name}: ragtrain generator
 
-- **Base model**: {base} (license: {license_ or "not declared by the base model's card: check it before use"})
+- **Base model**: {base} (license: {declared})
 - **Data**: {data_desc}
 - **Training**: {how}.
 - **Prompt**: {g.prompt.value}, at most {g.max_source_length} source and {g.max_target_length} answer tokens.

@@ -107,13 +107,13 @@ def _probe(precision: str) -> tuple[str, str]:
 def expected(precision: PrecisionLike, gpus: float, key: str, announce: bool = True) -> str:
     """How `precision` resolves for workers that take `gpus` GPUs each (0: CPU workers, resolved on this CPU),
     logged once: what the driver records (cache keys, index metadata, MLflow params) before the workers run. A GPU
-    the driver does not see is asked about in a Ray task on one GPU."""
+    the driver does not see is asked about in a Ray task on a sliver of one."""
     value = _value(precision)
     if value != AUTO or gpus <= 0 or torch.cuda.is_available():
         return resolve(value, "cuda" if gpus > 0 else "cpu", key, announce)
     import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
 
-    # a sliver of a GPU: the question needs a GPU's kind, not its capacity (a whole one may be held by other runs)
+    # a sliver of a GPU: the question needs a GPU's kind, not its capacity (runs holding fractions leave slivers)
     chosen, why = ray.get(ray.remote(num_gpus=min(gpus, 0.01), num_cpus=0)(_probe).remote(value))
     if announce:
         _once(f"[precision] {key} auto -> {chosen} ({why})")

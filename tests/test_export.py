@@ -368,3 +368,43 @@ def test_search_of_a_run_that_did_not_finish_says_so(finished_run, tmp_path: Pat
         err.strip() == f"warning: {run / 'status.json'} says the run is 'running': it is still running or "
         "was stopped before it finished, so its index may not be the trained one"
     )
+
+
+@pytest.mark.parametrize(
+    ("readme", "want"),
+    [
+        (None, None),  # no card
+        ("# a model\n", None),  # no front matter
+        ("---\n---\n# a model\n", None),  # empty front matter
+        ("---\n- a\n- b\n---\n", None),  # front matter that is not a mapping
+        ("---\nlicense: [mit\n---\n", None),  # not YAML
+        ("---\nlicense: mit\n---\n", "mit"),
+        ('---\nlicense: "CC BY-NC 4.0: see LICENSE"\n---\n', "CC BY-NC 4.0: see LICENSE"),
+        ("---\nlicense: [mit, apache-2.0]\n---\n", "mit, apache-2.0"),
+    ],
+)
+def test_the_base_license_is_read_from_any_card_or_none(tmp_path: Path, readme: str | None, want: str | None) -> None:
+    """A base model's card may lack front matter or a license, or hold a list: the export never fails on it."""
+    from ragtrain.export import base_license
+
+    if readme is not None:
+        (tmp_path / "README.md").write_text(readme)
+    assert base_license(tmp_path) == want
+    assert base_license(tmp_path / "no-such-folder") is None  # neither a folder nor a cached Hub card
+
+
+def test_a_license_of_free_text_stays_one_yaml_value_in_the_generator_card(tmp_path: Path) -> None:
+    """The card's front matter quotes the base model's license: `a: b` or `# note` in it must not break the YAML
+    (mlflow reads the card back) nor be cut."""
+    import yaml
+
+    from ragtrain.export import generator_card
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text('---\nlicense: "CC BY-NC 4.0: see LICENSE # and more"\n---\n')
+    cfg = to_typed(compose(["generator=t5_pretrained", f"generator.model={base}", f"output_dir={tmp_path}"]))
+    card = generator_card(cfg, "data", "table", "command")
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["license"] == "CC BY-NC 4.0: see LICENSE # and more" and front["library_name"] == "transformers"
+    assert "(license: CC BY-NC 4.0: see LICENSE # and more)" in card

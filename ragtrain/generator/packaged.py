@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -54,7 +56,10 @@ def packaged_folder(name: str) -> str:
     if not (folder / "config.json").exists():
         _dequantise(gguf, folder)
     if not (folder / "README.md").exists():  # (folders dequantised before cards were written get one now)
-        write_card(gguf, p, folder)
+        try:
+            write_card(gguf, p, folder)
+        except OSError as e:  # a read-only shared cache still serves the model; its export declares no license
+            log.warning(f"[generator] could not write the model card of {folder}: {e}")
     return str(folder)
 
 
@@ -76,13 +81,13 @@ def write_card(gguf: Path, p: PackagedModel, folder: Path) -> None:
     license_ = meta.get("license")
     card = (
         "---\nlibrary_name: transformers\npipeline_tag: text-generation\n"
-        + (f"license: {license_}\n" if license_ else "")
+        + (f"license: {json.dumps(license_)}\n" if license_ else "")  # quoted: a license is free text
         + f"---\n# {gguf.stem}, dequantised to fp32\n\n{meta.get('name', gguf.stem)}"
         + (f" by {meta['organization']}" if "organization" in meta else "")
         + f": dequantised by ragtrain from `{gguf.name}` of the `{p.requirement}` package"
         + (f"; its declared license: {license_}.\n" if license_ else "; it declares no license.\n")
     )
-    tmp = folder / f"README.md.{os.getpid()}"  # atomic: workers on one node may race here
+    tmp = folder / f"README.md.{socket.gethostname()}.{os.getpid()}"  # atomic: workers of nodes sharing it race
     tmp.write_text(card, encoding="utf-8")
     tmp.replace(folder / "README.md")
 

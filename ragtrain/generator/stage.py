@@ -75,7 +75,8 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Path | None = None) -> 
             "generator.train.precision=fp16 is not supported by the joint stage (its step has no loss scaling): "
             "use bf16 (a GPU since Ampere) or fp32"
         )
-    generator_trainer(cfg)  # its worker count may differ from resources.trainer's, and is checked the same way
+    if "generator" in cfg.stages:  # its worker count may differ from resources.trainer's: checked the same way
+        generator_trainer(cfg)
     gen = build_gen_data(cfg, data)
     tokenizer = check_model(cfg)
     check_prompts(cfg, gen, tokenizer)

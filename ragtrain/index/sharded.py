@@ -334,10 +334,14 @@ class _Shard:
     def _set_build(self, tag: str, index: DenseIndex, gpu: faiss.Index | None) -> None:
         """Make `index` (and its GPU copy) the build `tag`: a search running meanwhile sees the previous build or
         this one."""
-        if gpu is not None:
-            with self.gpu_lock:  # the replaced GPU copy is freed here, under the lock
+        with self.gpu_lock:  # together: a search pairs a build with its own GPU copy; a replaced copy is freed here
+            if gpu is not None:
                 self.on_gpu[tag] = gpu
-        self.indexes[tag] = index
+            self.indexes[tag] = index
+
+    def _gpu_tags(self) -> list[str]:
+        with self.gpu_lock:  # another thread may be adding or freeing one
+            return sorted(self.on_gpu)
 
     def _drop_gpu(self, tag: str) -> None:
         """Free the GPU copy of the build `tag` (if any), under the lock."""
@@ -461,9 +465,8 @@ class _Shard:
 
     def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """`DenseIndex.search` on the build `tag` (this shard's rows), on its GPU copy with device=cuda."""
-        build = self.build_of(tag)
         with self.gpu_lock:  # the same checks as on the CPU (shape, k), then FAISS's GPU search
-            gpu = self.on_gpu.get(tag)
+            build, gpu = self.build_of(tag), self.on_gpu.get(tag)  # one build's rows and its GPU copy
             if gpu is not None:
                 found = DenseIndex(gpu, build.doc_ids, build.meta).search(queries, k)
                 del gpu  # the last reference may be ours (a refresh replaced the build): freed under the lock
@@ -473,9 +476,11 @@ class _Shard:
     def set_search_params(self, tag: str, nprobe: int, ef_search: int) -> None:
         """IVF nprobe / HNSW efSearch of the build `tag` (and of its GPU copy: nprobe)."""
         self.build_of(tag).set_search_params(nprobe, ef_search)
-        if tag in self.on_gpu:
-            with self.gpu_lock:
-                set_gpu_search_params(self.on_gpu[tag], nprobe)
+        with self.gpu_lock:
+            gpu = self.on_gpu.get(tag)
+            if gpu is not None:
+                set_gpu_search_params(gpu, nprobe)
+                del gpu  # (see search)
 
     def reconstruct_first(self, tag: str, n: int) -> np.ndarray | None:
         """`DenseIndex.reconstruct_first` of the build `tag`."""
@@ -676,7 +681,7 @@ class _Shard:
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
             "tags": sorted(self.indexes),
-            "on_gpu": sorted(self.on_gpu),  # index.device=cuda: the builds searched on the GPU
+            "on_gpu": self._gpu_tags(),  # index.device=cuda: the builds searched on the GPU
             "restored": self.restored,
             "peak_rss_mb": peak_rss_mb(),
             "versions": {t: m.get("version") for t, m in self.manifests.items()},

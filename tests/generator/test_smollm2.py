@@ -195,7 +195,7 @@ def test_the_lm_head_runs_on_answer_positions_only_with_the_same_loss(llama_dir)
     torch.testing.assert_close(results[0][1], results[1][1])
 
 
-@pytest.mark.parametrize("license_", ["apache-2.0", None])
+@pytest.mark.parametrize("license_", ["apache-2.0", "CC BY-NC 4.0: see LICENSE", None])
 def test_the_dequantised_folder_gets_a_card_with_the_license_its_gguf_declares(tmp_path, license_) -> None:
     """The card an export of a model fine-tuned from the packaged one takes its license from."""
     import gguf

@@ -292,7 +292,12 @@ def test_bad_config_and_data_fail_clearly(built, tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"fp16 is not supported by the joint stage .*: use bf16 .* or fp32"):
         preflight(_cfg(tmp_path, *on_gpu), data)  # its step has no loss scaling: fp16 gradients would underflow
     # the generator's own worker count puts 2 NCCL ranks on a half GPU each: refused before the retriever trains
-    half = ("resources.trainer.num_workers=1", "resources.trainer.gpus_per_worker=0.5", "generator.train.num_workers=2")
+    half = (
+        "resources.trainer.use_gpu=true",
+        "resources.trainer.num_workers=1",
+        "resources.trainer.gpus_per_worker=0.5",
+        "generator.train.num_workers=2",
+    )
     with pytest.raises(ConfigError, match=r"gpus_per_worker below 1 could put two of the 2 NCCL ranks on one GPU"):
         preflight(_cfg(tmp_path, *half), data)
     with pytest.raises(ConfigError, match="cannot be loaded offline"):

@@ -40,7 +40,7 @@ def test_causal_generator_is_logged_as_an_mlflow_transformers_model(tmp_path: Pa
     )
     folder = export_generator(tmp_path / "run" / "generator", tmp_path / "run" / "export" / "generator", card)
     text = (folder / "README.md").read_text()
-    assert text.startswith("---\nlibrary_name: transformers\npipeline_tag: text-generation\nlicense: mit\n")
+    assert text.startswith('---\nlibrary_name: transformers\npipeline_tag: text-generation\nlicense: "mit"\n')
     assert f"**Base model**: {base} (license: mit)" in text and "em        0.5000" in text
     assert f"{g.train.max_steps} steps, global batch {g.train.batch_size * cfg.resources.trainer.num_workers}" in text
 
