@@ -44,12 +44,13 @@ quickstart: setup
 	$(PY) -m ragtrain experiment=quickstart
 
 # Two test processes (pytest-xdist), each with its own local Ray: a serial run leaves a core idle while one
-# process imports torch or starts Ray actors; files stay whole on one process (their module fixtures run once)
+# process imports torch or starts Ray actors. Files stay whole on one process (their module fixtures run once), and
+# the files sharing the finished quickstart run go to one process together (tests/conftest.py: it runs once)
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadgroup
 
 test-slow: setup
 	$(PY) -m pytest -q --durations=15 -m slow

@@ -43,6 +43,20 @@ RAY_CPUS = 4  # logical CPUs: light tasks may exceed the 2 physical cores
 multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "transformers", "ragtrain.embed.model"])
 
 
+SHARED_RUN = "quickstart_run"  # the session fixture below: one finished run that many modules read
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`, the Makefile's)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Work units for pytest-xdist: each test file is one (its module fixtures run once, as with --dist loadfile),
+    except that the files using the shared finished run are one together. A session fixture runs once per xdist
+    process, so with those files on both processes the quickstart would run twice."""
+    sharing = {item.path for item in items if SHARED_RUN in getattr(item, "fixturenames", ())}
+    for item in items:
+        group = SHARED_RUN if item.path in sharing else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def spawn(fn, args: tuple, nprocs: int, start_method: str = "forkserver") -> None:
     """`torch.multiprocessing.spawn(fn, args, nprocs)` from the fork server: `fn(rank, *args)` on each rank, joined;
     a rank's exception is raised here. The ranks get the environment the server started with: a rank that needs
