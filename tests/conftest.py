@@ -46,15 +46,28 @@ multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "transform
 SHARED_RUN = "quickstart_run"  # the session fixture below: one finished run that many modules read
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`, the Makefile's)
-def pytest_collection_modifyitems(config, items) -> None:
-    """Work units for pytest-xdist: each test file is one (its module fixtures run once, as with --dist loadfile),
-    except that the files using the shared finished run are one together. A session fixture runs once per xdist
-    process, so with those files on both processes the quickstart would run twice."""
-    sharing = {item.path for item in items if SHARED_RUN in getattr(item, "fixturenames", ())}
-    for item in items:
-        group = SHARED_RUN if item.path in sharing else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadfile` (the Makefile's): each test file is one pytest-xdist work unit (its module fixtures
+    run once), except that the files using the shared finished run are one unit together. A session fixture runs
+    once per xdist process, so with those files on both processes the quickstart would run twice. (xdist's own
+    `--dist loadgroup` cannot do this here: its group suffix never reaches the node ids under this pytest.)"""
+    if config.getoption("dist") != "loadfile":
+        return None  # xdist's own scheduler for any other mode
+    from xdist.scheduler import LoadFileScheduling  # lazy: only a distributed run needs it
+
+    tests = Path(config.rootpath) / "tests"
+    sharing = {
+        str(f.relative_to(config.rootpath))
+        for f in tests.rglob("test_*.py")
+        if SHARED_RUN in f.read_text(encoding="utf-8")
+    }
+
+    class SharedRunScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_RUN if path in sharing else path
+
+    return SharedRunScheduling(config, log)
 
 
 def spawn(fn, args: tuple, nprocs: int, start_method: str = "forkserver") -> None:
