@@ -73,11 +73,16 @@ def reproduce_command() -> str:
     return " ".join(["python -m ragtrain", *(shlex.quote(o) for o in overrides)])
 
 
+def card_tail(cfg: Config, command: str) -> str:
+    """The end of every model card: the command that reproduces the run and its resolved config."""
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return f"## Reproduce\n\n```\n{command}\n```\n\n## Resolved config\n\n```yaml\n{config_yaml}```\n"
+
+
 def model_card(cfg: Config, data_desc: str, table: str, command: str) -> str:
     """The retriever's README.md: base model, data, how it was trained and evaluated, the config, the command."""
     r = cfg.retriever
     trained = "retriever" in cfg.stages
-    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     how = (
         f"Fine-tuned by ragtrain: InfoNCE (temperature {r.temperature}) with in-batch negatives gathered from "
         f"{cfg.resources.trainer.num_workers} worker(s), {r.train.hard_negatives} hard negative(s) per query "
@@ -127,17 +132,7 @@ vectors = model.encode_document(["a passage"]); query = model.encode_query("a qu
 {table}
 ```
 
-## Reproduce
-
-```
-{command}
-```
-
-## Resolved config
-
-```yaml
-{config_yaml}```
-"""
+{card_tail(cfg, command)}"""
 
 
 def export_retriever(
@@ -291,7 +286,6 @@ def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> s
     if g.arch == Arch.bert2bert:
         loader = "EncoderDecoderModel"
     pipeline_tag = "text-generation" if g.arch == Arch.causal else "text2text-generation"
-    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     return f"""---
 library_name: transformers
 pipeline_tag: {pipeline_tag}
@@ -318,17 +312,7 @@ or, with the run's index and retriever: `python -m ragtrain.ask <run folder> "a 
 {answers}
 ```
 
-## Reproduce
-
-```
-{command}
-```
-
-## Resolved config
-
-```yaml
-{config_yaml}```
-"""
+{card_tail(cfg, command)}"""
 
 
 def export_generator(weights_dir: str | Path, folder: str | Path, card: str | None = None) -> Path:
