@@ -46,6 +46,7 @@ multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "transform
 SHARED_RUN = "quickstart_run"  # the session fixture below: one finished run that many modules read
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, nothing to schedule
 def pytest_xdist_make_scheduler(config, log):
     """Under `--dist loadfile` (the Makefile's): each test file is one pytest-xdist work unit (its module fixtures
     run once), except that the files using the shared finished run are one unit together. A session fixture runs
