@@ -246,6 +246,14 @@ def answer_block(cfg: Config, results: dict[str, dict[str, float]]) -> str:
     return f"{scored} {cfg.data.split} questions\n\n{summary_table(results, prefix)}"
 
 
+# the transformers class that loads an exported generator of each kind
+LOADERS = {
+    Arch.causal: "AutoModelForCausalLM",
+    Arch.seq2seq: "AutoModelForSeq2SeqLM",
+    Arch.bert2bert: "EncoderDecoderModel",
+}
+
+
 def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> str:
     """The generator's README.md: base model and its license, data, how it was trained, its EM / F1, the config and
     the command. The license is the base model's (the fine-tuned weights derive from it); a card that declares none
@@ -282,9 +290,7 @@ def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> s
             f"fine-tuned on retrieved passages ({length}, global batch {t.batch_size * workers}, lr {t.lr}, top "
             f"{g.retrieval.top_k} passages{gold}{first})"
         )
-    loader = "AutoModelForCausalLM" if g.arch == Arch.causal else "AutoModelForSeq2SeqLM"
-    if g.arch == Arch.bert2bert:
-        loader = "EncoderDecoderModel"
+    loader = LOADERS[Arch(g.arch)]
     pipeline_tag = "text-generation" if g.arch == Arch.causal else "text2text-generation"
     return f"""---
 library_name: transformers

@@ -204,7 +204,7 @@ def check_resources(cfg: Config) -> None:
 
 def summary_table(results: dict[str, dict[str, float]], prefix: str = "gen_") -> str:
     """EM / F1 per mode side by side (`prefix` "joint_": the joint stage's generator)."""
-    modes = [p.replace("gen_", prefix) for p in PHASES.values() if p.replace("gen_", prefix) in results]
+    modes = [m for m in (p.replace("gen_", prefix, 1) for p in PHASES.values()) if m in results]
     rows = [[k] + [results[m].get(k) for m in modes] for k in ("em", "f1", "gold_in_top_k")]
     headers = ["metric"] + [m.removeprefix(prefix).replace("before_", "untrained ") for m in modes]
     return tabulate(rows, headers=headers, floatfmt=".4f", missingval="")
