@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from tabulate import tabulate
 
 from ragtrain import run_lock
-from ragtrain.cluster.resources import check_config, init_ray
+from ragtrain.cluster.resources import check_config, init_ray, trains_with_live_refresh
 from ragtrain.cluster.storage import check_shared_paths, shared_paths
 from ragtrain.config import (
     Config,
@@ -327,7 +327,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
             # Without retriever training the trainer is not placed.
             check_config(
                 cfg.resources,
-                together=bool({"retriever", "joint"} & set(cfg.stages)) and cfg.refresh.enabled,
+                together=trains_with_live_refresh(cfg.stages, cfg.refresh.enabled),
                 trainer=bool({"retriever", "joint"} & set(cfg.stages)),
                 shard_gpus=shard_gpu_claim(cfg.index),
             )

@@ -163,6 +163,12 @@ def check_feasible(
         )
 
 
+def trains_with_live_refresh(stages: list[str], refresh_enabled: bool) -> bool:
+    """Whether a run's trainer and index pool (or refresh actors) run at the same time: live index refresh during
+    retriever or joint training."""
+    return refresh_enabled and bool({"retriever", "joint"} & set(stages))
+
+
 def check_config(
     res: ResourcesConfig,
     together: bool = False,

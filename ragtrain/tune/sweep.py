@@ -30,9 +30,11 @@ from ragtrain.cluster.resources import (
     init_ray,
     node_capacities,
     remove_recorded_placement_groups,
+    trains_with_live_refresh,
 )
 from ragtrain.config import TUNE_SCHEDULERS, Config, ConfigError, absolute_paths, changed_keys, to_flat_dict
 from ragtrain.console import get_logger
+from ragtrain.index.sharded import shard_gpu_claim
 from ragtrain.track.mlflow import RunLogger, absolute_tracking_uri, check_tracking_uri, tracking_uri, update_run
 from ragtrain.tune import space as sp
 from ragtrain.tune.guard import MetricGuard, recorded_error
@@ -104,7 +106,8 @@ def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
 
 
 def trial_need(cfg: Config) -> dict[str, float]:
-    """Peak resources of one trial: trainer and pool take turns, unless live index refresh runs both at once."""
+    """Peak resources of one trial: trainer and pool take turns, unless live index refresh runs both at once; index
+    shards on GPUs (index.device=cuda) hold theirs for the whole trial, beside both."""
     t, p = cfg.resources.trainer, cfg.resources.pool
     trainer = {"CPU": t.num_workers * t.cpus_per_worker, **{k: v * t.num_workers for k, v in t.resources.items()}}
     if t.use_gpu:
@@ -112,12 +115,15 @@ def trial_need(cfg: Config) -> dict[str, float]:
     pool = {"CPU": p.num_actors * p.cpus_per_actor, **{k: v * p.num_actors for k, v in p.resources.items()}}
     if p.gpus_per_actor:
         pool["GPU"] = p.num_actors * p.gpus_per_actor
-    refresh = getattr(cfg, "refresh", None)
-    together = "retriever" in cfg.stages and bool(refresh and refresh.enabled)
     both = set(trainer) | set(pool)
-    if together:
-        return {k: trainer.get(k, 0.0) + pool.get(k, 0.0) for k in both}
-    return {k: max(trainer.get(k, 0.0), pool.get(k, 0.0)) for k in both}
+    if trains_with_live_refresh(cfg.stages, cfg.refresh.enabled):
+        need = {k: trainer.get(k, 0.0) + pool.get(k, 0.0) for k in both}
+    else:
+        need = {k: max(trainer.get(k, 0.0), pool.get(k, 0.0)) for k in both}
+    shards, each = shard_gpu_claim(cfg.index)
+    if shards * each:
+        need["GPU"] = need.get("GPU", 0.0) + shards * each
+    return need
 
 
 TOKEN_MEMORY = 1 << 20  # bytes: Tune refuses an all-zero request, so a CPU-free trial driver asks for 1 MiB
@@ -139,10 +145,12 @@ def check_resources(plan: SweepPlan) -> int:
     t = plan.cfg.tune
     worst = sp.worst_case(plan.params, plan.base, plan.sync_options)
     nodes = node_capacities()
-    refresh = getattr(worst, "refresh", None)
     try:
         check_config(
-            worst.resources, together="retriever" in worst.stages and bool(refresh and refresh.enabled), nodes=nodes
+            worst.resources,
+            together=trains_with_live_refresh(worst.stages, worst.refresh.enabled),
+            nodes=nodes,
+            shard_gpus=shard_gpu_claim(worst.index),
         )
         if t.trial_cpus > max(n.get("CPU", 0.0) for n in nodes):
             raise InfeasibleResourcesError(f"tune.trial_cpus={t.trial_cpus} is more than any node has")

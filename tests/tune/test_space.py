@@ -156,8 +156,30 @@ def test_trial_resources_and_concurrency(tmp_path: Path) -> None:
     assert max_concurrency({"CPU": 1.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 2.0}) == 2
     live = sp.apply(plan.base, {"refresh.enabled": True, "refresh.every_steps": 2}, plan.sync_options)
     assert trial_need(live) == {"CPU": 4.0}  # live index refresh: trainer and pool at once
+    joint_live = sp.apply(
+        plan.base,
+        {
+            "stages": ["index", "joint"],
+            "joint.passage_encoder": "trained",
+            "refresh.enabled": True,
+            "refresh.every_steps": 2,
+        },
+        plan.sync_options,
+    )
+    assert trial_need(joint_live) == {"CPU": 4.0}  # joint training of the passage side refreshes while it trains
     gpu_pool = sp.apply(plan.base, {"resources.pool.gpus_per_actor": 0.5}, plan.sync_options)
     assert trial_need(gpu_pool) == {"CPU": 2.0, "GPU": 1.0}  # encode actors on GPUs: the trial needs them
+    # index shards on GPUs hold theirs for the whole trial, beside the trainer's and the pool's
+    gpu_shards = sp.apply(
+        plan.base, {"index.device": "cuda", "index.shards": "2", "index.gpus_per_shard": 0.25}, plan.sync_options
+    )
+    assert trial_need(gpu_shards) == {"CPU": 2.0, "GPU": 0.5}
+    gpu_both = sp.apply(
+        plan.base,
+        {"index.device": "cuda", "index.shards": "2", "resources.pool.gpus_per_actor": 0.5},
+        plan.sync_options,
+    )
+    assert trial_need(gpu_both) == {"CPU": 2.0, "GPU": 2.0}  # 2 x 0.5 (gpus_per_shard's default) + 2 x 0.5
     space = sp.parse_space({"resources.trainer.num_workers": {"choice": [1, 3]}})
     assert sp.worst_case(space, plan.base, plan.sync_options).resources.trainer.num_workers == 3
     assert trial_request(0) == {"CPU": 0, "memory": 1 << 20}  # Tune refuses an all-zero request
