@@ -169,7 +169,8 @@ def read_squad(root: str | Path, on_error: str = "fail") -> SquadFile:
     v2, unanswerable = _is_v2(doc)
     if v2 and on_error == "fail":
         raise DataError(
-            f"{path}: a SQuAD v2.0 file ({unanswerable} unanswerable questions); data=squad reads SQuAD v1.1: set "
+            f"{path}: a SQuAD v2.0 file ({unanswerable} unanswerable question{'s' * (unanswerable != 1)}); "
+            "data=squad reads SQuAD v1.1: set "
             "data.on_error=skip to drop the unanswerable questions (counted) and keep the answerable ones"
         )
     out = SquadFile(path)
@@ -214,7 +215,8 @@ def read_squad(root: str | Path, on_error: str = "fail") -> SquadFile:
     if mismatched:
         if on_error == "fail":
             raise DataError(
-                f"{path}: {len(mismatched)} answers do not match their context at answer_start (first: "
+                f"{path}: {len(mismatched)} answer{' does' if len(mismatched) == 1 else 's do'} not match their "
+                f"context at answer_start (first: "
                 f"{mismatched[0].removeprefix(f'{path}: ')}); fix the file, or set data.on_error=skip to drop those "
                 "answers (and a question left with none)"
             )

@@ -159,10 +159,11 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
     if built is None:
         folder = Path(cfg.generator.retrieval.index_dir or out_dir / "index")
         if not (folder / "index_meta.json").exists():
+            stage = "joint" if "joint" in cfg.stages else "generator"
             raise FileNotFoundError(
-                f"the generator stage needs a retrieval index and there is none at {folder}: run the 'index' stage "
-                "before 'generator' (stages: [retriever, index, generator]) or set generator.retrieval.index_dir "
-                "to a saved index"
+                f"the {stage} stage needs a retrieval index and there is none at {folder}: run the 'index' stage "
+                f"before '{stage}' (e.g. stages: [index, {stage}]) or set generator.retrieval.index_dir to a saved "
+                "index"
             )
         index = open_saved(folder, expect_corpus=data.fingerprint(), mmap=True)  # one index, or sharded
         weights = load_snapshots(cfg.retriever, cfg.seed, index.meta.encoder)

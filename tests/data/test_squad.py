@@ -257,7 +257,7 @@ def test_a_v2_file_is_refused_with_its_unanswerable_count_or_they_are_skipped(tm
     )  # fmt: skip
     data[0]["paragraphs"][0]["qas"][0]["is_impossible"] = False
     path = write(tmp_path, data, version="v2.0")
-    with pytest.raises(DataError, match=r"s.json: a SQuAD v2.0 file \(1 unanswerable questions\).*data.on_error=skip"):
+    with pytest.raises(DataError, match=r"s.json: a SQuAD v2.0 file \(1 unanswerable question\).*data.on_error=skip"):
         read_squad(path)
     lines: list[str] = []
     d = load_squad(path, "dev", dev_titles=["Beta"], on_error="skip", log=lines.append)
