@@ -6,8 +6,13 @@ re-scores every run folder per query, on the same evaluated split, from its save
 one that built the index, or a joint run's jointly trained one, as `python -m ragtrain.search` does), and prints
 each run's mean with a bootstrap 95 % interval and its paired difference to the first run: the same resampled
 queries for both runs, so what the queries have in common cancels.
-`p(≤0)` is the share of resamples where the run does not beat the first one (small: a real gain). Runs must
-evaluate the same queries (same data, split and dev carve); anything else is refused in one line (exit 2).
+`p(≤0)` is the share of resamples where the run does not beat the first one (small: a real gain); `better / worse`
+counts the queries on which the run scores above / below the first. Runs must evaluate the same queries (same data,
+split and dev carve); anything else is refused in one line (exit 2).
+
+`--metric rag/em` (or rag/f1, closed_book/em, oracle/f1, ...) compares the generator's answers instead: each
+question's exact match or token F1 (SQuAD v1.1's normalisation, best over its gold answers) read from the run's
+saved predictions (the joint stage's when it ran, else the generator stage's), the same figures as the run's own.
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ from ragtrain.corpus.load import load_data
 from ragtrain.eval.metrics import per_query
 from ragtrain.search import SearchError, load_run_config, query_snapshots
 
-METRICS = ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100")
+RETRIEVAL_METRICS = ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100")
+# the generator's answers per mode: each question's EM / F1 from the run's predictions.json
+ANSWER_METRICS = tuple(f"{mode}/{kind}" for mode in ("rag", "closed_book", "oracle") for kind in ("em", "f1"))
+METRICS = RETRIEVAL_METRICS + ANSWER_METRICS
+# the joint stage's answers first: when a run has both stages, its reported EM / F1 are the joint stage's
+PREDICTIONS = ("joint/predictions.json", "generator/predictions.json")
 
 
 @dataclass
@@ -71,6 +81,29 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     if metric not in next(iter(scores.values())):
         raise SearchError(f"--metric {metric!r} is not a metric; valid choices: {list(next(iter(scores.values())))}")
     return {q: s[metric] for q, s in scores.items()}
+
+
+def answer_scores(out: str | Path, metric: str = "rag/em") -> dict[str, float]:
+    """Per-question EM or F1 (`metric` = <mode>/<em|f1>) of the answers the run in `out` saved, by question id."""
+    from ragtrain.generator.qa_metrics import best_over_golds, exact_match, f1_score  # lazy: only this metric
+
+    path = next((Path(out, p) for p in PREDICTIONS if Path(out, p).is_file()), None)
+    if path is None:
+        raise SearchError(
+            f"{out} holds no generator answers ({' or '.join(PREDICTIONS)}): compare run folders whose stages "
+            "included 'generator' or 'joint'"
+        )
+    mode, kind = metric.split("/")
+    answers = json.loads(path.read_text())
+    if mode not in answers:
+        raise SearchError(f"{path} has no {mode!r} answers: its evaluated modes are {sorted(answers)}")
+    fn = exact_match if kind == "em" else f1_score
+    return {r["qid"]: best_over_golds(fn, r["prediction"], r["answers"]) for r in answers[mode]}
+
+
+def per_question(out: str | Path, metric: str) -> dict[str, float]:
+    """The run's per-query `metric`: re-scored retrieval, or its saved answers' EM / F1."""
+    return answer_scores(out, metric) if metric in ANSWER_METRICS else run_per_query(out, metric)
 
 
 NOT_A_RECIPE = ("output_dir", "logger", "resume", "resume_allow_changes", "experiment_name", "tune", "index.cache_dir")
@@ -121,12 +154,26 @@ def bootstrap(runs: Sequence[Scored], resamples: int = 10_000, seed: int = 0) ->
                 diff_low=float(np.percentile(diffs[i], 2.5)),
                 diff_high=float(np.percentile(diffs[i], 97.5)),
                 p_not_better=float((diffs[i] <= 0).mean()),
+                better=float((x[i] > x[0]).sum()),
+                worse=float((x[i] < x[0]).sum()),
             )
         out.append(row)
     return out
 
 
-def format_table(rows: Sequence[dict[str, float]], metric: str) -> str:
+def paired_over_seeds(
+    runs: dict[str, dict[int, Path]], metric: str = "rag/em", resamples: int = 10_000, seed: int = 0
+) -> list[dict[str, float]]:
+    """`bootstrap` of variants run at several seeds (`runs`: name -> {seed: run folder}): each variant's per-question
+    `metric` pooled over its seeds, every (seed, question) paired with the first variant's at the same seed."""
+    scored = [
+        Scored(name, {f"{s}/{q}": v for s, out in by_seed.items() for q, v in per_question(out, metric).items()})
+        for name, by_seed in runs.items()
+    ]
+    return bootstrap(scored, resamples, seed)
+
+
+def format_table(rows: Sequence[dict[str, float]], metric: str, tablefmt: str = "simple") -> str:
     """The comparison as a text table (differences against the first run)."""
     body = [
         [
@@ -136,11 +183,15 @@ def format_table(rows: Sequence[dict[str, float]], metric: str) -> str:
             f"{r['diff']:+.4f}" if "diff" in r else "–",
             f"[{r['diff_low']:+.4f}, {r['diff_high']:+.4f}]" if "diff" in r else "–",
             f"{r['p_not_better']:.3f}" if "diff" in r else "–",
+            f"{r['better']:.0f} / {r['worse']:.0f}" if "diff" in r else "–",
         ]
         for r in rows
     ]
-    head = ["run", metric, "95% interval", "Δ vs first", "Δ 95% interval", "p(Δ ≤ 0)"]
-    return tabulate(body, headers=head) + f"\n({int(rows[0]['queries'])} queries, paired bootstrap)"
+    head = ["run", metric, "95% interval", "Δ vs first", "Δ 95% interval", "p(Δ ≤ 0)", "better / worse"]
+    units = "questions" if metric in ANSWER_METRICS else "queries"
+    return (
+        tabulate(body, headers=head, tablefmt=tablefmt) + f"\n\n({int(rows[0]['queries'])} {units}, paired bootstrap)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -168,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         names = labels(args.runs)  # every folder's config.yaml read before any scoring
-        scored = [Scored(n, run_per_query(r, args.metric)) for n, r in zip(names, args.runs)]
+        scored = [Scored(n, per_question(r, args.metric)) for n, r in zip(names, args.runs)]
         rows = bootstrap(scored, args.resamples, args.seed)
     except (SearchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,7 +13,9 @@ import pandas as pd
 
 from ragtrain.config import SEED_MARK, Config
 from ragtrain.console import get_logger
+from ragtrain.paired import PREDICTIONS, format_table, paired_over_seeds
 from ragtrain.pipeline import run
+from ragtrain.search import SearchError
 from ragtrain.track.mlflow import RunLogger
 from ragtrain.track.report import comparison_frame, write_comparison
 
@@ -31,13 +33,38 @@ def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFra
         rows.append(variant_row(name, results) | ({"seed": cfg.seed} if seeded else {}))
     df = comparison_frame(rows)
     first = next(iter(variants.values()))
+    paired = paired_answers(variants)
     files = write_comparison(
-        df, out_dir, f"{first.experiment_name}: {first.data.source.value} split={first.data.split}"
+        df, out_dir, f"{first.experiment_name}: {first.data.source.value} split={first.data.split}", [paired]
     )
     _log_comparison(first, files)
-    log.info("\n" + df.to_markdown(index=False, floatfmt=".4g"))
+    log.info("\n" + df.to_markdown(index=False, floatfmt=".4g") + (f"\n\n{paired}" if paired else ""))
     log.info(f"comparison: {', '.join(str(f) for f in files)}")
     return df
+
+
+def paired_answers(variants: dict[str, Config], metric: str = "rag/em") -> str:
+    """A Markdown section: each variant's `metric` per question, pooled over its seeds and paired with the first
+    answering variant's at the same seed ("" when fewer than two variants saved answers)."""
+    runs: dict[str, dict[int, Path]] = {}
+    for label, cfg in variants.items():
+        out = Path(cfg.output_dir)
+        if any((out / p).is_file() for p in PREDICTIONS):  # a retrieval-only variant has none
+            runs.setdefault(label.partition(SEED_MARK)[0], {})[cfg.seed] = out
+    if len(runs) < 2:
+        return ""
+    try:
+        rows = paired_over_seeds(runs, metric)
+    except (SearchError, ValueError) as e:  # e.g. a variant that evaluates other questions: the table stays valid
+        log.warning(f"comparison: no paired {metric} section: {e}")
+        return ""
+    base, seeds = next(iter(runs)), len(next(iter(runs.values())))
+    return (
+        f"## {metric} paired against {base}, per question over {seeds} seed(s)\n\n"
+        f"Each (seed, question) of a variant against {base}'s answer at the same seed: the difference with its "
+        f"bootstrap 95 % interval, and the questions answered better / worse (counted over seeds x "
+        f"questions).\n\n" + format_table(rows, metric, tablefmt="pipe")
+    )
 
 
 def variant_row(name: str, results: dict[str, dict[str, float]]) -> dict[str, float | str]:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from ragtrain.paired import Scored, bootstrap, main, run_per_query
+from ragtrain.paired import Scored, answer_scores, bootstrap, main, paired_over_seeds, run_per_query
+from ragtrain.search import SearchError
 
 
 def test_a_constant_gain_has_a_zero_width_interval_and_no_doubt():
@@ -53,3 +57,57 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert main([str(tmp_path), str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "holds no index" in err and len(err.strip().splitlines()) == 1
+
+
+def test_better_and_worse_count_the_queries_each_way():
+    a = {"q0": 0.0, "q1": 1.0, "q2": 0.5, "q3": 0.5}
+    b = {"q0": 1.0, "q1": 0.0, "q2": 1.0, "q3": 0.5}
+    row = bootstrap([Scored("a", a), Scored("b", b)], resamples=200)[1]
+    assert (row["better"], row["worse"]) == (2.0, 1.0)
+
+
+def _answers_run(folder: Path, stage: str, rag: list[str], seed: int = 0) -> Path:
+    """A run folder with a config.yaml and `stage`/predictions.json: rag answers to 3 fixed questions."""
+    golds = [["Paris", "the city of Paris"], ["1889"], ["Gustave Eiffel"]]
+    rows = [
+        {"qid": f"q{i}", "question": "?", "prediction": p, "answers": g, "passages": []}
+        for i, (p, g) in enumerate(zip(rag, golds))
+    ]
+    (folder / stage).mkdir(parents=True)
+    (folder / stage / "predictions.json").write_text(json.dumps({"rag": rows, "closed_book": rows[:1]}))
+    (folder / "config.yaml").write_text(f"seed: {seed}\nstages: [index, {stage}]\n")
+    return folder
+
+
+def test_answer_metrics_score_each_saved_answer_as_squad_does(tmp_path, capsys):
+    a = _answers_run(tmp_path / "a", "generator", ["The Paris.", "in 1889", "Eiffel"])
+    b = _answers_run(tmp_path / "b", "joint", ["the city of paris", "1889", "Eiffel"])
+    assert answer_scores(a, "rag/em") == {"q0": 1.0, "q1": 0.0, "q2": 0.0}  # articles and punctuation normalised
+    assert answer_scores(a, "rag/f1")["q2"] == pytest.approx(2 * 1 * 0.5 / 1.5)  # best over the gold answers
+    (b / "generator").mkdir()  # both stages ran: the joint stage's answers are the run's figures
+    (b / "generator" / "predictions.json").write_text(json.dumps({"rag": []}))
+    assert answer_scores(b, "rag/em") == {"q0": 1.0, "q1": 1.0, "q2": 0.0}
+    assert main([str(a), str(b), "--metric", "rag/em", "--resamples", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "+0.3333" in out and "1 / 0" in out and "(3 questions, paired bootstrap)" in out
+    with pytest.raises(SearchError, match="evaluated modes are"):
+        answer_scores(a, "oracle/em")
+    assert main([str(a), str(tmp_path)]) == 2  # not a run folder
+    assert "not a ragtrain run folder" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    assert main([str(a), str(tmp_path), "--metric", "rag/em"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no generator answers" in err and len(err.strip().splitlines()) == 1
+
+
+def test_variants_over_seeds_pair_each_question_with_the_first_variant_at_the_same_seed(tmp_path):
+    runs = {
+        "frozen": {s: _answers_run(tmp_path / f"f{s}", "generator", ["Paris", "no", "no"], s) for s in (0, 1)},
+        "joint": {
+            0: _answers_run(tmp_path / "j0", "joint", ["Paris", "1889", "no"]),
+            1: _answers_run(tmp_path / "j1", "joint", ["no", "no", "no"], 1),
+        },
+    }
+    rows = paired_over_seeds(runs, "rag/em", resamples=200)
+    assert rows[0]["queries"] == 6.0 and rows[0]["mean"] == pytest.approx(2 / 6)
+    assert rows[1]["diff"] == pytest.approx(0.0) and (rows[1]["better"], rows[1]["worse"]) == (1.0, 1.0)

@@ -3,14 +3,16 @@ that match them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ragtrain.config import ConfigError, sync_variants, to_typed
-from ragtrain.variants import run_variants
+from ragtrain.config import ConfigError, override_variants, sync_variants, to_typed
+from ragtrain.track.report import write_comparison
+from ragtrain.variants import paired_answers, run_variants
 from tests.conftest import CONF_DIR, compose, tiny_overrides
 
 
@@ -59,3 +61,38 @@ def test_unknown_strategy_in_compare_lists_choices(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         sync_variants(cfg, str(CONF_DIR))
     assert "warp" in str(e.value) and "powersgd" in str(e.value)
+
+
+def _answers(folder: Path, stage: str, hits: list[bool], qids: tuple[str, ...] = ("a", "b", "c", "d")) -> None:
+    rows = [
+        {"qid": q, "question": "?", "prediction": "Paris" if hit else "Rome", "answers": ["Paris"], "passages": []}
+        for q, hit in zip(qids, hits)
+    ]
+    (folder / stage).mkdir(parents=True)
+    (folder / stage / "predictions.json").write_text(json.dumps({"rag": rows}))
+
+
+def test_squad_rag_comparison_pairs_each_variant_with_frozen_per_question_and_seed(tmp_path: Path, caplog) -> None:
+    variants = override_variants(
+        compose(["experiment=squad_rag", f"output_dir={tmp_path}", "compare.only=[retrieval,frozen,joint_query]"])
+    )
+    assert list(variants) == [f"{v}/seed={s}" for v in ("retrieval", "frozen", "joint_query") for s in (0, 1)]
+    out = {label: Path(cfg.output_dir) for label, cfg in variants.items()}
+    _answers(out["frozen/seed=0"], "generator", [True, False, False, False])
+    _answers(out["frozen/seed=1"], "generator", [True, True, False, False])
+    _answers(out["joint_query/seed=0"], "joint", [True, True, True, False])  # 2 better
+    _answers(out["joint_query/seed=1"], "joint", [False, True, False, False])  # 1 worse
+    section = paired_answers(variants)  # the retrieval-only variant saved no answers: not in the table
+    assert section.startswith("## rag/em paired against frozen, per question over 2 seed(s)")
+    row = next(line for line in section.splitlines() if line.startswith("| joint_query"))
+    assert "+0.1250" in row and "2 / 1" in row and "(8 questions, paired bootstrap)" in section
+    assert "| retrieval" not in section
+    df = pd.DataFrame([{"strategy": "frozen", "seed": 0, "rag/em": 0.25}, {"strategy": "joint_query", "seed": 0}])
+    write_comparison(df, tmp_path, "squad_rag", [section, ""])
+    md = (tmp_path / "comparison.md").read_text()
+    assert md.count("## rag/em paired against frozen") == 1 and md.rstrip().endswith("paired bootstrap)")
+    # a variant scored on other questions: the comparison is still written, with one warning line and no section
+    (out["joint_query/seed=1"] / "joint" / "predictions.json").unlink()
+    _answers(out["joint_query/seed=1"], "generator", [True] * 4, qids=("a", "b", "c", "e"))
+    assert paired_answers(variants) == ""
+    assert "no paired rag/em section" in caplog.text and "other queries" in caplog.text

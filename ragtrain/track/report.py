@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -43,8 +44,9 @@ def comparison_frame(rows: list[dict]) -> pd.DataFrame:
     return df[[c for c in COLUMNS if c in df.columns]]
 
 
-def write_comparison(df: pd.DataFrame, out_dir: str | Path, title: str) -> list[Path]:
-    """Write comparison.csv, comparison.md and comparison.png (nDCG@10 vs bytes/step, drift as marker size)."""
+def write_comparison(df: pd.DataFrame, out_dir: str | Path, title: str, sections: Sequence[str] = ()) -> list[Path]:
+    """Write comparison.csv, comparison.md (+ `sections`: Markdown appended, empty ones skipped) and comparison.png
+    (nDCG@10 vs bytes/step, drift as marker size; RAG variants: EM per mode)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv, md, png = out / "comparison.csv", out / "comparison.md", out / "comparison.png"
@@ -52,6 +54,7 @@ def write_comparison(df: pd.DataFrame, out_dir: str | Path, title: str) -> list[
     text = f"# {title}\n\n" + df.to_markdown(index=False, floatfmt=".4g") + "\n"
     if "seed" in df.columns:  # several seeds: each variant's mean and its spread over the seeds
         text += "\n## Mean over seeds [min, max]\n\n" + seed_summary(df).to_markdown(index=False) + "\n"
+    text += "".join(f"\n{s.strip()}\n" for s in sections if s.strip())
     md.write_text(text)
 
     if "rag/em" in df.columns and "seed" in df.columns:  # RAG variants over seeds: EM per mode with the spread

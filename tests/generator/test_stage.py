@@ -103,6 +103,13 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     assert all(r["passages"] == [] for r in preds["closed_book"])
     assert all(len(r["passages"]) == 1 and r["passages"][0] in gold[r["qid"]] for r in preds["oracle"])
     assert all(len(r["passages"]) == cfg.generator.retrieval.top_k for r in preds["rag"])
+    # python -m ragtrain.paired --metric <mode>/<em|f1> re-scores these answers: the run's own figures
+    from ragtrain.paired import answer_scores
+
+    for phase, mode in (("gen_rag", "rag"), ("gen_closed_book", "closed_book"), ("gen_oracle", "oracle")):
+        for kind in ("em", "f1"):
+            values = answer_scores(cfg.output_dir, f"{mode}/{kind}").values()
+            assert sum(values) / len(values) == pytest.approx(results[phase][kind], abs=1e-12)
     # the exported generator's card: these figures, and how many questions they were scored on
     block = answer_block(cfg, results).splitlines()
     em_row = next(line.split() for line in block if line.startswith("em "))

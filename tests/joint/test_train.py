@@ -137,6 +137,10 @@ def test_trained_passages_refresh_two_shards_and_end_on_one_version(built) -> No
                 "index/mixed_recall_at_10", "run/joint_rag/em"):  # fmt: skip
         assert key in run.data.metrics, key
     assert (out / "generator" / "config.json").exists() and (out / "encoder.safetensors").exists()
+    from ragtrain.paired import answer_scores  # the joint stage's saved answers re-score to its figures
+
+    em = answer_scores(cfg.output_dir, "rag/em").values()
+    assert sum(em) / len(em) == pytest.approx(results["joint_rag"]["em"], abs=1e-12)
     # the run's saved index is the final encoder's (the live rows were refreshed by older snapshots): its metadata
     # names the joint encoder, its vectors are that encoder's, and `ragtrain.search` serves it with the joint queries
     from omegaconf import OmegaConf
