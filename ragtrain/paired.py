@@ -83,22 +83,27 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     return {q: s[metric] for q, s in scores.items()}
 
 
-def answer_scores(out: str | Path, metric: str = "rag/em") -> dict[str, float]:
-    """Per-question EM or F1 (`metric` = <mode>/<em|f1>) of the answers the run in `out` saved, by question id."""
-    from ragtrain.generator.qa_metrics import best_over_golds, exact_match, f1_score  # lazy: only this metric
-
+def saved_answers(out: str | Path, mode: str = "rag") -> list[dict]:
+    """The answers the run in `out` saved for one eval mode: {qid, question, prediction, answers, passages} each."""
     path = next((Path(out, p) for p in PREDICTIONS if Path(out, p).is_file()), None)
     if path is None:
         raise SearchError(
             f"{out} holds no generator answers ({' or '.join(PREDICTIONS)}): compare run folders whose stages "
             "included 'generator' or 'joint'"
         )
-    mode, kind = metric.split("/")
     answers = json.loads(path.read_text())
     if mode not in answers:
         raise SearchError(f"{path} has no {mode!r} answers: its evaluated modes are {sorted(answers)}")
+    return answers[mode]
+
+
+def answer_scores(out: str | Path, metric: str = "rag/em") -> dict[str, float]:
+    """Per-question EM or F1 (`metric` = <mode>/<em|f1>) of the answers the run in `out` saved, by question id."""
+    from ragtrain.generator.qa_metrics import best_over_golds, exact_match, f1_score  # lazy: only this metric
+
+    mode, kind = metric.split("/")
     fn = exact_match if kind == "em" else f1_score
-    return {r["qid"]: best_over_golds(fn, r["prediction"], r["answers"]) for r in answers[mode]}
+    return {r["qid"]: best_over_golds(fn, r["prediction"], r["answers"]) for r in saved_answers(out, mode)}
 
 
 def per_question(out: str | Path, metric: str) -> dict[str, float]:
@@ -161,6 +166,15 @@ def bootstrap(runs: Sequence[Scored], resamples: int = 10_000, seed: int = 0) ->
     return out
 
 
+def seed_runs(folder: str | Path) -> dict[int, Path]:
+    """The run folders of one variant run at several seeds: <folder>/seed<k>/ (compare.seeds), by seed."""
+    found = {int(p.name[4:]): p for p in Path(folder).glob("seed*") if p.name[4:].isdigit() and p.is_dir()}
+    if not found:
+        raise SearchError(f"{folder} holds no seed<k>/ run folders: --over-seeds takes a variant's folder of a run "
+                          "with compare.seeds")  # fmt: skip
+    return dict(sorted(found.items()))
+
+
 def paired_over_seeds(
     runs: dict[str, dict[int, Path]], metric: str = "rag/em", resamples: int = 10_000, seed: int = 0
 ) -> list[dict[str, float]]:
@@ -207,6 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--resamples", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument(
+        "--over-seeds",
+        action="store_true",
+        help="each folder is a variant of a compare.seeds experiment (<out>/<variant>) holding seed<k>/ runs: its "
+        "queries at every seed, each paired with the first variant's at the same seed",
+    )
     args = p.parse_args(argv)
     if len(args.runs) < 2:
         print("error: give at least two run folders to compare", file=sys.stderr)
@@ -218,9 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --resamples must be >= 100, got {args.resamples}", file=sys.stderr)
         return 2
     try:
-        names = labels(args.runs)  # every folder's config.yaml read before any scoring
-        scored = [Scored(n, per_question(r, args.metric)) for n, r in zip(names, args.runs)]
-        rows = bootstrap(scored, args.resamples, args.seed)
+        if args.over_seeds:
+            runs = {Path(r).name: seed_runs(r) for r in args.runs}
+            rows = paired_over_seeds(runs, args.metric, args.resamples, args.seed)
+        else:
+            names = labels(args.runs)  # every folder's config.yaml read before any scoring
+            scored = [Scored(n, per_question(r, args.metric)) for n, r in zip(names, args.runs)]
+            rows = bootstrap(scored, args.resamples, args.seed)
     except (SearchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

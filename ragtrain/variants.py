@@ -13,7 +13,7 @@ import pandas as pd
 
 from ragtrain.config import SEED_MARK, Config
 from ragtrain.console import get_logger
-from ragtrain.paired import PREDICTIONS, format_table, paired_over_seeds
+from ragtrain.paired import PREDICTIONS, format_table, paired_over_seeds, saved_answers
 from ragtrain.pipeline import run
 from ragtrain.search import SearchError
 from ragtrain.track.mlflow import RunLogger
@@ -63,8 +63,27 @@ def paired_answers(variants: dict[str, Config], metric: str = "rag/em") -> str:
         f"## {metric} paired against {base}, per question over {seeds} seed(s)\n\n"
         f"Each (seed, question) of a variant against {base}'s answer at the same seed: the difference with its "
         f"bootstrap 95 % interval, and the questions answered better / worse (counted over seeds x "
-        f"questions).\n\n" + format_table(rows, metric, tablefmt="pipe")
+        f"questions).\n\n"
+        + format_table(rows, metric, tablefmt="pipe")
+        + "\n\n"
+        + other_passages(runs, metric.split("/")[0])
     )
+
+
+def other_passages(runs: dict[str, dict[int, Path]], mode: str = "rag") -> str:
+    """One line: per variant, how many (seed, question) prompts hold other passages than the first variant's at the
+    same seed (only those answers can differ through the retriever)."""
+    names, base = list(runs), next(iter(runs.values()))
+    counts = []
+    for name in names[1:]:
+        changed = total = 0
+        for s, out in runs[name].items():
+            first = {r["qid"]: r["passages"] for r in saved_answers(base[s], mode)}
+            for r in saved_answers(out, mode):
+                changed += r["passages"] != first.get(r["qid"])
+                total += 1
+        counts.append(f"{name} {changed} of {total}")
+    return f"Prompts ({mode}) holding other passages than {names[0]}'s: {', '.join(counts)}."
 
 
 def variant_row(name: str, results: dict[str, dict[str, float]]) -> dict[str, float | str]:

@@ -111,3 +111,17 @@ def test_variants_over_seeds_pair_each_question_with_the_first_variant_at_the_sa
     rows = paired_over_seeds(runs, "rag/em", resamples=200)
     assert rows[0]["queries"] == 6.0 and rows[0]["mean"] == pytest.approx(2 / 6)
     assert rows[1]["diff"] == pytest.approx(0.0) and (rows[1]["better"], rows[1]["worse"]) == (1.0, 1.0)
+
+
+def test_the_cli_pools_a_compare_seeds_experiment_per_variant_folder(tmp_path, capsys):
+    for s, (f, j) in enumerate([(["Paris", "no", "no"], ["Paris", "1889", "no"]), (["no"] * 3, ["no", "1889", "no"])]):
+        _answers_run(tmp_path / "frozen" / f"seed{s}", "generator", f, s)
+        _answers_run(tmp_path / "joint" / f"seed{s}", "joint", j, s)
+    argv = [str(tmp_path / "frozen"), str(tmp_path / "joint"), "--over-seeds", "--metric", "rag/em"]
+    assert main([*argv, "--json", "--resamples", "200"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["run"] for r in rows] == ["frozen", "joint"] and rows[0]["queries"] == 6
+    assert rows[1]["diff"] == pytest.approx(2 / 6) and (rows[1]["better"], rows[1]["worse"]) == (2, 0)
+    assert main([str(tmp_path / "frozen"), str(tmp_path), "--over-seeds", "--metric", "rag/em"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no seed<k>/ run folders" in err and len(err.strip().splitlines()) == 1

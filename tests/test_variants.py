@@ -63,11 +63,15 @@ def test_unknown_strategy_in_compare_lists_choices(tmp_path: Path) -> None:
     assert "warp" in str(e.value) and "powersgd" in str(e.value)
 
 
-def _answers(folder: Path, stage: str, hits: list[bool], qids: tuple[str, ...] = ("a", "b", "c", "d")) -> None:
+def _answers(
+    folder: Path, stage: str, hits: list[bool], qids: tuple[str, ...] = ("a", "b", "c", "d"), moved: int = 0
+) -> None:
+    """rag answers to 4 questions, right where `hits`; the first `moved` prompts hold another passage."""
     rows = [
-        {"qid": q, "question": "?", "prediction": "Paris" if hit else "Rome", "answers": ["Paris"], "passages": []}
-        for q, hit in zip(qids, hits)
-    ]
+        {"qid": q, "question": "?", "prediction": "Paris" if hit else "Rome", "answers": ["Paris"],
+         "passages": ["p2" if i < moved else "p1"]}
+        for i, (q, hit) in enumerate(zip(qids, hits))
+    ]  # fmt: skip
     (folder / stage).mkdir(parents=True)
     (folder / stage / "predictions.json").write_text(json.dumps({"rag": rows}))
 
@@ -80,17 +84,18 @@ def test_squad_rag_comparison_pairs_each_variant_with_frozen_per_question_and_se
     out = {label: Path(cfg.output_dir) for label, cfg in variants.items()}
     _answers(out["frozen/seed=0"], "generator", [True, False, False, False])
     _answers(out["frozen/seed=1"], "generator", [True, True, False, False])
-    _answers(out["joint_query/seed=0"], "joint", [True, True, True, False])  # 2 better
-    _answers(out["joint_query/seed=1"], "joint", [False, True, False, False])  # 1 worse
+    _answers(out["joint_query/seed=0"], "joint", [True, True, True, False], moved=3)  # 2 better
+    _answers(out["joint_query/seed=1"], "joint", [False, True, False, False], moved=1)  # 1 worse
     section = paired_answers(variants)  # the retrieval-only variant saved no answers: not in the table
     assert section.startswith("## rag/em paired against frozen, per question over 2 seed(s)")
     row = next(line for line in section.splitlines() if line.startswith("| joint_query"))
     assert "+0.1250" in row and "2 / 1" in row and "(8 questions, paired bootstrap)" in section
     assert "| retrieval" not in section
+    assert "Prompts (rag) holding other passages than frozen's: joint_query 4 of 8." in section
     df = pd.DataFrame([{"strategy": "frozen", "seed": 0, "rag/em": 0.25}, {"strategy": "joint_query", "seed": 0}])
     write_comparison(df, tmp_path, "squad_rag", [section, ""])
     md = (tmp_path / "comparison.md").read_text()
-    assert md.count("## rag/em paired against frozen") == 1 and md.rstrip().endswith("paired bootstrap)")
+    assert md.count("## rag/em paired against frozen") == 1 and md.rstrip().endswith("joint_query 4 of 8.")
     # a variant scored on other questions: the comparison is still written, with one warning line and no section
     (out["joint_query/seed=1"] / "joint" / "predictions.json").unlink()
     _answers(out["joint_query/seed=1"], "generator", [True] * 4, qids=("a", "b", "c", "e"))
