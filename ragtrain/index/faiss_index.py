@@ -209,7 +209,13 @@ def check_index_device(
             "CUDA 12 runtime libraries (libcudart.so.12, libcublas.so.12) beside the driver; install them or set "
             "index.device=cpu"
         )
-    index_to_gpu(make_index(factory, dim), factory, lib)  # HNSW and other CPU-only types fail here, named
+    # HNSW and other CPU-only types fail here, named. The driver only asks, with resources of its own that reserve
+    # no scratch memory (FAISS's default keeps up to 1.5 GiB per process), freed at once: the cached resources are
+    # for the shard actors that search. (This process keeps its CUDA context.)
+    res = lib.StandardGpuResources()
+    res.noTempMemory()
+    copy = index_to_gpu(make_index(factory, dim), factory, lib, res)
+    del copy, res  # the copy first: it uses the resources
 
 
 @functools.cache
@@ -218,11 +224,12 @@ def gpu_resources(lib: Any = faiss) -> Any:
     return lib.StandardGpuResources()
 
 
-def index_to_gpu(index: faiss.Index, factory: str, lib: Any = faiss) -> faiss.Index:
-    """A copy of `index` on this process's first visible GPU (a Ray actor sees the GPU it was given as device 0);
-    a factory FAISS cannot put on a GPU is a ConfigError naming index.factory."""
+def index_to_gpu(index: faiss.Index, factory: str, lib: Any = faiss, res: Any = None) -> faiss.Index:
+    """A copy of `index` on this process's first visible GPU (a Ray actor sees the GPU it was given as device 0),
+    with `res` (default: the process's cached resources); a factory FAISS cannot put on a GPU is a ConfigError
+    naming index.factory."""
     try:
-        return lib.index_cpu_to_gpu(gpu_resources(lib), 0, index)
+        return lib.index_cpu_to_gpu(gpu_resources(lib) if res is None else res, 0, index)
     except (RuntimeError, AttributeError) as e:
         raise ConfigError(
             f"index.factory={factory!r} cannot run on a GPU (index.device=cuda): "

@@ -392,15 +392,21 @@ class _FaissBuild:
     index to one (the CPU box's faiss has none of it; these stand for the GPU builds on machines without them)."""
 
     __version__ = "1.12.0"
-    StandardGpuResources = object
+
+    class StandardGpuResources:
+        temp_memory = True
+
+        def noTempMemory(self) -> None:  # noqa: N802 (FAISS's name)
+            self.temp_memory = False
 
     def __init__(self, gpus: int, convert_error: str | None = None) -> None:
-        self.gpus, self.convert_error = gpus, convert_error
+        self.gpus, self.convert_error, self.used = gpus, convert_error, []
 
     def get_num_gpus(self) -> int:
         return self.gpus
 
     def index_cpu_to_gpu(self, res, device: int, index):
+        self.used.append(res)
         if self.convert_error:
             raise RuntimeError(self.convert_error)
         return index
@@ -435,4 +441,7 @@ def test_index_device_cuda_names_what_is_missing(lib, visible: int, match: str) 
     gpu_resources.cache_clear()
     with pytest.raises(ConfigError, match=match):
         check_index_device("cuda", "HNSW32", DIM, lib=lib, visible_gpus=lambda: visible)
-    check_index_device("cuda", "Flat", DIM, lib=_FaissBuild(gpus=1), visible_gpus=lambda: 1)  # all there: passes
+    build = _FaissBuild(gpus=1)
+    check_index_device("cuda", "Flat", DIM, lib=build, visible_gpus=lambda: 1)  # all there: passes
+    # the driver's check reserves no FAISS scratch memory, and leaves the cached resources to the shard actors
+    assert [r.temp_memory for r in build.used] == [False] and gpu_resources.cache_info().currsize == 0
