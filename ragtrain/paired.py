@@ -83,9 +83,14 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     return {q: s[metric] for q, s in scores.items()}
 
 
+def predictions_file(out: str | Path) -> Path | None:
+    """The answers file of the run in `out` (the joint stage's when it ran, else the generator stage's), or None."""
+    return next((Path(out, p) for p in PREDICTIONS if Path(out, p).is_file()), None)
+
+
 def saved_answers(out: str | Path, mode: str = "rag") -> list[dict]:
     """The answers the run in `out` saved for one eval mode: {qid, question, prediction, answers, passages} each."""
-    path = next((Path(out, p) for p in PREDICTIONS if Path(out, p).is_file()), None)
+    path = predictions_file(out)
     if path is None:
         raise SearchError(
             f"{out} holds no generator answers ({' or '.join(PREDICTIONS)}): compare run folders whose stages "

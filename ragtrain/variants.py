@@ -13,7 +13,7 @@ import pandas as pd
 
 from ragtrain.config import SEED_MARK, Config
 from ragtrain.console import get_logger
-from ragtrain.paired import PREDICTIONS, format_table, paired_over_seeds, saved_answers
+from ragtrain.paired import format_table, paired_over_seeds, predictions_file, saved_answers
 from ragtrain.pipeline import run
 from ragtrain.search import SearchError
 from ragtrain.track.mlflow import RunLogger
@@ -49,7 +49,7 @@ def paired_answers(variants: dict[str, Config], metric: str = "rag/em") -> str:
     runs: dict[str, dict[int, Path]] = {}
     for label, cfg in variants.items():
         out = Path(cfg.output_dir)
-        if any((out / p).is_file() for p in PREDICTIONS):  # a retrieval-only variant has none
+        if predictions_file(out):  # a retrieval-only variant has none
             runs.setdefault(label.partition(SEED_MARK)[0], {})[cfg.seed] = out
     if len(runs) < 2:
         return ""
