@@ -150,6 +150,23 @@ def _pretrained(g: GeneratorConfig) -> nn.Module:
     return cls.from_pretrained(path, config=cfg)
 
 
+class FirstLineDone:
+    """Generation stops for a sequence once its answer has a finished first line: text, then a newline.
+    `AnswerDecoder` keeps only that line, so what follows would be generated for nothing (a pretrained chat model
+    goes on explaining; a batch runs until its last sequence stops). Leading whitespace and newlines do not count:
+    the decoder skips them too. A transformers `StoppingCriteria` (duck-typed: one bool per sequence)."""
+
+    def __init__(self, tokenizer, prompt_len: int):
+        self.tok, self.prompt_len = tokenizer, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
+        done = [
+            "\n" in self.tok.decode(row, skip_special_tokens=True).lstrip()
+            for row in input_ids[:, self.prompt_len :].tolist()
+        ]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
 class GenModel(nn.Module):
     """One interface over the three architectures: summed target cross-entropy, and generation."""
 
@@ -204,7 +221,14 @@ class GenModel(nn.Module):
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_beams: int = 1, max_new_tokens: int = 16
     ) -> list[list[int]]:
-        """Greedy (num_beams=1) or beam-search answers: token ids after the prompt, up to and excluding EOS."""
+        """Greedy (num_beams=1) or beam-search answers: token ids after the prompt, up to and excluding EOS (greedy
+        sequences stop at the end of their first line, see FirstLineDone)."""
+        from transformers import StoppingCriteriaList  # lazy, as in build_generator
+
+        prompt_len = input_ids.shape[1] if self.arch == Arch.causal else 0
+        # Greedy only: there a stopped sequence's first line is what it would have been. A beam ended at its newline
+        # would compete as a finished hypothesis, scored at that length, and could change which beam wins.
+        stop = [FirstLineDone(self.tokenizer, prompt_len)] if num_beams == 1 else []
         out = self.hf.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -214,6 +238,7 @@ class GenModel(nn.Module):
             eos_token_id=self.eos_id,
             pad_token_id=self.pad_id,
             decoder_start_token_id=self.start_id if self.arch != Arch.causal else None,
+            stopping_criteria=StoppingCriteriaList(stop),
         )
         if self.arch == Arch.causal:  # decoder-only output repeats the (left-padded) prompt first
             out = out[:, input_ids.shape[1] :]

@@ -112,6 +112,59 @@ def test_answers_are_cut_at_the_first_line(llama_dir) -> None:
     assert AnswerDecoder(tok)(ids) == "the denver broncos"
 
 
+def _memorised(llama_dir, answers: list[str], eos: bool):
+    """The tiny Llama trained to continue two chat prompts with the given texts, with EOS after them or without
+    (then it goes on)."""
+    g = _chat_cfg(llama_dir)
+    tok = load_tokenizer(g)
+    torch.manual_seed(0)
+    m = build_generator(g, tok)
+    b = prompt_builder(g, tok)
+    src = [b.source("which team won super bowl 50?", [PASSAGE]), b.source("where is warsaw?")]
+    tgt = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * eos for a in answers]
+    batch = collate(src, tgt, m.arch, m.pad_id)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for _ in range(40):
+        (m(**batch) / sum(map(len, tgt))).backward()
+        opt.step()
+        opt.zero_grad()
+    return g, tok, m.eval(), src
+
+
+def test_greedy_generation_stops_at_the_end_of_the_first_line(llama_dir) -> None:
+    """A model that goes on after its answer line (a chat model explaining) stops there: the same answers as
+    generating up to max_new_tokens, from fewer tokens. A newline before any text does not end the line."""
+    goes_on = ["the denver broncos\nwarsaw is the capital", "\npoland\nthe denver broncos"]
+    g, tok, m, src = _memorised(llama_dir, goes_on, eos=False)
+    gb = collate(src, [[], []], m.arch, m.pad_id, for_generation=True)
+    stopped = m.generate(gb["input_ids"], gb["attention_mask"], max_new_tokens=16)
+    full = m.hf.generate(**gb, max_new_tokens=16, do_sample=False, pad_token_id=m.pad_id, eos_token_id=m.eos_id)
+    full = full[:, gb["input_ids"].shape[1] :].tolist()
+    decode = AnswerDecoder(tok)
+    assert [decode(o) for o in stopped] == [decode(o) for o in full] == ["the denver broncos", "poland"]
+    for s, f in zip(stopped, full):
+        assert len(s) < len(f) and f[: len(s)] == s  # a prefix of the free-running answer, ended by its newline
+        assert tok.decode(s).lstrip().endswith("\n")
+    beams = m.generate(gb["input_ids"], gb["attention_mask"], num_beams=2, max_new_tokens=16)
+    assert [decode(o) for o in beams] == ["the denver broncos", "poland"]  # beams run on: the rule is greedy's
+
+
+def test_evaluation_batches_prompts_by_length_and_answers_in_order(llama_dir) -> None:
+    """Prompts of different lengths, batched longest first: each answer lands on its own question, as when every
+    prompt is generated alone (no padding at all)."""
+    from ragtrain.generator.train import _generate_sorted
+
+    g, tok, m, src = _memorised(llama_dir, ["the denver broncos", "poland"], eos=True)
+    b = prompt_builder(g, tok)
+    prompts = [src[1], src[0], b.source("where is warsaw?", [PASSAGE]), src[1]]
+    g.eval.batch_size = 2
+    together = _generate_sorted(m, prompts, g, torch.device("cpu"))
+    alone = [m.generate(**{k: v for k, v in collate([p], [[]], m.arch, m.pad_id, True).items() if k != "labels"})[0]
+             for p in prompts]  # fmt: skip
+    assert together == alone
+    assert AnswerDecoder(tok)(together[0]) == "poland" and AnswerDecoder(tok)(together[1]) == "the denver broncos"
+
+
 def test_missing_package_is_a_config_error_with_the_install_command(monkeypatch) -> None:
     gone = PackagedModel("ragtrain_no_such_package", "no-such-package==9.9", "none.gguf")
     monkeypatch.setitem(PACKAGED, "smollm2", gone)
