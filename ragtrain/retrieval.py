@@ -326,10 +326,20 @@ class Retrieval:
         mined = mine_rows(index, qvecs, gold, spec, positive=positive)
         return {q: [pos[index.doc_ids[r]] for r in rows] for q, rows in zip(qids, mined)}
 
-    def start_service(self, built: BuiltIndex, weights: dict[str, torch.Tensor], first_version: int = 0, step: int = 0):
+    def start_service(
+        self,
+        built: BuiltIndex,
+        weights: dict[str, torch.Tensor],
+        first_version: int = 0,
+        step: int = 0,
+        negatives: bool = True,
+    ):
         """Start the live refresh (refresh.enabled) on the index shards with its first version = `built`'s vectors,
         encoded with `weights` at training step `step`, numbered `first_version` (a resumed run continues from its
-        checkpoint: both nonzero); returns (service actor, staleness probe)."""
+        checkpoint: both nonzero); returns (service actor, staleness probe). Every published version carries hard
+        negatives mined for every training query; `negatives=False` (a trainer that takes none: joint training's
+        retriever learns from the generator) keeps to the staleness probe's queries, which the round's metrics read:
+        re-encoding all training queries each round is most of a round's work beside the passages' share."""
         import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: as ray
 
@@ -349,6 +359,8 @@ class Retrieval:
         gold = [[pos[d] for d, g in sorted(self.train_qrels[q].items()) if g > 0] for q in qids]
         queries = [self.data.queries[q] for q in qids]
         probe = make_probe(gold, queries, len(self.doc_ids), r.probe_queries, r.probe_passages, cfg.seed)
+        if not negatives:  # the probe's queries are the first ones (make_probe)
+            queries, gold = queries[: len(probe.queries)], gold[: len(probe.queries)]
         # The refresh's CPUs (resources.pool) are reserved in a placement group, so the trainer never gets them; the
         # service lives there (0 CPUs of its own) and the shards' round encodes share them, every core each
         self._reserved = reserve(pool)

@@ -11,7 +11,9 @@ query vectors), and measured on the staleness probe: `index/version_skew` (newes
 rows searched), `index/mixed_recall_at_10` (the probe queries' top 10 over the probe passages as searches see
 them, against the same passages all encoded by the newest snapshot), `index/mined_agreement` (the same comparison
 for the hard negatives mined for those queries: their Jaccard overlap), `index/newest_version_share`,
-`index/staleness_steps`, `index/encoded_fraction` and the encode seconds of each shard.
+`index/staleness_steps`, `index/encoded_fraction`, `index/mined_queries` (the training queries re-encoded and
+mined for: all of them, or the probe's alone for a trainer that takes no negatives) and each shard's encode
+seconds.
 """
 
 from __future__ import annotations
@@ -346,6 +348,7 @@ class RefreshService:
         return {
             "index/encoded_fraction": sum(e["encoded"] for e in encoded.values()) / len(self.doc_ids),
             "index/encoded_extra_rows": float(extra),
+            "index/mined_queries": float(len(self.train_queries)),  # the queries re-encoded and mined each round
             "index/version_skew": max(s["metrics"]["index/version_skew"] for s in states),
             "index/mixed_recall_at_10": float(np.mean([s["metrics"]["index/mixed_recall_at_10"] for s in states])),
             "index/mined_agreement": float(np.mean([s["metrics"]["index/mined_agreement"] for s in states])),

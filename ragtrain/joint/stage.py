@@ -82,7 +82,7 @@ def run_joint_stage(
     service = probe = None
     report: dict[str, Any] = {}
     if trained:  # the shards refresh their rows from the trained encoder's snapshots while training steps
-        service, probe = retrieval.start_service(built, payload.weights[0])
+        service, probe = retrieval.start_service(built, payload.weights[0], negatives=False)
     else:
         retrieval.release()
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -311,6 +312,10 @@ def test_a_small_run_refreshes_its_sharded_index_while_training(ray_session, tmp
     history = json.loads((tmp_path / "out" / "refresh_history.json").read_text())["history"]
     assert [h["version"] for h in history] == list(range(1, len(history) + 1)) and len(history) >= 2
     assert all(h["metrics"]["index/encoded_fraction"] == 1.0 for h in history)  # both shards, every row
+    # hard negatives come from the live index: every round mines them for every training query
+    train_queries = int(re.search(r"(\d+) train queries", (tmp_path / "out" / "ragtrain.log").read_text())[1])
+    assert train_queries > cfg.refresh.probe_queries
+    assert {h["metrics"]["index/mined_queries"] for h in history} == {float(train_queries)}
     client = MlflowClient(cfg.logger.tracking_uri)
     run_id = client.search_runs([client.get_experiment_by_name("small-refresh").experiment_id])[0].info.run_id
     versions = [m.value for m in client.get_metric_history(run_id, "index/version")]

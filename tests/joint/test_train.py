@@ -128,6 +128,11 @@ def test_trained_passages_refresh_two_shards_and_end_on_one_version(built) -> No
     assert len(mix) == 1 and int(next(iter(mix))) > 0, mix
     assert sum(mix.values()) == len(retrieval.doc_ids)
     assert report["history"] and all(h["ok"] for h in report["history"])
+    # joint training takes no mined negatives: the rounds encode and mine only the staleness probe's queries (the
+    # store's service is started by `retrieval`, with its own config's probe)
+    probe = retrieval.cfg.refresh.probe_queries
+    assert probe < len(retrieval.train_qrels)
+    assert {h["metrics"]["index/mined_queries"] for h in report["history"]} == {float(probe)}
     assert results["joint"]["index/refreshes"] >= 1 and results["joint"]["index/final_version_count"] == 1
     # the jointly trained retriever evaluated on the split, over the index the refresh left
     assert {"ndcg@10", "recall@100", "answer_recall@5"} <= set(results["trained"])
