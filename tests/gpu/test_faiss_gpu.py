@@ -1,5 +1,5 @@
 """index.device=cuda: index shards that search on their GPU return what the CPU shards return. Skipped cleanly
-without a CUDA GPU or without a FAISS built with GPU support (faiss-cpu; the `gpu` extra installs faiss-gpu-cu12);
+without a CUDA GPU or without a FAISS built with GPU support (faiss-cpu; the `gpu` extra installs faiss-gpu);
 run by benchmarks/gpu_smoke.sh."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from ragtrain.config import IndexConfig, PoolResources
 from ragtrain.errors import ConfigError
-from ragtrain.index.faiss_index import faiss_gpu_support
+from ragtrain.index.faiss_index import check_index_device, faiss_gpu_support
 from ragtrain.index.sharded import ShardGroup, read_sharded
 from tests.index.test_vector_files import _vectors, _write_vectors
 
@@ -24,6 +24,12 @@ pytestmark = [
 ]
 
 ROWS = 400
+
+
+def test_the_installed_faiss_searches_on_this_gpu() -> None:
+    """The run's own check, for real: FAISS's kernels run on this GPU (a build without code for it, such as
+    faiss-gpu-cu12 on an H100, aborts at its first search: the check says so in one line instead)."""
+    check_index_device("cuda", "Flat", 64)
 
 
 @pytest.fixture(scope="module")

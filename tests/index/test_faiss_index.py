@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -418,30 +419,80 @@ def test_index_device_cpu_needs_nothing_of_faiss() -> None:
     check_index_device("cpu", "HNSW32", DIM, lib=object())  # nothing is asked of FAISS
 
 
+def _probe(*lines: str, stderr: str = "", end: str = "") -> list[str]:
+    """A stand-in GPU probe child: prints `lines`, writes `stderr`, then runs `end` (os.abort(), SystemExit(3))."""
+    code = f"import os, sys\nfor line in {list(lines)!r}: print(line, flush=True)\n"
+    code += f"sys.stderr.write({stderr!r}); sys.stderr.flush()\n{end}"
+    return [sys.executable, "-c", code]
+
+
+H100 = "NVIDIA H100 80GB HBM3, compute capability 9.0"
+NO_KERNEL = (
+    "Faiss assertion 'err__ == cudaSuccess' failed in void faiss::gpu::runL2Norm(...) at "
+    "/project/faiss/faiss/gpu/impl/L2Norm.cu:257; details: CUDA error 209 no kernel image is available for "
+    "execution on the device\n"
+)
+
+
 @pytest.mark.parametrize(
-    ("lib", "visible", "match"),
+    ("lib", "visible", "probe", "match"),
     [
-        (SimpleNamespace(__version__="1.15.1"), 1,
+        (SimpleNamespace(__version__="1.15.1"), 1, None,
          r"^index.device=cuda needs FAISS with GPU support, and the installed faiss 1.15.1 is a CPU build: "
          r"install the gpu extra "
          r"\(pip install -e .\[gpu\] && pip uninstall -y faiss-cpu && pip install --force-reinstall --no-deps "
-         r"faiss-gpu-cu12\) or set index.device=cpu$"),
-        (_FaissBuild(gpus=0), 0, r"^index.device=cuda, but no CUDA GPU is visible on this machine.*: set "
+         r"faiss-gpu\) or set index.device=cpu$"),
+        (_FaissBuild(gpus=0), 0, None, r"^index.device=cuda, but no CUDA GPU is visible on this machine.*: set "
          r"index.device=cpu$"),
-        (_FaissBuild(gpus=0), 2, r"^index.device=cuda: faiss 1.12.0 sees no GPU while torch sees 2: faiss-gpu-cu12 "
+        (_FaissBuild(gpus=0), 2, None, r"^index.device=cuda: faiss 1.12.0 sees no GPU while torch sees 2: faiss-gpu "
          r"needs the CUDA 12 runtime libraries"),
-        (_FaissBuild(gpus=1, convert_error="Error: 'Could not find a GPU equivalent'\nGPU: HNSW unsupported"), 1,
-         r"^index.factory='HNSW32' cannot run on a GPU \(index.device=cuda\): GPU: HNSW unsupported; use Flat"),
+        # a FAISS build without code for the GPU: it sees the GPU, then aborts at its first kernel
+        (_FaissBuild(gpus=1), 1, _probe(H100, stderr=NO_KERNEL, end="os.abort()"),
+         rf"^index.device=cuda: faiss 1.12.0 cannot search on {H100}: CUDA error 209 no kernel image is available "
+         r"for execution on the device; the gpu extra's faiss-gpu>=1.15.1 carries code for compute capability 7.0 "
+         r"and later \(pip install .*\), or set index.device=cpu$"),
+        (_FaissBuild(gpus=1), 1, _probe(H100, end="os.abort()"),
+         rf"^index.device=cuda: faiss 1.12.0 cannot search on {H100}: the probe was killed by SIGABRT; "),
+        (_FaissBuild(gpus=1), 1, _probe(H100, "index.factory='HNSW32' cannot run on a GPU (index.device=cuda): x",
+                                        end="raise SystemExit(3)"),
+         r"^index.factory='HNSW32' cannot run on a GPU \(index.device=cuda\): x$"),
     ],
 )  # fmt: skip
-def test_index_device_cuda_names_what_is_missing(lib, visible: int, match: str) -> None:
+def test_index_device_cuda_names_what_is_missing(lib, visible: int, probe, match: str) -> None:
     from ragtrain.errors import ConfigError
     from ragtrain.index.faiss_index import check_index_device, gpu_resources
 
     gpu_resources.cache_clear()
-    with pytest.raises(ConfigError, match=match):
-        check_index_device("cuda", "HNSW32", DIM, lib=lib, visible_gpus=lambda: visible)
+    with pytest.raises(ConfigError, match=match) as e:
+        check_index_device("cuda", "HNSW32", DIM, lib=lib, visible_gpus=lambda: visible, probe=probe)
+    assert "\n" not in str(e.value)
     build = _FaissBuild(gpus=1)
-    check_index_device("cuda", "Flat", DIM, lib=build, visible_gpus=lambda: 1)  # all there: passes
-    # the driver's check reserves no FAISS scratch memory, and leaves the cached resources to the shard actors
-    assert [r.temp_memory for r in build.used] == [False] and gpu_resources.cache_info().currsize == 0
+    check_index_device("cuda", "Flat", DIM, lib=build, visible_gpus=lambda: 1, probe=_probe(H100))  # all there
+    # the GPU is tried in the child only: this process copies nothing and reserves no FAISS resources
+    assert build.used == [] and gpu_resources.cache_info().currsize == 0
+
+
+def test_the_gpu_probe_child_runs_the_real_module_and_its_failure_is_one_line() -> None:
+    """The real probe (ragtrain.index.gpu_probe) in its own process: on a machine without a CUDA GPU it fails at
+    its first CUDA call, and the run gets that reason in one line."""
+    import torch
+
+    from ragtrain.errors import ConfigError
+    from ragtrain.index.faiss_index import _run_gpu_probe, gpu_probe_command
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: tests/gpu/test_faiss_gpu.py runs the probe for real")
+    with pytest.raises(ConfigError, match=r"^index.device=cuda: faiss 1.15.1 cannot search on this GPU: .+") as e:
+        _run_gpu_probe(gpu_probe_command("Flat", DIM), "1.15.1")
+    assert "\n" not in str(e.value) and ("CUDA" in str(e.value) or "cuda" in str(e.value)), str(e.value)
+
+
+def test_a_factory_without_a_gpu_version_is_named() -> None:
+    """index_to_gpu, which the probe child and the shard actors use: FAISS's refusal becomes index.factory's line."""
+    from ragtrain.errors import ConfigError
+    from ragtrain.index.faiss_index import index_to_gpu, make_index
+
+    lib = _FaissBuild(gpus=1, convert_error="Error: 'Could not find a GPU equivalent'\nGPU: HNSW unsupported")
+    with pytest.raises(ConfigError, match=r"^index.factory='HNSW32' cannot run on a GPU \(index.device=cuda\): "
+                                          r"GPU: HNSW unsupported; use Flat"):  # fmt: skip
+        index_to_gpu(make_index("HNSW32", DIM), "HNSW32", lib, res=lib.StandardGpuResources())
