@@ -424,6 +424,7 @@ class RetrieverConfig:
 
 
 INDEX_DEVICES = ("cpu", "cuda")  # where the index shards' FAISS indexes search
+GPU_MAX_K = 2048  # FAISS's GPU k-selection limit: a GPU search takes k <= 2048 and IVF nprobe <= 2048
 
 
 @dataclass
@@ -496,6 +497,12 @@ class IndexConfig:
             self.cache_dir = str(Path(self.cache_dir).expanduser().resolve())
         for key in ("batch_size", "shard_size", "top_k", "nprobe", "ef_search"):
             _check(getattr(self, key) > 0, f"index.{key}", "must be > 0", getattr(self, key))
+        _check(
+            self.device != "cuda" or self.nprobe <= GPU_MAX_K,
+            "index.nprobe",
+            f"must be <= {GPU_MAX_K} with index.device=cuda (FAISS's GPU search probes at most {GPU_MAX_K} lists)",
+            self.nprobe,
+        )
         # Recall@100 is read off the top_k hits: a shallower search would report recall@top_k under its name.
         _check(
             self.top_k >= RECALL_DEPTH,

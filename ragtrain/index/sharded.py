@@ -35,6 +35,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from ragtrain.config import GPU_MAX_K
 from ragtrain.console import get_logger, worker_setup
 from ragtrain.corpus.encode import VectorSet, write_vectors
 from ragtrain.data.store import PassageStore
@@ -464,10 +465,12 @@ class _Shard:
         return self.indexes[tag]
 
     def search(self, tag: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """`DenseIndex.search` on the build `tag` (this shard's rows), on its GPU copy with device=cuda."""
+        """`DenseIndex.search` on the build `tag` (this shard's rows), on its GPU copy with device=cuda (on the CPU
+        build past the GPU's k limit, GPU_MAX_K)."""
         with self.gpu_lock:  # the same checks as on the CPU (shape, k), then FAISS's GPU search
             build, gpu = self.build_of(tag), self.on_gpu.get(tag)  # one build's rows and its GPU copy
-            if gpu is not None:
+            # deeper (mining, MaxP over chunks) FAISS's GPU search refuses: the CPU build answers it
+            if gpu is not None and min(k, build.ntotal) <= GPU_MAX_K:
                 found = DenseIndex(gpu, build.doc_ids, build.meta).search(queries, k)
                 del gpu  # the last reference may be ours (a refresh replaced the build): freed under the lock
                 return found

@@ -630,3 +630,46 @@ def test_search_of_a_damaged_saved_index_is_one_line_and_exit_2(groups, vectors,
     assert search_main([str(out), "a question"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("search error: ") and re.search(match, err[0]), err
+
+
+class _GpuCopy:
+    """Stands for a shard's FAISS GPU copy (no GPU here): searches the CPU build, and refuses k > 2048 with FAISS's
+    GPU message, as GpuIndex::search does."""
+
+    def __init__(self, cpu) -> None:
+        self.cpu, self.ks = cpu, []
+
+    @property
+    def ntotal(self) -> int:
+        return self.cpu.ntotal
+
+    def search(self, q, k):
+        self.ks.append(k)
+        if k > 2048:
+            raise RuntimeError("Error: 'k > 0 && k <= (idx_t)getMaxKSelection()' failed: GPU index only supports "
+                               "min/max-K selection up to 2048 (requested 3000)")  # fmt: skip
+        return self.cpu.search(q, k)
+
+
+def test_a_gpu_shard_answers_searches_deeper_than_the_gpu_limit_from_its_cpu_build(tmp_path) -> None:
+    """index.device=cuda: a shard searches on its GPU copy up to FAISS's GPU limit of k = 2048, and deeper
+    searches (hard-negative mining, MaxP over chunks ask for more) on the CPU build it keeps, with the same ranking."""
+    from ragtrain.index.faiss_index import build_index
+    from ragtrain.index.sharded import _Shard
+
+    x = _vectors(3000)
+    build = build_index(x, [f"d{i}" for i in range(3000)], "Flat", "fp", "enc")
+    shard = _Shard(0, str(tmp_path), device="cuda")
+    gpu = _GpuCopy(build.index)
+    shard.indexes["t"], shard.on_gpu["t"] = build, gpu
+    for k in (10, 2048, 3000):
+        scores, rows = shard.search("t", x[:4], k)
+        assert rows.shape == (4, k) and (rows[:, 0] == np.arange(4)).all()
+        np.testing.assert_array_equal(rows, build.search(x[:4], k)[1])
+    assert gpu.ks == [10, 2048]  # 3000 went to the CPU build
+
+
+def test_ivf_nprobe_past_the_gpu_limit_is_refused_for_a_gpu_index() -> None:
+    with pytest.raises(ConfigError, match=r"^index.nprobe must be <= 2048 with index.device=cuda"):
+        IndexConfig(device="cuda", factory="IVF4096,Flat", nprobe=4096)
+    assert IndexConfig(device="cpu", factory="IVF4096,Flat", nprobe=4096).nprobe == 4096
