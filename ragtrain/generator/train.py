@@ -189,7 +189,7 @@ def _prompts(
     return src, [builder.target(e.answers[0], max_target) for e in exs]
 
 
-def _generate_sorted(model: GenModel, sources: Sequence[list[int]], g: GeneratorConfig, device: torch.device) -> list:
+def generate_sorted(model: GenModel, sources: Sequence[list[int]], g: GeneratorConfig, device: torch.device) -> list:
     """Answer ids for each prompt, in the input order. Prompts go in batches of similar length, longest first: a
     batch is left-padded to its longest prompt, and paragraphs range from a few dozen tokens to several hundred,
     so random batches spend much of the prompt's forward pass on padding."""
@@ -234,7 +234,7 @@ def evaluate(
                 used += [e.gold[:1] if mode == "oracle" else [] for e in batch]
         used = [list(p) for p in used]
         src, _ = _prompts(builder, data, mine, used, g.max_target_length)
-        preds = [decode(o) for o in _generate_sorted(model, src, g, device)]
+        preds = [decode(o) for o in generate_sorted(model, src, g, device)]
         rows = [(e.qid, (p, u)) for e, p, u in zip(mine, preds, used)]
         if world > 1:
             gathered: list = [None] * world

@@ -152,13 +152,13 @@ def test_greedy_generation_stops_at_the_end_of_the_first_line(llama_dir) -> None
 def test_evaluation_batches_prompts_by_length_and_answers_in_order(llama_dir) -> None:
     """Prompts of different lengths, batched longest first: each answer lands on its own question, as when every
     prompt is generated alone (no padding at all)."""
-    from ragtrain.generator.train import _generate_sorted
+    from ragtrain.generator.train import generate_sorted
 
     g, tok, m, src = _memorised(llama_dir, ["the denver broncos", "poland"], eos=True)
     b = prompt_builder(g, tok)
     prompts = [src[1], src[0], b.source("where is warsaw?", [PASSAGE]), src[1]]
     g.eval.batch_size = 2
-    together = _generate_sorted(m, prompts, g, torch.device("cpu"))
+    together = generate_sorted(m, prompts, g, torch.device("cpu"))
     alone = [m.generate(**{k: v for k, v in collate([p], [[]], m.arch, m.pad_id, True).items() if k != "labels"})[0]
              for p in prompts]  # fmt: skip
     assert together == alone
