@@ -173,6 +173,7 @@ def check_index_config(factory: str, dim: int, rows: int | None = None) -> None:
 # reinstalled over the files they shared (`make setup EXTRAS=dev,gpu` runs the same steps)
 GPU_EXTRA = "pip install -e .[gpu] && pip uninstall -y faiss-cpu && pip install --force-reinstall --no-deps faiss-gpu"
 GPU_PROBE_TIMEOUT_S = 300.0  # a first CUDA start can JIT-compile PTX for a newer GPU: minutes, not hours
+GPU_PROBE_FACTORY_EXIT = 3  # the probe's exit code for a factory with no GPU version (its last line says why)
 
 
 def faiss_gpu_support(lib: Any = faiss) -> bool:
@@ -231,8 +232,6 @@ def check_index_device(
 
 def _run_gpu_probe(cmd: list[str], version: str) -> None:
     """Run the GPU probe; a ConfigError with its reason when it fails."""
-    from ragtrain.index.gpu_probe import FACTORY_EXIT  # the child's own exit code for a CPU-only factory
-
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=GPU_PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -243,7 +242,7 @@ def _run_gpu_probe(cmd: list[str], version: str) -> None:
     if proc.returncode == 0:
         return
     said = proc.stdout.strip().splitlines()
-    if proc.returncode == FACTORY_EXIT and said:
+    if proc.returncode == GPU_PROBE_FACTORY_EXIT and said:
         raise ConfigError(said[-1])
     gpu = said[0] if said else "this GPU"
     raise ConfigError(
