@@ -152,9 +152,9 @@ def _pretrained(g: GeneratorConfig) -> nn.Module:
 
 class FirstLineDone:
     """Generation stops for a sequence once its answer has a finished first line: text, then a newline.
-    `AnswerDecoder` keeps only that line, so what follows would be generated for nothing (a pretrained chat model
-    goes on explaining; a batch runs until its last sequence stops). Leading whitespace and newlines do not count:
-    the decoder skips them too. A transformers `StoppingCriteria` (duck-typed: one bool per sequence)."""
+    `AnswerDecoder` keeps only that line, so what follows would be generated for nothing (a model may go on after
+    its answer line without EOS; a batch runs until its last sequence stops). Leading whitespace and newlines do
+    not count: the decoder skips them too. A transformers `StoppingCriteria` (duck-typed: one bool per sequence)."""
 
     def __init__(self, tokenizer, prompt_len: int):
         self.tok, self.prompt_len = tokenizer, prompt_len
