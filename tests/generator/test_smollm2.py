@@ -79,15 +79,22 @@ def test_chat_is_for_causal_models_only() -> None:
         GeneratorConfig(arch=Arch.seq2seq, model="tiny", prompt=PromptStyle.chat)
 
 
-def test_tiny_llama_trains_and_answers_by_local_path(llama_dir) -> None:
-    """Any causal LM by local path (here a Llama, SmolLM2's architecture): loss on the answer tokens only, greedy
-    generation from left-padded chat prompts."""
+def _two_chat_prompts(llama_dir):
+    """The tiny Llama as generator=<local path> with the chat prompt (seeded init), and two chat prompts: a question
+    with the passage that answers it, and one without."""
     g = _chat_cfg(llama_dir)
     tok = load_tokenizer(g)
     torch.manual_seed(0)
     m = build_generator(g, tok)
     b = prompt_builder(g, tok)
-    src = [b.source("which team won super bowl 50?", [PASSAGE]), b.source("where is warsaw?")]
+    return g, tok, m, [b.source("which team won super bowl 50?", [PASSAGE]), b.source("where is warsaw?")]
+
+
+def test_tiny_llama_trains_and_answers_by_local_path(llama_dir) -> None:
+    """Any causal LM by local path (here a Llama, SmolLM2's architecture): loss on the answer tokens only, greedy
+    generation from left-padded chat prompts."""
+    g, tok, m, src = _two_chat_prompts(llama_dir)
+    b = prompt_builder(g, tok)
     tgt = [b.target("the denver broncos", 16), b.target("poland", 16)]
     batch = collate(src, tgt, m.arch, m.pad_id)
     assert int((batch["labels"] >= 0).sum()) == sum(map(len, tgt))
@@ -115,12 +122,7 @@ def test_answers_are_cut_at_the_first_line(llama_dir) -> None:
 def _memorised(llama_dir, answers: list[str], eos: bool):
     """The tiny Llama trained to continue two chat prompts with the given texts, with EOS after them or without
     (then it goes on)."""
-    g = _chat_cfg(llama_dir)
-    tok = load_tokenizer(g)
-    torch.manual_seed(0)
-    m = build_generator(g, tok)
-    b = prompt_builder(g, tok)
-    src = [b.source("which team won super bowl 50?", [PASSAGE]), b.source("where is warsaw?")]
+    g, tok, m, src = _two_chat_prompts(llama_dir)
     tgt = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * eos for a in answers]
     batch = collate(src, tgt, m.arch, m.pad_id)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
