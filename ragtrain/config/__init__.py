@@ -665,6 +665,9 @@ class RefreshConfig:
     every_steps: int = 0  # refresh every N steps (0 = only when drift_threshold is exceeded)
     drift_threshold: float = 0.0  # adaptive: refresh when index/drift_cosine exceeds this (0 = off)
     check_every: int = 5  # steps between staleness measurements (and adaptive checks) on rank 0
+    # Bounded staleness: a step whose live index is this many steps older than the model waits for the round in
+    # flight (0 = training never waits). It bounds how stale the mined negatives can get, whatever the box's speed
+    max_lag_steps: int = 0
     probe_passages: int = 128  # staleness probe: passages (gold passages of the probe queries + seeded others)
     probe_queries: int = 32  # staleness probe: training queries whose recall@10 is compared stale vs fresh
     # Each index shard refreshes its own rows: when its new rows become searchable (a policy of
@@ -690,6 +693,7 @@ class RefreshConfig:
             self.enabled,
         )
         _check(self.check_every > 0, k + "check_every", "must be > 0", self.check_every)
+        _check(self.max_lag_steps >= 0, k + "max_lag_steps", "must be >= 0 (0 = never wait)", self.max_lag_steps)
         _check(self.probe_queries > 0, k + "probe_queries", "must be > 0", self.probe_queries)
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
         _check(0.0 < self.fraction <= 1.0, k + "fraction", "must be in (0, 1]", self.fraction)

@@ -11,7 +11,8 @@ step's version (`version_for_step`: the newest, recorded in a `VersionBook`; a s
 restart gets the version it had the first time) and broadcasts it; every rank fetches that version's negatives.
 So all ranks of a step mine from one version, even when a refresh swaps in between their calls. Rank 0 also
 decides when to refresh (every N steps, or when the measured drift passes a threshold) and measures staleness.
-Training never waits for a refresh.
+Training never waits for a refresh, unless `refresh.max_lag_steps` bounds the live index's staleness: then a step
+whose live version is that many steps behind waits for the round in flight.
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ class LiveIndexClient:
         self.round_metrics: list[dict[str, float]] = []  # each finished round's metrics
         self.steps: list[tuple[float, int, bool]] = []  # (seconds, samples, a refresh was running) per step
         self.mixed_steps = 0  # steps whose negatives came from a version that mixed encoder versions
+        self.lag_wait_s = 0.0  # rank 0's time waiting for rounds held back by refresh.max_lag_steps
 
     def begin_step(self, step: int) -> int:
         """Switch to the version `step` mines from: rank 0 asks the service (a ~1 ms actor call) and broadcasts
@@ -245,6 +247,7 @@ class LiveIndexClient:
             self.switched = False
         if self.rank != 0:
             return out
+        self._bound_staleness(step)
         out.update(self._done_metrics(self.finished()))
         drift = None
         if step % self.refresh.check_every == 0:
@@ -255,6 +258,15 @@ class LiveIndexClient:
         if self.due(step, drift):
             self.start(step, state_dict_fn())
         return out
+
+    def _bound_staleness(self, step: int) -> None:
+        """Rank 0 waits for the round in flight when the live version is refresh.max_lag_steps behind (the next
+        step then mines from that round's version); the other ranks wait at their next collective."""
+        lag = self.refresh.max_lag_steps
+        if lag and self.pending is not None and step - self.live.step >= lag:
+            t0 = time.perf_counter()
+            ray.wait([self.pending])
+            self.lag_wait_s += time.perf_counter() - t0
 
     def _done_metrics(self, done: dict[str, Any] | None) -> dict[str, float]:
         """What a finished refresh logs: its seconds and version (and a sharded round's metrics), or a failure."""
@@ -292,6 +304,7 @@ class LiveIndexClient:
             # what training itself met of the shards' inconsistency (the states published are in index/*_mean)
             "index/steps_on_mixed_versions": float(self.mixed_steps),
             "index/refresh_seconds_total": float(sum(self.seconds)),
+            "index/lag_wait_seconds": self.lag_wait_s,
         }
         rounds = self.round_metrics
         for key, how in (

@@ -284,8 +284,9 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
 def test_a_small_run_refreshes_its_sharded_index_while_training(ray_session, tmp_path) -> None:
     """The live refresh during training in a small form: 2 index shards refresh every 2 steps while one trainer
     worker mines its negatives from the live index; several rounds land, versions advance, and the refresh's
-    metrics reach MLflow. (That steps go on while a round runs needs a corpus whose refresh spans several steps:
-    the slow test below.)"""
+    metrics reach MLflow. refresh.max_lag_steps holds a step whose live index is 4 steps behind until the round in
+    flight lands, so the rounds land whatever the box's speed. (That steps go on while a round runs needs a corpus
+    whose refresh spans several steps: the slow test below.)"""
     from mlflow.tracking import MlflowClient
 
     from ragtrain.pipeline import run
@@ -296,10 +297,11 @@ def test_a_small_run_refreshes_its_sharded_index_while_training(ray_session, tmp
         "resources=laptop",  # 1 trainer worker + the refresh's 1 CPU, each in its own placement group
         "resources.num_cpus=4",
         "index.shards=2",
-        "retriever.train.max_steps=16",
+        "retriever.train.max_steps=8",
         "retriever.train.hard_negatives=1",
         "refresh.enabled=true",
         "refresh.every_steps=2",
+        "refresh.max_lag_steps=4",
         "refresh.check_every=2",
         "zeroshot_eval=false",
         "export=false",
@@ -322,6 +324,7 @@ def test_a_small_run_refreshes_its_sharded_index_while_training(ray_session, tmp
     assert versions == sorted(versions) and versions[-1] >= 2, versions
     for key in ("index/lag_steps", "index/drift_cosine", "index/refresh_seconds", "index/shard1_encode_seconds"):
         assert client.get_metric_history(run_id, key), key
+    assert max(m.value for m in client.get_metric_history(run_id, "index/lag_steps")) <= 4  # the bound held
     assert 0.0 <= results["trained"]["ndcg@10"] <= 1.0
 
 

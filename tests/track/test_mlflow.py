@@ -92,36 +92,27 @@ def test_a_broken_sqlite_store_fails_its_check_naming_the_file(tmp_path: Path, h
 
 
 def test_a_store_this_user_cannot_write_fails_its_check(tmp_path: Path) -> None:
-    """A read-only store: MLflow reads it and fails at the run's first write. Checked as an unprivileged user (root
-    writes whatever the mode bits say), in a folder of its own that user can enter."""
+    """A read-only store: MLflow reads it and fails at the run's first write. Root writes whatever the mode bits say,
+    so as root the check runs in a child without the capabilities that override file modes (CAP_DAC_OVERRIDE,
+    CAP_DAC_READ_SEARCH): still the owner of the clone and the venv wherever they sit, yet bound by the file's 0444."""
     import shutil
     import subprocess
     import sys
-    import tempfile
 
     from tests.conftest import REPO, mlflow_db
 
     setpriv = shutil.which("setpriv")
-    if os.geteuid() != 0 or setpriv is None:
-        if os.geteuid() == 0:
-            pytest.skip("no setpriv to check as an unprivileged user")
-        folder = tmp_path
-        prefix: list[str] = []
-    else:
-        folder = Path(tempfile.mkdtemp(prefix="ragtrain-ro-"))
-        folder.chmod(0o777)  # the folder is writable: only the file is read-only
-        prefix = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
-    try:
-        uri = mlflow_db(folder / "mlflow.db")
-        (folder / "mlflow.db").chmod(0o444)
-        code = f"from ragtrain.track.mlflow import check_tracking_uri; check_tracking_uri({uri!r})"
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        r = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-        assert r.returncode != 0 and "attempt to write a readonly database" in r.stderr, r.stderr[-2000:]
-        assert f"{folder / 'mlflow.db'} cannot be used as an MLflow store" in r.stderr
-    finally:
-        if prefix:
-            shutil.rmtree(folder)
+    if os.geteuid() == 0 and setpriv is None:
+        pytest.skip("no setpriv to drop root's file-mode override")
+    prefix = [setpriv, "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    db = tmp_path / "mlflow.db"
+    uri = mlflow_db(db)
+    db.chmod(0o444)
+    code = f"from ragtrain.track.mlflow import check_tracking_uri; check_tracking_uri({uri!r})"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode != 0 and "attempt to write a readonly database" in r.stderr, r.stderr[-2000:]
+    assert f"{db} cannot be used as an MLflow store" in r.stderr
 
 
 def test_a_good_store_passes_and_is_not_changed(tmp_path: Path) -> None:
