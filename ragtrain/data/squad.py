@@ -126,16 +126,21 @@ def _load_json(path: Path) -> Any:
 
 
 def _is_v2(doc: dict[str, Any]) -> tuple[bool, int]:
-    """(whether the file is SQuAD v2.0, its count of unanswerable questions)."""
+    """(whether the file is SQuAD v2.0, its count of unanswerable questions). v2.0 by its version, or by a question
+    that is unanswerable (`is_impossible` true, or no answers beside v2.0's `plausible_answers`): v1.1 files in the
+    wild carry `is_impossible: false` on answerable questions, and those stay v1.1."""
     v2 = str(doc.get("version", "")).lstrip("v") == "2.0"
     unanswerable = 0
     for article in doc["data"]:
         for para in article.get("paragraphs", []) if isinstance(article, dict) else []:
             for qa in para.get("qas", []) if isinstance(para, dict) else []:
-                if isinstance(qa, dict) and ("is_impossible" in qa or "plausible_answers" in qa):
-                    v2 = True
-                    unanswerable += bool(qa.get("is_impossible") or not qa.get("answers"))
-    return v2, unanswerable
+                unanswerable += isinstance(qa, dict) and _unanswerable(qa)
+    return v2 or unanswerable > 0, unanswerable
+
+
+def _unanswerable(qa: dict[str, Any]) -> bool:
+    """A SQuAD v2.0 question without an answer: marked impossible, or holding only plausible answers."""
+    return bool(qa.get("is_impossible")) or ("plausible_answers" in qa and not qa.get("answers"))
 
 
 def _answers(qa: dict[str, Any], context: str, where: str, mismatched: list[str]) -> list[tuple[str, int]]:
@@ -150,9 +155,11 @@ def _answers(qa: dict[str, Any], context: str, where: str, mismatched: list[str]
         start = _field(ans, "answer_start", int, aw)
         if not text.strip():
             raise DataError(f"{aw}: empty answer text")
-        if start < 0 or context[start : start + len(text)] != text:
-            got = context[max(start, 0) : max(start, 0) + len(text)]
-            mismatched.append(f"{aw}: {text!r} at answer_start {start} reads {got!r}")
+        if start < 0:
+            mismatched.append(f"{aw}: {text!r} at answer_start {start}, before the context's start")
+            continue
+        if context[start : start + len(text)] != text:
+            mismatched.append(f"{aw}: {text!r} at answer_start {start} reads {context[start : start + len(text)]!r}")
             continue
         kept.append((text, start))
     return kept
@@ -203,7 +210,7 @@ def read_squad(root: str | Path, on_error: str = "fail") -> SquadFile:
                 if qid in seen_q:
                     raise DataError(f"{qw}: duplicate question id (also {seen_q[qid]})")
                 seen_q[qid] = qw
-                if v2 and (qa.get("is_impossible") or not qa.get("answers")):  # only under skip: fail stopped above
+                if v2 and (_unanswerable(qa) or not qa.get("answers")):  # only under skip: fail stopped above
                     out.skipped["unanswerable questions (SQuAD v2.0)"] += 1
                     continue
                 kept = _answers(qa, context, qw, mismatched)
@@ -214,9 +221,10 @@ def read_squad(root: str | Path, on_error: str = "fail") -> SquadFile:
         out.articles[title] = contexts
     if mismatched:
         if on_error == "fail":
+            n = len(mismatched)
             raise DataError(
-                f"{path}: {len(mismatched)} answer{' does' if len(mismatched) == 1 else 's do'} not match their "
-                f"context at answer_start (first: "
+                f"{path}: {n} answer{' does not match its' if n == 1 else 's do not match their'} context at "
+                f"answer_start (first: "
                 f"{mismatched[0].removeprefix(f'{path}: ')}); fix the file, or set data.on_error=skip to drop those "
                 "answers (and a question left with none)"
             )

@@ -266,6 +266,29 @@ def test_a_v2_file_is_refused_with_its_unanswerable_count_or_they_are_skipped(tm
     # the version alone marks a v2.0 file
     with pytest.raises(DataError, match=r"SQuAD v2.0 file \(0 unanswerable"):
         read_squad(write(tmp_path, version="v2.0"))
+    # without the version, one unanswerable question marks it too
+    with pytest.raises(DataError, match=r"s.json: a SQuAD v2.0 file \(1 unanswerable question\)"):
+        read_squad(write(tmp_path, data))
+
+
+def test_a_v1_file_whose_questions_say_is_impossible_false_is_read_as_v1(tmp_path: Path) -> None:
+    data = articles()
+    for article in data:
+        for para in article["paragraphs"]:
+            for q in para["qas"]:
+                q["is_impossible"] = False
+    assert len(read_squad(write(tmp_path, data)).questions) == 6
+
+
+def test_one_mismatched_answer_is_named_in_the_singular_and_a_negative_start_is_not_quoted(tmp_path: Path) -> None:
+    def negative(d: list[dict[str, Any]]) -> None:
+        d[1]["paragraphs"][0]["qas"][0]["answers"][0]["answer_start"] = -3
+
+    with pytest.raises(DataError) as e:
+        read_squad(write(tmp_path, broken(negative)))
+    msg = str(e.value)
+    assert "1 answer does not match its context at answer_start" in msg
+    assert "'3,000' at answer_start -3, before the context's start" in msg and "reads" not in msg
 
 
 @pytest.mark.parametrize(
