@@ -35,6 +35,8 @@ PROGRESS_ENV = "RAGTRAIN_PROGRESS"
 
 def configure(verbose: bool) -> None:
     """Quiet the libraries unless `verbose`; call before they are imported (the environment is read at import)."""
+    if not sys.stdout.isatty():  # Ray colours its worker-line prefixes: escape codes in a log file or a pipe
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if verbose:
         get_logger("ragtrain").setLevel(logging.DEBUG)
         return

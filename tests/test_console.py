@@ -46,3 +46,23 @@ def test_the_driver_does_not_pin_the_state_api_to_its_cluster(ray_session, monke
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
     worker_setup()  # the driver runs it too (an encoder in-process) and may start another Ray later
     assert "RAY_API_SERVER_ADDRESS" not in os.environ
+
+
+def test_worker_lines_carry_no_colour_codes_outside_a_terminal(monkeypatch, capsys) -> None:
+    """Ray prefixes every worker line with "(pid=...)" wrapped in colour codes; a run whose output goes to a file or
+    a pipe (here: pytest's capture) prints them plain. Ray's own printer, as the driver runs it."""
+    import io
+
+    from ray._private.worker import print_worker_logs
+
+    from ragtrain import console
+
+    for key in ("RAY_COLOR_PREFIX", console.PROGRESS_ENV, *console.QUIET_ENV):  # restored after the test
+        monkeypatch.delenv(key, raising=False)
+    out = io.StringIO()
+    print_worker_logs({"pid": 42, "ip": "127.0.0.1", "localhost": "127.0.0.1", "lines": ["[retriever] step 1"]}, out)
+    assert "\x1b[" in out.getvalue()  # Ray's default: coloured
+    console.configure(verbose=False)
+    out = io.StringIO()
+    print_worker_logs({"pid": 42, "ip": "127.0.0.1", "localhost": "127.0.0.1", "lines": ["[retriever] step 1"]}, out)
+    assert out.getvalue() == "(pid=42) [retriever] step 1\n"
