@@ -102,6 +102,17 @@ def test_a_model_that_is_not_offline_fails_before_data_or_ray(tmp_path) -> None:
     assert not (out / "config.yaml").exists() and not (out / "status.json").exists()  # not taken for a run
 
 
+@pytest.mark.parametrize("folder", ["/no/such/encoder", "./no-such-encoder", "models/no/such-encoder"])
+def test_a_model_folder_that_does_not_exist_is_named_as_missing(tmp_path, folder: str) -> None:
+    """A path is not a hub id: a missing one says so, not what the hub says of a malformed id."""
+    from ragtrain.embed.model import check_model_offline
+
+    with pytest.raises(ConfigError) as e:
+        check_model_offline(_cfg(tmp_path, f"retriever.model={folder}").retriever)
+    assert str(e.value).startswith(f"retriever.model={folder!r}: no such folder; valid choices: retriever=minilm")
+    assert "Repo id" not in str(e.value)
+
+
 @pytest.mark.parametrize(("factory", "match"), [("IVF4096,Flat", "4096 IVF lists"), ("IVF8,Nope", "not a valid faiss")])
 def test_a_bad_index_factory_fails_before_training_without_a_zeroshot_index(tmp_path, factory, match) -> None:
     """zeroshot_eval=false and no mining: the first index would be built after training; the check runs first."""

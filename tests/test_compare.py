@@ -171,7 +171,10 @@ def test_sync_label_inference() -> None:
     assert sync_label({}, {}) == "?"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="two pipeline runs of its own; the table built from logged values runs by default "
+    "(test_experiment_table_matches_logged_values)"
+)
 def test_cli_on_plain_experiment_runs(ray_session, tmp_path: Path) -> None:
     """Two real pipeline runs (tiny encoder), then `python -m ragtrain.compare`: the table is what they logged."""
     import subprocess

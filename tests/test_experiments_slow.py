@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import REPO, SCIFACT, SQUAD
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(reason="the shipped experiments at full size: minutes to an hour each")
 
 
 def _run(tmp: Path, *overrides: str) -> None:

@@ -152,7 +152,7 @@ def test_resume_without_an_earlier_run_names_the_folder(tmp_path) -> None:
         run(cfg)
 
 
-@pytest.mark.slow  # a pipeline run of its own (the default suite shares one: conftest.quickstart_run)
+@pytest.mark.slow(reason="a pipeline run of its own (the default suite shares one: conftest.quickstart_run")
 def test_stale_index_aligned_onto_the_trained_space(ray_session, tmp_path) -> None:
     """index.align_anchors: the zero-shot index mapped by Procrustes is closer to the trained vectors."""
     cfg = to_typed(
@@ -174,7 +174,7 @@ def test_stale_index_aligned_onto_the_trained_space(ray_session, tmp_path) -> No
     assert aligned["ndcg@10"] >= stale["ndcg@10"] - 0.02  # never much worse than not aligning at all
 
 
-@pytest.mark.slow  # a pipeline run of its own (the default suite shares one: conftest.quickstart_run)
+@pytest.mark.slow(reason="a pipeline run of its own (the default suite shares one: conftest.quickstart_run")
 def test_whole_rag_loop_through_the_pipeline(ray_session, tmp_path) -> None:
     """retriever -> index -> generator in one `run`, composed like `experiment=rag_quickstart` (tiny models)."""
     cfg = to_typed(
@@ -207,7 +207,7 @@ def test_generator_alone_needs_a_saved_index(tmp_path) -> None:
     assert not (Path(cfg.output_dir) / "config.yaml").exists()  # a failed check leaves no run behind
 
 
-@pytest.mark.slow  # a pipeline run of its own (the default suite shares one: conftest.quickstart_run)
+@pytest.mark.slow(reason="a pipeline run of its own (the default suite shares one: conftest.quickstart_run")
 def test_same_seed_same_weights_with_dropout(ray_session, tmp_path) -> None:
     """Dropout draws from torch's generator in each worker: two runs of one config must train the same weights."""
     import torch

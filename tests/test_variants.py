@@ -16,7 +16,7 @@ from ragtrain.variants import paired_answers, run_variants
 from tests.conftest import CONF_DIR, compose, tiny_overrides
 
 
-@pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
+@pytest.mark.slow(reason="an end-to-end run of its own, beyond the default suite's budget (make test-slow)")
 def test_sync_compare_writes_table_matching_mlflow(ray_session, tmp_path: Path) -> None:
     cfg = compose(
         [

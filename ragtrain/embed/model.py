@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,15 @@ def resolve_model_path(name: str) -> str:
     return minilm_path() if name in ("minilm", "tiny") else name
 
 
+def missing_folder(name: str) -> bool:
+    """Whether a model name is a local path that does not exist: absolute, relative ("./", "../", "~") or with more
+    than one "/" (a Hugging Face id has at most one). Such a name is not looked up on the hub, whose answer ("Repo
+    id must be in the form ...") would not say that a folder is missing."""
+    path = Path(name).expanduser()
+    is_path = path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
+    return is_path and not path.exists()
+
+
 def check_model_offline(cfg: RetrieverConfig) -> None:
     """retriever.model loads without the network (its config and tokenizer files are local): a hub id that is
     not cached, or a folder that does not exist, fails here in one line instead of after Ray has started."""
@@ -37,6 +47,12 @@ def check_model_offline(cfg: RetrieverConfig) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     path = resolve_model_path(cfg.model)
+    if missing_folder(path):
+        raise ConfigError(
+            f"retriever.model={cfg.model!r}: no such folder; valid choices: retriever=minilm (the packaged "
+            "all-MiniLM-L6-v2), retriever=tiny, or retriever.model=<a local folder with config.json and tokenizer "
+            "files>"
+        )
     try:
         AutoConfig.from_pretrained(path, local_files_only=True)
         AutoTokenizer.from_pretrained(path, local_files_only=True)

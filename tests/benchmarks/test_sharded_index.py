@@ -44,9 +44,10 @@ def test_read_scifact_keeps_the_first_passages_and_their_queries(tmp_path) -> No
     assert len(queries) == 6 and gold == [[0], [2], [4], [6], [8], [10]]  # q6..q8's gold lies beyond row 11
 
 
-# 57 s measured on a shared 2-core box (load ~25; a Ray service, 2 shard actors loading torch): a benchmark's check, not
-# an acceptance path, so it stays out of the default suite's 8 minutes
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="57 s measured on a shared 2-core box (load ~25; a Ray service, 2 shard actors loading torch): a "
+    "benchmark's check, not an acceptance path, so it stays out of the default suite's 8 minutes"
+)
 def test_live_refresh_on_real_shards_reports_probe_and_whole_corpus(ray_session, tmp_path) -> None:
     m = _script()
     args = argparse.Namespace(

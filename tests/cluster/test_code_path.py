@@ -41,7 +41,7 @@ def test_a_worker_started_with_the_driver_pythonpath_imports_the_drivers_copy(tm
     assert Path(got).resolve().is_relative_to(root.resolve()), got
 
 
-@pytest.mark.slow  # starts its own local Ray (~15 s)
+@pytest.mark.slow(reason="starts its own local Ray (~15 s")
 def test_local_ray_tasks_import_the_drivers_copy(tmp_path):
     root = _frozen_copy(tmp_path)
     code = (

@@ -36,7 +36,9 @@ def _job(out: Path, part: str) -> dict:
     return res
 
 
-@pytest.mark.slow  # a 2-node cluster of its own (~10 s); which paths are checked is unit-tested in test_storage.py
+@pytest.mark.slow(
+    reason="a 2-node cluster of its own (~10 s); which paths are checked is unit-tested in test_storage.py"
+)
 def test_every_node_must_see_the_shared_paths(tmp_path: Path) -> None:
     """A path some node cannot see fails up front, naming its key and the node; the probe files are removed.
     (One machine shares one filesystem: the missing path is missing on both nodes; each node answered itself.)"""
@@ -69,15 +71,16 @@ def test_docs_pipeline_with_live_refresh_and_a_killed_worker_on_two_nodes(tmp_pa
     assert all(0.0 < v <= 1.0 for v in res["ndcg"].values())
 
 
-@pytest.mark.slow  # a second 2-node cluster and a pipeline run; the default suite's is the docs run above
+@pytest.mark.slow(reason="a second 2-node cluster and a pipeline run; the default suite's is the docs run above")
 def test_live_refresh_builds_every_version_on_the_labelled_node(tmp_path: Path) -> None:
     res = _job(tmp_path / "out", "refresh")
     # every index version was built on the labelled node while training ran on the cluster
     assert res["refresh_nodes"] == [res["labelled_node"]] and res["refreshes"] >= 1
 
 
-# a 2-node cluster and three 4-worker trainings (~105 s); node scoping is unit-tested with gloo groups
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="a 2-node cluster and three 4-worker trainings (~105 s); node scoping is unit-tested with gloo groups"
+)
 def test_node_scoped_sync_and_labelled_pool_on_two_nodes(tmp_path: Path) -> None:
     res = _job(tmp_path / "out", "sync")
     assert res["pool_nodes"] == [res["labelled_node"]]  # the refresh's CPUs: on the index_node-labelled node

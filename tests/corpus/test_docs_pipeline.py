@@ -12,8 +12,9 @@ from ragtrain.pipeline import run
 from tests.conftest import compose, tiny_overrides
 
 
-# a pipeline run of its own (~50 s); documents, chunks, the store and MaxP are unit-tested in tests/corpus
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="a pipeline run of its own (~50 s); documents, chunks, the store and MaxP are unit-tested in tests/corpus"
+)
 def test_docs_quickstart_runs_on_chunks_and_evaluates_documents(ray_session, tmp_path: Path) -> None:
     cfg = to_typed(
         compose(

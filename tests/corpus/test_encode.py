@@ -36,7 +36,7 @@ def _local(weights, texts: list[str], index: IndexConfig) -> np.ndarray:
     return QueryEncoder(CFG, [weights], index.batch_size, index.precision.value).encode(texts, MAX_LENGTH, "passage")
 
 
-@pytest.mark.slow  # ~24 s; by default an actor dies in the corpus stream instead (tests/corpus/test_stream.py)
+@pytest.mark.slow(reason="~24 s; by default an actor dies in the corpus stream instead (tests/corpus/test_stream.py")
 def test_killed_encode_actor_every_passage_exactly_once_equal_to_in_process(ray_session, tmp_path, weights) -> None:
     """An encode actor dies (os._exit) on its second batch; Ray Data restarts it and retries the batch. The input is
     a PassageStore read by Ray Data's tasks (what every run encodes); the shards equal in-process encoding."""
@@ -105,7 +105,7 @@ def test_pipeline_refuses_a_bad_index_before_encoding(tmp_path, factory, match) 
     assert not (tmp_path / "out" / "vectors").exists()
 
 
-@pytest.mark.slow  # the retry of the killed-actor test above, through a pipeline run
+@pytest.mark.slow(reason="the retry of the killed-actor test above, through a pipeline run")
 def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_path) -> None:
     """stages=[index] through pipeline.run with fault.kill_encode_actor_at_batch: the saved index holds every passage
     once, built from the shards under <output_dir>/vectors/zeroshot."""

@@ -105,7 +105,9 @@ def _same_as_two_steps(root: Path, tmp_path: Path, out: Path, weights):
     return two, shards
 
 
-@pytest.mark.slow  # the same through pipeline.run runs by default (below); this one also compares doc_of and qrels
+@pytest.mark.slow(
+    reason="the same through pipeline.run runs by default (below); this one also compares doc_of and qrels"
+)
 def test_one_stream_equals_prepare_then_encode_even_when_an_actor_dies(ray_session, tmp_path: Path) -> None:
     root = _folder(tmp_path / "docs")
     cfg = _cfg(root, tmp_path, "data.on_error=skip")
@@ -159,7 +161,7 @@ def test_whole_corpus_checks_fail_the_stream_before_encoding_and_leave_nothing(
     assert not (out / "vectors" / "zeroshot").exists() and not list((out / "corpus").glob("*passages*"))
 
 
-@pytest.mark.slow  # one more stream; the driver path's test of the same file runs by default (test_prepare.py)
+@pytest.mark.slow(reason="one more stream; the driver path's test of the same file runs by default (test_prepare.py)")
 def test_a_bad_file_fails_the_stream_under_on_error_fail_and_leaves_nothing(ray_session, tmp_path: Path) -> None:
     root = _folder(tmp_path / "docs")
     cfg = _cfg(root, tmp_path)  # data.on_error=fail

@@ -67,7 +67,7 @@ def test_bad_method_and_shapes() -> None:
         fit_alignment(np.zeros((3, 2)), np.zeros((4, 2)))
 
 
-@pytest.mark.slow  # a run of its own; the default suite aligns in the shared quickstart (zero-shot on)
+@pytest.mark.slow(reason="a run of its own; the default suite aligns in the shared quickstart (zero-shot on")
 def test_align_anchors_work_without_the_zeroshot_evaluation(ray_session, tmp_path) -> None:
     """zeroshot_eval=false (sync_compare's later variants): the stale index is still built, aligned and evaluated."""
     from ragtrain.config import to_typed

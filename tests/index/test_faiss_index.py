@@ -377,7 +377,7 @@ def test_index_file_swapped_for_other_dim_is_corrupt(saved, corpus) -> None:
 # ---------------------------------------------------------------------------------------------------- slow
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="PQ training with polysemous codes; the other factories build and search by default above")
 @pytest.mark.parametrize("factory", ["IVF16,PQ8", "PQ8"])
 def test_literal_pq_factories_with_polysemous_training(corpus, exact, factory: str) -> None:
     """The exact factory strings users write (polysemous training on): trained, full, recall above the floor."""

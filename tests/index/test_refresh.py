@@ -328,8 +328,10 @@ def test_a_small_run_refreshes_its_sharded_index_while_training(ray_session, tmp
     assert 0.0 <= results["trained"]["ndcg@10"] <= 1.0
 
 
-# a training run beside the live refresh (~50 s); the service swap and rank-0 version rule stay in the default suite
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="a training run beside the live refresh (~50 s); the service swap and rank-0 version rule stay in"
+    " the default suite"
+)
 def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None:
     """A real run: versions increase during training, steps go on while a refresh runs, no stall."""
     from mlflow.tracking import MlflowClient
@@ -372,7 +374,7 @@ def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None
         assert client.get_metric_history(run_id, key), key
 
 
-@pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
+@pytest.mark.slow(reason="an end-to-end run of its own, beyond the default suite's budget (make test-slow)")
 @pytest.mark.parametrize("threshold", [1e-7, 0.9])
 def test_adaptive_refresh_follows_measured_drift(ray_session, tmp_path, threshold) -> None:
     """refresh.drift_threshold: a refresh starts only at a staleness check whose drift exceeds the threshold."""

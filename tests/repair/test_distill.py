@@ -16,7 +16,18 @@ from ragtrain.repair.distill import StudentEncoder, distill
 
 
 # same-dimension distillation also runs in the vector_avg pipeline test (index.distill_steps)
-@pytest.mark.parametrize("out_dim", [pytest.param(None, marks=pytest.mark.slow), 16])
+@pytest.mark.parametrize(
+    "out_dim",
+    [
+        pytest.param(
+            None,
+            marks=pytest.mark.slow(
+                reason="same-dimension distillation: the same code as the 16-dimension case that runs by default"
+            ),
+        ),
+        16,
+    ],
+)
 def test_student_reproduces_reference(out_dim) -> None:
     texts = [p.full_text() for p in make_synthetic(num_entities=60).corpus.values()]
     train, held_out = texts[:240], texts[240:]

@@ -170,7 +170,7 @@ def test_scores_on_ray_data_equal_in_process_scores(ray_session, tmp_path) -> No
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-@pytest.mark.slow  # a pipeline run with a teacher fit of its own (~80 s); the pieces are tested above
+@pytest.mark.slow(reason="a pipeline run with a teacher fit of its own (~80 s); the pieces are tested above")
 def test_run_trains_the_teacher_scores_candidates_and_distils(ray_session, tmp_path) -> None:
     """A tiny quickstart with a teacher: trained on Ray Train, scores on Ray Data cached in the run folder, the
     bi-encoder trained with the KL term, the teacher's reranking evaluated."""

@@ -67,7 +67,9 @@ def clean(ray_session, tmp_path_factory):
     return cfg, run(cfg)
 
 
-@pytest.mark.slow  # two training runs (~80 s); the async server's restart from a checkpoint stays in the default suite
+@pytest.mark.slow(
+    reason="two training runs (~80 s); the async server's restart from a checkpoint stays in the default suite"
+)
 def test_killed_worker_restarts_from_checkpoint_and_matches_a_clean_run(clean, tmp_path) -> None:
     clean_cfg, clean_results = clean
     cfg = _cfg(tmp_path, "killed", "fault.max_failures=1", f"fault.kill_worker_at_step={KILL_AT}", "fault.kill_rank=1")
@@ -81,7 +83,7 @@ def test_killed_worker_restarts_from_checkpoint_and_matches_a_clean_run(clean, t
     _assert_same_weights(cfg, clean_cfg)
 
 
-@pytest.mark.slow  # an end-to-end run of its own, beyond the default suite's budget (make test-slow)
+@pytest.mark.slow(reason="an end-to-end run of its own, beyond the default suite's budget (make test-slow)")
 def test_interrupted_run_resumes_to_the_same_result(clean, tmp_path) -> None:
     clean_cfg, clean_results = clean
     cfg = _cfg(tmp_path, "resumed", f"fault.kill_worker_at_step={KILL_AT}", "fault.max_failures=0")
@@ -124,7 +126,7 @@ def test_corrupt_checkpoint_is_named(tmp_path) -> None:
         load_train_state(good, 0, 3, enc, opt, sched)
 
 
-@pytest.mark.slow  # two runs with a live index (~170 s on 2 shared cores); the parts: test_refresh.py, below
+@pytest.mark.slow(reason="two runs with a live index (~170 s on 2 shared cores); the parts: test_refresh.py, below")
 def test_a_resumed_run_continues_its_live_index_from_the_checkpoint(ray_session, tmp_path) -> None:
     """Stopped at step 5 (checkpoint at 4), then resume=true: the live index restarts from the checkpoint's encoder
     (not the untrained one: index/lag_steps counted from step 4) and numbers its versions on (index/version never

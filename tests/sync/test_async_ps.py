@@ -62,9 +62,11 @@ def _loop(config: dict) -> None:
     ray.train.report({"step": config["steps"]})
 
 
-# ~22 s each on 2 cores: both in make test-slow; the server's rules are unit-tested with plain objects and its
-# restart (test_async_ps_restart_continues_from_the_checkpointed_server) stays in the default suite
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="~22 s each on 2 cores: both in make test-slow; the server's rules are unit-tested with plain "
+    "objects and its restart (test_async_ps_restart_continues_from_the_checkpointed_server) stays in "
+    "the default suite"
+)
 @pytest.mark.parametrize("max_staleness", [0, 2])
 def test_async_ps_bounded_staleness_and_no_waiting(ray_session, tmp_path, max_staleness: int) -> None:
     """Rank 0 stops after its first step until ranks 1 and 2 have done all 12 of theirs: under any barrier they

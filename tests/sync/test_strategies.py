@@ -193,7 +193,15 @@ def test_local_sgd_adaptive_period_moves(tmp_path: Path) -> None:
 
 
 # the 4-worker random topology is the same consensus with another mixing matrix (make test-slow)
-@pytest.mark.parametrize("world,topology", [(3, "ring"), pytest.param(4, "random", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world,topology",
+    [
+        (3, "ring"),
+        pytest.param(
+            4, "random", marks=pytest.mark.slow(reason="the same consensus as the ring, another mixing matrix")
+        ),
+    ],
+)
 def test_gossip_reaches_consensus_when_learning_stops(tmp_path: Path, world: int, topology: str) -> None:
     r = run(
         tmp_path, world, S("gossip", mixer={"topology": topology, "mixing": 0.5}), steps=40, lr=0.0, seed_per_rank=True
@@ -211,7 +219,18 @@ def test_gossip_bytes_are_point_to_point(tmp_path: Path) -> None:
 
 # gossip across nodes (one send to one peer node) in make test-slow: the gossip mixer's own arithmetic is in the
 # default suite (test_gossip_reaches_consensus_when_learning_stops), and 4-worker runs cost ~12 s each
-@pytest.mark.parametrize("inter_node", ["average", pytest.param("gossip", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "inter_node",
+    [
+        "average",
+        pytest.param(
+            "gossip",
+            marks=pytest.mark.slow(
+                reason="4-worker runs cost ~12 s each; the gossip mixer's arithmetic runs by default"
+            ),
+        ),
+    ],
+)
 def test_hierarchical_groups_by_node(tmp_path: Path, inter_node: str) -> None:
     """4 workers on 2 (declared) nodes: 2-worker all-reduce inside a node every step, across nodes every 2nd."""
     r = run(tmp_path, 4, S("hierarchical", mixer={"kind": inter_node, "period": 2}), nodes=NODES)

@@ -15,7 +15,9 @@ from ragtrain.pipeline import run
 from tests.conftest import compose, tiny_overrides
 
 
-@pytest.mark.slow  # 4 index builds (param mean, 2 replicas, student): the distill and consensus math is unit-tested
+@pytest.mark.slow(
+    reason="4 index builds (param mean, 2 replicas, student): the distill and consensus math is unit-tested"
+)
 def test_vector_avg_index_is_mean_of_replica_vectors(ray_session, tmp_path) -> None:
     cfg = to_typed(
         compose(

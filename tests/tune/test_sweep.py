@@ -210,7 +210,9 @@ def test_trial_bigger_than_the_cluster_fails_before_the_sweep(ray_session, tmp_p
     assert not (tmp_path / "out" / "tune").exists() and not (tmp_path / "m.db").exists()  # no parent run either
 
 
-@pytest.mark.slow  # 25 s quiet (51 s beside another job): a trial starts and is stopped; the guard is tested below
+@pytest.mark.slow(
+    reason="25 s quiet (51 s beside another job): a trial starts and is stopped; the guard is tested below"
+)
 def test_a_misspelled_asha_metric_stops_the_sweep_at_the_first_window(ray_session, tmp_path: Path) -> None:
     """Tune would let ASHA ignore a metric no result carries (early stopping silently off): the first training
     window stops the sweep with one line naming the key and what the window did report."""
@@ -274,7 +276,10 @@ class InterruptOnce(Callback):
             os.kill(os.getpid(), signal.SIGINT)  # Tune's handler: stop, save the experiment state
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="a sweep of its own, interrupted and resumed; resuming a finished sweep runs by default "
+    "(test_resume_of_a_finished_sweep_repeats_nothing)"
+)
 def test_interrupted_sweep_resumes_without_repeating_finished_trials(ray_session, tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = sweep_cfg(tmp_path, uri, "tune.scheduler=fifo", lrs=(0.001, 0.002))
