@@ -619,8 +619,8 @@ def start_live_index(s: RunState) -> tuple[Any, Any]:
 
 def save_trained(s: RunState, fit: Any) -> None:
     """The trained encoder into <output_dir>/encoder (vector_avg: the parameter mean, each replica beside it)."""
-    # lazy: ragtrain.retriever.train imports ray; this module imports without it
-    from ragtrain.retriever.train import save_weights
+    # lazy: ragtrain.embed.weights imports torch; this module imports without it
+    from ragtrain.embed.weights import save_weights
 
     s.weights, s.step, s.replicas = fit.weights, fit.steps, list(fit.replicas or [])
     (s.out / "encoder").mkdir(exist_ok=True)

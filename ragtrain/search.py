@@ -70,9 +70,9 @@ def query_snapshots(cfg: Config, encoder: str, out: Path) -> list:
     """The query encoder's weights: the index's own encoder (`encoder`, from its metadata), or for a run with a joint
     stage the jointly trained one, whose queries the index served during joint training (frozen passages: the
     index of the encoder it started from; trained passages: the index the joint stage re-encoded with it)."""
-    # lazy: ragtrain.export and ragtrain.retriever.train import torch/ray; this module imports without them
+    # lazy: ragtrain.embed.weights and ragtrain.export import torch; this module imports without it
+    from ragtrain.embed.weights import load_weights
     from ragtrain.export import served_encoder
-    from ragtrain.retriever.train import load_weights
 
     joint = served_encoder(cfg, out)
     if joint is None:

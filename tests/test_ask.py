@@ -41,7 +41,7 @@ def _copy_run(src: str, dst: Path, **changes) -> Path:
 def _save_generator(cfg, folder: Path) -> None:
     from ragtrain.generator.model import build_generator
     from ragtrain.generator.model import load_tokenizer as gen_tokenizer
-    from ragtrain.generator.train import save_generator
+    from ragtrain.generator.saved import save_generator
 
     folder.mkdir(parents=True)
     tok = gen_tokenizer(cfg.generator)
@@ -52,7 +52,7 @@ def _save_generator(cfg, folder: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(quickstart_run, tmp_path_factory):
     """(cfg, generator run, joint run, the joint encoder's weights): copies of the quickstart's folder."""
-    from ragtrain.retriever.train import load_weights, save_weights
+    from ragtrain.embed.weights import load_weights, save_weights
 
     cfg, _, _ = quickstart_run
     tmp = tmp_path_factory.mktemp("ask")
@@ -154,7 +154,7 @@ def test_the_answer_is_the_generators_on_the_prompt_it_was_trained_with(runs) ->
 
 
 def test_a_joint_run_asks_with_the_jointly_trained_encoder_and_generator(runs) -> None:
-    from ragtrain.retriever.train import load_weights
+    from ragtrain.embed.weights import load_weights
     from ragtrain.search import search
 
     cfg, _, joint, weights = runs
@@ -188,8 +188,8 @@ def test_export_of_a_joint_run_holds_the_jointly_trained_models(runs, tmp_path: 
 
     from ragtrain.config import LoggerConfig
     from ragtrain.embed.encoders import QueryEncoder
+    from ragtrain.embed.weights import load_weights
     from ragtrain.export import export_run
-    from ragtrain.retriever.train import load_weights
     from ragtrain.search import load_run_config
     from ragtrain.track.mlflow import RunLogger
     from tests.conftest import mlflow_db
