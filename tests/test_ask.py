@@ -268,3 +268,31 @@ def test_bad_input_is_one_line_and_exit_2(runs, quickstart_run, tmp_path: Path, 
     assert says in res.stderr, res.stderr
     if case in ("missing folder", "not a run folder", "no index", "damaged index"):
         assert run in res.stderr  # the folder or file is named
+
+
+def test_asking_a_bert2bert_generator_prints_no_load_report(tmp_path: Path, capfd) -> None:
+    """The saved BERT2BERT has no encoder pooler (it was trained without one): loading it for an answer must not
+    report the pooler's weights as missing and newly initialised (transformers' "LOAD REPORT" table)."""
+    import transformers
+
+    from ragtrain.ask import Answerer
+    from ragtrain.config import to_typed
+    from ragtrain.generator.model import build_generator, load_tokenizer
+    from ragtrain.generator.saved import save_generator
+    from tests.conftest import compose, tiny_overrides
+
+    over = ["generator=bert2bert_minilm", "generator.encoder_layers=1", "generator.decoder_layers=1"]
+    cfg = to_typed(compose(tiny_overrides(tmp_path) + over))
+    tok = load_tokenizer(cfg.generator)
+    save_generator(build_generator(cfg.generator, tok), tok, tmp_path / "generator")
+    before = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()  # as a fresh `python -m ragtrain.ask` (building silenced it)
+    try:
+        capfd.readouterr()
+        hits = [{"title": "Acme", "text": "Acme was founded by Ada Lovelace in 1843."}]
+        answer = Answerer(cfg, tmp_path / "generator")("Who founded the company?", hits)
+        out, err = capfd.readouterr()
+    finally:
+        transformers.logging.set_verbosity(before)
+    assert isinstance(answer, str)
+    assert "LOAD REPORT" not in out + err and "newly initialized" not in out + err, err
