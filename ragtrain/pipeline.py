@@ -435,8 +435,8 @@ def run(
     status, cleanup = "FAILED", [lambda: detach_run_log(run_log), lock.release]
     try:
         log_config(cfg, out, logger)
-        s = RunState(cfg, data, out, logger, Retrieval(cfg, data), initial(), f"{cfg.retriever.model}@init")
-        s.callbacks, s.report_intermediate = train_callbacks, report_intermediate
+        s = RunState(cfg, data, out, logger, Retrieval(cfg, data), initial(), f"{cfg.retriever.model}@init",
+                     callbacks=train_callbacks, report_intermediate=report_intermediate)  # fmt: skip
         cleanup.append(s.retrieval.close)
         run_stages(s)
         report_phase(s)
