@@ -10,7 +10,7 @@ This times, side by side in one process on the same prompts (real SQuAD question
 1. `ordered`: batches in question order, generated to EOS or max_new_tokens (how evaluation ran before);
 2. `ordered+stop`: the same batches, each answer stopped at the end of its first line;
 3. `sorted+stop`: batches of similar length, longest first, with the stop (what evaluation runs now:
-   `ragtrain.generator.train.generate_sorted`);
+   `ragtrain.generator.steps.generate_sorted`);
 and counts the answers (first lines) that differ from `ordered`'s.
 
     python benchmarks/eval_generation.py [--questions 32] [--batch 8] [--new-tokens 24] [--threads 2] [--bf16]
@@ -38,7 +38,7 @@ from ragtrain.config import data_root, register_configs, to_typed
 from ragtrain.config.generator import PACKAGED, GenPrecision
 from ragtrain.data.squad import read_squad
 from ragtrain.generator.model import AnswerDecoder, GenModel, build_generator, collate, load_tokenizer
-from ragtrain.generator.train import autocast, generate_sorted, prompt_builder
+from ragtrain.generator.steps import autocast, generate_sorted, prompt_builder
 
 RESULTS = Path(__file__).parent / "results" / "eval_generation.json"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

@@ -31,7 +31,7 @@ import torch
 
 from ragtrain.config.generator import PACKAGED, Arch, GeneratorConfig, PromptStyle
 from ragtrain.generator.model import GenModel, build_generator, collate, load_tokenizer
-from ragtrain.generator.train import prompt_builder
+from ragtrain.generator.steps import prompt_builder
 
 RESULTS = Path(__file__).parent / "results" / "generator_step.json"
 PASSAGE = (

@@ -61,9 +61,9 @@ class Answerer:
     def __init__(self, cfg: Config, folder: Path):
         from transformers import AutoTokenizer  # lazy: transformers is heavy (~1 s); argument checks run without it
 
-        # lazy: ragtrain.generator.train imports ray/torch; this module's argument checks run without them
+        # lazy: ragtrain.generator.model and .steps import torch; this module's argument checks run without it
         from ragtrain.generator.model import AnswerDecoder
-        from ragtrain.generator.train import prompt_builder
+        from ragtrain.generator.steps import prompt_builder
 
         self.cfg, self.g, self.folder, self.model = cfg, cfg.generator, folder, None
         try:
@@ -85,9 +85,10 @@ class Answerer:
         """The answer given the hits in rank order (as many as fit the prompt, the last cut)."""
         import torch  # lazy: torch is heavy (seconds); this module's argument checks run without it
 
-        # lazy: ragtrain.generator.train imports ray/torch; this module's argument checks run without them
+        # lazy: ragtrain.generator.model, .saved and .steps import torch; this module's argument checks run without it
         from ragtrain.generator.model import collate
-        from ragtrain.generator.train import autocast, load_generator
+        from ragtrain.generator.saved import load_generator
+        from ragtrain.generator.steps import autocast
 
         if self.model is None:
             try:

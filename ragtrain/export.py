@@ -28,6 +28,7 @@ from ragtrain.config.generator import PACKAGED, Arch
 from ragtrain.config.joint import PassageEncoder
 from ragtrain.console import get_logger
 from ragtrain.embed.model import build_encoder, load_tokenizer, resolve_model_path
+from ragtrain.embed.weights import load_weights
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
 
 log = get_logger(__name__)
@@ -358,9 +359,6 @@ def export_run(
     `weights` is the encoder that built the run's index (None: the run used no encoder of its own); a run with a
     joint stage exports the jointly trained encoder and generator instead (`served_encoder`, `served_generator`).
     """
-    # lazy: ragtrain.retriever.train imports ray; this module imports without it
-    from ragtrain.retriever.train import load_weights
-
     exported: dict[str, Path] = {}
     root = Path(out) / EXPORT_DIR
     joint = served_encoder(cfg, out)

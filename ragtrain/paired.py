@@ -104,7 +104,7 @@ def saved_answers(out: str | Path, mode: str = "rag") -> list[dict]:
 
 def answer_scores(out: str | Path, metric: str = "rag/em") -> dict[str, float]:
     """Per-question EM or F1 (`metric` = <mode>/<em|f1>) of the answers the run in `out` saved, by question id."""
-    from ragtrain.generator.qa_metrics import best_over_golds, exact_match, f1_score  # lazy: only this metric
+    from ragtrain.eval.qa_metrics import best_over_golds, exact_match, f1_score  # lazy: only this metric
 
     mode, kind = metric.split("/")
     fn = exact_match if kind == "em" else f1_score

@@ -9,9 +9,9 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from omegaconf import OmegaConf
@@ -32,7 +32,6 @@ from ragtrain.config import (
     to_flat_dict,
 )
 from ragtrain.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
-from ragtrain.corpus.dataset import passage_qrels
 from ragtrain.corpus.load import load_data, truncation_report
 from ragtrain.corpus.stream import StreamEncode
 from ragtrain.data import RetrievalData
@@ -50,9 +49,8 @@ from ragtrain.repair.distill import distill_consensus
 from ragtrain.reranker.model import check_teacher
 from ragtrain.reranker.stage import prepare_teacher
 from ragtrain.retrieval import BuiltIndex, Retrieval
-from ragtrain.retriever.batching import TrainData, build_examples, steps_per_epoch
 from ragtrain.retriever.lora import check_lora_targets
-from ragtrain.retriever.validation import make_val_set
+from ragtrain.retriever.stage import RetrieverRun, check_train_batch, first_index_is_zeroshot, run_retriever_stage
 from ragtrain.track.mlflow import RunLogger, check_tracking_uri, open_client, redact_uri, tracking_uri
 
 log = get_logger(__name__)
@@ -188,25 +186,6 @@ def check_qrels(data: RetrievalData) -> None:
             )
 
 
-def check_train_batch(cfg: Config, data: RetrievalData) -> None:
-    """Retriever training needs one global batch of examples (a relevant passage per example: every chunk of a
-    relevant document counts); fewer would fail inside the trainer workers after start-up: fail now, in one line."""
-    if "retriever" not in cfg.stages:
-        return
-    global_batch = cfg.retriever.train.batch_size * cfg.resources.trainer.num_workers
-
-    def positives(qrels: dict[str, dict[str, int]]) -> int:
-        return sum(1 for judged in qrels.values() for g in judged.values() if g > 0)
-
-    # documents are a lower bound on passages: the chunk map is expanded only when that bound is short
-    if positives(data.train_qrels) >= global_batch:
-        return
-    try:
-        steps_per_epoch(positives(passage_qrels(data.train_qrels, data.doc_of)), global_batch)
-    except ValueError as e:
-        raise ConfigError(f"{e} ({len(data.train_qrels)} training queries in {data.name})") from None
-
-
 def write_timeline(out: Path, logger) -> Path:
     """profile=true: Ray's Chrome-trace timeline of this run's tasks and actor calls, into the output folder and
     the MLflow run."""
@@ -217,14 +196,6 @@ def write_timeline(out: Path, logger) -> Path:
     logger.log_artifact(path)
     log.info(f"[profile] Ray timeline: {path} (chrome://tracing or https://ui.perfetto.dev)")
     return path
-
-
-def parameter_mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Element-wise mean of several replicas' weights (non-float entries are taken from the first)."""
-    return {
-        k: torch.stack([s[k] for s in states]).mean(0) if states[0][k].is_floating_point() else states[0][k]
-        for k in states[0]
-    }
 
 
 def summary_table(results: dict[str, dict[str, float]]) -> str:
@@ -249,14 +220,6 @@ def initial_weights(cfg: Config) -> dict[str, torch.Tensor]:
     torch.manual_seed(cfg.seed)
     encoder = build_encoder(cfg.retriever)
     return {k: v.detach().clone() for k, v in encoder.state_dict().items()}
-
-
-def first_index_is_zeroshot(cfg: Config) -> bool:
-    """Whether the run's first index encodes the corpus with the initial weights (`run` builds "zeroshot" first)."""
-    if "retriever" not in cfg.stages:
-        return "index" in cfg.stages
-    t = cfg.retriever.train
-    return bool(cfg.zeroshot_eval or t.hard_negatives > 0 or cfg.refresh.enabled or cfg.index.align_anchors)
 
 
 def stream_encode(cfg: Config, out: Path, weights: Callable[[], dict[str, torch.Tensor]]):
@@ -379,24 +342,74 @@ def ray_nodes() -> list[dict]:
 
 
 @dataclass
-class RunState:
-    """What one run's phases hand each other: the data, the run's folder and MLflow run, the retrieval facade, the
-    weights the next phase starts from, and every phase's metrics."""
+class RunState(RetrieverRun):
+    """What one run's stages hand each other: the data, the run's folder and MLflow run, the retrieval facade, the
+    weights the next stage starts from, and every phase's metrics (RetrieverRun's), this run's index, and what a
+    Tune trial passes to the training."""
 
-    cfg: Config
-    data: RetrievalData
-    out: Path
-    logger: Any
-    retrieval: Retrieval
-    weights: dict[str, torch.Tensor]
-    encoder_name: str
-    step: int = 0
-    results: dict[str, dict[str, float]] = field(default_factory=dict)
-    zeroshot: BuiltIndex | None = None  # the zero-shot build (evaluation, mining, the live index's version 0)
-    stale: BuiltIndex | None = None  # the zero-shot vectors kept for index.align_anchors
-    negatives: dict[str, list[int]] | None = None  # hard negatives mined once from the zero-shot index
-    replicas: list[dict[str, torch.Tensor]] = field(default_factory=list)  # sync=vector_avg: every replica
     built: BuiltIndex | None = None  # this run's index (the `index` stage)
+    callbacks: list | None = None  # a Tune trial's TuneReportCallback
+    report_intermediate: bool = False  # a Tune trial: ray.train.report at every log window
+
+
+class Stage(Protocol):
+    """One entry of `stages`: runs on the run's state, adds its phases' metrics to `s.results`."""
+
+    def run(self, s: RunState) -> None: ...
+
+
+class RetrieverStage:
+    """The zero-shot index, the bi-encoder's training, its saved weights (ragtrain/retriever/stage.py)."""
+
+    def run(self, s: RunState) -> None:
+        def teach(zeroshot: Any, examples: list) -> tuple[dict, dict]:  # the reranker sits above the retriever
+            return prepare_teacher(s.cfg, s.retrieval, zeroshot, examples, s.logger.sink())
+
+        run_retriever_stage(s, teach, s.callbacks, s.report_intermediate)
+
+
+class IndexStage:
+    """The index of the run's encoder, evaluated and saved (`index_phase`)."""
+
+    def run(self, s: RunState) -> None:
+        index_phase(s)
+
+
+class JointStage:
+    """Both models trained together on this run's index (or the saved one: stages [joint])."""
+
+    def run(self, s: RunState) -> None:
+        # lazy: ragtrain.joint.stage imports ray; this module imports without it
+        from ragtrain.joint.stage import run_joint_stage
+
+        s.results.update(run_joint_stage(s.cfg, s.data, s.retrieval, s.built, s.out, s.logger))
+
+
+class GeneratorStage:
+    """The generator, retrieving with this run's index, or the saved one (stages: [generator])."""
+
+    def run(self, s: RunState) -> None:
+        # lazy: ragtrain.generator.stage imports ray; this module imports without it
+        from ragtrain.generator.stage import run_generator_stage
+
+        built = s.built
+        s.results.update(run_generator_stage(s.cfg, s.data, s.retrieval if built else None, built, s.out, s.logger))
+
+
+# Every stage a config may name, in the order they run (config.STAGES, whose checks refuse another order)
+STAGES: dict[str, Stage] = {
+    "retriever": RetrieverStage(),
+    "index": IndexStage(),
+    "joint": JointStage(),
+    "generator": GeneratorStage(),
+}
+
+
+def run_stages(s: RunState) -> None:
+    """The configured stages, in the table's order."""
+    for name, stage in STAGES.items():
+        if name in s.cfg.stages:
+            stage.run(s)
 
 
 def run(
@@ -422,23 +435,10 @@ def run(
     status, cleanup = "FAILED", [lambda: detach_run_log(run_log), lock.release]
     try:
         log_config(cfg, out, logger)
-        s = RunState(cfg, data, out, logger, Retrieval(cfg, data), initial(), f"{cfg.retriever.model}@init")
+        s = RunState(cfg, data, out, logger, Retrieval(cfg, data), initial(), f"{cfg.retriever.model}@init",
+                     callbacks=train_callbacks, report_intermediate=report_intermediate)  # fmt: skip
         cleanup.append(s.retrieval.close)
-        zeroshot_phase(s)
-        if "retriever" in cfg.stages:
-            train_phase(s, train_callbacks, report_intermediate)
-        if "index" in cfg.stages:
-            index_phase(s)
-        if "joint" in cfg.stages:  # both models on this run's index (or the saved one: stages [joint])
-            # lazy: ragtrain.joint.stage imports ray; this module imports without it
-            from ragtrain.joint.stage import run_joint_stage
-
-            s.results.update(run_joint_stage(cfg, data, s.retrieval, s.built, out, logger))
-        if "generator" in cfg.stages:  # retrieves with this run's index, or the saved one (stages: [generator])
-            # lazy: ragtrain.generator.stage imports ray; this module imports without it
-            from ragtrain.generator.stage import run_generator_stage
-
-            s.results.update(run_generator_stage(cfg, data, s.retrieval if s.built else None, s.built, out, logger))
+        run_stages(s)
         report_phase(s)
         status = "FINISHED"
         write_status(out, "complete")
@@ -542,96 +542,6 @@ def log_config(cfg: Config, out: Path, logger: Any) -> None:
     if not logger.resumed:
         logger.log_params({**to_flat_dict(cfg), **resolved_params(cfg)})
     logger.log_artifact(out / "config.yaml")
-
-
-def zeroshot_phase(s: RunState) -> None:
-    """Before training: the zero-shot index when evaluation, static mining, the live index or the stale-index
-    alignment needs it; hard negatives mined once from it when the live index does not provide them."""
-    cfg, train = s.cfg, "retriever" in s.cfg.stages
-    if not (train and first_index_is_zeroshot(cfg)):
-        return
-    live = cfg.refresh.enabled
-    needs_negatives = cfg.retriever.train.hard_negatives > 0
-    if cfg.zeroshot_eval or needs_negatives or live:
-        s.zeroshot, s.results["zeroshot"] = s.retrieval.build_and_evaluate("zeroshot", [s.weights], s.encoder_name, 0)
-        if needs_negatives and not live:  # static negatives, mined once from the zero-shot index
-            s.negatives = s.retrieval.mine_negatives(s.zeroshot)
-    else:  # index.align_anchors with zeroshot_eval=false (e.g. sync_compare's later variants): the stale
-        s.zeroshot = s.retrieval.build("zeroshot", [s.weights], s.encoder_name, 0)  # vectors, not evaluated
-    s.stale = s.zeroshot if cfg.index.align_anchors else None
-
-
-def train_phase(s: RunState, callbacks: list | None, report_intermediate: bool) -> None:
-    """Retriever training on Ray Train: beside the live refresh on the index shards (refresh.enabled, its CPUs
-    reserved apart from the trainer's); with a cross-encoder teacher when one is configured. Saves the trained
-    weights."""
-    # lazy: ragtrain.retriever.train imports ray; this module imports without it
-    from ragtrain.retriever.train import fit_retriever
-
-    cfg, retrieval, t = s.cfg, s.retrieval, s.cfg.retriever.train
-    service = probe = None
-    if cfg.refresh.enabled:  # the index shards refresh the index while training steps
-        service, probe = start_live_index(s)
-    examples = build_examples(s.data.queries, retrieval.train_qrels, retrieval.positions, s.negatives)
-    teacher = None
-    if cfg.retriever.teacher.weight > 0:  # a cross-encoder scores the mined candidates (ragtrain/reranker)
-        teacher, s.results["teacher_rerank"] = prepare_teacher(cfg, retrieval, s.zeroshot, examples, s.logger.sink())
-    if s.zeroshot is not None:  # searched for the last time (evaluation, mining, the teacher): the shards free it
-        s.zeroshot.index.drop()  # before the trained index arrives; its vectors stay in the shards (alignment)
-    try:
-        sink = s.logger.sink()
-        if sink is not None and cfg.resume:
-            sink.skip_logged = True  # steps before the interruption are already in the run
-        val = make_val_set(s.data, t.val_queries, t.val_passages, cfg.seed) if t.val_every else None
-        fit = fit_retriever(
-            cfg, TrainData(retrieval.passages(), examples, teacher), s.weights, sink, resume=cfg.resume,
-            callbacks=callbacks, report_intermediate=report_intermediate, index_service=service, probe=probe,
-            val=val,
-        )  # fmt: skip
-    finally:
-        refresh_report = retrieval.stop_service(service) if service is not None else None
-    if refresh_report is not None:
-        (s.out / "refresh_history.json").write_text(json.dumps(refresh_report, indent=2))
-        s.logger.log_artifact(s.out / "refresh_history.json")
-    save_trained(s, fit)
-
-
-def start_live_index(s: RunState) -> tuple[Any, Any]:
-    """The live index service: from the zero-shot index, or for a run resumed from a training checkpoint, from an
-    index of the checkpoint's weights, its versions numbered on from the checkpoint's newest one (a resumed run's
-    live index neither restarts from the untrained encoder nor repeats version numbers it logged)."""
-    # lazy: ragtrain.retriever.train imports ray; this module imports without it
-    from ragtrain.retriever.train import checkpoint_weights
-    from ragtrain.train.harness import resume_or_none
-
-    path, meta = resume_or_none(s.cfg, "retriever")
-    if path is None or meta.get("final"):  # a fresh run, or the stage finished before (it is not trained again)
-        return s.retrieval.start_service(s.zeroshot, s.weights)
-    weights, step = checkpoint_weights(s.cfg, path), int(meta["step"])
-    start = s.retrieval.build("resumed", [weights], f"{s.cfg.retriever.model}@{path.name}", step)
-    first = int(meta.get("live_version", -1)) + 1
-    log.info(f"[index] resume: the live index starts from the step-{step} checkpoint's weights as version {first}")
-    try:
-        return s.retrieval.start_service(start, weights, first_version=first, step=step)
-    finally:
-        start.index.drop()  # the service holds its own copy (as the zero-shot index's, dropped after training starts)
-
-
-def save_trained(s: RunState, fit: Any) -> None:
-    """The trained encoder into <output_dir>/encoder (vector_avg: the parameter mean, each replica beside it)."""
-    # lazy: ragtrain.retriever.train imports ray; this module imports without it
-    from ragtrain.retriever.train import save_weights
-
-    s.weights, s.step, s.replicas = fit.weights, fit.steps, list(fit.replicas or [])
-    (s.out / "encoder").mkdir(exist_ok=True)
-    if s.replicas:
-        s.weights = parameter_mean(s.replicas)
-        for r, state in enumerate(s.replicas):
-            save_weights(state, s.out / "encoder", name=f"replica_{r}")
-    path = save_weights(s.weights, s.out / "encoder")
-    s.encoder_name = f"{s.cfg.retriever.model}@{path}"
-    log.info(f"[retriever] {fit.steps} steps in {fit.seconds:.1f}s; weights: {path}")
-    s.results["train"] = {"seconds": fit.seconds, "steps": fit.steps, **fit.metrics}
 
 
 def index_phase(s: RunState) -> None:

@@ -30,6 +30,8 @@ from ragtrain.corpus.load import load_data  # noqa: E402
 from ragtrain.data.store import PassageStore  # noqa: E402
 from ragtrain.embed.encoders import QueryEncoder  # noqa: E402
 
+VERIFIED_FILE = "index_verified.json"  # the index files whose checksums matched, with their size / mtime / inode
+
 
 class SearchError(ValueError):
     """The folder or the request cannot be served; the message names the file or the option."""
@@ -70,9 +72,9 @@ def query_snapshots(cfg: Config, encoder: str, out: Path) -> list:
     """The query encoder's weights: the index's own encoder (`encoder`, from its metadata), or for a run with a joint
     stage the jointly trained one, whose queries the index served during joint training (frozen passages: the
     index of the encoder it started from; trained passages: the index the joint stage re-encoded with it)."""
-    # lazy: ragtrain.export and ragtrain.retriever.train import torch/ray; this module imports without them
+    # lazy: ragtrain.embed.weights and ragtrain.export import torch; this module imports without it
+    from ragtrain.embed.weights import load_weights
     from ragtrain.export import served_encoder
-    from ragtrain.retriever.train import load_weights
 
     joint = served_encoder(cfg, out)
     if joint is None:
@@ -135,6 +137,7 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
     from ragtrain.index.faiss_index import IndexMismatchError
 
     # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
+    from ragtrain.index.integrity import verified_stamps
     from ragtrain.index.sharded import open_saved
 
     out = Path(out)
@@ -146,7 +149,9 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
     cfg = load_run_config(out)
     warn_unfinished(out)
     try:
-        index = open_saved(out / "index")  # one index, or a sharded one (every shard checked, a bad one named)
+        # every shard checked, a bad one named; a file verified by an earlier call and unchanged since is not read
+        with verified_stamps(out / VERIFIED_FILE):
+            index = open_saved(out / "index")
     except (FileNotFoundError, IndexMismatchError) as e:
         raise SearchError(str(e)) from None
     if not 0 < k <= len(index.doc_ids):

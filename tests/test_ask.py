@@ -41,7 +41,7 @@ def _copy_run(src: str, dst: Path, **changes) -> Path:
 def _save_generator(cfg, folder: Path) -> None:
     from ragtrain.generator.model import build_generator
     from ragtrain.generator.model import load_tokenizer as gen_tokenizer
-    from ragtrain.generator.train import save_generator
+    from ragtrain.generator.saved import save_generator
 
     folder.mkdir(parents=True)
     tok = gen_tokenizer(cfg.generator)
@@ -52,7 +52,7 @@ def _save_generator(cfg, folder: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(quickstart_run, tmp_path_factory):
     """(cfg, generator run, joint run, the joint encoder's weights): copies of the quickstart's folder."""
-    from ragtrain.retriever.train import load_weights, save_weights
+    from ragtrain.embed.weights import load_weights, save_weights
 
     cfg, _, _ = quickstart_run
     tmp = tmp_path_factory.mktemp("ask")
@@ -154,7 +154,7 @@ def test_the_answer_is_the_generators_on_the_prompt_it_was_trained_with(runs) ->
 
 
 def test_a_joint_run_asks_with_the_jointly_trained_encoder_and_generator(runs) -> None:
-    from ragtrain.retriever.train import load_weights
+    from ragtrain.embed.weights import load_weights
     from ragtrain.search import search
 
     cfg, _, joint, weights = runs
@@ -188,8 +188,8 @@ def test_export_of_a_joint_run_holds_the_jointly_trained_models(runs, tmp_path: 
 
     from ragtrain.config import LoggerConfig
     from ragtrain.embed.encoders import QueryEncoder
+    from ragtrain.embed.weights import load_weights
     from ragtrain.export import export_run
-    from ragtrain.retriever.train import load_weights
     from ragtrain.search import load_run_config
     from ragtrain.track.mlflow import RunLogger
     from tests.conftest import mlflow_db
@@ -268,3 +268,31 @@ def test_bad_input_is_one_line_and_exit_2(runs, quickstart_run, tmp_path: Path, 
     assert says in res.stderr, res.stderr
     if case in ("missing folder", "not a run folder", "no index", "damaged index"):
         assert run in res.stderr  # the folder or file is named
+
+
+def test_asking_a_bert2bert_generator_prints_no_load_report(tmp_path: Path, capfd) -> None:
+    """The saved BERT2BERT has no encoder pooler (it was trained without one): loading it for an answer must not
+    report the pooler's weights as missing and newly initialised (transformers' "LOAD REPORT" table)."""
+    import transformers
+
+    from ragtrain.ask import Answerer
+    from ragtrain.config import to_typed
+    from ragtrain.generator.model import build_generator, load_tokenizer
+    from ragtrain.generator.saved import save_generator
+    from tests.conftest import compose, tiny_overrides
+
+    over = ["generator=bert2bert_minilm", "generator.encoder_layers=1", "generator.decoder_layers=1"]
+    cfg = to_typed(compose(tiny_overrides(tmp_path) + over))
+    tok = load_tokenizer(cfg.generator)
+    save_generator(build_generator(cfg.generator, tok), tok, tmp_path / "generator")
+    before = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()  # as a fresh `python -m ragtrain.ask` (building silenced it)
+    try:
+        capfd.readouterr()
+        hits = [{"title": "Acme", "text": "Acme was founded by Ada Lovelace in 1843."}]
+        answer = Answerer(cfg, tmp_path / "generator")("Who founded the company?", hits)
+        out, err = capfd.readouterr()
+    finally:
+        transformers.logging.set_verbosity(before)
+    assert isinstance(answer, str)
+    assert "LOAD REPORT" not in out + err and "newly initialized" not in out + err, err

@@ -170,7 +170,7 @@ def test_all_grade_zero_qrels_fail_before_encoding() -> None:
 
 def test_fewer_training_examples_than_one_global_batch_fail_before_training(tmp_path) -> None:
     from ragtrain.data import make_synthetic
-    from ragtrain.pipeline import check_train_batch
+    from ragtrain.retriever.stage import check_train_batch
 
     data = make_synthetic(num_entities=12)
     n = sum(1 for judged in data.train_qrels.values() for g in judged.values() if g > 0)

@@ -114,7 +114,7 @@ def finished_run(quickstart_run):
 def test_run_exports_the_trained_retriever(finished_run) -> None:
     from sentence_transformers import SentenceTransformer
 
-    from ragtrain.retriever.train import load_weights
+    from ragtrain.embed.weights import load_weights
 
     cfg, results, _ = finished_run
     out = Path(cfg.output_dir)
@@ -185,8 +185,8 @@ def test_search_cli_returns_the_runs_ranking(finished_run) -> None:
 
     from ragtrain.data import make_synthetic
     from ragtrain.embed.encoders import QueryEncoder
+    from ragtrain.embed.weights import load_weights
     from ragtrain.index.sharded import open_saved
-    from ragtrain.retriever.train import load_weights
 
     cfg, _, _ = finished_run
     out = Path(cfg.output_dir)
@@ -223,7 +223,7 @@ def test_generator_export_is_a_plain_transformers_folder(tmp_path: Path, generat
     from ragtrain.export import export_generator
     from ragtrain.generator.model import build_generator
     from ragtrain.generator.model import load_tokenizer as gen_tokenizer
-    from ragtrain.generator.train import save_generator
+    from ragtrain.generator.saved import save_generator
 
     extra = ["generator.encoder_layers=1", "generator.decoder_layers=1"] if generator == "bert2bert_minilm" else []
     cfg = to_typed(compose([f"generator={generator}", f"output_dir={tmp_path}", *extra]))

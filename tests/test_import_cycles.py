@@ -103,6 +103,16 @@ def test_imports_point_down_the_layers() -> None:
     assert upward == []
 
 
+def test_recipes_do_not_import_recipes() -> None:
+    """A training recipe (a `train.py` of a stage's package) imports no other recipe: what two recipes share lives
+    in a module below them (weights I/O in ragtrain/embed/weights.py, the generator's steps in
+    ragtrain/generator/steps.py), so a change to one recipe's loop cannot reach into another's."""
+    recipes = {".".join(p.relative_to(PKG.parent).with_suffix("").parts) for p in PKG.rglob("train.py")}
+    assert {"ragtrain.retriever.train", "ragtrain.generator.train", "ragtrain.joint.train"} <= recipes
+    crossing = sorted(f"{m} -> {dep}" for m in recipes for dep in _imports(m) if dep in recipes - {m})
+    assert crossing == [], "recipes importing recipes: " + ", ".join(crossing)
+
+
 def test_function_level_imports_say_why() -> None:
     """An import inside a function defers an optional or heavy dependency, or breaks a cycle, and says which: a
     comment on its line, or on the line above it (or above the run of imports it belongs to). Others go on top."""

@@ -233,3 +233,24 @@ def test_same_seed_same_weights_with_dropout(ray_session, tmp_path) -> None:
         weights.append(load_file(str(Path(cfg.output_dir) / "encoder" / "encoder.safetensors")))
     for k in weights[0]:
         torch.testing.assert_close(weights[0][k], weights[1][k], rtol=0, atol=1e-6)
+
+
+def test_the_stage_table_runs_the_configured_stages_in_its_order(tmp_path, monkeypatch) -> None:
+    """Every stage a config may name has one entry, in config.STAGES's order; `run_stages` runs those named."""
+    from ragtrain import pipeline
+    from ragtrain.config import STAGES
+
+    assert tuple(pipeline.STAGES) == STAGES
+    ran: list[str] = []
+
+    class Record:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def run(self, s) -> None:
+            ran.append(self.name)
+
+    monkeypatch.setattr(pipeline, "STAGES", {name: Record(name) for name in STAGES})
+    cfg = to_typed(compose(tiny_overrides(tmp_path) + ["stages=[index,generator]"]))
+    pipeline.run_stages(pipeline.RunState(cfg, None, tmp_path, None, None, {}, "init"))
+    assert ran == ["index", "generator"]

@@ -152,7 +152,7 @@ def test_index_config_is_resolved_for_the_encode_actors(no_native_bf16, tmp_path
 
 
 def test_generator_autocast_follows_auto(no_native_bf16) -> None:
-    from ragtrain.generator.train import autocast
+    from ragtrain.generator.steps import autocast
 
     with autocast("auto", torch.device("cpu")):
         assert not torch.is_autocast_enabled("cpu")

@@ -51,7 +51,7 @@ class RetrievalData:
     eval_qrels: dict[str, dict[str, int]]  # qrels of the evaluated split (``split``)
     split: str  # name of the evaluated split
     # qid -> every gold short answer (the synthetic KB has one, a SQuAD question one to three): a prediction is scored
-    # against the best of them (EM / F1, ragtrain/generator/qa_metrics.py), a generator trains on the first
+    # against the best of them (EM / F1, ragtrain/eval/qa_metrics.py), a generator trains on the first
     answers: dict[str, list[str]] = field(default_factory=dict)
     # passage id -> document id when the corpus holds chunks (qrels stay on documents; evaluation is MaxP over
     # a document's chunks); empty when every passage is a whole document

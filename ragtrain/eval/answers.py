@@ -1,7 +1,7 @@
 """Answers in retrieved passages: SQuAD v1.1's answer normalisation and answer recall@k (as DPR reports it).
 
 * ``normalize_answer``: lower case, punctuation removed, the articles a/an/the removed, whitespace collapsed: the
-  official evaluate-v1.1.py definition, used by exact match / F1 (ragtrain/generator/qa_metrics.py).
+  official evaluate-v1.1.py definition, used by exact match / F1 (ragtrain/eval/qa_metrics.py).
 * ``match_tokens``: the same normalisation for finding an answer in a passage, except that punctuation (and any
   other character that is not a letter or digit) separates tokens instead of being deleted, as DPR's tokenizer
   splits them. Deleting it glues a passage's words together: "graduating in 1873.:33" reads "187333", "to

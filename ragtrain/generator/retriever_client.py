@@ -22,9 +22,9 @@ from ragtrain.config import Precision, RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.embed.encoders import QueryEncoder
 from ragtrain.embed.model import build_encoder
+from ragtrain.embed.weights import load_weights
 from ragtrain.index.base import Index
 from ragtrain.index.faiss_index import IndexMismatchError
-from ragtrain.retriever.train import load_weights
 
 log = get_logger(__name__)
 

@@ -23,7 +23,8 @@ from ragtrain.data import RetrievalData
 from ragtrain.generator.model import load_tokenizer, resolve_path
 from ragtrain.generator.prompt import ChatTemplateError, PromptPassages, PromptTooLongError
 from ragtrain.generator.retriever_client import IndexPayload, RetrievalClient, check_encoder, load_snapshots
-from ragtrain.generator.train import GenData, GenExample, fit_generator, prompt_builder
+from ragtrain.generator.steps import GenData, GenExample, prompt_builder
+from ragtrain.generator.train import fit_generator
 from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.index.sharded import ShardGroup, open_saved, read_sharded, shard_gpu_claim, shard_gpus
 

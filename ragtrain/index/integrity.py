@@ -5,12 +5,24 @@ the index's `sharded.json` records the sha256 of each shard's manifest and of th
 of itself (`checksum`, over its other content). So an edit anywhere (a row's id, a shard's range, the metadata) is
 caught before a search answers with another passage's id. Beyond checksums, the list must describe one index:
 contiguous row ranges from 0 that add up to the metadata's rows, every shard of its dim, factory, encoder and corpus.
+
+Hashing every file costs a read of the whole index: fine once, too much for every query of a large one. Inside
+`verified_stamps(path)` (`python -m ragtrain.search` / `ragtrain.ask`), a file whose checksum matched is recorded with
+its stamp (size, mtime_ns, ctime_ns, inode) in `path`; a later check re-hashes only a file whose stamp changed. Any
+write to a file changes its ctime (which no user call can set back) and mtime, so a damaged file is hashed again
+and still fails; a file written in the last RACY_SECONDS is never stamped (a write in the same timestamp tick
+could leave its stamp unchanged).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +37,65 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+RACY_SECONDS = 2.0  # younger files are hashed on every check: the file system's timestamp tick is coarser than 1 ns
+
+
+class VerifiedStamps:
+    """{file: [sha256, size, mtime_ns, ctime_ns, inode]} of the files whose checksum matched, read from and saved
+    to one JSON file (an unreadable one counts as empty: every file is hashed again)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.changed = Path(path), False
+        try:
+            stamps = json.loads(self.path.read_text())
+            self.stamps: dict[str, list] = stamps if isinstance(stamps, dict) else {}
+        except (OSError, ValueError):
+            self.stamps = {}
+
+    def matches(self, file: Path, digest: str) -> bool:
+        """Whether `file` holds the bytes of `digest`: by its stamp when it was verified before and is unchanged."""
+        key, st = str(file.resolve()), file.stat()
+        stamp = [digest, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        if self.stamps.get(key) == stamp:
+            return True
+        if sha256_file(file) != digest:
+            return False
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_SECONDS * 1e9:
+            self.stamps[key], self.changed = stamp, True
+        return True
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.stamps))
+            tmp.replace(self.path)  # atomic: a concurrent search reads the old stamps or the new ones
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a read-only run folder: every search verifies in full, as before
+
+
+_STAMPS: ContextVar[VerifiedStamps | None] = ContextVar("verified_stamps", default=None)
+
+
+@contextlib.contextmanager
+def verified_stamps(path: Path) -> Iterator[VerifiedStamps]:
+    """The checks inside the block skip files verified before and unchanged since; the stamps of the files they
+    verified are saved to `path` when the block ends without an error."""
+    stamps = VerifiedStamps(path)
+    token = _STAMPS.set(stamps)
+    try:
+        yield stamps
+    finally:
+        _STAMPS.reset(token)
+    stamps.save()
+
+
+def _matches(path: Path, digest: Any) -> bool:
+    stamps = _STAMPS.get()
+    return stamps.matches(path, digest) if stamps is not None else sha256_file(path) == digest
 
 
 def file_checksums(folder: Path) -> dict[str, str]:
@@ -44,7 +115,7 @@ def check_shard_files(folder: Path, manifest: dict[str, Any], manifest_name: str
         path = folder / name
         if not path.exists():
             raise IndexMismatchError(f"index shard {folder}: {name} is missing")
-        if sha256_file(path) != digest:
+        if not _matches(path, digest):
             raise IndexMismatchError(
                 f"index shard {folder} is corrupt: {name} does not match the checksum in its {manifest_name}"
             )
@@ -68,14 +139,14 @@ def check_shard_list(folder: Path, name: str, doc: dict[str, Any]) -> dict[str, 
     meta_path = folder / META_FILE
     if not meta_path.exists():
         raise IndexMismatchError(f"{meta_path} is missing: rebuild the index")
-    if sha256_file(meta_path) != doc.get("index_meta"):
+    if not _matches(meta_path, doc.get("index_meta")):
         raise IndexMismatchError(f"{meta_path} does not match the checksum in {path}: it was edited or damaged")
     return json.loads(meta_path.read_text())
 
 
 def check_manifest_file(manifest_path: Path, entry: dict[str, Any], list_path: Path) -> None:
     """A shard's manifest is the one the list of shards recorded."""
-    if sha256_file(manifest_path) != entry.get("manifest"):
+    if not _matches(manifest_path, entry.get("manifest")):
         raise IndexMismatchError(
             f"{manifest_path} does not match the checksum in {list_path}: it was edited, or the shard folder "
             "holds another build's files"

@@ -11,7 +11,7 @@ side, `train_loop_per_worker`, top to bottom, per step:
      pulls its softmax towards the generator's; the generator's own NLL on the answer given its top passages is
      added; one backward, one DDP all-reduce over both models;
   4. trained passage encoder: the live refresh client (index/refresh.py) measures staleness and starts refreshes.
-Then EM / F1 (generator/train.py's `evaluate`, retrieving with the trained query encoder) and the weights saved.
+Then EM / F1 (generator/steps.py's `evaluate`, retrieving with the trained query encoder) and the weights saved.
 
 Batches are deterministic functions of (seed, step): every rank knows the whole global batch and takes its slice;
 the retriever loss is a mean per question and the generator's summed token loss is normalised by the GLOBAL
@@ -38,22 +38,14 @@ from ragtrain.config import Config
 from ragtrain.config.joint import PassageEncoder
 from ragtrain.embed.model import BiEncoder, build_encoder, encode_texts, tokenize
 from ragtrain.embed.model import load_tokenizer as load_encoder_tokenizer
+from ragtrain.embed.weights import load_state, load_weights, save_weights
 from ragtrain.generator.model import GenModel, build_generator, collate, load_tokenizer
-from ragtrain.generator.train import (
-    GenData,
-    GenExample,
-    Sampler,
-    autocast,
-    evaluate,
-    prompt_builder,
-    save_generator,
-    step_passages,
-)
+from ragtrain.generator.saved import save_generator
+from ragtrain.generator.steps import GenData, GenExample, Sampler, autocast, evaluate, prompt_builder, step_passages
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.joint import GENERATOR_FOLDER
 from ragtrain.joint.likelihood import answer_loglik
 from ragtrain.joint.losses import build_loss
-from ragtrain.retriever.train import load_state, load_weights, save_weights
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit

@@ -15,12 +15,12 @@ from typing import Any
 
 import ray
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ragtrain.checkpoint import CheckpointError
 from ragtrain.config import Config
 from ragtrain.embed.model import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
+from ragtrain.embed.weights import load_state, load_weights, save_weights
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.precision import resolve
 from ragtrain.retriever.batching import TrainData, local_batch, local_indices
@@ -50,26 +50,6 @@ class QPEncoder(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         # either side may be None: GradCache (gradcache.py) embeds queries and passages in separate chunks
         return (None if q is None else self.encoder(**q)), (None if p is None else self.encoder(**p))
-
-
-def load_state(encoder: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load weights strictly: a key mismatch means a different architecture, which must not pass silently."""
-    encoder.load_state_dict(state, strict=True)
-
-
-def save_weights(state: dict[str, torch.Tensor], folder: str | Path, name: str = "encoder") -> Path:
-    """Save encoder weights as safetensors (no pickle) in `folder` as `<name>.safetensors`."""
-    path = Path(folder) / f"{name}.safetensors"
-    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path))
-    return path
-
-
-def load_weights(folder: str | Path, name: str = "encoder") -> dict[str, torch.Tensor]:
-    """Load weights saved by `save_weights`."""
-    path = Path(folder) / f"{name}.safetensors"
-    if not path.exists():
-        raise FileNotFoundError(f"no encoder weights at {path} (expected a ragtrain retriever checkpoint)")
-    return load_file(str(path))
 
 
 def checkpoint_weights(cfg: Config, folder: str | Path) -> dict[str, torch.Tensor]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ragtrain.eval import qa_metrics
 from ragtrain.eval.answers import answer_recall, has_answer, match_tokens, normalize_answer
-from ragtrain.generator import qa_metrics
 
 
 def test_normalisation_is_the_one_em_and_f1_use() -> None:

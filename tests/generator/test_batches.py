@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ragtrain.generator.train import GenExample, Sampler, train_passages
+from ragtrain.generator.steps import GenExample, Sampler, train_passages
 
 
 def test_sampler_visits_every_example_once_per_epoch_and_is_seeded() -> None:
@@ -86,7 +86,7 @@ def test_a_real_prompt_holds_the_gold_passage_whole() -> None:
 def test_step_passages_follow_the_gold_only_curriculum_then_the_retrieved_ones() -> None:
     """One function chooses a training prompt's passages for the generator stage and the joint stage alike."""
     from ragtrain.config.generator import GeneratorTrainConfig
-    from ragtrain.generator.train import step_passages
+    from ragtrain.generator.steps import step_passages
 
     ex = GenExample("q1", "who?", ["x"], ["g"])
     t = GeneratorTrainConfig(oracle_steps=2, include_gold=True, shuffle_passages=False)

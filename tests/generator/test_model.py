@@ -14,7 +14,7 @@ from ragtrain.generator.model import (
     load_tokenizer,
 )
 from ragtrain.generator.prompt import PromptBuilder, Template
-from ragtrain.generator.train import WEIGHTS_FILES, load_generator, save_generator
+from ragtrain.generator.saved import WEIGHTS_FILES, load_generator, save_generator
 
 
 def _batch(g: GeneratorConfig, tok, for_generation: bool = False) -> dict[str, torch.Tensor]:

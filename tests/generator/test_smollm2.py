@@ -15,7 +15,7 @@ from ragtrain.config import ConfigError
 from ragtrain.config.generator import PACKAGED, Arch, GeneratorConfig, PackagedModel, PromptStyle
 from ragtrain.generator.model import AnswerDecoder, build_generator, collate, load_tokenizer
 from ragtrain.generator.prompt import ChatTemplateError, PromptBuilder, Template
-from ragtrain.generator.train import prompt_builder
+from ragtrain.generator.steps import prompt_builder
 from tests.conftest import compose
 from tests.generator.tiny_llama import save_tiny_llama
 
@@ -165,7 +165,7 @@ def test_greedy_generation_stops_at_the_end_of_the_first_line(llama_dir) -> None
 def test_evaluation_batches_prompts_by_length_and_answers_in_order(llama_dir) -> None:
     """Prompts of different lengths, batched longest first: each answer lands on its own question, as when every
     prompt is generated alone (no padding at all)."""
-    from ragtrain.generator.train import generate_sorted
+    from ragtrain.generator.steps import generate_sorted
 
     g, tok, m, src = _memorised(llama_dir, ["the denver broncos", "poland"], eos=True)
     b = prompt_builder(g, tok)

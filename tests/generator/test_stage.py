@@ -124,8 +124,9 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
 @pytest.mark.integration
 def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
     from ragtrain.generator.model import AnswerDecoder, collate, load_tokenizer
+    from ragtrain.generator.saved import load_generator
     from ragtrain.generator.stage import build_gen_data
-    from ragtrain.generator.train import load_generator, prompt_builder
+    from ragtrain.generator.steps import prompt_builder
 
     _, cfg, data, _, _ = built
     out = Path(cfg.output_dir)

@@ -10,7 +10,7 @@ import torch
 from ragtrain.config import LoggerConfig, to_typed
 from ragtrain.export import export_generator, generator_card
 from ragtrain.generator.model import build_generator, load_tokenizer
-from ragtrain.generator.train import save_generator
+from ragtrain.generator.saved import save_generator
 from ragtrain.track.mlflow import RunLogger, open_client
 from tests.conftest import compose, mlflow_db
 from tests.generator.tiny_llama import save_tiny_llama

@@ -7,7 +7,7 @@ import torch
 
 from ragtrain.config.generator import Arch, GeneratorConfig, PromptStyle
 from ragtrain.generator.model import build_generator, load_tokenizer
-from ragtrain.generator.train import prompt_builder
+from ragtrain.generator.steps import prompt_builder
 from ragtrain.joint.likelihood import answer_loglik
 from tests.generator.tiny_llama import save_tiny_llama
 

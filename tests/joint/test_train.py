@@ -151,8 +151,8 @@ def test_trained_passages_refresh_two_shards_and_end_on_one_version(built) -> No
     from omegaconf import OmegaConf
 
     from ragtrain.embed.encoders import QueryEncoder
+    from ragtrain.embed.weights import load_weights
     from ragtrain.index.sharded import open_saved
-    from ragtrain.retriever.train import load_weights
     from ragtrain.search import search
 
     saved = open_saved(Path(cfg.output_dir) / "index")

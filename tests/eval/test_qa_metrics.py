@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from ragtrain.generator.qa_metrics import exact_match, f1_score, normalize_answer, score
+from ragtrain.eval.qa_metrics import exact_match, f1_score, normalize_answer, score
 
 
 # --- reference: the official SQuAD v1.1 evaluation script's functions, unchanged ---------------------------
