@@ -1,0 +1,122 @@
+"""The emulated cluster (`python -m ragtrain.cluster`): nodes with their own namespace, address, /tmp and link.
+
+Needs root, ip and tc with tbf (else skipped, with why). One 2-node cluster at 50 Mb/s serves the file; the last
+test tears it down and checks that nothing is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ragtrain.cluster import emulated, netns
+from tests.conftest import REPO
+
+RATE = 50_000_000
+NUMEL = 1 << 20  # a 4 MB fp32 tensor
+
+
+def _host_links() -> set[str]:
+    return {line.split(":")[1].strip().split("@")[0] for line in _out(["ip", "-o", "link"]).splitlines()}
+
+
+def _out(argv: list[str]) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    why = netns.missing_requirement()
+    if why is not None:
+        pytest.skip(why)
+    before = {"netns": _out(["ip", "netns", "list"]), "links": _host_links()}
+    name = f"t{uuid.uuid4().hex[:6]}"
+    storage = REPO / "outputs" / "test-cluster" / name  # outside /tmp: /tmp is private to each node
+    spec = emulated.ClusterSpec(name=name, nodes=2, storage=str(storage), bandwidth=RATE)
+    state = emulated.up(spec)
+    yield state, before
+    emulated.down(name)  # idempotent: the last test has torn it down already
+    shutil.rmtree(storage, ignore_errors=True)
+
+
+def _on_node(state: emulated.State, i: int, script: str) -> subprocess.CompletedProcess:
+    """A shell in node i's network and mount namespaces (those of its `ray start`)."""
+    argv = ["nsenter", "-t", str(state.nodes[i]["pid"]), "-m", "-n", "sh", "-c", script]
+    return subprocess.run(argv, capture_output=True, text=True)
+
+
+def test_each_node_has_its_own_address_and_a_shaped_link_both_ways(cluster) -> None:
+    state, _ = cluster
+    assert [n["address"] for n in state.nodes] == ["10.237.0.10", "10.237.0.11"]
+    assert _on_node(state, 1, "ip -o -4 addr show dev eth0").stdout.split()[3] == "10.237.0.11/24"
+    assert "default" not in _on_node(state, 1, "ip route").stdout  # nothing leaves the private subnet
+    directions = {(m["src"], m["dst"]) for m in state.measured}
+    assert directions == {(state.nodes[0]["ns"], state.nodes[1]["ns"]), (state.nodes[1]["ns"], state.nodes[0]["ns"])}
+    for m in state.measured:
+        assert m["asked_bits"] == RATE
+        assert abs(m["achieved_bits"] - RATE) <= 0.2 * RATE, m
+    saved = json.loads(emulated.state_file(state.spec.name).read_text())
+    assert saved["measured"] == state.measured  # the state file carries the measured rates
+
+
+def test_tmp_is_private_to_each_node(cluster) -> None:
+    state, _ = cluster
+    mark = f"ragtrain-emulated-{uuid.uuid4().hex}"
+    assert _on_node(state, 0, f"touch /tmp/{mark} && ls /tmp").returncode == 0
+    assert _on_node(state, 0, f"test -e /tmp/{mark}").returncode == 0
+    assert _on_node(state, 1, f"test -e /tmp/{mark}").returncode == 1  # node 1 does not see it
+    assert not Path("/tmp", mark).exists()  # nor does the host
+    assert _on_node(state, 1, "ls /tmp").stdout.split() == [f"ray-{state.nodes[1]['ns']}"]  # only its own Ray
+
+
+def test_a_gloo_all_reduce_across_the_two_nodes_is_paced_by_the_link(cluster) -> None:
+    """A 2-worker TorchTrainer, one worker per node: one 4 MB all-reduce takes at least half the ring bound
+    2(W-1)/W * P/B, which loopback (where gloo lands without GLOO_SOCKET_IFNAME) would beat by far."""
+    state, _ = cluster
+    storage = Path(state.spec.storage)
+    env = {**emulated.command_env(state), "RAY_ADDRESS": state.head_address, "PYTHONPATH": str(REPO)}
+    script = str(REPO / "tests" / "cluster" / "emulated_allreduce.py")
+    argv = emulated.exec_argv(state, [sys.executable, script, str(storage), str(NUMEL)], cwd=str(REPO))
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    ranks = [json.loads((storage / f"allreduce-{i}.json").read_text()) for i in range(2)]
+    assert {x["ip"] for x in ranks} == {"10.237.0.10", "10.237.0.11"}  # one worker on each node
+    assert all(x["sum"] == 2.0 for x in ranks)
+    bound = 2 * (2 - 1) / 2 * (4 * NUMEL * 8) / RATE  # 0.67 s
+    assert max(x["seconds"] for x in ranks) >= 0.5 * bound, ranks
+
+
+def test_without_privileges_one_line_and_exit_2() -> None:
+    """As nobody (no capabilities): one line on stderr, exit 2, nothing created."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop to an unprivileged user")
+    before = _out(["ip", "netns", "list"])
+    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
+    argv += [sys.executable, "-m", "ragtrain.cluster", "run", "--nodes", "2", "--", "true"]
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "python -m ragtrain.cluster: needs root (CAP_NET_ADMIN is missing): network namespaces, veth links and tbf "
+        "need it"
+    ]
+    assert _out(["ip", "netns", "list"]) == before
+
+
+def test_teardown_leaves_no_namespace_link_or_process(cluster) -> None:
+    state, before = cluster
+    pids = [p for n in state.nodes for p in netns.namespace_pids(n["ns"])]
+    assert len(pids) > 4  # Ray's processes ran in the node namespaces
+    emulated.down(state.spec.name)
+    emulated.down(state.spec.name)  # twice: idempotent
+    assert _out(["ip", "netns", "list"]) == before["netns"]
+    assert netns.cluster_namespaces(state.spec.name) == []
+    assert _host_links() == before["links"]
+    assert [p for p in pids if Path(f"/proc/{p}").exists()] == []
+    assert not emulated.state_file(state.spec.name).exists()
