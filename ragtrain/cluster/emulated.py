@@ -1,8 +1,10 @@
 """A Ray cluster in a box: each Ray node in its own network namespace, address, /tmp and shaped link (netns.py).
 
-`up` makes the network, starts one `ray start --block` per node inside `ip netns exec NS unshare --mount`, with a
-tmpfs over /tmp (what other processes keep under /tmp is not seen, and Ray's cached node address is the node's
-own) and over ~/.ray (so no node reads the host's auth token), waits until every node has joined, measures every
+`up` makes the network, starts one `ray start --block` per node inside `ip netns exec NS unshare --mount --uts`,
+with a tmpfs over /tmp (what other processes keep under /tmp is not seen, and Ray's cached node address is the
+node's own) and over ~/.ray (so no node reads the host's auth token), its namespace's name as host name and a
+hosts file naming every node (gethostname() resolves to the node's own address, which is where gloo binds by
+default and what c10d looks up for its peers), waits until every node has joined, measures every
 path from the head to another node in both directions and writes the state (addresses, pids, asked and achieved
 rates) to STATE_ROOT/<name>/state.json. Every process of the cluster (Ray's and the command's) gets one fresh auth
 token. Storage is a folder outside /tmp, which every node sees. `down` stops the processes by namespace and
@@ -70,6 +72,16 @@ def _save(state: State) -> None:
     tmp.replace(path)
 
 
+def hosts_file(name: str) -> Path:
+    return STATE_ROOT / name / "hosts"
+
+
+def _write_hosts(state: State) -> None:
+    """The hosts file every node sees as /etc/hosts: loopback, and each node's name at its address."""
+    lines = ["127.0.0.1 localhost"] + [f"{n['address']} {n['ns']}" for n in state.nodes]
+    hosts_file(state.spec.name).write_text("\n".join(lines) + "\n")
+
+
 def load_state(name: str) -> State | None:
     path = state_file(name)
     if not path.exists():
@@ -108,9 +120,10 @@ def _node_argv(state: State, i: int) -> list[str]:
         ray += [f"--address={state.head_address}"]
     private = (
         f"mount -t tmpfs -o size={spec.tmp_size},mode=1777 tmpfs /tmp && "
-        '{ [ ! -d "$HOME/.ray" ] || mount -t tmpfs -o size=1m tmpfs "$HOME/.ray"; } && exec "$@"'
+        '{ [ ! -d "$HOME/.ray" ] || mount -t tmpfs -o size=1m tmpfs "$HOME/.ray"; } && '
+        f'hostname {node["ns"]} && mount --bind {hosts_file(spec.name)} /etc/hosts && exec "$@"'
     )
-    unshare = ["unshare", "--mount", "--propagation", "private", "sh", "-c", private, "sh"]
+    unshare = ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", private, "sh"]
     return ["ip", "netns", "exec", node["ns"], *unshare, *ray]
 
 
@@ -140,9 +153,10 @@ def _wait_started(state: State, i: int, deadline: float) -> None:
 
 
 def exec_argv(state: State, argv: list[str], cwd: str | None = None) -> list[str]:
-    """argv run on the head node: inside its network and mount namespaces (its /tmp holds Ray's sockets)."""
+    """argv run on the head node: inside its network, mount (its /tmp holds Ray's sockets) and host-name
+    namespaces."""
     pid = state.nodes[0]["pid"]
-    return ["nsenter", "-t", str(pid), "-m", "-n", f"--wd={cwd or os.getcwd()}", "--", *argv]
+    return ["nsenter", "-t", str(pid), "-m", "-n", "-u", f"--wd={cwd or os.getcwd()}", "--", *argv]
 
 
 def _wait_joined(state: State, deadline: float) -> None:
@@ -192,6 +206,7 @@ def up(spec: ClusterSpec) -> State:
         state.nodes = [{**asdict(n), "pid": None, "log": str(logs / f"{n.ns}.log")} for n in nodes]
         state.links = [{"name": link.name, "asked_bits": link.bits} for link in links]
         _save(state)  # from here `down` finds the namespaces even if this process dies
+        _write_hosts(state)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         _start_node(state, 0)
         _wait_started(state, 0, deadline)
