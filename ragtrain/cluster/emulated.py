@@ -29,7 +29,7 @@ __all__ = ["STATE_ROOT", "ClusterSpec", "command_env", "down", "exec_argv", "loa
 
 STATE_ROOT = Path(os.environ.get("RAGTRAIN_CLUSTER_STATE", "/run/ragtrain-cluster"))
 GCS_PORT = 6379
-JOIN_TIMEOUT_S = 180.0  # ray start of a node on a loaded 2-core machine takes 10-30 s
+JOIN_TIMEOUT_S = 300.0  # ray start of a node on a loaded 2-core machine takes 10-60 s
 IFNAME = "eth0"  # the node's interface in every namespace: gloo binds to it (GLOO_SOCKET_IFNAME)
 
 
@@ -142,14 +142,38 @@ def _start_node(state: State, i: int) -> None:
     node["pid"] = p.pid  # ip -> unshare -> sh -> ray all exec: this pid is `ray start`, in the node's namespaces
 
 
-def _wait_started(state: State, i: int, deadline: float) -> None:
+def _exited(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid  # our child: reaped once it has exited
+    except ChildProcessError:
+        return not os.path.exists(f"/proc/{pid}")
+
+
+def _wait_started(state: State, i: int, deadline: float, offset: int) -> bool:
+    """True once node i's `ray start` says it started (in its log from `offset`: this attempt's part); False if it
+    exited first; an error past the deadline."""
     node = state.nodes[i]
-    while "Ray runtime started" not in Path(node["log"]).read_text(errors="replace"):
-        alive = subprocess.run(["kill", "-0", str(node["pid"])], capture_output=True).returncode == 0
-        if not alive or time.monotonic() > deadline:
-            tail = Path(node["log"]).read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"Ray on {node['ns']} did not start ({'timed out' if alive else 'exited'}):\n{tail}")
+    log = Path(node["log"])
+    while "Ray runtime started" not in log.read_text(errors="replace")[offset:]:
+        if _exited(node["pid"]):
+            return False
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Ray on {node['ns']} did not start in time:\n{log.read_text()[-2000:]}")
         time.sleep(0.5)
+    return True
+
+
+def _bring_up(state: State, i: int, deadline: float, attempts: int = 3) -> None:
+    """Start node i, again if it exits: `ray start` gives a raylet 30 s to register, which a loaded 2-core machine
+    can miss."""
+    node, log = state.nodes[i], Path(state.nodes[i]["log"])
+    for _ in range(attempts):
+        offset = len(log.read_text(errors="replace")) if log.exists() else 0
+        _start_node(state, i)
+        if _wait_started(state, i, deadline, offset):
+            return
+        netns.stop_processes([node["ns"]])  # what the failed start left (a GCS, a raylet)
+    raise RuntimeError(f"Ray on {node['ns']} exited {attempts} times:\n{Path(node['log']).read_text()[-2000:]}")
 
 
 def exec_argv(state: State, argv: list[str], cwd: str | None = None) -> list[str]:
@@ -208,12 +232,8 @@ def up(spec: ClusterSpec) -> State:
         _save(state)  # from here `down` finds the namespaces even if this process dies
         _write_hosts(state)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        _start_node(state, 0)
-        _wait_started(state, 0, deadline)
-        for i in range(1, spec.nodes):
-            _start_node(state, i)
-        for i in range(1, spec.nodes):
-            _wait_started(state, i, deadline)
+        for i in range(spec.nodes):  # one at a time: starting them together only makes each slower
+            _bring_up(state, i, deadline)
         _save(state)
         _wait_joined(state, deadline)
         measure_links(state)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -91,6 +93,8 @@ def test_a_gloo_all_reduce_across_the_two_nodes_is_paced_by_the_link(cluster) ->
     argv = emulated.exec_argv(state, [sys.executable, script, str(storage), str(NUMEL)], cwd=str(REPO))
     r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
+    # c10d looks up each peer's host name: the hosts file names every node (without it, a warning per connection)
+    assert "hostname of the client socket cannot be retrieved" not in r.stdout + r.stderr
     ranks = [json.loads((storage / f"allreduce-{i}.json").read_text()) for i in range(2)]
     assert {x["ip"] for x in ranks} == {"10.237.0.10", "10.237.0.11"}  # one worker on each node
     assert all(x["sum"] == 2.0 for x in ranks)
@@ -125,3 +129,47 @@ def test_teardown_leaves_no_namespace_link_or_process(cluster) -> None:
     assert _host_links() == before["links"]
     assert [p for p in pids if Path(f"/proc/{p}").exists()] == []
     assert not emulated.state_file(state.spec.name).exists()
+
+
+def _run(*args: str, **kw) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "ragtrain.cluster", "run", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.mark.slow  # two more 1-node clusters (~30 s each on 2 cores)
+def test_run_exits_with_the_command_and_tears_down_on_sigterm(tmp_path_factory) -> None:
+    """`run` returns COMMAND's exit code; a SIGTERM while COMMAND runs still tears everything down."""
+    why = netns.missing_requirement()
+    if why is not None:
+        pytest.skip(why)
+    before = _out(["ip", "netns", "list"])
+    storage = REPO / "outputs" / "test-cluster" / f"r{uuid.uuid4().hex[:6]}"
+    try:
+        p = _run("--name", "rexit", "--nodes", "1", "--storage", str(storage), "--", "sh", "-c", "exit 3")
+        assert p.wait(timeout=300) == 3, p.stderr.read()[-3000:]
+        assert _out(["ip", "netns", "list"]) == before
+        p = _run("--name", "rterm", "--nodes", "1", "--storage", str(storage), "--", "sleep", "600")
+        deadline = time.monotonic() + 300
+        while "sleep 600" not in _cmdlines("rtc-rterm-n0"):  # the cluster is up and runs the command
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.5)
+        pids = netns.namespace_pids("rtc-rterm-n0")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 128 + signal.SIGTERM
+        assert _out(["ip", "netns", "list"]) == before
+        assert [q for q in pids if Path(f"/proc/{q}").exists()] == []
+    finally:
+        for name in ("rexit", "rterm"):
+            emulated.down(name)
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def _cmdlines(ns: str) -> str:
+    out = []
+    for pid in netns.namespace_pids(ns):
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
+        except OSError:
+            pass
+    return "\n".join(out)
