@@ -77,8 +77,11 @@ def hosts_file(name: str) -> Path:
 
 
 def _write_hosts(state: State) -> None:
-    """The hosts file every node sees as /etc/hosts: loopback, and each node's name at its address."""
+    """The hosts file every node sees as /etc/hosts: loopback, and each node's name at its address; the IPv4-mapped
+    form too, after it, because c10d's TCPStore listens on `::` and looks its peers up by that form (without it the
+    lookup falls through to DNS, which no node can reach)."""
     lines = ["127.0.0.1 localhost"] + [f"{n['address']} {n['ns']}" for n in state.nodes]
+    lines += [f"::ffff:{n['address']} {n['ns']}" for n in state.nodes]
     hosts_file(state.spec.name).write_text("\n".join(lines) + "\n")
 
 
@@ -206,6 +209,17 @@ def _path_bits(state: State, a: dict, b: dict) -> int | None:
     return min(shaped) if shaped else None
 
 
+def _best_rate(src: dict, dst: dict, asked: int | None, tries: int = 3) -> float:
+    """The best of up to `tries` transfers: on a loaded machine a starved sender measures its CPU, not the link
+    (the link's rate is the most it carried); stops once one comes within 10 % of the asked rate."""
+    best = 0.0
+    for _ in range(tries):
+        best = max(best, linkprobe.measure(src["ns"], dst["ns"], dst["address"], asked))
+        if asked is None or best >= 0.9 * asked:
+            break
+    return best
+
+
 def measure_links(state: State) -> None:
     """From the head to every other node and back: achieved beside asked bits/s."""
     head = state.nodes[0]
@@ -213,7 +227,7 @@ def measure_links(state: State) -> None:
     for other in state.nodes[1:]:
         asked = _path_bits(state, head, other)
         for src, dst in ((head, other), (other, head)):
-            got = linkprobe.measure(src["ns"], dst["ns"], dst["address"], asked)
+            got = _best_rate(src, dst, asked)
             state.measured.append(
                 {"src": src["ns"], "dst": dst["ns"], "asked_bits": asked, "achieved_bits": round(got)}
             )

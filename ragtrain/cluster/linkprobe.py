@@ -16,7 +16,7 @@ import time
 
 __all__ = ["measure", "transfer_bytes"]
 
-CHUNK = 1 << 16
+CHUNK = 1 << 20  # few system calls: a sender starved of CPU on a loaded machine still keeps the link busy
 
 
 def transfer_bytes(bits: int | None, seconds: float = 0.8) -> int:

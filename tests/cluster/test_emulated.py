@@ -61,8 +61,9 @@ def test_each_node_has_its_own_address_and_a_shaped_link_both_ways(cluster) -> N
     assert _on_node(state, 1, "ip -o -4 addr show dev eth0").stdout.split()[3] == "10.237.0.11/24"
     assert "default" not in _on_node(state, 1, "ip route").stdout  # nothing leaves the private subnet
     # its host name resolves to its own address: where gloo binds by default, what c10d looks its peers up by
-    assert _on_node(state, 1, "getent hosts $(hostname)").stdout.split() == ["10.237.0.11", state.nodes[1]["ns"]]
-    assert _on_node(state, 0, f"getent hosts {state.nodes[1]['ns']}").stdout.split()[0] == "10.237.0.11"
+    assert _on_node(state, 1, "getent ahostsv4 $(hostname)").stdout.split()[0] == "10.237.0.11"
+    assert _on_node(state, 0, f"getent ahostsv4 {state.nodes[1]['ns']}").stdout.split()[0] == "10.237.0.11"
+    assert _on_node(state, 0, "getent hosts 10.237.0.11").stdout.split() == ["10.237.0.11", state.nodes[1]["ns"]]
     assert socket.gethostname() != state.nodes[1]["ns"]  # the host's name is untouched
     directions = {(m["src"], m["dst"]) for m in state.measured}
     assert directions == {(state.nodes[0]["ns"], state.nodes[1]["ns"]), (state.nodes[1]["ns"], state.nodes[0]["ns"])}
