@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ragtrain.cluster import emulated, netns
+from ragtrain.cluster import emulated, linkprobe, netns
 from tests.conftest import REPO
 
 RATE = 50_000_000
@@ -174,3 +174,22 @@ def _cmdlines(ns: str) -> str:
         except OSError:
             pass
     return "\n".join(out)
+
+
+def test_nodes_of_one_machine_talk_at_the_intra_rate_and_across_machines_at_the_bandwidth() -> None:
+    """Network only (no Ray): 4 nodes, 2 per machine; 200 Mb/s inside a machine, 50 Mb/s between machines."""
+    why = netns.missing_requirement()
+    if why is not None:
+        pytest.skip(why)
+    name = f"g{uuid.uuid4().hex[:6]}"
+    try:
+        nodes, links = netns.make_network(name, 4, 2, RATE, 4 * RATE)
+        assert [n.machine for n in nodes] == [0, 0, 1, 1]
+        assert sorted(link.bits for link in links) == [RATE] * 2 + [4 * RATE] * 4  # 2 uplinks, 4 node links
+        within = linkprobe.measure(nodes[1].ns, nodes[0].ns, nodes[0].address, 4 * RATE)
+        across = linkprobe.measure(nodes[2].ns, nodes[0].ns, nodes[0].address, RATE)
+        assert across == pytest.approx(RATE, rel=0.2)
+        assert within > 2 * RATE  # not held to the uplinks' rate (a starved sender may fall short of 200 Mb/s)
+    finally:
+        netns.delete_network(name)
+    assert netns.cluster_namespaces(name) == []
