@@ -155,9 +155,14 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
 
     sync_kw = {}
     if args.sync:  # the replica-sync strategy (ragtrain.config.SyncConfig), when this ragtrain has one
-        from ragtrain.config import sync_preset
+        from hydra import compose, initialize_config_dir
 
-        sync_kw["sync"] = sync_preset(args.sync)  # a conf/sync option name
+        from ragtrain.config import PROJECT_ROOT, register_configs, to_typed
+
+        register_configs()  # a conf/sync option name, composed as `python -m ragtrain sync=<name>` composes it
+        with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+            composed = compose("config", overrides=[f"sync={args.sync}", "output_dir=unused"])
+        sync_kw["sync"] = to_typed(composed).sync
     with tempfile.TemporaryDirectory(prefix="ragtrain_bench_") as tmp:
         cfg = Config(
             data=DataConfig(source=DataSource.beir, root=str(args.scifact_root))

@@ -20,7 +20,6 @@ from ragtrain.config import (
     ConfigError,
     MixerConfig,
     ReducerConfig,
-    sync_preset,
 )
 from ragtrain.config.sync import ReducerVariant
 from ragtrain.sync.composed import build_sync
@@ -30,6 +29,7 @@ from ragtrain.sync.reducers.base import Reducer, SliceReducer
 from ragtrain.sync.scopes.base import MixerScope, ReducerScope
 from ragtrain.tune.schedulers.base import Scheduler
 from ragtrain.tune.searchers.base import Searcher
+from tests.conftest import sync_config
 
 FAMILIES = [
     (REDUCERS, Reducer, ReducerConfig),
@@ -76,16 +76,16 @@ class HalfAllReduce(AllReduce):
 def test_one_registry_line_is_all_a_new_reducer_needs(monkeypatch) -> None:
     """Registered by one line, a reducer is a valid sync.reducer.kind, listed among the valid choices, and built."""
     with pytest.raises(ConfigError) as e:
-        sync_preset("ddp", reducer={"kind": "half"})
+        sync_config("ddp", reducer={"kind": "half"})
     assert "half" not in str(e.value).split("must be one of")[1].split("]")[0]
 
     monkeypatch.setitem(REDUCERS, "half", ReducerVariant(f"{__name__}:HalfAllReduce", slices=True))
-    cfg = sync_preset("ddp", reducer={"kind": "half"})
+    cfg = sync_config("ddp", reducer={"kind": "half"})
     assert cfg.strategy == "compressed" and cfg.label == "half"
     strategy = build_sync(cfg)
     assert isinstance(strategy.scope.reducer, HalfAllReduce)
     with pytest.raises(ConfigError) as e:
-        sync_preset("ddp", reducer={"kind": "warp"})
+        sync_config("ddp", reducer={"kind": "warp"})
     assert "'half'" in str(e.value)  # the valid choices come from the registry
     model = nn.Linear(2, 2)
     assert strategy.wrap(model, torch.device("cpu")) is model  # one process: no DDP, the model as it is

@@ -632,16 +632,6 @@ def take_credentials(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=host))
 
 
-def sync_preset(name: str, conf_dir: str | Path | None = None, **overrides: Any) -> SyncConfig:
-    """conf/sync/<name>.yaml as a typed SyncConfig; `overrides` are merged into it (e.g. mixer={'period': 2})."""
-    path = Path(conf_dir or PROJECT_ROOT / "conf", "sync", f"{name}.yaml")
-    if not path.exists():
-        choices = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ConfigError(f"sync option {name!r} is unknown; valid choices: {choices}")
-    node = OmegaConf.merge(OmegaConf.structured(SyncConfig), OmegaConf.load(path), overrides)
-    return _to_object(node, SyncConfig)
-
-
 def with_sync_preset(sync: Any, preset: Any) -> DictConfig:
     """`sync` with a conf/sync preset's composition: reducer, mixer, scope and consensus come from the preset alone
     (a merge would keep the previous preset's keys, e.g. reducer.matrix_rank under reducer.kind=topk); the

@@ -37,10 +37,10 @@ def main(out_dir: str, part: str) -> None:
             RetrieverConfig,
             RetrieverTrainConfig,
             TrainerResources,
-            sync_preset,
         )
         from ragtrain.data import make_synthetic
         from ragtrain.retriever.batching import TrainData, build_examples
+        from tests.conftest import sync_config
 
         cfg = Config(
             data=DataConfig(num_entities=20),
@@ -55,7 +55,7 @@ def main(out_dir: str, part: str) -> None:
                 pool=PoolResources(num_actors=1, cpus_per_actor=1, resources={"index_node": 1}),
             ),
             logger=LoggerConfig(backend="none"),
-            sync=sync_preset("hierarchical", mixer={"period": 2}),
+            sync=sync_config("hierarchical", mixer={"period": 2}),
             output_dir=out_dir,
         )
         data = make_synthetic(num_entities=20)
@@ -105,10 +105,10 @@ def sync_part(cfg, train) -> dict:
 
     from ray.util.placement_group import placement_group_table, remove_placement_group
 
-    from ragtrain.config import sync_preset
     from ragtrain.embed.model import build_encoder
     from ragtrain.index.refresh_service import reserve
     from ragtrain.retriever.train import fit_retriever
+    from tests.conftest import sync_config
 
     out_dir = cfg.output_dir
     torch.manual_seed(0)
@@ -121,7 +121,7 @@ def sync_part(cfg, train) -> dict:
     hybrid = fit_retriever(
         replace(
             cfg,
-            sync=sync_preset("hybrid_powersgd", reducer={"start_iter": 2}),
+            sync=sync_config("hybrid_powersgd", reducer={"start_iter": 2}),
             output_dir=os.path.join(out_dir, "hybrid"),
         ),
         train,
@@ -132,7 +132,7 @@ def sync_part(cfg, train) -> dict:
     layerwise = fit_retriever(
         replace(
             cfg,
-            sync=sync_preset("layerwise", scope={"reducer_params": top}, mixer={"period": 2}),
+            sync=sync_config("layerwise", scope={"reducer_params": top}, mixer={"period": 2}),
             output_dir=os.path.join(out_dir, "layerwise"),
         ),
         train,
