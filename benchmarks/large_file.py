@@ -62,7 +62,7 @@ def one_run(root: str, prepare: str, out: str) -> None:
     sys.path.insert(0, str(HERE))
     from corpus_scale import RssSampler
 
-    from ragtrain.config import DataConfig, DataSource, Prepare
+    from ragtrain.config.data import DataConfig, DataSource, Prepare
     from ragtrain.corpus.load import load_data
     from ragtrain.rss import peak_rss_mb
 

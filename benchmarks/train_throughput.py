@@ -140,21 +140,15 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
     import ray
 
     from ragtrain.cluster.resources import check_config
-    from ragtrain.config import (
-        Config,
-        DataConfig,
-        DataSource,
-        LoggerBackend,
-        LoggerConfig,
-        ResourcesConfig,
-        RetrieverConfig,
-        RetrieverTrainConfig,
-        TrainerResources,
-    )
+    from ragtrain.config import Config
+    from ragtrain.config.data import DataConfig, DataSource
+    from ragtrain.config.logger import LoggerBackend, LoggerConfig
+    from ragtrain.config.resources import ResourcesConfig, TrainerResources
+    from ragtrain.config.retriever import RetrieverConfig, RetrieverTrainConfig
     from ragtrain.retriever.train import fit_retriever
 
     sync_kw = {}
-    if args.sync:  # the replica-sync strategy (ragtrain.config.SyncConfig), when this ragtrain has one
+    if args.sync:  # the replica-sync strategy (ragtrain.config.sync.SyncConfig), when this ragtrain has one
         from hydra import compose, initialize_config_dir
 
         from ragtrain.config import PROJECT_ROOT, register_configs, to_typed
@@ -342,7 +336,7 @@ def main() -> int:
 
     import torch
 
-    from ragtrain.config import RetrieverConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.embed.model import build_encoder
 
     data = load_train_data(args.data, args.scifact_root, args.num_entities)

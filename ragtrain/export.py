@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from ragtrain.config import Config, Pooling
+from ragtrain.config import Config
 from ragtrain.config.generator import PACKAGED, Arch
 from ragtrain.config.joint import PassageEncoder
+from ragtrain.config.retriever import Pooling
 from ragtrain.console import get_logger
 from ragtrain.embed.model import build_encoder, load_tokenizer, resolve_model_path
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR

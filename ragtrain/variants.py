@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ragtrain.config import SEED_MARK, Config
+from ragtrain.config import Config
+from ragtrain.config.variants import SEED_MARK
 from ragtrain.console import get_logger
 from ragtrain.paired import format_table, paired_over_seeds, predictions_file, saved_answers
 from ragtrain.pipeline import run

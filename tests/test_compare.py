@@ -13,7 +13,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ragtrain.compare import compare_runs, main, sync_label
-from ragtrain.config import Config, LoggerConfig, SyncConfig, to_flat_dict
+from ragtrain.config import Config, to_flat_dict
+from ragtrain.config.logger import LoggerConfig
+from ragtrain.config.sync import SyncConfig
 from ragtrain.track.mlflow import RunLogger
 from tests.conftest import sync_config
 

@@ -10,18 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-from ragtrain.config import (
+from ragtrain.config.sync import (
     MIXER_SCOPES,
     MIXERS,
     REDUCER_SCOPES,
     REDUCERS,
-    TUNE_SCHEDULERS,
-    TUNE_SEARCHERS,
-    ConfigError,
     MixerConfig,
     ReducerConfig,
+    ReducerVariant,
 )
-from ragtrain.config.sync import ReducerVariant
+from ragtrain.config.tune import TUNE_SCHEDULERS, TUNE_SEARCHERS
+from ragtrain.errors import ConfigError
 from ragtrain.sync.composed import build_sync
 from ragtrain.sync.mixers.base import Mixer
 from ragtrain.sync.reducers.allreduce import AllReduce
@@ -97,7 +96,7 @@ def test_tune_variants_build_tune_objects() -> None:
     from ray.tune.search import ConcurrencyLimiter
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    from ragtrain.config import TuneConfig
+    from ragtrain.config.tune import TuneConfig
     from ragtrain.tune.schedulers.base import build_scheduler
     from ragtrain.tune.searchers.base import build_searcher
 

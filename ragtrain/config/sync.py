@@ -1,6 +1,6 @@
 """Typed sync configuration: a strategy is a gradient reducer + a parameter mixer + a scope (ragtrain/sync/composed.py).
 
-Imported by ragtrain/config/__init__.py (the root schema re-exports every name), so this module imports nothing heavy.
+Imported by ragtrain/config/__init__.py (the root schema), so this module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -228,18 +228,23 @@ class SyncConfig:
     eval_every: int = 0  # drift metrics every N steps (0 = only at the end)
 
     def __post_init__(self) -> None:
-        r, m, s = self.reducer, self.mixer, self.scope
         k = "sync."
         _check(self.consensus in CONSENSUS, k + "consensus", f"must be one of {list(CONSENSUS)}", self.consensus)
         _check(self.bucket_cap_mb > 0, k + "bucket_cap_mb", "must be > 0", self.bucket_cap_mb)
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
         _check(self.eval_every >= 0, k + "eval_every", "must be >= 0", self.eval_every)
-        # combinations (each message names the valid ones, from the registries' facts)
+        self._check_scopes()
+        self._check_mixing()
+
+    def _check_scopes(self) -> None:
+        """Which ranks and parameters the reducer and the mixer may span, from the registries' facts (each message
+        names the valid choices)."""
+        r, m, s = self.reducer, self.mixer, self.scope
+        k = "sync."
         red, mix = REDUCERS[r.kind], MIXERS[m.kind]
         rscope, mscope = REDUCER_SCOPES[s.reducer], MIXER_SCOPES[s.mixer]
         exact = _names(REDUCERS, lambda v: v.exact)
         joining = _names(MIXERS, lambda v: v.across_nodes)
-        partial = _names(MIXERS, lambda v: v.subset)
         within = _names(REDUCER_SCOPES, lambda v: v.within_node)
         _check(
             red.sends or (s.reducer == "all" and not s.reducer_params),
@@ -280,6 +285,13 @@ class SyncConfig:
             f"needs reducer.kind in [{', '.join(_names(REDUCERS, lambda v: v.slices))}] with scope.reducer=all",
             s.reducer_params,
         )
+
+    def _check_mixing(self) -> None:
+        """What the mixer can run with: the reducer beside it, its warm-up, the consensus."""
+        r, m, s = self.reducer, self.mixer, self.scope
+        k = "sync."
+        red, mix = REDUCERS[r.kind], MIXERS[m.kind]
+        partial = _names(MIXERS, lambda v: v.subset)
         _check(
             not s.reducer_params or mix.subset,
             k + "mixer.kind",

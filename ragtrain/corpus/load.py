@@ -10,7 +10,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ragtrain.config import DataConfig, DataSource, RetrieverConfig
+from ragtrain.config.data import DataConfig, DataSource
+from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.corpus.chunk import chunk_passage
 from ragtrain.corpus.dataset import (

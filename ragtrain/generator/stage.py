@@ -16,10 +16,12 @@ import ray
 from tabulate import tabulate
 
 from ragtrain.cluster.resources import check_config
-from ragtrain.config import Config, ConfigError, TrainerResources
+from ragtrain.config import Config
 from ragtrain.config.generator import Arch, GenPrecision
+from ragtrain.config.resources import TrainerResources
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
+from ragtrain.errors import ConfigError
 from ragtrain.generator.model import load_tokenizer, resolve_path
 from ragtrain.generator.prompt import ChatTemplateError, PromptPassages, PromptTooLongError
 from ragtrain.generator.retriever_client import IndexPayload, RetrievalClient, check_encoder, load_snapshots

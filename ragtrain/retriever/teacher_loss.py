@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ragtrain.config import DistillLoss
+from ragtrain.config.retriever import DistillLoss
 from ragtrain.retriever.batching import query_candidates
 
 

@@ -1,4 +1,4 @@
-"""A sync strategy composed of a gradient REDUCER, a parameter MIXER and a SCOPE (ragtrain.config.SyncConfig).
+"""A sync strategy composed of a gradient REDUCER, a parameter MIXER and a SCOPE (ragtrain.config.sync.SyncConfig).
 
 Reducer (every step, a DDP comm hook): a class in reducers/, named in ragtrain.config.sync.REDUCERS.
 Mixer (after optimizer steps): a class in mixers/, named in MIXERS.
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import MIXER_SCOPES, MIXERS, REDUCER_SCOPES, REDUCERS, SyncConfig
+from ragtrain.config.sync import MIXER_SCOPES, MIXERS, REDUCER_SCOPES, REDUCERS, SyncConfig
 from ragtrain.sync.base import SyncStrategy, ddp, world_size
 from ragtrain.sync.mixers.base import build_mixer
 from ragtrain.sync.reducers.allreduce import AllReduce

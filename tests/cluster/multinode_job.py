@@ -28,16 +28,11 @@ def main(out_dir: str, part: str) -> None:
     labelled = cluster.add_node(num_cpus=2, resources={"index_node": 1, "pool_node": 1})
     ray.init(address=cluster.address)
     try:
-        from ragtrain.config import (
-            Config,
-            DataConfig,
-            LoggerConfig,
-            PoolResources,
-            ResourcesConfig,
-            RetrieverConfig,
-            RetrieverTrainConfig,
-            TrainerResources,
-        )
+        from ragtrain.config import Config
+        from ragtrain.config.data import DataConfig
+        from ragtrain.config.logger import LoggerConfig
+        from ragtrain.config.resources import PoolResources, ResourcesConfig, TrainerResources
+        from ragtrain.config.retriever import RetrieverConfig, RetrieverTrainConfig
         from ragtrain.data import make_synthetic
         from ragtrain.retriever.batching import TrainData, build_examples
         from tests.conftest import sync_config
@@ -161,7 +156,9 @@ def refresh_part(cfg, out_dir: str) -> dict:
     node."""
     from dataclasses import replace
 
-    from ragtrain.config import RefreshConfig, SyncConfig, TrainerResources
+    from ragtrain.config.index import RefreshConfig
+    from ragtrain.config.resources import TrainerResources
+    from ragtrain.config.sync import SyncConfig
     from ragtrain.pipeline import run
 
     live = replace(
@@ -250,7 +247,8 @@ def shard_kill_part(out_dir: str) -> dict:
 
     import numpy as np
 
-    from ragtrain.config import IndexConfig, PoolResources
+    from ragtrain.config.index import IndexConfig
+    from ragtrain.config.resources import PoolResources
     from ragtrain.index.sharded import SEARCH_BATCH, ShardGroup, resolve_shards
     from tests.index.test_vector_files import _vectors, _write_vectors
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ragtrain.config import ConfigError, to_typed
+from ragtrain.config import to_typed
 from ragtrain.corpus.load import load_data
 from ragtrain.data.types import DataError
+from ragtrain.errors import ConfigError
 from tests.conftest import REPO, compose
 
 from .helpers import small_folder

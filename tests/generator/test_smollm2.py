@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragtrain.config import ConfigError
 from ragtrain.config.generator import PACKAGED, Arch, GeneratorConfig, PackagedModel, PromptStyle
+from ragtrain.errors import ConfigError
 from ragtrain.generator.model import AnswerDecoder, build_generator, collate, load_tokenizer
 from ragtrain.generator.prompt import ChatTemplateError, PromptBuilder, Template
 from ragtrain.generator.train import prompt_builder

@@ -13,7 +13,8 @@ import pytest
 import torch
 from ray.train import TrainingFailedError
 
-from ragtrain.config import ConfigError, to_typed
+from ragtrain.config import to_typed
+from ragtrain.errors import ConfigError
 from ragtrain.export import answer_block
 from ragtrain.generator.stage import PHASES
 from ragtrain.index.faiss_index import IndexMismatchError

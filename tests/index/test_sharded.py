@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ragtrain.config import IndexConfig, PoolResources
+from ragtrain.config.index import IndexConfig
+from ragtrain.config.resources import PoolResources
 from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.index.live_rows import JOURNAL

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.config import ConfigError, RetrieverConfig, to_typed
+from ragtrain.config import to_typed
+from ragtrain.config.retriever import RetrieverConfig
+from ragtrain.errors import ConfigError
 from ragtrain.retriever.teacher_loss import distill_term, teacher_kl, teacher_margin_mse, teacher_matrix
 from tests.conftest import compose, tiny_overrides
 
@@ -141,7 +143,7 @@ def test_a_teacher_for_another_tokenizer_is_refused(tmp_path) -> None:
 
 def test_scores_on_ray_data_equal_in_process_scores(ray_session, tmp_path) -> None:
     """The pool's actors read passages from a PassageStore and return one score per (query, passage) pair, in order."""
-    from ragtrain.config import PoolResources
+    from ragtrain.config.resources import PoolResources
     from ragtrain.data import Passage
     from ragtrain.data.store import write_store
     from ragtrain.embed.model import load_tokenizer

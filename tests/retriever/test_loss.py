@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ragtrain.config import RetrieverConfig, TinyEncoderConfig
+from ragtrain.config.retriever import RetrieverConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder

@@ -102,7 +102,7 @@ def _restart(rank: int, world: int, port: int, address: str, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from ragtrain.config import MixerConfig
+    from ragtrain.config.sync import MixerConfig
     from ragtrain.sync.base import flat_params, set_flat_params
     from ragtrain.sync.mixers.async_ps import AsyncPS
 

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import MIXERS, REDUCERS, ConfigError, MixerConfig, SyncConfig
+from ragtrain.config.sync import MIXERS, REDUCERS, MixerConfig, SyncConfig
+from ragtrain.errors import ConfigError
 from ragtrain.sync.base import flat_params
 from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
 from ragtrain.sync.composed import build_sync
