@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from ragtrain.config.joint import JOINT_LOSSES
+from ragtrain.config.retriever import TEACHER_LOSSES
 from ragtrain.config.sync import (
     MIXER_SCOPES,
     MIXERS,
@@ -21,6 +23,8 @@ from ragtrain.config.sync import (
 )
 from ragtrain.config.tune import TUNE_SCHEDULERS, TUNE_SEARCHERS
 from ragtrain.errors import ConfigError
+from ragtrain.joint.losses.base import JointLoss
+from ragtrain.retriever.teacher.base import TeacherLoss
 from ragtrain.sync.composed import build_sync
 from ragtrain.sync.mixers.base import Mixer
 from ragtrain.sync.reducers.allreduce import AllReduce
@@ -37,11 +41,21 @@ FAMILIES = [
     (MIXER_SCOPES, MixerScope, None),
     (TUNE_SCHEDULERS, Scheduler, None),
     (TUNE_SEARCHERS, Searcher, None),
+    (JOINT_LOSSES, JointLoss, None),
+    (TEACHER_LOSSES, TeacherLoss, None),
 ]
 
 
 def _protocol_methods(protocol: type) -> set[str]:
-    return {n for n, v in vars(protocol).items() if inspect.isfunction(v) and not n.startswith("_")}
+    """The methods a Protocol asks for (`__call__` included: a loss is a callable object)."""
+    return {
+        n for n, v in vars(protocol).items() if inspect.isfunction(v) and (not n.startswith("_") or n == "__call__")
+    }
+
+
+def _defines(cls: type, method: str) -> bool:
+    """`cls` or a base of its own defines `method` (every class is callable through `type`: not what is asked)."""
+    return any(callable(vars(k).get(method)) for k in cls.__mro__ if k is not object)
 
 
 @pytest.mark.parametrize("registry,protocol,schema", FAMILIES)
@@ -50,7 +64,7 @@ def test_every_entry_names_a_class_of_its_family(registry, protocol, schema) -> 
     for name, variant in registry.items():
         cls = variant.load()
         assert inspect.isclass(cls), name
-        missing = {m for m in _protocol_methods(protocol) if not callable(getattr(cls, m, None))}
+        missing = {m for m in _protocol_methods(protocol) if not _defines(cls, m)}
         assert not missing, f"{name} ({variant.path}) lacks {sorted(missing)} of {protocol.__name__}"
         if schema:  # the keys it reads are fields of its typed config
             assert set(variant.reads) <= keys, name

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from ragtrain.config.registry import Variant
 from ragtrain.errors import check as _check
 from ragtrain.errors import driver_path, local_model
 
@@ -27,9 +28,13 @@ class NegativeSampling(str, Enum):
     top = "top"  # the top-ranked hard_negatives candidates
 
 
-class DistillLoss(str, Enum):
-    kl = "kl"  # KL(teacher || student) over each query's candidate list
-    margin_mse = "margin_mse"  # MSE of the (positive - negative) score margins (Hofstätter et al., 2020)
+# The registry of `retriever.teacher.loss`: name -> the distillation term's class (ragtrain/retriever/teacher/;
+# docs/adding-a-variant.md)
+TEACHER_LOSSES: dict[str, Variant] = {
+    "kl": Variant("ragtrain.retriever.teacher.kl:KL"),  # KL(teacher || student) over each query's candidate list
+    # MSE of the (positive - negative) score margins (Hofstätter et al., 2020)
+    "margin_mse": Variant("ragtrain.retriever.teacher.margin_mse:MarginMSE"),
+}
 
 
 @dataclass
@@ -140,7 +145,7 @@ class TeacherConfig:
     loss=margin_mse the mean squared difference of their (positive - negative) score margins."""
 
     weight: float = 0.0  # 0 = off
-    loss: DistillLoss = DistillLoss.kl  # kl: over the candidate list | margin_mse: per (positive, negative) margin
+    loss: str = "kl"  # a name in TEACHER_LOSSES: kl (the candidate list) | margin_mse (per (positive, negative) margin)
     temperature: float = 1.0  # the teacher's logits are divided by it (before the softmax, or before the margins)
     path: str = ""  # "" = train one from retriever.model in this run (saved to <output_dir>/teacher); or a saved folder
     max_length: int = 256  # query + passage tokens of a cross-encoder input
@@ -153,6 +158,7 @@ class TeacherConfig:
 
     def __post_init__(self) -> None:
         k = "retriever.teacher."
+        _check(self.loss in TEACHER_LOSSES, k + "loss", f"must be one of {list(TEACHER_LOSSES)}", self.loss)
         _check(self.weight >= 0, k + "weight", "must be >= 0 (0: off)", self.weight)
         _check(self.temperature > 0, k + "temperature", "must be > 0", self.temperature)
         for key in ("max_length", "negatives", "batch_size", "rerank_depth"):

@@ -1,5 +1,5 @@
 """The generator's answer log-likelihood log p(a | q, d_i) for each question and each of its passages: the target
-of the joint losses (ragtrain/joint/losses.py)."""
+of the joint losses (ragtrain/joint/losses/)."""
 
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ def setup(args: WorkerArgs) -> JointReplica:
     live = None
     if inputs.service is not None:  # reuse the retriever's live client: one version per step, refresh schedule
         live = LiveIndexClient(inputs.service, cfg.refresh, w.rank, broadcast=w.world > 1, device=w.device)
-    loss = build_loss(j.loss, j.temperature, j.retriever_temperature)
+    loss = build_loss(j)
     r = JointReplica(args, w, data, model, ddp, frozen, load_encoder_tokenizer(cfg.retriever), builder, targets,
                      optim, sched, Sampler(len(data.gen.train), j.seed), steps, loss, live)  # fmt: skip
     r.search = IndexSearch(r)
