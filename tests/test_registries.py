@@ -13,6 +13,8 @@ from torch import nn
 from ragtrain.config.joint import JOINT_LOSSES
 from ragtrain.config.retriever import TEACHER_LOSSES
 from ragtrain.config.sync import (
+    CONSENSUS,
+    GOSSIP_TOPOLOGIES,
     MIXER_SCOPES,
     MIXERS,
     REDUCER_SCOPES,
@@ -26,10 +28,12 @@ from ragtrain.errors import ConfigError
 from ragtrain.joint.losses.base import JointLoss
 from ragtrain.retriever.teacher.base import TeacherLoss
 from ragtrain.sync.composed import build_sync
+from ragtrain.sync.consensus.base import Consensus
 from ragtrain.sync.mixers.base import Mixer
 from ragtrain.sync.reducers.allreduce import AllReduce
 from ragtrain.sync.reducers.base import Reducer, SliceReducer
 from ragtrain.sync.scopes.base import MixerScope, ReducerScope
+from ragtrain.sync.topologies.base import Topology
 from ragtrain.tune.schedulers.base import Scheduler
 from ragtrain.tune.searchers.base import Searcher
 from tests.conftest import sync_config
@@ -39,6 +43,8 @@ FAMILIES = [
     (MIXERS, Mixer, MixerConfig),
     (REDUCER_SCOPES, ReducerScope, None),
     (MIXER_SCOPES, MixerScope, None),
+    (CONSENSUS, Consensus, None),
+    (GOSSIP_TOPOLOGIES, Topology, None),
     (TUNE_SCHEDULERS, Scheduler, None),
     (TUNE_SEARCHERS, Searcher, None),
     (JOINT_LOSSES, JointLoss, None),

@@ -17,7 +17,7 @@ from ragtrain.sync.base import flat_params
 from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
 from ragtrain.sync.composed import build_sync
 from ragtrain.sync.drift import param_divergence, replica_cosine, topk_jaccard
-from ragtrain.sync.mixers.gossip import neighbours
+from ragtrain.sync.topologies.base import build_topology
 from tests.conftest import spawn, sync_config
 
 
@@ -380,12 +380,12 @@ def test_every_mixer_pins_its_bytes_per_step(tmp_path: Path, kind: str) -> None:
 def test_neighbours_agree_across_ranks() -> None:
     for rnd in range(5):
         for world in (2, 3, 5, 6):
-            pairs = {r: neighbours(r, world, "random", rnd) for r in range(world)}
+            pairs = {r: build_topology("random").neighbours(r, world, rnd) for r in range(world)}
             for r, ps in pairs.items():
                 for p in ps:
                     assert r in pairs[p]
-    assert neighbours(0, 4, "ring", 0) == [1, 3]
-    assert neighbours(1, 2, "ring", 0) == [0]
+    assert build_topology("ring").neighbours(0, 4, 0) == [1, 3]
+    assert build_topology("ring").neighbours(1, 2, 0) == [0]
 
 
 def test_metrics_single_process_defaults() -> None:
