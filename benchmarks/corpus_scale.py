@@ -194,12 +194,12 @@ def scale(args) -> None:
     # files and chunk the documents; the driver deduplicates and writes the stores
     t0 = time.perf_counter()
     if args.prepare == "stream":  # one Ray Data stream: read -> clean -> chunk -> encode -> the driver's writers
-        from ragtrain.config.data import ChunkConfig, DataConfig, DataSource
+        from ragtrain.config.data import ChunkConfig, DataConfig
         from ragtrain.corpus.read import list_documents
         from ragtrain.corpus.stream import StreamEncode, stream_documents
 
         dcfg = DataConfig(
-            source=DataSource.documents,
+            source="documents",
             root=str(work / "docs"),
             dev_size=2,
             chunk=ChunkConfig(enabled=True, max_tokens=64, overlap=8),

@@ -141,7 +141,7 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
 
     from ragtrain.cluster.resources import check_config
     from ragtrain.config import Config
-    from ragtrain.config.data import DataConfig, DataSource
+    from ragtrain.config.data import DataConfig
     from ragtrain.config.logger import LoggerBackend, LoggerConfig
     from ragtrain.config.resources import ResourcesConfig, TrainerResources
     from ragtrain.config.retriever import RetrieverConfig, RetrieverTrainConfig
@@ -159,7 +159,7 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
         sync_kw["sync"] = to_typed(composed).sync
     with tempfile.TemporaryDirectory(prefix="ragtrain_bench_") as tmp:
         cfg = Config(
-            data=DataConfig(source=DataSource.beir, root=str(args.scifact_root))
+            data=DataConfig(source="beir", root=str(args.scifact_root))
             if args.data == "scifact"
             else DataConfig(num_entities=args.num_entities),
             retriever=RetrieverConfig(

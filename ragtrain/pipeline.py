@@ -21,7 +21,6 @@ from ragtrain import run_lock
 from ragtrain.cluster.resources import check_config, init_ray, trains_with_live_refresh
 from ragtrain.cluster.storage import check_shared_paths, shared_paths
 from ragtrain.config import Config, absolute_paths, changed_keys, flatten, ineffective_settings, to_flat_dict
-from ragtrain.config.data import DataSource
 from ragtrain.config.logger import LoggerBackend
 from ragtrain.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
 from ragtrain.corpus.dataset import passage_qrels
@@ -340,7 +339,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     )
     check_qrels(data)
     check_train_batch(cfg, data)
-    if not cfg.data.chunk.enabled and cfg.data.source != DataSource.synthetic:  # synthetic passages are one fact
+    if not cfg.data.chunk.enabled and cfg.data.source_reads_files:  # generated passages are one fact each
         line = truncation_report(data.corpus, cfg.retriever, cfg.seed)
         if line:
             log.warning(line)

@@ -36,7 +36,7 @@ def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFra
     first = next(iter(variants.values()))
     paired = paired_answers(variants)
     files = write_comparison(
-        df, out_dir, f"{first.experiment_name}: {first.data.source.value} split={first.data.split}", [paired]
+        df, out_dir, f"{first.experiment_name}: {first.data.source} split={first.data.split}", [paired]
     )
     _log_comparison(first, files)
     log.info("\n" + df.to_markdown(index=False, floatfmt=".4g") + (f"\n\n{paired}" if paired else ""))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from ragtrain.config.data import DATA_SOURCES
 from ragtrain.config.joint import JOINT_LOSSES
 from ragtrain.config.retriever import TEACHER_LOSSES
 from ragtrain.config.sync import (
@@ -24,6 +25,7 @@ from ragtrain.config.sync import (
     ReducerVariant,
 )
 from ragtrain.config.tune import TUNE_SCHEDULERS, TUNE_SEARCHERS
+from ragtrain.corpus.sources.base import DataSource
 from ragtrain.errors import ConfigError
 from ragtrain.joint.losses.base import JointLoss
 from ragtrain.retriever.teacher.base import TeacherLoss
@@ -49,6 +51,7 @@ FAMILIES = [
     (TUNE_SEARCHERS, Searcher, None),
     (JOINT_LOSSES, JointLoss, None),
     (TEACHER_LOSSES, TeacherLoss, None),
+    (DATA_SOURCES, DataSource, None),
 ]
 
 

@@ -6,15 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ragtrain.config.registry import Variant
+from ragtrain.errors import ConfigError, driver_path
 from ragtrain.errors import check as _check
-from ragtrain.errors import driver_path
-
-
-class DataSource(str, Enum):
-    synthetic = "synthetic"
-    beir = "beir"
-    documents = "documents"  # a folder of raw documents (ragtrain/corpus): txt, md, html, jsonl, parquet
-    squad = "squad"  # a SQuAD v1.1 JSON file: every paragraph a passage, questions with all their answers
 
 
 class OnError(str, Enum):
@@ -26,6 +20,61 @@ class Prepare(str, Enum):
     auto = "auto"  # on Ray Data once the corpus files hold 64 MiB or more (ragtrain/corpus/prepare.py)
     driver = "driver"
     ray = "ray"
+
+
+@dataclass(frozen=True)
+class DataSourceVariant(Variant):
+    """A data source (ragtrain/corpus/sources/): where the corpus, queries and qrels come from."""
+
+    root: str | None = None  # what data.root names; None: the source generates its data (data.root stays unset)
+    reads: tuple[str, ...] = ()  # the keys of OPTIONAL_KEYS it reads: set under another source, they are refused
+    why: str = ""  # why the optional keys it does not read would do nothing (their error message says it)
+
+
+# The data keys only some sources read, and their defaults: set under a source that does not read them, they
+# would do nothing, so the config refuses them (naming the sources that read them).
+OPTIONAL_KEYS: dict[str, object] = {
+    "dev_size": 100,
+    "glob": "**/*",
+    "on_error": "fail",
+    "prepare": "auto",
+    "generate": False,
+    "dev_titles": [],
+    "test_titles": [],
+    "dev_articles": 0,
+    "test_articles": 0,
+}
+ARTICLE_KEYS = ("dev_titles", "test_titles", "dev_articles", "test_articles")  # a split by article (squad)
+
+# The registry of `data.source` (one file in conf/data/ per source or dataset): name -> the loader class and the
+# facts the checks read (docs/adding-a-variant.md)
+DATA_SOURCES: dict[str, DataSourceVariant] = {
+    "synthetic": DataSourceVariant(
+        "ragtrain.corpus.sources.synthetic:Synthetic",
+        why="data=synthetic holds out a fixed 15 % of its entities as dev and test, and reads no files",
+    ),
+    "beir": DataSourceVariant(
+        "ragtrain.corpus.sources.beir:Beir",
+        root="a BEIR folder",
+        reads=("dev_size", "prepare"),
+        why="data=beir reads a BEIR folder's corpus and qrels",
+    ),
+    # a folder of raw documents (ragtrain/corpus): txt, md, html, jsonl, parquet
+    "documents": DataSourceVariant(
+        "ragtrain.corpus.sources.documents:Documents",
+        root="a folder of documents",
+        reads=("dev_size", "glob", "on_error", "prepare", "generate"),
+        why="data=documents reads a folder of documents",
+    ),
+    # a SQuAD v1.1 JSON file: every paragraph a passage, questions with all their answers
+    "squad": DataSourceVariant(
+        "ragtrain.corpus.sources.squad:Squad",
+        root="a SQuAD v1.1 .json file",
+        reads=("on_error", *ARTICLE_KEYS),
+        why="data=squad reads and chunks its one JSON file in the driver and splits it by article: "
+        "data.dev_articles or data.dev_titles set its dev split",
+    ),
+}
 
 
 @dataclass
@@ -49,7 +98,7 @@ class ChunkConfig:
 
 @dataclass
 class DataConfig:
-    source: DataSource = DataSource.synthetic
+    source: str = "synthetic"  # a name in DATA_SOURCES: synthetic | beir | documents | squad
     # beir: a BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/<split>.tsv); documents: a folder of documents
     # (+ queries.jsonl, qrels/<split>.tsv); squad: a SQuAD v1.1 JSON file, or a folder holding exactly one *.json;
     # synthetic: must stay unset (the KB is generated)
@@ -82,44 +131,14 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.root:  # read by Ray Data tasks and sweep trials, which run in other folders
             self.root = driver_path(self.root)
-        choices = [s.value for s in DataSource]
-        _check(
-            self.source != DataSource.synthetic or self.root is None,
-            "data.root",
-            "is set but data=synthetic generates its data and would ignore it; choose data=beir (a BEIR folder), "
-            f"data=documents (a folder of documents) or data=squad (a SQuAD file); data.source choices: {choices}",
-            self.root,
-        )
-        _check(
-            self.source != DataSource.beir or bool(self.root),
-            "data.root",
-            "must be set for data.source=beir",
-            self.root,
-        )
-        if self.source == DataSource.documents:
-            _check(
-                bool(self.root) or self.generate,
-                "data.root",
-                "must be set for data.source=documents (or data.generate=true)",
-                self.root,
-            )
-            _check(
-                not (self.root and self.generate),
-                "data.root",
-                "must stay unset with data.generate=true (the folder is written to <output_dir>/docs)",
-                self.root,
-            )
-        _check(
-            not self.generate or self.source == DataSource.documents,
-            "data.generate",
-            "needs data.source=documents",
-            self.generate,
-        )
+        _check(self.source in DATA_SOURCES, "data.source", f"must be one of {list(DATA_SOURCES)}", self.source)
+        self._check_root()
         _check(bool(self.glob.strip()), "data.glob", "must be a glob pattern relative to data.root", self.glob)
+        readers = [f"data={n}" for n, v in DATA_SOURCES.items() if v.root is not None]
         _check(
-            not self.chunk.enabled or self.source != DataSource.synthetic,
+            not self.chunk.enabled or self.source_reads_files,
             "data.chunk.enabled",
-            "needs data=documents, data=beir or data=squad (synthetic passages are single facts)",
+            f"needs {', '.join(readers[:-1])} or {readers[-1]} ({self.source} passages are single facts)",
             self.chunk.enabled,
         )
         _check(
@@ -131,46 +150,59 @@ class DataConfig:
         if self.dev_size >= 1:
             self.dev_size = int(self.dev_size)  # a count: the loaders treat a float as a fraction
         _check(self.num_entities >= 10, "data.num_entities", "must be >= 10", self.num_entities)
-        if self.source == DataSource.synthetic:  # keys only a folder reads: set with synthetic, they would do nothing
-            folders = "data=beir and data=documents"
-            for key, value, default, where in (
-                ("dev_size", self.dev_size, 100, folders),
-                ("prepare", self.prepare, Prepare.auto, folders),
-                ("glob", self.glob, "**/*", "data=documents"),
-                ("on_error", self.on_error, OnError.fail, "data=documents and data=squad"),
-            ):
-                _check(
-                    value == default,
-                    f"data.{key}",
-                    f"applies to {where} only (data=synthetic holds out a fixed "
-                    "15 % of its entities as dev and test, and reads no files)",
-                    value,
-                )
-        self._check_squad()
+        self._check_optional_keys()
+        if "dev_articles" in DATA_SOURCES[self.source].reads:
+            self._check_articles()
 
-    def _check_squad(self) -> None:
-        """data=squad's keys: set with another source they would do nothing; with squad, the keys it does not read."""
-        squad_keys = (
-            ("dev_titles", self.dev_titles, []),
-            ("test_titles", self.test_titles, []),
-            ("dev_articles", self.dev_articles, 0),
-            ("test_articles", self.test_articles, 0),
-        )
-        if self.source != DataSource.squad:
-            for key, value, default in squad_keys:
-                _check(value == default, f"data.{key}", "applies to data=squad only (it splits by article)", value)
+    @property
+    def source_reads_files(self) -> bool:
+        """The source reads files (data.root, or the generated folder); else it generates its data in memory."""
+        return DATA_SOURCES[self.source].root is not None
+
+    def _check_root(self) -> None:
+        """data.root: set for a source that reads files (or data.generate's own folder), unset for one that
+        generates its data; each message says what it must name, from the registry."""
+        v = DATA_SOURCES[self.source]
+        if v.root is None:
+            choices = ", ".join(f"data={n} ({w.root})" for n, w in DATA_SOURCES.items() if w.root is not None)
+            _check(
+                self.root is None,
+                "data.root",
+                f"is set but data={self.source} generates its data and would ignore it; choose {choices}; "
+                f"data.source choices: {list(DATA_SOURCES)}",
+                self.root,
+            )
             return
-        _check(bool(self.root), "data.root", "must be set for data.source=squad (a SQuAD v1.1 .json file)", self.root)
-        for key, value, default, why in (
-            ("dev_size", self.dev_size, 100, "data=squad splits by article: use data.dev_articles or data.dev_titles"),
-            ("glob", self.glob, "**/*", "data=squad reads one JSON file (data.root)"),
-            ("prepare", self.prepare, Prepare.auto, "data=squad reads and chunks its one file in the driver"),
-        ):
-            _check(value == default, f"data.{key}", f"does not apply here ({why})", value)
+        generates = "generate" in v.reads
+        _check(
+            bool(self.root) or (generates and self.generate),
+            "data.root",
+            f"must be set for data.source={self.source} ({v.root}" + (", or data.generate=true)" if generates else ")"),
+            self.root,
+        )
+        _check(
+            not (self.root and self.generate),
+            "data.root",
+            "must stay unset with data.generate=true (the folder is written to <output_dir>/docs)",
+            self.root,
+        )
+
+    def _check_optional_keys(self) -> None:
+        """A key only other sources read, set (not its default): it would do nothing here."""
+        v = DATA_SOURCES[self.source]
+        for key, default in OPTIONAL_KEYS.items():
+            value = getattr(self, key)
+            if key in v.reads or value == default:
+                continue
+            readers = " and ".join(f"data={n}" for n, w in DATA_SOURCES.items() if key in w.reads)
+            raise ConfigError(f"data.{key} applies to {readers} only ({v.why}), got {value!r}")
+
+    def _check_articles(self) -> None:
+        """A split by article (squad): the evaluated split, and the dev / test articles named or counted."""
         _check(
             self.split in ("train", "dev", "test"),
             "data.split",
-            "must be one of ['train', 'dev', 'test'] with data=squad (its splits are sets of articles)",
+            f"must be one of ['train', 'dev', 'test'] with data={self.source} (its splits are sets of articles)",
             self.split,
         )
         for name in ("dev", "test"):
