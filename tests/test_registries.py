@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ragtrain.config.data import DATA_SOURCES
+from ragtrain.config.generator import GENERATOR_ARCHS
 from ragtrain.config.joint import JOINT_LOSSES
 from ragtrain.config.retriever import TEACHER_LOSSES
 from ragtrain.config.sync import (
@@ -27,6 +28,7 @@ from ragtrain.config.sync import (
 from ragtrain.config.tune import TUNE_SCHEDULERS, TUNE_SEARCHERS
 from ragtrain.corpus.sources.base import DataSource
 from ragtrain.errors import ConfigError
+from ragtrain.generator.archs.base import Architecture
 from ragtrain.joint.losses.base import JointLoss
 from ragtrain.retriever.teacher.base import TeacherLoss
 from ragtrain.sync.composed import build_sync
@@ -52,6 +54,7 @@ FAMILIES = [
     (JOINT_LOSSES, JointLoss, None),
     (TEACHER_LOSSES, TeacherLoss, None),
     (DATA_SOURCES, DataSource, None),
+    (GENERATOR_ARCHS, Architecture, None),
 ]
 
 

@@ -25,12 +25,19 @@ import ray
 import torch
 
 from ragtrain.config import Config
-from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GeneratorTrainConfig, GenPrecision, PromptStyle
+from ragtrain.config.generator import (
+    EVAL_MODES,
+    GENERATOR_ARCHS,
+    GeneratorConfig,
+    GeneratorTrainConfig,
+    GenPrecision,
+    PromptStyle,
+)
+from ragtrain.generator.archs.base import build_arch
 from ragtrain.generator.model import (
     AnswerDecoder,
     GenModel,
     build_generator,
-    collate,
     load_tokenizer,
     untie_encoder_decoder,
 )
@@ -140,7 +147,7 @@ def prompt_builder(g: GeneratorConfig, tokenizer) -> PromptBuilder:
         g.max_source_length,
         g.passage_max_tokens,
         Template(g.question_prefix, g.passage_prefix, g.answer_prefix),
-        causal=g.arch == Arch.causal,
+        causal=GENERATOR_ARCHS[g.arch].causal,
         chat=PromptStyle(g.prompt) == PromptStyle.chat,
     )
 
@@ -171,14 +178,14 @@ def load_generator(cfg: Config, folder: str | Path) -> GenModel:
     """A generator saved by `save_generator` (a trained run's <output_dir>/generator), with its own tokenizer, in
     eval mode; `cfg.generator` names its architecture."""
     # lazy: transformers is heavy (~1 s); this module's workers import it when they build the model anyway
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
+    import transformers
 
     folder = Path(folder)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"no generator model at {folder} (config.json is missing)")
-    arch = Arch(cfg.generator.arch)
-    cls = {Arch.bert2bert: EncoderDecoderModel, Arch.seq2seq: AutoModelForSeq2SeqLM}.get(arch, AutoModelForCausalLM)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    arch = cfg.generator.arch
+    cls = getattr(transformers, build_arch(arch).hf_class)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     return GenModel(cls.from_pretrained(str(folder)), arch, tokenizer).eval()
 
 
@@ -197,7 +204,7 @@ def generate_sorted(model: GenModel, sources: Sequence[list[int]], g: GeneratorC
     out: list = [None] * len(sources)
     for i in range(0, len(order), g.eval.batch_size):
         idx = order[i : i + g.eval.batch_size]
-        b = collate([sources[j] for j in idx], [[] for _ in idx], model.arch, model.pad_id, for_generation=True)
+        b = model.arch.collate([sources[j] for j in idx], [[] for _ in idx], model.pad_id, for_generation=True)
         with autocast(g.train.precision, device):
             answers = model.generate(
                 b["input_ids"].to(device), b["attention_mask"].to(device), g.eval.num_beams, g.eval.max_new_tokens
@@ -360,7 +367,7 @@ def gen_step(r: GenReplica, src: list, tgt: list, global_tokens: int) -> float:
     micro = t.batch_size // t.grad_accum
     loss_sum = torch.zeros((), device=device)
     for m in range(t.grad_accum):
-        b = collate(src[m * micro : (m + 1) * micro], tgt[m * micro : (m + 1) * micro], r.model.arch, r.model.pad_id)
+        b = r.model.arch.collate(src[m * micro : (m + 1) * micro], tgt[m * micro : (m + 1) * micro], r.model.pad_id)
         b = {k: v.to(device) for k, v in b.items()}
         sync = world == 1 or m == t.grad_accum - 1  # all-reduce once per optimizer step
         with nullcontext() if sync else r.ddp.no_sync(), autocast(t.precision, device):

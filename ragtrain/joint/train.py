@@ -38,7 +38,7 @@ from ragtrain.config import Config
 from ragtrain.config.joint import PassageEncoder
 from ragtrain.embed.model import BiEncoder, build_encoder, encode_texts, tokenize
 from ragtrain.embed.model import load_tokenizer as load_encoder_tokenizer
-from ragtrain.generator.model import GenModel, build_generator, collate, load_tokenizer
+from ragtrain.generator.model import GenModel, build_generator, load_tokenizer
 from ragtrain.generator.train import (
     GenData,
     GenExample,
@@ -52,7 +52,7 @@ from ragtrain.generator.train import (
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.joint import GENERATOR_FOLDER
 from ragtrain.joint.likelihood import answer_loglik
-from ragtrain.joint.losses import build_loss
+from ragtrain.joint.losses.base import build_loss
 from ragtrain.retriever.train import load_state, load_weights, save_weights
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink
@@ -250,7 +250,7 @@ def joint_step(r: JointReplica, step: int) -> dict[str, float]:
     texts = [r.data.encoder_texts[r.data.positions[p]] for h in hits for p in h]
     q = {k: v.to(device) for k, v in tokenize(r.enc_tok, questions, rc.query_max_length, "query").items()}
     p = {k: v.to(device) for k, v in tokenize(r.enc_tok, texts, rc.passage_max_length, "passage").items()}
-    g = {k: v.to(device) for k, v in collate(src, tgt, gen.arch, gen.pad_id).items()}
+    g = {k: v.to(device) for k, v in gen.arch.collate(src, tgt, gen.pad_id).items()}
     with autocast(cfg.generator.train.precision, device):
         q_emb, p_emb, nll = r.ddp(q, None if r.frozen is not None else p, g)
     if r.frozen is not None:  # query side only: the passage vectors are the frozen encoder's (the index's)
