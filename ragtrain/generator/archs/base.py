@@ -1,6 +1,6 @@
 """The Protocol every generator architecture implements: what differs between a decoder-only LM and an
 encoder-decoder (building or loading the model, padding a batch, the forward pass that scores the answer, where a
-generated answer starts), and the loading helpers they share.
+generated answer starts), and the loading functions they share.
 
 `GenModel` (ragtrain/generator/model.py) holds one and gives every architecture the same calls.
 """
