@@ -136,6 +136,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def composed_sync(name: str):
+    """conf/sync/<name>.yaml composed and typed as `python -m ragtrain sync=<name>` composes it."""
+    from hydra import compose, initialize_config_dir
+
+    from ragtrain.config import PROJECT_ROOT, register_configs, to_typed
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        return to_typed(compose("config", overrides=[f"sync={name}", "output_dir=unused"])).sync
+
+
 def run_ragtrain(args, data, weights, rep: int) -> dict:
     import ray
 
@@ -147,16 +158,8 @@ def run_ragtrain(args, data, weights, rep: int) -> dict:
     from ragtrain.config.retriever import RetrieverConfig, RetrieverTrainConfig
     from ragtrain.retriever.train import fit_retriever
 
-    sync_kw = {}
-    if args.sync:  # the replica-sync strategy (ragtrain.config.sync.SyncConfig), when this ragtrain has one
-        from hydra import compose, initialize_config_dir
-
-        from ragtrain.config import PROJECT_ROOT, register_configs, to_typed
-
-        register_configs()  # a conf/sync option name, composed as `python -m ragtrain sync=<name>` composes it
-        with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
-            composed = compose("config", overrides=[f"sync={args.sync}", "output_dir=unused"])
-        sync_kw["sync"] = to_typed(composed).sync
+    # the replica-sync strategy (ragtrain.config.sync.SyncConfig), when this ragtrain has one
+    sync_kw = {"sync": composed_sync(args.sync)} if args.sync else {}
     with tempfile.TemporaryDirectory(prefix="ragtrain_bench_") as tmp:
         cfg = Config(
             data=DataConfig(source="beir", root=str(args.scifact_root))
