@@ -48,7 +48,7 @@ def machine() -> str:
 
 def passages(docs: int, max_tokens: int) -> tuple[list[str], list[str]]:
     """(ids, texts) of the first `docs` SciFact abstracts, chunked into <= max_tokens MiniLM tokens (0: whole)."""
-    from ragtrain.config import RetrieverConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.corpus.chunk import chunk_document
     from ragtrain.embed.model import load_tokenizer
 
@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     import torch
 
-    from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
+    from ragtrain.config.index import IndexConfig
+    from ragtrain.config.resources import PoolResources
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.corpus.encode import build_threads, encode_to_vectors
     from ragtrain.embed.model import build_encoder
     from ragtrain.precision import resolve

@@ -161,7 +161,9 @@ def actor_stats(folder: Path) -> list[dict]:
 def scale(args) -> None:
     import ray
 
-    from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
+    from ragtrain.config.index import IndexConfig
+    from ragtrain.config.resources import PoolResources
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.corpus import encode as encode_mod
     from ragtrain.corpus.dataset import chunk_data, load_documents
     from ragtrain.corpus.encode import VectorSet, encode_to_vectors
@@ -192,12 +194,12 @@ def scale(args) -> None:
     # files and chunk the documents; the driver deduplicates and writes the stores
     t0 = time.perf_counter()
     if args.prepare == "stream":  # one Ray Data stream: read -> clean -> chunk -> encode -> the driver's writers
-        from ragtrain.config import ChunkConfig, DataConfig, DataSource
+        from ragtrain.config.data import ChunkConfig, DataConfig
         from ragtrain.corpus.read import list_documents
         from ragtrain.corpus.stream import StreamEncode, stream_documents
 
         dcfg = DataConfig(
-            source=DataSource.documents,
+            source="documents",
             root=str(work / "docs"),
             dev_size=2,
             chunk=ChunkConfig(enabled=True, max_tokens=64, overlap=8),
@@ -323,7 +325,9 @@ def compare(args) -> None:
     import ray
     import torch
 
-    from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
+    from ragtrain.config.index import IndexConfig
+    from ragtrain.config.resources import PoolResources
+    from ragtrain.config.retriever import Precision, RetrieverConfig
     from ragtrain.corpus.encode import encode_to_vectors
     from ragtrain.embed.model import minilm_path
 

@@ -37,7 +37,7 @@ from benchmarks.generator_step import machine
 from ragtrain.config import data_root, register_configs, to_typed
 from ragtrain.config.generator import PACKAGED, GenPrecision
 from ragtrain.data.squad import read_squad
-from ragtrain.generator.model import AnswerDecoder, GenModel, build_generator, collate, load_tokenizer
+from ragtrain.generator.model import AnswerDecoder, GenModel, build_generator, load_tokenizer
 from ragtrain.generator.steps import autocast, generate_sorted, prompt_builder
 
 RESULTS = Path(__file__).parent / "results" / "eval_generation.json"
@@ -48,7 +48,7 @@ def ordered(model: GenModel, sources: list[list[int]], batch: int, new_tokens: i
     """Answer ids in question-order batches; without `stop`, generation runs to EOS or new_tokens (the old path)."""
     out = []
     for i in range(0, len(sources), batch):
-        b = collate(sources[i : i + batch], [[]] * len(sources[i : i + batch]), model.arch, model.pad_id, True)
+        b = model.arch.collate(sources[i : i + batch], [[]] * len(sources[i : i + batch]), model.pad_id, True)
         if stop:
             out += model.generate(b["input_ids"], b["attention_mask"], 1, new_tokens)
             continue

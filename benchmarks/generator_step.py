@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ragtrain.config.generator import PACKAGED, Arch, GeneratorConfig, PromptStyle
-from ragtrain.generator.model import GenModel, build_generator, collate, load_tokenizer
+from ragtrain.config.generator import PACKAGED, GeneratorConfig, PromptStyle
+from ragtrain.generator.model import GenModel, build_generator, load_tokenizer
 from ragtrain.generator.steps import prompt_builder
 
 RESULTS = Path(__file__).parent / "results" / "generator_step.json"
@@ -82,7 +82,7 @@ def time_loads() -> dict[str, float]:
         old = os.environ.get("RAGTRAIN_CACHE")
         os.environ["RAGTRAIN_CACHE"] = d
         try:
-            g = GeneratorConfig(arch=Arch.causal, model="smollm2")
+            g = GeneratorConfig(arch="causal", model="smollm2")
             for name in ("load_from_gguf_s", "load_from_cache_s"):
                 start = time.perf_counter()
                 build_generator(g, load_tokenizer(g))
@@ -130,7 +130,7 @@ def main() -> None:
     )
     res: dict[str, object] = {"machine": info, "args": vars(args), **time_loads()}
 
-    g = GeneratorConfig(arch=Arch.causal, model="smollm2", prompt=PromptStyle.chat, dropout=0.0)
+    g = GeneratorConfig(arch="causal", model="smollm2", prompt=PromptStyle.chat, dropout=0.0)
     tok = load_tokenizer(g)
     torch.manual_seed(0)
     model = build_generator(g, tok)
@@ -150,7 +150,7 @@ def main() -> None:
     builder = prompt_builder(g, tok)
     qs = (QUESTIONS * args.answers)[: args.answers]
     src = [builder.source(q, ["Super Bowl 50: " + PASSAGE]) for q in qs]
-    gb = collate(src, [[] for _ in src], model.arch, model.pad_id, for_generation=True)
+    gb = model.arch.collate(src, [[] for _ in src], model.pad_id, for_generation=True)
     for name, ctx in (("fp32", nullcontext()), ("bf16", torch.autocast("cpu", dtype=torch.bfloat16))):
         start = time.perf_counter()
         with ctx:

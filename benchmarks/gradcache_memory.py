@@ -40,7 +40,7 @@ def child(model_name: str, batch: int, chunk: int, query_len: int, passage_len: 
 
     import torch
 
-    from ragtrain.config import RetrieverConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.embed.model import build_encoder
     from ragtrain.retriever.gradcache import cached_step
     from ragtrain.retriever.loss import contrastive_loss

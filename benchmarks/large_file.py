@@ -62,7 +62,7 @@ def one_run(root: str, prepare: str, out: str) -> None:
     sys.path.insert(0, str(HERE))
     from corpus_scale import RssSampler
 
-    from ragtrain.config import DataConfig, DataSource, Prepare
+    from ragtrain.config.data import DataConfig, Prepare
     from ragtrain.corpus.load import load_data
     from ragtrain.rss import peak_rss_mb
 
@@ -80,7 +80,7 @@ def one_run(root: str, prepare: str, out: str) -> None:
 
         DataContext.get_current().enable_progress_bars = False
 
-    cfg = DataConfig(source=DataSource.documents, root=root, prepare=Prepare(prepare))
+    cfg = DataConfig(source="documents", root=root, prepare=Prepare(prepare))
     cfg.chunk.enabled = False
     sampler = RssSampler()  # by kind: the heap (anon) is what the driver holds; file pages are the mapped store
     t = time.perf_counter()

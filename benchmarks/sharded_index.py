@@ -226,7 +226,7 @@ def time_searches(search: Callable[[np.ndarray], Any], batches: Sequence[np.ndar
 
 
 def index_config(factory: str, nprobe: int) -> Any:
-    from ragtrain.config import IndexConfig
+    from ragtrain.config.index import IndexConfig
 
     return IndexConfig(factory=factory, nprobe=nprobe, shard_timeout_s=600.0)
 
@@ -245,7 +245,7 @@ def measure_group(
     queries' top-k rows."""
     import ray
 
-    from ragtrain.config import PoolResources
+    from ragtrain.config.resources import PoolResources
     from ragtrain.index.sharded import ShardGroup
 
     start = time.perf_counter()

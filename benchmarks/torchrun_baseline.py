@@ -82,7 +82,7 @@ def main() -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ragtrain.config import RetrieverConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.embed.model import build_encoder, load_tokenizer, tokenize
     from ragtrain.retriever.batching import local_batch
     from ragtrain.retriever.loss import contrastive_loss

@@ -136,31 +136,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def composed_sync(name: str):
+    """conf/sync/<name>.yaml composed and typed as `python -m ragtrain sync=<name>` composes it."""
+    from hydra import compose, initialize_config_dir
+
+    from ragtrain.config import PROJECT_ROOT, register_configs, to_typed
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        return to_typed(compose("config", overrides=[f"sync={name}", "output_dir=unused"])).sync
+
+
 def run_ragtrain(args, data, weights, rep: int) -> dict:
     import ray
 
     from ragtrain.cluster.resources import check_config
-    from ragtrain.config import (
-        Config,
-        DataConfig,
-        DataSource,
-        LoggerBackend,
-        LoggerConfig,
-        ResourcesConfig,
-        RetrieverConfig,
-        RetrieverTrainConfig,
-        TrainerResources,
-    )
+    from ragtrain.config import Config
+    from ragtrain.config.data import DataConfig
+    from ragtrain.config.logger import LoggerBackend, LoggerConfig
+    from ragtrain.config.resources import ResourcesConfig, TrainerResources
+    from ragtrain.config.retriever import RetrieverConfig, RetrieverTrainConfig
     from ragtrain.retriever.train import fit_retriever
 
-    sync_kw = {}
-    if args.sync:  # the replica-sync strategy (ragtrain.config.SyncConfig), when this ragtrain has one
-        from ragtrain.config import sync_preset
-
-        sync_kw["sync"] = sync_preset(args.sync)  # a conf/sync option name
+    # the replica-sync strategy (ragtrain.config.sync.SyncConfig), when this ragtrain has one
+    sync_kw = {"sync": composed_sync(args.sync)} if args.sync else {}
     with tempfile.TemporaryDirectory(prefix="ragtrain_bench_") as tmp:
         cfg = Config(
-            data=DataConfig(source=DataSource.beir, root=str(args.scifact_root))
+            data=DataConfig(source="beir", root=str(args.scifact_root))
             if args.data == "scifact"
             else DataConfig(num_entities=args.num_entities),
             retriever=RetrieverConfig(
@@ -337,7 +339,7 @@ def main() -> int:
 
     import torch
 
-    from ragtrain.config import RetrieverConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.embed.model import build_encoder
 
     data = load_train_data(args.data, args.scifact_root, args.num_entities)

@@ -85,8 +85,7 @@ class Answerer:
         """The answer given the hits in rank order (as many as fit the prompt, the last cut)."""
         import torch  # lazy: torch is heavy (seconds); this module's argument checks run without it
 
-        # lazy: ragtrain.generator.model, .saved and .steps import torch; this module's argument checks run without it
-        from ragtrain.generator.model import collate
+        # lazy: ragtrain.generator.saved and .steps import torch; this module's argument checks run without it
         from ragtrain.generator.saved import load_generator
         from ragtrain.generator.steps import autocast
 
@@ -97,7 +96,7 @@ class Answerer:
                 raise AskError(f"{self.folder}: not a loadable generator ({str(e).splitlines()[0]})") from None
         texts = [passage_text(h["title"], h["text"], self.g.include_title) for h in hits if h["text"]]
         m, g = self.model, self.g
-        batch = collate([self.builder.source(question, texts)], [[]], m.arch, m.pad_id, for_generation=True)
+        batch = m.arch.collate([self.builder.source(question, texts)], [[]], m.pad_id, for_generation=True)
         with torch.no_grad(), autocast(g.train.precision, torch.device("cpu")):
             ids = m.generate(batch["input_ids"], batch["attention_mask"], g.eval.num_beams, g.eval.max_new_tokens)
         return self.decode(ids[0])

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from ragtrain.config import Config, Pooling
-from ragtrain.config.generator import PACKAGED, Arch
+from ragtrain.config import Config
+from ragtrain.config.generator import GENERATOR_ARCHS, PACKAGED
 from ragtrain.config.joint import PassageEncoder
+from ragtrain.config.retriever import Pooling
 from ragtrain.console import get_logger
 from ragtrain.embed.model import build_encoder, load_tokenizer, resolve_model_path
 from ragtrain.embed.weights import load_weights
@@ -247,29 +248,22 @@ def answer_block(cfg: Config, results: dict[str, dict[str, float]]) -> str:
     return f"{scored} {cfg.data.split} questions\n\n{summary_table(results, prefix)}"
 
 
-# the transformers class that loads an exported generator of each kind
-LOADERS = {
-    Arch.causal: "AutoModelForCausalLM",
-    Arch.seq2seq: "AutoModelForSeq2SeqLM",
-    Arch.bert2bert: "EncoderDecoderModel",
-}
-
-
 def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> str:
     """The generator's README.md: base model and its license, data, how it was trained, its EM / F1, the config and
     the command. The license is the base model's (the fine-tuned weights derive from it); a card that declares none
     says so, and MLflow then warns to check the license."""
-    # lazy: ragtrain.generator.model imports transformers; this module imports without it
-    from ragtrain.generator.model import resolve_path
+    # lazy: ragtrain.generator.archs imports torch; this module imports without it
+    from ragtrain.generator.archs.base import build_arch, resolve_path
 
     g = cfg.generator
+    arch = build_arch(g.arch)
     random_init = g.model == "tiny"  # built from a config: no base model, no license to carry over
     license_ = None if random_init else base_license(resolve_path(g.model))
     declared = "none: a random init" if random_init else license_ or "not declared by its card: check it before use"
-    if random_init and g.arch != Arch.bert2bert:
-        base = f"a tiny {g.arch.value} LM built from a transformers config (random init)"
-    elif g.arch == Arch.bert2bert:
-        base = f"a BERT2BERT encoder-decoder warm-started from {base_model_name(g.model)}"
+    if random_init:  # the config allows model=tiny only where the architecture builds one
+        base = f"a tiny {g.arch} LM built from a transformers config (random init)"
+    elif arch.warm_start:
+        base = f"a {arch.warm_start} warm-started from {base_model_name(g.model)}"
     elif g.model in PACKAGED:
         p = PACKAGED[g.model]
         base = f"{Path(p.gguf_file).stem} (generator.model={g.model}: the {p.requirement} package)"
@@ -291,8 +285,7 @@ def generator_card(cfg: Config, data_desc: str, answers: str, command: str) -> s
             f"fine-tuned on retrieved passages ({length}, global batch {t.batch_size * workers}, lr {t.lr}, top "
             f"{g.retrieval.top_k} passages{gold}{first})"
         )
-    loader = LOADERS[Arch(g.arch)]
-    pipeline_tag = "text-generation" if g.arch == Arch.causal else "text2text-generation"
+    loader, pipeline_tag = arch.hf_class, arch.pipeline_tag
     return f"""---
 library_name: transformers
 pipeline_tag: {pipeline_tag}
@@ -373,7 +366,7 @@ def export_run(
     if gen_weights is not None and (gen_weights / "config.json").exists():
         card = generator_card(cfg, data_desc, answers, command)
         exported["generator"] = export_generator(gen_weights, root / GENERATOR_DIR, card)
-        logger.log_generator_model(exported["generator"], causal=cfg.generator.arch == Arch.causal)
+        logger.log_generator_model(exported["generator"], causal=GENERATOR_ARCHS[cfg.generator.arch].causal)
     for name, path in exported.items():
         log.info(f"[export] {name}: {path.resolve()}")
     sys.stdout.flush()

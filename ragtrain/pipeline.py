@@ -20,17 +20,8 @@ from tabulate import tabulate
 from ragtrain import run_lock
 from ragtrain.cluster.resources import check_config, init_ray, trains_with_live_refresh
 from ragtrain.cluster.storage import check_shared_paths, shared_paths
-from ragtrain.config import (
-    Config,
-    ConfigError,
-    DataSource,
-    LoggerBackend,
-    absolute_paths,
-    changed_keys,
-    flatten,
-    ineffective_settings,
-    to_flat_dict,
-)
+from ragtrain.config import Config, absolute_paths, changed_keys, flatten, ineffective_settings, to_flat_dict
+from ragtrain.config.logger import LoggerBackend
 from ragtrain.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
 from ragtrain.corpus.load import load_data, truncation_report
 from ragtrain.corpus.stream import StreamEncode
@@ -38,6 +29,7 @@ from ragtrain.data import RetrievalData
 from ragtrain.data.types import DataError
 from ragtrain.embed.encoders import EncodeFault, encoder_dim
 from ragtrain.embed.model import build_encoder, check_model_offline
+from ragtrain.errors import ConfigError
 from ragtrain.export import answer_block, export_run
 from ragtrain.index import vector_cache
 from ragtrain.index.checks import check_refresh, refresh_warnings
@@ -310,7 +302,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     )
     check_qrels(data)
     check_train_batch(cfg, data)
-    if not cfg.data.chunk.enabled and cfg.data.source != DataSource.synthetic:  # synthetic passages are one fact
+    if not cfg.data.chunk.enabled and cfg.data.source_reads_files:  # generated passages are one fact each
         line = truncation_report(data.corpus, cfg.retriever, cfg.seed)
         if line:
             log.warning(line)

@@ -15,7 +15,9 @@ from enum import Enum
 
 import torch
 
-from ragtrain.config import Config, IndexConfig, Precision
+from ragtrain.config import Config
+from ragtrain.config.index import IndexConfig
+from ragtrain.config.retriever import Precision
 from ragtrain.console import get_logger
 
 log = get_logger(__name__)

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 
 from ragtrain.cluster.resources import record_placement_group
-from ragtrain.config import Config, IndexConfig, RetrieverConfig
+from ragtrain.config import Config
+from ragtrain.config.index import IndexConfig
+from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import passage_qrels
 from ragtrain.corpus.encode import VECTORS_META, VectorSet, build_threads, encode_to_vectors

@@ -23,12 +23,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from omegaconf import OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-from ragtrain.config import Config, ConfigError, to_typed  # noqa: E402
+from ragtrain.config import Config, to_typed  # noqa: E402
 from ragtrain.config.joint import PassageEncoder  # noqa: E402
 from ragtrain.console import quiet_cli  # noqa: E402
 from ragtrain.corpus.load import load_data  # noqa: E402
 from ragtrain.data.store import PassageStore  # noqa: E402
 from ragtrain.embed.encoders import QueryEncoder  # noqa: E402
+from ragtrain.errors import ConfigError  # noqa: E402
 
 VERIFIED_FILE = "index_verified.json"  # the index files whose checksums matched, with their size / mtime / inode
 

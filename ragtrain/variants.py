@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ragtrain.config import SEED_MARK, Config
+from ragtrain.config import Config
+from ragtrain.config.variants import SEED_MARK
 from ragtrain.console import get_logger
 from ragtrain.paired import format_table, paired_over_seeds, predictions_file, saved_answers
 from ragtrain.pipeline import run
@@ -35,7 +36,7 @@ def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFra
     first = next(iter(variants.values()))
     paired = paired_answers(variants)
     files = write_comparison(
-        df, out_dir, f"{first.experiment_name}: {first.data.source.value} split={first.data.split}", [paired]
+        df, out_dir, f"{first.experiment_name}: {first.data.source} split={first.data.split}", [paired]
     )
     _log_comparison(first, files)
     log.info("\n" + df.to_markdown(index=False, floatfmt=".4g") + (f"\n\n{paired}" if paired else ""))

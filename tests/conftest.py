@@ -150,6 +150,45 @@ def compose(overrides: list[str] | None = None):
         return hydra_compose(config_name="config", overrides=overrides or [])
 
 
+def typed(overrides: list[str] | None = None):
+    """The typed config `python -m ragtrain <overrides>` runs with: `compose`, then `to_typed`'s checks."""
+    from ragtrain.config import to_typed
+
+    return to_typed(compose(overrides))
+
+
+def override(key: str, value) -> str:
+    """One command-line override `key=value`, the value written as a user types it (strings quoted: a regex's
+    backslashes and brackets stay as they are)."""
+    if isinstance(value, dict):
+        raise TypeError(f"{key}: give nested keys as their own overrides")
+    if isinstance(value, (list, tuple)):
+        text = "[" + ",".join(override("v", v).partition("=")[2] for v in value) + "]"
+    elif value is None:
+        text = "null"
+    elif isinstance(value, bool):
+        text = str(value).lower()
+    elif isinstance(value, str):
+        text = "'" + value.replace("'", "\\'") + "'"  # Hydra keeps a quoted value's backslashes
+    else:
+        text = repr(value)
+    return f"{key}={text}"
+
+
+def sync_config(preset: str, **keys):
+    """`sync=<preset>` with `keys` set under it (e.g. mixer={'period': 4}), composed and typed as a user's run is:
+    returns the run's SyncConfig (output_dir set: the composed default names Hydra's run folder, and nothing is
+    written)."""
+
+    def flat(prefix: str, node: dict) -> list[str]:
+        out = []
+        for k, v in node.items():
+            out += flat(f"{prefix}.{k}", v) if isinstance(v, dict) else [override(f"{prefix}.{k}", v)]
+        return out
+
+    return typed([f"sync={preset}", *flat("sync", keys), "output_dir=outputs/sync"]).sync
+
+
 def in_process_index(cfg, data, folder: Path):
     """The run's index (its shard group) of an untrained encoder seeded with `cfg.seed`, built from vectors encoded
     in-process (the Ray Data encode is tested in tests/corpus). Returns (Retrieval, BuiltIndex, weights)."""

@@ -186,7 +186,7 @@ def test_a_joint_run_with_trained_passages_and_the_pre_joint_index_is_refused(ru
 def test_export_of_a_joint_run_holds_the_jointly_trained_models(runs, tmp_path: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
-    from ragtrain.config import LoggerConfig
+    from ragtrain.config.logger import LoggerConfig
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.weights import load_weights
     from ragtrain.export import export_run

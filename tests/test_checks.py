@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ragtrain.config import ConfigError, to_typed
+from ragtrain.config import to_typed
+from ragtrain.errors import ConfigError
 from tests.conftest import REPO, compose, tiny_overrides
 
 
@@ -192,7 +193,7 @@ def test_fewer_training_examples_than_one_global_batch_fail_before_training(tmp_
 
 def test_the_trainer_is_not_checked_without_retriever_training() -> None:
     from ragtrain.cluster.resources import InfeasibleResourcesError, check_config
-    from ragtrain.config import PoolResources, ResourcesConfig, TrainerResources
+    from ragtrain.config.resources import PoolResources, ResourcesConfig, TrainerResources
 
     res = ResourcesConfig(
         trainer=TrainerResources(num_workers=8, cpus_per_worker=1), pool=PoolResources(num_actors=1, cpus_per_actor=1)
@@ -376,7 +377,7 @@ def test_settings_that_would_be_ignored_or_misread_are_refused(tmp_path, overrid
 
 def test_refresh_settings_of_a_variant_that_enables_refresh_compose(tmp_path) -> None:
     """scifact_refresh sets the schedule in the one variant that refreshes: the others carry no refresh keys."""
-    from ragtrain.config import override_variants
+    from ragtrain.config.variants import override_variants
 
     variants = override_variants(compose(["experiment=scifact_refresh", f"output_dir={tmp_path}"]))
     assert variants["live_refresh"].refresh.every_steps == 15 and variants["in_batch"].refresh.every_steps == 0
@@ -612,7 +613,7 @@ def test_store_errors_reach_a_cli_user_as_one_line(ray_session) -> None:
 def test_index_shards_on_gpus_are_checked_beside_the_trainer() -> None:
     """index.device=cuda: the shards hold their GPU share for the whole run, so the trainer's GPUs must fit beside."""
     from ragtrain.cluster.resources import InfeasibleResourcesError, check_config
-    from ragtrain.config import PoolResources, ResourcesConfig, TrainerResources
+    from ragtrain.config.resources import PoolResources, ResourcesConfig, TrainerResources
 
     res = ResourcesConfig(
         trainer=TrainerResources(num_workers=1, cpus_per_worker=4, use_gpu=True),

@@ -13,22 +13,25 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ragtrain.compare import compare_runs, main, sync_label
-from ragtrain.config import Config, LoggerConfig, SyncConfig, sync_preset, to_flat_dict
+from ragtrain.config import Config, to_flat_dict
+from ragtrain.config.logger import LoggerConfig
+from ragtrain.config.sync import SyncConfig
 from ragtrain.track.mlflow import RunLogger
+from tests.conftest import sync_config
 
 RUNS = {  # name -> (sync config, final metrics, loss curve)
     "ddp": (
-        sync_preset("ddp"),
+        sync_config("ddp"),
         {"trained/ndcg_at_10": 0.91, "run/comm/bytes_per_step": 8e6, "run/drift/replica_cosine_mean": 0.0},
         [(5, 2.0), (10, 1.5)],
     ),
     "topk": (
-        sync_preset("topk"),
+        sync_config("topk"),
         {"trained/ndcg_at_10": 0.88, "run/comm/bytes_per_step": 2e5, "run/drift/replica_cosine_mean": 0.02},
         [(5, 2.1), (10, 1.7)],
     ),
     "adaptive": (
-        sync_preset("local_sgd_adaptive", mixer={"period": 4}),
+        sync_config("local_sgd_adaptive", mixer={"period": 4}),
         {"trained/ndcg_at_10": 0.9, "run/comm/bytes_per_step": 1e6, "run/drift/replica_cosine_mean": 0.05},
         [(5, 2.2), (10, 1.6)],
     ),

@@ -11,7 +11,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
-from ragtrain.config import Config, ConfigError, to_flat_dict, to_typed
+from ragtrain.config import Config, to_flat_dict, to_typed
+from ragtrain.errors import ConfigError
 from tests.conftest import CONF_DIR, REPO, compose
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -155,7 +156,7 @@ def test_cli_bad_value_fails_before_work(tmp_path: Path) -> None:
 
 
 def test_override_variants_apply_their_keys(tmp_path) -> None:
-    from ragtrain.config import override_variants
+    from ragtrain.config.variants import override_variants
 
     cfg = compose(["experiment=scifact_refresh", f"output_dir={tmp_path}"])
     variants = override_variants(cfg)
@@ -184,7 +185,7 @@ def test_override_variants_apply_their_keys(tmp_path) -> None:
 
 
 def test_compare_only_runs_the_named_variants_in_its_order(tmp_path) -> None:
-    from ragtrain.config import override_variants
+    from ragtrain.config.variants import override_variants
 
     cfg = compose(["experiment=shard_refresh", f"output_dir={tmp_path}", "compare.only=[partial_hot,full_global]"])
     variants = override_variants(cfg)
@@ -217,7 +218,7 @@ def test_distill_with_vector_avg_validates(tmp_path) -> None:
     ],
 )
 def test_bad_override_variant_names_the_problem(tmp_path, variant, message) -> None:
-    from ragtrain.config import override_variants
+    from ragtrain.config.variants import override_variants
 
     cfg = compose(["experiment=scifact_refresh", f"output_dir={tmp_path}"])
     cfg.compare.variants = {"bad": [variant]}
@@ -348,7 +349,7 @@ def test_cli_a_number_in_other_digits_is_one_line_and_exit_2(tmp_path: Path, val
 
 
 def test_a_variant_number_in_other_digits_is_refused(tmp_path) -> None:
-    from ragtrain.config import override_variants
+    from ragtrain.config.variants import override_variants
 
     cfg = compose(["experiment=scifact_refresh", f"output_dir={tmp_path}"])
     cfg.compare.variants = {"odd": ["retriever.train.max_steps='１２'"]}
@@ -357,7 +358,7 @@ def test_a_variant_number_in_other_digits_is_refused(tmp_path) -> None:
 
 
 def test_compare_seeds_repeat_each_variant_per_seed(tmp_path) -> None:
-    from ragtrain.config import override_variants
+    from ragtrain.config.variants import override_variants
 
     cfg = compose(
         [
@@ -387,7 +388,7 @@ def test_squad_rag_variants_give_every_generator_the_same_training_budget(tmp_pa
     """The variants differ in the retriever only: every generator (the generator stage's or the joint stage's)
     trains the same steps on the same global batch, from one seeded order, on one passage (the gold one in
     training); joint_full keeps the 2 trainer workers and adds a CPU for its refresh actor."""
-    from ragtrain.config import override_variants
+    from ragtrain.config.variants import override_variants
 
     variants = override_variants(compose(["experiment=squad_rag", f"output_dir={tmp_path}"]))
     assert len(variants) == 8
@@ -410,7 +411,7 @@ def test_squad_rag_variants_give_every_generator_the_same_training_budget(tmp_pa
 def test_a_variant_cannot_resize_the_ray_session_the_variants_share(tmp_path) -> None:
     """The first variant starts the local Ray every later one joins: a variant's own resources.num_cpus would be
     ignored (and its resource check fail after the earlier variants ran), so it is refused when composed."""
-    from ragtrain.config import override_variants
+    from ragtrain.config.variants import override_variants
 
     def variant(name: str, cpus: int) -> DictConfig:
         return compose(

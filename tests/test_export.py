@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragtrain.config import Config, Pooling, RetrieverConfig, TinyEncoderConfig, to_typed
+from ragtrain.config import Config, to_typed
+from ragtrain.config.retriever import Pooling, RetrieverConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
 from ragtrain.export import export_retriever
 from tests.conftest import REGISTERED_MODEL, REPO, compose

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ragtrain.config import ConfigError, to_typed
+from ragtrain.config import to_typed
 from ragtrain.data import make_synthetic
+from ragtrain.errors import ConfigError
 from ragtrain.index.sharded import open_saved
 from ragtrain.pipeline import run
 from tests.conftest import compose, tiny_overrides

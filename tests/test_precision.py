@@ -103,7 +103,7 @@ def test_plain_config_defaults_to_auto() -> None:
 
 
 def _encode(prec: str) -> torch.Tensor:
-    from ragtrain.config import RetrieverConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.embed.encoders import EncodeBatch
     from ragtrain.embed.model import build_encoder
 

@@ -10,39 +10,64 @@ import pytest
 import torch
 from torch import nn
 
-from ragtrain.config import (
+from ragtrain.config.data import DATA_SOURCES
+from ragtrain.config.generator import GENERATOR_ARCHS
+from ragtrain.config.joint import JOINT_LOSSES
+from ragtrain.config.retriever import TEACHER_LOSSES
+from ragtrain.config.sync import (
+    CONSENSUS,
+    GOSSIP_TOPOLOGIES,
     MIXER_SCOPES,
     MIXERS,
     REDUCER_SCOPES,
     REDUCERS,
-    TUNE_SCHEDULERS,
-    TUNE_SEARCHERS,
-    ConfigError,
     MixerConfig,
     ReducerConfig,
-    sync_preset,
+    ReducerVariant,
 )
-from ragtrain.config.sync import ReducerVariant
+from ragtrain.config.tune import TUNE_SCHEDULERS, TUNE_SEARCHERS
+from ragtrain.corpus.sources.base import DataSource
+from ragtrain.errors import ConfigError
+from ragtrain.generator.archs.base import Architecture
+from ragtrain.joint.losses.base import JointLoss
+from ragtrain.retriever.teacher.base import TeacherLoss
 from ragtrain.sync.composed import build_sync
+from ragtrain.sync.consensus.base import Consensus
 from ragtrain.sync.mixers.base import Mixer
 from ragtrain.sync.reducers.allreduce import AllReduce
 from ragtrain.sync.reducers.base import Reducer, SliceReducer
 from ragtrain.sync.scopes.base import MixerScope, ReducerScope
+from ragtrain.sync.topologies.base import Topology
 from ragtrain.tune.schedulers.base import Scheduler
 from ragtrain.tune.searchers.base import Searcher
+from tests.conftest import sync_config
 
 FAMILIES = [
     (REDUCERS, Reducer, ReducerConfig),
     (MIXERS, Mixer, MixerConfig),
     (REDUCER_SCOPES, ReducerScope, None),
     (MIXER_SCOPES, MixerScope, None),
+    (CONSENSUS, Consensus, None),
+    (GOSSIP_TOPOLOGIES, Topology, None),
     (TUNE_SCHEDULERS, Scheduler, None),
     (TUNE_SEARCHERS, Searcher, None),
+    (JOINT_LOSSES, JointLoss, None),
+    (TEACHER_LOSSES, TeacherLoss, None),
+    (DATA_SOURCES, DataSource, None),
+    (GENERATOR_ARCHS, Architecture, None),
 ]
 
 
 def _protocol_methods(protocol: type) -> set[str]:
-    return {n for n, v in vars(protocol).items() if inspect.isfunction(v) and not n.startswith("_")}
+    """The methods a Protocol asks for (`__call__` included: a loss is a callable object)."""
+    return {
+        n for n, v in vars(protocol).items() if inspect.isfunction(v) and (not n.startswith("_") or n == "__call__")
+    }
+
+
+def _defines(cls: type, method: str) -> bool:
+    """`cls` or a base of its own defines `method` (every class is callable through `type`: not what is asked)."""
+    return any(callable(vars(k).get(method)) for k in cls.__mro__ if k is not object)
 
 
 @pytest.mark.parametrize("registry,protocol,schema", FAMILIES)
@@ -51,7 +76,7 @@ def test_every_entry_names_a_class_of_its_family(registry, protocol, schema) -> 
     for name, variant in registry.items():
         cls = variant.load()
         assert inspect.isclass(cls), name
-        missing = {m for m in _protocol_methods(protocol) if not callable(getattr(cls, m, None))}
+        missing = {m for m in _protocol_methods(protocol) if not _defines(cls, m)}
         assert not missing, f"{name} ({variant.path}) lacks {sorted(missing)} of {protocol.__name__}"
         if schema:  # the keys it reads are fields of its typed config
             assert set(variant.reads) <= keys, name
@@ -76,16 +101,16 @@ class HalfAllReduce(AllReduce):
 def test_one_registry_line_is_all_a_new_reducer_needs(monkeypatch) -> None:
     """Registered by one line, a reducer is a valid sync.reducer.kind, listed among the valid choices, and built."""
     with pytest.raises(ConfigError) as e:
-        sync_preset("ddp", reducer={"kind": "half"})
+        sync_config("ddp", reducer={"kind": "half"})
     assert "half" not in str(e.value).split("must be one of")[1].split("]")[0]
 
     monkeypatch.setitem(REDUCERS, "half", ReducerVariant(f"{__name__}:HalfAllReduce", slices=True))
-    cfg = sync_preset("ddp", reducer={"kind": "half"})
+    cfg = sync_config("ddp", reducer={"kind": "half"})
     assert cfg.strategy == "compressed" and cfg.label == "half"
     strategy = build_sync(cfg)
     assert isinstance(strategy.scope.reducer, HalfAllReduce)
     with pytest.raises(ConfigError) as e:
-        sync_preset("ddp", reducer={"kind": "warp"})
+        sync_config("ddp", reducer={"kind": "warp"})
     assert "'half'" in str(e.value)  # the valid choices come from the registry
     model = nn.Linear(2, 2)
     assert strategy.wrap(model, torch.device("cpu")) is model  # one process: no DDP, the model as it is
@@ -97,7 +122,7 @@ def test_tune_variants_build_tune_objects() -> None:
     from ray.tune.search import ConcurrencyLimiter
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    from ragtrain.config import TuneConfig
+    from ragtrain.config.tune import TuneConfig
     from ragtrain.tune.schedulers.base import build_scheduler
     from ragtrain.tune.searchers.base import build_searcher
 

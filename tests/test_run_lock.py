@@ -14,7 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from ragtrain import run_lock
-from ragtrain.config import ConfigError, to_typed
+from ragtrain.config import to_typed
+from ragtrain.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
 

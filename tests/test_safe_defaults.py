@@ -106,7 +106,7 @@ def test_the_encode_path_prefixes_queries_and_passages(ray_session) -> None:
     import numpy as np
     import torch
 
-    from ragtrain.config import RetrieverConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.embed.encoders import EncodeBatch, QueryEncoder
     from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
 
@@ -148,7 +148,8 @@ def test_prefixes_compose_with_live_refresh_and_distillation() -> None:
 
 @pytest.mark.parametrize("extra", [["logger=none"], ["export=false"]])
 def test_register_as_without_mlflow_or_export_is_a_config_error(extra: list[str]) -> None:
-    from ragtrain.config import ConfigError, to_typed
+    from ragtrain.config import to_typed
+    from ragtrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="logger.register_as"):
         to_typed(compose(["retriever=tiny", "logger.register_as=my-retriever", "output_dir=x", *extra]))

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import ragtrain
-from ragtrain.config import ResourcesConfig, auth_env
+from ragtrain.config.logger import auth_env
+from ragtrain.config.resources import ResourcesConfig
 from ragtrain.console import get_logger, is_quiet, quiet_env
 from ragtrain.errors import ConfigError
 

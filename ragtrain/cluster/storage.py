@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ragtrain.config import LoggerBackend
+from ragtrain.config.logger import LoggerBackend
 from ragtrain.errors import ConfigError
 from ragtrain.track.mlflow import store_folder, tracking_uri
 

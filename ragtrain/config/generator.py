@@ -11,17 +11,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ragtrain.config.registry import Variant
 from ragtrain.errors import check, driver_path, local_model
 
 
 def _check(ok: bool, key: str, msg: str, value: Any) -> None:
     check(ok, "generator." + key, msg, value)
-
-
-class Arch(str, Enum):
-    bert2bert = "bert2bert"  # transformers EncoderDecoderModel, both sides initialised from one BERT checkpoint
-    seq2seq = "seq2seq"  # AutoModelForSeq2SeqLM (T5-style)
-    causal = "causal"  # AutoModelForCausalLM (decoder-only): prompt + answer, loss on the answer only
 
 
 class PromptStyle(str, Enum):
@@ -182,9 +177,33 @@ BERT2BERT_DEFAULTS: dict[str, Any] = {
 }
 
 
+@dataclass(frozen=True)
+class ArchVariant(Variant):
+    """A generator architecture (ragtrain/generator/archs/): what a model of its kind needs."""
+
+    causal: bool = False  # decoder-only (prompt + answer one sequence): the chat prompt, packaged models
+    tiny: str | None = None  # the small model generator.model=tiny builds (None: it cannot build one)
+    keys: dict[str, Any] = field(default_factory=dict)  # its own GeneratorConfig keys -> their defaults
+
+
+# The registry of `generator.arch`: name -> the class and the facts the checks read (docs/adding-a-variant.md)
+GENERATOR_ARCHS: dict[str, ArchVariant] = {
+    # transformers EncoderDecoderModel, both sides initialised from one BERT checkpoint
+    "bert2bert": ArchVariant("ragtrain.generator.archs.bert2bert:Bert2Bert", keys=BERT2BERT_DEFAULTS),
+    "seq2seq": ArchVariant("ragtrain.generator.archs.seq2seq:Seq2Seq", tiny="T5"),  # AutoModelForSeq2SeqLM (T5-style)
+    # AutoModelForCausalLM (decoder-only): prompt + answer, loss on the answer only
+    "causal": ArchVariant("ragtrain.generator.archs.causal:Causal", causal=True, tiny="GPT-2"),
+}
+
+
+def _arch_names(ok: Any) -> list[str]:
+    """The architectures whose entry satisfies `ok`: the valid choices a message lists."""
+    return [name for name, v in GENERATOR_ARCHS.items() if ok(v)]
+
+
 @dataclass
 class GeneratorConfig:
-    arch: Arch = Arch.bert2bert
+    arch: str = "bert2bert"  # a name in GENERATOR_ARCHS: bert2bert | seq2seq | causal
     # bert2bert: "minilm" (shipped offline) or a BERT checkpoint path; seq2seq / causal: "tiny" (built from
     # `tiny` with MiniLM's tokenizer) or a local path / name in the local HF cache (loaded offline); causal: a
     # packaged model (PACKAGED: "smollm2").
@@ -220,7 +239,10 @@ class GeneratorConfig:
     def _check_packaged(self, p: PackagedModel) -> None:
         """A packaged model is a causal LM with its own tokenizer, and its package must be installed (checked here,
         with the install command, before any data loading or training)."""
-        _check(Arch(self.arch) == Arch.causal, "arch", f"must be causal for generator.model={self.model}", self.arch)
+        causal = " or ".join(_arch_names(lambda v: v.causal))
+        _check(
+            GENERATOR_ARCHS[self.arch].causal, "arch", f"must be {causal} for generator.model={self.model}", self.arch
+        )
         _check(
             self.tokenizer in (None, self.model),
             "tokenizer",
@@ -237,13 +259,15 @@ class GeneratorConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.model.strip()), "model", "must name a model", self.model)
-        # "tiny" builds a small T5 / GPT-2 from generator.tiny; BERT2BERT is always built from a BERT checkpoint
+        _check(self.arch in GENERATOR_ARCHS, "arch", f"must be one of {list(GENERATOR_ARCHS)}", self.arch)
+        arch = GENERATOR_ARCHS[self.arch]
+        # "tiny" builds a small model from generator.tiny where the architecture has one (T5, GPT-2)
+        tinies = [(n, v.tiny) for n, v in GENERATOR_ARCHS.items() if v.tiny]
         _check(
-            not (self.model == "tiny" and Arch(self.arch) == Arch.bert2bert),
+            not (self.model == "tiny" and arch.tiny is None),
             "model",
-            "'tiny' is a small T5 or "
-            "GPT-2 (generator.arch=seq2seq or causal); generator.arch=bert2bert needs a BERT checkpoint such as "
-            "'minilm'",
+            f"'tiny' is a small {' or '.join(t for _, t in tinies)} (generator.arch="
+            f"{' or '.join(n for n, _ in tinies)}); generator.arch={self.arch} needs a checkpoint such as 'minilm'",
             self.model,
         )
         # generator.tiny is read only to build model=tiny: a changed value with another model would be ignored
@@ -258,20 +282,22 @@ class GeneratorConfig:
         if self.model in PACKAGED:
             self._check_packaged(PACKAGED[self.model])
         _check(
-            PromptStyle(self.prompt) == PromptStyle.plain or Arch(self.arch) == Arch.causal,
+            PromptStyle(self.prompt) == PromptStyle.plain or arch.causal,
             "prompt",
-            f"chat needs generator.arch=causal (this is {Arch(self.arch).value}); valid choices here: ['plain']",
+            f"chat needs generator.arch={' or '.join(_arch_names(lambda v: v.causal))} (this is {self.arch}); "
+            "valid choices here: ['plain']",
             PromptStyle(self.prompt).value,
         )
         if self.tokenizer:
             self.tokenizer = local_model(self.tokenizer)
-        set_keys = [k for k in BERT2BERT_DEFAULTS if getattr(self, k) is not None]
-        _check(
-            Arch(self.arch) == Arch.bert2bert or not set_keys,
-            set_keys[0] if set_keys else "arch",
-            f"applies to generator.arch=bert2bert only (this is {Arch(self.arch).value}); remove it",
-            getattr(self, set_keys[0]) if set_keys else None,
-        )
+        for key in (k for v in GENERATOR_ARCHS.values() for k in v.keys if k not in arch.keys):
+            owners = " or ".join(_arch_names(lambda v, key=key: key in v.keys))
+            _check(
+                getattr(self, key) is None,
+                key,
+                f"applies to generator.arch={owners} only (this is {self.arch}); remove it",
+                getattr(self, key),
+            )
         # unset keys stay None (not filled in here: the schema's default instance is built as bert2bert, and a
         # filled-in value would then reach every other arch as if set); bert2bert reads them through `bert2bert()`
         _check(

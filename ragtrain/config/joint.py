@@ -5,9 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from ragtrain.config.registry import Variant
 from ragtrain.errors import check as _check
 
-JOINT_LOSSES = ("pdist", "emdr2", "lsr")  # ragtrain/joint/losses.py's registry (checked there too)
+
+@dataclass(frozen=True)
+class JointLossVariant(Variant):
+    """A retriever loss from the generator's answer likelihoods (ragtrain/joint/losses/)."""
+
+    temperature: bool = True  # reads joint.temperature (the generator side's softmax); emdr2 has none
+
+
+# The registry of `joint.loss`: name -> the class and the facts the checks read (docs/adding-a-variant.md)
+JOINT_LOSSES: dict[str, JointLossVariant] = {
+    "pdist": JointLossVariant("ragtrain.joint.losses.pdist:PerplexityDistillation"),
+    "emdr2": JointLossVariant("ragtrain.joint.losses.emdr2:EMDR2", temperature=False),
+    "lsr": JointLossVariant("ragtrain.joint.losses.lsr:ReplugLSR"),
+}
 
 
 class PassageEncoder(str, Enum):
@@ -21,7 +35,7 @@ class JointConfig:
     generator's answer log-likelihood given each as the target of the retriever's softmax over their scores
     (`loss`), plus the generator's own NLL on the answer given its top passages."""
 
-    loss: str = "pdist"  # pdist | emdr2 | lsr
+    loss: str = "pdist"  # a name in JOINT_LOSSES: pdist | emdr2 | lsr
     passage_encoder: PassageEncoder = PassageEncoder.frozen
     top_k: int = 4  # passages per question scored by the generator (the retriever's softmax runs over them)
     temperature: float = 1.0  # generator side (pdist / lsr): softmax(loglik / temperature)
@@ -39,6 +53,13 @@ class JointConfig:
         _check(self.loss in JOINT_LOSSES, k + "loss", f"must be one of {list(JOINT_LOSSES)}", self.loss)
         _check(self.top_k > 1, k + "top_k", "must be > 1 (a softmax over one passage learns nothing)", self.top_k)
         _check(self.temperature > 0, k + "temperature", "must be > 0", self.temperature)
+        readers = [name for name, v in JOINT_LOSSES.items() if v.temperature]
+        _check(
+            JOINT_LOSSES[self.loss].temperature or self.temperature == 1.0,
+            k + "temperature",
+            f"applies to joint.loss in {readers} only ({self.loss} has no generator-side temperature)",
+            self.temperature,
+        )
         _check(self.retriever_temperature > 0, k + "retriever_temperature", "must be > 0", self.retriever_temperature)
         _check(self.retriever_weight >= 0, k + "retriever_weight", "must be >= 0", self.retriever_weight)
         _check(self.generator_weight >= 0, k + "generator_weight", "must be >= 0", self.generator_weight)

@@ -1,6 +1,6 @@
 """Typed sync configuration: a strategy is a gradient reducer + a parameter mixer + a scope (ragtrain/sync/composed.py).
 
-Imported by ragtrain/config/__init__.py (the root schema re-exports every name), so this module imports nothing heavy.
+Imported by ragtrain/config/__init__.py (the root schema), so this module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -97,8 +97,33 @@ MIXER_SCOPES: dict[str, MixerScopeVariant] = {
     "all": MixerScopeVariant("ragtrain.sync.scopes.all_ranks_mixer:AllRanksMixer"),
     "inter_node": MixerScopeVariant("ragtrain.sync.scopes.inter_node:InterNode", across_nodes=True),
 }
-CONSENSUS = ("params", "vectors")
-GOSSIP_TOPOLOGIES = ("ring", "random")
+
+
+@dataclass(frozen=True)
+class ConsensusVariant(Variant):
+    """What the replicas become at the end of training (ragtrain/sync/consensus/)."""
+
+    keeps_replicas: bool = False  # every replica is handed on (no parameter mean): needs replicas kept apart
+    family: str | None = None  # SyncConfig.strategy
+
+
+@dataclass(frozen=True)
+class TopologyVariant(Variant):
+    """Which peers a gossip round mixes with (ragtrain/sync/topologies/)."""
+
+    across_nodes: bool = False  # can run on the node ring (scope.mixer=inter_node)
+
+
+CONSENSUS: dict[str, ConsensusVariant] = {
+    "params": ConsensusVariant("ragtrain.sync.consensus.params:ParamMean"),
+    "vectors": ConsensusVariant(
+        "ragtrain.sync.consensus.vectors:KeepReplicas", keeps_replicas=True, family="vector_avg"
+    ),
+}
+GOSSIP_TOPOLOGIES: dict[str, TopologyVariant] = {
+    "ring": TopologyVariant("ragtrain.sync.topologies.ring:Ring", across_nodes=True),
+    "random": TopologyVariant("ragtrain.sync.topologies.random_pairs:RandomPairs"),
+}
 
 
 def _names(registry: dict[str, Any], ok: Any) -> list[str]:
@@ -150,7 +175,7 @@ class MixerConfig:
     adaptive: bool | None = None  # average: shrink/grow the period with the measured divergence (default false)
     target_divergence: float | None = None  # average + adaptive: divergence aimed at at sync time (default 1e-3)
     max_period: int | None = None  # average + adaptive: upper bound of the period (default 64)
-    topology: str | None = None  # gossip: ring | random (seeded pairing per round; default ring)
+    topology: str | None = None  # gossip: a name in GOSSIP_TOPOLOGIES: ring | random (seeded pairs; default ring)
     mixing: float | None = None  # gossip: weight of the neighbours' mean (default 0.5)
     max_staleness: int | None = None  # async_ps: others' updates an applied push may have missed (default 2)
 
@@ -222,24 +247,30 @@ class SyncConfig:
     reducer: ReducerConfig = field(default_factory=ReducerConfig)
     mixer: MixerConfig = field(default_factory=MixerConfig)
     scope: ScopeConfig = field(default_factory=ScopeConfig)
-    consensus: str = "params"  # end of training: params (one model) | vectors (every replica kept: vector_avg)
+    # a name in CONSENSUS, the end of training: params (one model) | vectors (every replica kept: vector_avg)
+    consensus: str = "params"
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size (when a reducer or a warm-up runs in DDP)
     probe_passages: int = 64  # drift metrics: fixed probe set (passages, and as many queries)
     eval_every: int = 0  # drift metrics every N steps (0 = only at the end)
 
     def __post_init__(self) -> None:
-        r, m, s = self.reducer, self.mixer, self.scope
         k = "sync."
         _check(self.consensus in CONSENSUS, k + "consensus", f"must be one of {list(CONSENSUS)}", self.consensus)
         _check(self.bucket_cap_mb > 0, k + "bucket_cap_mb", "must be > 0", self.bucket_cap_mb)
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
         _check(self.eval_every >= 0, k + "eval_every", "must be >= 0", self.eval_every)
-        # combinations (each message names the valid ones, from the registries' facts)
+        self._check_scopes()
+        self._check_mixing()
+
+    def _check_scopes(self) -> None:
+        """Which ranks and parameters the reducer and the mixer may span, from the registries' facts (each message
+        names the valid choices)."""
+        r, m, s = self.reducer, self.mixer, self.scope
+        k = "sync."
         red, mix = REDUCERS[r.kind], MIXERS[m.kind]
         rscope, mscope = REDUCER_SCOPES[s.reducer], MIXER_SCOPES[s.mixer]
         exact = _names(REDUCERS, lambda v: v.exact)
         joining = _names(MIXERS, lambda v: v.across_nodes)
-        partial = _names(MIXERS, lambda v: v.subset)
         within = _names(REDUCER_SCOPES, lambda v: v.within_node)
         _check(
             red.sends or (s.reducer == "all" and not s.reducer_params),
@@ -268,10 +299,11 @@ class SyncConfig:
             f"equal); valid: [{', '.join(_names(MIXER_SCOPES, lambda v: not v.across_nodes))}]",
             s.mixer,
         )
+        node_ring = _names(GOSSIP_TOPOLOGIES, lambda v: v.across_nodes)
         _check(
-            not mscope.across_nodes or m.topology in (None, "ring"),
+            not mscope.across_nodes or m.topology is None or GOSSIP_TOPOLOGIES[m.topology].across_nodes,
             k + "mixer.topology",
-            "must be ring across nodes (the node ring)",
+            f"must be one of {node_ring} across nodes (the node ring)",
             m.topology,
         )
         _check(
@@ -280,6 +312,14 @@ class SyncConfig:
             f"needs reducer.kind in [{', '.join(_names(REDUCERS, lambda v: v.slices))}] with scope.reducer=all",
             s.reducer_params,
         )
+
+    def _check_mixing(self) -> None:
+        """What the mixer can run with: the reducer beside it, its warm-up, the consensus."""
+        r, m, s = self.reducer, self.mixer, self.scope
+        k = "sync."
+        red, mix, cons = REDUCERS[r.kind], MIXERS[m.kind], CONSENSUS[self.consensus]
+        partial = _names(MIXERS, lambda v: v.subset)
+        merged = _names(CONSENSUS, lambda v: not v.keeps_replicas)
         _check(
             not s.reducer_params or mix.subset,
             k + "mixer.kind",
@@ -295,9 +335,10 @@ class SyncConfig:
             m.kind,
         )
         _check(
-            not mix.asynchronous or (not red.sends and self.consensus == "params"),
+            not mix.asynchronous or (not red.sends and not cons.keeps_replicas),
             k + "mixer.kind",
-            f"={m.kind} needs reducer.kind=none (workers never wait for each other) and consensus=params",
+            f"={m.kind} needs reducer.kind=none (workers never wait for each other) and "
+            f"{' or '.join('consensus=' + n for n in merged)}",
             m.kind,
         )
         _check(
@@ -307,9 +348,9 @@ class SyncConfig:
             m.warmup_steps,
         )
         _check(
-            self.consensus != "vectors" or (not red.sends and not mix.mixes),
+            not cons.keeps_replicas or (not red.sends and not mix.mixes),
             k + "consensus",
-            "=vectors keeps every replica apart: it needs reducer.kind=none and mixer.kind=none",
+            f"={self.consensus} keeps every replica apart: it needs reducer.kind=none and mixer.kind=none",
             self.consensus,
         )
 
@@ -323,8 +364,8 @@ class SyncConfig:
     def strategy(self) -> str:
         """The family this composition belongs to (logs, model cards, checks): a read-only label."""
         mixer, scope = MIXERS[self.mixer.kind], REDUCER_SCOPES[self.scope.reducer]
-        if self.consensus == "vectors":
-            return "vector_avg"
+        if CONSENSUS[self.consensus].family:
+            return CONSENSUS[self.consensus].family
         if mixer.asynchronous:
             return mixer.family
         if scope.family:

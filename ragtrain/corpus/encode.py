@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from ragtrain.config import IndexConfig, PoolResources, Precision, RetrieverConfig
+from ragtrain.config.index import IndexConfig
+from ragtrain.config.resources import PoolResources
+from ragtrain.config.retriever import Precision, RetrieverConfig
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.encoders import VECTOR_DTYPES, EncodeBatch, EncodeFault
 

@@ -3,60 +3,19 @@ read, cleaned, deduplicated and chunked (in the driver or as Ray Data tasks), st
 
 from __future__ import annotations
 
-import functools
 import random
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ragtrain.config import DataConfig, DataSource, RetrieverConfig
-from ragtrain.console import get_logger
-from ragtrain.corpus.chunk import chunk_passage
-from ragtrain.corpus.dataset import (
-    beir_corpus_files,
-    check_chunk_budget,
-    check_corpus_ids,
-    chunk_data,
-    load_documents,
-)
-from ragtrain.corpus.docs_synthetic import write_docs_synthetic
-from ragtrain.corpus.prepare import use_ray
-from ragtrain.corpus.read import list_documents
-from ragtrain.corpus.stream import stream_documents
-from ragtrain.data import RetrievalData, load_beir, make_synthetic
-from ragtrain.data.squad import load_squad
-from ragtrain.data.store import write_store
+from ragtrain.config.data import DATA_SOURCES, DataConfig
+from ragtrain.config.retriever import RetrieverConfig
+from ragtrain.corpus.dataset import check_chunk_budget
+from ragtrain.corpus.sources.base import DataSource, Load
+from ragtrain.data import RetrievalData
 
 if TYPE_CHECKING:
     from ragtrain.corpus.stream import StreamEncode
-
-log = get_logger(__name__)
-
-
-def data_folder(cfg: DataConfig, out_dir: Path | None) -> str:
-    """data.root, or ragtrain's own article folder written deterministically into <out_dir>/docs (data.generate)."""
-    if cfg.source == DataSource.documents and cfg.generate:
-        root = str(Path(out_dir or tempfile.mkdtemp(prefix="ragtrain-docs-")) / "docs")
-        write_docs_synthetic(root, num_entities=cfg.num_entities, seed=cfg.seed)
-        return root
-    assert cfg.root is not None  # checked by DataConfig
-    return cfg.root
-
-
-def prepare_on_ray(cfg: DataConfig, total_bytes: int, start_ray: Callable[[], None] | None) -> bool:
-    """Whether Ray Data tasks and actors read, clean and chunk the corpus (data.prepare, by its size); Ray is
-    started for it here (bad files then fail after Ray has started), and a driver without Ray prepares itself."""
-    if not use_ray(cfg.prepare.value, total_bytes):
-        return False
-    if start_ray is not None:
-        start_ray()
-    import ray  # lazy: ray is heavy (~0.5 s); this module imports without it
-
-    if not ray.is_initialized():
-        log.info(f"[data] data.prepare={cfg.prepare.value}: Ray is not running here, preparing in the driver")
-        return False
-    return True
 
 
 def load_data(
@@ -68,8 +27,8 @@ def load_data(
     ray_tasks: int = 2,
     stream: StreamEncode | None = None,
 ) -> RetrievalData:
-    """The configured dataset: the synthetic KB, a BEIR folder, a documents folder or a SQuAD file, chunked when
-    configured (SQuAD: qrels on the chunk of each answer, `ragtrain/data/squad.py`).
+    """The configured dataset (data.source, a class of ragtrain/corpus/sources/ named in DATA_SOURCES: the
+    synthetic KB, a BEIR folder, a documents folder or a SQuAD file), chunked when configured.
 
     `retriever` (its tokenizer) is needed for data.chunk.enabled; `out_dir` receives the generated documents
     (data.generate=true; a temporary folder when None) and, with `store`, the corpus as a `PassageStore`
@@ -78,14 +37,7 @@ def load_data(
     With `stream` (the run's first encode), a documents folder prepared on Ray is read, cleaned, chunked and encoded
     as one Ray Data stream (`corpus/stream.py`).
     """
-    corpus_dir = Path(out_dir) / "corpus" if (out_dir is not None and store) else None
-    # Chunked corpora keep the documents in their own store; the passages store is what the run reads
-    docs_store = (corpus_dir / ("documents.arrow" if cfg.chunk.enabled else "passages.arrow")) if corpus_dir else None
-    if cfg.source == DataSource.synthetic:
-        data = make_synthetic(num_entities=cfg.num_entities, seed=cfg.seed, split=cfg.split)
-        if corpus_dir is not None:
-            data.corpus = write_store(corpus_dir / "passages.arrow", data.corpus.values())
-        return data
+    tokenizer = None
     if cfg.chunk.enabled:  # a chunk the encoder would truncate is a config error: check before reading anything
         if retriever is None:
             raise ValueError("load_data: data.chunk.enabled needs the retriever config (its tokenizer)")
@@ -94,67 +46,10 @@ def load_data(
 
         tokenizer = load_tokenizer(retriever)
         check_chunk_budget(cfg.chunk.max_tokens, tokenizer.model_max_length, retriever.passage_max_length)
-    if cfg.source == DataSource.squad:  # one JSON file, read and chunked here (2,067 paragraphs: no Ray needed)
-        c = cfg.chunk
-        chunk = (
-            functools.partial(chunk_passage, tokenizer=tokenizer, max_tokens=c.max_tokens, overlap=c.overlap)
-            if c.enabled
-            else None
-        )
-        assert cfg.root is not None  # checked by DataConfig
-        return load_squad(
-            cfg.root,
-            cfg.split,
-            cfg.dev_titles,
-            cfg.test_titles,
-            cfg.dev_articles,
-            cfg.test_articles,
-            cfg.seed,
-            cfg.on_error.value,
-            store_path=corpus_dir / "passages.arrow" if corpus_dir else None,
-            chunk=chunk,
-            log=log.info,
-        )
-    root = data_folder(cfg, out_dir)
-    files = list_documents(root, cfg.glob) if cfg.source == DataSource.documents else beir_corpus_files(root)
-    on_ray = docs_store is not None and prepare_on_ray(cfg, sum(file_size(f) for f in files), start_ray)
-    if on_ray and stream is not None and cfg.source == DataSource.documents:
-        assert corpus_dir is not None and retriever is not None  # on_ray needs a store; the encoder its config
-        return stream_documents(files, root, cfg, retriever, stream, corpus_dir / "passages.arrow", log=log.info)
-    if cfg.source == DataSource.beir:
-        data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, store_path=docs_store)
-        check_corpus_ids(data, root)
-    else:
-        data, _ = load_documents(
-            root,
-            cfg.glob,
-            cfg.on_error.value,
-            cfg.split,
-            cfg.dev_size,
-            cfg.seed,
-            store_path=docs_store,
-            on_ray=on_ray,
-            files=files,
-        )
-    if not cfg.chunk.enabled:
-        return data
-    n_docs = len(data.corpus)
-    store = corpus_dir / "passages.arrow" if corpus_dir else None
-    c = cfg.chunk
-    data = chunk_data(data, tokenizer, c.max_tokens, c.overlap, store, ray_tasks if on_ray else 0, retriever)
-    log.info(
-        f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {c.max_tokens} tokens (overlap {c.overlap})"
-    )
-    return data
-
-
-def file_size(path: Path) -> int:
-    """Bytes of a listed document file; 0 for one that cannot be stat'ed (a link cycle or a link to nothing): it is
-    reported, under data.on_error, when it is read."""
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
+    corpus_dir = Path(out_dir) / "corpus" if (out_dir is not None and store) else None
+    ld = Load(cfg, retriever, tokenizer, out_dir, corpus_dir, start_ray, ray_tasks, stream)
+    source: DataSource = DATA_SOURCES[cfg.source].load()()
+    return source.load(ld)
 
 
 TRUNCATION_SAMPLE = 20_000  # passages tokenised to report truncation (all of a smaller corpus; else a seeded sample)

@@ -29,7 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from ragtrain.config import DataConfig, IndexConfig, PoolResources, RetrieverConfig
+from ragtrain.config.data import DataConfig
+from ragtrain.config.index import IndexConfig
+from ragtrain.config.resources import PoolResources
+from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.data.beir import load_beir
 from ragtrain.data.clean import content_hash
 from ragtrain.data.store import StoreWriter, _full_text

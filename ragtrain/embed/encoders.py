@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ragtrain.config import Precision, RetrieverConfig
+from ragtrain.config.retriever import Precision, RetrieverConfig
 from ragtrain.console import worker_setup
 from ragtrain.rss import peak_rss_mb, rss_breakdown_mb
 

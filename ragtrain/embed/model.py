@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragtrain.config import ConfigError, Pooling, Precision, RetrieverConfig
+from ragtrain.config.retriever import Pooling, Precision, RetrieverConfig
+from ragtrain.errors import ConfigError
 from ragtrain.precision import resolve
 
 # Never reach for the Hub at run time: models come from installed packages, local paths or the local cache.

@@ -1,7 +1,8 @@
 """Generator models: BERT2BERT from one BERT checkpoint, any seq2seq (T5-style) or causal LM, tiny ones from a config.
 
-`GenModel` gives every architecture the same two calls: `forward(batch)` -> summed token cross-entropy (fp32)
-and `generate(batch, ...)` -> answer token ids. `collate` builds the batch (padding, -100 label masking).
+`GenModel` gives every architecture (`generator.arch`, a class of ragtrain/generator/archs/) the same two calls:
+`forward(batch)` -> summed token cross-entropy (fp32) and `generate(batch, ...)` -> answer token ids;
+`model.arch.collate` builds the batch (padding, -100 label masking).
 """
 
 from __future__ import annotations
@@ -16,34 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragtrain.config.generator import PACKAGED, Arch, GeneratorConfig
-from ragtrain.embed.model import minilm_path
-from ragtrain.generator.packaged import packaged_folder
+from ragtrain.config.generator import GeneratorConfig
+from ragtrain.generator.archs.base import Architecture, build_arch, resolve_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from installed packages, local paths or the cache
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-# Config keys that hold a dropout probability, across the model families we build (BERT, T5, GPT-2, Llama, ...).
-_DROPOUT_KEYS = (
-    "hidden_dropout_prob",
-    "attention_probs_dropout_prob",
-    "dropout_rate",
-    "resid_pdrop",
-    "embd_pdrop",
-    "attn_pdrop",
-    "attention_dropout",
-    "dropout",
-    "activation_dropout",
-    "classifier_dropout",
-)
-
-
-def resolve_path(name: str) -> str:
-    """ "minilm"/"tiny" -> the shipped all-MiniLM-L6-v2 folder; a packaged model ("smollm2") -> its dequantised
-    HF folder (made on first use); anything else is a local path or cached name."""
-    if name in PACKAGED:
-        return packaged_folder(name)
-    return minilm_path() if name in ("minilm", "tiny") else name
 
 
 def load_tokenizer(g: GeneratorConfig):  # -> transformers.PreTrainedTokenizerBase
@@ -51,103 +29,6 @@ def load_tokenizer(g: GeneratorConfig):  # -> transformers.PreTrainedTokenizerBa
     from transformers import AutoTokenizer  # lazy: transformers is heavy (~1 s); this module imports without it
 
     return AutoTokenizer.from_pretrained(resolve_path(g.tokenizer or g.model))
-
-
-def _set_dropout(config: Any, p: float | None) -> None:
-    if p is None:
-        return
-    for key in _DROPOUT_KEYS:
-        if isinstance(getattr(config, key, None), float):
-            setattr(config, key, p)
-
-
-def _bert2bert(g: GeneratorConfig, tok) -> nn.Module:
-    """EncoderDecoderModel with both sides from one BERT checkpoint (Rothe et al. 2020's BERT2BERT)."""
-    # lazy: transformers is heavy (~1 s); this module imports without it
-    from transformers import BertConfig, BertLMHeadModel, BertModel, EncoderDecoderModel
-
-    path = resolve_path(g.model)
-    enc_cfg = BertConfig.from_pretrained(path)
-    if enc_cfg.model_type != "bert":
-        raise ValueError(f"generator.arch=bert2bert needs a BERT checkpoint, {path} is {enc_cfg.model_type!r}")
-    if g.bert2bert("encoder_layers"):
-        enc_cfg.num_hidden_layers = min(g.bert2bert("encoder_layers"), enc_cfg.num_hidden_layers)
-    _set_dropout(enc_cfg, g.dropout)
-    encoder = BertModel.from_pretrained(path, config=enc_cfg, add_pooling_layer=False)  # no pooler: DDP-unused
-    dec_cfg = BertConfig.from_pretrained(path, is_decoder=True, add_cross_attention=True)
-    # A shallow decoder: answers are a few tokens copied from the source, so depth buys little and costs time.
-    dec_cfg.num_hidden_layers = min(g.bert2bert("decoder_layers"), dec_cfg.num_hidden_layers)
-    _set_dropout(dec_cfg, g.dropout)
-    decoder = BertLMHeadModel.from_pretrained(path, config=dec_cfg)  # cross-attention: new, seeded init
-    # pretrained Q/K/V/output instead of noise: the new block starts useful
-    if g.bert2bert("cross_attention_init") == "self":
-        for layer in decoder.bert.encoder.layer:
-            layer.crossattention.load_state_dict(layer.attention.state_dict())
-    # one 30k x d matrix for encoder input, decoder input and output: fewer params to sync
-    if g.bert2bert("tie_embeddings"):
-        decoder.bert.embeddings.word_embeddings = encoder.embeddings.word_embeddings
-        decoder.cls.predictions.decoder.weight = encoder.embeddings.word_embeddings.weight
-    model = EncoderDecoderModel(encoder=encoder, decoder=decoder)
-    model.config.decoder_start_token_id = tok.cls_token_id
-    model.config.pad_token_id = tok.pad_token_id
-    model.config.eos_token_id = tok.sep_token_id
-    return model
-
-
-def _tiny(g: GeneratorConfig, tok) -> nn.Module:
-    """A small T5 (seq2seq) or GPT-2 (causal) built from a config with the tokenizer's vocabulary: no download."""
-    # lazy: transformers is heavy (~1 s); this module imports without it
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        T5Config,
-        T5ForConditionalGeneration,
-    )
-
-    t, p = g.tiny, 0.1 if g.dropout is None else g.dropout
-    eos = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
-    if g.arch == Arch.seq2seq:
-        cfg = T5Config(
-            vocab_size=len(tok),
-            d_model=t.d_model,
-            d_kv=t.d_model // t.num_heads,
-            d_ff=t.d_ff,
-            num_layers=t.num_layers,
-            num_decoder_layers=t.num_layers,
-            num_heads=t.num_heads,
-            dropout_rate=p,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=eos,
-            decoder_start_token_id=tok.pad_token_id,
-        )
-        return T5ForConditionalGeneration(cfg)
-    cfg = GPT2Config(
-        vocab_size=len(tok),
-        n_embd=t.d_model,
-        n_layer=t.num_layers,
-        n_head=t.num_heads,
-        n_inner=t.d_ff,
-        n_positions=max(512, g.max_source_length + g.max_target_length),
-        resid_pdrop=p,
-        embd_pdrop=p,
-        attn_pdrop=p,
-        bos_token_id=tok.cls_token_id,
-        eos_token_id=eos,
-        pad_token_id=tok.pad_token_id,
-    )
-    return GPT2LMHeadModel(cfg)
-
-
-def _pretrained(g: GeneratorConfig) -> nn.Module:
-    """Any HF seq2seq or causal LM by local path or cached name."""
-    # lazy: transformers is heavy (~1 s); this module imports without it
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    path = resolve_path(g.model)
-    cfg = AutoConfig.from_pretrained(path)
-    _set_dropout(cfg, g.dropout)
-    cls = AutoModelForSeq2SeqLM if g.arch == Arch.seq2seq else AutoModelForCausalLM
-    return cls.from_pretrained(path, config=cfg)
 
 
 class FirstLineDone:
@@ -170,15 +51,15 @@ class FirstLineDone:
 class GenModel(nn.Module):
     """One interface over the three architectures: summed target cross-entropy, and generation."""
 
-    def __init__(self, hf: nn.Module, arch: Arch, tokenizer):
+    def __init__(self, hf: nn.Module, arch: str, tokenizer):
         super().__init__()
-        self.hf, self.arch, self.tokenizer = hf, Arch(arch), tokenizer
+        self.hf, self.tokenizer = hf, tokenizer
+        self.arch: Architecture = build_arch(arch)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
-        cfg = hf.config
         # transformers' causal LMs take `logits_to_keep` (positions whose logits are computed) since 4.50
-        self.keeps_logits = self.arch == Arch.causal and "logits_to_keep" in inspect.signature(hf.forward).parameters
-        self.start_id = getattr(cfg, "decoder_start_token_id", None)
+        self.keeps_logits = "logits_to_keep" in inspect.signature(hf.forward).parameters
+        self.start_id = getattr(hf.config, "decoder_start_token_id", None)
         if self.start_id is None:
             self.start_id = self.pad_id
 
@@ -191,27 +72,7 @@ class GenModel(nn.Module):
     ) -> torch.Tensor:
         """Per sequence, the sum of its target tokens' log-probabilities in fp32 (shape [batch]): log p(target |
         source) with the target's EOS (the answer likelihood of joint training; -forward() summed)."""
-        if self.arch == Arch.causal:  # labels already hold -100 over the prompt; predict token t+1 from t
-            target = labels[:, 1:]
-            if self.keeps_logits:
-                # Only the positions that predict a target token (in any row) go through the LM head: over a
-                # whole prompt, SmolLM2's 49k x 576 head is a fifth of the step and its fp32 logits hundreds of MB.
-                keep = (target >= 0).any(dim=0).nonzero().flatten()
-                logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
-                target = target[:, keep]
-            else:
-                logits = self.hf(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-        else:
-            dec_in = labels.new_full(labels.shape, self.pad_id)
-            dec_in[:, 0] = self.start_id
-            dec_in[:, 1:] = labels[:, :-1].masked_fill(labels[:, :-1] < 0, self.pad_id)
-            logits = self.hf(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                decoder_input_ids=dec_in,
-                decoder_attention_mask=(labels >= 0).long(),
-            ).logits
-            target = labels
+        logits, target = self.arch.logits(self, input_ids, attention_mask, labels)
         nll = F.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="none"
         )
@@ -225,7 +86,7 @@ class GenModel(nn.Module):
         sequences stop at the end of their first line, see FirstLineDone)."""
         from transformers import StoppingCriteriaList  # lazy, as in build_generator
 
-        prompt_len = input_ids.shape[1] if self.arch == Arch.causal else 0
+        prompt_len = self.arch.prompt_length(input_ids)
         # Greedy only: there a stopped sequence's first line is what it would have been. A beam ended at its newline
         # would compete as a finished hypothesis, scored at that length, and could change which beam wins.
         stop = [FirstLineDone(self.tokenizer, prompt_len)] if num_beams == 1 else []
@@ -237,12 +98,11 @@ class GenModel(nn.Module):
             do_sample=False,
             eos_token_id=self.eos_id,
             pad_token_id=self.pad_id,
-            decoder_start_token_id=self.start_id if self.arch != Arch.causal else None,
             stopping_criteria=StoppingCriteriaList(stop),
+            **self.arch.generate_kwargs(self.start_id),
         )
-        if self.arch == Arch.causal:  # decoder-only output repeats the (left-padded) prompt first
-            out = out[:, input_ids.shape[1] :]
-        elif out.shape[1] and bool((out[:, 0] == self.start_id).all()):
+        out = out[:, prompt_len:]  # decoder-only output repeats the (left-padded) prompt first
+        if not prompt_len and out.shape[1] and bool((out[:, 0] == self.start_id).all()):
             out = out[:, 1:]
         answers = []
         for row in out.tolist():
@@ -255,47 +115,12 @@ def build_generator(g: GeneratorConfig, tokenizer) -> GenModel:
     import transformers  # lazy: transformers is heavy (~1 s); this module imports without it
 
     transformers.logging.set_verbosity_error()  # partial-checkpoint load reports are expected here (decoder)
-    if g.arch == Arch.bert2bert:
-        hf = _bert2bert(g, tokenizer)
-    elif g.model == "tiny":
-        hf = _tiny(g, tokenizer)
-    else:
-        hf = _pretrained(g)
+    hf = build_arch(g.arch).build(g, tokenizer)
     if g.dropout is not None:  # modules that read p at build time
         for m in hf.modules():
             if isinstance(m, nn.Dropout):
                 m.p = g.dropout
     return GenModel(hf, g.arch, tokenizer)
-
-
-def collate(
-    sources: Sequence[list[int]], targets: Sequence[list[int]], arch: Arch, pad_id: int, for_generation: bool = False
-) -> dict[str, torch.Tensor]:
-    """Pad a batch. Seq2seq: sources right-padded, labels = targets (-100 pad). Causal: prompt + target in one
-    sequence with -100 over the prompt (right-padded), or the prompt alone left-padded for generation."""
-    if arch == Arch.causal:
-        seqs = list(sources) if for_generation else [s + t for s, t in zip(sources, targets)]
-        n = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), n), dtype=torch.long)
-        labels = torch.full((len(seqs), n), -100, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            if for_generation:  # left padding: the next token follows the prompt's last token directly
-                ids[i, n - len(s) :], mask[i, n - len(s) :] = torch.tensor(s), 1
-            else:
-                ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-                labels[i, len(sources[i]) : len(s)] = torch.tensor(targets[i])
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    n = max(len(s) for s in sources)
-    ids = torch.full((len(sources), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sources), n), dtype=torch.long)
-    for i, s in enumerate(sources):
-        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-    m = max((len(t) for t in targets), default=1)
-    labels = torch.full((len(sources), max(1, m)), -100, dtype=torch.long)
-    for i, t in enumerate(targets):
-        labels[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def untie_encoder_decoder(hf: Any) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import ray
 import torch
 
-from ragtrain.config import Precision, RetrieverConfig
+from ragtrain.config.retriever import Precision, RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.embed.encoders import QueryEncoder
 from ragtrain.embed.model import build_encoder

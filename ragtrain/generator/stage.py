@@ -16,11 +16,14 @@ import ray
 from tabulate import tabulate
 
 from ragtrain.cluster.resources import check_config
-from ragtrain.config import Config, ConfigError, TrainerResources
-from ragtrain.config.generator import Arch, GenPrecision
+from ragtrain.config import Config
+from ragtrain.config.generator import GENERATOR_ARCHS, GenPrecision
+from ragtrain.config.resources import TrainerResources
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
-from ragtrain.generator.model import load_tokenizer, resolve_path
+from ragtrain.errors import ConfigError
+from ragtrain.generator.archs.base import build_arch, resolve_path
+from ragtrain.generator.model import load_tokenizer
 from ragtrain.generator.prompt import ChatTemplateError, PromptPassages, PromptTooLongError
 from ragtrain.generator.retriever_client import IndexPayload, RetrievalClient, check_encoder, load_snapshots
 from ragtrain.generator.steps import GenData, GenExample, prompt_builder
@@ -102,34 +105,18 @@ def check_model(cfg: Config) -> Any:
             f"generator.model={g.model!r} (tokenizer {g.tokenizer or g.model!r}) cannot be loaded "
             f"offline: give a local path or a name in the local HF cache ({str(e).splitlines()[0]})"
         ) from None
-    if g.model == "tiny" and g.arch != Arch.bert2bert:
+    if g.model == "tiny":  # the config allows it only where the architecture builds one
         return tokenizer  # built from generator.tiny: T5 (relative positions) or GPT-2 with enough positions
-    if g.arch == Arch.bert2bert:
-        fits, kind = hf.model_type == "bert", "a BERT checkpoint"
-    else:
-        # lazy: transformers is heavy (~1 s); this module imports without it
-        from transformers.models.auto.modeling_auto import (
-            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-            MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-        )
-
-        names = (
-            MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
-            if g.arch == Arch.seq2seq
-            else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        )
-        fits, kind = hf.model_type in names, f"a {'seq2seq' if g.arch == Arch.seq2seq else 'causal'} LM"
-    if not fits:
-        choices = [a.value for a in Arch]
+    arch = build_arch(g.arch)
+    kind = arch.mismatch(g, hf)
+    if kind is not None:
         raise ConfigError(
-            f"generator.arch={Arch(g.arch).value} needs {kind}, and generator.model={g.model!r} is a "
-            f"{hf.model_type!r} model: set generator.arch to the model's kind (choices: {choices})"
+            f"generator.arch={g.arch} needs {kind}, and generator.model={g.model!r} is a "
+            f"{hf.model_type!r} model: set generator.arch to the model's kind (choices: {list(GENERATOR_ARCHS)})"
         )
     # Learned position tables end somewhere: a longer input fails inside a worker, after the retriever trained
     limit = getattr(hf, "n_positions", None) or getattr(hf, "max_position_embeddings", None)
-    need, what = g.max_source_length, "generator.max_source_length"
-    if g.arch == Arch.causal:  # prompt and answer are one sequence
-        need, what = g.max_source_length + g.max_target_length, what + " + generator.max_target_length"
+    need, what = arch.positions(g)
     if hf.model_type != "t5" and isinstance(limit, int) and need > limit:  # T5's positions are relative: no limit
         raise ConfigError(f"{what} = {need} is more than generator.model={g.model!r} has positions for ({limit})")
     return tokenizer
@@ -254,7 +241,7 @@ def run_generator_stage(
         logger.log_artifact(out_dir / "generator" / "metrics.json", "generator")
         logger.log_artifact(out_dir / "generator" / "predictions.json", "generator")
     log.info(
-        f"\n== generator: {g.arch.value} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "
+        f"\n== generator: {g.arch} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "
         f"questions, top_k={g.retrieval.top_k} =="
     )
     log.info(summary_table(results))

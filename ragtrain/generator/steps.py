@@ -15,9 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from ragtrain.config import Config
-from ragtrain.config.generator import EVAL_MODES, Arch, GeneratorConfig, GeneratorTrainConfig, GenPrecision, PromptStyle
+from ragtrain.config.generator import (
+    EVAL_MODES,
+    GENERATOR_ARCHS,
+    GeneratorConfig,
+    GeneratorTrainConfig,
+    GenPrecision,
+    PromptStyle,
+)
 from ragtrain.eval.qa_metrics import score
-from ragtrain.generator.model import AnswerDecoder, GenModel, collate
+from ragtrain.generator.model import AnswerDecoder, GenModel
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.retriever_client import RetrievalClient
 from ragtrain.precision import resolve
@@ -113,7 +120,7 @@ def prompt_builder(g: GeneratorConfig, tokenizer) -> PromptBuilder:
         g.max_source_length,
         g.passage_max_tokens,
         Template(g.question_prefix, g.passage_prefix, g.answer_prefix),
-        causal=g.arch == Arch.causal,
+        causal=GENERATOR_ARCHS[g.arch].causal,
         chat=PromptStyle(g.prompt) == PromptStyle.chat,
     )
 
@@ -141,7 +148,7 @@ def generate_sorted(model: GenModel, sources: Sequence[list[int]], g: GeneratorC
     out: list = [None] * len(sources)
     for i in range(0, len(order), g.eval.batch_size):
         idx = order[i : i + g.eval.batch_size]
-        b = collate([sources[j] for j in idx], [[] for _ in idx], model.arch, model.pad_id, for_generation=True)
+        b = model.arch.collate([sources[j] for j in idx], [[] for _ in idx], model.pad_id, for_generation=True)
         with autocast(g.train.precision, device):
             answers = model.generate(
                 b["input_ids"].to(device), b["attention_mask"].to(device), g.eval.num_beams, g.eval.max_new_tokens

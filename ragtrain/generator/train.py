@@ -25,7 +25,7 @@ import torch
 
 from ragtrain.config import Config
 from ragtrain.config.generator import GenPrecision
-from ragtrain.generator.model import build_generator, collate, load_tokenizer
+from ragtrain.generator.model import build_generator, load_tokenizer
 from ragtrain.generator.retriever_client import RetrievalClient
 from ragtrain.generator.saved import save_generator
 from ragtrain.generator.steps import GenData, Sampler, autocast, evaluate, prompt_builder, step_passages
@@ -144,7 +144,7 @@ def gen_step(r: GenReplica, src: list, tgt: list, global_tokens: int) -> float:
     micro = t.batch_size // t.grad_accum
     loss_sum = torch.zeros((), device=device)
     for m in range(t.grad_accum):
-        b = collate(src[m * micro : (m + 1) * micro], tgt[m * micro : (m + 1) * micro], r.model.arch, r.model.pad_id)
+        b = r.model.arch.collate(src[m * micro : (m + 1) * micro], tgt[m * micro : (m + 1) * micro], r.model.pad_id)
         b = {k: v.to(device) for k, v in b.items()}
         sync = world == 1 or m == t.grad_accum - 1  # all-reduce once per optimizer step
         with nullcontext() if sync else r.ddp.no_sync(), autocast(t.precision, device):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ragtrain.config import RefreshConfig
+from ragtrain.config.index import RefreshConfig
 from ragtrain.errors import ConfigError
 from ragtrain.index.consistency import POLICIES
 from ragtrain.index.priority import PRIORITIES

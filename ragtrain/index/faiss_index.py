@@ -21,7 +21,7 @@ import numpy as np
 from ragtrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ragtrain.config import IndexConfig
+    pass
 
 INDEX_FILE = "index.faiss"
 META_FILE = "index_meta.json"
@@ -413,23 +413,6 @@ def seed_training(index, seed: int) -> None:
         inner.do_polysemous_training = False  # ~13 CPU-s per build for a search mode we never use
     if hasattr(inner, "pq"):
         inner.pq.cp.seed = seed
-
-
-def build_configured(
-    vectors: np.ndarray,
-    doc_ids: Sequence[str],
-    idx: IndexConfig,
-    corpus_fingerprint: str,
-    encoder: str,
-    encoder_step: int,
-    seed: int,
-) -> DenseIndex:
-    """`build_index` with the `index` config group's factory, precision and search parameters."""
-    index = build_index(
-        vectors, doc_ids, idx.factory, corpus_fingerprint, encoder, encoder_step, idx.precision.value, seed
-    )
-    index.set_search_params(idx.nprobe, idx.ef_search)
-    return index
 
 
 def load_index(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 if TYPE_CHECKING:
-    from ragtrain.config import RetrieverTrainConfig
+    from ragtrain.config.retriever import RetrieverTrainConfig
 
 T = TypeVar("T")
 

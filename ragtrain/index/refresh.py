@@ -27,7 +27,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from ragtrain.config import RefreshConfig
+from ragtrain.config.index import RefreshConfig
 from ragtrain.console import get_logger
 from ragtrain.index.faiss_index import exact_search
 

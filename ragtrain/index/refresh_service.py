@@ -28,7 +28,10 @@ import numpy as np
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from ragtrain.config import FaultConfig, IndexConfig, PoolResources, RefreshConfig, RetrieverConfig
+from ragtrain.config import FaultConfig
+from ragtrain.config.index import IndexConfig, RefreshConfig
+from ragtrain.config.resources import PoolResources
+from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.embed.align import fit_alignment
 from ragtrain.index.consistency import POLICIES

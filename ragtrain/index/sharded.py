@@ -35,7 +35,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from ragtrain.config import GPU_MAX_K
+from ragtrain.config.index import GPU_MAX_K
 from ragtrain.console import get_logger, worker_setup
 from ragtrain.corpus.encode import VectorSet, write_vectors
 from ragtrain.data.store import PassageStore
@@ -60,7 +60,9 @@ from ragtrain.index.vector_files import build_from_vectors, iter_rows, save_atom
 from ragtrain.rss import peak_rss_mb
 
 if TYPE_CHECKING:
-    from ragtrain.config import IndexConfig, PoolResources, RefreshConfig, RetrieverConfig
+    from ragtrain.config.index import IndexConfig, RefreshConfig
+    from ragtrain.config.resources import PoolResources
+    from ragtrain.config.retriever import RetrieverConfig
 
 log = get_logger(__name__)
 

@@ -28,7 +28,8 @@ from ragtrain.corpus.encode import VECTORS_META, VectorSet
 from ragtrain.precision import resolve_with_reason
 
 if TYPE_CHECKING:
-    from ragtrain.config import IndexConfig, RetrieverConfig
+    from ragtrain.config.index import IndexConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.corpus.encode import VectorSet
 
 _PACKAGE = Path(__file__).resolve().parents[1]

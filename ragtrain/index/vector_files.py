@@ -24,7 +24,6 @@ from ragtrain.index.faiss_index import METRIC, DenseIndex, IndexMeta, build_from
 from ragtrain.index.faiss_index import trained_empty as faiss_trained_empty
 
 if TYPE_CHECKING:
-    from ragtrain.config import IndexConfig
     from ragtrain.corpus.encode import VectorSet
 
 
@@ -116,22 +115,6 @@ def build_from_vectors(
         return build_from_chunks(shards.iter_parts() if rows is None else iter_rows(shards, *rows), index, meta)
     except ValueError as e:
         raise ValueError(f"{shards.folder}: {e}") from None
-
-
-def build_configured_from_vectors(
-    shards: VectorSet | str | Path,
-    idx: IndexConfig,
-    corpus_fingerprint: str,
-    encoder: str,
-    encoder_step: int,
-    seed: int,
-) -> DenseIndex:
-    """`build_from_vectors` with the `index` config group's factory, precision and search parameters."""
-    index = build_from_vectors(
-        shards, idx.factory, corpus_fingerprint, encoder, encoder_step, idx.precision.value, seed
-    )
-    index.set_search_params(idx.nprobe, idx.ef_search)
-    return index
 
 
 def save_atomic(index: DenseIndex, folder: str | Path, complete: Callable[[Path], None] | None = None) -> Path:

@@ -1,5 +1,5 @@
 """The generator's answer log-likelihood log p(a | q, d_i) for each question and each of its passages: the target
-of the joint losses (ragtrain/joint/losses.py)."""
+of the joint losses (ragtrain/joint/losses/)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ragtrain.generator.model import GenModel, collate
+from ragtrain.generator.model import GenModel
 from ragtrain.generator.prompt import PromptBuilder
 
 
@@ -30,6 +30,6 @@ def answer_loglik(
     src = [builder.source(q, [d]) for q, ps in zip(questions, passages) for d in ps]
     tgt = [builder.target(a, max_target_length) for a in answers for _ in range(k)]
     device = next(model.parameters()).device
-    batch = {name: t.to(device) for name, t in collate(src, tgt, model.arch, model.pad_id).items()}
+    batch = {name: t.to(device) for name, t in model.arch.collate(src, tgt, model.pad_id).items()}
     with nullcontext() if grad else torch.no_grad():
         return model.target_logprobs(**batch).view(len(questions), k)

@@ -39,13 +39,13 @@ from ragtrain.config.joint import PassageEncoder
 from ragtrain.embed.model import BiEncoder, build_encoder, encode_texts, tokenize
 from ragtrain.embed.model import load_tokenizer as load_encoder_tokenizer
 from ragtrain.embed.weights import load_state, load_weights, save_weights
-from ragtrain.generator.model import GenModel, build_generator, collate, load_tokenizer
+from ragtrain.generator.model import GenModel, build_generator, load_tokenizer
 from ragtrain.generator.saved import save_generator
 from ragtrain.generator.steps import GenData, GenExample, Sampler, autocast, evaluate, prompt_builder, step_passages
 from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
 from ragtrain.joint import GENERATOR_FOLDER
 from ragtrain.joint.likelihood import answer_loglik
-from ragtrain.joint.losses import build_loss
+from ragtrain.joint.losses.base import build_loss
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit
@@ -181,7 +181,7 @@ def setup(args: WorkerArgs) -> JointReplica:
     live = None
     if inputs.service is not None:  # reuse the retriever's live client: one version per step, refresh schedule
         live = LiveIndexClient(inputs.service, cfg.refresh, w.rank, broadcast=w.world > 1, device=w.device)
-    loss = build_loss(j.loss, j.temperature, j.retriever_temperature)
+    loss = build_loss(j)
     r = JointReplica(args, w, data, model, ddp, frozen, load_encoder_tokenizer(cfg.retriever), builder, targets,
                      optim, sched, Sampler(len(data.gen.train), j.seed), steps, loss, live)  # fmt: skip
     r.search = IndexSearch(r)
@@ -242,7 +242,7 @@ def joint_step(r: JointReplica, step: int) -> dict[str, float]:
     texts = [r.data.encoder_texts[r.data.positions[p]] for h in hits for p in h]
     q = {k: v.to(device) for k, v in tokenize(r.enc_tok, questions, rc.query_max_length, "query").items()}
     p = {k: v.to(device) for k, v in tokenize(r.enc_tok, texts, rc.passage_max_length, "passage").items()}
-    g = {k: v.to(device) for k, v in collate(src, tgt, gen.arch, gen.pad_id).items()}
+    g = {k: v.to(device) for k, v in gen.arch.collate(src, tgt, gen.pad_id).items()}
     with autocast(cfg.generator.train.precision, device):
         q_emb, p_emb, nll = r.ddp(q, None if r.frozen is not None else p, g)
     if r.frozen is not None:  # query side only: the passage vectors are the frozen encoder's (the index's)

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ragtrain.config import ConfigError, RetrieverConfig
+from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.embed.model import load_tokenizer, resolve_model_path
+from ragtrain.errors import ConfigError
 
 TEACHER_META = "ragtrain_teacher.json"
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ragtrain.config import PoolResources, RetrieverConfig
+from ragtrain.config.resources import PoolResources
+from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.console import get_logger, worker_setup
 from ragtrain.corpus.encode import ACTOR_ENV, actor_cpus
 

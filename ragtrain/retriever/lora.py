@@ -16,8 +16,9 @@ import warnings
 import torch
 from torch import nn
 
-from ragtrain.config import ConfigError, LoraConfig, RetrieverConfig
+from ragtrain.config.retriever import LoraConfig, RetrieverConfig
 from ragtrain.embed.model import build_backbone
+from ragtrain.errors import ConfigError
 
 
 def apply_lora(encoder: nn.Module, cfg: LoraConfig) -> nn.Module:

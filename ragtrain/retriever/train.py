@@ -27,7 +27,7 @@ from ragtrain.retriever.batching import TrainData, local_batch, local_indices
 from ragtrain.retriever.gradcache import cached_step
 from ragtrain.retriever.lora import apply_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
-from ragtrain.retriever.teacher_loss import distill_term, teacher_matrix
+from ragtrain.retriever.teacher.base import build_teacher_loss, teacher_matrix
 from ragtrain.retriever.validation import ValSet, validate
 from ragtrain.rss import peak_rss_mb
 from ragtrain.schedule import warmup_linear_decay
@@ -105,12 +105,12 @@ class Distill:
     def __init__(self, cfg: Config, data: TrainData) -> None:
         self.teach, self.t, self.data = cfg.retriever.teacher, cfg.retriever.train, data
         self.temperature = cfg.retriever.temperature
-        self.term = distill_term(self.teach.loss)  # chosen once
+        self.term = build_teacher_loss(self.teach.loss)  # chosen once
         self.window = self.total = 0.0
-        self.name = f"train/teacher_{self.teach.loss.value}"
+        self.name = f"train/teacher_{self.teach.loss}"
 
     def targets(self, step: int, pids: list[int], gb: int, rank: int, world: int) -> torch.Tensor | None:
-        """The teacher's scores of this step's candidates (retriever/teacher_loss.py), or None without a teacher."""
+        """The teacher's scores of this step's candidates (retriever/teacher/base.py), or None without a teacher."""
         if self.teach.weight <= 0:
             return None
         qidx = [

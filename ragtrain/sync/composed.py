@@ -1,7 +1,8 @@
-"""A sync strategy composed of a gradient REDUCER, a parameter MIXER and a SCOPE (ragtrain.config.SyncConfig).
+"""A sync strategy composed of a gradient REDUCER, a parameter MIXER and a SCOPE (ragtrain.config.sync.SyncConfig).
 
 Reducer (every step, a DDP comm hook): a class in reducers/, named in ragtrain.config.sync.REDUCERS.
 Mixer (after optimizer steps): a class in mixers/, named in MIXERS.
+Consensus (end of training): a class in consensus/, named in CONSENSUS.
 Scope: the ranks the reducer spans (scopes/, REDUCER_SCOPES: every rank, inside each Ray node, or two_level),
 the ranks the mixer spans (MIXER_SCOPES: every rank, or across nodes), and `reducer_params`, the parameters (by
 name) the reducer applies to, the mixer taking all the others.
@@ -21,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import MIXER_SCOPES, MIXERS, REDUCER_SCOPES, REDUCERS, SyncConfig
+from ragtrain.config.sync import CONSENSUS, MIXER_SCOPES, MIXERS, REDUCER_SCOPES, REDUCERS, SyncConfig
 from ragtrain.sync.base import SyncStrategy, ddp, world_size
+from ragtrain.sync.consensus.base import build_consensus
 from ragtrain.sync.mixers.base import build_mixer
 from ragtrain.sync.reducers.allreduce import AllReduce
 from ragtrain.sync.reducers.base import SliceReducer, done
@@ -42,7 +44,8 @@ class ComposedSync:
         self.device = torch.device("cpu")  # wrap() sets the replica's device
         r, m, s = cfg.reducer, cfg.mixer, cfg.scope
         self.gather_negatives = not MIXERS[m.kind].asynchronous  # a gather would make async workers wait
-        self.keeps_replicas = cfg.consensus == "vectors"
+        self.keeps_replicas = CONSENSUS[cfg.consensus].keeps_replicas
+        self.end = build_consensus(cfg.consensus)
         self.sends = REDUCERS[r.kind].sends
         reducer_scope, mixer_scope = REDUCER_SCOPES[s.reducer].load(), MIXER_SCOPES[s.mixer].load()
         self.by_node = reducer_scope.by_node or mixer_scope.by_node
@@ -115,10 +118,11 @@ class ComposedSync:
         self.mixer.after_step(self._mixed(params), step)
 
     def consensus(self, params: list[nn.Parameter]) -> None:
-        """The parameter mean where replicas can differ (any mixer, an intra-node or partial reducer, none)."""
-        if self.keeps_replicas or self.cfg.replicas_equal:
-            return  # vectors: the consensus is formed on the vectors, after training; or nothing differs
-        self.mixer.consensus(self._mixed(params))
+        """The consensus rule's end state where replicas can differ (any mixer, an intra-node or partial reducer,
+        none): the parameter mean, or (vectors) every replica kept."""
+        if self.cfg.replicas_equal:
+            return  # nothing differs
+        self.end.form(self.mixer, self._mixed(params))
 
     # --- figures and checkpoints
     def state(self) -> dict[str, Any]:

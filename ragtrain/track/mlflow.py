@@ -18,8 +18,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from ragtrain.config import AUTH_ENV, ConfigError, LoggerBackend, LoggerConfig
+from ragtrain.config.logger import AUTH_ENV, LoggerBackend, LoggerConfig
 from ragtrain.console import get_logger
+from ragtrain.errors import ConfigError
 
 log = get_logger(__name__)
 

@@ -31,7 +31,8 @@ from ragtrain.checkpoint import (
     save_train_state,
 )
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
-from ragtrain.config import Config, auth_env
+from ragtrain.config import Config
+from ragtrain.config.logger import auth_env
 from ragtrain.console import (
     FILE_ONLY,
     attach_run_log,

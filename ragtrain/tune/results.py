@@ -10,7 +10,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from ragtrain.compare import compare_runs
-from ragtrain.config import LoggerConfig
+from ragtrain.config.logger import LoggerConfig
 from ragtrain.console import get_logger
 from ragtrain.errors import ConfigError
 from ragtrain.track.mlflow import RunLogger, find_runs, update_run

@@ -25,15 +25,11 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ragtrain.config import (
-    MIXERS,
-    REDUCERS,
-    TUNE_SEARCHERS,
-    Config,
-    ConfigError,
-    to_typed,
-    with_sync_preset,
-)
+from ragtrain.config import Config, to_typed
+from ragtrain.config.sync import MIXERS, REDUCERS
+from ragtrain.config.tune import TUNE_SEARCHERS
+from ragtrain.config.variants import with_sync_preset
+from ragtrain.errors import ConfigError
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
 SYNC_KEY = "sync"  # the whole sync group: values are conf/sync option names

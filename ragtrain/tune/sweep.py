@@ -32,8 +32,10 @@ from ragtrain.cluster.resources import (
     remove_recorded_placement_groups,
     trains_with_live_refresh,
 )
-from ragtrain.config import TUNE_SCHEDULERS, Config, ConfigError, absolute_paths, changed_keys, to_flat_dict
+from ragtrain.config import Config, absolute_paths, changed_keys, to_flat_dict
+from ragtrain.config.tune import TUNE_SCHEDULERS
 from ragtrain.console import get_logger
+from ragtrain.errors import ConfigError
 from ragtrain.index.sharded import shard_gpu_claim
 from ragtrain.track.mlflow import RunLogger, absolute_tracking_uri, check_tracking_uri, tracking_uri, update_run
 from ragtrain.tune import space as sp

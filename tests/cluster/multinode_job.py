@@ -28,19 +28,14 @@ def main(out_dir: str, part: str) -> None:
     labelled = cluster.add_node(num_cpus=2, resources={"index_node": 1, "pool_node": 1})
     ray.init(address=cluster.address)
     try:
-        from ragtrain.config import (
-            Config,
-            DataConfig,
-            LoggerConfig,
-            PoolResources,
-            ResourcesConfig,
-            RetrieverConfig,
-            RetrieverTrainConfig,
-            TrainerResources,
-            sync_preset,
-        )
+        from ragtrain.config import Config
+        from ragtrain.config.data import DataConfig
+        from ragtrain.config.logger import LoggerConfig
+        from ragtrain.config.resources import PoolResources, ResourcesConfig, TrainerResources
+        from ragtrain.config.retriever import RetrieverConfig, RetrieverTrainConfig
         from ragtrain.data import make_synthetic
         from ragtrain.retriever.batching import TrainData, build_examples
+        from tests.conftest import sync_config
 
         cfg = Config(
             data=DataConfig(num_entities=20),
@@ -55,7 +50,7 @@ def main(out_dir: str, part: str) -> None:
                 pool=PoolResources(num_actors=1, cpus_per_actor=1, resources={"index_node": 1}),
             ),
             logger=LoggerConfig(backend="none"),
-            sync=sync_preset("hierarchical", mixer={"period": 2}),
+            sync=sync_config("hierarchical", mixer={"period": 2}),
             output_dir=out_dir,
         )
         data = make_synthetic(num_entities=20)
@@ -105,10 +100,10 @@ def sync_part(cfg, train) -> dict:
 
     from ray.util.placement_group import placement_group_table, remove_placement_group
 
-    from ragtrain.config import sync_preset
     from ragtrain.embed.model import build_encoder
     from ragtrain.index.refresh_service import reserve
     from ragtrain.retriever.train import fit_retriever
+    from tests.conftest import sync_config
 
     out_dir = cfg.output_dir
     torch.manual_seed(0)
@@ -121,7 +116,7 @@ def sync_part(cfg, train) -> dict:
     hybrid = fit_retriever(
         replace(
             cfg,
-            sync=sync_preset("hybrid_powersgd", reducer={"start_iter": 2}),
+            sync=sync_config("hybrid_powersgd", reducer={"start_iter": 2}),
             output_dir=os.path.join(out_dir, "hybrid"),
         ),
         train,
@@ -132,7 +127,7 @@ def sync_part(cfg, train) -> dict:
     layerwise = fit_retriever(
         replace(
             cfg,
-            sync=sync_preset("layerwise", scope={"reducer_params": top}, mixer={"period": 2}),
+            sync=sync_config("layerwise", scope={"reducer_params": top}, mixer={"period": 2}),
             output_dir=os.path.join(out_dir, "layerwise"),
         ),
         train,
@@ -161,7 +156,9 @@ def refresh_part(cfg, out_dir: str) -> dict:
     node."""
     from dataclasses import replace
 
-    from ragtrain.config import RefreshConfig, SyncConfig, TrainerResources
+    from ragtrain.config.index import RefreshConfig
+    from ragtrain.config.resources import TrainerResources
+    from ragtrain.config.sync import SyncConfig
     from ragtrain.pipeline import run
 
     live = replace(
@@ -250,7 +247,8 @@ def shard_kill_part(out_dir: str) -> dict:
 
     import numpy as np
 
-    from ragtrain.config import IndexConfig, PoolResources
+    from ragtrain.config.index import IndexConfig
+    from ragtrain.config.resources import PoolResources
     from ragtrain.index.sharded import SEARCH_BATCH, ShardGroup, resolve_shards
     from tests.index.test_vector_files import _vectors, _write_vectors
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ragtrain.cluster.resources import InfeasibleResourcesError, check_config, check_feasible, node_capacities
-from ragtrain.config import PoolResources, ResourcesConfig, TrainerResources
+from ragtrain.config.resources import PoolResources, ResourcesConfig, TrainerResources
 from tests.conftest import REPO, compose
 
 CPU_NODE = {"CPU": 4.0, "memory": 8e9, "object_store_memory": 2e9, "node:10.0.0.1": 1.0}
@@ -176,7 +176,9 @@ def test_the_dashboard_extra_pins_the_installed_ray() -> None:
 
 
 def test_the_dashboard_without_its_extra_is_one_line(tmp_path) -> None:
-    from ragtrain.config import ConfigError, dashboard_installed, to_typed
+    from ragtrain.config import to_typed
+    from ragtrain.config.resources import dashboard_installed
+    from ragtrain.errors import ConfigError
 
     if dashboard_installed():
         pytest.skip("Ray's dashboard packages are installed here")
@@ -190,7 +192,7 @@ def test_the_dashboard_without_its_extra_is_one_line(tmp_path) -> None:
 
 def test_the_dashboard_starts_on_loopback_and_prints_its_url(tmp_path) -> None:
     """A Ray of its own (another process): the session's Ray runs without a dashboard."""
-    from ragtrain.config import dashboard_installed
+    from ragtrain.config.resources import dashboard_installed
 
     if not dashboard_installed():
         pytest.skip("the dashboard extra is not installed (make setup EXTRAS=dev,dashboard)")

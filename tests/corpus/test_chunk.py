@@ -69,7 +69,7 @@ def test_line_breaks_are_boundaries_and_the_window_never_goes_under_half() -> No
 
 
 def test_every_window_fits_and_covers_the_document_with_minilm() -> None:
-    from ragtrain.config import RetrieverConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.embed.model import load_tokenizer
 
     tok = load_tokenizer(RetrieverConfig(model="minilm"))

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.config import IndexConfig, PoolResources, RetrieverConfig
+from ragtrain.config.index import IndexConfig
+from ragtrain.config.resources import PoolResources
+from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.corpus.encode import VectorSet, encode_to_vectors
 from ragtrain.embed.encoders import EncodeFault, QueryEncoder
 
@@ -140,7 +142,7 @@ def test_a_build_that_runs_alone_gives_the_pools_actors_every_free_cpu(ray_sessi
 
     import ray
 
-    from ragtrain.config import PoolResources
+    from ragtrain.config.resources import PoolResources
     from ragtrain.corpus.encode import build_threads
 
     free = int(min(ray.available_resources()["CPU"], len(os.sched_getaffinity(0))))  # logical CPUs, up to the cores

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ragtrain.config import ConfigError, to_typed
+from ragtrain.config import to_typed
 from ragtrain.corpus.load import load_data
 from ragtrain.data.types import DataError
+from ragtrain.errors import ConfigError
 from tests.conftest import REPO, compose
 
 from .helpers import small_folder
@@ -149,7 +150,7 @@ def test_chunk_larger_than_the_encoder_is_a_config_error(tmp_path: Path) -> None
             ["data=documents", "data.root=/x", "stages=[retriever,index,generator]"],
             r"data.chunk.enabled is not supported with the generator",
         ),
-        (["data.chunk.enabled=true"], r"data.chunk.enabled needs data=documents, data=beir or data=squad"),
+        (["data.chunk.enabled=true"], r"data.chunk.enabled needs data=beir, data=documents or data=squad"),
     ],
 )
 def test_bad_data_config_names_the_key(tmp_path: Path, overrides: list[str], message: str) -> None:

@@ -56,10 +56,10 @@ def _chunked_data() -> RetrievalData:
 def _one_hot_index(r, chunks: list[str], scores: list[list[float]], tmp_path):
     """A real Flat index whose inner products are exactly `scores` (one-hot passage vectors, query vectors = the
     scores), and `r`'s query encoder answering with them."""
-    from ragtrain.index.faiss_index import build_configured
+    from ragtrain.index.faiss_index import build_index
     from ragtrain.retrieval import BuiltIndex
 
-    index = build_configured(np.eye(len(chunks), dtype=np.float32), chunks, r.cfg.index, "fp", "one-hot", 0, 0)
+    index = build_index(np.eye(len(chunks), dtype=np.float32), chunks, r.cfg.index.factory, "fp", "one-hot")
     queries = np.array(scores, dtype=np.float32)
     r.encode_queries = lambda built, qids: queries[: len(qids)]
     return BuiltIndex("one-hot", index, [], list(chunks), {})
@@ -107,14 +107,14 @@ def test_a_document_with_more_chunks_than_the_first_search_depth_does_not_hide_t
 
 def test_hard_negatives_never_pick_a_chunk_of_a_gold_document(tmp_path) -> None:
     from ragtrain.config import Config
-    from ragtrain.index.faiss_index import build_configured
+    from ragtrain.index.faiss_index import build_index
     from ragtrain.retrieval import BuiltIndex, Retrieval
 
     cfg = Config(output_dir=str(tmp_path))
     cfg.retriever.train.hard_negatives, cfg.retriever.train.hard_negative_depth = 1, 5
     r = Retrieval(cfg, _chunked_data())
     # A real Flat index whose inner products are exactly SCORES: one-hot passage vectors, query vectors = scores.
-    index = build_configured(np.eye(len(CHUNKS), dtype=np.float32), CHUNKS, cfg.index, "fp", "one-hot", 0, 0)
+    index = build_index(np.eye(len(CHUNKS), dtype=np.float32), CHUNKS, cfg.index.factory, "fp", "one-hot")
     queries = np.array([SCORES[q] for q in sorted(QRELS)], dtype=np.float32)
     r.encode_queries = lambda built, qids: queries[: len(qids)]  # the query encoder
     negs = r.mine_negatives(BuiltIndex("one-hot", index, [], list(CHUNKS), {}))

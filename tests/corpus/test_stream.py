@@ -9,12 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ragtrain.config import ConfigError, IndexConfig, PoolResources, Precision, to_typed
+from ragtrain.config import to_typed
+from ragtrain.config.index import IndexConfig
+from ragtrain.config.resources import PoolResources
+from ragtrain.config.retriever import Precision
 from ragtrain.corpus.encode import VectorSet
 from ragtrain.corpus.load import load_data
 from ragtrain.corpus.stream import StreamEncode
 from ragtrain.data.types import DataError
 from ragtrain.embed.encoders import EncodeFault
+from ragtrain.errors import ConfigError
 from ragtrain.pipeline import initial_weights
 from tests.conftest import compose
 

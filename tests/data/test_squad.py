@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
-from ragtrain.config import ConfigError, to_typed
+from ragtrain.config import to_typed
 from ragtrain.corpus.chunk import chunk_passage
 from ragtrain.corpus.load import load_data
 from ragtrain.data.squad import gold_passage, load_squad, read_squad, split_articles
 from ragtrain.data.types import DataError, Passage
+from ragtrain.errors import ConfigError
 from tests.conftest import REPO, SQUAD, compose
 from tests.corpus.helpers import WhitespaceTokenizer
 
@@ -322,7 +323,10 @@ def test_bad_split_settings_name_the_key(tmp_path: Path, kwargs: dict[str, Any],
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["data.dev_size=10"], r"data.dev_size does not apply here \(data=squad splits by article"),
+        (
+            ["data.dev_size=10"],
+            r"data.dev_size applies to data=beir and data=documents only \(data=squad .* splits it by article",
+        ),
         (["data.test_titles=[Beta]", "data.test_articles=2"], r"data.test_articles must be 0 when data.test_titles"),
         (["data.dev_titles=[Beta]", "data.dev_articles=0", "data.test_titles=[Beta]"], r"shares \['Beta'\] with"),
         (["data.dev_titles=[Beta,Beta]", "data.dev_articles=0"], r"data.dev_titles names \['Beta'\] more than once"),

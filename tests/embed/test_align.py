@@ -32,7 +32,7 @@ def test_orthogonal_map_is_orthogonal() -> None:
 
 def test_reduces_drift_between_real_replicas() -> None:
     """Two tiny encoders fine-tuned apart from one init: alignment on anchors shrinks drift on held-out texts."""
-    from ragtrain.config import RetrieverConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.embed.model import build_encoder
 
     torch.manual_seed(0)

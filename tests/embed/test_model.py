@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragtrain.config import Precision, RetrieverConfig
+from ragtrain.config.retriever import Precision, RetrieverConfig
 from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer, minilm_path
 from tests.conftest import SCIFACT
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.config import Precision, RetrieverConfig, TinyEncoderConfig
+from ragtrain.config.retriever import Precision, RetrieverConfig, TinyEncoderConfig
 from ragtrain.embed.encoders import EncodeBatch, LocalEncoder, QueryEncoder
 from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
 

@@ -74,7 +74,7 @@ def test_the_evaluation_output_carries_answer_recall_when_the_data_has_answers(t
 
     from ragtrain.config import Config
     from ragtrain.data.types import Passage, RetrievalData
-    from ragtrain.index.faiss_index import build_configured
+    from ragtrain.index.faiss_index import build_index
     from ragtrain.retrieval import BuiltIndex, Retrieval
 
     texts = ["Paris is in France.", "The Seine flows north.", "Lyon is a city.", "Bread and cheese."]
@@ -86,7 +86,7 @@ def test_the_evaluation_output_carries_answer_recall_when_the_data_has_answers(t
     scores = [[0.1, 0.9, 0.8, 0.7], [0.9, 0.2, 0.8, 0.1]]  # q1: p1 p2 p3 p0 | q2: p0 p2 p1 p3
     cfg = Config(output_dir=str(tmp_path))
     r = Retrieval(cfg, data)
-    index = build_configured(np.eye(4, dtype=np.float32), ids, cfg.index, "fp", "one-hot", 0, 0)
+    index = build_index(np.eye(4, dtype=np.float32), ids, cfg.index.factory, "fp", "one-hot")
     r.encode_queries = lambda built, qids: np.array(scores, dtype=np.float32)[: len(qids)]
     m = r.evaluate(BuiltIndex("one-hot", index, [], ids, {}))
     # first passage holding the answer: q1 at rank 4 (p0), q2 at rank 3 (p1)
@@ -102,7 +102,7 @@ def test_a_chunked_documents_corpus_counts_answers_on_its_passages(tmp_path) -> 
 
     from ragtrain.config import Config
     from ragtrain.data.types import Passage, RetrievalData
-    from ragtrain.index.faiss_index import build_configured
+    from ragtrain.index.faiss_index import build_index
     from ragtrain.retrieval import BuiltIndex, Retrieval
 
     chunks = {"d1#0": "Nothing here.", "d1#1": "The answer is Vistula.", "d2#0": "Warsaw lies on a river."}
@@ -114,7 +114,7 @@ def test_a_chunked_documents_corpus_counts_answers_on_its_passages(tmp_path) -> 
     cfg.index.top_k = 2
     r = Retrieval(cfg, data)
     ids = list(chunks)
-    index = build_configured(np.eye(3, dtype=np.float32), ids, cfg.index, "fp", "one-hot", 0, 0)
+    index = build_index(np.eye(3, dtype=np.float32), ids, cfg.index.factory, "fp", "one-hot")
     r.encode_queries = lambda built, qids: np.array([[0.9, 0.1, 0.5]], dtype=np.float32)[: len(qids)]
     m = r.evaluate(BuiltIndex("one-hot", index, [], ids, {}))
     # documents: d1 (its chunk d1#0 first) at rank 1; passages: d1#0, d2#0, d1#1 -> the answer at rank 3

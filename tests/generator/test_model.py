@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from ragtrain.config import Config
-from ragtrain.config.generator import Arch, GeneratorConfig
+from ragtrain.config.generator import GeneratorConfig
+from ragtrain.generator.archs.base import build_arch
 from ragtrain.generator.model import (
     AnswerDecoder,
     build_generator,
-    collate,
     load_tokenizer,
 )
 from ragtrain.generator.prompt import PromptBuilder, Template
@@ -18,15 +18,16 @@ from ragtrain.generator.saved import WEIGHTS_FILES, load_generator, save_generat
 
 
 def _batch(g: GeneratorConfig, tok, for_generation: bool = False) -> dict[str, torch.Tensor]:
-    b = PromptBuilder(tok, 48, 0, Template("question:", "context:"), causal=g.arch == Arch.causal)
+    arch = build_arch(g.arch)
+    b = PromptBuilder(tok, 48, 0, Template("question:", "context:"), causal=arch.causal)
     src = [b.source("who plays the oboe?", ["ann plays the oboe."]), b.source("when?", [])]
     tgt = [b.target("oboe", 8), b.target("in 1859", 8)]
-    return collate(src, tgt, g.arch, tok.pad_token_id, for_generation)
+    return arch.collate(src, tgt, tok.pad_token_id, for_generation)
 
 
 @pytest.mark.parametrize("arch", ["seq2seq", "causal"])
 def test_tiny_models_loss_and_generate(arch: str) -> None:
-    g = GeneratorConfig(arch=Arch(arch), model="tiny", dropout=0.0)
+    g = GeneratorConfig(arch=arch, model="tiny", dropout=0.0)
     tok = load_tokenizer(g)
     torch.manual_seed(0)
     m = build_generator(g, tok).eval()
@@ -45,7 +46,7 @@ def test_tiny_models_loss_and_generate(arch: str) -> None:
 
 
 def test_bert2bert_shares_one_embedding_matrix() -> None:
-    g = GeneratorConfig(arch=Arch.bert2bert, model="minilm", decoder_layers=1, encoder_layers=2)
+    g = GeneratorConfig(arch="bert2bert", model="minilm", decoder_layers=1, encoder_layers=2)
     tok = load_tokenizer(g)
     m = build_generator(g, tok)
     hf = m.hf
@@ -68,7 +69,7 @@ def test_saved_generator_is_a_transformers_folder_that_round_trips(tmp_path, arc
 
     cfg = Config()
     layers = {"decoder_layers": 1, "encoder_layers": 1} if arch == "bert2bert" else {}
-    cfg.generator = GeneratorConfig(arch=Arch(arch), model=model, dropout=0.0, **layers)
+    cfg.generator = GeneratorConfig(arch=arch, model=model, dropout=0.0, **layers)
     tok = load_tokenizer(cfg.generator)
     torch.manual_seed(0)
     m = build_generator(cfg.generator, tok)

@@ -14,7 +14,7 @@ def test_rag_quickstart_composes(tmp_path) -> None:
     cfg = to_typed(compose(["experiment=rag_quickstart", f"output_dir={tmp_path}"]))
     g = cfg.generator
     assert cfg.stages == ["retriever", "index", "generator"]
-    assert g.arch.value == "bert2bert" and g.decoder_layers == 2 and g.train.precision.value == "auto"
+    assert g.arch == "bert2bert" and g.decoder_layers == 2 and g.train.precision.value == "auto"
     assert g.eval.modes == ["closed_book", "rag", "oracle"]
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.config import RetrieverConfig
+from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.embed.encoders import QueryEncoder
 from ragtrain.generator.retriever_client import check_encoder
 from ragtrain.index.faiss_index import IndexMismatchError, build_index

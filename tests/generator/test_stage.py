@@ -13,7 +13,8 @@ import pytest
 import torch
 from ray.train import TrainingFailedError
 
-from ragtrain.config import ConfigError, to_typed
+from ragtrain.config import to_typed
+from ragtrain.errors import ConfigError
 from ragtrain.export import answer_block
 from ragtrain.generator.stage import PHASES
 from ragtrain.index.faiss_index import IndexMismatchError
@@ -123,7 +124,7 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
 
 @pytest.mark.integration
 def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
-    from ragtrain.generator.model import AnswerDecoder, collate, load_tokenizer
+    from ragtrain.generator.model import AnswerDecoder, load_tokenizer
     from ragtrain.generator.saved import load_generator
     from ragtrain.generator.stage import build_gen_data
     from ragtrain.generator.steps import prompt_builder
@@ -148,7 +149,7 @@ def test_checkpoints_every_n_steps_and_round_trip(built, stage_run) -> None:
     decode = AnswerDecoder(tokenizer)
     builder = prompt_builder(g, tokenizer)
     src = [builder.source(e.question, [gd.passages[e.gold[0]]]) for e in gd.eval]
-    b = collate(src, [[] for _ in src], model.arch, model.pad_id, for_generation=True)
+    b = model.arch.collate(src, [[] for _ in src], model.pad_id, for_generation=True)
     again = [decode(o) for o in model.generate(b["input_ids"], b["attention_mask"], 1, g.eval.max_new_tokens)]
     saved = json.loads((out / "generator" / "predictions.json").read_text())["oracle"]
     assert again == [p["prediction"] for p in saved]

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ragtrain.config import LoggerConfig, to_typed
+from ragtrain.config import to_typed
+from ragtrain.config.logger import LoggerConfig
 from ragtrain.export import export_generator, generator_card
 from ragtrain.generator.model import build_generator, load_tokenizer
 from ragtrain.generator.saved import save_generator

@@ -80,13 +80,13 @@ def test_live_index_broadcast_runs_on_the_workers_gpu(nccl_group) -> None:
 
 
 def test_async_ps_pushes_and_pulls_a_gpu_replica(ray_session) -> None:
-    from ragtrain.config import sync_preset
     from ragtrain.sync.composed import build_sync
+    from tests.conftest import sync_config
 
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
     model = nn.Linear(16, 4).to(device)
-    strategy = build_sync(sync_preset("async_ps", mixer={"max_staleness": 1}))
+    strategy = build_sync(sync_config("async_ps", mixer={"max_staleness": 1}))
     model = strategy.wrap(model, device)
     params = list(model.parameters())
     for _ in range(3):

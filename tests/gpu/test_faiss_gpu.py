@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.config import IndexConfig, PoolResources
+from ragtrain.config.index import IndexConfig
+from ragtrain.config.resources import PoolResources
 from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import check_index_device, faiss_gpu_support
 from ragtrain.index.sharded import ShardGroup, read_sharded

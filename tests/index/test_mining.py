@@ -25,7 +25,8 @@ import types  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from ragtrain.config import ConfigError, RetrieverTrainConfig  # noqa: E402
+from ragtrain.config.retriever import RetrieverTrainConfig  # noqa: E402
+from ragtrain.errors import ConfigError  # noqa: E402
 from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores  # noqa: E402
 from ragtrain.retriever.batching import TrainData, TrainExample, local_batch  # noqa: E402
 

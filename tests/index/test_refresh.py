@@ -10,7 +10,8 @@ import pytest
 import ray
 import torch
 
-from ragtrain.config import ConfigError, to_typed
+from ragtrain.config import to_typed
+from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import build_index
 from ragtrain.index.mining import MiningSpec, mine_rows
 from ragtrain.index.refresh import (
@@ -95,7 +96,7 @@ def _agree(rank: int, world: int, port: int, out: str, broadcast: bool) -> None:
 
     import torch.distributed as dist
 
-    from ragtrain.config import RefreshConfig
+    from ragtrain.config.index import RefreshConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -200,7 +201,7 @@ def _until(condition, what: str, deadline_s: float = 120.0) -> None:
 
 def test_a_refresh_that_cannot_be_reserved_says_what_it_asked(ray_session, monkeypatch) -> None:
     import ragtrain.index.refresh_service as refresh_service
-    from ragtrain.config import PoolResources
+    from ragtrain.config.resources import PoolResources
 
     monkeypatch.setattr(refresh_service, "PLACEMENT_TIMEOUT_S", 1.0)  # the real wait is 30 s
     with pytest.raises(TimeoutError, match="no_such_resource") as e:
@@ -213,7 +214,7 @@ def test_a_refresh_that_cannot_be_reserved_says_what_it_asked(ray_session, monke
 def test_the_refresh_reserves_its_cpus_in_a_placement_group(ray_session) -> None:
     from ray.util.placement_group import remove_placement_group
 
-    from ragtrain.config import PoolResources
+    from ragtrain.config.resources import PoolResources
     from ragtrain.index.refresh_service import reserve
 
     before = ray_session.available_resources().get("CPU", 0)
@@ -409,7 +410,7 @@ def test_the_summary_sums_refresh_seconds_and_summarises_sharded_rounds(ray_sess
     refresh's rounds the mean encoded fraction and mixed recall and the largest version skew."""
     import ray
 
-    from ragtrain.config import RefreshConfig
+    from ragtrain.config.index import RefreshConfig
 
     book = VersionBook()
     book.publish(_version(0))
@@ -434,7 +435,7 @@ def test_the_summary_sums_refresh_seconds_and_summarises_sharded_rounds(ray_sess
 def test_the_summary_counts_the_steps_that_mined_from_mixed_versions() -> None:
     """Published states can mix encoder versions for a moment; what counts for training is whether a step's
     negatives came from one: index/steps_on_mixed_versions."""
-    from ragtrain.config import RefreshConfig
+    from ragtrain.config.index import RefreshConfig
 
     book = VersionBook()
     book.publish(_version(0))
@@ -462,7 +463,8 @@ def test_a_refresh_still_running_when_training_ends_keeps_its_metrics(ray_sessio
     """drain() waited for the refresh and dropped its metrics: its version and seconds never reached MLflow."""
     from mlflow.tracking import MlflowClient
 
-    from ragtrain.config import Config, LoggerConfig
+    from ragtrain.config import Config
+    from ragtrain.config.logger import LoggerConfig
     from ragtrain.track.mlflow import RunLogger
     from tests.conftest import mlflow_db
 

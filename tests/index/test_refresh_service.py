@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ragtrain.config import RefreshConfig, to_typed
+from ragtrain.config import to_typed
+from ragtrain.config.index import RefreshConfig
 from ragtrain.embed.align import fit_alignment
 from ragtrain.errors import ConfigError
 from ragtrain.index.checks import check_refresh

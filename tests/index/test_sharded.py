@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ragtrain.config import IndexConfig, PoolResources
+from ragtrain.config.index import IndexConfig
+from ragtrain.config.resources import PoolResources
 from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.index.live_rows import JOURNAL
@@ -34,7 +35,7 @@ from ragtrain.index.sharded import (
     resolve_shards,
     shard_ranges,
 )
-from ragtrain.index.vector_files import build_configured_from_vectors
+from ragtrain.index.vector_files import build_from_vectors
 from tests.index.test_vector_files import _vectors, _write_vectors
 
 ROWS = 400
@@ -78,7 +79,8 @@ def test_merge_orders_by_score_then_global_row_and_pads_last() -> None:
 def test_n_shards_return_exactly_what_one_index_returns(groups, vectors, factory) -> None:
     x, shards, _ = vectors
     idx = IndexConfig(factory=factory, nprobe=3)
-    one = build_configured_from_vectors(shards, idx, "fp", "enc", 2, seed=0)
+    one = build_from_vectors(shards, idx.factory, "fp", "enc", 2, idx.precision.value, seed=0)
+    one.set_search_params(idx.nprobe, idx.ef_search)
     q = _vectors(30, seed=5)
     want_scores, want_rows = one.search(q, 10)
     for n, group in groups.items():
@@ -226,7 +228,9 @@ def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards
     assert a.index.meta.extra["shards"] == 3 and a.index.meta.extra["rows_per_shard"] == [40, 40, 40]
     assert [f.split("/")[0] for f in a.shards.files] == ["shard-0", "shard-1", "shard-2"]
     assert a.shards.ids() == sharded.doc_ids == a.index.doc_ids  # corpus order, range after range
-    one = build_configured_from_vectors(a.shards, cfg.index, sharded.fingerprint, "tiny@init", 0, cfg.seed)
+    idx = cfg.index
+    one = build_from_vectors(a.shards, idx.factory, sharded.fingerprint, "tiny@init", 0, idx.precision.value, cfg.seed)
+    one.set_search_params(idx.nprobe, idx.ef_search)
     b = BuiltIndex("one", one, [weights], sharded.doc_ids, {}, a.shards)
     want = sharded.evaluate(b)
     assert {k: metrics[k] for k in want} == pytest.approx(want, abs=1e-12)

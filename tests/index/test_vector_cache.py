@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.config import IndexConfig, RetrieverConfig
+from ragtrain.config.index import IndexConfig
+from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.corpus.encode import VECTORS_META, VectorSet
 from ragtrain.index import vector_cache
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ragtrain.config.generator import Arch, GeneratorConfig, PromptStyle
+from ragtrain.config.generator import GeneratorConfig, PromptStyle
 from ragtrain.generator.model import build_generator, load_tokenizer
 from ragtrain.generator.steps import prompt_builder
 from ragtrain.joint.likelihood import answer_loglik
@@ -14,7 +14,7 @@ from tests.generator.tiny_llama import save_tiny_llama
 
 def test_answer_loglik_matches_a_direct_forward_pass(tmp_path) -> None:
     g = GeneratorConfig(
-        arch=Arch.causal, model=str(save_tiny_llama(tmp_path / "llama")), prompt=PromptStyle.chat, dropout=0.0
+        arch="causal", model=str(save_tiny_llama(tmp_path / "llama")), prompt=PromptStyle.chat, dropout=0.0
     )
     tok = load_tokenizer(g)
     torch.manual_seed(0)

@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from ragtrain.config.joint import JOINT_LOSSES, JointConfig
 from ragtrain.errors import ConfigError
-from ragtrain.joint.losses import EMDR2, LOSSES, PerplexityDistillation, ReplugLSR, build_loss
+from ragtrain.joint.losses.base import JointLoss, build_loss
+from ragtrain.joint.losses.emdr2 import EMDR2
+from ragtrain.joint.losses.lsr import ReplugLSR
+from ragtrain.joint.losses.pdist import PerplexityDistillation
 
 # One question, two passages, equal retriever scores (p_R = [1/2, 1/2]); the generator's answer probability is 0.6
 # with passage 1 and 0.2 with passage 2, so its posterior over the passages is [3/4, 1/4].
@@ -30,6 +34,11 @@ HAND = {
 }  # fmt: skip
 
 
+def _loss(name: str, tau: float = 1.0, theta: float = 1.0) -> JointLoss:
+    """The loss a run with joint.loss=name and these temperatures trains with."""
+    return build_loss(JointConfig(loss=name, temperature=tau, retriever_temperature=theta))
+
+
 def _value_and_grad(loss, scores, loglik) -> tuple[float, np.ndarray]:
     s = torch.tensor(scores, dtype=torch.float64, requires_grad=True)
     value = loss(s, torch.tensor(loglik, dtype=torch.float64))
@@ -39,7 +48,7 @@ def _value_and_grad(loss, scores, loglik) -> tuple[float, np.ndarray]:
 
 @pytest.mark.parametrize("name", sorted(HAND))
 def test_hand_worked_case(name: str) -> None:
-    value, grad = _value_and_grad(build_loss(name), HAND_SCORES, HAND_LOGLIK)
+    value, grad = _value_and_grad(_loss(name), HAND_SCORES, HAND_LOGLIK)
     assert value == pytest.approx(HAND[name][0], abs=1e-12)
     np.testing.assert_allclose(grad[0], HAND[name][1], atol=1e-12)
 
@@ -68,33 +77,33 @@ def _numpy_reference(name: str, s: np.ndarray, ll: np.ndarray, tau: float, theta
     return per_q.mean(), grad / b
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", sorted(JOINT_LOSSES))
 @pytest.mark.parametrize("tau,theta", [(1.0, 1.0), (0.5, 0.1), (2.0, 3.0)])
 def test_matches_the_formula_on_a_random_batch(name: str, tau: float, theta: float) -> None:
     rng = np.random.default_rng(0)
     s, ll = rng.normal(size=(3, 5)), -rng.uniform(0.5, 12, size=(3, 5))
     tau = 1.0 if name == "emdr2" else tau  # emdr2 has no generator-side temperature
-    value, grad = _value_and_grad(build_loss(name, tau, theta), s.tolist(), ll.tolist())
+    value, grad = _value_and_grad(_loss(name, tau, theta), s.tolist(), ll.tolist())
     ref_value, ref_grad = _numpy_reference(name, s, ll, tau, theta)
     assert value == pytest.approx(ref_value, rel=1e-10)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-8, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", sorted(JOINT_LOSSES))
 def test_gradcheck_float64(name: str) -> None:
     torch.manual_seed(0)
     s = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
     ll = -torch.rand(2, 4, dtype=torch.float64) * 10
-    loss = build_loss(name, 1.0 if name == "emdr2" else 0.7, 0.3)
+    loss = _loss(name, 1.0 if name == "emdr2" else 0.7, 0.3)
     assert torch.autograd.gradcheck(lambda x: loss(x, ll), (s,))
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", sorted(JOINT_LOSSES))
 def test_the_generator_likelihoods_are_a_target(name: str) -> None:
     """No gradient reaches the generator through these losses (it trains on its own loss)."""
     s = torch.randn(2, 3, requires_grad=True)
     ll = (-torch.rand(2, 3) * 5).requires_grad_()
-    build_loss(name)(s, ll).backward()
+    _loss(name)(s, ll).backward()
     assert ll.grad is None and s.grad is not None and s.grad.abs().sum() > 0
 
 
@@ -108,12 +117,13 @@ def test_lsr_and_pdist_are_the_two_directions_of_one_kl() -> None:
 
 
 def test_registry_and_bad_names() -> None:
-    assert set(LOSSES) == {"pdist", "emdr2", "lsr"} and LOSSES["emdr2"] is EMDR2
-    with pytest.raises(ConfigError, match=r"joint.loss must be one of \['emdr2', 'lsr', 'pdist'\], got 'loop'"):
-        build_loss("loop")
-    with pytest.raises(ConfigError, match="joint.temperature applies to pdist and lsr only"):
-        build_loss("emdr2", temperature=0.5)
+    """The config refuses a name the registry lacks, naming its names, and a temperature the loss would ignore."""
+    assert set(JOINT_LOSSES) == {"pdist", "emdr2", "lsr"} and JOINT_LOSSES["emdr2"].load() is EMDR2
+    with pytest.raises(ConfigError, match=r"joint.loss must be one of \['pdist', 'emdr2', 'lsr'\], got 'loop'"):
+        JointConfig(loss="loop")
+    with pytest.raises(ConfigError, match=r"joint.temperature applies to joint.loss in \['pdist', 'lsr'\] only"):
+        JointConfig(loss="emdr2", temperature=0.5)
     with pytest.raises(ConfigError, match="must be > 0"):
-        build_loss("pdist", retriever_temperature=0.0)
+        JointConfig(loss="pdist", retriever_temperature=0.0)
     with pytest.raises(ValueError, match=r"\[batch, k\]"):
-        build_loss("pdist")(torch.zeros(2, 3), torch.zeros(2, 4))
+        _loss("pdist")(torch.zeros(2, 3), torch.zeros(2, 4))

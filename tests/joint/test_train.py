@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.config import ConfigError, to_typed
+from ragtrain.config import to_typed
+from ragtrain.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 from tests.generator.tiny_llama import save_tiny_llama
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.config import RetrieverConfig, TinyEncoderConfig
+from ragtrain.config.retriever import RetrieverConfig, TinyEncoderConfig
 from ragtrain.data import make_synthetic
 from ragtrain.embed.align import embedding_drift
 from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer

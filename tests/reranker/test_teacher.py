@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from ragtrain.config import ConfigError, RetrieverConfig, to_typed
-from ragtrain.retriever.teacher_loss import distill_term, teacher_kl, teacher_margin_mse, teacher_matrix
+from ragtrain.config import to_typed
+from ragtrain.config.retriever import RetrieverConfig
+from ragtrain.errors import ConfigError
+from ragtrain.retriever.teacher.base import build_teacher_loss, teacher_matrix
+from ragtrain.retriever.teacher.kl import KL
+from ragtrain.retriever.teacher.margin_mse import MarginMSE
 from tests.conftest import compose, tiny_overrides
 
 
@@ -21,7 +25,7 @@ def test_kl_equals_the_hand_computed_value_over_scored_candidates_only() -> None
     q = torch.nn.functional.normalize(torch.randn(b, d), dim=1)
     p = torch.nn.functional.normalize(torch.randn(b + b * h, d), dim=1)
     teacher = torch.tensor([[3.0, 1.0, -1.0], [2.0, float("nan"), 0.5]])  # query 1's first negative: a top-up
-    got = teacher_kl(q, p, teacher, temperature=0.5, teacher_temperature=2.0)
+    got = KL()(q, p, teacher, temperature=0.5, teacher_temperature=2.0)
 
     def kl(t: np.ndarray, s: np.ndarray) -> float:
         pt, ps = np.exp(t - t.max()), np.exp(s - s.max())
@@ -34,7 +38,7 @@ def test_kl_equals_the_hand_computed_value_over_scored_candidates_only() -> None
     want = (kl(np.array([3.0, 1.0, -1.0]) / 2.0, s0) + kl(np.array([2.0, 0.5]) / 2.0, s1)) / 2
     assert got.item() == pytest.approx(want, rel=1e-5)
     qg = q.clone().requires_grad_(True)
-    teacher_kl(qg, p, teacher, 0.5, 2.0).backward()
+    KL()(qg, p, teacher, 0.5, 2.0).backward()
     assert torch.isfinite(qg.grad).all() and qg.grad.abs().sum() > 0
 
 
@@ -44,8 +48,8 @@ def test_a_student_equal_to_the_teacher_pays_nothing() -> None:
     p = torch.nn.functional.normalize(torch.randn(3 + 3 * 2, 8), dim=1)
     cand = torch.cat([p[:3].unsqueeze(1), p[3:].view(3, 2, -1)], 1)
     logits = torch.einsum("bd,bkd->bk", q, cand) / 0.05
-    assert teacher_kl(q, p, logits, 0.05, 1.0).item() == pytest.approx(0.0, abs=1e-6)
-    assert teacher_kl(q, p, logits * 0.1, 0.05, 1.0).item() > 1e-3  # a flatter teacher: the student is pulled
+    assert KL()(q, p, logits, 0.05, 1.0).item() == pytest.approx(0.0, abs=1e-6)
+    assert KL()(q, p, logits * 0.1, 0.05, 1.0).item() > 1e-3  # a flatter teacher: the student is pulled
 
 
 def test_margin_mse_equals_the_hand_computed_value_over_scored_pairs_only() -> None:
@@ -54,7 +58,7 @@ def test_margin_mse_equals_the_hand_computed_value_over_scored_pairs_only() -> N
     q = torch.nn.functional.normalize(torch.randn(b, d), dim=1)
     p = torch.nn.functional.normalize(torch.randn(b + b * h, d), dim=1)
     teacher = torch.tensor([[3.0, 1.0, -1.0], [2.0, float("nan"), 0.5]])  # query 1's first negative: unscored
-    got = teacher_margin_mse(q, p, teacher, temperature=0.5, teacher_temperature=2.0)
+    got = MarginMSE()(q, p, teacher, temperature=0.5, teacher_temperature=2.0)
     qn, pn = q.numpy().astype(np.float64), p.numpy().astype(np.float64)
 
     def s(i: int, j: int) -> float:
@@ -65,16 +69,16 @@ def test_margin_mse_equals_the_hand_computed_value_over_scored_pairs_only() -> N
     want = np.mean([((s(i, pos) - s(i, neg)) - m) ** 2 for i, pos, neg, m in pairs])
     assert got.item() == pytest.approx(want, rel=1e-5)
     qg = q.clone().requires_grad_(True)
-    teacher_margin_mse(qg, p, teacher, 0.5, 2.0).backward()
+    MarginMSE()(qg, p, teacher, 0.5, 2.0).backward()
     assert torch.isfinite(qg.grad).all() and qg.grad.abs().sum() > 0
     # A student whose margins are the teacher's pays nothing, even with different absolute scores
     cand = torch.cat([p[:b].unsqueeze(1), p[b:].view(b, h, -1)], 1)
     logits = torch.einsum("bd,bkd->bk", q, cand) / 0.5
-    assert teacher_margin_mse(q, p, logits + 7.0, 0.5, 1.0).item() == pytest.approx(0.0, abs=1e-9)
+    assert MarginMSE()(q, p, logits + 7.0, 0.5, 1.0).item() == pytest.approx(0.0, abs=1e-9)
     # No pair scored: zero, with a graph
     none = torch.full((b, 1 + h), float("nan"))
-    assert teacher_margin_mse(qg, p, none, 0.5, 1.0).item() == 0.0
-    assert distill_term("margin_mse") is teacher_margin_mse and distill_term("kl") is teacher_kl
+    assert MarginMSE()(qg, p, none, 0.5, 1.0).item() == 0.0
+    assert isinstance(build_teacher_loss("margin_mse"), MarginMSE) and isinstance(build_teacher_loss("kl"), KL)
 
 
 def test_teacher_matrix_follows_the_local_batch_layout() -> None:
@@ -109,13 +113,11 @@ def test_bad_teacher_settings_fail_in_the_config(tmp_path, extra, key) -> None:
 
 
 def test_distillation_loss_is_kl_or_margin_mse(tmp_path) -> None:
-    from hydra.errors import ConfigCompositionException
-
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.teacher.loss=margin_mse"]))
-    assert distill_term(cfg.retriever.teacher.loss) is teacher_margin_mse
-    with pytest.raises(ConfigCompositionException) as e:
-        compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.teacher.loss=mse"])
-    assert "kl" in str(e.value.__cause__) and "margin_mse" in str(e.value.__cause__)
+    assert isinstance(build_teacher_loss(cfg.retriever.teacher.loss), MarginMSE)
+    with pytest.raises(ConfigError) as e:  # one line naming the key and the registry's names
+        to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "retriever.teacher.loss=mse"]))
+    assert str(e.value) == "retriever.teacher.loss must be one of ['kl', 'margin_mse'], got 'mse'"
 
 
 def test_a_teacher_for_another_tokenizer_is_refused(tmp_path) -> None:
@@ -141,7 +143,7 @@ def test_a_teacher_for_another_tokenizer_is_refused(tmp_path) -> None:
 
 def test_scores_on_ray_data_equal_in_process_scores(ray_session, tmp_path) -> None:
     """The pool's actors read passages from a PassageStore and return one score per (query, passage) pair, in order."""
-    from ragtrain.config import PoolResources
+    from ragtrain.config.resources import PoolResources
     from ragtrain.data import Passage
     from ragtrain.data.store import write_store
     from ragtrain.embed.model import load_tokenizer

@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ragtrain.config import ConfigError, RetrieverConfig, RetrieverTrainConfig, TinyEncoderConfig
+from ragtrain.config.retriever import RetrieverConfig, RetrieverTrainConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder
+from ragtrain.errors import ConfigError
 from ragtrain.retriever.gradcache import cached_step, split
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ragtrain.config import ConfigError, LoraConfig, RetrieverConfig, TinyEncoderConfig
+from ragtrain.config.retriever import LoraConfig, RetrieverConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder
+from ragtrain.errors import ConfigError
 from ragtrain.retriever.lora import apply_lora, has_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder

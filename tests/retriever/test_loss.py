@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ragtrain.config import RetrieverConfig, TinyEncoderConfig
+from ragtrain.config.retriever import RetrieverConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder
@@ -151,13 +151,13 @@ def _rank_inputs(r: int, world: int):
 
 def _local_step(rank: int, world: int, port: int, out: str) -> None:
     """A replica that trains apart (gossip): no DDP, gradient_groups from the strategy; save its own gradients."""
-    from ragtrain.config import sync_preset
     from ragtrain.sync.composed import build_sync
+    from tests.conftest import sync_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _tiny_qp()
-    groups = build_sync(sync_preset("gossip")).gradient_groups(0)
+    groups = build_sync(sync_config("gossip")).gradient_groups(0)
     q, p, p_ids, q_gold = _rank_inputs(rank, world)
     q_emb, p_emb = model(q, p)
     loss = contrastive_loss(q_emb, p_emb, 0.05, q_gold, p_ids, grad_groups=groups)
@@ -235,13 +235,13 @@ def test_hierarchical_gradients_flow_inside_the_node_only(tmp_path: Path) -> Non
 
 def test_strategies_name_whose_gradients_they_average() -> None:
     """DDP-like strategies: every rank; replicas that train apart: their own rank; local SGD switches after warm-up."""
-    from ragtrain.config import sync_preset
     from ragtrain.sync.composed import build_sync
+    from tests.conftest import sync_config
 
     # hierarchical and hybrid on one node are DDP
     for name in ("ddp", "fp16", "powersgd", "topk", "hierarchical", "hybrid_powersgd"):
-        assert build_sync(sync_preset(name)).gradient_groups(5) is None
+        assert build_sync(sync_config(name)).gradient_groups(5) is None
     for name in ("gossip", "vector_avg", "local_sgd", "layerwise"):  # layer-wise: the lower layers train apart
-        assert build_sync(sync_preset(name)).gradient_groups(5) == [[0]]
-    local = build_sync(sync_preset("local_sgd", mixer={"warmup_steps": 2}))
+        assert build_sync(sync_config(name)).gradient_groups(5) == [[0]]
+    local = build_sync(sync_config("local_sgd", mixer={"warmup_steps": 2}))
     assert [local.gradient_groups(s) for s in range(4)] == [None, None, [[0]], [[0]]]

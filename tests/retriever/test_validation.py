@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragtrain.config import ConfigError, RetrieverConfig, to_typed
+from ragtrain.config import to_typed
+from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.data import make_synthetic
+from ragtrain.errors import ConfigError
 from ragtrain.retriever.validation import make_val_set, validate
 from tests.conftest import compose, tiny_overrides
 

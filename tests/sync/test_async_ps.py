@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import spawn
+from tests.conftest import spawn, sync_config
 
 
 def _wait_for(paths: list, what: str, deadline_s: float = 300.0) -> None:
@@ -29,14 +29,13 @@ def _loop(config: dict) -> None:
     import torch
     from torch import nn
 
-    from ragtrain.config import sync_preset
     from ragtrain.sync.composed import build_sync
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(0)
     model = nn.Linear(32, 4)
-    strategy = build_sync(sync_preset("async_ps", mixer={"max_staleness": config["max_staleness"]}))
+    strategy = build_sync(config["sync"])  # typed on the driver, as the recipe's workers receive it
     assert strategy.gather_negatives is False
     model = strategy.wrap(model, torch.device("cpu"))
     params = list(model.parameters())
@@ -76,7 +75,11 @@ def test_async_ps_bounded_staleness_and_no_waiting(ray_session, tmp_path, max_st
 
     trainer = TorchTrainer(
         _loop,
-        train_loop_config={"steps": 12, "max_staleness": max_staleness, "out": str(tmp_path)},
+        train_loop_config={
+            "steps": 12,
+            "sync": sync_config("async_ps", mixer={"max_staleness": max_staleness}),
+            "out": str(tmp_path),
+        },
         scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(tmp_path / "ray")),
     )
@@ -101,7 +104,7 @@ def _restart(rank: int, world: int, port: int, address: str, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from ragtrain.config import MixerConfig
+    from ragtrain.config.sync import MixerConfig
     from ragtrain.sync.base import flat_params, set_flat_params
     from ragtrain.sync.mixers.async_ps import AsyncPS
 

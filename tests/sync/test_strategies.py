@@ -11,13 +11,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import MIXERS, REDUCERS, ConfigError, MixerConfig, SyncConfig, sync_preset
+from ragtrain.config.sync import MIXERS, REDUCERS, MixerConfig, SyncConfig
+from ragtrain.errors import ConfigError
 from ragtrain.sync.base import flat_params
 from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
 from ragtrain.sync.composed import build_sync
 from ragtrain.sync.drift import param_divergence, replica_cosine, topk_jaccard
-from ragtrain.sync.mixers.gossip import neighbours
-from tests.conftest import spawn
+from ragtrain.sync.topologies.base import build_topology
+from tests.conftest import spawn, sync_config
 
 
 def _free_port() -> int:
@@ -37,15 +38,18 @@ def S(preset: str, **overrides) -> dict:
 
 
 def _sync(sync: dict) -> SyncConfig:
-    return sync_preset(sync["preset"], **{k: v for k, v in sync.items() if k not in ("preset", "clip")})
+    return sync_config(sync["preset"], **{k: v for k, v in sync.items() if k not in ("preset", "clip")})
 
 
-def _train_one(rank: int, sync: dict, steps: int, lr: float, seed_per_rank: bool, nodes: list | None) -> dict:
-    """Train a small MLP with the given strategy and SGD+momentum; returns params, bytes and drift per step (all
-    parameters: div; the first / last layer alone: div_first / div_last)."""
+def _train_one(
+    rank: int, sync: SyncConfig, clip: float | None, steps: int, lr: float, seed_per_rank: bool, nodes: list | None
+) -> dict:
+    """Train a small MLP with the given strategy and SGD+momentum (gradients clipped to `clip` per clip group);
+    returns params, bytes and drift per step (all parameters: div; the first / last layer alone: div_first /
+    div_last)."""
     STATS.reset()
     model = _model(rank if seed_per_rank else 0)
-    strategy = build_sync(_sync(sync), nodes)
+    strategy = build_sync(sync, nodes)
     wrapped = strategy.wrap(model, torch.device("cpu"))
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
@@ -57,9 +61,9 @@ def _train_one(rank: int, sync: dict, steps: int, lr: float, seed_per_rank: bool
         loss = ((wrapped(x) - y) ** 2).mean()
         opt.zero_grad()
         loss.backward()
-        if sync.get("clip"):  # as the recipe does: one gradient norm per strategy.clip_groups group
+        if clip:  # as the recipe does: one gradient norm per strategy.clip_groups group
             for group in strategy.clip_groups(params):
-                torch.nn.utils.clip_grad_norm_(group, sync["clip"])
+                torch.nn.utils.clip_grad_norm_(group, clip)
         opt.step()
         strategy.after_step(params, step)
         bytes_per_step.append(STATS.total_bytes() - before)
@@ -141,7 +145,8 @@ _RESULTS: dict[str, dict] = {}
 
 def _spawn(tmp: Path, world: int, jobs: list[tuple]) -> list[dict]:
     out = str(tmp / f"jobs_{world}_{len(os.listdir(tmp))}.pt")
-    spawn(_train_many, (world, _free_port(), out, [j[1:] for j in jobs]), world)
+    typed = [(_sync(j[1]), j[1].get("clip"), *j[2:]) for j in jobs]  # composed here, once, not in every rank
+    spawn(_train_many, (world, _free_port(), out, typed), world)
     return torch.load(out, weights_only=True)
 
 
@@ -294,7 +299,7 @@ def test_layerwise_top_layer_every_step_the_rest_every_k(tmp_path: Path) -> None
 
 
 def test_layerwise_pattern_that_matches_nothing_fails() -> None:
-    strategy = build_sync(sync_preset("layerwise"))  # patterns for a 6-layer BERT
+    strategy = build_sync(sync_config("layerwise"))  # patterns for a 6-layer BERT
     with pytest.raises(ValueError, match=r"reducer_params pattern .* matches no parameter"):
         strategy.wrap(_model(), torch.device("cpu"))
 
@@ -394,12 +399,12 @@ def test_every_mixer_pins_its_bytes_per_step(tmp_path: Path, kind: str) -> None:
 def test_neighbours_agree_across_ranks() -> None:
     for rnd in range(5):
         for world in (2, 3, 5, 6):
-            pairs = {r: neighbours(r, world, "random", rnd) for r in range(world)}
+            pairs = {r: build_topology("random").neighbours(r, world, rnd) for r in range(world)}
             for r, ps in pairs.items():
                 for p in ps:
                     assert r in pairs[p]
-    assert neighbours(0, 4, "ring", 0) == [1, 3]
-    assert neighbours(1, 2, "ring", 0) == [0]
+    assert build_topology("ring").neighbours(0, 4, 0) == [1, 3]
+    assert build_topology("ring").neighbours(1, 2, 0) == [0]
 
 
 def test_metrics_single_process_defaults() -> None:
@@ -423,7 +428,7 @@ def test_metrics_single_process_defaults() -> None:
 )
 def test_bad_parameters_name_the_key_and_choices(sync: dict, key: str) -> None:
     with pytest.raises(ConfigError) as e:
-        sync_preset("ddp", **sync)
+        sync_config("ddp", **sync)
     assert key in str(e.value)
 
 
@@ -467,7 +472,7 @@ def test_bad_parameters_name_the_key_and_choices(sync: dict, key: str) -> None:
 )
 def test_unused_keys_and_invalid_combinations_fail_naming_the_valid_ones(sync: dict, key: str, named: str) -> None:
     with pytest.raises(ConfigError) as e:
-        sync_preset("ddp", **sync)
+        sync_config("ddp", **sync)
     assert key in str(e.value) and named in str(e.value), str(e.value)
 
 
@@ -490,13 +495,13 @@ def test_every_preset_is_a_composition() -> None:
     presets = sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "sync").glob("*.yaml"))
     assert presets == sorted(expect)
     for name, (reducer, mixer, family) in expect.items():
-        c = sync_preset(name)
+        c = sync_config(name)
         assert (c.reducer.kind, c.mixer.kind, c.strategy) == (reducer, mixer, family), name
-    p = sync_preset("powersgd")
+    p = sync_config("powersgd")
     assert (p.reducer.matrix_rank, p.reducer.start_iter, p.reducer.ratio, p.mixer.period) == (4, 4, None, None)
-    h = sync_preset("hybrid_powersgd")
+    h = sync_config("hybrid_powersgd")
     assert (h.scope.reducer, h.reducer.matrix_rank, h.label) == ("two_level", 4, "hybrid_powersgd")
-    assert sync_preset("layerwise").mixer.period == 8 and SyncConfig().strategy == "ddp"
+    assert sync_config("layerwise").mixer.period == 8 and SyncConfig().strategy == "ddp"
 
 
 def test_comm_seconds_count_overlapping_collectives_once() -> None:
@@ -512,7 +517,7 @@ def test_comm_seconds_count_overlapping_collectives_once() -> None:
     assert stats.total_seconds() == 4.0 and stats.total_bytes() == 32
 
 
-def _powersgd_timing(rank: int, world: int, port: int, out: str) -> None:
+def _powersgd_timing(rank: int, world: int, port: int, out: str, sync: SyncConfig) -> None:
     """PowerSGD on gloo with the real hook wrapped: record when each bucket's all-reduces were issued and done."""
     import importlib
 
@@ -535,8 +540,6 @@ def _powersgd_timing(rank: int, world: int, port: int, out: str) -> None:
     module.powerSGD_hook = recording_hook
     STATS.reset()
     model = _model()
-    # 1 KB buckets: after DDP's rebuild at step 1 the two layers travel in two buckets
-    sync = sync_preset("powersgd", reducer={"matrix_rank": 2, "start_iter": 2}, bucket_cap_mb=0.001)
     strategy = build_sync(sync)
     wrapped = strategy.wrap(model, torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -554,7 +557,9 @@ def _powersgd_timing(rank: int, world: int, port: int, out: str) -> None:
 def test_powersgd_on_gloo_times_its_communication(tmp_path: Path) -> None:
     """Every bucket's counted interval covers the real hook from its first all-reduce to its result."""
     out = str(tmp_path / "timing.pt")
-    spawn(_powersgd_timing, (2, _free_port(), out), 2)
+    # 1 KB buckets: after DDP's rebuild at step 1 the two layers travel in two buckets
+    sync = sync_config("powersgd", reducer={"matrix_rank": 2, "start_iter": 2}, bucket_cap_mb=0.001)
+    spawn(_powersgd_timing, (2, _free_port(), out, sync), 2)
     r = torch.load(out, weights_only=True)
     assert len(r["spans"]) == len(r["recorded"]) == 1 + 2 * 3  # step 0: one bucket (DDP's first step), then two
     for (issued, done), (start, end) in zip(sorted(r["spans"]), sorted(r["recorded"])):
@@ -591,7 +596,7 @@ class _ReverseRegistered(nn.Module):
         return self.second(torch.tanh(self.first(x)))
 
 
-def _topk_grads(rank: int, world: int, port: int, out: str) -> None:
+def _topk_grads(rank: int, world: int, port: int, out: str, sync: SyncConfig) -> None:
     """Each step: this rank's raw local gradient (a plain copy of the model) and the gradient DDP applied."""
     import copy
 
@@ -600,7 +605,7 @@ def _topk_grads(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _ReverseRegistered()
     plain = copy.deepcopy(model)
-    strategy = build_sync(sync_preset("topk", reducer={"ratio": 0.1}))
+    strategy = build_sync(sync)
     wrapped = strategy.wrap(model, torch.device("cpu"))
     gen = torch.Generator().manual_seed(100 + rank)
     raw, applied = [], []
@@ -619,7 +624,7 @@ def test_topk_error_feedback_stays_with_its_parameter(tmp_path: Path) -> None:
     """The applied gradients equal top-k with per-parameter error feedback simulated from the raw gradients, also
     after DDP rebuilds its bucket at step 1 (same size, parameters in another order)."""
     out = str(tmp_path / "topk")
-    spawn(_topk_grads, (2, _free_port(), out), 2)
+    spawn(_topk_grads, (2, _free_port(), out, sync_config("topk", reducer={"ratio": 0.1})), 2)
     runs = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
     residual = [torch.zeros_like(runs[0]["raw"][0]) for _ in runs]
     for step in range(4):
@@ -643,7 +648,7 @@ def test_restored_sync_state_moves_to_the_replicas_device() -> None:
 
     from ragtrain.sync.reducers.powersgd import load_powersgd_state
 
-    strategy = build_sync(sync_preset("topk", reducer={"ratio": 0.1}))
+    strategy = build_sync(sync_config("topk", reducer={"ratio": 0.1}))
     strategy.wrap(nn.Linear(2, 2), torch.device("meta"))  # one process: no DDP, but the device is recorded
     strategy.load_state_dict({"topk_by_param": {"0": torch.ones(3), "2": torch.zeros(2)}})
     assert {k: v.device.type for k, v in strategy.scope.reducer.residuals.items()} == {0: "meta", 2: "meta"}

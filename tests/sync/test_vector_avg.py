@@ -65,7 +65,7 @@ def test_vector_avg_index_is_mean_of_replica_vectors(ray_session, tmp_path) -> N
 
 def test_query_encoder_of_several_replicas_is_their_renormalised_mean() -> None:
     """The consensus index's queries: every replica encodes, the unit vectors are averaged and re-normalised."""
-    from ragtrain.config import RetrieverConfig
+    from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.embed.encoders import QueryEncoder
 
     cfg = RetrieverConfig(model="tiny")

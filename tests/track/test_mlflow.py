@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ragtrain.config import ConfigError, LoggerConfig
+from ragtrain.config.logger import LoggerConfig
+from ragtrain.errors import ConfigError
 from ragtrain.track.mlflow import MetricSink, RunLogger, check_tracking_uri, tracking_uri
 
 

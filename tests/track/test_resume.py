@@ -6,7 +6,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from ragtrain.config import LoggerConfig
+from ragtrain.config.logger import LoggerConfig
 from ragtrain.track.mlflow import RunLogger, find_runs
 from tests.conftest import mlflow_db
 

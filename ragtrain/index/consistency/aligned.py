@@ -10,7 +10,7 @@ from ragtrain.errors import ConfigError
 from ragtrain.index.consistency.eager import Eager
 
 if TYPE_CHECKING:
-    from ragtrain.config import RefreshConfig
+    from ragtrain.config.index import RefreshConfig
     from ragtrain.index.refresh_service import RefreshService
 
 

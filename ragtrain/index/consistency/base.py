@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from ragtrain.config import RefreshConfig
+    from ragtrain.config.index import RefreshConfig
     from ragtrain.index.refresh_service import RefreshService
 
 # {shard: its encode's stats}, and the states published (one per state searches could see)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from ragtrain.config import MIXERS, MixerConfig
+from ragtrain.config.sync import MIXERS, MixerConfig
 from ragtrain.sync.scopes.base import MixerScope
 
 

@@ -1,8 +1,8 @@
 """`gossip`: every `period` steps each worker mixes with its neighbours, point to point.
 
-Round t: neighbours N(i) are the ring neighbours {i-1, i+1} or, with topology=random, one peer from a pairing
-drawn with a seed shared by all workers (so pairs agree; an odd worker out skips the round), on the mixer
-scope's ring (the ranks, or the nodes). Each worker sends its flat parameters to its neighbours and sets
+Round t: neighbours N(i) come from the topology (ragtrain/sync/topologies/: the ring neighbours {i-1, i+1}, or
+with topology=random one peer from a pairing drawn with a seed shared by all workers), on the mixer scope's ring
+(the ranks, or the nodes). Each worker sends its flat parameters to its neighbours and sets
     theta_i <- (1 - mixing) * theta_i + mixing * mean_{j in N(i)} theta_j.
 With a doubly stochastic mixing (ring, or pairs) the mean is preserved and replicas contract to it.
 """
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import MixerConfig
+from ragtrain.config.sync import MixerConfig
 from ragtrain.sync.base import average_params, flat_params, set_flat_params
 from ragtrain.sync.comm import STATS
 from ragtrain.sync.scopes.base import MixerScope
+from ragtrain.sync.topologies.base import build_topology
 
 
 class Gossip:
@@ -27,6 +27,7 @@ class Gossip:
 
     def __init__(self, cfg: MixerConfig, scope: MixerScope):
         self.cfg, self.scope = cfg, scope
+        self.topology = build_topology(cfg.topology)
         self.rounds = 0
 
     def bind(self, model: nn.Module) -> None:
@@ -36,7 +37,7 @@ class Gossip:
         if (step + 1) % self.cfg.period:
             return
         position, size = self.scope.position()
-        peers = self.scope.ranks(neighbours(position, size, self.cfg.topology, self.rounds))
+        peers = self.scope.ranks(self.topology.neighbours(position, size, self.rounds))
         self.rounds += 1
         mix_with_peers(params, peers, self.cfg.mixing, self.scope.category)
 
@@ -51,18 +52,6 @@ class Gossip:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rounds = int(state.get("rounds", 0))
-
-
-def neighbours(rank: int, world: int, topology: str, round_: int, seed: int = 0) -> list[int]:
-    """Peers of `rank` in gossip round `round_` (the same answer on every worker)."""
-    if world == 1:
-        return []
-    if topology == "ring":
-        return sorted({(rank - 1) % world, (rank + 1) % world} - {rank})
-    perm = np.random.default_rng([seed, round_]).permutation(world)
-    pos = int(np.where(perm == rank)[0][0])
-    peer = pos + 1 if pos % 2 == 0 else pos - 1
-    return [int(perm[peer])] if peer < world else []
 
 
 def mix_with_peers(params: list[nn.Parameter], peers: list[int], mixing: float, category: str) -> None:

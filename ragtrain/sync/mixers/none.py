@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from ragtrain.config import MixerConfig
+from ragtrain.config.sync import MixerConfig
 from ragtrain.sync.base import average_params
 from ragtrain.sync.scopes.base import MixerScope
 

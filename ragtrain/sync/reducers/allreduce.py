@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ragtrain.config import ReducerConfig
+from ragtrain.config.sync import ReducerConfig
 from ragtrain.sync.comm import all_reduce_bytes, counted_future
 from ragtrain.sync.reducers.base import Stateless, group_size, reduce_slices
 

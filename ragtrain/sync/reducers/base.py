@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import REDUCERS, ReducerConfig
+from ragtrain.config.sync import REDUCERS, ReducerConfig
 from ragtrain.sync.comm import STATS, all_reduce_bytes
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import ReducerConfig
+from ragtrain.config.sync import ReducerConfig
 from ragtrain.sync.comm import STATS, all_reduce_bytes, counted_future
 from ragtrain.sync.reducers.base import group_size
 

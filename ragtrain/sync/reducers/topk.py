@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import ReducerConfig
+from ragtrain.config.sync import ReducerConfig
 from ragtrain.sync.comm import STATS, all_gather_bytes
 from ragtrain.sync.reducers.base import done, group_size
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from ragtrain.config import REDUCERS, ReducerConfig
+from ragtrain.config.sync import REDUCERS, ReducerConfig
 from ragtrain.sync.reducers.base import Reducer, build_reducer
 from ragtrain.sync.scopes.base import Layout
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.config import MIXER_SCOPES, REDUCER_SCOPES, ReducerConfig
+from ragtrain.config.sync import MIXER_SCOPES, REDUCER_SCOPES, ReducerConfig
 from ragtrain.sync.base import world_size
 from ragtrain.sync.reducers.base import Reducer
 

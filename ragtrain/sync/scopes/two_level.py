@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from ragtrain.config import ReducerConfig
+from ragtrain.config.sync import ReducerConfig
 from ragtrain.sync.reducers.base import Reducer, build_reducer, done
 from ragtrain.sync.scopes.base import Layout
 from ragtrain.sync.scopes.intra_node import node_mean

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
-from ragtrain.config import TuneConfig
+from ragtrain.config.tune import TuneConfig
 from ragtrain.tune.trial import normalize_metric
 
 UNCAPPED_T = 10**6  # ASHA needs a max_t for its rungs; a trial reaching it would be stopped before its evaluation

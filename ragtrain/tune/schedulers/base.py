@@ -6,7 +6,7 @@ from typing import Protocol
 
 from ray.tune.schedulers import TrialScheduler
 
-from ragtrain.config import TUNE_SCHEDULERS, TuneConfig
+from ragtrain.config.tune import TUNE_SCHEDULERS, TuneConfig
 
 
 class Scheduler(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
-from ragtrain.config import TuneConfig
+from ragtrain.config.tune import TuneConfig
 
 
 class Fifo:

@@ -7,7 +7,7 @@ from typing import Protocol
 from ray.tune.search import SearchAlgorithm
 from ray.tune.search import Searcher as TuneSearcher
 
-from ragtrain.config import TUNE_SEARCHERS, TuneConfig
+from ragtrain.config.tune import TUNE_SEARCHERS, TuneConfig
 
 
 class Searcher(Protocol):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.optuna import OptunaSearch
 
-from ragtrain.config import TuneConfig
+from ragtrain.config.tune import TuneConfig
 from ragtrain.tune.trial import normalize_metric
 
 

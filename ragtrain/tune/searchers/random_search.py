@@ -5,7 +5,7 @@ from __future__ import annotations
 from ray.tune.search import SearchAlgorithm
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from ragtrain.config import TuneConfig
+from ragtrain.config.tune import TuneConfig
 
 
 class RandomSearch:
