@@ -26,7 +26,7 @@ from ragtrain.index.sharded import (
     LIVE_STATE,
     MANIFEST,
     SEARCH_BATCH,
-    LocalShards,
+    ReadOnlyShards,
     ShardGroup,
     ShardUnavailableError,
     merge_topk,
@@ -112,7 +112,7 @@ def test_each_shard_persists_its_build_with_a_manifest_and_saves_a_loadable_fold
         assert m["version"] >= 1 and len(m["checksum"]) == 64
     out = index.save(tmp_path / "index")
     local = open_saved(out, expect_corpus="fp")
-    assert isinstance(local, LocalShards) and local.doc_ids == index.doc_ids
+    assert isinstance(local, ReadOnlyShards) and local.doc_ids == index.doc_ids
     q = _vectors(5, seed=9)
     for a, b in zip(local.search(q, 7), index.search(q, 7)):
         np.testing.assert_array_equal(a, b)
