@@ -344,7 +344,7 @@ class Retrieval:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: as ray
 
         # lazy: ragtrain.index.refresh_service imports faiss/ray; this module imports without them
-        from ragtrain.index.refresh import make_probe
+        from ragtrain.index.live_client import make_probe
         from ragtrain.index.refresh_service import RefreshService, RefreshSpec, reserve
         from ragtrain.index.sharded import shard_ranges
 
@@ -369,6 +369,7 @@ class Retrieval:
         spec = RefreshSpec(
             r, cfg.retriever, resolved_index(cfg), MiningSpec.of(cfg.retriever.train), cfg.seed,
             threads=max(1, int(pool.cpus_per_actor * pool.num_actors) // group.n), fault=cfg.fault,
+            folder=str(group.root),
         )  # fmt: skip
         corpus, texts = self.data.corpus, self.passages()
         sources = [
