@@ -3,7 +3,7 @@
 What is compared (both inside ONE training run each, so both sides of a ratio share the machine's state)
     Every step of a live-refresh run (``refresh.enabled``) is timed on rank 0 and tagged with whether a refresh
     was running when it ended; ratio = samples/s of tagged steps / samples/s of untagged steps
-    (``index/refresh_throughput_ratio``, from ``ragtrain.index.refresh.LiveIndexClient.summary``).
+    (``index/refresh_throughput_ratio``, from ``ragtrain.index.live_client.LiveIndexClient.summary``).
     A: isolated: ``resources=laptop`` -- 1 trainer worker with 1 CPU (1 torch thread) and the refresh's 1 reserved
        CPU (``resources.pool``: the one index shard encodes with 1 torch thread), each in its own placement group,
        on ``num_cpus=2`` (= the cores).

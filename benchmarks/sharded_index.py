@@ -395,8 +395,8 @@ def live_refresh(args: argparse.Namespace, t0: float) -> dict[str, Any] | None:
     from hydra import compose, initialize_config_dir
 
     from ragtrain.config import register_configs, to_typed
+    from ragtrain.index.live_client import make_probe
     from ragtrain.index.mining import MiningSpec
-    from ragtrain.index.refresh import make_probe
     from ragtrain.index.refresh_service import RefreshService, RefreshSpec
     from ragtrain.index.sharded import ShardGroup, shard_ranges
     from ragtrain.pipeline import initial_weights
@@ -442,7 +442,7 @@ def live_refresh(args: argparse.Namespace, t0: float) -> dict[str, Any] | None:
             refresh = replace(cfg.refresh, consistency="global", fraction=fraction)
             spec = RefreshSpec(
                 refresh, cfg.retriever, idx, MiningSpec.of(cfg.retriever.train), cfg.seed,
-                threads=max(1, args.cpus // group.n),
+                threads=max(1, args.cpus // group.n), fault=cfg.fault, folder=str(group.root),
             )  # fmt: skip
             service = RefreshService.options(num_cpus=0).remote(
                 spec, group.actors, ids, texts, sources, queries, gold, probe

@@ -208,7 +208,7 @@ def dispatch(cfg: DictConfig) -> None:
     from ragtrain.index.checks import check_refresh
 
     for each in [typed, *variants.values()]:  # every variant's live-refresh choices, before the first one runs
-        check_refresh(each.refresh)
+        check_refresh(each.refresh, fault=each.fault)
     if variants:
         # lazy: ragtrain.variants imports pandas/pyarrow/torch; the CLI starts without them
         from ragtrain.variants import run_variants

@@ -259,7 +259,7 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
     from ragtrain.index.sharded import check_shard_config, shard_gpu_claim
 
-    check_refresh(cfg.refresh)  # the variant names, against their registries
+    check_refresh(cfg.refresh, fault=cfg.fault)  # the variant names, against their registries (and the fault hooks)
     for line in ineffective_settings(cfg) + refresh_warnings(cfg.refresh):
         log.warning(line)
     if cfg.logger.backend == LoggerBackend.mlflow:  # a store that cannot work fails in seconds, not after training

@@ -33,7 +33,7 @@ from ragtrain.embed.encoders import EncodeFault, QueryEncoder, encoder_dim
 from ragtrain.eval.answers import answer_recall
 from ragtrain.eval.metrics import DEFAULT_KS, evaluate, maxp_run, run_from_scores
 from ragtrain.index import vector_cache
-from ragtrain.index.base import Index
+from ragtrain.index.base import Index, ReadOnlyIndex
 from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores
 from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, map_vectors, mean_vectors, sample_ids
@@ -50,7 +50,7 @@ class BuiltIndex:
     """One index build: the FAISS index, the encoder snapshot(s) behind it, and its vectors' whereabouts."""
 
     tag: str
-    index: Index  # a ShardedIndex held by the run's shard group
+    index: Index | ReadOnlyIndex  # the run's ShardedIndex; a saved one opened in this process (paired): read-only
     snapshots: list[dict[str, torch.Tensor]]
     corpus_ids: list[str]  # corpus order
     stats: dict
@@ -346,7 +346,7 @@ class Retrieval:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: as ray
 
         # lazy: ragtrain.index.refresh_service imports faiss/ray; this module imports without them
-        from ragtrain.index.refresh import make_probe
+        from ragtrain.index.live_client import make_probe
         from ragtrain.index.refresh_service import RefreshService, RefreshSpec, reserve
         from ragtrain.index.sharded import shard_ranges
 
@@ -371,6 +371,7 @@ class Retrieval:
         spec = RefreshSpec(
             r, cfg.retriever, resolved_index(cfg), MiningSpec.of(cfg.retriever.train), cfg.seed,
             threads=max(1, int(pool.cpus_per_actor * pool.num_actors) // group.n), fault=cfg.fault,
+            folder=str(group.root),
         )  # fmt: skip
         corpus, texts = self.data.corpus, self.passages()
         sources = [

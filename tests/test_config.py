@@ -312,10 +312,6 @@ _LIVE = ["refresh.enabled=true", "refresh.every_steps=5"]
             [*_LIVE, "index.shards=3", "fault.kill_shard_before_apply=3"],
             r"fault.kill_shard_before_apply names an index shard, and index.shards=3 numbers them from 0, got 3",
         ),
-        (
-            [*_LIVE, "refresh.consistency=eager", "fault.kill_shard_before_apply=0"],
-            r"fault.kill_shard_before_apply kills a shard between the barrier and the apply of .*eager has no barrier",
-        ),
     ],
 )
 def test_settings_that_would_be_ignored_fail_naming_the_key(overrides: list, match: str, tmp_path: Path) -> None:

@@ -45,6 +45,12 @@ def _reaches_itself(start: str) -> list[str] | None:
     return None
 
 
+INDEX_MODULES = sorted(
+    ".".join(p.relative_to(PKG.parent).with_suffix("").parts).removesuffix(".__init__")
+    for p in (PKG / "index").rglob("*.py")
+)  # every module of the index layer, found on disk: a new one is covered without being listed
+
+
 @pytest.mark.parametrize(
     "module",
     [
@@ -58,10 +64,35 @@ def _reaches_itself(start: str) -> list[str] | None:
         "ragtrain.tune.results",
         "ragtrain.corpus.dataset",
         "ragtrain.data.store",
+        *INDEX_MODULES,
     ],
 )
 def test_no_import_cycle_through(module: str) -> None:
     assert _reaches_itself(module) is None, " -> ".join(_reaches_itself(module))
+
+
+def test_every_index_module_is_covered() -> None:
+    """The list above is read from disk: every module of ragtrain/index/, the packages' __init__ included."""
+    assert {"ragtrain.index", "ragtrain.index.sharded", "ragtrain.index.consistency.base"} <= set(INDEX_MODULES)
+    assert len(INDEX_MODULES) == len(list((PKG / "index").rglob("*.py")))
+
+
+def test_consistency_policies_import_nothing_of_the_refresh_service() -> None:
+    """A policy lands a round through the `RefreshRound` it is handed (consistency/base.py), not through the
+    service that holds it, nor the shards' module."""
+    policies = [m for m in INDEX_MODULES if m.startswith("ragtrain.index.consistency")]
+    reached = {m: _reachable(m) & {"ragtrain.index.refresh_service", "ragtrain.index.sharded"} for m in policies}
+    assert reached == {m: set() for m in policies}
+
+
+def _reachable(start: str) -> set[str]:
+    """Every ragtrain module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in _imports(todo.pop()) - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
 
 
 def test_relative_imports_are_followed() -> None:

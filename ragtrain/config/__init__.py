@@ -314,13 +314,6 @@ def check_refresh(cfg: Config) -> None:
             f"names an index shard, and index.shards={cfg.index.shards} numbers them from 0",
             shard,
         )
-    _check(
-        f.kill_shard_before_apply < 0 or r.consistency == "global",
-        "fault.kill_shard_before_apply",
-        f"kills a shard between the barrier and the apply of refresh.consistency=global, and "
-        f"refresh.consistency={r.consistency} has no barrier",
-        f.kill_shard_before_apply,
-    )
     if r.enabled and r.fraction >= 1.0 and r.priority != RefreshConfig.priority:
         raise ConfigError(
             f"refresh.priority={r.priority} chooses the rows a partial refresh re-encodes, and "

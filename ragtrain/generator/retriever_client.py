@@ -23,7 +23,7 @@ from ragtrain.console import get_logger
 from ragtrain.embed.encoders import QueryEncoder
 from ragtrain.embed.model import build_encoder
 from ragtrain.embed.weights import load_weights
-from ragtrain.index.base import Index
+from ragtrain.index.base import Index, ReadOnlyIndex
 from ragtrain.index.faiss_index import IndexMismatchError
 
 log = get_logger(__name__)
@@ -131,7 +131,7 @@ def check_encoder(
     weights: list[dict[str, torch.Tensor]],
     precision: str,
     passages: Sequence[str],
-    index,
+    index: ReadOnlyIndex,
     n: int,
     min_cosine: float = 0.99,
 ) -> float:

@@ -1,6 +1,8 @@
-"""The `Index` protocol: what every user of an index (evaluation, mining, the live refresh, the generator's
-retrieval) calls. Its implementation is the shard group's `ShardedIndex` (index/sharded.py), at any shard count;
-`LocalShards` reads a saved one in-process."""
+"""What users of an index call. `Index` is the run's index, held by the shard group's actors (`ShardedIndex`,
+index/sharded.py, at any shard count): evaluation, mining, the live refresh and the generator's retrieval search
+it, save it and drop it. `ReadOnlyIndex` is the part that only reads: a saved index opened in this process
+(`ReadOnlyShards`, by `open_saved`: `python -m ragtrain.search`, `ask`, `paired`, the generator's checks) is one,
+searched through the same scatter-and-merge as the actors' index, and it can be neither saved nor dropped."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import numpy as np
 from ragtrain.index.faiss_index import IndexMeta
 
 
-class Index(Protocol):
+class ReadOnlyIndex(Protocol):
+    """An index that is searched, never written."""
+
     doc_ids: list[str]  # the id of every row, in row order
     meta: IndexMeta
 
@@ -28,8 +32,20 @@ class Index(Protocol):
         """IVF nprobe / HNSW efSearch, where the index type has them."""
         ...
 
+    def reconstruct_first(self, n: int) -> np.ndarray | None:
+        """The stored vectors of the first `n` rows, or None where the index type cannot give them back."""
+        ...
+
+    def as_stored(self, x: np.ndarray) -> np.ndarray:
+        """`x` through the index's codec: what storing it would give back."""
+        ...
+
+
+class Index(ReadOnlyIndex, Protocol):
+    """The run's index: read as a `ReadOnlyIndex`, and saved and freed where it is held."""
+
     def save(self, folder: str | Path) -> Path:
-        """Write the index into `folder` (read back by `LocalShards.load` or `ShardGroup.load`)."""
+        """Write the index into `folder` (read back by `open_saved` or `ShardGroup.load`)."""
         ...
 
     def drop(self) -> None:

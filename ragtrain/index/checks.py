@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+from ragtrain.config import FaultConfig
 from ragtrain.config.index import RefreshConfig
-from ragtrain.errors import ConfigError
+from ragtrain.errors import ConfigError, check
 from ragtrain.index.consistency import POLICIES
 from ragtrain.index.priority import PRIORITIES
 
 
-def check_refresh(refresh: RefreshConfig, dim: int | None = None, rows: int | None = None) -> None:
+def check_refresh(
+    refresh: RefreshConfig, dim: int | None = None, rows: int | None = None, fault: FaultConfig | None = None
+) -> None:
     """refresh.consistency and refresh.priority name registered variants (a ConfigError lists the valid names);
-    given the encoder's `dim` and the corpus's `rows`, the enabled policy's own check of its settings too."""
+    `fault`'s live-refresh hooks act on what the policy has (a barrier); given the encoder's `dim` and the corpus's
+    `rows`, the enabled policy's own check of its settings too."""
     for key, value, registry in (
         ("refresh.consistency", refresh.consistency, POLICIES),
         ("refresh.priority", refresh.priority, PRIORITIES),
     ):
         if value not in registry:
             raise ConfigError(f"{key}={value!r} is not a known choice; valid choices: {list(registry)}")
+    policy = POLICIES[refresh.consistency]
+    if fault is not None:  # a fault hook the policy has no place for would never fire
+        barriers = "/".join(name for name, p in POLICIES.items() if p.has_barrier)
+        check(
+            fault.kill_shard_before_apply < 0 or policy.has_barrier,
+            "fault.kill_shard_before_apply",
+            f"kills a shard between the barrier and the apply of refresh.consistency={barriers}, and "
+            f"refresh.consistency={refresh.consistency} has no barrier",
+            fault.kill_shard_before_apply,
+        )
     if refresh.enabled and dim is not None and rows is not None:
-        POLICIES[refresh.consistency]().check(refresh, dim, rows)
+        policy().check(refresh, dim, rows)
 
 
 def refresh_warnings(refresh: RefreshConfig) -> list[str]:

@@ -1,10 +1,15 @@
 """The live index: the run's index shards refresh their own rows while training steps, under a consistency policy.
 
 `RefreshService` (a threaded Ray actor) drives the run's IndexShard actors (index/sharded.py), each holding
-`LiveRows` (index/live_rows.py); the trainer's `LiveIndexClient` (index/refresh.py) talks to it. A refresh round
+`LiveRows` (index/live_rows.py); the trainer's `LiveIndexClient` (index/live_client.py) talks to it. A refresh round
 hands every shard the new encoder snapshot; each re-encodes its share (`refresh.fraction`, chosen by
 `refresh.priority`: index/priority/) while training steps. When the new rows become searchable is
-`refresh.consistency` (index/consistency/: global, eager, aligned). One shard (index.shards=1) is the same path.
+`refresh.consistency` (index/consistency/: global, eager, aligned): the service hands the policy the round as a
+`RefreshRound` (`_Round` below) and reads back what it did. One shard (index.shards=1) is the same path.
+
+The commit point (the build searches read, its encoder version, the newest published version) is persisted before
+any search sees it (index/commit_point.py); Ray restarts a crashed service, which resumes from it. A round that
+fails after its commit point is reported committed late (`committed_late`), not failed: searches did switch.
 
 Every state that searches can see is published as a `LiveVersion` (negatives re-mined with the newest snapshot's
 query vectors), and measured on the staleness probe: `index/version_skew` (newest - oldest encoder version of the
@@ -21,7 +26,10 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+import warnings
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -34,11 +42,12 @@ from ragtrain.config.resources import PoolResources
 from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.embed.align import fit_alignment
+from ragtrain.index.commit_point import CommitPoint
 from ragtrain.index.consistency import POLICIES
 from ragtrain.index.faiss_index import METRIC, IndexMeta, exact_search
+from ragtrain.index.live_client import LiveVersion, Probe, VersionBook
 from ragtrain.index.live_rows import version_summary
 from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores
-from ragtrain.index.refresh import LiveVersion, Probe, VersionBook
 from ragtrain.index.sharded import (
     LIVE_BASE,
     LiveStateLost,
@@ -92,9 +101,11 @@ class RefreshSpec:
     seed: int
     threads: int  # torch threads of each shard's round encode: the refresh's reserved CPUs shared by the shards
     fault: FaultConfig  # the shard fault hooks (hold_shard_encode, kill_shard_before_apply) for fault tests
+    folder: str  # the run's shard root: the service persists its commit point there (index/commit_point.py)
 
 
 PLACEMENT_TIMEOUT_S = 30.0
+SERVICE_RESTARTS = 3  # a crashed service is restarted this many times (from its commit point); calls are retried
 
 
 def reserve(pool: PoolResources) -> PlacementGroup:
@@ -117,10 +128,13 @@ def anchor_rows(rows: int, n: int, seed: int) -> list[int]:
     return sorted(np.random.default_rng([seed, 7]).choice(rows, size=min(n, rows), replace=False).tolist())
 
 
-@ray.remote(max_concurrency=4)  # one thread refreshes while the others answer the workers' polls
+# one thread refreshes while the others answer the workers' polls; a crashed service comes back from its commit
+# point, and the calls in flight (a poll, a round) are retried on it
+@ray.remote(max_concurrency=4, max_restarts=SERVICE_RESTARTS, max_task_retries=SERVICE_RESTARTS)
 class RefreshService:
     """The live index held by the index shards: the published versions in `self.book` under `self._swap`, one
-    refresh at a time under `self._busy`, run in a thread of this actor, shard by shard."""
+    refresh at a time under `self._busy`, run in a thread of this actor, shard by shard. The commit point (the
+    committed version and build) is persisted before any search sees it, and read back by a restarted service."""
 
     def __init__(
         self,
@@ -155,6 +169,12 @@ class RefreshService:
         self._barrier = threading.RLock()
         self.failures: list[str] = []
         self.history: list[dict[str, Any]] = []
+        self.from_tag, self.vector_folder, self.dim = "", "", 0  # set by `publish` (or a restart's commit point)
+        self._point = threading.Lock()  # one commit point write at a time
+        if _restarted():
+            self._resume()
+        else:  # a new live index: a commit point left in this folder is an earlier one's
+            CommitPoint.remove(spec.folder)
 
     # ------------------------------------------------------------------------------------- what trainers ask
 
@@ -192,6 +212,47 @@ class RefreshService:
     def report(self) -> dict[str, Any]:
         """Refresh history and failures."""
         return {"history": list(self.history), "failures": list(self.failures)}
+
+    def committed(self) -> dict[str, Any]:
+        """The commit point searches read: {encoder_version, tag}."""
+        with self._barrier:
+            return {"encoder_version": self.encoder_version, "tag": self.tag}
+
+    # ------------------------------------------------------------------------------------------ commit point
+
+    def _save_point(self, **committing: Any) -> None:
+        """Persist the commit point (index/commit_point.py), with `committing` (tag, encoder_version) in place of
+        what is in memory: a version is durable before any search sees it."""
+        with self._swap:
+            published, first = self.book.latest(), self.book.first
+        with self._point:
+            point = CommitPoint(
+                self.tag, self.encoder_version, self.last_version, self.vector_folder, self.dim, first, published,
+                dict(self.encoder_steps), dict(self.anchors), dict(self.maps),
+            )  # fmt: skip
+            replace(point, **committing).save(self.spec.folder)
+
+    def _resume(self) -> None:
+        """A restarted service: the commit point back, every shard's live rows restarted from disk against it (a
+        journaled round of the committed version finished, any other dropped) and the committed build rebuilt."""
+        point = CommitPoint.load(self.spec.folder)
+        if point is None:  # restarted before version 0 was published: `publish` (retried) starts it
+            return
+        self.tag, self.encoder_version, self.last_version = point.tag, point.encoder_version, point.last_version
+        self.vector_folder, self.dim, self.from_tag = point.vector_folder, point.dim, LIVE_BASE
+        self.encoder_steps, self.anchors, self.maps = point.encoder_steps, point.anchors, point.maps
+        self.book = VersionBook(self.book.keep, point.first)
+        if point.published is not None:
+            self.book.publish(point.published)
+        staged = f"live{point.last_version}"
+        if staged != self.tag:  # a round cut short before its barrier may have left its staged build
+            for a in self.actors:
+                a.drop.remote(staged)
+        self._start(list(range(len(self.actors))))
+        log.warning(
+            "the live index service restarted: encoder version %d (build %r) committed, version %d published",
+            self.encoder_version, self.tag, self.book.version(),
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ shards
 
@@ -263,7 +324,7 @@ class RefreshService:
             qvecs = self._encode(0, step, weights[0], self.train_queries, "query")
             fresh = self._rows(self.probe.rows, {})
             self.dim = int(fresh.shape[1])
-            return self.publish_state(step, qvecs, fresh, {"encoded_rows": 0})
+            return self.publish_state(step, qvecs, fresh, {"encoded_rows": 0})  # the first commit point too
         except Exception as e:  # the caller sees why version 0 is missing
             traceback.print_exc()
             return {"ok": False, "error": repr(e), "step": step}
@@ -288,9 +349,10 @@ class RefreshService:
     def _round(self, step: int, weights_ref, start: float) -> dict[str, Any]:
         """Encode the round's texts, start every shard's re-encode, let the new rows land as the policy says."""
         # a new number for every snapshot, even after a failed round: a shard's encoder and its rows' versions
-        # never take an older snapshot's label
+        # never take an older snapshot's label (persisted: a restarted service numbers on from it)
         self.last_version = v = max(self.last_version, self.encoder_version) + 1
         self.encoder_steps[v] = step
+        self._save_point()
         qvecs = self._encode(v, step, weights_ref, self.train_queries, "query")
         fresh = self._encode(v, step, weights_ref, [self.passages[i] for i in self.probe.rows], "passage")
         extra = len(self.probe.rows)
@@ -298,20 +360,54 @@ class RefreshService:
             anchors = [self.passages[i] for i in self.anchor_rows]
             self.anchors[v] = self._encode(v, step, weights_ref, anchors, "passage")
             extra += len(self.anchor_rows)
-        encoding = self._launch(v, weights_ref)
-        encoded, states = self.policy.land(self, v, step, qvecs, fresh, encoding)
+        round_ = _Round(self, v, step, qvecs, fresh, self._launch(v, weights_ref))
+        try:
+            self.policy.land(round_)
+            self._retire(round_.retired, wait=True)
+        except Exception as e:
+            if not round_.committed:
+                raise
+            return self._committed_late(round_, e, start)
         stats = {
             "ok": True,
             "version": self.book.version(),
             "encoder_version": v,
             "step": step,
             "seconds": time.perf_counter() - start,
-            "states": len(states),
-            "metrics": self._round_metrics(encoded, states, extra),
+            "states": len(round_.states),
+            "metrics": self._round_metrics(round_.encoded, round_.states, extra),
             "node": ray.get_runtime_context().get_node_id(),
         }
-        self.history.append({**stats, "state_metrics": [s["metrics"] for s in states]})
+        self.history.append({**stats, "state_metrics": [s["metrics"] for s in round_.states]})
         return stats
+
+    def _committed_late(self, round_: _Round, error: Exception, start: float) -> dict[str, Any]:
+        """A round that failed after its commit point: searches did switch to its version, so it is reported
+        committed (late), not failed; a shard that has not applied it finishes its journal when it restarts."""
+        reason = f"{type(error).__name__}: {error}"
+        log.warning("refresh round %d committed late (searches switched to it): %s", round_.version, reason)
+        self._retire(round_.retired, wait=False)  # no search reads them: freed whenever the shards get to it
+        stats = {
+            "ok": True,
+            "committed_late": True,
+            "late": reason,
+            "version": self.book.version(),
+            "encoder_version": round_.version,
+            "step": round_.step,
+            "seconds": time.perf_counter() - start,
+            "states": len(round_.states),
+            "metrics": {},
+            "node": ray.get_runtime_context().get_node_id(),
+        }
+        self.history.append({**stats, "state_metrics": [s["metrics"] for s in round_.states]})
+        return stats
+
+    def _retire(self, tags: list[str], wait: bool) -> None:
+        """Drop builds no search reads any more, on every shard (`wait`: for the answers, as a round ends)."""
+        for tag in tags:
+            refs = [a.drop.remote(tag) for a in self.actors]
+            if wait:
+                self._wait(refs, list(range(len(self.actors))), "a drop")
 
     def _launch(self, v: int, weights_ref) -> dict[Any, tuple[int, tuple]]:
         """Every shard starts re-encoding its share of rows with the snapshot of version v (the hot counts since
@@ -335,7 +431,7 @@ class RefreshService:
             out[self.actors[i].live_encode.remote(*args)] = (i, args)
         return out
 
-    def encoded(self, ref, shard: int, args: tuple) -> dict:
+    def _encoded(self, ref, shard: int, args: tuple) -> dict:
         """A shard's encode result (waiting at most refresh.timeout_s); one restarted since the last round gets its
         rows back from disk, then encodes."""
         try:
@@ -366,13 +462,13 @@ class RefreshService:
         spec = self.spec
         return self.call_shards([0], "encode_few", v, [weights_ref], spec.retriever, spec.index, texts, role)[0]
 
-    def fit_maps(self, newest: int) -> dict[int, np.ndarray]:
+    def _fit_maps(self, newest: int) -> dict[int, np.ndarray]:
         """For every older encoder version still stored: the orthogonal map of its anchors onto the newest's."""
         return {u: fit_alignment(self.anchors[u], self.anchors[newest]).weight for u in self.anchors if u != newest}
 
     def publish_state(self, step: int, qvecs: np.ndarray, fresh_probe: np.ndarray, extra: dict) -> dict[str, Any]:
         """Publish the state searches see now: negatives mined with the newest snapshot's query vectors, the
-        probe's stored vectors, and what the state mixes."""
+        probe's stored vectors, and what the state mixes (persisted with the commit point)."""
         m = self.spec.mining
         mixes = self.call_shards(list(range(len(self.actors))), "live_mix", quick=True)
         index = _LiveSearch(self)
@@ -396,6 +492,7 @@ class RefreshService:
             version = self.book.version() + 1
             live = LiveVersion(version, step, negatives, seen, 0.0, metrics["index/version_skew"])
             self.book.publish(live)
+        self._save_point()
         return {"ok": True, "version": version, "step": step, "metrics": metrics, **extra}
 
     def _index(self) -> ShardedIndex:
@@ -415,6 +512,7 @@ class RefreshService:
             shards = list(range(len(self.actors)))
             refs = [a.live_end.remote([self.tag, LIVE_BASE]) for a in self.actors]
             _gather(refs, shards, "the end of the live index", self.spec.index.shard_timeout_s)
+            CommitPoint.remove(self.spec.folder)
 
     # ------------------------------------------------------------------------------------------- searches
 
@@ -442,3 +540,82 @@ class _LiveSearch:
 
     def search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self.service._search(qvecs, k)
+
+
+def _restarted() -> bool:
+    """Whether this actor is a restart (Ray's property reads its deprecated `actor_id` inside: its warning is noise)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+class _Round:
+    """One refresh round as its consistency policy sees it (`consistency.base.RefreshRound`): the service's shards
+    and state behind a few calls; what the round did (`encoded`, `states`, `committed`, `retired`) is read back by
+    the service when the policy returns or raises."""
+
+    def __init__(
+        self, service: RefreshService, version: int, step: int, qvecs: np.ndarray, fresh: np.ndarray, encoding: dict
+    ) -> None:
+        self._service, self.version, self.step = service, version, step
+        self._qvecs, self._fresh, self._encoding = qvecs, fresh, encoding  # {encode ObjectRef: (shard, args)}
+        self.shards = list(range(len(service.actors)))
+        self.kill_before_apply = service.spec.fault.kill_shard_before_apply
+        self.encoded: dict[int, dict] = {}  # shard -> its encode's stats
+        self.states: list[dict] = []  # one per state searches could see
+        self.committed = False  # True from the commit point on: what fails after it is late, not a failure
+        self.retired: list[str] = []  # builds searches left at the commit point: dropped once the round ends
+
+    @property
+    def tag(self) -> str:
+        return self._service.tag
+
+    def finished_encodes(self) -> Iterator[int]:
+        s = self._service
+        timeout = s.spec.refresh.timeout_s
+        deadline, pending = time.monotonic() + timeout, list(self._encoding)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = sorted(self._encoding[r][0] for r in pending)
+                raise ShardUnavailableError(
+                    f"index shard{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not answer a live "
+                    f"encode within {timeout:g} s (refresh.timeout_s): it is stopped, restarting or its node is lost"
+                )
+            shard, args = self._encoding[done[0]]
+            self.encoded[shard] = s._encoded(done[0], shard, args)
+            yield shard
+
+    def call(self, shards: list[int], method: str, *args: Any) -> list[Any]:
+        return self._service.call_shards(shards, method, *args)
+
+    def barrier(self) -> AbstractContextManager[Any]:
+        return self._service._barrier
+
+    def discard(self, tag: str) -> None:
+        for i in self.shards:  # not waited for: the old build stays searched whatever they answer
+            self._service.actors[i].live_discard.remote(tag)
+
+    def commit(self, tag: str) -> None:
+        s = self._service
+        with s._barrier:
+            s._save_point(tag=tag, encoder_version=self.version)  # durable first: no search sees an uncommitted one
+            old, s.tag, s.encoder_version = s.tag, tag, self.version
+            self.committed = True
+        if old != tag:
+            self.retired.append(old)
+
+    def advance(self) -> None:
+        s = self._service
+        with s._barrier:
+            s._save_point(encoder_version=self.version)
+            s.encoder_version = self.version  # a shard at a time: a later one that fails still fails the round
+
+    def align(self) -> dict[int, np.ndarray]:
+        s = self._service
+        s.maps = s._fit_maps(self.version)
+        s._save_point()
+        return s.maps
+
+    def publish(self) -> None:
+        self.states.append(self._service.publish_state(self.step, self._qvecs, self._fresh, {}))

@@ -11,9 +11,11 @@ builds.
 A search encodes its queries once (the caller), sends them to every shard in batches, and merges the shards' top-k
 by score, ties broken by global row: with Flat, N shards return exactly the ids and scores of one index.
 `ShardedIndex` (the actors' handle) is the one implementation of the `Index` protocol (index/base.py): evaluation,
-mining, the live refresh and the generator's retrieval search through it. `LocalShards` reads a saved folder in
-this process with the same merge (`python -m ragtrain.search`, the checks of a saved index before Ray starts). The
-driver holds the passage ids and the metadata, never vectors.
+mining, the live refresh and the generator's retrieval search through it. `ReadOnlyShards` reads a saved folder in
+this process (`python -m ragtrain.search`, `ask`, `paired`, the checks of a saved index before Ray starts): a
+`ReadOnlyIndex`, searched through the same code (`_Merged`: checks, query batches, merge) with the shards' own
+`DenseIndex.search` called here instead of in the actors. The driver holds the passage ids and the metadata, never
+vectors.
 """
 
 from __future__ import annotations
@@ -216,7 +218,8 @@ def merge_topk(
 
 
 class _Merged:
-    """`DenseIndex`'s interface over shards that each search their own rows: subclasses scatter, this merges."""
+    """`DenseIndex`'s interface over shards that each search their own rows, the one search path of both index
+    handles: subclasses only scatter a query batch to the shards (actors, or in this process); this merges."""
 
     doc_ids: list[str]
     meta: IndexMeta
@@ -226,10 +229,6 @@ class _Merged:
     def ntotal(self) -> int:
         """Rows in the index (all shards)."""
         return self.meta.ntotal
-
-    @property
-    def num_shards(self) -> int:
-        return len(self.offsets)
 
     def _scatter(self, queries: np.ndarray, k: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
         """Per query batch, every shard's (scores, local rows)."""
@@ -268,9 +267,6 @@ class _Merged:
             out.append(part)
             got += len(part)
         return np.concatenate(out) if out else None
-
-    def _shard_of_row(self, row: int) -> int:
-        return int(np.searchsorted(self.offsets, row, side="right") - 1)
 
 
 def _batches(q: np.ndarray) -> list[np.ndarray]:
@@ -676,9 +672,6 @@ class _Shard:
     def live_mix(self) -> dict:
         return self._live().mix()
 
-    def live_versions(self, local: list[int]) -> np.ndarray:
-        return self._live().versions[np.asarray(local, dtype=np.int64)].copy()
-
     def info(self) -> dict:
         """pid, node, builds held and restored at start, peak RSS: for tests, placement and benchmarks."""
         return {
@@ -1017,9 +1010,10 @@ def read_sharded(folder: Path) -> list[dict]:
     return entries
 
 
-class LocalShards(_Merged):
-    """A saved sharded index loaded in this process (`python -m ragtrain.search`, the generator's checks): the same
-    scatter and merge, over in-process shards."""
+class ReadOnlyShards(_Merged):
+    """A saved sharded index loaded in this process (`python -m ragtrain.search`, the generator's checks): a
+    `ReadOnlyIndex` (index/base.py), searched through the actors' merge over in-process shards; never saved (it is
+    a saved folder) nor dropped (nothing is held elsewhere)."""
 
     def __init__(self, shards: list[DenseIndex], meta: IndexMeta) -> None:
         self.shards, self.meta = shards, meta
@@ -1027,7 +1021,7 @@ class LocalShards(_Merged):
         self.offsets = list(np.cumsum([0] + [s.ntotal for s in shards[:-1]]).tolist())
 
     @classmethod
-    def load(cls, folder: str | Path, mmap: bool = False) -> LocalShards:
+    def load(cls, folder: str | Path, mmap: bool = False) -> ReadOnlyShards:
         """Every shard of the saved folder, checked against its manifest and the list of shards."""
         folder = Path(folder)
         entries = read_sharded(folder)
@@ -1052,19 +1046,16 @@ class LocalShards(_Merged):
     def as_stored(self, x: np.ndarray) -> np.ndarray:
         return self.shards[0].as_stored(x)
 
-    def drop(self) -> None:
-        """Nothing to free elsewhere."""
 
-
-def open_saved(folder: str | Path, expect_corpus: str | None = None, mmap: bool = False) -> LocalShards:
-    """A saved index folder (`ShardedIndex.save`) in this process, every shard checked, and checked against the
-    corpus."""
+def open_saved(folder: str | Path, expect_corpus: str | None = None, mmap: bool = False) -> ReadOnlyShards:
+    """A saved index folder (`ShardedIndex.save`) in this process, read-only, every shard checked, and checked
+    against the corpus."""
     if not is_sharded(folder):
         raise IndexMismatchError(
             f"{folder} holds no {SHARDED}: not an index saved by this ragtrain (an older one wrote a single "
             "index): rebuild it with the index stage"
         )
-    index = LocalShards.load(folder, mmap=mmap)
+    index = ReadOnlyShards.load(folder, mmap=mmap)
     if expect_corpus is not None and index.meta.corpus_fingerprint != expect_corpus:
         raise IndexMismatchError(
             f"{Path(folder) / 'index_meta.json'}: index was built from a different corpus "

@@ -10,7 +10,7 @@ side, `train_loop_per_worker`, top to bottom, per step:
      passage vectors re-encoded by the trained encoder, or by a frozen copy of the initial one) and `joint.loss`
      pulls its softmax towards the generator's; the generator's own NLL on the answer given its top passages is
      added; one backward, one DDP all-reduce over both models;
-  4. trained passage encoder: the live refresh client (index/refresh.py) measures staleness and starts refreshes.
+  4. trained passage encoder: the live refresh client (index/live_client.py) measures staleness and starts refreshes.
 Then EM / F1 (generator/steps.py's `evaluate`, retrieving with the trained query encoder) and the weights saved.
 
 Batches are deterministic functions of (seed, step): every rank knows the whole global batch and takes its slice;
@@ -42,7 +42,7 @@ from ragtrain.embed.weights import load_state, load_weights, save_weights
 from ragtrain.generator.model import GenModel, build_generator, load_tokenizer
 from ragtrain.generator.saved import save_generator
 from ragtrain.generator.steps import GenData, GenExample, Sampler, autocast, evaluate, prompt_builder, step_passages
-from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
+from ragtrain.index.live_client import LiveIndexClient, Probe, staleness
 from ragtrain.joint import GENERATOR_FOLDER
 from ragtrain.joint.likelihood import answer_loglik
 from ragtrain.joint.losses.base import build_loss

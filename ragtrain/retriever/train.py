@@ -21,7 +21,7 @@ from ragtrain.checkpoint import CheckpointError
 from ragtrain.config import Config
 from ragtrain.embed.model import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.embed.weights import load_state, load_weights, save_weights
-from ragtrain.index.refresh import LiveIndexClient, Probe, staleness
+from ragtrain.index.live_client import LiveIndexClient, Probe, staleness
 from ragtrain.precision import resolve
 from ragtrain.retriever.batching import TrainData, local_batch, local_indices
 from ragtrain.retriever.gradcache import cached_step

@@ -64,7 +64,7 @@ def test_gpu_collectives_are_timed_to_completion(nccl_group) -> None:
 
 
 def test_live_index_broadcast_runs_on_the_workers_gpu(nccl_group) -> None:
-    from ragtrain.index.refresh import LiveIndexClient
+    from ragtrain.index.live_client import LiveIndexClient
 
     class Service:  # the VersionBook side of the service: what begin_step asks
         def latest(self):

@@ -3,6 +3,9 @@ metrics, and a restarted shard continuing from its persisted round (real Ray act
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -12,12 +15,15 @@ from ragtrain.embed.align import fit_alignment
 from ragtrain.errors import ConfigError
 from ragtrain.index.checks import check_refresh
 from ragtrain.index.consistency import POLICIES
+from ragtrain.index.consistency.aligned import Aligned
 from ragtrain.index.consistency.eager import Eager
+from ragtrain.index.consistency.global_ import Global
 from ragtrain.index.live_rows import JOURNAL, LiveRows, version_summary
 from ragtrain.index.priority import PRIORITIES
 from ragtrain.index.priority.base import RoundRows, by_score
 from ragtrain.index.priority.drift import predict_drift
 from ragtrain.index.refresh_service import mined_agreement, mixed_recall
+from ragtrain.index.sharded import ShardUnavailableError
 from tests.conftest import compose, tiny_overrides
 
 
@@ -253,3 +259,115 @@ def test_ties_go_to_the_oldest_vectors() -> None:
     hot = np.array([0, 0, 0, 0, 0, 0, 5, 0])
     assert _chosen("hot", _round(versions, 3, cursor=0, hot=hot)) == [2, 5, 6]
     assert sorted(by_score(np.zeros(8), _round(versions, 3, cursor=0), 3).tolist()) == [2, 4, 5]
+
+
+class _Round:
+    """A `RefreshRound` that records, in order, what its policy asks of it; the shard call `fail` raises."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.version, self.shards, self.kill_before_apply = 4, [0, 1, 2], -1
+        self.fail, self.asked, self._tag = fail, [], "live3"
+
+    @property
+    def tag(self) -> str:
+        return self._tag
+
+    def finished_encodes(self):
+        for shard in (2, 0, 1):  # the order the encodes finish in
+            self.asked.append(("encoded", shard))
+            yield shard
+
+    def call(self, shards, method, *args):
+        self.asked.append((method, tuple(shards), *args))
+        if method == self.fail:
+            raise ShardUnavailableError(f"index shard 1 did not answer {method}")
+        return [{}] * len(shards)
+
+    def barrier(self):
+        self.asked.append(("barrier",))
+        return nullcontext()
+
+    def discard(self, tag: str) -> None:
+        self.asked.append(("discard", tag))
+
+    def commit(self, tag: str) -> None:
+        self.asked.append(("commit", tag))
+        self._tag = tag
+
+    def advance(self) -> None:
+        self.asked.append(("advance",))
+
+    def align(self):
+        self.asked.append(("align",))
+        return {3: "the map of version 3"}
+
+    def publish(self) -> None:
+        self.asked.append(("publish",))
+
+
+def test_global_commits_once_after_every_shard_built_then_applies() -> None:
+    """Every encode, then every shard's staged build under the barrier, one commit, then the applies and one
+    published state: searches switch once. An apply that fails comes after the commit (the service reports the
+    round committed late); a build that fails discards the staged builds and commits nothing."""
+    r = _Round()
+    Global().land(r)
+    assert r.asked == [
+        ("encoded", 2), ("encoded", 0), ("encoded", 1), ("barrier",), ("live_build", (0, 1, 2), "live4", {}, 4),
+        ("commit", "live4"), ("live_apply", (0, 1, 2), 4, -1), ("publish",),
+    ]  # fmt: skip
+    late = _Round(fail="live_apply")
+    with pytest.raises(ShardUnavailableError):
+        Global().land(late)
+    assert ("commit", "live4") in late.asked and late.asked[-1][0] == "live_apply"
+    failed = _Round(fail="live_build")
+    with pytest.raises(ShardUnavailableError):
+        Global().land(failed)
+    assert failed.asked[-1] == ("discard", "live4") and not any(a[0] == "commit" for a in failed.asked)
+
+
+def test_eager_lands_each_shard_as_its_encode_finishes_and_aligned_rebuilds_every_shard() -> None:
+    r = _Round()
+    Eager().land(r)
+    assert r.asked[:5] == [("encoded", 2), ("live_apply", (2,), 4), ("advance",), ("live_build", (2,), "live3", {}),
+                           ("publish",)]  # fmt: skip
+    assert len(r.asked) == 15 and not any(a[0] in ("commit", "barrier") for a in r.asked)
+    a = _Round()
+    Aligned().land(a)
+    assert a.asked[:6] == [
+        ("encoded", 2), ("live_apply", (2,), 4), ("advance",), ("align",),
+        ("live_build", (0, 1, 2), "live3", {3: "the map of version 3"}), ("publish",),
+    ]  # fmt: skip
+
+
+def test_only_a_policy_with_a_barrier_takes_the_fault_between_barrier_and_apply(monkeypatch, tmp_path) -> None:
+    """The check reads the policy class's `has_barrier` (no name is hard-coded): eager has none and is refused
+    naming the key; global, and a newly registered policy with a barrier, take it."""
+    over = ["refresh.enabled=true", "refresh.every_steps=5", "fault.kill_shard_before_apply=0"]
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *over, "refresh.consistency=eager"]))
+    with pytest.raises(
+        ConfigError,
+        match=r"^fault.kill_shard_before_apply kills a shard between the barrier and the apply of "
+        r"refresh.consistency=global, and refresh.consistency=eager has no barrier, got 0$",
+    ):
+        check_refresh(cfg.refresh, fault=cfg.fault)
+    check_refresh(replace(cfg.refresh, consistency="global"), fault=cfg.fault)
+    check_refresh(cfg.refresh)  # no fault settings given: the names alone
+
+    class Fenced(Eager):
+        has_barrier = True
+
+    monkeypatch.setitem(POLICIES, "fenced", Fenced)
+    check_refresh(replace(cfg.refresh, consistency="fenced"), fault=cfg.fault)
+    with pytest.raises(ConfigError, match=r"apply of refresh.consistency=global/fenced, and .*eager has no barrier"):
+        check_refresh(cfg.refresh, fault=cfg.fault)
+
+
+def test_a_fault_hook_the_policy_has_no_place_for_is_one_line_and_exit_2_before_any_work(tmp_path) -> None:
+    from tests.test_checks import _cli
+
+    over = ["refresh.enabled=true", "refresh.every_steps=2", "refresh.consistency=eager"]
+    r = _cli(tmp_path, *over, "fault.kill_shard_before_apply=0")
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: fault.kill_shard_before_apply kills a shard between the barrier and")
+    assert "Traceback" not in r.stderr and not (tmp_path / "out" / "config.yaml").exists()

@@ -20,6 +20,7 @@ import pytest
 from ragtrain.config.index import IndexConfig
 from ragtrain.config.resources import PoolResources
 from ragtrain.errors import ConfigError
+from ragtrain.index.commit_point import COMMIT_POINT
 from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.index.live_rows import JOURNAL
 from ragtrain.index.sharded import (
@@ -27,9 +28,10 @@ from ragtrain.index.sharded import (
     LIVE_STATE,
     MANIFEST,
     SEARCH_BATCH,
-    LocalShards,
+    ReadOnlyShards,
     ShardGroup,
     ShardUnavailableError,
+    _Shard,
     merge_topk,
     open_saved,
     resolve_shards,
@@ -114,7 +116,7 @@ def test_each_shard_persists_its_build_with_a_manifest_and_saves_a_loadable_fold
         assert m["version"] >= 1 and len(m["checksum"]) == 64
     out = index.save(tmp_path / "index")
     local = open_saved(out, expect_corpus="fp")
-    assert isinstance(local, LocalShards) and local.doc_ids == index.doc_ids
+    assert isinstance(local, ReadOnlyShards) and local.doc_ids == index.doc_ids
     q = _vectors(5, seed=9)
     for a, b in zip(local.search(q, 7), index.search(q, 7)):
         np.testing.assert_array_equal(a, b)
@@ -438,6 +440,88 @@ def test_a_shard_killed_between_the_barrier_and_its_apply_finishes_the_round_fro
         got = ray.get(service.search.remote(queries, 5))
         want = np.argsort(-(queries @ rows.T), axis=1, kind="stable")[:, :5]
         np.testing.assert_array_equal(got[1], want)
+
+
+def test_a_killed_service_restarts_from_its_commit_point(on_shards) -> None:
+    """After a global round the commit point (version 1, build live1) is in the run folder; the service actor is
+    killed (Ray restarts it): the restarted one (its in-memory history gone) serves the committed version and build,
+    the published version and the same search results, and the next round is version 2 on every shard."""
+    cfg, _, sharded, built, _, weights, changed = on_shards
+    r = cfg.refresh
+    r.consistency, r.fraction, r.priority = "global", 1.0, "oldest"
+    root, group = sharded.shard_group.root, sharded.shard_group
+    with _live(sharded, built, weights, cfg) as (service, ray):
+        done = ray.get(service.refresh.remote(5, [ray.put(changed)]))
+        assert done["ok"] and done["encoder_version"] == 1, done
+        committed = ray.get(service.committed.remote())
+        assert committed == {"encoder_version": 1, "tag": "live1"} and (root / COMMIT_POINT).is_file()
+        published = ray.get(service.latest.remote())
+        queries = ray.get(group.actors[0].live_rows.remote([0, 1, 2]))
+        before = ray.get(service.search.remote(queries, 5))
+        ray.kill(service, no_restart=False)
+        assert ray.get(service.committed.remote()) == committed  # answered by the restarted actor
+        assert ray.get(service.report.remote())["history"] == []  # a new process: nothing of the old one's memory
+        again = ray.get(service.latest.remote())
+        assert again.version == published.version and again.negatives == published.negatives
+        after = ray.get(service.search.remote(queries, 5))
+        np.testing.assert_array_equal(after[1], before[1])
+        np.testing.assert_allclose(after[0], before[0], atol=1e-6)
+        nxt = ray.get(service.refresh.remote(7, [ray.put(changed)]))
+        assert nxt["ok"] and nxt["encoder_version"] == 2 and nxt["version"] == published.version + 1, nxt
+        assert [ray.get(a.live_mix.remote()) for a in group.actors] == [{2: 40}] * 3
+    assert not (root / COMMIT_POINT).exists()  # the live index ended: nothing for a later service to resume
+
+
+class _LateApplyShard(_Shard):
+    """An index shard whose live apply waits while `<root>/.faults/late-apply` exists: one that does not answer
+    its apply within refresh.timeout_s, after the barrier switched every search."""
+
+    def live_apply(self, version: int, kill_shard: int = -1) -> dict:
+        gate = self.root / FAULTS / "late-apply"
+        while gate.exists():
+            time.sleep(0.05)
+        return super().live_apply(version, kill_shard)
+
+
+def test_an_apply_that_times_out_after_the_barrier_is_committed_late_not_failed(on_shards) -> None:
+    """Shard 1 does not answer its apply within refresh.timeout_s, after the barrier: the round is reported
+    committed late (searches switched to version 1 and stay there), not failed; once the shard answers it holds
+    version 1 like the others, searches are exact over every shard's rows, and the next round is version 2."""
+    import ray
+
+    cfg, _, sharded, built, _, weights, changed = on_shards
+    r = cfg.refresh
+    r.consistency, r.fraction, r.priority = "global", 1.0, "oldest"
+    root, group = sharded.shard_group.root, sharded.shard_group
+    from ragtrain.precision import resolved_index
+
+    real, timeout = group.actors[1], r.timeout_s
+    late = ray.remote(num_cpus=0, max_concurrency=4)(_LateApplyShard).remote(1, str(root))
+    # its first encoder load imports torch (seconds on a busy box): done here, so the round's encode is quick
+    ray.get(late.encode_few.remote(0, [ray.put(weights)], cfg.retriever, resolved_index(cfg), ["warm"], "query"))
+    group.actors[1], r.timeout_s = late, 20.0  # encodes and builds answer within it; the held apply does not
+    try:
+        with _live(sharded, built, weights, cfg) as (service, _):
+            gate = root / FAULTS / "late-apply"
+            gate.parent.mkdir(parents=True, exist_ok=True)
+            gate.touch()
+            done = ray.get(service.refresh.remote(5, [ray.put(changed)]))
+            gate.unlink()
+            assert done["ok"] and done["committed_late"] and done["encoder_version"] == 1, done
+            assert "index shard 1 did not answer a live refresh call within 20 s (refresh.timeout_s)" in done["late"]
+            assert ray.get(service.committed.remote()) == {"encoder_version": 1, "tag": "live1"}
+            assert ray.get(service.report.remote())["failures"] == []
+            _until(lambda: ray.get(late.live_mix.remote()) == {1: 40}, "the late apply never landed", 60)
+            assert [ray.get(a.live_mix.remote()) for a in group.actors] == [{1: 40}] * 3
+            rows = np.concatenate([ray.get(a.live_rows.remote(list(range(40)))) for a in group.actors])
+            queries = rows[[3, 50, 117]]
+            got = ray.get(service.search.remote(queries, 5))
+            np.testing.assert_array_equal(got[1], np.argsort(-(queries @ rows.T), axis=1, kind="stable")[:, :5])
+            again = ray.get(service.refresh.remote(7, [ray.put(changed)]))
+            assert again["ok"] and not again.get("committed_late") and again["encoder_version"] == 2, again
+    finally:
+        group.actors[1], r.timeout_s = real, timeout
+        ray.kill(late)
 
 
 @pytest.mark.parametrize(

@@ -126,7 +126,7 @@ def test_corrupt_checkpoint_is_named(tmp_path) -> None:
         load_train_state(good, 0, 3, enc, opt, sched)
 
 
-@pytest.mark.slow(reason="two runs with a live index (~170 s on 2 shared cores); the parts: test_refresh.py, below")
+@pytest.mark.slow(reason="two runs with a live index (~170 s on 2 shared cores); the parts: test_live_client.py, below")
 def test_a_resumed_run_continues_its_live_index_from_the_checkpoint(ray_session, tmp_path) -> None:
     """Stopped at step 5 (checkpoint at 4), then resume=true: the live index restarts from the checkpoint's encoder
     (not the untrained one: index/lag_steps counted from step 4) and numbers its versions on (index/version never

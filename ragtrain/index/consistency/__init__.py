@@ -7,9 +7,9 @@ in `POLICIES`; the config check lists these names as the valid choices.
 from __future__ import annotations
 
 from ragtrain.index.consistency.aligned import Aligned
-from ragtrain.index.consistency.barrier import Global
 from ragtrain.index.consistency.base import ConsistencyPolicy
 from ragtrain.index.consistency.eager import Eager
+from ragtrain.index.consistency.global_ import Global
 
 POLICIES: dict[str, type[ConsistencyPolicy]] = {
     "global": Global,

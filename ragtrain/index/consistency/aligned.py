@@ -7,19 +7,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ragtrain.errors import ConfigError
+from ragtrain.index.consistency.base import RefreshRound
 from ragtrain.index.consistency.eager import Eager
 
 if TYPE_CHECKING:
     from ragtrain.config.index import RefreshConfig
-    from ragtrain.index.refresh_service import RefreshService
 
 
 class Aligned(Eager):
     needs_anchors = True
 
-    def rebuild(self, service: RefreshService, shard: int, v: int) -> None:
-        service.maps = service.fit_maps(v)
-        service.call_shards(list(range(len(service.actors))), "live_build", service.tag, service.maps)
+    def rebuild(self, round_: RefreshRound, shard: int) -> None:
+        round_.call(round_.shards, "live_build", round_.tag, round_.align())
 
     def check(self, refresh: RefreshConfig, dim: int, rows: int) -> None:
         if refresh.anchors < dim or refresh.anchors > rows:

@@ -172,6 +172,7 @@ class LiveIndexClient:
         self.pending_since = 0.0
         self.refreshes = 0
         self.failures = 0
+        self.late_commits = 0  # rounds that committed (searches switched) but failed after it: counted, not failed
         self.seconds: list[float] = []  # each finished refresh's wall time
         self.round_metrics: list[dict[str, float]] = []  # each finished round's metrics
         self.steps: list[tuple[float, int, bool]] = []  # (seconds, samples, a refresh was running) per step
@@ -221,6 +222,12 @@ class LiveIndexClient:
             self.refreshes += 1
             self.seconds.append(float(stats.get("seconds", 0.0)))
             self.round_metrics.append(stats.get("metrics", {}))
+            if stats.get("committed_late"):
+                self.late_commits += 1
+                log.warning(
+                    f"[index] refresh from step {stats['step']} committed late: searches switched to encoder version "
+                    f"{stats['encoder_version']}, and a shard that has not applied it finishes it: {stats['late']}"
+                )
         elif "error" in stats:
             self.failures += 1
             log.warning(f"[index] refresh from step {stats['step']} failed, the old index stays live: {stats['error']}")
@@ -274,6 +281,8 @@ class LiveIndexClient:
         if done is not None and done.get("ok"):
             out.update({"index/refresh_seconds": done["seconds"], "index/version": done["version"]})
             out.update(done.get("metrics", {}))  # a sharded refresh's version mix, mixed recall, encoded share
+            if done.get("committed_late"):
+                out["index/refreshes_committed_late"] = self.late_commits
         if done is not None and "error" in done:
             out["index/refresh_failures"] = self.failures
         return out
@@ -299,6 +308,7 @@ class LiveIndexClient:
         out = {
             "index/refreshes": float(self.refreshes),
             "index/refresh_failures": float(self.failures),
+            "index/refreshes_committed_late": float(self.late_commits),
             "index/steps_during_refresh": float(len(busy)),
             "index/final_version": float(self.live.version),
             # what training itself met of the shards' inconsistency (the states published are in index/*_mean)

@@ -13,14 +13,14 @@ import torch
 from ragtrain.config import to_typed
 from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import build_index
-from ragtrain.index.mining import MiningSpec, mine_rows
-from ragtrain.index.refresh import (
+from ragtrain.index.live_client import (
     LiveIndexClient,
     LiveVersion,
     VersionBook,
     make_probe,
     staleness,
 )
+from ragtrain.index.mining import MiningSpec, mine_rows
 from ragtrain.retriever.batching import TrainData, build_examples, local_batch
 from tests.conftest import compose, spawn, tiny_overrides
 
@@ -430,6 +430,27 @@ def test_the_summary_sums_refresh_seconds_and_summarises_sharded_rounds(ray_sess
     assert s["index/refresh_seconds_total"] == 8.0 and s["index/encoded_fraction_mean"] == 0.25
     assert s["index/mined_agreement_mean"] == pytest.approx(0.5)
     assert s["index/mixed_recall_at_10_mean"] == pytest.approx(0.8) and s["index/version_skew_max"] == 2.0
+
+
+def test_a_round_committed_late_counts_as_a_refresh_not_a_failure(ray_session, caplog) -> None:
+    """A round whose apply failed after its barrier switched every search (`committed_late`): rank 0 counts it as
+    a refresh (and as committed late), never as a failure, and says so in one warning line."""
+    import ray
+
+    from ragtrain.config.index import RefreshConfig
+
+    book = VersionBook()
+    book.publish(_version(0))
+    client = LiveIndexClient(book, RefreshConfig(), rank=0)
+    late = {"ok": True, "committed_late": True, "late": "ShardUnavailableError: index shard 1 did not answer",
+            "version": 0, "encoder_version": 1, "step": 2, "seconds": 4.0, "states": 0, "metrics": {}}  # fmt: skip
+    client.pending = ray.put(late)
+    with caplog.at_level("WARNING"):
+        logged = client._done_metrics(client.finished())
+    assert logged == {"index/refresh_seconds": 4.0, "index/version": 0, "index/refreshes_committed_late": 1}
+    s = client.summary()
+    assert s["index/refreshes"] == 1 and s["index/refresh_failures"] == 0 and s["index/refreshes_committed_late"] == 1
+    assert "refresh from step 2 committed late: searches switched to encoder version 1" in caplog.text
 
 
 def test_the_summary_counts_the_steps_that_mined_from_mixed_versions() -> None:
