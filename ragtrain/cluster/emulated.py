@@ -100,7 +100,8 @@ def command_env(state: State) -> dict[str, str]:
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",  # Ray refuses multi-node on one host name without it
         RAY_AUTH_MODE="token",
         RAY_AUTH_TOKEN=state.token,
-        GLOO_SOCKET_IFNAME=IFNAME,  # else gloo binds to gethostname()'s address: loopback here
+        # gloo binds to gethostname()'s address unless told: the hosts file makes that the node's, this makes sure
+        GLOO_SOCKET_IFNAME=IFNAME,
         RAGTRAIN_CLUSTER_NAME=state.spec.name,
         RAGTRAIN_CLUSTER_STORAGE=state.spec.storage,
     )
