@@ -71,15 +71,6 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedRunScheduling(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects them: every slow test is checked on every run
-def pytest_collection_modifyitems(config, items) -> None:
-    """A test kept out of the default suite says why in its marker (`@pytest.mark.slow(reason=...)`): what it costs,
-    and which default test covers its path in a smaller form."""
-    silent = [i.nodeid for i in items if (m := i.get_closest_marker("slow")) and not m.kwargs.get("reason")]
-    if silent:
-        raise pytest.UsageError(f"slow tests without a reason in their marker: {silent}")
-
-
 def spawn(fn, args: tuple, nprocs: int, start_method: str = "forkserver") -> None:
     """`torch.multiprocessing.spawn(fn, args, nprocs)` from the fork server: `fn(rank, *args)` on each rank, joined;
     a rank's exception is raised here. The ranks get the environment the server started with: a rank that needs

@@ -295,8 +295,8 @@ def check_refresh(cfg: Config) -> None:
     _check(
         not joint_full or cfg.refresh.enabled,
         "joint.passage_encoder",
-        "=trained changes the passage vectors while training: it needs the live refresh (refresh.enabled=true "
-        "with refresh.every_steps > 0), or use joint.passage_encoder=frozen",
+        "changes the passage vectors while training: it needs the live refresh (refresh.enabled=true with "
+        "refresh.every_steps > 0), or use joint.passage_encoder=frozen",
         "trained",
     )
     r, f = cfg.refresh, cfg.fault

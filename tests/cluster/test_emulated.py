@@ -138,7 +138,7 @@ def _run(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-@pytest.mark.slow  # two more 1-node clusters (~30 s each on 2 cores)
+@pytest.mark.slow(reason="two more 1-node clusters (~30 s each on 2 cores); the 2-node cluster above runs by default")
 def test_run_exits_with_the_command_and_tears_down_on_sigterm(tmp_path_factory) -> None:
     """`run` returns COMMAND's exit code; a SIGTERM while COMMAND runs still tears everything down."""
     why = netns.missing_requirement()

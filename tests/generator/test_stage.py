@@ -341,6 +341,15 @@ def test_a_model_the_architecture_or_lengths_cannot_use_fails_before_training(bu
         r"than generator.model=.* has positions for \(64\)",
     ):
         preflight(_cfg(tmp_path, "generator=tiny_gpt2", *use), data)
+    # an encoder (BERT is in transformers' causal-LM table as a decoder) is refused as a causal LM: trained, it
+    # attends to the answer it should predict and scored EM 0.000
+    minilm = ["generator.arch=causal", "generator.model=minilm", "generator.tokenizer=minilm"]
+    with pytest.raises(
+        ConfigError,
+        match=r"generator.arch=causal needs a decoder-only causal LM \(this checkpoint is an encoder, which attends "
+        r"to later tokens\), and generator.model='minilm' is a 'bert' model",
+    ):
+        preflight(_cfg(tmp_path, *minilm), data)
     with pytest.raises(
         ConfigError,
         match=r"question '.*': the question takes \d+ tokens with the template's fixed "

@@ -177,6 +177,9 @@ def test_joint_without_an_index_or_with_another_encoder_fails_clearly(built, tmp
     with pytest.raises(ConfigError, match="joint.passage_encoder=trained refreshes the run's own index"):
         _cfg(tmp_path, llama, "stages=[joint]", "joint.passage_encoder=trained", "refresh.enabled=true",
              "refresh.every_steps=2")  # fmt: skip
+    with pytest.raises(ConfigError) as e:  # a trained passage encoder without the live refresh
+        _cfg(tmp_path, llama, "joint.passage_encoder=trained")
+    assert str(e.value).startswith("joint.passage_encoder changes the passage vectors while training: it needs")
     with pytest.raises(ConfigError, match=r"the joint stage needs a retrieval index .*stages: \[index, joint\]"):
         preflight(_cfg(tmp_path / "none", llama, "stages=[joint]"), data)
     index.index.save(tmp_path / "saved")

@@ -46,9 +46,23 @@ class Causal:
 
     def mismatch(self, g: GeneratorConfig, hf_config: Any) -> str | None:
         # lazy: transformers is heavy (~1 s); this module imports without it
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+            MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        )
 
-        return None if hf_config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "a causal LM"
+        t = hf_config.model_type
+        # BERT and its kin are in transformers' causal-LM table too (as decoders), but a checkpoint saved as an
+        # encoder attends to later tokens: trained as a causal LM it copies the answer and generates nothing
+        encoder_only = (
+            t in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and t not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+            and not getattr(hf_config, "is_decoder", False)
+        )
+        if encoder_only:
+            return "a decoder-only causal LM (this checkpoint is an encoder, which attends to later tokens)"
+        return None if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "a causal LM"
 
     def positions(self, g: GeneratorConfig) -> tuple[int, str]:
         # prompt and answer are one sequence
