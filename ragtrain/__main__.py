@@ -161,6 +161,13 @@ def main(cfg: DictConfig) -> None:
     scrub_hydra_files()
     try:
         dispatch(cfg)
+    except KeyboardInterrupt:  # Ctrl+C: the run folder says so (status.json), and how to go on
+        print(
+            f"interrupted: the run in {cfg.get('output_dir')} stopped; continue it with the same command and "
+            "resume=true",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
     except user_errors() as e:
         if verbose(cfg):  # the traceback too, then the same line, clean-up and exit code
             traceback.print_exc()

@@ -84,6 +84,7 @@ class Answerer:
     def __call__(self, question: str, hits: Sequence[dict[str, Any]]) -> str:
         """The answer given the hits in rank order (as many as fit the prompt, the last cut)."""
         import torch  # lazy: torch is heavy (seconds); this module's argument checks run without it
+        from safetensors import SafetensorError  # lazy, as torch above
 
         # lazy: ragtrain.generator.saved and .steps import torch; this module's argument checks run without it
         from ragtrain.generator.saved import load_generator
@@ -92,7 +93,7 @@ class Answerer:
         if self.model is None:
             try:
                 self.model = load_generator(self.cfg, self.folder)
-            except (OSError, ValueError) as e:  # e.g. a truncated weights file
+            except (OSError, ValueError, SafetensorError) as e:  # e.g. a truncated weights file
                 raise AskError(f"{self.folder}: not a loadable generator ({str(e).splitlines()[0]})") from None
         texts = [passage_text(h["title"], h["text"], self.g.include_title) for h in hits if h["text"]]
         m, g = self.model, self.g

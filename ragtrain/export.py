@@ -12,7 +12,6 @@ The retriever is written with sentence-transformers' own classes (Transformer ->
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import sys
@@ -317,24 +316,17 @@ or, with the run's index and retriever: `python -m ragtrain.ask <run folder> "a 
 
 def export_generator(weights_dir: str | Path, folder: str | Path, card: str | None = None) -> Path:
     """The generator trained by this run (`<weights_dir>`: its Hugging Face model folder, written by the generator
-    stage) without the run's result files, at `folder` (hard links where the file system allows: SmolLM2's
-    weights are 538 MB), with `card` as its README.md."""
+    stage) without the run's result files, at `folder`, with `card` as its README.md. Copies, not hard links: a
+    link shares the bytes, so damaging the exported weights would damage the run's too."""
     # lazy: ragtrain.generator.train imports ray; this module imports without it
     from ragtrain.generator.train import RUN_FILES
 
     folder = Path(folder)
     shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(weights_dir, folder, ignore=shutil.ignore_patterns(*RUN_FILES), copy_function=_link_or_copy)
+    shutil.copytree(weights_dir, folder, ignore=shutil.ignore_patterns(*RUN_FILES))
     if card is not None:
         (folder / "README.md").write_text(card, encoding="utf-8")
     return folder
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another file system, or links not allowed
-        shutil.copy2(src, dst)
 
 
 def export_run(

@@ -106,6 +106,29 @@ def write_status(out: Path, status: str, **extra) -> None:
     tmp.replace(out / STATUS_FILE)
 
 
+def completed(out: Path) -> bool:
+    """Whether the run folder `out` holds a run that finished (status complete, its results saved)."""
+    status = out / STATUS_FILE
+    return (
+        status.is_file()
+        and (out / "metrics.json").is_file()
+        and json.loads(status.read_text())["status"] == "complete"
+    )
+
+
+def finished_results(cfg: Config) -> dict[str, dict[str, float]] | None:
+    """resume=true on a run that completed: its saved results (metrics.json), with nothing run, rewritten or
+    logged again; None for any other folder. The config must still be the one the run was started with."""
+    out = Path(cfg.output_dir)
+    if not (cfg.resume and completed(out)):
+        return None
+    saved = out / "metrics.json"
+    run_lock.check_owner(cfg.output_dir)
+    check_resume(cfg, out)
+    log.info(f"[resume] the run in {out} finished before: nothing to run; its results are {saved}")
+    return json.loads(saved.read_text())
+
+
 # Keys that may differ between a run and its resumption without a word: the resume switch itself
 RESUME_IGNORED = ("resume", "resume_allow_changes")
 
@@ -416,6 +439,9 @@ def run(
     A Tune trial passes `train_callbacks` (TuneReportCallback), `report_intermediate=True` (ray.train.report at
     every log window, so schedulers see learning curves) and its sweep's `parent_run_id` (MLflow child run).
     """
+    done = finished_results(cfg)
+    if done is not None:
+        return done
     initial = functools.cache(lambda: initial_weights(cfg))  # built once: by the corpus stream, or below
     data, out, run_log, lock = start_run(cfg, initial)
     try:

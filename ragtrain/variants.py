@@ -15,7 +15,7 @@ from ragtrain.config import Config
 from ragtrain.config.variants import SEED_MARK
 from ragtrain.console import get_logger
 from ragtrain.paired import format_table, paired_over_seeds, predictions_file, saved_answers
-from ragtrain.pipeline import run
+from ragtrain.pipeline import completed, run
 from ragtrain.search import SearchError
 from ragtrain.track.mlflow import RunLogger
 from ragtrain.track.report import comparison_frame, write_comparison
@@ -26,6 +26,8 @@ log = get_logger(__name__)
 def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFrame:
     """Run the pipeline once per variant (one MLflow run each), then write the comparison table (one row per
     variant, its name in the `strategy` column)."""
+    # resume=true after every variant finished: the same table again, and no second comparison run in MLflow
+    finished = all(cfg.resume and completed(Path(cfg.output_dir)) for cfg in variants.values())
     rows = []
     for label, cfg in variants.items():
         log.info(f"\n######## variant: {label} ########")
@@ -38,7 +40,8 @@ def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFra
     files = write_comparison(
         df, out_dir, f"{first.experiment_name}: {first.data.source} split={first.data.split}", [paired]
     )
-    _log_comparison(first, files)
+    if not finished:
+        _log_comparison(first, files)
     log.info("\n" + df.to_markdown(index=False, floatfmt=".4g") + (f"\n\n{paired}" if paired else ""))
     log.info(f"comparison: {', '.join(str(f) for f in files)}")
     return df

@@ -214,6 +214,8 @@ def test_export_of_a_joint_run_holds_the_jointly_trained_models(runs, tmp_path: 
     assert 'license: "other"\n' in card and "(license: none: a random init)" in card and "em 0.25" in card
     want = (run / JOINT_DIR / GENERATOR_FOLDER / "model.safetensors").read_bytes()
     assert (exported["generator"] / "model.safetensors").read_bytes() == want
+    # a copy, not a hard link: damaging the export must leave the run's generator whole
+    assert (exported["generator"] / "model.safetensors").stat().st_nlink == 1
 
 
 def _truncate(path: Path) -> None:
@@ -233,6 +235,7 @@ def _truncate(path: Path) -> None:
         ("k zero", "-k must be > 0, got 0"),
         ("k above the index", "-k must be between 1 and"),
         ("damaged index", "is corrupt"),
+        ("damaged generator weights", "not a loadable generator"),
         ("question too long", "generator.max_source_length"),
     ],
 )
@@ -260,13 +263,16 @@ def test_bad_input_is_one_line_and_exit_2(runs, quickstart_run, tmp_path: Path, 
     elif case == "damaged index":
         run = str(_copy_run(str(gen), tmp_path / "run"))
         _truncate(Path(run) / "index" / "shard-0" / "index.faiss")
+    elif case == "damaged generator weights":  # safetensors' own error, not an OSError
+        run = str(_copy_run(str(gen), tmp_path / "run"))
+        _truncate(Path(run) / "generator" / "model.safetensors")
     elif case == "question too long":
         question = "who founded the observatory " * 200
     res = _ask(run, question, *extra)
     assert res.returncode == 2 and res.stdout == "", res
     assert res.stderr.startswith("ask error: ") and res.stderr.strip().count("\n") == 0, res.stderr
     assert says in res.stderr, res.stderr
-    if case in ("missing folder", "not a run folder", "no index", "damaged index"):
+    if case in ("missing folder", "not a run folder", "no index", "damaged index", "damaged generator weights"):
         assert run in res.stderr  # the folder or file is named
 
 

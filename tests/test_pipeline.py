@@ -255,3 +255,21 @@ def test_the_stage_table_runs_the_configured_stages_in_its_order(tmp_path, monke
     cfg = to_typed(compose(tiny_overrides(tmp_path) + ["stages=[index,generator]"]))
     pipeline.run_stages(pipeline.RunState(cfg, None, tmp_path, None, None, {}, "init"))
     assert ran == ["index", "generator"]
+
+
+def test_resume_of_a_finished_run_runs_nothing_and_returns_its_results(quickstart_run) -> None:
+    """resume=true on a run that completed: its saved results, and the folder and the MLflow store untouched (it
+    used to train "8 steps in 0.0s", rewrite its figures with a wall time of 0 and log a second run)."""
+    from dataclasses import replace
+
+    cfg, results, _ = quickstart_run
+    out = Path(cfg.output_dir)
+    files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    client = MlflowClient(cfg.logger.tracking_uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = len(client.search_runs(experiments))
+    again = run(replace(cfg, resume=True))
+    assert again == json.loads((out / "metrics.json").read_text())
+    assert again["trained"]["ndcg@10"] == pytest.approx(results["trained"]["ndcg@10"], abs=1e-12)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files
+    assert len(client.search_runs(experiments)) == runs

@@ -21,6 +21,7 @@ from ragtrain.config.generator import GENERATOR_ARCHS, GenPrecision
 from ragtrain.config.resources import TrainerResources
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
+from ragtrain.embed.model import missing_folder
 from ragtrain.errors import ConfigError
 from ragtrain.generator.archs.base import build_arch, resolve_path
 from ragtrain.generator.model import load_tokenizer
@@ -79,6 +80,7 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Path | None = None) -> 
             "generator.train.precision=fp16 is not supported by the joint stage (its step has no loss scaling): "
             "use bf16 (a GPU since Ampere) or fp32"
         )
+    check_top_k(cfg, len(data.corpus))
     if "generator" in cfg.stages:  # its worker count may differ from resources.trainer's: checked the same way
         generator_trainer(cfg)
     gen = build_gen_data(cfg, data)
@@ -91,12 +93,29 @@ def preflight(cfg: Config, data: RetrievalData, out_dir: Path | None = None) -> 
             raise ConfigError(f"generator.retrieval.index_dir: {e}") from None
 
 
+def check_top_k(cfg: Config, passages: int) -> None:
+    """The passages a prompt or a joint step asks for exist: a top_k past the index would crash a joint step in a
+    worker, or be cut silently for a prompt (and the run would report the top_k it asked for)."""
+    asked = [("generator.retrieval.top_k", cfg.generator.retrieval.top_k)]
+    if "joint" in cfg.stages:
+        asked.append(("joint.top_k", cfg.joint.top_k))
+    for key, k in asked:
+        if k > passages:
+            raise ConfigError(f"{key}={k} is more than the {passages} passages of the index: set it to <= {passages}")
+
+
 def check_model(cfg: Config) -> Any:
     """The generator's tokenizer and model config load offline and fit the configured architecture and lengths (a
     typo or a mismatch fails now, not after retriever training); returns the tokenizer."""
     from transformers import AutoConfig  # lazy: transformers is heavy (~1 s); this module imports without it
 
     g = cfg.generator
+    for key, name in (("generator.model", g.model), ("generator.tokenizer", g.tokenizer)):
+        if name and missing_folder(resolve_path(name)):  # a path, not a hub id: say so, not the hub's id rules
+            raise ConfigError(
+                f"{key}={name!r}: no such folder; give a local folder with config.json and tokenizer files, a "
+                f"packaged model (smollm2) or a name in the local Hugging Face cache"
+            )
     try:
         tokenizer = load_tokenizer(g)
         hf = AutoConfig.from_pretrained(resolve_path(g.model))

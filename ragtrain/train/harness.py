@@ -303,6 +303,52 @@ def fit(
         return _fit(loop, args, num_workers, callbacks, store_folder, start)
 
 
+INTERRUPTED = "training interrupted (Ctrl+C); its last checkpoint is kept: continue the run with resume=true"
+
+
+def interruptible(trainer_cls: type) -> type:
+    """`trainer_cls` (a Ray Train trainer) whose Ctrl+C ends `fit` as KeyboardInterrupt.
+
+    Ray Train's fit installs a SIGINT handler that aborts the run's controller and then exits with `sys.exit`,
+    and leaves it installed: the run would end as a bare SystemExit whose cause nobody sees. This one notes the
+    Ctrl+C beside Ray's handler (which still aborts the controller), and `interrupt_as_keyboard` turns the end of
+    such a fit into KeyboardInterrupt and restores the handler the driver had."""
+    import signal
+    import threading
+
+    class Interruptible(trainer_cls):  # type: ignore[misc, valid-type]
+        interrupted = False
+
+        def _register_sigint_handler(self, controller: Any) -> None:
+            super()._register_sigint_handler(controller)
+            ray_handler = signal.getsignal(signal.SIGINT)
+
+            def note_then_abort(signum: int, frame: Any) -> None:
+                self.interrupted = True
+                ray_handler(signum, frame)  # type: ignore[operator]
+
+            signal.signal(signal.SIGINT, note_then_abort)
+
+        @contextmanager
+        def interrupt_as_keyboard(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():  # a Tune trial: Tune owns Ctrl+C
+                yield
+                return
+            before = signal.getsignal(signal.SIGINT)
+            try:
+                yield
+            except SystemExit:
+                if self.interrupted:
+                    raise KeyboardInterrupt(INTERRUPTED) from None
+                raise
+            finally:
+                signal.signal(signal.SIGINT, before)
+            if self.interrupted:  # aborted, and Ray returned instead of exiting
+                raise KeyboardInterrupt(INTERRUPTED)
+
+    return Interruptible
+
+
 def _fit(
     loop: Callable[[WorkerArgs], None],
     args: WorkerArgs,
@@ -322,7 +368,7 @@ def _fit(
 
     cfg = args.cfg
     r = cfg.resources.trainer
-    trainer = TorchTrainer(
+    trainer = interruptible(TorchTrainer)(
         _entry,
         train_loop_config={"loop": loop, "args": args, "driver_node": ray.get_runtime_context().get_node_id()},
         torch_config=LoopbackTorchConfig(backend="nccl" if r.use_gpu else "gloo", store_folder=store_folder),
@@ -347,7 +393,8 @@ def _fit(
             logging_config=LoggingConfig(log_level="WARNING" if is_quiet() else "INFO"),
         ),
     )
-    result = trainer.fit()
+    with trainer.interrupt_as_keyboard():
+        result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"{args.stage} training finished without a checkpoint (error: {result.error})")
     # storage_path is a folder of the run (a local or shared filesystem), so the checkpoint is readable in place

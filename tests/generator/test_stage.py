@@ -311,8 +311,16 @@ def test_bad_config_and_data_fail_clearly(built, tmp_path) -> None:
     )
     with pytest.raises(ConfigError, match=r"gpus_per_worker below 1 could put two of the 2 NCCL ranks on one GPU"):
         preflight(_cfg(tmp_path, *half), data)
-    with pytest.raises(ConfigError, match="cannot be loaded offline"):
+    with pytest.raises(ConfigError, match=r"^generator.model='/nonexistent/t5': no such folder; give a local folder"):
         preflight(_cfg(tmp_path, "generator=t5_pretrained", "generator.model=/nonexistent/t5"), data)
+    with pytest.raises(ConfigError, match="cannot be loaded offline"):  # a hub id that is not cached
+        preflight(_cfg(tmp_path, "generator=t5_pretrained", "generator.model=some-org/not-cached-t5"), data)
+    # a top_k past the index: refused before any training, not a crash in a joint step or a silent cut
+    passages = len(data.corpus)
+    with pytest.raises(ConfigError, match=rf"^generator.retrieval.top_k=1000 is more than the {passages} passages"):
+        preflight(_cfg(tmp_path, "generator.retrieval.top_k=1000"), data)
+    with pytest.raises(ConfigError, match=rf"^joint.top_k=1000 is more than the {passages} passages of the index"):
+        preflight(_cfg(tmp_path, "stages=[retriever,index,joint]", "joint.top_k=1000"), data)
     with pytest.raises(ConfigError, match="needs short answers"):
         preflight(_cfg(tmp_path), replace(data, answers={}))
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +124,26 @@ def test_a_fit_removes_its_rendezvous_files_also_when_it_fails(ray_session, tmp_
     seen = [p.read_text() for p in sorted((tmp_path / "out").glob("stores-*.txt"))]
     assert len(seen) == 2 and all(s.strip() for s in seen), seen  # each rank saw its group's file in the run's folder
     assert list((tmp_path / "tmp").glob("ragtrain-pg-*")) == []
+
+
+def _loop_that_is_interrupted(args) -> None:
+    out = Path(args.cfg.output_dir)
+    os.kill(int((out / "driver.pid").read_text()), signal.SIGINT)  # Ctrl+C at the driver, as a user presses it
+    time.sleep(120)  # the controller aborts the group long before
+
+
+def test_ctrl_c_during_a_fit_is_a_keyboard_interrupt_and_the_drivers_handler_comes_back(ray_session, tmp_path) -> None:
+    """Ray Train's fit answers Ctrl+C by aborting its controller and exiting through sys.exit, and leaves its own
+    SIGINT handler behind: the run ended as a bare SystemExit. It ends as KeyboardInterrupt with the resume hint
+    (the CLI then exits 130), and the driver's handler is back."""
+    from ragtrain.train.harness import fit
+
+    before = signal.getsignal(signal.SIGINT)
+    cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), "resources.trainer.num_workers=1"]))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "driver.pid").write_text(str(os.getpid()))
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt, match=r"interrupted \(Ctrl\+C\).*resume=true"):
+        fit(_loop_that_is_interrupted, WorkerArgs(cfg, "retriever", cpus_per_worker=1.0), num_workers=1)
+    assert time.monotonic() - start < 100  # aborted, not waited out
+    assert signal.getsignal(signal.SIGINT) is before
