@@ -110,9 +110,7 @@ def completed(out: Path) -> bool:
     """Whether the run folder `out` holds a run that finished (status complete, its results saved)."""
     status = out / STATUS_FILE
     return (
-        status.is_file()
-        and (out / "metrics.json").is_file()
-        and json.loads(status.read_text())["status"] == "complete"
+        status.is_file() and (out / "metrics.json").is_file() and json.loads(status.read_text())["status"] == "complete"
     )
 
 
