@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,11 +31,16 @@ from ragtrain.embed.encoders import EncodeFault, QueryEncoder, encoder_dim
 from ragtrain.eval.answers import answer_recall
 from ragtrain.eval.metrics import DEFAULT_KS, evaluate, maxp_run, run_from_scores
 from ragtrain.index import vector_cache
-from ragtrain.index.base import Index
+from ragtrain.index.base import Index, SearchIndex
 from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores
 from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, map_vectors, mean_vectors, sample_ids
 from ragtrain.precision import resolved_index
+
+if TYPE_CHECKING:  # lazy at run time: these modules import Ray
+    from ray.util.placement_group import PlacementGroup
+
+    from ragtrain.index.sharded import ShardGroup
 
 log = get_logger(__name__)
 
@@ -48,7 +53,7 @@ class BuiltIndex:
     """One index build: the FAISS index, the encoder snapshot(s) behind it, and its vectors' whereabouts."""
 
     tag: str
-    index: Index  # a ShardedIndex held by the run's shard group
+    index: SearchIndex  # a ShardedIndex held by the run's shard group (ragtrain.paired: a saved one, LocalShards)
     snapshots: list[dict[str, torch.Tensor]]
     corpus_ids: list[str]  # corpus order
     stats: dict
@@ -67,8 +72,8 @@ class Retrieval:
 
     def __init__(self, cfg: Config, data: RetrievalData):
         self.cfg, self.data = cfg, data
-        self._shards = None
-        self._reserved = None  # the live refresh's CPUs (a placement group), held while it runs
+        self._shards: ShardGroup | None = None
+        self._reserved: PlacementGroup | None = None  # the live refresh's CPUs, held while it runs
         self.doc_ids = list(data.corpus)
         self.fingerprint = data.fingerprint()
         # Training and mining work on passages: with chunks, every chunk of a judged document carries its grade
@@ -193,7 +198,7 @@ class Retrieval:
                 fault=fault, num_gpus_per_actor=pool.gpus_per_actor, num_threads=threads,
             )  # fmt: skip
         got = got.in_order(self.doc_ids)  # the index's row r is the corpus's row r (the live refresh relies on it)
-        if key is not None:
+        if key is not None and idx.cache_dir:  # key: set only with a cache
             vector_cache.store(idx.cache_dir, key, got)
         return got
 
@@ -346,8 +351,10 @@ class Retrieval:
         # lazy: ragtrain.index.refresh_service imports faiss/ray; this module imports without them
         from ragtrain.index.refresh import make_probe
         from ragtrain.index.refresh_service import RefreshService, RefreshSpec, reserve
-        from ragtrain.index.sharded import shard_ranges
+        from ragtrain.index.sharded import ShardedIndex, shard_ranges
 
+        if not isinstance(built.index, ShardedIndex):  # e.g. a saved index loaded in this process (LocalShards)
+            raise TypeError(f"the live index service starts from the run's index shards, not {built.index!r}")
         if len(built.snapshots) != 1:
             raise ValueError(
                 f"the live index service starts from one encoder's vector files; {built.tag!r} holds the "
@@ -376,7 +383,8 @@ class Retrieval:
             for a, b in shard_ranges(len(self.doc_ids), group.n)
         ]
         strategy = PlacementGroupSchedulingStrategy(self._reserved, placement_group_bundle_index=0)
-        service = RefreshService.options(num_cpus=0, scheduling_strategy=strategy).remote(
+        # @ray.remote made the class an actor class: mypy does not apply class decorators
+        service = RefreshService.options(num_cpus=0, scheduling_strategy=strategy).remote(  # type: ignore[attr-defined]
             spec, group.actors, self.doc_ids, texts, sources, queries, gold, probe
         )
         ray.get(service.number_from.remote(first_version))

@@ -22,7 +22,7 @@ from ragtrain.config import Precision, RetrieverConfig
 from ragtrain.console import get_logger
 from ragtrain.embed.encoders import QueryEncoder
 from ragtrain.embed.model import build_encoder
-from ragtrain.index.base import Index
+from ragtrain.index.base import SearchIndex
 from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.retriever.train import load_weights
 
@@ -33,14 +33,18 @@ log = get_logger(__name__)
 class IndexPayload:
     """Everything a searcher needs, picklable: the index's handle (its shard actors) and the encoder snapshot(s)."""
 
-    index: Index
+    index: SearchIndex
     retriever: RetrieverConfig
     weights: list[dict[str, torch.Tensor]]  # encoder snapshot(s); several = vector_avg (mean of query vectors)
     precision: Precision = Precision.auto  # query-encoding precision (auto: resolved where the encoder runs)
 
     @classmethod
     def from_index(
-        cls, index: Index, retriever: RetrieverConfig, weights: list[dict[str, torch.Tensor]], precision: Precision
+        cls,
+        index: SearchIndex,
+        retriever: RetrieverConfig,
+        weights: list[dict[str, torch.Tensor]],
+        precision: Precision,
     ) -> IndexPayload:
         """Package an index with the encoder snapshot(s) that built it (queries encoded at `precision`)."""
         return cls(index, retriever, weights, precision)
@@ -82,7 +86,7 @@ class RetrievalClient:
         return {"payload_ref": self.payload_ref}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["payload_ref"])
+        RetrievalClient.__init__(self, state["payload_ref"])
 
     def _searcher(self) -> Searcher:
         if self._local is None:

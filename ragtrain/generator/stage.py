@@ -24,6 +24,7 @@ from ragtrain.generator.model import load_tokenizer, resolve_path
 from ragtrain.generator.prompt import ChatTemplateError, PromptPassages, PromptTooLongError
 from ragtrain.generator.retriever_client import IndexPayload, RetrievalClient, check_encoder, load_snapshots
 from ragtrain.generator.train import GenData, GenExample, fit_generator, prompt_builder
+from ragtrain.index.base import SearchIndex
 from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.index.sharded import ShardGroup, open_saved, read_sharded, shard_gpu_claim, shard_gpus
 
@@ -165,7 +166,7 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
                 f"before '{stage}' (e.g. stages: [index, {stage}]) or set generator.retrieval.index_dir to a saved "
                 "index"
             )
-        index = open_saved(folder, expect_corpus=data.fingerprint(), mmap=True)  # one index, or sharded
+        index: SearchIndex = open_saved(folder, expect_corpus=data.fingerprint(), mmap=True)  # one index, or sharded
         weights = load_snapshots(cfg.retriever, cfg.seed, index.meta.encoder)
     else:
         index, weights = built.index, built.snapshots

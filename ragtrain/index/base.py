@@ -1,18 +1,20 @@
 """The `Index` protocol: what every user of an index (evaluation, mining, the live refresh, the generator's
 retrieval) calls. Its implementation is the shard group's `ShardedIndex` (index/sharded.py), at any shard count;
-`LocalShards` reads a saved one in-process."""
+`LocalShards` reads a saved one in-process: a `SearchIndex`, the protocol without `save`."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ragtrain.index.faiss_index import IndexMeta
 
 
-class Index(Protocol):
+class SearchIndex(Protocol):
+    """An index to search: the run's `ShardedIndex`, or a saved one loaded in this process (`LocalShards`)."""
+
     doc_ids: list[str]  # the id of every row, in row order
     meta: IndexMeta
 
@@ -28,10 +30,15 @@ class Index(Protocol):
         """IVF nprobe / HNSW efSearch, where the index type has them."""
         ...
 
-    def save(self, folder: str | Path) -> Path:
-        """Write the index into `folder` (read back by `LocalShards.load` or `ShardGroup.load`)."""
-        ...
-
     def drop(self) -> None:
         """Free the index where it is held (the handle is unusable afterwards)."""
+        ...
+
+
+@runtime_checkable  # the pipeline checks that the index it saves is one (a loaded saved index is not)
+class Index(SearchIndex, Protocol):
+    """A `SearchIndex` that can write itself: the run's `ShardedIndex`."""
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the index into `folder` (read back by `LocalShards.load` or `ShardGroup.load`)."""
         ...

@@ -26,6 +26,7 @@ from ragtrain.index.faiss_index import trained_empty as faiss_trained_empty
 if TYPE_CHECKING:
     from ragtrain.config import IndexConfig
     from ragtrain.corpus.encode import VectorSet
+    from ragtrain.index.base import Index
 
 
 def _sample(shards: VectorSet, size: int, seed: int) -> np.ndarray:
@@ -134,7 +135,7 @@ def build_configured_from_vectors(
     return index
 
 
-def save_atomic(index: DenseIndex, folder: str | Path, complete: Callable[[Path], None] | None = None) -> Path:
+def save_atomic(index: Index, folder: str | Path, complete: Callable[[Path], None] | None = None) -> Path:
     """`DenseIndex.save` into `<folder>.tmp-<pid>`, renamed to `folder` on success (an old index is replaced only
     once the new one is complete; a failed save leaves the old one untouched). `complete(tmp)` adds files to the
     new folder before the rename (an index shard's manifest)."""
