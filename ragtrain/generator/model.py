@@ -10,7 +10,7 @@ import inspect
 import os
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from torch import nn
 from ragtrain.config.generator import PACKAGED, Arch, GeneratorConfig
 from ragtrain.embed.model import minilm_path
 from ragtrain.generator.packaged import packaged_folder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from installed packages, local paths or the cache
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -61,7 +64,7 @@ def _set_dropout(config: Any, p: float | None) -> None:
             setattr(config, key, p)
 
 
-def _bert2bert(g: GeneratorConfig, tok) -> nn.Module:
+def _bert2bert(g: GeneratorConfig, tok) -> PreTrainedModel:
     """EncoderDecoderModel with both sides from one BERT checkpoint (Rothe et al. 2020's BERT2BERT)."""
     # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import BertConfig, BertLMHeadModel, BertModel, EncoderDecoderModel
@@ -94,7 +97,7 @@ def _bert2bert(g: GeneratorConfig, tok) -> nn.Module:
     return model
 
 
-def _tiny(g: GeneratorConfig, tok) -> nn.Module:
+def _tiny(g: GeneratorConfig, tok) -> PreTrainedModel:
     """A small T5 (seq2seq) or GPT-2 (causal) built from a config with the tokenizer's vocabulary: no download."""
     # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import (
@@ -138,7 +141,7 @@ def _tiny(g: GeneratorConfig, tok) -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def _pretrained(g: GeneratorConfig) -> nn.Module:
+def _pretrained(g: GeneratorConfig) -> PreTrainedModel:
     """Any HF seq2seq or causal LM by local path or cached name."""
     # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -170,7 +173,7 @@ class FirstLineDone:
 class GenModel(nn.Module):
     """One interface over the three architectures: summed target cross-entropy, and generation."""
 
-    def __init__(self, hf: nn.Module, arch: Arch, tokenizer):
+    def __init__(self, hf: PreTrainedModel, arch: Arch, tokenizer):
         super().__init__()
         self.hf, self.arch, self.tokenizer = hf, Arch(arch), tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -178,9 +181,8 @@ class GenModel(nn.Module):
         cfg = hf.config
         # transformers' causal LMs take `logits_to_keep` (positions whose logits are computed) since 4.50
         self.keeps_logits = self.arch == Arch.causal and "logits_to_keep" in inspect.signature(hf.forward).parameters
-        self.start_id = getattr(cfg, "decoder_start_token_id", None)
-        if self.start_id is None:
-            self.start_id = self.pad_id
+        start = getattr(cfg, "decoder_start_token_id", None)
+        self.start_id: int = start if start is not None else self.pad_id
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of the target tokens' cross-entropy in fp32 (callers divide by the global token count)."""
