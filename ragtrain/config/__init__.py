@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -212,7 +212,7 @@ class DataConfig:
 
     def _check_squad(self) -> None:
         """data=squad's keys: set with another source they would do nothing; with squad, the keys it does not read."""
-        squad_keys = (
+        squad_keys: tuple[tuple[str, object, object], ...] = (
             ("dev_titles", self.dev_titles, []),
             ("test_titles", self.test_titles, []),
             ("dev_articles", self.dev_articles, 0),
@@ -638,7 +638,8 @@ def sync_preset(name: str, conf_dir: str | Path | None = None, **overrides: Any)
     if not path.exists():
         choices = sorted(p.stem for p in path.parent.glob("*.yaml"))
         raise ConfigError(f"sync option {name!r} is unknown; valid choices: {choices}")
-    node = OmegaConf.merge(OmegaConf.structured(SyncConfig), OmegaConf.load(path), overrides)
+    # merged into a structured config: a DictConfig (OmegaConf.merge is annotated with ListConfig too)
+    node = cast(DictConfig, OmegaConf.merge(OmegaConf.structured(SyncConfig), OmegaConf.load(path), overrides))
     return _to_object(node, SyncConfig)
 
 
@@ -649,7 +650,7 @@ def with_sync_preset(sync: Any, preset: Any) -> DictConfig:
     base = OmegaConf.structured(SyncConfig)
     for key in ("bucket_cap_mb", "probe_passages", "eval_every"):
         base[key] = sync[key]
-    return OmegaConf.merge(base, preset)
+    return cast(DictConfig, OmegaConf.merge(base, preset))  # merged into a structured config: a DictConfig
 
 
 SHARD_TIMEOUT_RANGE = (1.0, 3600.0)  # index.shard_timeout_s, seconds
@@ -1099,7 +1100,7 @@ def unknown_keys(node: Any, obj: Any, prefix: str = "") -> list[str]:
     out = []
     for key in node.keys():
         if key not in fields:
-            out.append(f"{prefix}{key}")
+            out.append(prefix + str(key))
         else:
             out += unknown_keys(node._get_node(key), getattr(obj, key), f"{prefix}{key}.")
     return out
@@ -1171,7 +1172,7 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
     if unknown:
         raise ConfigError(f"compare.only names {unknown}, which are not variants: choose from {list(named)}")
     chosen = {n: named[n] for n in cfg.compare.only} if cfg.compare.only else named
-    seeds = [int(x) for x in cfg.compare.seeds]
+    seeds: list[int | None] = [int(x) for x in cfg.compare.seeds]  # None: the variant's own seed
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"compare.seeds={seeds} repeats a seed: each seed is run once per variant")
     out: dict[str, Config] = {}

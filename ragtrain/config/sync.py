@@ -163,7 +163,7 @@ class MixerConfig:
             self.warmup_steps is None or self.warmup_steps >= 0, k + ".warmup_steps", "must be >= 0", self.warmup_steps
         )
         _check(
-            self.max_period is None or self.max_period >= self.period,
+            self.max_period is None or self.period is None or self.max_period >= self.period,
             k + ".max_period",
             f"must be >= sync.mixer.period ({self.period})",
             self.max_period,
@@ -325,7 +325,7 @@ class SyncConfig:
         mixer, scope = MIXERS[self.mixer.kind], REDUCER_SCOPES[self.scope.reducer]
         if self.consensus == "vectors":
             return "vector_avg"
-        if mixer.asynchronous:
+        if mixer.asynchronous and mixer.family:
             return mixer.family
         if scope.family:
             return scope.family

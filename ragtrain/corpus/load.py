@@ -139,9 +139,9 @@ def load_data(
     if not cfg.chunk.enabled:
         return data
     n_docs = len(data.corpus)
-    store = corpus_dir / "passages.arrow" if corpus_dir else None
+    passages_store = corpus_dir / "passages.arrow" if corpus_dir else None
     c = cfg.chunk
-    data = chunk_data(data, tokenizer, c.max_tokens, c.overlap, store, ray_tasks if on_ray else 0, retriever)
+    data = chunk_data(data, tokenizer, c.max_tokens, c.overlap, passages_store, ray_tasks if on_ray else 0, retriever)
     log.info(
         f"[data] {n_docs} documents -> {len(data.corpus)} chunks of <= {c.max_tokens} tokens (overlap {c.overlap})"
     )
