@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ragtrain.config import MixerConfig
+from ragtrain.config.sync import MixerConfig
 from ragtrain.errors import filled
 
 
