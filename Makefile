@@ -50,6 +50,7 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: setup

@@ -86,10 +86,9 @@ def check_overrides(argv: list[str]) -> None:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             return  # Hydra reports it in full
         bare = [a for a in argv if has_non_ascii_digits(a.partition("=")[2])]  # Hydra's lexer takes only 0-9
+        key, _, value = bare[0].lstrip("+~").partition("=") if bare else ("", "", "")
         line = (
-            non_ascii_digits(*bare[0].lstrip("+~").split("=", 1), " (quote it if it is text, not a number)")
-            if bare
-            else override_error_line(e)
+            non_ascii_digits(key, value, " (quote it if it is text, not a number)") if bare else override_error_line(e)
         )
         print(f"config error: {line}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub when asking a run
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -26,6 +26,9 @@ from ragtrain.config import Config  # noqa: E402
 from ragtrain.console import quiet_cli  # noqa: E402
 from ragtrain.generator.prompt import PromptTooLongError, passage_text  # noqa: E402
 from ragtrain.search import SearchError, hit_line, load_run_config, search  # noqa: E402
+
+if TYPE_CHECKING:
+    from ragtrain.generator.model import GenModel
 
 SNIPPET = 120  # characters of a source's "title: text" on its line
 
@@ -65,7 +68,8 @@ class Answerer:
         from ragtrain.generator.model import AnswerDecoder
         from ragtrain.generator.steps import prompt_builder
 
-        self.cfg, self.g, self.folder, self.model = cfg, cfg.generator, folder, None
+        self.cfg, self.g, self.folder = cfg, cfg.generator, folder
+        self.model: GenModel | None = None  # loaded on the first answer
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder))  # saved with the model, as trained
             self.builder = prompt_builder(self.g, tokenizer)

@@ -65,7 +65,12 @@ def runs_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
     metrics = sorted({k for r in keep for k in r.metrics})
     rows = []
     for r in keep:
-        row = {"run_id": r.run_id, "run": run_label(r), "status": r.status, "sync": sync_label(r.params, r.tags)}
+        row: dict[str, object] = {
+            "run_id": r.run_id,
+            "run": run_label(r),
+            "status": r.status,
+            "sync": sync_label(r.params, r.tags),
+        }
         row.update({k: r.params.get(k) for k in varying})
         row.update({k: r.metrics.get(k, float("nan")) for k in metrics})
         rows.append(row)

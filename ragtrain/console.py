@@ -143,7 +143,7 @@ class _Stdout(logging.StreamHandler):
         self.addFilter(lambda record: getattr(record, "console", True))
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self):
         return sys.stdout
 
     @stream.setter

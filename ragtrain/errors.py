@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -15,6 +17,14 @@ def check(ok: bool, key: str, msg: str, value: Any) -> None:
     """Raise ConfigError("<key> <msg>, got <value>") unless `ok`."""
     if not ok:
         raise ConfigError(f"{key} {msg}, got {value!r}")
+
+
+def filled(value: T | None, key: str) -> T:
+    """A variant's key that the typed config filled with the variant's default (ragtrain/config/sync.py,
+    `_kind_keys`): typed Optional in the schema, never None once a variant that reads it is built."""
+    if value is None:
+        raise ValueError(f"{key} is unset: the registry entry of the variant reading it must give its default")
+    return value
 
 
 def driver_path(path: str) -> str:

@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -135,7 +136,7 @@ def labels(runs: Sequence[str | Path]) -> list[str]:
     return out
 
 
-def bootstrap(runs: Sequence[Scored], resamples: int = 10_000, seed: int = 0) -> list[dict[str, float]]:
+def bootstrap(runs: Sequence[Scored], resamples: int = 10_000, seed: int = 0) -> list[dict[str, Any]]:
     """Mean, 95 % interval, and the paired difference to runs[0] (interval and p(diff ≤ 0)) for each run."""
     qids = sorted(runs[0].values)
     for r in runs[1:]:
@@ -149,7 +150,7 @@ def bootstrap(runs: Sequence[Scored], resamples: int = 10_000, seed: int = 0) ->
     picks = np.random.default_rng(seed).integers(0, len(qids), size=(resamples, len(qids)))
     means = x[:, picks].mean(axis=2)  # runs x resamples
     diffs = means - means[0]
-    out = []
+    out: list[dict[str, Any]] = []  # one row per run: its name, then its figures
     for i, r in enumerate(runs):
         row = {
             "run": r.name,
@@ -182,7 +183,7 @@ def seed_runs(folder: str | Path) -> dict[int, Path]:
 
 def paired_over_seeds(
     runs: dict[str, dict[int, Path]], metric: str = "rag/em", resamples: int = 10_000, seed: int = 0
-) -> list[dict[str, float]]:
+) -> list[dict[str, Any]]:
     """`bootstrap` of variants run at several seeds (`runs`: name -> {seed: run folder}): each variant's per-question
     `metric` pooled over its seeds, every (seed, question) paired with the first variant's at the same seed."""
     scored = [
@@ -192,7 +193,7 @@ def paired_over_seeds(
     return bootstrap(scored, resamples, seed)
 
 
-def format_table(rows: Sequence[dict[str, float]], metric: str, tablefmt: str = "simple") -> str:
+def format_table(rows: Sequence[dict[str, Any]], metric: str, tablefmt: str = "simple") -> str:
     """The comparison as a text table (differences against the first run)."""
     body = [
         [

@@ -32,6 +32,7 @@ from ragtrain.embed.model import build_encoder, check_model_offline
 from ragtrain.errors import ConfigError
 from ragtrain.export import answer_block, export_run
 from ragtrain.index import vector_cache
+from ragtrain.index.base import Index
 from ragtrain.index.checks import check_refresh, refresh_warnings
 from ragtrain.index.faiss_index import check_index_config, check_index_device
 from ragtrain.index.vector_files import save_atomic
@@ -324,9 +325,9 @@ def preflight_checks(cfg: Config, out: Path, weights: Callable[[], dict[str, tor
     check_qrels(data)
     check_train_batch(cfg, data)
     if not cfg.data.chunk.enabled and cfg.data.source_reads_files:  # generated passages are one fact each
-        line = truncation_report(data.corpus, cfg.retriever, cfg.seed)
-        if line:
-            log.warning(line)
+        report = truncation_report(data.corpus, cfg.retriever, cfg.seed)
+        if report:
+            log.warning(report)
     # Also when no zero-shot index is built first: a bad factory must not wait for the end of training to fail
     check_index_config(cfg.index.factory, dim, len(data.corpus))
     fault = cfg.fault.kill_encode_actor_at_batch >= 0
@@ -577,6 +578,8 @@ def index_phase(s: RunState) -> None:
         _, results["distilled"] = distill_consensus(retrieval, s.built, s.weights, s.step)
     if s.stale is not None and not reps:  # align the stale index instead of re-encoding it: how close?
         results.update(retrieval.evaluate_stale(s.stale, s.built, s.step))
+    if not isinstance(s.built.index, Index):  # the run's own index shards write themselves
+        raise TypeError(f"the run's index must be one that saves itself, got {s.built.index!r}")
     save_atomic(s.built.index, s.out / "index")  # a temporary folder, renamed when complete
     s.logger.log_json(asdict(s.built.index.meta), "index_meta.json")
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +38,11 @@ from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores
 from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, map_vectors, mean_vectors, sample_ids
 from ragtrain.precision import resolved_index
+
+if TYPE_CHECKING:  # lazy at run time: these modules import Ray
+    from ray.util.placement_group import PlacementGroup
+
+    from ragtrain.index.sharded import ShardGroup
 
 log = get_logger(__name__)
 
@@ -69,8 +74,8 @@ class Retrieval:
 
     def __init__(self, cfg: Config, data: RetrievalData):
         self.cfg, self.data = cfg, data
-        self._shards = None
-        self._reserved = None  # the live refresh's CPUs (a placement group), held while it runs
+        self._shards: ShardGroup | None = None
+        self._reserved: PlacementGroup | None = None  # the live refresh's CPUs, held while it runs
         self.doc_ids = list(data.corpus)
         self.fingerprint = data.fingerprint()
         # Training and mining work on passages: with chunks, every chunk of a judged document carries its grade
@@ -195,7 +200,7 @@ class Retrieval:
                 fault=fault, num_gpus_per_actor=pool.gpus_per_actor, num_threads=threads,
             )  # fmt: skip
         got = got.in_order(self.doc_ids)  # the index's row r is the corpus's row r (the live refresh relies on it)
-        if key is not None:
+        if key is not None and idx.cache_dir:  # key: set only with a cache
             vector_cache.store(idx.cache_dir, key, got)
         return got
 
@@ -348,8 +353,10 @@ class Retrieval:
         # lazy: ragtrain.index.refresh_service imports faiss/ray; this module imports without them
         from ragtrain.index.live_client import make_probe
         from ragtrain.index.refresh_service import RefreshService, RefreshSpec, reserve
-        from ragtrain.index.sharded import shard_ranges
+        from ragtrain.index.sharded import ShardedIndex, shard_ranges
 
+        if not isinstance(built.index, ShardedIndex):  # e.g. a saved index opened in this process (ReadOnlyShards)
+            raise TypeError(f"the live index service starts from the run's index shards, not {built.index!r}")
         if len(built.snapshots) != 1:
             raise ValueError(
                 f"the live index service starts from one encoder's vector files; {built.tag!r} holds the "
@@ -379,7 +386,8 @@ class Retrieval:
             for a, b in shard_ranges(len(self.doc_ids), group.n)
         ]
         strategy = PlacementGroupSchedulingStrategy(self._reserved, placement_group_bundle_index=0)
-        service = RefreshService.options(num_cpus=0, scheduling_strategy=strategy).remote(
+        # @ray.remote made the class an actor class: mypy does not apply class decorators
+        service = RefreshService.options(num_cpus=0, scheduling_strategy=strategy).remote(  # type: ignore[attr-defined]
             spec, group.actors, self.doc_ids, texts, sources, queries, gold, probe
         )
         ray.get(service.number_from.remote(first_version))

@@ -15,12 +15,12 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub when querying a run
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from omegaconf import OmegaConf  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from ragtrain.config import Config, to_typed  # noqa: E402
@@ -44,7 +44,8 @@ def load_run_config(out: Path) -> Config:
     if not path.exists():
         raise SearchError(f"{path} is missing: {out} is not a ragtrain run folder")
     try:
-        return to_typed(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
+        # merged into the structured root: a DictConfig (OmegaConf.merge is annotated with ListConfig too)
+        return to_typed(cast(DictConfig, OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))))
     except (ConfigError, ValueError, OmegaConfBaseException) as e:  # e.g. written by an older ragtrain's schema
         raise SearchError(
             f"{path}: not a config this ragtrain can read ({str(e).splitlines()[0]}); the "

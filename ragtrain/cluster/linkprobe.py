@@ -59,12 +59,14 @@ def measure(src_ns: str, dst_ns: str, dst_address: str, bits: int | None, port: 
     recv = subprocess.Popen(
         ["ip", "netns", "exec", dst_ns, *me, "recv", dst_address, str(port)], stdout=subprocess.PIPE, text=True
     )
+    out = recv.stdout
+    assert out is not None  # stdout=PIPE: Popen gives the pipe's reading end
     try:
-        if recv.stdout.readline().strip() != "ready":
+        if out.readline().strip() != "ready":
             raise RuntimeError(f"the link probe's receiver in {dst_ns} did not start")
         n = transfer_bytes(bits)
         subprocess.run(["ip", "netns", "exec", src_ns, *me, "send", dst_address, str(port), str(n)], check=True)
-        res = json.loads(recv.stdout.readline())
+        res = json.loads(out.readline())
         recv.wait(timeout=30)
     finally:
         if recv.poll() is None:

@@ -101,6 +101,6 @@ def check_shared_paths(
                         "ReadWriteMany volume; docs/cluster.md)"
                     )
     finally:
-        for probe in probes.values():
-            Path(probe).unlink(missing_ok=True)
+        for probe_file in probes.values():
+            Path(probe_file).unlink(missing_ok=True)
     return [node_id for node_id, _ in answers]

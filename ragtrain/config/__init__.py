@@ -436,7 +436,7 @@ def unknown_keys(node: Any, obj: Any, prefix: str = "") -> list[str]:
     out = []
     for key in node.keys():
         if key not in fields:
-            out.append(f"{prefix}{key}")
+            out.append(prefix + str(key))
         else:
             out += unknown_keys(node._get_node(key), getattr(obj, key), f"{prefix}{key}.")
     return out

@@ -188,7 +188,7 @@ class MixerConfig:
             self.warmup_steps is None or self.warmup_steps >= 0, k + ".warmup_steps", "must be >= 0", self.warmup_steps
         )
         _check(
-            self.max_period is None or self.max_period >= self.period,
+            self.max_period is None or self.period is None or self.max_period >= self.period,
             k + ".max_period",
             f"must be >= sync.mixer.period ({self.period})",
             self.max_period,
@@ -364,9 +364,10 @@ class SyncConfig:
     def strategy(self) -> str:
         """The family this composition belongs to (logs, model cards, checks): a read-only label."""
         mixer, scope = MIXERS[self.mixer.kind], REDUCER_SCOPES[self.scope.reducer]
-        if CONSENSUS[self.consensus].family:
-            return CONSENSUS[self.consensus].family
-        if mixer.asynchronous:
+        consensus = CONSENSUS[self.consensus].family
+        if consensus:
+            return consensus
+        if mixer.asynchronous and mixer.family:
             return mixer.family
         if scope.family:
             return scope.family

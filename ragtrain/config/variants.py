@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,7 +21,7 @@ def with_sync_preset(sync: Any, preset: Any) -> DictConfig:
     base = OmegaConf.structured(SyncConfig)
     for key in ("bucket_cap_mb", "probe_passages", "eval_every"):
         base[key] = sync[key]
-    return OmegaConf.merge(base, preset)
+    return cast(DictConfig, OmegaConf.merge(base, preset))  # merged into a structured config: a DictConfig
 
 
 def sync_variants(cfg: DictConfig, conf_dir: str) -> dict[str, Config]:
@@ -51,7 +51,7 @@ def override_variants(cfg: DictConfig) -> dict[str, Config]:
     if unknown:
         raise ConfigError(f"compare.only names {unknown}, which are not variants: choose from {list(named)}")
     chosen = {n: named[n] for n in cfg.compare.only} if cfg.compare.only else named
-    seeds = [int(x) for x in cfg.compare.seeds]
+    seeds: list[int | None] = [int(x) for x in cfg.compare.seeds]  # None: the variant's own seed
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"compare.seeds={seeds} repeats a seed: each seed is run once per variant")
     out: dict[str, Config] = {}

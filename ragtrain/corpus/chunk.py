@@ -61,7 +61,8 @@ def chunk_document(doc: dict[str, str], tokenizer: Any, max_tokens: int, overlap
     if not spans:  # nothing the tokenizer keeps: one passage, so the document is still retrievable by title
         return [_passage(doc, 0, 0, len(text))]
     bounds = sentence_starts(text, spans)
-    n, i, out = len(spans), 0, []
+    n, i = len(spans), 0
+    out: list[dict[str, Any]] = []
     while True:
         j = min(i + budget, n)
         if j < n:

@@ -22,6 +22,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 from ragtrain.data.synthetic import (
     _INSTRUMENTS,
@@ -224,7 +225,8 @@ def write_docs_synthetic(
     for p in people:
         key = (p["occupation"], p["birthplace"], p["instrument"])
         combos[key] = combos.get(key, 0) + 1
-    queries, qrels = [], {"train": [], "dev": [], "test": []}
+    queries: list[dict[str, Any]] = []
+    qrels: dict[str, list[tuple[str, str]]] = {"train": [], "dev": [], "test": []}
     for p in people:
         f = int(p["family"])
         twin_fam = families.get(str(f ^ 1), [])

@@ -369,8 +369,9 @@ def encode_to_vectors(
         per_call = max(1, min(per_call, -(-len(rows) // pool.num_actors)))
         rows = store_dataset(rows, rows_per_block=per_call)
     elif isinstance(rows, tuple):  # in-memory lists: one block per call, and a small corpus still feeds every actor
-        per_call = max(1, min(per_call, -(-len(rows[0]) // pool.num_actors)))
-        rows = rows_dataset(*rows, rows_per_block=per_call)
+        ids, texts = rows
+        per_call = max(1, min(per_call, -(-len(ids) // pool.num_actors)))
+        rows = rows_dataset(ids, texts, rows_per_block=per_call)
     out = Path(out_dir).resolve()
     if out.exists():
         shutil.rmtree(out)

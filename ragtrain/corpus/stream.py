@@ -270,9 +270,9 @@ def check_before_encoding(
             f"({len(gate.skipped)} skipped with data.on_error=skip)"
         )
     # every document id read will do for the qrels: those of a dropped duplicate move to its kept copy first
-    data = load_beir(
-        root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=gate.seen, doc_alias=gate.dropped
-    )
+    # load_beir types `corpus` as the passages; a set of ids serves its membership checks alike (as below)
+    seen: Any = gate.seen
+    data = load_beir(root, split=cfg.split, dev_size=cfg.dev_size, seed=cfg.seed, corpus=seen, doc_alias=gate.dropped)
     check_corpus_ids(data, str(root))
     precheck(data, passages)
 

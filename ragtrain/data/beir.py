@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import io
 import json
 import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from .clean import check_id
 from .store import write_store
@@ -55,7 +56,7 @@ def _find_file(root: Path, name: str) -> Path | None:
     return None
 
 
-def _open_bytes(path: Path) -> IO[bytes]:
+def _open_bytes(path: Path) -> gzip.GzipFile | io.BufferedReader:
     """Open a file for reading bytes, gunzipping transparently when it ends in ``.gz``."""
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 

@@ -256,7 +256,7 @@ class PassageTexts(Sequence[str]):
     def __len__(self) -> int:
         return len(self.store)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         if isinstance(i, slice):
             return self.store.full_texts(range(*i.indices(len(self))))
         if isinstance(i, (list, tuple)):  # several positions in one read

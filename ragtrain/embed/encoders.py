@@ -184,7 +184,8 @@ class EncodeBatch:
 class LocalEncoder:
     """`EncodeBatch` in this process, for a few texts: the same encode function as the corpus actors."""
 
-    def __init__(self, retriever: RetrieverConfig, weights: dict, batch_size: int = 64, precision: str = "fp32"):
+    # weights: as EncodeBatch takes them (a state dict, its ObjectRef, or [ObjectRef])
+    def __init__(self, retriever: RetrieverConfig, weights: Any, batch_size: int = 64, precision: str = "fp32"):
         self._enc = EncodeBatch(
             retriever, weights, retriever.passage_max_length, batch_size, Precision(precision).value
         )

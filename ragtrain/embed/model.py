@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,9 @@ from torch import nn
 from ragtrain.config.retriever import Pooling, Precision, RetrieverConfig
 from ragtrain.errors import ConfigError
 from ragtrain.precision import resolve
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Never reach for the Hub at run time: models come from installed packages, local paths or the local cache.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,7 +84,7 @@ def load_tokenizer(cfg: RetrieverConfig):  # -> transformers.PreTrainedTokenizer
     return tokenizer
 
 
-def build_backbone(cfg: RetrieverConfig) -> nn.Module:
+def build_backbone(cfg: RetrieverConfig) -> PreTrainedModel:
     """The transformers encoder: pretrained weights, or a tiny BERT built from a config (seeded init)."""
     # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import AutoModel, BertConfig, BertModel
@@ -109,7 +113,8 @@ def build_backbone(cfg: RetrieverConfig) -> nn.Module:
 class BiEncoder(nn.Module):
     """Shared-weight bi-encoder: the same transformer embeds queries and passages."""
 
-    def __init__(self, backbone: nn.Module, pooling: Pooling = Pooling.mean, normalize: bool = True):
+    # backbone: a transformers model (apply_lora wraps it in peft's PeftModel, which forwards to it)
+    def __init__(self, backbone: PreTrainedModel, pooling: Pooling = Pooling.mean, normalize: bool = True):
         super().__init__()
         self.backbone = backbone
         self.pooling = Pooling(pooling)

@@ -11,7 +11,7 @@ import inspect
 import os
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from torch import nn
 
 from ragtrain.config.generator import GeneratorConfig
 from ragtrain.generator.archs.base import Architecture, build_arch, resolve_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from installed packages, local paths or the cache
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -51,7 +54,7 @@ class FirstLineDone:
 class GenModel(nn.Module):
     """One interface over the three architectures: summed target cross-entropy, and generation."""
 
-    def __init__(self, hf: nn.Module, arch: str, tokenizer):
+    def __init__(self, hf: PreTrainedModel, arch: str, tokenizer):
         super().__init__()
         self.hf, self.tokenizer = hf, tokenizer
         self.arch: Architecture = build_arch(arch)
@@ -59,9 +62,8 @@ class GenModel(nn.Module):
         self.eos_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
         # transformers' causal LMs take `logits_to_keep` (positions whose logits are computed) since 4.50
         self.keeps_logits = "logits_to_keep" in inspect.signature(hf.forward).parameters
-        self.start_id = getattr(hf.config, "decoder_start_token_id", None)
-        if self.start_id is None:
-            self.start_id = self.pad_id
+        start = getattr(hf.config, "decoder_start_token_id", None)
+        self.start_id: int = start if start is not None else self.pad_id
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of the target tokens' cross-entropy in fp32 (callers divide by the global token count)."""

@@ -23,7 +23,7 @@ from ragtrain.console import get_logger
 from ragtrain.embed.encoders import QueryEncoder
 from ragtrain.embed.model import build_encoder
 from ragtrain.embed.weights import load_weights
-from ragtrain.index.base import Index, ReadOnlyIndex
+from ragtrain.index.base import ReadOnlyIndex
 from ragtrain.index.faiss_index import IndexMismatchError
 
 log = get_logger(__name__)
@@ -33,14 +33,18 @@ log = get_logger(__name__)
 class IndexPayload:
     """Everything a searcher needs, picklable: the index's handle (its shard actors) and the encoder snapshot(s)."""
 
-    index: Index
+    index: ReadOnlyIndex  # searched only: the run's ShardedIndex, or a saved one loaded into index shards
     retriever: RetrieverConfig
     weights: list[dict[str, torch.Tensor]]  # encoder snapshot(s); several = vector_avg (mean of query vectors)
     precision: Precision = Precision.auto  # query-encoding precision (auto: resolved where the encoder runs)
 
     @classmethod
     def from_index(
-        cls, index: Index, retriever: RetrieverConfig, weights: list[dict[str, torch.Tensor]], precision: Precision
+        cls,
+        index: ReadOnlyIndex,
+        retriever: RetrieverConfig,
+        weights: list[dict[str, torch.Tensor]],
+        precision: Precision,
     ) -> IndexPayload:
         """Package an index with the encoder snapshot(s) that built it (queries encoded at `precision`)."""
         return cls(index, retriever, weights, precision)
@@ -82,7 +86,7 @@ class RetrievalClient:
         return {"payload_ref": self.payload_ref}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["payload_ref"])
+        RetrievalClient.__init__(self, state["payload_ref"])
 
     def _searcher(self) -> Searcher:
         if self._local is None:

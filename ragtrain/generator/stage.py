@@ -29,6 +29,7 @@ from ragtrain.generator.prompt import ChatTemplateError, PromptPassages, PromptT
 from ragtrain.generator.retriever_client import IndexPayload, RetrievalClient, check_encoder, load_snapshots
 from ragtrain.generator.steps import GenData, GenExample, prompt_builder
 from ragtrain.generator.train import fit_generator
+from ragtrain.index.base import ReadOnlyIndex
 from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.index.sharded import ShardGroup, open_saved, read_sharded, shard_gpu_claim, shard_gpus
 
@@ -172,7 +173,8 @@ def resolve_index(cfg: Config, data: RetrievalData, built: Any, out_dir: Path, c
                 f"before '{stage}' (e.g. stages: [index, {stage}]) or set generator.retrieval.index_dir to a saved "
                 "index"
             )
-        index = open_saved(folder, expect_corpus=data.fingerprint(), mmap=True)  # one index, or sharded
+        # one index, or sharded; searched only (the index shards that load it below too)
+        index: ReadOnlyIndex = open_saved(folder, expect_corpus=data.fingerprint(), mmap=True)
         weights = load_snapshots(cfg.retriever, cfg.seed, index.meta.encoder)
     else:
         index, weights = built.index, built.snapshots

@@ -107,7 +107,7 @@ def setup_generator(args: WorkerArgs) -> GenReplica:
         scaler.load_state_dict(extra["scaler"])
         history = list(extra["history"])
         before = dict(extra.get("before", {}))
-    ddp = model
+    ddp: torch.nn.Module = model
     if w.world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
@@ -130,7 +130,7 @@ def step_inputs(r: GenReplica, step: int) -> tuple[list, list, int]:
     pids = [
         step_passages(
             e, h, step, t, g.retrieval.top_k, random.Random(f"{t.seed}-{first + j}"),
-            lambda ps, q=e.question: r.builder.whole_passages(q, [data.passages[p] for p in ps]),
+            lambda ps: r.builder.whole_passages(e.question, [data.passages[p] for p in ps]),  # called right here
         )
         for e, h, j in zip(exs, hits, mine)
     ]  # fmt: skip

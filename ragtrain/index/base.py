@@ -7,7 +7,7 @@ searched through the same scatter-and-merge as the actors' index, and it can be 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -41,6 +41,7 @@ class ReadOnlyIndex(Protocol):
         ...
 
 
+@runtime_checkable  # what saves an index checks that it is one (a saved index opened read-only is not)
 class Index(ReadOnlyIndex, Protocol):
     """The run's index: read as a `ReadOnlyIndex`, and saved and freed where it is held."""
 

@@ -90,17 +90,19 @@ class DenseIndex:
     def reconstruct_first(self, n: int) -> np.ndarray | None:
         """The stored vectors of the first `n` rows, decoded (PQ / SQ codes give their approximation), or None for an
         index type that cannot give them back. An IVF index gets a row -> list map for the call (8 bytes a row)."""
+        # faiss's stubs lack the DirectMap class its module has
+        no_map = faiss.DirectMap.NoMap  # type: ignore[attr-defined]
         ivf = faiss.try_extract_index_ivf(self.index)
-        mapped = ivf is not None and ivf.direct_map.type == faiss.DirectMap.NoMap
-        if mapped:
-            ivf.make_direct_map()
+        mapped = ivf if ivf is not None and ivf.direct_map.type == no_map else None  # the map to drop afterwards
+        if mapped is not None:
+            mapped.make_direct_map()
         try:
             return np.stack([self.index.reconstruct(i) for i in range(min(n, self.index.ntotal))])
         except RuntimeError:  # e.g. an HNSW graph over PQ codes: no reconstruction
             return None
         finally:
-            if mapped:
-                ivf.make_direct_map(False)
+            if mapped is not None:
+                mapped.make_direct_map(False)
 
     def as_stored(self, x: np.ndarray) -> np.ndarray:
         """`x` as this index stores vectors: encoded and decoded by its codec (PQ / SQ rounding, a pre-transform and

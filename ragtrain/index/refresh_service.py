@@ -154,7 +154,7 @@ class RefreshService:
         self.offsets = [a for a, _ in self.ranges]
         self.book = VersionBook()
         self.tag = "live"
-        self.meta = None
+        self.meta: IndexMeta | None = None  # built on the first _index()
         self.encoder_version = 0  # the newest version whose rows searches see
         self.last_version = 0  # the newest version a round started: a failed round's number is never reused
         self.encoder_steps: dict[int, int] = {}  # encoder version -> training step of its snapshot

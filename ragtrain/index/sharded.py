@@ -995,8 +995,8 @@ def read_sharded(folder: Path) -> list[dict]:
         doc = json.loads((folder / SHARDED).read_text())
         entries = doc["shards"]
         meta = integrity.check_shard_list(folder, SHARDED, doc)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise IndexMismatchError(f"{folder / SHARDED}: unreadable list of index shards ({e})") from None
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise IndexMismatchError(f"{folder / SHARDED}: unreadable list of index shards ({err})") from None
     manifests = []
     for e in entries:
         m = read_manifest(folder / e["folder"])

@@ -25,6 +25,7 @@ from ragtrain.index.faiss_index import trained_empty as faiss_trained_empty
 
 if TYPE_CHECKING:
     from ragtrain.corpus.encode import VectorSet
+    from ragtrain.index.base import Index
 
 
 def _sample(shards: VectorSet, size: int, seed: int) -> np.ndarray:
@@ -117,10 +118,10 @@ def build_from_vectors(
         raise ValueError(f"{shards.folder}: {e}") from None
 
 
-def save_atomic(index: DenseIndex, folder: str | Path, complete: Callable[[Path], None] | None = None) -> Path:
-    """`DenseIndex.save` into `<folder>.tmp-<pid>`, renamed to `folder` on success (an old index is replaced only
-    once the new one is complete; a failed save leaves the old one untouched). `complete(tmp)` adds files to the
-    new folder before the rename (an index shard's manifest)."""
+def save_atomic(index: Index, folder: str | Path, complete: Callable[[Path], None] | None = None) -> Path:
+    """`index.save` (a `DenseIndex`, or the run's `ShardedIndex`) into `<folder>.tmp-<pid>`, renamed to `folder` on
+    success (an old index is replaced only once the new one is complete; a failed save leaves the old one
+    untouched). `complete(tmp)` adds files to the new folder before the rename (an index shard's manifest)."""
     folder = Path(folder)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     old = folder.with_name(f"{folder.name}.old-{os.getpid()}")

@@ -44,7 +44,7 @@ def mean_vectors(sets: Sequence[VectorSet], folder: str | Path) -> VectorSet:
             for j, o in enumerate(others):
                 theirs = next(iters[j]) if iters is not None else None
                 same = theirs is not None and theirs[0] == ids
-                per_replica.append(theirs[1].astype(np.float32) if same else o.vectors_of(ids))
+                per_replica.append(theirs[1].astype(np.float32) if same and theirs is not None else o.vectors_of(ids))
             yield ids, consensus_vectors(per_replica)
 
     return write_vectors(folder, chunks(), first.dtype)

@@ -215,7 +215,7 @@ def step_batch(r: JointReplica, step: int) -> tuple[list[GenExample], list[list[
     pids = [  # the generator's own prompt passages (its gold-only curriculum included)
         step_passages(
             e, h, step, t, g.retrieval.top_k, random.Random(f"{j.seed}-{first + m}"),
-            lambda ps, q=e.question: r.builder.whole_passages(q, [passages[p] for p in ps]),
+            lambda ps: r.builder.whole_passages(e.question, [passages[p] for p in ps]),  # called right here
         )
         for e, h, m in zip(exs, hits, mine)
     ]  # fmt: skip
@@ -302,7 +302,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     """One Ray Train worker: set up -> joint steps (with the live refresh's upkeep) -> evaluate -> save."""
     r = setup(args)
     w, j = r.w, r.cfg.joint
-    window, history = Window(r), []
+    window = Window(r)
+    history: list[dict[str, float]] = []
     loop_start = time.perf_counter()
     w.window_seconds()
     for step in range(r.steps):

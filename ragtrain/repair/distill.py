@@ -82,7 +82,7 @@ def distill(
     for _ in range(steps):
         idx = rng.choice(len(texts), size=min(batch_size, len(texts)), replace=False)
         # one tokenize call per role, so each text gets its own prefix; rows are then in `order` of idx
-        groups = {}
+        groups: dict[str | None, list[int]] = {}  # role -> positions in idx
         for i in idx:
             groups.setdefault(roles[i] if roles is not None else None, []).append(int(i))
         order = [i for g in groups.values() for i in g]

@@ -11,6 +11,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,10 +21,13 @@ from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.embed.model import load_tokenizer, resolve_model_path
 from ragtrain.errors import ConfigError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 TEACHER_META = "ragtrain_teacher.json"
 
 
-def build_cross_encoder(retriever: RetrieverConfig, path: str | Path | None = None) -> nn.Module:
+def build_cross_encoder(retriever: RetrieverConfig, path: str | Path | None = None) -> PreTrainedModel:
     """A trained cross-encoder from `path`, else a new one from retriever.model's encoder (seeded head)."""
     # lazy: transformers is heavy (~1 s); this module imports without it
     from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
@@ -82,7 +86,7 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
-def save_teacher(model: nn.Module, retriever: RetrieverConfig, folder: str | Path, extra: dict) -> Path:
+def save_teacher(model: PreTrainedModel, retriever: RetrieverConfig, folder: str | Path, extra: dict) -> Path:
     """The model, its tokenizer and `ragtrain_teacher.json` (base model, vocabulary fingerprint, `extra`)."""
     folder = Path(folder)
     model.save_pretrained(folder)

@@ -21,7 +21,7 @@ class TrainExample:
 class TrainData:
     """What every trainer worker receives through the object store."""
 
-    passages: list[str]  # full passage texts in corpus order
+    passages: Sequence[str]  # full passage texts in corpus order (a list, or the run's passage store)
     examples: list[TrainExample]
     # retriever.teacher: the cross-encoder's score of each query's candidates, {qidx: {corpus position: score}}
     teacher: dict[int, dict[int, float]] | None = None

@@ -27,7 +27,7 @@ unwrapped module: it has no backward, and DDP should not see a forward without o
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ class RngState:
         """Run the block with the captured state; the current state is back afterwards (fork_rng)."""
         with torch.random.fork_rng(devices=self.devices):
             torch.set_rng_state(self.cpu_state)
-            if self.cuda:
+            if self.cuda_state is not None:  # captured on a CUDA device
                 torch.cuda.set_rng_state(self.cuda_state, self.devices[0])
             yield
 
@@ -72,7 +72,7 @@ def cached_step(
     p: Batch,
     chunk_size: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    autocast: Callable[[], object] = nullcontext,
+    autocast: Callable[[], AbstractContextManager[object]] = nullcontext,
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """Forward + backward of `loss_fn(q_emb, p_emb)` in chunks of `chunk_size` texts; returns the (detached) loss.
@@ -99,6 +99,7 @@ def cached_step(
     # 2. the full-batch loss over the cached embeddings (collectives of the gathered loss run here)
     loss = loss_fn(q_emb, p_emb)
     loss.backward()
+    assert q_emb.grad is not None and p_emb.grad is not None  # leaves that require grad: backward filled both
     grads = {
         "q": list(q_emb.grad.split([c["input_ids"].shape[0] for s, c in chunks if s == "q"])),
         "p": list(p_emb.grad.split([c["input_ids"].shape[0] for s, c in chunks if s == "p"])),

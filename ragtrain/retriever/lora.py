@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from ragtrain.config.retriever import LoraConfig, RetrieverConfig
-from ragtrain.embed.model import build_backbone
+from ragtrain.embed.model import BiEncoder, build_backbone
 from ragtrain.errors import ConfigError
 
 
-def apply_lora(encoder: nn.Module, cfg: LoraConfig) -> nn.Module:
+def apply_lora(encoder: BiEncoder, cfg: LoraConfig) -> BiEncoder:
     """Wrap `encoder.backbone` in a PEFT LoRA model (base weights frozen); a no-op when cfg.rank == 0."""
     if cfg.rank <= 0:
         return encoder
@@ -67,7 +67,7 @@ def trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def plain_state_dict(encoder: nn.Module) -> dict[str, torch.Tensor]:
+def plain_state_dict(encoder: BiEncoder) -> dict[str, torch.Tensor]:
     """The encoder's weights as a plain BiEncoder holds them: LoRA merged into the base weights (on a copy; the
     training model keeps its adapters)."""
     if not has_lora(encoder):

@@ -9,6 +9,7 @@ Hydra) top to bottom: set-up -> train -> summarise and save.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from ragtrain.retriever.teacher.base import build_teacher_loss, teacher_matrix
 from ragtrain.retriever.validation import ValSet, validate
 from ragtrain.rss import peak_rss_mb
 from ragtrain.schedule import warmup_linear_decay
+from ragtrain.sync.base import SyncStrategy
 from ragtrain.sync.comm import STATS
 from ragtrain.sync.composed import build_sync
 from ragtrain.sync.drift import drift_metrics
@@ -117,6 +119,8 @@ class Distill:
             self.data.examples[i].qidx
             for i in local_indices(len(self.data.examples), gb, step, self.t.seed, rank, world)
         ]
+        if self.data.teacher is None:
+            raise ValueError("retriever.teacher.weight > 0 but the training data carries no teacher scores")
         return teacher_matrix(self.data.teacher, qidx, pids, self.t.hard_negatives)
 
     def add(self, loss: torch.Tensor, q_emb, p_emb, targets: torch.Tensor | None) -> torch.Tensor:
@@ -147,16 +151,16 @@ class Replica:
     encoder: BiEncoder
     tokenizer: object
     model: nn.Module
-    strategy: object
+    strategy: SyncStrategy
     params: list[nn.Parameter]
     optim: torch.optim.Optimizer
-    sched: object
+    sched: torch.optim.lr_scheduler.LRScheduler
     steps: int
     start_step: int
-    live: object
+    live: LiveIndexClient | NoLiveIndex
     distill: Distill
     val: ValSet | None
-    measure: object = None  # rank 0 with a live index: the staleness probe of the current encoder
+    measure: Callable[[Any], dict[str, float]] | None = None  # rank 0 with a live index: the staleness probe
 
     @property
     def cfg(self) -> Config:
@@ -220,6 +224,8 @@ def setup_replica(args: WorkerArgs) -> Replica:
     r = Replica(args, w, data, encoder, load_tokenizer(cfg.retriever), model, strategy, params, optim, sched, steps,
                 start_step, NoLiveIndex(), Distill(cfg, data), val)  # fmt: skip
     if inputs.index_service is not None:  # refresh.enabled: hard negatives from the live index
+        if inputs.probe is None:
+            raise ValueError("the live index comes with its staleness probe: fit_retriever(probe=...) is unset")
         connect_live_index(r, inputs.index_service, inputs.probe)
     return r
 
@@ -387,7 +393,7 @@ def finish(r: Replica, loop_s: float, drift_history: list[dict[str, float]]) -> 
         **({"train/peak_gpu_mb": torch.cuda.max_memory_allocated(w.device) / 2**20} if w.device.type == "cuda" else {}),
     }
     r.strategy.consensus(r.params)  # replicas -> the consensus model (parameter mean) that gets saved and indexed
-    replicas = None
+    replicas: list[Any] | None = None  # rank 0: gather_object fills it with every replica's state dict
     if r.strategy.keeps_replicas and w.world > 1:  # rank 0 collects every replica (vector averaging at index time)
         replicas = [None] * w.world if w.rank == 0 else None
         torch.distributed.gather_object({k: v.cpu() for k, v in plain_state_dict(r.encoder).items()}, replicas, dst=0)

@@ -106,14 +106,15 @@ def average_params(params: list[nn.Parameter], category: str = "params") -> floa
     return div
 
 
-def ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0) -> nn.Module:
+def ddp(model: nn.Module, device: torch.device, bucket_cap_mb: float = 25.0) -> DistributedDataParallel:
     """Wrap in DistributedDataParallel (buffers are constants here, so they are not re-broadcast each step)."""
     # Newer torch renamed the flag; either way buffers are synced once at construction, never per step.
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     flag = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    no_buffer_sync: dict[str, Any] = {flag: False}
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
-        **{flag: False},
+        **no_buffer_sync,
     )

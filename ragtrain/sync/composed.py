@@ -28,7 +28,14 @@ from ragtrain.sync.consensus.base import build_consensus
 from ragtrain.sync.mixers.base import build_mixer
 from ragtrain.sync.reducers.allreduce import AllReduce
 from ragtrain.sync.reducers.base import SliceReducer, done
-from ragtrain.sync.scopes.base import build_mixer_scope, build_reducer_scope, layout, matching_params
+from ragtrain.sync.scopes.base import (
+    MixerScope,
+    ReducerScope,
+    build_mixer_scope,
+    build_reducer_scope,
+    layout,
+    matching_params,
+)
 
 
 def build_sync(cfg: SyncConfig, node_ids: list[str] | None = None) -> SyncStrategy:
@@ -47,7 +54,8 @@ class ComposedSync:
         self.keeps_replicas = CONSENSUS[cfg.consensus].keeps_replicas
         self.end = build_consensus(cfg.consensus)
         self.sends = REDUCERS[r.kind].sends
-        reducer_scope, mixer_scope = REDUCER_SCOPES[s.reducer].load(), MIXER_SCOPES[s.mixer].load()
+        reducer_scope: type[ReducerScope] = REDUCER_SCOPES[s.reducer].load()
+        mixer_scope: type[MixerScope] = MIXER_SCOPES[s.mixer].load()
         self.by_node = reducer_scope.by_node or mixer_scope.by_node
         # Every rank creates every subgroup (a collective call), in the same order: the node groups, then the scope's
         self.layout = layout(node_ids, self.by_node)
@@ -77,14 +85,14 @@ class ComposedSync:
         if self.steps_done < self.warmup:
             return self.warmup_reducer.hook(bucket)
         if self.reduced is not None:
-            return self._subset(bucket)
+            return self._subset(bucket, self.reduced)
         return self.scope.hook(bucket)
 
-    def _subset(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Average only the reducer's parameters' slices of the bucket; the others keep the local gradient."""
+    def _subset(self, bucket: dist.GradBucket, reduced: set[int]) -> torch.futures.Future[torch.Tensor]:
+        """Average only the `reduced` parameters' slices of the bucket; the others keep the local gradient."""
         buf, at, slices = bucket.buffer(), 0, []
         for p in bucket.parameters():  # the buffer is these parameters' gradients, in this order
-            if p.data_ptr() in self.reduced:
+            if p.data_ptr() in reduced:
                 slices.append((at, p.numel()))
             at += p.numel()
         # the config checks allow reducer_params only with scope.reducer=all and a reducer that reduces slices

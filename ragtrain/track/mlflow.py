@@ -329,8 +329,9 @@ class RunLogger:
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
         """Log metrics at a step."""
-        if self.enabled and metrics:
-            MetricSink(self.uri, self.run_id).log(metrics, step)
+        sink = self.sink()
+        if sink is not None and metrics:
+            sink.log(metrics, step)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file or folder."""

@@ -293,7 +293,7 @@ def fit(
     args = replace(args, cfg=cfg)
     start = time.perf_counter()
     start_from, meta = resume_or_none(cfg, args.stage)
-    if meta.get("final"):
+    if start_from is not None and meta.get("final"):
         log.info(f"[{args.stage}] resume: the stage finished before ({start_from}); using its results")
         return Fitted(start_from, meta["summary"], str(start_from), 0.0, True)
     if start_from is not None:

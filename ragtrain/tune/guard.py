@@ -47,8 +47,9 @@ class MetricGuard(Stopper):
                 self.error = self._missing(
                     "tune.asha_metric", self.asha_metric, "a training window's metrics", trial_id, result
                 )
-            if self.error is not None and getattr(self, "record", None):  # a guard pickled before `record` existed
-                Path(self.record).write_text(self.error)
+            record = getattr(self, "record", None)  # None: a guard pickled before `record` existed
+            if self.error is not None and record:
+                Path(record).write_text(self.error)
         return self.error is not None
 
     def stop_all(self) -> bool:

@@ -51,7 +51,7 @@ def close_orphans(uri: str, parent: str | None) -> int:
 
 def expected_trials(plan: SweepPlan) -> int:
     """Trials a complete sweep has: num_samples x the grid's points (Tune repeats the grid per sample)."""
-    n = plan.cfg.tune.num_samples
+    n = plan.tune.num_samples
     for p in plan.params:
         if p.kind == "grid":
             n *= len(p.args)
@@ -66,19 +66,18 @@ def _trials(plan: SweepPlan) -> list:
 
 def trial_table(plan: SweepPlan, trials: list) -> pd.DataFrame:
     """One row per trial: id, Tune status, stopped early (by the scheduler), swept values, the sweep metric."""
-    metric = normalize_metric(plan.cfg.tune.metric)
+    metric = normalize_metric(plan.tune.metric)
     rows = []
     for tr in trials:
         last = tr.last_result or {}
         value = last.get(metric)
-        done_ok = tr.status == "TERMINATED" and value is not None
         rows.append(
             {
                 "trial_id": tr.trial_id,
                 "status": tr.status,
                 "stopped_early": tr.status == "TERMINATED" and not last.get(DONE_KEY),
                 **{k: sp._plain(tr.config.get(k)) for k in (p.key for p in plan.params)},
-                metric: float(value) if done_ok else float("nan"),
+                metric: float(value) if tr.status == "TERMINATED" and value is not None else float("nan"),
                 "last_step": last.get("step"),
                 "error": str(tr.error_file or "") if tr.status == "ERROR" else "",
             }
@@ -97,7 +96,7 @@ def best_trial(df: pd.DataFrame, metric: str, mode: str) -> pd.Series | None:
 def write_best_config(plan: SweepPlan, ctx: TrialContext, values: dict[str, Any], trial_id: str) -> Path:
     """The best trial's full config as an experiment file (and a copy to run as `-cd <dir> experiment=best`)."""
     cfg = trial_config(ctx, values, trial_id)
-    data = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    data = sp.as_dict(OmegaConf.structured(cfg))
     for key in ("output_dir", "tune", "resume"):  # per-run / sweep-only: Hydra's defaults apply again
         data.pop(key, None)
     data["experiment_name"] = f"{plan.cfg.experiment_name}_best"
@@ -106,7 +105,7 @@ def write_best_config(plan: SweepPlan, ctx: TrialContext, values: dict[str, Any]
     run_dir = plan.out_dir / "conf"
     header = (
         f"# @package _global_\n# Best trial {trial_id} of the sweep in {plan.out_dir} "
-        f"({plan.cfg.tune.metric}; {sp.describe(values, ctx.keys)}).\n"
+        f"({plan.tune.metric}; {sp.describe(values, ctx.keys)}).\n"
         f"# Run it: python -m ragtrain --config-dir {run_dir} experiment=best\n"
     )
     text = header + OmegaConf.to_yaml(OmegaConf.create(data))
@@ -139,7 +138,7 @@ def _tag_children(plan: SweepPlan, parent: str, df: pd.DataFrame) -> dict[str, s
 
 def finish(plan: SweepPlan, parent: str | None) -> SweepResult:
     """Collect the trials, tag the child runs, write trials.csv, the best config and the report; log them."""
-    t = plan.cfg.tune
+    t = plan.tune
     metric = normalize_metric(t.metric)
     trials = _trials(plan)
     df = trial_table(plan, trials)
@@ -185,7 +184,7 @@ def finish(plan: SweepPlan, parent: str | None) -> SweepResult:
             logger.log_metrics({f"best/{metric}": float(best[metric])})
             best_run = runs.get(best["trial_id"], "")
             logger.set_tags({"ragtrain.tune.best_trial": best["trial_id"], "ragtrain.tune.best_run": best_run})
-    if t.report and parent:
+    if t.report and logger is not None:  # a parent run to report on
         _, result.report = compare_runs(
             plan.tracking_uri,
             parent_run_id=parent,

@@ -20,9 +20,9 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ragtrain.config import Config, to_typed
@@ -136,9 +136,17 @@ def check_key(key: str) -> None:
             raise ConfigError(f"tune.space has unknown config key '{key}' ({'.'.join(parts[: i + 1])} is a value)")
 
 
+def as_dict(node: Any) -> dict[str, Any]:
+    """A mapping config node (a structured config, a YAML file's top level) as a plain dict."""
+    data = OmegaConf.to_container(node, enum_to_str=True)
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a mapping, got {type(data).__name__}: {data!r}")
+    return {str(k): v for k, v in data.items()}
+
+
 def sync_options(conf_dir: str | Path) -> dict[str, dict]:
     """Every conf/sync option: name -> its YAML as a plain dict."""
-    return {p.stem: OmegaConf.to_container(OmegaConf.load(p)) for p in sorted(Path(conf_dir, "sync").glob("*.yaml"))}
+    return {p.stem: as_dict(OmegaConf.load(p)) for p in sorted(Path(conf_dir, "sync").glob("*.yaml"))}
 
 
 def candidates(p: Param) -> list:
@@ -167,7 +175,8 @@ def _read_by_option(node: Any, key: str) -> bool:
 
 def apply(base: Mapping[str, Any], values: Mapping[str, Any], sync_opts: Mapping[str, dict]) -> Config:
     """The typed config of one trial: `base` with the sync option merged into `sync`, then every other key set."""
-    node = OmegaConf.merge(OmegaConf.structured(Config), copy.deepcopy(dict(base)))
+    # merged into the structured root: a DictConfig (OmegaConf.merge is annotated with ListConfig too)
+    node = cast(DictConfig, OmegaConf.merge(OmegaConf.structured(Config), copy.deepcopy(dict(base))))
     try:
         if SYNC_KEY in values:
             name = values[SYNC_KEY]

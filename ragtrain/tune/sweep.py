@@ -97,7 +97,7 @@ def plan_sweep(cfg: Config, conf_dir: str | Path) -> SweepPlan:
             f"tune.scheduler={t.scheduler} needs the retriever stage (it stops trials on their training curves)"
         )
     params = sp.parse_space(t.space)
-    base = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    base = sp.as_dict(OmegaConf.structured(cfg))
     base.update(tune=None, resume=False)
     opts = sp.sync_options(conf_dir)
     sp.validate(params, base, opts, t.searcher)
@@ -144,7 +144,7 @@ def max_concurrency(need: dict[str, float], total: dict[str, float]) -> int:
 
 def check_resources(plan: SweepPlan) -> int:
     """Fail now if the biggest trial can never run here; return the number of trials to run at once."""
-    t = plan.cfg.tune
+    t = plan.tune
     worst = sp.worst_case(plan.params, plan.base, plan.sync_options)
     nodes = node_capacities()
     try:
@@ -296,7 +296,7 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: list | None = Non
     init_ray(cfg.resources, worker_start_timeout_s=SWEEP_WORKER_START_TIMEOUT_S)  # trials' trainers may queue
     concurrency = check_resources(plan)
     parent = _start(plan)
-    t = cfg.tune
+    t = plan.tune
     ctx = plan.context(parent)
     trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx), trial_request(t.trial_cpus))
     # Trials lack the sweep metric until they end and ASHA's metric in their last report: Tune's strict check

@@ -8,7 +8,7 @@ from typing import Any
 
 import pandas as pd
 
-from ragtrain.config import Config
+from ragtrain.config import Config, TuneConfig
 from ragtrain.tune import space as sp
 
 NAME = "sweep"  # the Tune experiment folder: <output_dir>/tune/sweep
@@ -41,6 +41,13 @@ class SweepPlan:
     sync_options: dict[str, dict]
     out_dir: Path
     tracking_uri: str
+
+    @property
+    def tune(self) -> TuneConfig:
+        """The sweep's settings (plan_sweep refuses a config without them)."""
+        if self.cfg.tune is None:
+            raise ValueError("a sweep plan needs cfg.tune: build it with plan_sweep")
+        return self.cfg.tune
 
     @property
     def experiment_path(self) -> Path:

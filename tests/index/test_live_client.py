@@ -484,14 +484,14 @@ def test_a_refresh_still_running_when_training_ends_keeps_its_metrics(ray_sessio
     """drain() waited for the refresh and dropped its metrics: its version and seconds never reached MLflow."""
     from mlflow.tracking import MlflowClient
 
-    from ragtrain.config import Config
+    from ragtrain.config.index import RefreshConfig
     from ragtrain.config.logger import LoggerConfig
     from ragtrain.track.mlflow import RunLogger
     from tests.conftest import mlflow_db
 
     book = VersionBook()
     book.publish(_version(0))
-    client = LiveIndexClient(book, Config(), rank=0)
+    client = LiveIndexClient(book, RefreshConfig(), rank=0)
     client.pending = _a_refresh_that_ends_after_training.remote(1)
     assert client.in_flight()
     book.publish(_version(1, step=4))  # what the service publishes when the refresh completes

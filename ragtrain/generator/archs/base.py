@@ -8,14 +8,16 @@ generated answer starts), and the loading functions they share.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch import nn
 
 from ragtrain.config.generator import GENERATOR_ARCHS, PACKAGED, GeneratorConfig
 from ragtrain.embed.model import minilm_path
 from ragtrain.generator.packaged import packaged_folder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Config keys that hold a dropout probability, across the model families we build (BERT, T5, GPT-2, Llama, ...).
 _DROPOUT_KEYS = (
@@ -40,11 +42,11 @@ class Architecture(Protocol):
     pipeline_tag: str  # the Hugging Face pipeline of an exported model
     warm_start: str | None  # what a model card calls a model built from a checkpoint of another kind (bert2bert)
 
-    def build(self, g: GeneratorConfig, tokenizer: Any) -> nn.Module:
+    def build(self, g: GeneratorConfig, tokenizer: Any) -> PreTrainedModel:
         """The configured transformers model (call torch.manual_seed first: new layers get a seeded init)."""
         ...
 
-    def load(self, folder: str) -> nn.Module:
+    def load(self, folder: str) -> PreTrainedModel:
         """A model of this kind saved in `folder` (`save_generator`), loaded as it was trained."""
         ...
 
@@ -97,7 +99,7 @@ def set_dropout(config: Any, p: float | None) -> None:
             setattr(config, key, p)
 
 
-def pretrained(g: GeneratorConfig, auto_class: str) -> nn.Module:
+def pretrained(g: GeneratorConfig, auto_class: str) -> PreTrainedModel:
     """Any HF model of the `transformers.<auto_class>` kind by local path or cached name."""
     import transformers  # lazy: transformers is heavy (~1 s); this module imports without it
 
@@ -107,7 +109,7 @@ def pretrained(g: GeneratorConfig, auto_class: str) -> nn.Module:
     return getattr(transformers, auto_class).from_pretrained(path, config=cfg)
 
 
-def load_saved(hf_class: str, folder: str) -> nn.Module:
+def load_saved(hf_class: str, folder: str) -> PreTrainedModel:
     """A saved model folder through `transformers.<hf_class>`."""
     import transformers  # lazy: transformers is heavy (~1 s); this module imports without it
 
@@ -129,7 +131,7 @@ class EncoderDecoder:
 
     hf_class: str
 
-    def load(self, folder: str) -> nn.Module:
+    def load(self, folder: str) -> PreTrainedModel:
         return load_saved(self.hf_class, folder)
 
     def positions(self, g: GeneratorConfig) -> tuple[int, str]:

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ragtrain.config.generator import GeneratorConfig
 from ragtrain.generator.archs.base import EncoderDecoder, resolve_path, set_dropout
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class Bert2Bert(EncoderDecoder):
     hf_class = "EncoderDecoderModel"
     warm_start = "BERT2BERT encoder-decoder"
 
-    def build(self, g: GeneratorConfig, tok: Any) -> nn.Module:
+    def build(self, g: GeneratorConfig, tok: Any) -> PreTrainedModel:
         # lazy: transformers is heavy (~1 s); this module imports without it
         from transformers import BertConfig, BertLMHeadModel, BertModel, EncoderDecoderModel
 
@@ -45,7 +46,7 @@ class Bert2Bert(EncoderDecoder):
         model.config.eos_token_id = tok.sep_token_id
         return model
 
-    def load(self, folder: str) -> nn.Module:
+    def load(self, folder: str) -> PreTrainedModel:
         """As `build` made it: a BERT encoder without a pooler, which the decoder never reads (it cross-attends to
         the hidden states) and the saved weights lack. Plain EncoderDecoderModel builds one and reports its weights
         as missing and newly initialised, a load report a user can do nothing about."""

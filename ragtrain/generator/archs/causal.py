@@ -4,13 +4,15 @@ generator.model=tiny builds a small GPT-2 from a config, a packaged model (PACKA
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from ragtrain.config.generator import GeneratorConfig
 from ragtrain.generator.archs.base import end_of_answer, load_saved, pretrained
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class Causal:
@@ -19,10 +21,10 @@ class Causal:
     pipeline_tag = "text-generation"
     warm_start: str | None = None
 
-    def load(self, folder: str) -> nn.Module:
+    def load(self, folder: str) -> PreTrainedModel:
         return load_saved(self.hf_class, folder)
 
-    def build(self, g: GeneratorConfig, tok: Any) -> nn.Module:
+    def build(self, g: GeneratorConfig, tok: Any) -> PreTrainedModel:
         if g.model != "tiny":
             return pretrained(g, self.hf_class)
         from transformers import GPT2Config, GPT2LMHeadModel  # lazy: transformers is heavy (~1 s)

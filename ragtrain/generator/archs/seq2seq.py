@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ragtrain.config.generator import GeneratorConfig
 from ragtrain.generator.archs.base import EncoderDecoder, end_of_answer, pretrained
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class Seq2Seq(EncoderDecoder):
     hf_class = "AutoModelForSeq2SeqLM"
 
-    def build(self, g: GeneratorConfig, tok: Any) -> nn.Module:
+    def build(self, g: GeneratorConfig, tok: Any) -> PreTrainedModel:
         if g.model != "tiny":
             return pretrained(g, self.hf_class)
         from transformers import T5Config, T5ForConditionalGeneration  # lazy: transformers is heavy (~1 s)

@@ -81,3 +81,4 @@ class ConsistencyPolicy(Protocol):
 
     def check(self, refresh: RefreshConfig, dim: int, rows: int) -> None:
         """Refuse (ConfigError naming the key) settings this policy cannot run with, before any work."""
+        return None  # the default for subclasses: every setting runs (a body, so the method is not abstract)

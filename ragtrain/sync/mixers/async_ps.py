@@ -21,9 +21,11 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
+from ray.actor import ActorHandle
 from torch import nn
 
 from ragtrain.config.sync import MixerConfig
+from ragtrain.errors import filled
 from ragtrain.sync.base import flat_params, set_flat_params, world_size
 from ragtrain.sync.comm import STATS
 from ragtrain.sync.scopes.base import MixerScope
@@ -87,8 +89,9 @@ class AsyncPS:
 
     def __init__(self, cfg: MixerConfig, scope: MixerScope | None = None):  # reads max_staleness; every rank
         self.cfg = cfg
-        self.server = None
-        self.anchor: torch.Tensor | None = None
+        self.max_staleness = filled(cfg.max_staleness, "sync.mixer.max_staleness")
+        self.server: ActorHandle | None = None  # the ParameterServer actor: bind starts it (rank 0) or finds it
+        self.anchor: torch.Tensor | None = None  # the parameters at the last push or pull: set by bind
         self.rank = dist.get_rank() if world_size() > 1 else 0
         self.pulls = 0
         self.params: list[nn.Parameter] = []
@@ -98,8 +101,9 @@ class AsyncPS:
         flat = flat_params([p for p in model.parameters() if p.requires_grad])  # LoRA: the adapters only
         name = [f"ragtrain-ps-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
         if self.rank == 0:
-            self.server = ParameterServer.options(name=name[0]).remote(
-                flat.cpu().numpy(), world_size(), self.cfg.max_staleness
+            # @ray.remote made the class an actor class: mypy does not apply class decorators
+            self.server = ParameterServer.options(name=name[0]).remote(  # type: ignore[attr-defined]
+                flat.cpu().numpy(), world_size(), self.max_staleness
             )
         if world_size() > 1:
             dist.broadcast_object_list(name, src=0)
@@ -111,10 +115,15 @@ class AsyncPS:
             p for p in model.parameters() if p.requires_grad
         ]  # load_state_dict re-anchors on the restored replica
 
+    def _server(self) -> ActorHandle:
+        if self.server is None:
+            raise RuntimeError("async_ps: bind(model) starts the parameter server before any step")
+        return self.server
+
     def _pull(self, params: list[nn.Parameter]) -> None:
         start = STATS.clock()
         # The server holds numpy arrays: the replica (on a GPU, too) gets them back on its own device
-        fresh = torch.from_numpy(np.array(ray.get(self.server.pull.remote(self.rank)))).to(params[0].device)
+        fresh = torch.from_numpy(np.array(ray.get(self._server().pull.remote(self.rank)))).to(params[0].device)
         # The server sends the full parameters on this worker's behalf: counted here, like a push.
         STATS.add("params_pull", fresh.numel() * fresh.element_size(), start=start)
         set_flat_params(params, fresh)
@@ -122,13 +131,15 @@ class AsyncPS:
         self.pulls += 1
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
+        if self.anchor is None:
+            raise RuntimeError("async_ps: bind(model) sets the anchor before any step")
         flat = flat_params(params)
         delta = flat - self.anchor
         start = STATS.clock()
-        accepted, staleness = ray.get(self.server.push.remote(self.rank, delta.cpu().numpy()))
+        accepted, staleness = ray.get(self._server().push.remote(self.rank, delta.cpu().numpy()))
         STATS.add("params", delta.numel() * delta.element_size(), start=start)
         self.anchor = flat
-        if not accepted or staleness + 1 > self.cfg.max_staleness:
+        if not accepted or staleness + 1 > self.max_staleness:
             self._pull(params)  # the next push could exceed the bound: refresh now
 
     def consensus(self, params: list[nn.Parameter]) -> None:
@@ -139,13 +150,13 @@ class AsyncPS:
             dist.barrier()  # everyone has read them before rank 0 may stop the server
 
     def state(self) -> dict[str, Any]:
-        return {"sync/pulls": self.pulls, **ray.get(self.server.stats.remote())}
+        return {"sync/pulls": self.pulls, **ray.get(self._server().stats.remote())}
 
     def state_dict(self) -> dict[str, Any]:
         """Rank 0: the server's parameters and version (pushes in flight at a failure are lost); others: nothing."""
         if self.rank != 0:
             return {}
-        params, version = ray.get(self.server.snapshot.remote())
+        params, version = ray.get(self._server().snapshot.remote())
         return {"server_params": torch.from_numpy(np.array(params)), "server_version": version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -158,7 +169,7 @@ class AsyncPS:
             saved = state.get("server_params")
             # A checkpoint without a server snapshot: rank 0's restored replica is the best estimate.
             params = saved if saved is not None else flat_params(self.params)
-            ray.get(self.server.restore.remote(params.cpu().numpy(), int(state.get("server_version", 0))))
+            ray.get(self._server().restore.remote(params.cpu().numpy(), int(state.get("server_version", 0))))
         if world_size() > 1:
             dist.barrier()  # nobody pushes before the server holds the checkpoint's parameters
         self.anchor = flat_params(self.params)

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from ragtrain.config.sync import MixerConfig
+from ragtrain.errors import filled
 from ragtrain.sync.base import average_params
 from ragtrain.sync.scopes.base import MixerScope
 
@@ -19,8 +20,8 @@ from ragtrain.sync.scopes.base import MixerScope
 class Average:
     def __init__(self, cfg: MixerConfig, scope: MixerScope):
         self.cfg, self.scope = cfg, scope
-        self.warmup = cfg.warmup_steps
-        self.period = cfg.period
+        self.warmup = filled(cfg.warmup_steps, "sync.mixer.warmup_steps")
+        self.period = filled(cfg.period, "sync.mixer.period")
         self.next_sync = self.warmup + self.period  # step count (1-based) of the next averaging round
         self.last_divergence = 0.0
 
@@ -34,10 +35,11 @@ class Average:
         if self.scope.mixes:
             self.last_divergence = average_params(params, category=self.scope.category)
             if m.adaptive:
-                if self.last_divergence > 2 * m.target_divergence:
+                target = filled(m.target_divergence, "sync.mixer.target_divergence")
+                if self.last_divergence > 2 * target:
                     self.period = max(1, self.period // 2)
-                elif self.last_divergence < m.target_divergence / 2:
-                    self.period = min(m.max_period, self.period * 2)
+                elif self.last_divergence < target / 2:
+                    self.period = min(filled(m.max_period, "sync.mixer.max_period"), self.period * 2)
         self.next_sync = done + self.period
 
     def consensus(self, params: list[nn.Parameter]) -> None:

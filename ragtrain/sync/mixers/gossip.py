@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ragtrain.config.sync import MixerConfig
+from ragtrain.errors import filled
 from ragtrain.sync.base import average_params, flat_params, set_flat_params
 from ragtrain.sync.comm import STATS
 from ragtrain.sync.scopes.base import MixerScope
@@ -27,19 +28,21 @@ class Gossip:
 
     def __init__(self, cfg: MixerConfig, scope: MixerScope):
         self.cfg, self.scope = cfg, scope
-        self.topology = build_topology(cfg.topology)
+        self.topology = build_topology(filled(cfg.topology, "sync.mixer.topology"))
+        self.period = filled(cfg.period, "sync.mixer.period")
+        self.mixing = filled(cfg.mixing, "sync.mixer.mixing")
         self.rounds = 0
 
     def bind(self, model: nn.Module) -> None:
         pass
 
     def after_step(self, params: list[nn.Parameter], step: int) -> None:
-        if (step + 1) % self.cfg.period:
+        if (step + 1) % self.period:
             return
         position, size = self.scope.position()
         peers = self.scope.ranks(self.topology.neighbours(position, size, self.rounds))
         self.rounds += 1
-        mix_with_peers(params, peers, self.cfg.mixing, self.scope.category)
+        mix_with_peers(params, peers, self.mixing, self.scope.category)
 
     def consensus(self, params: list[nn.Parameter]) -> None:
         average_params(params, category=self.scope.category)

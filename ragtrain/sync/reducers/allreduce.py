@@ -22,7 +22,9 @@ class AllReduce(Stateless):
 
         buf = bucket.buffer()
         nbytes = all_reduce_bytes(buf.numel() * buf.element_size(), group_size(self.group))
-        return counted_future(allreduce_hook(self.group, bucket), self.category, nbytes)
+        # torch annotates process_group as ProcessGroup, yet reads None as the default group (what self.group is here)
+        hook = allreduce_hook(self.group, bucket)  # type: ignore[arg-type]
+        return counted_future(hook, self.category, nbytes)
 
     def reduce_slices(self, buf: torch.Tensor, slices: list[tuple[int, int]]) -> None:
         reduce_slices(buf, slices, None, self.category, self.group)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ragtrain.config.sync import ReducerConfig
+from ragtrain.errors import filled
 from ragtrain.sync.comm import STATS, all_reduce_bytes, counted_future
 from ragtrain.sync.reducers.base import group_size
 
@@ -24,7 +25,13 @@ class PowerSGD:
         self.state: Any = None  # PowerSGD's state: created by bind, when DDP runs (torch checks start_iter there)
 
     def bind(self, model: nn.Module) -> None:
-        self.state = powersgd_state(self.cfg.matrix_rank, self.cfg.start_iter, self.cfg.error_feedback, self.group)
+        r = self.cfg
+        self.state = powersgd_state(
+            filled(r.matrix_rank, "sync.reducer.matrix_rank"),
+            filled(r.start_iter, "sync.reducer.start_iter"),
+            filled(r.error_feedback, "sync.reducer.error_feedback"),
+            self.group,
+        )
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         # lazy: torch.distributed's submodules import only where torch.distributed is built

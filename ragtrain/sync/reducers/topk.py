@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ragtrain.config.sync import ReducerConfig
+from ragtrain.errors import filled
 from ragtrain.sync.comm import STATS, all_gather_bytes
 from ragtrain.sync.reducers.base import done, group_size
 
@@ -26,7 +27,9 @@ class TopK:
     """
 
     def __init__(self, cfg: ReducerConfig, group: Any | None, category: str):
-        self.ratio, self.error_feedback, self.group, self.category = cfg.ratio, cfg.error_feedback, group, category
+        self.ratio = filled(cfg.ratio, "sync.reducer.ratio")
+        self.error_feedback = filled(cfg.error_feedback, "sync.reducer.error_feedback")
+        self.group, self.category = group, category
         self.residuals: dict[int, torch.Tensor] = {}
         self.param_index: dict[int, int] = {}  # data_ptr of a parameter -> its index in model.parameters()
 

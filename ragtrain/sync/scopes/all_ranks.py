@@ -18,7 +18,7 @@ class AllRanks:
     def __init__(self, lay: Layout, cfg: ReducerConfig):
         self.layout = lay
         self.sends = REDUCERS[cfg.kind].sends
-        self.reducer: Reducer | None = build_reducer(cfg, None, "grad")
+        self.reducer: Reducer = build_reducer(cfg, None, "grad")
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return self.reducer.hook(bucket)

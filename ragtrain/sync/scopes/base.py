@@ -56,7 +56,12 @@ class ReducerScope(Protocol):
     """Which ranks the reducer averages over, each step inside backward. Built as `cls(layout, reducer_cfg)`."""
 
     by_node: ClassVar[bool]  # needs the per-node process subgroups
-    reducer: Reducer | None  # the reducer it runs (None: its own all-reduce only, or nothing to run)
+
+    @property
+    def reducer(self) -> Reducer | None:
+        """The reducer it runs (None: its own all-reduce only, or nothing to run); read-only here, so a scope that
+        always runs one may declare it as `Reducer`."""
+        ...
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The bucket averaged as this scope says (a DDP comm hook's result)."""
