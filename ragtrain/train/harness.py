@@ -316,7 +316,7 @@ def interruptible(trainer_cls: type) -> type:
     import signal
     import threading
 
-    class Interruptible(trainer_cls):  # type: ignore[misc, valid-type]
+    class Interruptible(trainer_cls):
         interrupted = False
 
         def _register_sigint_handler(self, controller: Any) -> None:
@@ -325,7 +325,8 @@ def interruptible(trainer_cls: type) -> type:
 
             def note_then_abort(signum: int, frame: Any) -> None:
                 self.interrupted = True
-                ray_handler(signum, frame)  # type: ignore[operator]
+                if callable(ray_handler):  # Ray's: it aborts the run's controller
+                    ray_handler(signum, frame)
 
             signal.signal(signal.SIGINT, note_then_abort)
 
