@@ -1,14 +1,15 @@
 """A Ray cluster in a box: each Ray node in its own network namespace, address, /tmp and shaped link (netns.py).
 
 `up` makes the network, starts one `ray start --block` per node inside `ip netns exec NS unshare --mount --uts`,
-with a tmpfs over /tmp (what other processes keep under /tmp is not seen, and Ray's cached node address is the
-node's own) and over ~/.ray (so no node reads the host's auth token), its namespace's name as host name and a
-hosts file naming every node (gethostname() resolves to the node's own address, which is where gloo binds by
-default and what c10d looks up for its peers), waits until every node has joined, measures every
-path from the head to another node in both directions and writes the state (addresses, pids, asked and achieved
-rates) to STATE_ROOT/<name>/state.json. Every process of the cluster (Ray's and the command's) gets one fresh auth
-token. Storage is a folder outside /tmp, which every node sees. `down` stops the processes by namespace and
-deletes the namespaces; it is idempotent.
+with an overlay over /tmp (the host's /tmp below it, so a checkout or a venv kept there still runs; what a node
+writes there no other node sees, and Ray's cached node address is the node's own) and a tmpfs over ~/.ray (so no
+node reads the host's auth token), its namespace's name as host name and a hosts file naming every node
+(gethostname() resolves to the node's own address, which is where gloo binds by default and what c10d looks up for
+its peers), waits until every node has joined, measures every path from the head to another node in both
+directions and writes the state (addresses, pids, asked and achieved rates) to STATE_ROOT/<name>/state.json. Every
+process of the cluster (Ray's and the command's) gets one fresh auth token. Storage is a folder every node sees
+(under /tmp too: bound through each overlay). `down` stops the processes by namespace and deletes the namespaces;
+it is idempotent.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ IFNAME = "eth0"  # the node's interface in every namespace: gloo binds to it (GL
 class ClusterSpec:
     name: str
     nodes: int
-    storage: str  # a folder outside /tmp: every node sees it
+    storage: str  # a folder every node sees
     cpus_per_node: int = 1
     bandwidth: int | None = None  # bits/s between machines (None: unshaped)
     intra: int | None = None  # bits/s between the nodes of one machine
@@ -123,12 +124,29 @@ def _node_argv(state: State, i: int) -> list[str]:
     else:
         ray += [f"--address={state.head_address}"]
     private = (
-        f"mount -t tmpfs -o size={spec.tmp_size},mode=1777 tmpfs /tmp && "
+        f"{private_tmp(spec, node['ns'])} && "
         '{ [ ! -d "$HOME/.ray" ] || mount -t tmpfs -o size=1m tmpfs "$HOME/.ray"; } && '
         f'hostname {node["ns"]} && mount --bind {hosts_file(spec.name)} /etc/hosts && exec "$@"'
     )
     unshare = ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", private, "sh"]
     return ["ip", "netns", "exec", node["ns"], *unshare, *ray]
+
+
+def private_tmp(spec: ClusterSpec, ns: str) -> str:
+    """Shell that gives a node its own /tmp: an overlay whose lower layer is the host's /tmp (a checkout or a venv
+    kept there still runs) and whose writes land in a tmpfs of the node's own (Ray's session folder, its cached
+    node address, spilled objects: no other node sees them). Storage under /tmp is bound through, shared."""
+    scratch = STATE_ROOT / spec.name / f"{ns}-tmp"  # mounted over inside the node's mount namespace only
+    sh = (
+        f"mkdir -p {scratch} && mount -t tmpfs -o size={spec.tmp_size},mode=1777 tmpfs {scratch} && "
+        f"mkdir -p {scratch}/upper {scratch}/work {scratch}/host && chmod 1777 {scratch}/upper && "
+        f"mount --bind /tmp {scratch}/host && "
+        f"mount -t overlay overlay -o lowerdir=/tmp,upperdir={scratch}/upper,workdir={scratch}/work /tmp"
+    )
+    storage = Path(spec.storage)
+    if Path("/tmp") in storage.parents:
+        sh += f" && mount --bind {scratch}/host/{storage.relative_to('/tmp')} {storage}"
+    return sh
 
 
 def _start_node(state: State, i: int) -> None:

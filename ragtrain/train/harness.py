@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -313,8 +315,6 @@ def interruptible(trainer_cls: type) -> type:
     and leaves it installed: the run would end as a bare SystemExit whose cause nobody sees. This one notes the
     Ctrl+C beside Ray's handler (which still aborts the controller), and `interrupt_as_keyboard` turns the end of
     such a fit into KeyboardInterrupt and restores the handler the driver had."""
-    import signal
-    import threading
 
     class Interruptible(trainer_cls):
         interrupted = False

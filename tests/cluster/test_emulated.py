@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -41,12 +42,17 @@ def cluster():
         pytest.skip(why)
     before = {"netns": _out(["ip", "netns", "list"]), "links": _host_links()}
     name = f"t{uuid.uuid4().hex[:6]}"
-    storage = REPO / "outputs" / "test-cluster" / name  # outside /tmp: /tmp is private to each node
+    # the checkout may sit under /tmp (a CI clone): every node sees the storage through its own /tmp overlay
+    storage = REPO / "outputs" / "test-cluster" / name
+    host_file = Path(tempfile.mkdtemp(prefix="ragtrain-host-")) / "kept"  # under the host's /tmp, before `up`
+    host_file.write_text("host")
+    before["host_file"] = host_file
     spec = emulated.ClusterSpec(name=name, nodes=2, storage=str(storage), bandwidth=RATE)
     state = emulated.up(spec)
     yield state, before
     emulated.down(name)  # idempotent: the last test has torn it down already
     shutil.rmtree(storage, ignore_errors=True)
+    shutil.rmtree(host_file.parent, ignore_errors=True)
 
 
 def _on_node(state: emulated.State, i: int, script: str) -> subprocess.CompletedProcess:
@@ -75,13 +81,21 @@ def test_each_node_has_its_own_address_and_a_shaped_link_both_ways(cluster) -> N
 
 
 def test_tmp_is_private_to_each_node(cluster) -> None:
-    state, _ = cluster
+    """What a node writes under /tmp no other node (nor the host) sees; what the host kept there (a checkout, a
+    venv) every node reads; the storage is one folder for all, wherever it sits."""
+    state, before = cluster
     mark = f"ragtrain-emulated-{uuid.uuid4().hex}"
     assert _on_node(state, 0, f"touch /tmp/{mark} && ls /tmp").returncode == 0
     assert _on_node(state, 0, f"test -e /tmp/{mark}").returncode == 0
     assert _on_node(state, 1, f"test -e /tmp/{mark}").returncode == 1  # node 1 does not see it
     assert not Path("/tmp", mark).exists()  # nor does the host
-    assert _on_node(state, 1, "ls /tmp").stdout.split() == [f"ray-{state.nodes[1]['ns']}"]  # only its own Ray
+    listing = _on_node(state, 1, "ls /tmp").stdout.split()
+    assert f"ray-{state.nodes[1]['ns']}" in listing and f"ray-{state.nodes[0]['ns']}" not in listing
+    assert _on_node(state, 1, f"cat {before['host_file']}").stdout == "host"
+    shared = Path(state.spec.storage) / f"{mark}.txt"
+    assert _on_node(state, 1, f"echo node1 > {shared}").returncode == 0
+    assert shared.read_text() == "node1\n" and _on_node(state, 0, f"cat {shared}").stdout == "node1\n"
+    shared.unlink()
 
 
 def test_a_gloo_all_reduce_across_the_two_nodes_is_paced_by_the_link(cluster) -> None:
@@ -104,11 +118,12 @@ def test_a_gloo_all_reduce_across_the_two_nodes_is_paced_by_the_link(cluster) ->
 
 
 def test_without_privileges_one_line_and_exit_2() -> None:
-    """As nobody (no capabilities): one line on stderr, exit 2, nothing created."""
+    """Root without CAP_NET_ADMIN and CAP_SYS_ADMIN (what a container or a plain user lacks): one line on stderr,
+    exit 2, nothing created. Still the owner of the checkout and the venv, wherever they sit (a 0700 folder too)."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to drop to an unprivileged user")
+        pytest.skip("needs root and setpriv to drop the capabilities")
     before = _out(["ip", "netns", "list"])
-    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
+    argv = ["setpriv", "--bounding-set=-net_admin,-sys_admin", "--inh-caps=-all"]
     argv += [sys.executable, "-m", "ragtrain.cluster", "run", "--nodes", "2", "--", "true"]
     r = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 2

@@ -50,7 +50,7 @@ def test_what_is_missing_is_one_line_found_before_anything_is_made() -> None:
         (["run", "--nodes", "0", "--", "true"], "'0' is not a positive integer"),
         (["run", "--nodes", "2", "--bandwidth", "fast", "--", "true"], "'fast' is not a rate"),
         (["run", "--nodes", "2", "--intra", "1gbit", "--", "true"], "--intra needs --workers-per-node > 1"),
-        (["run", "--nodes", "2", "--storage", "/tmp/x", "--", "true"], "is under /tmp"),
+        (["run", "--nodes", "2", "--storage", "/tmp", "--", "true"], "each node has its own /tmp"),
         (["run", "--nodes", "2"], "give the command after --"),
         (["up", "--nodes", "2", "--name", "Bad-Name"], "1-12 characters"),
     ],
