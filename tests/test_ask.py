@@ -302,3 +302,35 @@ def test_asking_a_bert2bert_generator_prints_no_load_report(tmp_path: Path, capf
         transformers.logging.set_verbosity(before)
     assert isinstance(answer, str)
     assert "LOAD REPORT" not in out + err and "newly initialized" not in out + err, err
+
+
+def test_asking_a_causal_chat_generator_answers_from_the_chat_prompt(tmp_path: Path) -> None:
+    """The causal chat path that squad_rag produces (generator=smollm2's layout, the tiny Llama in its place): the
+    saved model and its tokenizer load, the prompt is the chat template's, and the answer is what greedy generation
+    says from it, cut at its first line."""
+    from ragtrain.ask import Answerer
+    from ragtrain.config import to_typed
+    from ragtrain.generator.model import AnswerDecoder, build_generator, load_tokenizer
+    from ragtrain.generator.prompt import passage_text
+    from ragtrain.generator.saved import load_generator, save_generator
+    from tests.conftest import compose, tiny_overrides
+    from tests.generator.tiny_llama import save_tiny_llama
+
+    llama = save_tiny_llama(tmp_path / "llama")
+    over = ["generator=smollm2", f"generator.model={llama}", "generator.prompt=chat", "generator.eval.max_new_tokens=6"]
+    cfg = to_typed(compose(tiny_overrides(tmp_path) + over))
+    tok = load_tokenizer(cfg.generator)
+    torch.manual_seed(0)
+    save_generator(build_generator(cfg.generator, tok), tok, tmp_path / "generator")
+    ask = Answerer(cfg, tmp_path / "generator")
+    question = "which team won super bowl 50?"
+    assert tok.decode(ask.builder.source(question, [])).endswith("<|im_start|>assistant\n")  # the chat template's
+    hits = [{"title": "Super_Bowl_50", "text": "the denver broncos won super bowl 50."}]
+    answer = ask(question, hits)
+    m = load_generator(cfg, tmp_path / "generator")  # the same greedy decode, by hand
+    src = ask.builder.source(question, [passage_text(h["title"], h["text"], cfg.generator.include_title) for h in hits])
+    batch = m.arch.collate([src], [[]], m.pad_id, for_generation=True)
+    with torch.no_grad():
+        ids = m.generate(batch["input_ids"], batch["attention_mask"], 1, cfg.generator.eval.max_new_tokens)
+    assert isinstance(answer, str) and "\n" not in answer
+    assert answer == AnswerDecoder(tok)(ids[0])
