@@ -273,3 +273,19 @@ def test_resume_of_a_finished_run_runs_nothing_and_returns_its_results(quickstar
     assert again["trained"]["ndcg@10"] == pytest.approx(results["trained"]["ndcg@10"], abs=1e-12)
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files
     assert len(client.search_runs(experiments)) == runs
+
+
+def test_a_comparison_whose_variants_all_finished_logs_no_second_comparison_run(quickstart_run, tmp_path) -> None:
+    """compare's resume after every variant finished: the table written again from their saved results (the same
+    figures), and no new run in the MLflow store."""
+    from dataclasses import replace
+
+    from ragtrain.variants import run_variants
+
+    cfg, results, _ = quickstart_run
+    client = MlflowClient(cfg.logger.tracking_uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = len(client.search_runs(experiments))
+    df = run_variants({"shared": replace(cfg, resume=True)}, tmp_path / "compare")
+    assert df.loc[0, "ndcg@10"] == pytest.approx(results["trained"]["ndcg@10"], abs=1e-12)
+    assert len(client.search_runs(experiments)) == runs
