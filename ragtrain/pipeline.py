@@ -107,12 +107,21 @@ def write_status(out: Path, status: str, **extra) -> None:
     tmp.replace(out / STATUS_FILE)
 
 
+def read_status(out: Path) -> str | None:
+    """The status a run folder's status.json records; None without one (a folder written before it existed),
+    "unknown" when it cannot be read."""
+    path = out / STATUS_FILE
+    if not path.is_file():
+        return None
+    try:
+        return str(json.loads(path.read_text()).get("status"))
+    except (OSError, ValueError, AttributeError):
+        return "unknown"
+
+
 def completed(out: Path) -> bool:
     """Whether the run folder `out` holds a run that finished (status complete, its results saved)."""
-    status = out / STATUS_FILE
-    return (
-        status.is_file() and (out / "metrics.json").is_file() and json.loads(status.read_text())["status"] == "complete"
-    )
+    return read_status(out) == "complete" and (out / "metrics.json").is_file()
 
 
 def finished_results(cfg: Config) -> dict[str, dict[str, float]] | None:
@@ -176,12 +185,9 @@ def check_fresh_output(cfg: Config) -> None:
     """Without resume, a folder that holds a finished (or running) run is not written over: its metrics, index and
     exports would be replaced without a word. overwrite=true allows it; a failed run's folder may be reused."""
     path = Path(cfg.output_dir) / STATUS_FILE
-    if cfg.resume or cfg.overwrite or not path.is_file():
+    status = read_status(path.parent)
+    if cfg.resume or cfg.overwrite or status is None:
         return
-    try:
-        status = json.loads(path.read_text()).get("status")
-    except (OSError, ValueError):
-        status = "unknown"
     if status != "failed":
         raise ConfigError(
             f"output_dir={cfg.output_dir!r} holds a {status} run ({path}): a new run would replace "

@@ -120,11 +120,12 @@ def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
 def warn_unfinished(out: Path) -> None:
     """One line on stderr when the run did not finish (status.json says running or failed): its index may be a
     zero-shot one, or the run may still be writing."""
-    path = out / "status.json"
-    try:
-        status = json.loads(path.read_text()).get("status")
-    except (OSError, ValueError):
-        return  # folders written before status.json existed
+    # lazy: ragtrain.pipeline imports torch and the stages; this module's argument checks run without them
+    from ragtrain.pipeline import STATUS_FILE, read_status
+
+    path, status = out / STATUS_FILE, read_status(out)
+    if status in (None, "unknown"):
+        return  # folders written before status.json existed, or a status file that cannot be read
     if status != "complete":
         why = "it failed" if status == "failed" else "it is still running or was stopped before it finished"
         print(
