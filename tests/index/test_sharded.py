@@ -558,18 +558,31 @@ def test_a_shard_count_that_is_not_one_is_refused_by_the_config(value) -> None:
 
 
 def test_a_sharded_quickstart_gives_the_figures_of_one_index(quickstart_run, tmp_path) -> None:
-    """The shared quickstart (index.shards=1: one Ray Data encode, one shard) and the same run at index.shards=3
-    (each shard encodes its own range) give the same figures before and after training; the saved 3-shard folder
-    serves the generator's searcher as it ranks in-process."""
+    """The shared quickstart (index.shards=1: one Ray Data encode, one shard) and its index stage at index.shards=3
+    (each shard encodes its own range) give the same figures; the saved 3-shard folder serves the generator's
+    searcher as it ranks in-process. (The trained index is the same build with other weights: an index-only run of
+    the initial encoder checks the sharding without a second training.)"""
     from ragtrain.config import to_typed
     from ragtrain.pipeline import run
     from tests.conftest import compose, quickstart_overrides
 
     one = quickstart_run[1]
-    three = run(to_typed(compose([*quickstart_overrides(tmp_path / "3"), "logger=none", "index.shards=3"])))
-    for phase in ("zeroshot", "trained"):
-        for key in ("ndcg@10", "mrr@10", "recall@100"):
-            assert three[phase][key] == pytest.approx(one[phase][key], abs=1e-9), (phase, key)
+    three = run(
+        to_typed(
+            compose(
+                [
+                    *quickstart_overrides(tmp_path / "3"),
+                    "logger=none",
+                    "index.shards=3",
+                    "stages=[index]",
+                    "index.align_anchors=0",
+                ]
+            )
+        )
+    )
+    assert "trained" not in three
+    for key in ("ndcg@10", "mrr@10", "recall@100"):
+        assert three["zeroshot"][key] == pytest.approx(one["zeroshot"][key], abs=1e-9), key
     saved = tmp_path / "3" / "out" / "index"
     assert open_saved(saved).meta.extra["shards"] == 3 and sorted(p.name for p in saved.glob("shard-*")) == [
         "shard-0",
