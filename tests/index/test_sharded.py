@@ -458,7 +458,10 @@ def test_a_killed_service_restarts_from_its_commit_point(on_shards) -> None:
         published = ray.get(service.latest.remote())
         queries = ray.get(group.actors[0].live_rows.remote([0, 1, 2]))
         before = ray.get(service.search.remote(queries, 5))
+        old_pid = ray.get(service.__ray_call__.remote(lambda _: os.getpid()))
         ray.kill(service, no_restart=False)
+        # the kill is asynchronous: calls go on reaching the old process until it is gone
+        _until(lambda: ray.get(service.__ray_call__.remote(lambda _: os.getpid())) != old_pid, "no restart", 120)
         assert ray.get(service.committed.remote()) == committed  # answered by the restarted actor
         assert ray.get(service.report.remote())["history"] == []  # a new process: nothing of the old one's memory
         again = ray.get(service.latest.remote())
