@@ -95,7 +95,7 @@ class Diloco:
 
     def _mean_delta(self, delta: torch.Tensor, cuda: bool) -> tuple[torch.Tensor, int]:
         """The ranks' mean pseudo-gradient, back in fp32, and the bytes this worker sent for it. Each rank divides
-        before the sum (as torch's fp16 gradient hook does), so an fp16 sum of large deltas cannot overflow."""
+        before the sum (as torch's fp16 gradient hook does): the fp16 sum never grows past the largest delta."""
         w = world_size()
         if w == 1:
             return delta, 0
