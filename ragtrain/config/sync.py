@@ -70,7 +70,14 @@ MIXERS: dict[str, MixerVariant] = {
     "none": MixerVariant("ragtrain.sync.mixers.none:NoMixer", mixes=False),
     "average": MixerVariant(
         "ragtrain.sync.mixers.average:Average",
-        reads={"period": 1, "warmup_steps": 0, "adaptive": False, "target_divergence": 1e-3, "max_period": 64},
+        reads={
+            "period": 1,
+            "warmup_steps": 0,
+            "adaptive": False,
+            "target_divergence": 1e-3,
+            "max_period": 64,
+            "comm_share": 0.0,
+        },
         subset=True,
         across_nodes=True,
         family="local_sgd",
@@ -85,7 +92,25 @@ MIXERS: dict[str, MixerVariant] = {
     "async_ps": MixerVariant(
         "ragtrain.sync.mixers.async_ps:AsyncPS", reads={"max_staleness": 2}, asynchronous=True, family="async_ps"
     ),
+    # DiLoCo (Douillard et al. 2023): outer Nesterov SGD on the averaged pseudo-gradient, the paper's outer_lr and
+    # outer_momentum; period 8 as local_sgd's (the paper's 500 inner steps are for pretraining runs far longer)
+    "diloco": MixerVariant(
+        "ragtrain.sync.mixers.diloco:Diloco",
+        reads={
+            "period": 8,
+            "warmup_steps": 0,
+            "max_period": 64,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+            "pseudo_grad_dtype": "fp16",
+            "comm_share": 0.0,
+        },
+        subset=True,
+        across_nodes=True,
+        family="diloco",
+    ),
 }
+PSEUDO_GRAD_DTYPES = ("fp16", "fp32")  # diloco's wire types (ragtrain/sync/mixers/diloco.py maps them to torch's)
 REDUCER_SCOPES: dict[str, ReducerScopeVariant] = {
     "all": ReducerScopeVariant("ragtrain.sync.scopes.all_ranks:AllRanks"),
     "intra_node": ReducerScopeVariant(
@@ -169,12 +194,20 @@ class ReducerConfig:
 class MixerConfig:
     """Parameter mixer, after optimizer steps: how replicas that stepped apart are pulled together."""
 
-    kind: str = "none"  # a name in MIXERS: none | average (local SGD) | gossip | async_ps (a Ray actor server)
-    period: int | None = None  # average, gossip: steps between rounds (default 1)
-    warmup_steps: int | None = None  # average: gradient all-reduce (DDP) for this many steps first (default 0)
+    # a name in MIXERS: none | average (local SGD) | gossip | async_ps (a Ray actor server) | diloco
+    kind: str = "none"
+    period: int | None = None  # average, gossip, diloco: steps between rounds (default 1; diloco 8)
+    warmup_steps: int | None = None  # average, diloco: gradient all-reduce (DDP) for this many steps first (default 0)
     adaptive: bool | None = None  # average: shrink/grow the period with the measured divergence (default false)
     target_divergence: float | None = None  # average + adaptive: divergence aimed at at sync time (default 1e-3)
-    max_period: int | None = None  # average + adaptive: upper bound of the period (default 64)
+    # average + adaptive, average / diloco + comm_share: upper bound of the period (default 64)
+    max_period: int | None = None
+    # average, diloco: the share of step time communication may take; after each round the period is set from the
+    # measured round and compute seconds to keep under it (ragtrain/sync/network.py). 0: off, a fixed period (default)
+    comm_share: float | None = None
+    outer_lr: float | None = None  # diloco: outer SGD learning rate on the averaged pseudo-gradient (default 0.7)
+    outer_momentum: float | None = None  # diloco: the outer SGD's Nesterov momentum (default 0.9)
+    pseudo_grad_dtype: str | None = None  # diloco: fp16 | fp32, the pseudo-gradient's type on the wire (default fp16)
     topology: str | None = None  # gossip: a name in GOSSIP_TOPOLOGIES: ring | random (seeded pairs; default ring)
     mixing: float | None = None  # gossip: weight of the neighbours' mean (default 0.5)
     max_staleness: int | None = None  # async_ps: others' updates an applied push may have missed (default 2)
@@ -211,6 +244,32 @@ class MixerConfig:
             k + ".max_staleness",
             "must be >= 0",
             self.max_staleness,
+        )
+        self._check_outer()
+
+    def _check_outer(self) -> None:
+        """diloco's outer step and the measured period (comm_share)."""
+        k = "sync.mixer"
+        share = self.comm_share
+        _check(share is None or 0 <= share < 1, k + ".comm_share", "must be in (0, 1), or 0 for a fixed period", share)
+        _check(
+            not (share and self.adaptive),
+            k + ".comm_share",
+            "and sync.mixer.adaptive=true both set the period: keep one (comm_share=0 or adaptive=false)",
+            share,
+        )
+        _check(self.outer_lr is None or self.outer_lr > 0, k + ".outer_lr", "must be > 0", self.outer_lr)
+        _check(
+            self.outer_momentum is None or 0 <= self.outer_momentum < 1,
+            k + ".outer_momentum",
+            "must be in [0, 1)",
+            self.outer_momentum,
+        )
+        _check(
+            self.pseudo_grad_dtype is None or self.pseudo_grad_dtype in PSEUDO_GRAD_DTYPES,
+            k + ".pseudo_grad_dtype",
+            f"must be one of {list(PSEUDO_GRAD_DTYPES)}",
+            self.pseudo_grad_dtype,
         )
 
 
@@ -377,7 +436,8 @@ class SyncConfig:
 
     @property
     def label(self) -> str:
-        """A short name for tables and plots: the preset it matches where it is one (powersgd, local_sgd_adaptive)."""
+        """A short name for tables and plots: the preset it matches where it is one (powersgd, local_sgd_adaptive,
+        local_sgd_network)."""
         s = self.strategy
         if s == "compressed":
             return self.reducer.kind
@@ -385,4 +445,6 @@ class SyncConfig:
             return f"hybrid_{self.reducer.kind}"
         if s == "local_sgd" and self.mixer.adaptive:
             return "local_sgd_adaptive"
+        if s in ("local_sgd", "diloco") and self.mixer.comm_share:
+            return f"{s}_network"
         return s

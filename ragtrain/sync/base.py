@@ -6,7 +6,7 @@ Strategies import this module; it imports none of them (build_sync in ragtrain/s
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -78,10 +78,13 @@ def set_flat_params(params: list[nn.Parameter], flat: torch.Tensor) -> None:
             offset += n
 
 
-def mean_and_divergence(params: list[nn.Parameter], count_as: str | None = None) -> tuple[torch.Tensor, float]:
+def mean_and_divergence(
+    params: list[nn.Parameter], count_as: str | None = None, timer: AbstractContextManager[Any] | None = None
+) -> tuple[torch.Tensor, float]:
     """The replicas' flat parameter mean and their mean relative divergence ||theta_i - mean|| / ||mean||.
 
-    The mean's all-reduce is counted under `count_as` (None: measurement traffic, not counted).
+    The mean's all-reduce is counted under `count_as` (None: measurement traffic, not counted) and runs inside
+    `timer` (a mixer that sets its period from the round's measured seconds: ragtrain/sync/network.py).
     """
     w = world_size()
     flat = flat_params(params)
@@ -89,7 +92,7 @@ def mean_and_divergence(params: list[nn.Parameter], count_as: str | None = None)
         return flat, 0.0
     mean = flat.clone()
     nbytes = all_reduce_bytes(mean.numel() * mean.element_size(), w)
-    with STATS.timed(count_as, nbytes) if count_as else nullcontext():
+    with STATS.timed(count_as, nbytes) if count_as else nullcontext(), timer or nullcontext():
         dist.all_reduce(mean)
     mean /= w
     div = ((flat - mean).norm() / mean.norm().clamp(min=1e-12)).reshape(1)
@@ -97,11 +100,14 @@ def mean_and_divergence(params: list[nn.Parameter], count_as: str | None = None)
     return mean, div.item() / w
 
 
-def average_params(params: list[nn.Parameter], category: str = "params") -> float:
-    """All-reduce the parameters to their mean (counted); returns the replicas' mean relative divergence before."""
+def average_params(
+    params: list[nn.Parameter], category: str = "params", timer: AbstractContextManager[Any] | None = None
+) -> float:
+    """All-reduce the parameters to their mean (counted; inside `timer`, see mean_and_divergence); returns the
+    replicas' mean relative divergence before."""
     if world_size() == 1:
         return 0.0
-    mean, div = mean_and_divergence(params, count_as=category)
+    mean, div = mean_and_divergence(params, count_as=category, timer=timer)
     set_flat_params(params, mean)
     return div
 

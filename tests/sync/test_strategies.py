@@ -96,6 +96,7 @@ def _train_many(rank: int, world: int, port: int, out: str, jobs: list[tuple]) -
 # Every (world, sync, steps, lr, seed_per_rank, nodes) job the tests below ask for; `run` trains all jobs of a
 # world size together on first use. A job missing here still runs (in its own spawn).
 NODES = ["a", "a", "b", "b"]  # 4 workers declared on 2 nodes
+PLAIN_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0, "pseudo_grad_dtype": "fp32"}  # diloco's outer step = the mean
 TOP = {"reducer_params": [r"^2\."]}  # layer-wise: the MLP's top layer (module 2) every step, module 0 by the mixer
 _JOBS: list[tuple] = [
     (2, S("ddp"), 6, 0.05, False, None),
@@ -104,6 +105,8 @@ _JOBS: list[tuple] = [
     (2, S("local_sgd", mixer={"period": 3, "warmup_steps": 2}), 6, 0.05, False, None),
     (2, S("local_sgd", mixer={"period": 1, "adaptive": True, "target_divergence": 1.0}), 8, 0.05, False, None),
     (2, S("local_sgd", mixer={"period": 4, "adaptive": True, "target_divergence": 1e-9}), 8, 0.05, False, None),
+    (2, S("diloco", mixer={"period": 3, "warmup_steps": 2, **PLAIN_OUTER}), 6, 0.05, False, None),
+    *[(2, S("diloco", mixer={"period": 4, "pseudo_grad_dtype": d}), 6, 0.05, False, None) for d in ("fp16", "fp32")],
     (2, S("fp16"), 6, 0.05, False, None),
     (2, S("powersgd", reducer={"matrix_rank": 2, "start_iter": 2}), 5, 0.05, False, None),
     *[
@@ -125,7 +128,10 @@ _JOBS: list[tuple] = [
     (3, S("gossip", mixer={"topology": "ring", "mixing": 0.5}), 40, 0.0, True, None),
     (3, S("gossip", mixer={"topology": "ring", "period": 2}), 6, 0.05, False, None),
     (4, S("gossip", mixer={"topology": "random", "mixing": 0.5}), 40, 0.0, True, None),
-    *[(4, S("hierarchical", mixer={"kind": k, "period": 2}), 6, 0.05, False, NODES) for k in ("average", "gossip")],
+    *[
+        (4, S("hierarchical", mixer={"kind": k, "period": 2}), 6, 0.05, False, NODES)
+        for k in ("average", "gossip", "diloco")
+    ],
     (4, S("ddp"), 6, 0.05, False, None),
     (
         4,
@@ -190,6 +196,26 @@ def test_local_sgd_warmup_then_local(tmp_path: Path) -> None:
     assert r["bytes"] == [full, full, 0, 0, full, 0]
 
 
+def test_diloco_with_a_plain_outer_step_is_local_sgd(tmp_path: Path) -> None:
+    """outer_lr 1, no momentum, fp32: anchor - mean(anchor - theta_i) = mean(theta_i), after the same warm-up and at the
+    same rounds as average (equal up to float rounding: the mean is formed from differences)."""
+    local = run(tmp_path, 2, S("local_sgd", mixer={"period": 3, "warmup_steps": 2}))
+    diloco = run(tmp_path, 2, S("diloco", mixer={"period": 3, "warmup_steps": 2, **PLAIN_OUTER}))
+    torch.testing.assert_close(diloco["params"], local["params"], atol=1e-6, rtol=0)
+    assert diloco["bytes"] == local["bytes"]
+    assert diloco["div"][3] > 1e-4 and diloco["div"][4] < 1e-7  # apart between rounds, equal right after one
+    assert diloco["state"]["sync/outer_rounds"] == 1
+
+
+@pytest.mark.parametrize("dtype,size", [("fp16", 2), ("fp32", 4)])
+def test_diloco_sends_one_all_reduce_of_the_pseudo_gradient_in_its_dtype(tmp_path: Path, dtype: str, size: int) -> None:
+    r = run(tmp_path, 2, S("diloco", mixer={"period": 4, "pseudo_grad_dtype": dtype}))
+    per_round = all_reduce_bytes(size * N_PARAMS, 2)
+    assert r["bytes"] == [0, 0, 0, per_round, 0, 0]
+    assert [c.get("params", 0) for c in r["cat"]] == [0, 0, 0, per_round, per_round, per_round]
+    assert r["div"][2] > 1e-4 and r["div"][3] == 0.0  # every replica restarts from the one new anchor
+
+
 def test_local_sgd_adaptive_period_moves(tmp_path: Path) -> None:
     grow = run(tmp_path, 2, S("local_sgd", mixer={"period": 1, "adaptive": True, "target_divergence": 1.0}), steps=8)
     assert grow["state"]["sync/period"] > 1  # divergence far below target: sync less often
@@ -228,6 +254,7 @@ def test_gossip_bytes_are_point_to_point(tmp_path: Path) -> None:
     "inter_node",
     [
         "average",
+        "diloco",
         pytest.param(
             "gossip",
             marks=pytest.mark.slow(
@@ -243,10 +270,11 @@ def test_hierarchical_groups_by_node(tmp_path: Path, inter_node: str) -> None:
     intra = [c.get("grad_intra", 0) for c in r["cat"]]
     inter = [c.get("params_inter", 0) for c in r["cat"]]
     assert intra == [all_reduce_bytes(p, 2) * (s + 1) for s in range(6)]
-    per_round = all_reduce_bytes(p, 4) if inter_node == "average" else p  # gossip: one peer node, one send
+    # average: the fp32 mean over every rank; diloco: the fp16 pseudo-gradient; gossip: one peer node, one send
+    per_round = {"average": all_reduce_bytes(p, 4), "diloco": all_reduce_bytes(p // 2, 4), "gossip": p}[inter_node]
     assert inter == [per_round * ((s + 1) // 2) for s in range(6)]
     assert r["state"]["sync/nodes"] == 2
-    if inter_node == "average":
+    if inter_node != "gossip":
         assert r["div"][1] < 1e-6  # right after an inter-node round every replica is equal
 
 
@@ -380,6 +408,11 @@ MIXER_JOBS = {
     "none": (2, S("vector_avg"), [0] * 6),
     "average": (2, S("local_sgd", mixer={"period": 4}), [0, 0, 0, all_reduce_bytes(4 * N_PARAMS, 2), 0, 0]),
     "gossip": (3, S("gossip", mixer={"topology": "ring", "period": 2}), [0, 2 * 4 * N_PARAMS] * 3),
+    "diloco": (
+        2,
+        S("diloco", mixer={"period": 4, "pseudo_grad_dtype": "fp16"}),
+        [0, 0, 0, all_reduce_bytes(2 * N_PARAMS, 2), 0, 0],
+    ),
 }
 
 
@@ -392,7 +425,7 @@ def test_every_mixer_pins_its_bytes_per_step(tmp_path: Path, kind: str) -> None:
     assert _sync(sync).mixer.kind == kind
     assert r["bytes"] == expected
     assert r["div"][0] > 1e-5  # every worker stepped alone first: there was something to mix
-    if kind == "average":
+    if kind in ("average", "diloco"):
         assert r["div"][3] < 1e-7  # right after its round
 
 
@@ -424,6 +457,15 @@ def test_metrics_single_process_defaults() -> None:
         ({"reducer": {"kind": "none"}, "mixer": {"kind": "gossip", "topology": "star"}}, "sync.mixer.topology"),
         ({"scope": {"reducer": "nowhere"}}, "sync.scope.reducer"),
         ({"scope": {"reducer_params": ["("]}}, "sync.scope.reducer_params"),
+        ({"reducer": {"kind": "none"}, "mixer": {"kind": "diloco", "outer_lr": 0.0}}, "sync.mixer.outer_lr"),
+        (
+            {"reducer": {"kind": "none"}, "mixer": {"kind": "diloco", "outer_momentum": 1.0}},
+            "sync.mixer.outer_momentum",
+        ),
+        (
+            {"reducer": {"kind": "none"}, "mixer": {"kind": "diloco", "pseudo_grad_dtype": "int8"}},
+            "sync.mixer.pseudo_grad_dtype",
+        ),
     ],
 )
 def test_bad_parameters_name_the_key_and_choices(sync: dict, key: str) -> None:
@@ -440,9 +482,14 @@ def test_bad_parameters_name_the_key_and_choices(sync: dict, key: str) -> None:
         (
             {"reducer": {"kind": "none"}, "mixer": {"kind": "gossip", "warmup_steps": 2}},
             "sync.mixer.warmup_steps",
-            "['average']",
+            "['average', 'diloco']",
         ),
-        ({"mixer": {"kind": "async_ps", "period": 3}}, "sync.mixer.period", "['average', 'gossip']"),
+        ({"mixer": {"kind": "async_ps", "period": 3}}, "sync.mixer.period", "['average', 'gossip', 'diloco']"),
+        (
+            {"reducer": {"kind": "none"}, "mixer": {"kind": "gossip", "outer_lr": 0.5}},
+            "sync.mixer.outer_lr",
+            "['diloco']",
+        ),
         # combinations that cannot work: the valid ones are named
         ({"mixer": {"kind": "average"}}, "sync.mixer.kind", "scope.reducer=intra_node + scope.mixer=inter_node"),
         (
@@ -450,7 +497,7 @@ def test_bad_parameters_name_the_key_and_choices(sync: dict, key: str) -> None:
             "sync.reducer.kind",
             "[allreduce]",
         ),
-        ({"scope": {"reducer": "intra_node"}}, "sync.mixer.kind", "average or gossip"),
+        ({"scope": {"reducer": "intra_node"}}, "sync.mixer.kind", "average or gossip or diloco"),
         (
             {"reducer": {"kind": "none"}, "mixer": {"kind": "average"}, "scope": {"mixer": "inter_node"}},
             "sync.scope.mixer",
@@ -461,7 +508,7 @@ def test_bad_parameters_name_the_key_and_choices(sync: dict, key: str) -> None:
             "sync.scope.reducer_params",
             "[allreduce, fp16, bf16]",
         ),
-        ({"scope": {"reducer_params": ["x"]}}, "sync.mixer.kind", "average or gossip"),
+        ({"scope": {"reducer_params": ["x"]}}, "sync.mixer.kind", "average or gossip or diloco"),
         (
             {"reducer": {"kind": "none"}, "mixer": {"kind": "async_ps"}, "consensus": "vectors"},
             "sync.mixer.kind",
@@ -485,6 +532,9 @@ def test_every_preset_is_a_composition() -> None:
         "topk": ("topk", "none", "compressed"),
         "local_sgd": ("none", "average", "local_sgd"),
         "local_sgd_adaptive": ("none", "average", "local_sgd"),
+        "local_sgd_network": ("none", "average", "local_sgd"),
+        "diloco": ("none", "diloco", "diloco"),
+        "diloco_network": ("none", "diloco", "diloco"),
         "gossip": ("none", "gossip", "gossip"),
         "hierarchical": ("allreduce", "average", "hierarchical"),
         "async_ps": ("none", "async_ps", "async_ps"),
