@@ -124,7 +124,9 @@ def ray_session():
             "PYTHONPATH": str(REPO),
             "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300",
         }  # a loaded CI box starts workers slowly
-        ray.init(address="local", num_cpus=RAY_CPUS, runtime_env={"env_vars": env})  # never join another Ray
+        # never join another Ray; no dashboard, as a run starts Ray by default (resources.dashboard=false): its two
+        # processes cost CPU on a 2-core box that the tests need
+        ray.init(address="local", num_cpus=RAY_CPUS, runtime_env={"env_vars": env}, include_dashboard=False)
     yield ray
     ray.shutdown()
 
