@@ -14,7 +14,10 @@ import pandas as pd
 from ragtrain.config import Config
 from ragtrain.config.variants import SEED_MARK
 from ragtrain.console import get_logger
-from ragtrain.paired import format_table, paired_over_seeds, predictions_file, saved_answers
+from ragtrain.eval.bootstrap import RESAMPLES, paired_markdown, paired_table
+from ragtrain.eval.likelihood import LIKELIHOOD_METRICS
+from ragtrain.eval.per_question import NLL_METRICS, run_per_question
+from ragtrain.paired import saved_answers
 from ragtrain.pipeline import completed, run
 from ragtrain.search import SearchError
 from ragtrain.track.mlflow import RunLogger
@@ -36,10 +39,11 @@ def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFra
         rows.append(variant_row(name, results) | ({"seed": cfg.seed} if seeded else {}))
     df = comparison_frame(rows)
     first = next(iter(variants.values()))
-    paired = paired_answers(variants)
+    pairs, paired = paired_answers(variants)
     files = write_comparison(
         df, out_dir, f"{first.experiment_name}: {first.data.source} split={first.data.split}", [paired]
     )
+    files += write_paired(pairs, out_dir)
     if not finished:
         _log_comparison(first, files)
     log.info("\n" + df.to_markdown(index=False, floatfmt=".4g") + (f"\n\n{paired}" if paired else ""))
@@ -47,31 +51,52 @@ def run_variants(variants: dict[str, Config], out_dir: str | Path) -> pd.DataFra
     return df
 
 
-def paired_answers(variants: dict[str, Config], metric: str = "rag/em") -> str:
-    """A Markdown section: each variant's `metric` per question, pooled over its seeds and paired with the first
-    answering variant's at the same seed ("" when fewer than two variants saved answers)."""
+PAIRED_METRICS = ("rag/em", "rag/f1", *NLL_METRICS)  # what the comparison pairs per question
+PAIRED_FILE = "paired.csv"
+BASE = "frozen"  # each variant is paired with it (else with the first variant that answered)
+
+
+def paired_answers(variants: dict[str, Config]) -> tuple[list[dict], str]:
+    """Each variant against `frozen` per question at the same seed, pooled over seeds (PAIRED_METRICS, read from
+    each run's per_question.jsonl): the rows (variant, metric, pairs, means, difference, 95 % interval,
+    significant, better / worse) and their Markdown section; ([], "") when fewer than two variants answered."""
     runs: dict[str, dict[int, Path]] = {}
+    loaded: dict[str, dict[int, dict]] = {}
     for label, cfg in variants.items():
-        out = Path(cfg.output_dir)
-        if predictions_file(out):  # a retrieval-only variant has none
-            runs.setdefault(label.partition(SEED_MARK)[0], {})[cfg.seed] = out
+        rows = run_per_question(cfg.output_dir)
+        if rows:  # a retrieval-only variant has none
+            name = label.partition(SEED_MARK)[0]
+            runs.setdefault(name, {})[cfg.seed] = Path(cfg.output_dir)
+            loaded.setdefault(name, {})[cfg.seed] = rows
     if len(runs) < 2:
-        return ""
+        return [], ""
+    base = BASE if BASE in runs else next(iter(runs))
     try:
-        rows = paired_over_seeds(runs, metric)
+        table = paired_table(loaded, base, PAIRED_METRICS, lower_is_better=NLL_METRICS)
+        passages = other_passages({base: runs[base], **{n: r for n, r in runs.items() if n != base}})
     except (SearchError, ValueError) as e:  # e.g. a variant that evaluates other questions: the table stays valid
-        log.warning(f"comparison: no paired {metric} section: {e}")
-        return ""
-    base, seeds = next(iter(runs)), len(next(iter(runs.values())))
-    return (
-        f"## {metric} paired against {base}, per question over {seeds} seed(s)\n\n"
-        f"Each (seed, question) of a variant against {base}'s answer at the same seed: the difference with its "
-        f"bootstrap 95 % interval, and the questions answered better / worse (counted over seeds x "
-        f"questions).\n\n"
-        + format_table(rows, metric, tablefmt="pipe")
-        + "\n\n"
-        + other_passages(runs, metric.split("/")[0])
+        log.warning(f"comparison: no paired section: {e}")
+        return [], ""
+    seeds = len(runs[base])
+    return table, (
+        f"## Paired against {base}, per question and seed\n\n"
+        f"Each variant's figure on a question against {base}'s on the same question at the same seed ({seeds} "
+        f"seed(s), pooled): the mean difference Δ = variant - {base} with its paired bootstrap 95 % interval "
+        f"({RESAMPLES:,} resamples of the pairs, seeded), significant when the interval excludes 0; better / worse "
+        f"count the pairs. EM and F1 on the questions of generator.eval.max_questions; the answer likelihood "
+        f"({', '.join(LIKELIHOOD_METRICS)}: nats per answer, lower is better) on its own, larger set "
+        f"(generator.eval.likelihood_questions).\n\n" + paired_markdown(table, base) + "\n\n" + passages
     )
+
+
+def write_paired(pairs: list[dict], out_dir: str | Path) -> list[Path]:
+    """The paired differences as a table of their own, <out_dir>/paired.csv (one row per variant and metric:
+    variant, metric, n, base_mean, mean, diff, low, high, significant, better, worse); [] without pairs."""
+    if not pairs:
+        return []
+    path = Path(out_dir, PAIRED_FILE)
+    pd.DataFrame(pairs).to_csv(path, index=False)
+    return [path]
 
 
 def other_passages(runs: dict[str, dict[int, Path]], mode: str = "rag") -> str:
@@ -98,6 +123,8 @@ def variant_row(name: str, results: dict[str, dict[str, float]]) -> dict[str, fl
     for mode in ("rag", "closed_book", "oracle"):  # the joint stage's scores when it ran, else the generator's
         scores = results.get(f"joint_{mode}") or results.get(f"gen_{mode}") or {}
         row.update({f"{mode}/{k}": v for k, v in scores.items() if k in ("em", "f1", "gold_in_top_k")})
+    likelihood = results.get("joint_likelihood") or results.get("gen_likelihood") or {}
+    row.update({f"likelihood/{k}": v for k, v in likelihood.items() if k in LIKELIHOOD_METRICS})
     stage = results.get("joint") or results.get("gen_train")
     if stage:
         row["seconds"] = stage["wall_seconds"]

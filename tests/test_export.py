@@ -232,9 +232,11 @@ def test_generator_export_is_a_plain_transformers_folder(tmp_path: Path, generat
     model = build_generator(cfg.generator, gen_tokenizer(cfg.generator)).eval()
     (tmp_path / "generator").mkdir()
     save_generator(model, gen_tokenizer(cfg.generator), tmp_path / "generator")
-    (tmp_path / "generator" / "predictions.json").write_text("{}")  # the run's results stay out of the export
+    for name in ("predictions.json", "per_question.jsonl"):  # the run's results stay out of the export
+        (tmp_path / "generator" / name).write_text("{}")
     folder = export_generator(tmp_path / "generator", tmp_path / "export" / "generator")
     assert not (folder / "predictions.json").exists() and (folder / "config.json").exists()
+    assert not (folder / "per_question.jsonl").exists()
     cls = EncoderDecoderModel if generator == "bert2bert_minilm" else AutoModelForSeq2SeqLM
     hf = cls.from_pretrained(str(folder)).eval()
     tok = AutoTokenizer.from_pretrained(str(folder))

@@ -158,6 +158,12 @@ class GeneratorEvalConfig:
     batch_size: int = 32
     max_questions: int = 0  # evaluate N questions of the split drawn with data.seed, the same in every run (0 = all)
     before: bool = False  # also evaluate the generator as loaded, before fine-tuning (gen_before_rag/em, ...)
+    # The RAG answer likelihood (ragtrain/generator/likelihood.py): -log sum_k p_R(k|q) p_G(a|q,k) over the retriever's
+    # top k, and the answer's NLL given the top passage and given the gold one. It generates nothing (one forward
+    # pass per prompt), so it is computed on more questions than EM / F1:
+    likelihood_top_k: int = 4  # passages in its marginal (0: not computed)
+    # questions of the split it is computed on: EM / F1's sample and others drawn with data.seed (0 = all)
+    likelihood_questions: int = 0
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in EVAL_MODES]
@@ -166,6 +172,16 @@ class GeneratorEvalConfig:
         _check(self.max_new_tokens > 0, "eval.max_new_tokens", "must be > 0", self.max_new_tokens)
         _check(self.batch_size > 0, "eval.batch_size", "must be > 0", self.batch_size)
         _check(self.max_questions >= 0, "eval.max_questions", "must be >= 0", self.max_questions)
+        _check(self.likelihood_top_k >= 0, "eval.likelihood_top_k", "must be >= 0", self.likelihood_top_k)
+        _check(self.likelihood_questions >= 0, "eval.likelihood_questions", "must be >= 0", self.likelihood_questions)
+        # its questions hold EM / F1's, so the two figures pair on the same questions
+        _check(
+            self.likelihood_questions == 0 or 0 < self.max_questions <= self.likelihood_questions,
+            "eval.likelihood_questions",
+            f"must be 0 (every question) or at least generator.eval.max_questions ({self.max_questions or 'all'}): "
+            "its questions hold EM / F1's",
+            self.likelihood_questions,
+        )
 
 
 # generator.arch=bert2bert's own keys and their defaults (see GeneratorConfig)

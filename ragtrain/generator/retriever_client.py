@@ -66,9 +66,16 @@ class Searcher:
 
     def search(self, questions: Sequence[str], k: int) -> list[list[str]]:
         """Top-k doc ids for each question."""
+        return self.search_scored(questions, k)[0]
+
+    def search_scored(self, questions: Sequence[str], k: int) -> tuple[list[list[str]], list[list[float]]]:
+        """Top-k doc ids for each question, and the retriever's score of each (query vector . stored passage
+        vector), best first."""
         if not questions:
-            return []
-        return self.index.search_ids(self.encode(questions, self.p.retriever.query_max_length), k)
+            return [], []
+        scores, rows = self.index.search(self.encode(questions, self.p.retriever.query_max_length), k)
+        ids = [[self.index.doc_ids[r] for r in row if r >= 0] for row in rows]
+        return ids, [[float(x) for x, r in zip(srow, row) if r >= 0] for srow, row in zip(scores, rows)]
 
 
 class RetrievalClient:
@@ -78,7 +85,7 @@ class RetrievalClient:
     def __init__(self, payload_ref: Any):
         self.payload_ref = payload_ref
         self._local: Searcher | None = None
-        self._cache: dict[tuple[str, int], list[str]] = {}
+        self._cache: dict[tuple[str, int], tuple[list[str], list[float]]] = {}  # ids and their scores
         self.seconds = 0.0  # time spent waiting for retrieval (throughput accounting)
         self.calls = 0
 
@@ -96,14 +103,19 @@ class RetrievalClient:
 
     def search(self, questions: Sequence[str], k: int) -> list[list[str]]:
         """Top-k doc ids per question (cached: the index does not change while the generator trains)."""
+        return self.search_scored(questions, k)[0]
+
+    def search_scored(self, questions: Sequence[str], k: int) -> tuple[list[list[str]], list[list[float]]]:
+        """Top-k doc ids per question and the retriever's scores of them (cached as `search`)."""
         todo = list(dict.fromkeys(q for q in questions if (q, k) not in self._cache))
         if todo:
             start = time.perf_counter()
-            found = self._searcher().search(todo, k)
-            self._cache.update({(q, k): ids for q, ids in zip(todo, found)})
+            ids, scores = self._searcher().search_scored(todo, k)
+            self._cache.update({(q, k): found for q, found in zip(todo, zip(ids, scores))})
             self.seconds += time.perf_counter() - start
             self.calls += 1
-        return [self._cache[(q, k)] for q in questions]
+        hits = [self._cache[(q, k)] for q in questions]
+        return [list(h[0]) for h in hits], [list(h[1]) for h in hits]
 
 
 def load_snapshots(retriever: RetrieverConfig, seed: int, encoder: str) -> list[dict[str, torch.Tensor]]:

@@ -23,6 +23,8 @@ from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
 from ragtrain.embed.model import missing_folder
 from ragtrain.errors import ConfigError
+from ragtrain.eval.likelihood import LIKELIHOOD_METRICS
+from ragtrain.eval.per_question import PER_QUESTION_FILE, write_per_question
 from ragtrain.generator.archs.base import build_arch, resolve_path
 from ragtrain.generator.model import load_tokenizer
 from ragtrain.generator.prompt import ChatTemplateError, PromptPassages, PromptTooLongError
@@ -63,9 +65,27 @@ def build_gen_data(cfg: Config, data: RetrievalData) -> GenData:
             "questions with answers: it needs both"
         )
     g = cfg.generator
+    every = evaluation
     if 0 < g.eval.max_questions < len(evaluation):  # drawn with data.seed: the same questions for every training seed
         evaluation = sorted(random.Random(cfg.data.seed).sample(evaluation, g.eval.max_questions), key=lambda e: e.qid)
-    return GenData(train, evaluation, PromptPassages(data.corpus, g.include_title))
+    return GenData(
+        train, evaluation, PromptPassages(data.corpus, g.include_title), likelihood_questions(cfg, every, evaluation)
+    )
+
+
+def likelihood_questions(cfg: Config, every: list[GenExample], em: list[GenExample]) -> list[GenExample]:
+    """The answer likelihood's questions: every question of the split, or EM / F1's sample and others drawn with
+    data.seed up to generator.eval.likelihood_questions (the same for every training seed; none with
+    generator.eval.likelihood_top_k=0)."""
+    e = cfg.generator.eval
+    if not e.likelihood_top_k:
+        return []
+    if not 0 < e.likelihood_questions < len(every):
+        return every
+    chosen = {x.qid for x in em}
+    rest = [x for x in every if x.qid not in chosen]
+    more = random.Random(cfg.data.seed).sample(rest, max(0, e.likelihood_questions - len(em)))
+    return sorted(em + more, key=lambda x: x.qid)
 
 
 def preflight(cfg: Config, data: RetrievalData, out_dir: Path | None = None) -> None:
@@ -98,6 +118,7 @@ def check_top_k(cfg: Config, passages: int) -> None:
     """The passages a prompt or a joint step asks for exist: a top_k past the index would crash a joint step in a
     worker, or be cut silently for a prompt (and the run would report the top_k it asked for)."""
     asked = [("generator.retrieval.top_k", cfg.generator.retrieval.top_k)]
+    asked.append(("generator.eval.likelihood_top_k", cfg.generator.eval.likelihood_top_k))
     if "joint" in cfg.stages:
         asked.append(("joint.top_k", cfg.joint.top_k))
     for key, k in asked:
@@ -212,6 +233,26 @@ def check_resources(cfg: Config) -> None:
     check_config(replace(cfg.resources, trainer=generator_trainer(cfg)), shard_gpus=shard_gpu_claim(cfg.index))
 
 
+def likelihood_results(m: dict[str, float], prefix: str = "gen_") -> dict[str, dict[str, float]]:
+    """The answer likelihood's phases of a stage's summary (`likelihood/rag_nll`, ...; generator.eval.before:
+    `before_likelihood/...`): {"<prefix>likelihood": {rag_nll, rag_nll_top1, oracle_nll, n, top_k, seconds}}."""
+    keys = (*LIKELIHOOD_METRICS, "n", "top_k", "seconds")
+    return {
+        f"{prefix}{mode}": {k: m[f"{mode}/{k}"] for k in keys if f"{mode}/{k}" in m}
+        for mode in ("likelihood", "before_likelihood")
+        if f"{mode}/n" in m
+    }
+
+
+def likelihood_line(results: dict[str, dict[str, float]], prefix: str = "gen_") -> str:
+    """The answer likelihood in one line (nats per answer; "" when it was not computed)."""
+    r = results.get(f"{prefix}likelihood")
+    if not r:
+        return ""
+    figures = ", ".join(f"{k} {r[k]:.4f}" for k in LIKELIHOOD_METRICS if k in r)
+    return f"answer likelihood on {int(r['n'])} questions, top {int(r['top_k'])} (nats): {figures}"
+
+
 def summary_table(results: dict[str, dict[str, float]], prefix: str = "gen_") -> str:
     """EM / F1 per mode side by side (`prefix` "joint_": the joint stage's generator)."""
     modes = [m for m in (p.replace("gen_", prefix, 1) for p in PHASES.values()) if m in results]
@@ -224,9 +265,10 @@ def run_generator_stage(
     cfg: Config, data: RetrievalData, retrieval: Any, built: Any, out_dir: Path, logger: Any
 ) -> dict[str, dict[str, float]]:
     """Train + evaluate the generator; returns {"gen_closed_book": {em, f1, n}, "gen_rag": ..., "gen_oracle":
-    ..., "gen_train": {steps, seconds, wall_seconds, samples_per_s, tokens_per_s, final_loss, ...}}; writes
-    <out_dir>/generator/ (the model as a Hugging Face folder: save_pretrained + tokenizer; predictions.json,
-    loss_history.json, metrics.json)."""
+    ..., "gen_likelihood": {rag_nll, rag_nll_top1, oracle_nll, n, top_k, seconds}, "gen_train": {steps, seconds,
+    wall_seconds, samples_per_s, tokens_per_s, final_loss, ...}}; writes <out_dir>/generator/ (the model as a
+    Hugging Face folder: save_pretrained + tokenizer; predictions.json, per_question.jsonl, loss_history.json,
+    metrics.json)."""
     g = cfg.generator
     out_dir = Path(out_dir)
     gen_data = build_gen_data(cfg, data)  # fails fast on missing answers
@@ -243,6 +285,7 @@ def run_generator_stage(
             results[phase] = {
                 k: m[f"{mode}/{k}"] for k in ("em", "f1", "n", "seconds", "gold_in_top_k") if f"{mode}/{k}" in m
             }
+    results.update(likelihood_results(m))  # gen_likelihood: on its own, larger question set
     # seconds = the training loop (rank 0, without eval and checkpoint writes); wall_seconds = the whole fit
     results["gen_train"] = {
         "steps": fit.steps,
@@ -250,6 +293,7 @@ def run_generator_stage(
         **{k.removeprefix("train/"): v for k, v in m.items() if k.startswith("train/")},
     }
     (out_dir / "generator" / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+    write_per_question(out_dir / "generator", fit.predictions)  # each question's EM, F1 and NLL: runs pair on them
     if logger is not None:
         # the run summary as run/gen_train/* (like the pipeline's run/train/*); per-window curves are gen_train/*
         sink = logger.sink()
@@ -261,9 +305,12 @@ def run_generator_stage(
             )
         logger.log_artifact(out_dir / "generator" / "metrics.json", "generator")
         logger.log_artifact(out_dir / "generator" / "predictions.json", "generator")
+        logger.log_artifact(out_dir / "generator" / PER_QUESTION_FILE, "generator")
     log.info(
         f"\n== generator: {g.arch} {g.model}, {fit.steps} steps, {len(gen_data.eval)} {data.split} "
         f"questions, top_k={g.retrieval.top_k} =="
     )
     log.info(summary_table(results))
+    if likelihood_line(results):
+        log.info(likelihood_line(results))
     return results

@@ -10,7 +10,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from ragtrain.config.generator import (
     PromptStyle,
 )
 from ragtrain.eval.qa_metrics import score
+from ragtrain.generator.likelihood import evaluate_likelihood
 from ragtrain.generator.model import AnswerDecoder, GenModel
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.retriever_client import RetrievalClient
@@ -43,6 +44,8 @@ class GenData:
     train: list[GenExample]
     eval: list[GenExample]
     passages: Mapping[str, str]  # doc id -> prompt text of the passage (title applied per generator.include_title)
+    # the questions of the answer likelihood (generator.eval.likelihood_questions): `eval` and more; empty = none
+    likelihood: list[GenExample] = field(default_factory=list)
 
 
 class Sampler:
@@ -168,7 +171,8 @@ def evaluate(
     rank: int,
     world: int,
 ) -> tuple[dict[str, dict[str, float]], dict[str, list]]:
-    """EM/F1 per eval mode; ranks split the questions and gather predictions (every rank gets the scores)."""
+    """EM/F1 per eval mode, then the answer likelihood (mode "likelihood": rag_nll, rag_nll_top1, oracle_nll) on
+    `data.likelihood`; ranks split the questions and gather predictions (every rank gets the scores)."""
     g = cfg.generator
     decode = AnswerDecoder(builder.tok)
     exs = data.eval  # the split, or its generator.eval.max_questions sample (build_gen_data)
@@ -203,5 +207,10 @@ def evaluate(
             {"qid": e.qid, "question": e.question, "prediction": p, "answers": e.answers, "passages": u}
             for e, p, u in zip(exs, ordered, passages)
         ]
+    if data.likelihood and g.eval.likelihood_top_k:
+        results["likelihood"], predictions["likelihood"] = evaluate_likelihood(
+            model, builder, data.likelihood, data.passages, client, cfg,
+            lambda: autocast(g.train.precision, device), rank, world,
+        )  # fmt: skip
     model.train()
     return results, predictions

@@ -25,6 +25,7 @@ import torch
 
 from ragtrain.config import Config
 from ragtrain.config.generator import GenPrecision
+from ragtrain.eval.per_question import PER_QUESTION_FILE
 from ragtrain.generator.model import build_generator, load_tokenizer
 from ragtrain.generator.retriever_client import RetrievalClient
 from ragtrain.generator.saved import save_generator
@@ -36,8 +37,9 @@ from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
 
 PREDICTIONS_FILE = "predictions.json"
 HISTORY_FILE = "loss_history.json"
-METRICS_FILE = "metrics.json"  # written by the stage next to them
-RUN_FILES = (PREDICTIONS_FILE, HISTORY_FILE, METRICS_FILE)  # the run's results, not part of the model folder
+METRICS_FILE = "metrics.json"
+# the run's results, not part of the model folder (the stage writes the last two next to them)
+RUN_FILES = (PREDICTIONS_FILE, HISTORY_FILE, METRICS_FILE, PER_QUESTION_FILE)
 
 
 @dataclass

@@ -23,7 +23,8 @@ from ragtrain.config import Config
 from ragtrain.config.joint import PassageEncoder
 from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
-from ragtrain.generator.stage import PHASES, build_gen_data, resolve_index
+from ragtrain.eval.per_question import PER_QUESTION_FILE, write_per_question
+from ragtrain.generator.stage import PHASES, build_gen_data, likelihood_line, likelihood_results, resolve_index
 from ragtrain.index.sharded import shard_gpu_claim
 from ragtrain.index.vector_files import save_atomic
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
@@ -109,6 +110,7 @@ def run_joint_stage(
             results[PHASES[mode].replace("gen_", "joint_")] = {
                 k: m[f"{mode}/{k}"] for k in ("em", "f1", "n", "seconds", "gold_in_top_k") if f"{mode}/{k}" in m
             }
+    results.update(likelihood_results(m, "joint_"))
     results["joint"] = {
         "steps": float(j.max_steps),
         "wall_seconds": fit.seconds,
@@ -119,10 +121,12 @@ def run_joint_stage(
         results["joint"]["index/final_version_count"] = float(len(mix))
         (out / REFRESH_FILE).write_text(json.dumps(report, indent=2))
     (out / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+    write_per_question(out, json.loads((out / PREDICTIONS_FILE).read_text()))  # runs pair on its rows
     if logger is not None:
         if sink is not None:
             sink.log({f"run/{p}/{k}": v for p, r_ in results.items() for k, v in r_.items()}, step=j.max_steps)
-        for name in ("metrics.json", PREDICTIONS_FILE) + ((REFRESH_FILE,) if service is not None else ()):
+        names = ("metrics.json", PREDICTIONS_FILE, PER_QUESTION_FILE) + ((REFRESH_FILE,) if service is not None else ())
+        for name in names:
             logger.log_artifact(out / name, "joint")
     log.info(
         f"\n== joint: {j.loss}, passage encoder {PassageEncoder(j.passage_encoder).value}, top_k={j.top_k}, "
@@ -131,4 +135,6 @@ def run_joint_stage(
     rows = [[p] + [res.get(k) for k in ("em", "f1", "gold_in_top_k")] for p, res in results.items() if "em" in res]
     if rows:
         log.info(tabulate(rows, headers=["phase", "em", "f1", "gold_in_top_k"], floatfmt=".4f"))
+    if likelihood_line(results, "joint_"):
+        log.info(likelihood_line(results, "joint_"))
     return results

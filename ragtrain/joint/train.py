@@ -104,16 +104,22 @@ class IndexSearch:
                             role="query").numpy()  # fmt: skip
 
     def search(self, questions: Sequence[str], k: int) -> list[list[str]]:
+        return self.search_scored(questions, k)[0]
+
+    def search_scored(self, questions: Sequence[str], k: int) -> tuple[list[list[str]], list[list[float]]]:
+        """Top-k passage ids and their scores (the answer likelihood's p_R reads them)."""
         start = time.perf_counter()
         qv = self.vectors(questions)
         inputs: JointInputs = self.r.args.inputs
         if inputs.service is not None:  # the live index: rows are corpus positions (counted as hot rows there)
-            _, rows = ray.get(inputs.service.search.remote(qv, k))
-            ids = [[self.r.data.doc_ids[x] for x in row if x >= 0] for row in rows]
+            scores, rows = ray.get(inputs.service.search.remote(qv, k))
+            doc_ids = self.r.data.doc_ids
         else:
-            ids = inputs.index.search_ids(qv, k)
+            scores, rows = inputs.index.search(qv, k)
+            doc_ids = inputs.index.doc_ids
+        ids = [[doc_ids[x] for x in row if x >= 0] for row in rows]
         self.seconds += time.perf_counter() - start
-        return ids
+        return ids, [[float(v) for v, x in zip(srow, row) if x >= 0] for srow, row in zip(scores, rows)]
 
 
 @dataclass

@@ -27,6 +27,10 @@ COLUMNS = [
     "closed_book/f1",
     "oracle/em",
     "oracle/f1",
+    # the answer likelihood (nats per answer; its own, larger question set): RAG's marginal, the top passage, the gold
+    "likelihood/rag_nll",
+    "likelihood/rag_nll_top1",
+    "likelihood/oracle_nll",
     "rag/gold_in_top_k",
     "answer_recall@5",
     "answer_recall@20",

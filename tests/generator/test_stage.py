@@ -98,7 +98,10 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     for key in ("gen_train/tokens_per_s", "gen_train/samples_per_s"):
         assert client.get_metric_history(logger.run_id, key)[-1].value > 0
     preds = json.loads((Path(cfg.output_dir) / "generator" / "predictions.json").read_text())
-    assert set(preds) == {"closed_book", "rag", "oracle"} and all(len(v) == n_eval for v in preds.values())
+    assert set(preds) == {"closed_book", "rag", "oracle", "likelihood"} and all(
+        len(v) == n_eval for v in preds.values()
+    )
+    _check_likelihood(cfg, results, run.data.metrics, preds)
     # each prediction names the passages of its prompt; gen_rag/gold_in_top_k counts the gold one among them
     gold = {q: {p for p, grade in rel.items() if grade > 0} for q, rel in data.eval_qrels.items()}
     assert all(r["passages"] == [] for r in preds["closed_book"])
@@ -120,6 +123,27 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     assert results["gen_rag"]["gold_in_top_k"] == pytest.approx(hit) and run.data.metrics[
         "gen_rag/gold_in_top_k"
     ] == pytest.approx(hit)
+
+
+def _check_likelihood(cfg, results, logged: dict, preds: dict) -> None:
+    """The answer likelihood on every evaluated question (generator.eval.likelihood_questions=0), before and after
+    training, logged, and saved per question with EM / F1 in per_question.jsonl."""
+    k = cfg.generator.eval.likelihood_top_k
+    lik = results["gen_likelihood"]
+    assert lik["n"] == len(preds["rag"]) and lik["top_k"] == k and set(results["gen_before_likelihood"]) == set(lik)
+    assert (
+        0 < lik["oracle_nll"] and 0 < lik["rag_nll"] and lik["rag_nll"] != results["gen_before_likelihood"]["rag_nll"]
+    )
+    for key in ("rag_nll", "rag_nll_top1", "oracle_nll"):
+        assert logged[f"gen_likelihood/{key}"] == pytest.approx(lik[key])
+        assert lik[key] == pytest.approx(sum(r[key] for r in preds["likelihood"]) / lik["n"])
+    for r in preds["likelihood"]:  # the RAG prompt's passage is the retriever's first: its top-1 NLL is that one
+        assert len(r["passages"]) == len(r["scores"]) == k and r["scores"] == sorted(r["scores"], reverse=True)
+        assert r["rag_nll_top1"] == -r["loglik"][0] and min(r["loglik"]) <= -r["rag_nll"] <= max(r["loglik"])
+    rows = [json.loads(line) for line in (Path(cfg.output_dir) / "generator" / "per_question.jsonl").open()]
+    assert [r["qid"] for r in rows] == sorted(r["qid"] for r in preds["rag"])
+    assert sum(r["rag/em"] for r in rows) / len(rows) == pytest.approx(results["gen_rag"]["em"])
+    assert sum(r["likelihood/rag_nll"] for r in rows) / len(rows) == pytest.approx(lik["rag_nll"])
 
 
 @pytest.mark.integration
@@ -321,6 +345,8 @@ def test_bad_config_and_data_fail_clearly(built, tmp_path) -> None:
         preflight(_cfg(tmp_path, "generator.retrieval.top_k=1000"), data)
     with pytest.raises(ConfigError, match=rf"^joint.top_k=1000 is more than the {passages} passages of the index"):
         preflight(_cfg(tmp_path, "stages=[retriever,index,joint]", "joint.top_k=1000"), data)
+    with pytest.raises(ConfigError, match=rf"^generator.eval.likelihood_top_k=1000 is more than the {passages} pass"):
+        preflight(_cfg(tmp_path, "generator.eval.likelihood_top_k=1000"), data)
     with pytest.raises(ConfigError, match="needs short answers"):
         preflight(_cfg(tmp_path), replace(data, answers={}))
 

@@ -81,7 +81,7 @@ def _fit(cfg, built):
 def test_two_workers_equal_one_worker_on_the_same_global_batch_and_frozen_passages_stay(built) -> None:
     from safetensors.torch import load_file
 
-    tmp, llama, _, _, index, weights = built
+    tmp, llama, data, _, index, weights = built
     stored = index.index.reconstruct_first(index.index.ntotal).copy()
     two = _fit(_cfg(tmp / "two", llama, "logger=none"), built)
     one = _fit(_cfg(tmp / "one", llama, "logger=none", "resources.trainer.num_workers=1", "joint.batch_size=4"), built)
@@ -102,6 +102,11 @@ def test_two_workers_equal_one_worker_on_the_same_global_batch_and_frozen_passag
     assert moved > 1e-3
     np.testing.assert_array_equal(index.index.reconstruct_first(index.index.ntotal), stored)
     assert 0 <= one.metrics["rag/em"] <= one.metrics["rag/f1"] + 1e-9 <= 1 + 1e-9
+    # the answer likelihood over the index's top 4 (scores from the frozen passages' index), on every evaluated
+    # question, split over the ranks and gathered: 2 workers give 1 worker's figures
+    assert one.metrics["likelihood/n"] == len(data.eval_qrels) > one.metrics["rag/n"]
+    for key in ("likelihood/rag_nll", "likelihood/rag_nll_top1", "likelihood/oracle_nll"):
+        assert one.metrics[key] == pytest.approx(two.metrics[key], rel=1e-3)
 
 
 @pytest.mark.integration
@@ -140,8 +145,14 @@ def test_trained_passages_refresh_two_shards_and_end_on_one_version(built) -> No
     assert 0 < results["trained"]["recall@100"] <= 1
     run = MlflowClient(logger.uri).get_run(logger.run_id)
     for key in ("joint/emdr2_loss", "joint/gen_loss", "index/drift_cosine", "index/version_skew",
-                "index/mixed_recall_at_10", "run/joint_rag/em"):  # fmt: skip
+                "index/mixed_recall_at_10", "run/joint_rag/em", "run/joint_likelihood/rag_nll"):  # fmt: skip
         assert key in run.data.metrics, key
+    # the answer likelihood with the live index's scores, saved per question beside EM / F1 for pairing
+    rows = [json.loads(line) for line in (out / "per_question.jsonl").open()]
+    assert len(rows) == results["joint_likelihood"]["n"] == len(data.eval_qrels)
+    lik, rag = results["joint_likelihood"], results["joint_rag"]
+    assert sum(r["likelihood/rag_nll"] for r in rows) / len(rows) == pytest.approx(lik["rag_nll"])
+    assert sum(r.get("rag/em", 0) for r in rows) / rag["n"] == pytest.approx(rag["em"])  # on EM's sample only
     assert (out / "generator" / "config.json").exists() and (out / "encoder.safetensors").exists()
     from ragtrain.paired import answer_scores  # the joint stage's saved answers re-score to its figures
 
