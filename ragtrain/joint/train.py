@@ -46,7 +46,7 @@ from ragtrain.index.live_client import LiveIndexClient, Probe, staleness
 from ragtrain.joint import GENERATOR_FOLDER
 from ragtrain.joint.likelihood import answer_loglik
 from ragtrain.joint.losses.base import build_loss
-from ragtrain.schedule import warmup_linear_decay
+from ragtrain.joint.optim import build_optimizer, clip_and_step
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit
 
@@ -170,14 +170,7 @@ def setup(args: WorkerArgs) -> JointReplica:
     builder = prompt_builder(g, gen_tok)
     targets = [builder.target(e.answers[0], g.max_target_length) for e in data.gen.train]
     steps = j.max_steps
-    optim = torch.optim.AdamW(
-        [
-            {"params": [p for p in encoder.parameters() if p.requires_grad], "lr": j.retriever_lr},
-            {"params": [p for p in generator.parameters() if p.requires_grad], "lr": g.train.lr},
-        ],
-        weight_decay=g.train.weight_decay,
-    )
-    sched = warmup_linear_decay(optim, min(g.train.warmup_steps, steps - 1) if steps > 1 else 0, steps)
+    optim, sched = build_optimizer(encoder, generator, cfg, steps)  # each model its own lr, decay, warm-up, clip
     live = None
     if inputs.service is not None:  # reuse the retriever's live client: one version per step, refresh schedule
         live = LiveIndexClient(inputs.service, cfg.refresh, w.rank, broadcast=w.world > 1, device=w.device)
@@ -252,14 +245,9 @@ def joint_step(r: JointReplica, step: int) -> dict[str, float]:
     retriever_loss = r.loss(scores, loglik)
     gen_loss = nll * (world / global_tokens)
     (j.retriever_weight * retriever_loss + j.generator_weight * gen_loss).backward()
-    clip = cfg.generator.train.grad_clip
-    if clip > 0:
-        torch.nn.utils.clip_grad_norm_(r.model.parameters(), clip)
-    r.optim.step()
-    r.optim.zero_grad(set_to_none=True)
-    r.sched.step()
+    norms = clip_and_step(r.optim, r.sched)  # each model clipped by its own norm (joint/optim.py)
     top_mass = torch.softmax(loglik / j.temperature, -1).gather(1, scores.argmax(1, keepdim=True)).mean()
-    return {"retriever_loss": retriever_loss.item(), "nll": nll.item(), "top_mass": top_mass.item()}
+    return {"retriever_loss": retriever_loss.item(), "nll": nll.item(), "top_mass": top_mass.item(), **norms}
 
 
 class Window:
@@ -269,10 +257,12 @@ class Window:
     def __init__(self, r: JointReplica):
         self.r = r
         self.sums = np.zeros(4)  # retriever loss, nll, top mass, steps
+        self.norms = np.zeros(2)  # each model's gradient norm before clipping (the same on every rank: all-reduced)
         self.tokens = 0
 
     def add(self, m: dict[str, float], global_tokens: int) -> None:
         self.sums += [m["retriever_loss"], m["nll"], m["top_mass"], 1]
+        self.norms += [m["grad_norm/retriever"], m["grad_norm/generator"]]
         self.tokens += global_tokens
 
     def log(self, done: int, history: list[dict[str, float]]) -> None:
@@ -288,6 +278,9 @@ class Window:
             "joint/top_passage_posterior": s[2].item() / (n * r.w.world),
             "joint/samples_per_s": n * r.global_batch / elapsed,
             "joint/lr_retriever": r.sched.get_last_lr()[0],
+            "joint/lr_generator": r.sched.get_last_lr()[1],
+            "joint/grad_norm_retriever": self.norms[0] / n,
+            "joint/grad_norm_generator": self.norms[1] / n,
             "joint/retrieval_s": r.search.seconds,
         }
         metrics["joint/loss"] = j.retriever_weight * metrics[f"joint/{j.loss}_loss"]
@@ -295,6 +288,7 @@ class Window:
         history.append({"step": done, **{k.removeprefix("joint/"): v for k, v in metrics.items()}})
         r.w.log(metrics, done, r.steps)
         self.sums[:] = 0
+        self.norms[:] = 0
         self.tokens = 0
 
 
