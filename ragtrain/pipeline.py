@@ -542,9 +542,9 @@ def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None)
 
 def checkpointed_steps(cfg: Config) -> Callable[[str], int | None]:
     """For a resumed run: the last step of each metric that its checkpoints account for (None: every step). A
-    stage's metrics (the generator's `gen_*`, the retriever's and the phases around it the rest) past its latest
-    checkpoint were logged by the stopped run after that point, and are logged again by the resumed one; a stage that
-    finished, or that this run does not train, keeps all of its metrics."""
+    stage's metrics (the generator's `gen_*`, the joint stage's `joint/*`, the retriever's and the phases around it
+    the rest) past its latest checkpoint were logged by the stopped run after that point, and are logged again by the
+    resumed one; a stage that finished, or that this run does not train, keeps all of its metrics."""
     # lazy: ragtrain.train.harness is the training layer's; this module imports it only when it resumes
     from ragtrain.train.harness import resume_or_none
 
@@ -556,8 +556,10 @@ def checkpointed_steps(cfg: Config) -> Callable[[str], int | None]:
             return None
         return int(meta.get("step", 0))  # no checkpoint: the stage trains from its first step again
 
-    retriever, generator = last_step("retriever"), last_step("generator")
-    return lambda key: generator if key.startswith("gen_") else retriever
+    retriever, generator, joint = last_step("retriever"), last_step("generator"), last_step("joint")
+    # the joint stage's own keys, and its live refresh's index/* where no retriever stage logs them
+    joint_keys = ("joint/", "index/") if "retriever" not in cfg.stages else ("joint/",)
+    return lambda key: generator if key.startswith("gen_") else joint if key.startswith(joint_keys) else retriever
 
 
 def log_config(cfg: Config, out: Path, logger: Any) -> None:

@@ -36,7 +36,7 @@ from ragtrain.errors import check as _check
 
 @dataclass
 class CheckpointConfig:
-    """Retriever training checkpoints (ragtrain/checkpoint.py): everything needed to continue exactly."""
+    """Retriever and joint training checkpoints (ragtrain/checkpoint.py): everything needed to continue exactly."""
 
     every_steps: int = 0  # 0 = only the final checkpoint
     keep: int = 2  # checkpoints kept in the run's storage path
@@ -233,15 +233,20 @@ def check_features(cfg: Config) -> None:
         cfg.index.align_anchors,
     )
     # A restart resumes at a checkpoint with an empty loss window: at a window's end, the loss logged after a
-    # restart is the uninterrupted run's; mid-window it would average only the steps since the checkpoint
-    every, log_every = cfg.checkpoint.every_steps, cfg.retriever.train.log_every
-    _check(
-        every % log_every == 0,
-        "checkpoint.every_steps",
-        f"must be 0 or a multiple of "
-        f"retriever.train.log_every ({log_every}), so a restarted run logs the same loss windows",
-        every,
-    )
+    # restart is the uninterrupted run's; mid-window it would average only the steps since the checkpoint. The
+    # retriever's and the joint stage's training read checkpoint.every_steps (a joint run without the retriever
+    # stage is not held to the retriever's windows)
+    every = cfg.checkpoint.every_steps
+    windows = {"joint.log_every": cfg.joint.log_every} if "joint" in cfg.stages else {}
+    if "retriever" in cfg.stages or not windows:
+        windows["retriever.train.log_every"] = cfg.retriever.train.log_every
+    for key, log_every in windows.items():
+        _check(
+            every % log_every == 0,
+            "checkpoint.every_steps",
+            f"must be 0 or a multiple of {key} ({log_every}), so a restarted run logs the same loss windows",
+            every,
+        )
     _check(
         not cfg.index.distill_steps or vector_avg,
         "index.distill_steps",

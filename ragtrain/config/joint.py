@@ -42,7 +42,12 @@ class JointConfig:
     retriever_temperature: float = 0.1  # retriever side: softmax(scores / retriever_temperature)
     retriever_weight: float = 1.0  # weight of the joint loss in the total
     generator_weight: float = 1.0  # weight of the generator's per-token NLL in the total
+    # the retriever's own optimisation (the generator's is generator.train's lr, weight_decay, warmup_steps and
+    # grad_clip): each model is clipped by its own gradient norm, so neither's step depends on the other's gradients
     retriever_lr: float = 2e-5
+    retriever_weight_decay: float = 0.01
+    retriever_warmup_steps: int = 2  # linear warm-up, then linear decay to 0 at max_steps
+    retriever_grad_clip: float = 1.0  # max gradient norm of the encoder's parameters (0 = off)
     max_steps: int = 20
     batch_size: int = 4  # questions per worker per step
     log_every: int = 5
@@ -64,6 +69,10 @@ class JointConfig:
         _check(self.retriever_weight >= 0, k + "retriever_weight", "must be >= 0", self.retriever_weight)
         _check(self.generator_weight >= 0, k + "generator_weight", "must be >= 0", self.generator_weight)
         _check(self.retriever_lr > 0, k + "retriever_lr", "must be > 0", self.retriever_lr)
+        wd, warmup = self.retriever_weight_decay, self.retriever_warmup_steps
+        _check(wd >= 0, k + "retriever_weight_decay", "must be >= 0", wd)
+        _check(warmup >= 0, k + "retriever_warmup_steps", "must be >= 0", warmup)
+        _check(self.retriever_grad_clip >= 0, k + "retriever_grad_clip", "must be >= 0", self.retriever_grad_clip)
         _check(self.max_steps > 0, k + "max_steps", "must be > 0", self.max_steps)
         _check(self.batch_size > 0, k + "batch_size", "must be > 0", self.batch_size)
         _check(self.log_every > 0, k + "log_every", "must be > 0", self.log_every)

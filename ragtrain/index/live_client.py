@@ -9,7 +9,10 @@ what is live and says why. `LiveIndexClient` is the worker side; `VersionBook` t
 Which version a step mines from is decided once per step, by rank 0 (`begin_step`): it asks the service for the
 step's version (`version_for_step`: the newest, recorded in a `VersionBook`; a step replayed after a worker
 restart gets the version it had the first time) and broadcasts it; every rank fetches that version's negatives.
-So all ranks of a step mine from one version, even when a refresh swaps in between their calls. Rank 0 also
+So all ranks of a step mine from one version, even when a refresh swaps in between their calls. A trainer that
+searches the live index instead of taking mined negatives (joint training) pins the same way (`search_step`):
+rank 0 searches every rank's queries in one call, which returns the version it read (the service publishes each
+state before pinned searches may read it), and broadcasts rows and version. Rank 0 also
 decides when to refresh (every N steps, or when the measured drift passes a threshold) and measures staleness.
 Training never waits for a refresh, unless `refresh.max_lag_steps` bounds the live index's staleness: then a step
 whose live version is that many steps behind waits for the round in flight.
@@ -196,6 +199,35 @@ class LiveIndexClient:
             self.live = _call(self.service, "get", version)
             self.switched = True
         return version
+
+    def search_step(self, queries: np.ndarray, k: int) -> np.ndarray:
+        """A training step's top-k rows of the live index for this rank's `queries` ([n, dim], the same n on every
+        rank), all read from ONE version: rank 0 searches every rank's queries at once (`search_pinned`) and
+        broadcasts the rows with the version they were read from; every rank then holds that version (a trainer
+        that searches instead of mining: joint training). Searched by each rank alone, a refresh landing between
+        two ranks' searches would give one step two versions."""
+        if not self.broadcast:
+            _, rows, version = _call(self.service, "search_pinned", queries, k)
+            self._hold(int(version))
+            return np.asarray(rows)
+        q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(self.device)
+        world, n = dist.get_world_size(), q.shape[0]
+        everyone = [torch.empty_like(q) for _ in range(world)]
+        dist.all_gather(everyone, q)  # the step's first collective: every rank waits here anyway
+        out = torch.full((world * n * k + 1,), -1, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            _, rows, version = _call(self.service, "search_pinned", torch.cat(everyone).cpu().numpy(), k)
+            out[:-1] = torch.from_numpy(np.asarray(rows, dtype=np.int64).reshape(-1))
+            out[-1] = int(version)
+        dist.broadcast(out, src=0)
+        self._hold(int(out[-1].item()))
+        return out[:-1].view(world, n, k)[self.rank].cpu().numpy()
+
+    def _hold(self, version: int) -> None:
+        """This step's version (a switch is reported by `after_step`)."""
+        if version != self.live.version:
+            self.live = _call(self.service, "get", version)
+            self.switched = True
 
     def pull(self) -> bool:
         """Swap to the newest published version (end of training, rank 0); True when it changed."""

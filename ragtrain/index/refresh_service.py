@@ -167,6 +167,10 @@ class RefreshService:
         # held from a round's staging to its barrier (global) and by every restart of a shard's live rows: a search
         # that restarts a crashed shard meanwhile resolves its journal against the barrier's outcome, not before it
         self._barrier = threading.RLock()
+        # held by a round from the moment searches see its new rows (commit, advance) until that state is published:
+        # a pinned search (`search_pinned`) under it reads a state and that state's version number together. Taken
+        # after the barrier, never before it: a search holds it alone (its shard restarts run outside it)
+        self._state = threading.Lock()
         self.failures: list[str] = []
         self.history: list[dict[str, Any]] = []
         self.from_tag, self.vector_folder, self.dim = "", "", 0  # set by `publish` (or a restart's commit point)
@@ -368,6 +372,8 @@ class RefreshService:
             if not round_.committed:
                 raise
             return self._committed_late(round_, e, start)
+        finally:
+            round_.release_state()  # a round that failed before publishing what it committed
         stats = {
             "ok": True,
             "version": self.book.version(),
@@ -522,6 +528,25 @@ class RefreshService:
         np.add.at(self.hot, rows[rows >= 0], 1)
         return scores, rows
 
+    def search_pinned(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Top-k (scores, rows) from the live index and the number of the published version they were read from:
+        no round changes what searches see, or publishes, between the search and the number (`_state`). A training
+        step's one search (`LiveIndexClient.search_step`), so the step is labelled with the version it read."""
+        with self._state:
+            try:
+                return self._pinned(qvecs, k)
+            except KeyError:  # a shard restarted under it: its rows back (outside the lock: that takes the barrier)
+                pass
+        self.call_shards(list(range(len(self.actors))), "live_mix", quick=True)
+        with self._state:
+            return self._pinned(qvecs, k)
+
+    def _pinned(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, int]:
+        scores, rows = self._index().search(qvecs, k)
+        np.add.at(self.hot, rows[rows >= 0], 1)
+        with self._swap:
+            return scores, rows, self.book.version()
+
     def _search(self, qvecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """A search of the live index. A shard restarted under it (its search retried on the new actor) holds no
         live build: it gets its rows and build back from disk, and the search is asked once more."""
@@ -565,6 +590,7 @@ class _Round:
         self.states: list[dict] = []  # one per state searches could see
         self.committed = False  # True from the commit point on: what fails after it is late, not a failure
         self.retired: list[str] = []  # builds searches left at the commit point: dropped once the round ends
+        self.holding = False  # holds the service's `_state`: what searches see changed, not yet published
 
     @property
     def tag(self) -> str:
@@ -596,9 +622,21 @@ class _Round:
         for i in self.shards:  # not waited for: the old build stays searched whatever they answer
             self._service.actors[i].live_discard.remote(tag)
 
+    def hold_state(self) -> None:
+        """Pinned searches wait from here until the state searches see next is published (`publish`)."""
+        if not self.holding:
+            self._service._state.acquire()
+            self.holding = True
+
+    def release_state(self) -> None:
+        if self.holding:
+            self.holding = False
+            self._service._state.release()
+
     def commit(self, tag: str) -> None:
         s = self._service
         with s._barrier:
+            self.hold_state()
             s._save_point(tag=tag, encoder_version=self.version)  # durable first: no search sees an uncommitted one
             old, s.tag, s.encoder_version = s.tag, tag, self.version
             self.committed = True
@@ -608,6 +646,7 @@ class _Round:
     def advance(self) -> None:
         s = self._service
         with s._barrier:
+            self.hold_state()  # the shard's rows become searchable with the rebuild that follows
             s._save_point(encoder_version=self.version)
             s.encoder_version = self.version  # a shard at a time: a later one that fails still fails the round
 
@@ -618,4 +657,7 @@ class _Round:
         return s.maps
 
     def publish(self) -> None:
-        self.states.append(self._service.publish_state(self.step, self._qvecs, self._fresh, {}))
+        try:
+            self.states.append(self._service.publish_state(self.step, self._qvecs, self._fresh, {}))
+        finally:
+            self.release_state()

@@ -4,16 +4,23 @@ Driver side: `fit_joint` ships the questions, the initial encoder and the run's 
 its live refresh service (trained passage encoder) to the training harness (ragtrain/train/harness.py). Worker
 side, `train_loop_per_worker`, top to bottom, per step:
   1. the question encoder being trained encodes this rank's questions; the index (the shard group, or the live
-     index behind the refresh service) gives each its top `joint.top_k` passages;
+     index behind the refresh service: one search by rank 0 for every rank, so a step reads one index version)
+     gives each its top `joint.top_k` passages;
   2. the generator scores each (question, passage) pair: log p(answer | question, passage), a detached target;
   3. the retriever's scores of the k passages are recomputed with grad (query vectors from the trained encoder;
      passage vectors re-encoded by the trained encoder, or by a frozen copy of the initial one) and `joint.loss`
      pulls its softmax towards the generator's; the generator's own NLL on the answer given its top passages is
      added; one backward, one DDP all-reduce over both models;
-  4. trained passage encoder: the live refresh client (index/live_client.py) measures staleness and starts refreshes.
+  4. trained passage encoder: the live refresh client (index/live_client.py) measures staleness and starts refreshes;
+  5. every `checkpoint.every_steps`: both models, the optimizer (a parameter group per model) and its schedule,
+     the RNG states, the loss history and the live index's newest version (`Worker.checkpoint`); a restarted or
+     resumed worker continues from it (`Worker.restore`).
 Then EM / F1 (generator/steps.py's `evaluate`, retrieving with the trained query encoder) and the weights saved.
+With a trained passage encoder the RAG figures here read the live index and are reported as `live/rag/*`: the
+stage re-encodes the corpus and scores RAG again on the index it ships (joint/evaluate.py).
 
-Batches are deterministic functions of (seed, step): every rank knows the whole global batch and takes its slice;
+Batches are deterministic functions of (seed, step): every rank knows the whole global batch and takes its slice
+(the data position of a checkpoint is its step);
 the retriever loss is a mean per question and the generator's summed token loss is normalised by the GLOBAL
 target-token count, so N workers x batch b follow 1 worker x batch N*b (DDP averages over ranks).
 """
@@ -32,8 +39,10 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from ragtrain.checkpoint import CheckpointError
 from ragtrain.config import Config
 from ragtrain.config.joint import PassageEncoder
 from ragtrain.embed.model import BiEncoder, build_encoder, encode_texts, tokenize
@@ -46,12 +55,13 @@ from ragtrain.index.live_client import LiveIndexClient, Probe, staleness
 from ragtrain.joint import GENERATOR_FOLDER
 from ragtrain.joint.likelihood import answer_loglik
 from ragtrain.joint.losses.base import build_loss
-from ragtrain.schedule import warmup_linear_decay
+from ragtrain.joint.optim import build_optimizer, clip_and_step
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit
 
 HISTORY_FILE = "loss_history.json"
 PREDICTIONS_FILE = "predictions.json"
+LIVE = "live/"  # trained passages: the training fit's RAG figures, read from the live index (not the one shipped)
 
 
 @dataclass
@@ -90,18 +100,26 @@ class JointModel(nn.Module):
 
 
 class IndexSearch:
-    """Top-k passage ids from the live index for question texts, with the trained query encoder; the generator's
-    `evaluate` uses it too (its `search(questions, k)` interface)."""
+    """Top-k passage ids for question texts with the trained query encoder: from the run's index (its shard actors;
+    the shipped one in joint/evaluate.py) or the live index behind the refresh service. The generator's `evaluate`
+    uses `search` (each rank alone); a training step `search_step` (with the live index: one version per step)."""
 
-    def __init__(self, r: JointReplica):
-        self.r = r
+    def __init__(
+        self, cfg: Config, encoder: BiEncoder, tokenizer: Any, device: torch.device, doc_ids: list[str],
+        index: Any = None, service: Any = None,
+    ) -> None:  # fmt: skip
+        self.cfg, self.encoder, self.tokenizer, self.device = cfg, encoder, tokenizer, device
+        self.doc_ids, self.index, self.service = doc_ids, index, service
         self.seconds = 0.0
 
     def vectors(self, questions: Sequence[str]) -> np.ndarray:
-        r, rc = self.r, self.r.cfg.retriever
-        enc = r.model.encoder
-        return encode_texts(enc, r.enc_tok, questions, rc.query_max_length, 64, rc.train.precision, r.w.device,
-                            role="query").numpy()  # fmt: skip
+        rc = self.cfg.retriever
+        return encode_texts(self.encoder, self.tokenizer, questions, rc.query_max_length, 64, rc.train.precision,
+                            self.device, role="query").numpy()  # fmt: skip
+
+    def _ids(self, rows: np.ndarray) -> list[list[str]]:
+        """The live index's rows are corpus positions (counted as hot rows there)."""
+        return [[self.doc_ids[x] for x in row if x >= 0] for row in rows]
 
     def search(self, questions: Sequence[str], k: int) -> list[list[str]]:
         return self.search_scored(questions, k)[0]
@@ -110,16 +128,24 @@ class IndexSearch:
         """Top-k passage ids and their scores (the answer likelihood's p_R reads them)."""
         start = time.perf_counter()
         qv = self.vectors(questions)
-        inputs: JointInputs = self.r.args.inputs
-        if inputs.service is not None:  # the live index: rows are corpus positions (counted as hot rows there)
-            scores, rows = ray.get(inputs.service.search.remote(qv, k))
-            doc_ids = self.r.data.doc_ids
+        if self.service is not None:  # the live index: rows are corpus positions (counted as hot rows there)
+            scores, rows = ray.get(self.service.search.remote(qv, k))
+            ids = self._ids(rows)
         else:
-            scores, rows = inputs.index.search(qv, k)
-            doc_ids = inputs.index.doc_ids
-        ids = [[doc_ids[x] for x in row if x >= 0] for row in rows]
+            scores, rows = self.index.search(qv, k)
+            ids = [[self.index.doc_ids[x] for x in row if x >= 0] for row in rows]
         self.seconds += time.perf_counter() - start
         return ids, [[float(v) for v, x in zip(srow, row) if x >= 0] for srow, row in zip(scores, rows)]
+
+    def search_step(self, questions: Sequence[str], k: int, live: LiveIndexClient | None) -> list[list[str]]:
+        """A training step's hits. The live index changes under a refresh: rank 0 searches every rank's questions
+        at once, so every rank of the step reads the version that search read (`LiveIndexClient.search_step`)."""
+        if live is None:  # the run's index: it never changes
+            return self.search(questions, k)
+        start = time.perf_counter()
+        ids = self._ids(live.search_step(self.vectors(questions), k))
+        self.seconds += time.perf_counter() - start
+        return ids
 
 
 @dataclass
@@ -139,9 +165,11 @@ class JointReplica:
     sched: Any
     sampler: Sampler
     steps: int
+    start_step: int  # 0, or the step of the checkpoint a restarted or resumed worker continues from
+    history: list[dict[str, float]]  # every logged window (kept in checkpoints: loss_history.json is the run's)
     loss: Any
     live: LiveIndexClient | None
-    search: Any = None  # IndexSearch
+    search: IndexSearch
     measure: Any = None  # rank 0 with a live refresh: the current encoder on the staleness probe
 
     @property
@@ -154,7 +182,8 @@ class JointReplica:
 
 
 def setup(args: WorkerArgs) -> JointReplica:
-    """Both models from the same seed on every rank, one optimizer (one lr per model), DDP, the live client."""
+    """Both models from the same seed on every rank, one optimizer (a parameter group per model), a checkpoint
+    restored (a restart, or resume=true), DDP, the live client."""
     cfg = args.cfg
     j, g = cfg.joint, cfg.generator
     w = Worker(args, seed=j.seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
@@ -164,10 +193,14 @@ def setup(args: WorkerArgs) -> JointReplica:
     load_state(encoder, w.fetch(inputs.weights))
     frozen = None
     if PassageEncoder(j.passage_encoder) == PassageEncoder.frozen:  # the encoder of the stored passage vectors
-        frozen = copy.deepcopy(encoder).to(w.device).eval().requires_grad_(False)
+        frozen = copy.deepcopy(encoder).to(w.device).eval().requires_grad_(False)  # before a restore: the initial one
     gen_tok = load_tokenizer(g)
     generator = build_generator(g, gen_tok)
     model = JointModel(encoder, generator).to(w.device).train()
+    steps = j.max_steps
+    optim, sched = build_optimizer(encoder, generator, cfg, steps)  # each model its own lr, decay, warm-up, clip
+    # before DDP, which broadcasts rank 0's weights: every rank restores the same ones anyway
+    start_step, extra = w.restore(model, optim, sched)
     ddp: nn.Module = model
     if w.world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -175,34 +208,31 @@ def setup(args: WorkerArgs) -> JointReplica:
         )
     builder = prompt_builder(g, gen_tok)
     targets = [builder.target(e.answers[0], g.max_target_length) for e in data.gen.train]
-    steps = j.max_steps
-    optim = torch.optim.AdamW(
-        [
-            {"params": [p for p in encoder.parameters() if p.requires_grad], "lr": j.retriever_lr},
-            {"params": [p for p in generator.parameters() if p.requires_grad], "lr": g.train.lr},
-        ],
-        weight_decay=g.train.weight_decay,
-    )
-    sched = warmup_linear_decay(optim, min(g.train.warmup_steps, steps - 1) if steps > 1 else 0, steps)
     live = None
     if inputs.service is not None:  # reuse the retriever's live client: one version per step, refresh schedule
         live = LiveIndexClient(inputs.service, cfg.refresh, w.rank, broadcast=w.world > 1, device=w.device)
-    loss = build_loss(j)
-    r = JointReplica(args, w, data, model, ddp, frozen, load_encoder_tokenizer(cfg.retriever), builder, targets,
-                     optim, sched, Sampler(len(data.gen.train), j.seed), steps, loss, live)  # fmt: skip
-    r.search = IndexSearch(r)
+    enc_tok = load_encoder_tokenizer(cfg.retriever)
+    search = IndexSearch(cfg, encoder, enc_tok, w.device, data.doc_ids, inputs.index, inputs.service)
+    r = JointReplica(args, w, data, model, ddp, frozen, enc_tok, builder, targets, optim, sched,
+                     Sampler(len(data.gen.train), j.seed), steps, start_step, list(extra.get("history", [])),
+                     build_loss(j), live, search)  # fmt: skip
     if live is not None and inputs.probe is not None:
-        probe = inputs.probe
-        texts = [data.encoder_texts[i] for i in probe.rows]
-
-        def measure(stale: np.ndarray) -> dict[str, float]:
-            rc = cfg.retriever
-            p = encode_texts(encoder, r.enc_tok, texts, rc.passage_max_length, 64, rc.train.precision, w.device,
-                             role="passage")  # fmt: skip
-            return staleness(stale, p.numpy(), r.search.vectors(probe.queries), probe.gold)
-
-        r.measure = measure
+        r.measure = probe_measure(r, inputs.probe)
     return r
+
+
+def probe_measure(r: JointReplica, probe: Probe) -> Any:
+    """Rank 0's staleness measure: the current encoder's vectors of the probe's passages and queries against the
+    live version's stored ones."""
+    texts = [r.data.encoder_texts[i] for i in probe.rows]
+    rc = r.cfg.retriever
+
+    def measure(stale: np.ndarray) -> dict[str, float]:
+        p = encode_texts(r.model.encoder, r.enc_tok, texts, rc.passage_max_length, 64, rc.train.precision,
+                         r.w.device, role="passage")  # fmt: skip
+        return staleness(stale, p.numpy(), r.search.vectors(probe.queries), probe.gold)
+
+    return measure
 
 
 def step_batch(r: JointReplica, step: int) -> tuple[list[GenExample], list[list[str]], list, list, int]:
@@ -213,7 +243,7 @@ def step_batch(r: JointReplica, step: int) -> tuple[list[GenExample], list[list[
     idx = [r.sampler(first + i) for i in range(r.global_batch)]
     mine = list(range(r.w.rank * j.batch_size, (r.w.rank + 1) * j.batch_size))
     exs = [r.data.gen.train[idx[m]] for m in mine]
-    hits = r.search.search([e.question for e in exs], j.top_k)
+    hits = r.search.search_step([e.question for e in exs], j.top_k, r.live)
     short = [e.qid for e, h in zip(exs, hits) if len(h) < j.top_k]
     if short:
         raise RuntimeError(f"the index returned fewer than joint.top_k={j.top_k} passages for {short[:3]}")
@@ -258,14 +288,9 @@ def joint_step(r: JointReplica, step: int) -> dict[str, float]:
     retriever_loss = r.loss(scores, loglik)
     gen_loss = nll * (world / global_tokens)
     (j.retriever_weight * retriever_loss + j.generator_weight * gen_loss).backward()
-    clip = cfg.generator.train.grad_clip
-    if clip > 0:
-        torch.nn.utils.clip_grad_norm_(r.model.parameters(), clip)
-    r.optim.step()
-    r.optim.zero_grad(set_to_none=True)
-    r.sched.step()
+    norms = clip_and_step(r.optim, r.sched)  # each model clipped by its own norm (joint/optim.py)
     top_mass = torch.softmax(loglik / j.temperature, -1).gather(1, scores.argmax(1, keepdim=True)).mean()
-    return {"retriever_loss": retriever_loss.item(), "nll": nll.item(), "top_mass": top_mass.item()}
+    return {"retriever_loss": retriever_loss.item(), "nll": nll.item(), "top_mass": top_mass.item(), **norms}
 
 
 class Window:
@@ -275,10 +300,12 @@ class Window:
     def __init__(self, r: JointReplica):
         self.r = r
         self.sums = np.zeros(4)  # retriever loss, nll, top mass, steps
+        self.norms = np.zeros(2)  # each model's gradient norm before clipping (the same on every rank: all-reduced)
         self.tokens = 0
 
     def add(self, m: dict[str, float], global_tokens: int) -> None:
         self.sums += [m["retriever_loss"], m["nll"], m["top_mass"], 1]
+        self.norms += [m["grad_norm/retriever"], m["grad_norm/generator"]]
         self.tokens += global_tokens
 
     def log(self, done: int, history: list[dict[str, float]]) -> None:
@@ -294,28 +321,31 @@ class Window:
             "joint/top_passage_posterior": s[2].item() / (n * r.w.world),
             "joint/samples_per_s": n * r.global_batch / elapsed,
             "joint/lr_retriever": r.sched.get_last_lr()[0],
+            "joint/lr_generator": r.sched.get_last_lr()[1],
+            "joint/grad_norm_retriever": self.norms[0] / n,
+            "joint/grad_norm_generator": self.norms[1] / n,
             "joint/retrieval_s": r.search.seconds,
         }
         metrics["joint/loss"] = j.retriever_weight * metrics[f"joint/{j.loss}_loss"]
         metrics["joint/loss"] += j.generator_weight * metrics["joint/gen_loss"]
-        history.append({"step": done, **{k.removeprefix("joint/"): v for k, v in metrics.items()}})
+        # plain floats: the history goes into checkpoints, which load plain values only (weights_only)
+        history.append({"step": done, **{k.removeprefix("joint/"): float(v) for k, v in metrics.items()}})
         r.w.log(metrics, done, r.steps)
         self.sums[:] = 0
+        self.norms[:] = 0
         self.tokens = 0
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:
-    """One Ray Train worker: set up -> joint steps (with the live refresh's upkeep) -> evaluate -> save."""
+    """One Ray Train worker: set up -> joint steps (with the live refresh's upkeep and the checkpoints) -> evaluate
+    -> save."""
     r = setup(args)
-    w, j = r.w, r.cfg.joint
+    w, j, every = r.w, r.cfg.joint, r.cfg.checkpoint.every_steps
     window = Window(r)
-    history: list[dict[str, float]] = []
     loop_start = time.perf_counter()
     w.window_seconds()
-    for step in range(r.steps):
+    for step in range(r.start_step, r.steps):
         step_start = time.perf_counter()
-        if r.live is not None:
-            r.live.begin_step(step)  # every rank records the version it trains against (one per step)
         first = step * r.global_batch
         global_tokens = sum(len(r.targets[r.sampler(first + i)]) for i in range(r.global_batch))
         window.add(joint_step(r, step), global_tokens)
@@ -328,12 +358,23 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
             if index_metrics:
                 w.log(index_metrics, done, r.steps)
         if done % j.log_every == 0 or done == r.steps:
-            window.log(done, history)
+            window.log(done, r.history)
+        if every and done % every == 0 and done < r.steps:
+            save_checkpoint(r, done)
         w.end_step(done, r.steps)
-    finish(r, time.perf_counter() - loop_start - w.measure_s, history)
+    finish(r, time.perf_counter() - loop_start - w.measure_s)
 
 
-def finish(r: JointReplica, loop_s: float, history: list[dict[str, float]]) -> None:
+def save_checkpoint(r: JointReplica, done: int) -> None:
+    """Every rank: both models (one file), the optimizer's two groups and their schedule, the RNG states
+    (`Worker.checkpoint`) and the loss history; rank 0 adds the live index's newest version (a resumed run's live
+    index numbers on from it). The data position is the step: batches are a function of (seed, step).
+    checkpoint.every_steps is a multiple of joint.log_every, so no loss window is cut by a restart."""
+    info = r.live.checkpoint_info() if r.live is not None else {}
+    r.w.checkpoint(done, r.model, r.optim, r.sched, {"history": r.history}, {"joint/loss": r.history[-1]["loss"]}, info)
+
+
+def finish(r: JointReplica, loop_s: float) -> None:
     """Drain the refresh, evaluate EM / F1 with the trained query encoder, save the encoder and the generator."""
     w = r.w
     refresh: dict[str, float] = {}
@@ -342,13 +383,17 @@ def finish(r: JointReplica, loop_s: float, history: list[dict[str, float]]) -> N
         if drained:
             w.log(drained, r.steps, r.steps)
         refresh = r.live.summary()
-    results, predictions = evaluate(r.model.generator, r.builder, r.data.gen, r.search, r.cfg, w.device, w.rank,
+    searcher: Any = r.search  # evaluate asks any object for search(questions, k) (it names the generator's client)
+    results, predictions = evaluate(r.model.generator, r.builder, r.data.gen, searcher, r.cfg, w.device, w.rank,
                                     w.world)  # fmt: skip
+    if r.live is not None:  # RAG read the live index (older snapshots' rows): not the index the run ships
+        results, predictions = live_labelled(results), live_labelled(predictions)
+    ran = r.steps - r.start_step  # steps of this attempt (after a restart: since the checkpoint)
     summary = {
         "step": r.steps,
         "train/seconds": loop_s,
-        "train/samples_per_s": r.steps * r.global_batch / loop_s,
-        "train/final_loss": history[-1]["loss"],
+        "train/samples_per_s": ran * r.global_batch / loop_s,
+        "train/final_loss": r.history[-1]["loss"],
         **refresh,
         **{f"{mode}/{k}": v for mode, res in results.items() for k, v in res.items()},
     }
@@ -356,10 +401,32 @@ def finish(r: JointReplica, loop_s: float, history: list[dict[str, float]]) -> N
     def write(folder: Path) -> None:  # rank 0: both models and the run's curves into the final checkpoint
         save_weights(r.model.encoder.state_dict(), folder)
         save_generator(r.model.generator, r.builder.tok, folder / GENERATOR_FOLDER)
-        Path(folder, HISTORY_FILE).write_text(json.dumps(history, indent=1))
+        Path(folder, HISTORY_FILE).write_text(json.dumps(r.history, indent=1))
         Path(folder, PREDICTIONS_FILE).write_text(json.dumps(predictions, indent=1))
 
     w.finish(summary, write)
+
+
+def live_labelled(by_mode: dict[str, Any]) -> dict[str, Any]:
+    """RAG's and the answer likelihood's entries as `live/rag`, `live/likelihood`: figures of the live index, which
+    the run does not ship."""
+    return {LIVE + m if m in ("rag", "likelihood") else m: v for m, v in by_mode.items()}
+
+
+def checkpoint_encoder(cfg: Config, folder: str | Path) -> dict[str, torch.Tensor]:
+    """The encoder weights of a joint training checkpoint (rank 0's file of both models), on the driver: a run
+    resumed with a trained passage encoder starts its live index from them."""
+    path = Path(folder) / "rank0.safetensors"
+    encoder = build_encoder(cfg.retriever)
+    try:
+        state = {k.removeprefix("encoder."): v for k, v in load_file(str(path)).items() if k.startswith("encoder.")}
+        load_state(encoder, state)  # strict: every key of the encoder, none of another architecture
+    except Exception as e:  # a truncated file, another encoder
+        raise CheckpointError(
+            f"checkpoint {folder} is corrupt or incompatible ({type(e).__name__}: {e}); delete it to fall back to "
+            "an earlier one, or start a new run (resume=false)"
+        ) from None
+    return {k: v.detach().clone() for k, v in encoder.state_dict().items()}
 
 
 @dataclass

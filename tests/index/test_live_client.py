@@ -124,6 +124,87 @@ def test_every_rank_mines_a_step_from_rank_0s_version(tmp_path) -> None:
     assert [torch.load(f"{out}.{r}") for r in range(2)] == [[1, [[101]]]] * 2
 
 
+class _Refreshing:
+    """A live index that a refresh moves on after every search: version v's rows name it and the query."""
+
+    def __init__(self) -> None:
+        self.book = VersionBook()
+        self.book.publish(_version(0))
+
+    def latest(self) -> LiveVersion | None:
+        return self.book.latest()
+
+    def get(self, version: int) -> LiveVersion:
+        return self.book.get(version)
+
+    def search_pinned(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, int]:
+        v = self.book.version()
+        rows = np.array([[1000 * v + 10 * int(q[0]) + j for j in range(k)] for q in queries])
+        self.book.publish(_version(v + 1))  # a refresh lands right after this search
+        return np.zeros(rows.shape), rows, v
+
+
+def _pinned(rank: int, world: int, port: int, out: str) -> None:
+    """Two ranks of a joint step; rank 1's live index has moved on (a refresh landed before its search)."""
+    import os
+
+    import torch.distributed as dist
+
+    from ragtrain.config.index import RefreshConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    service = _Refreshing()
+    client = LiveIndexClient(service, RefreshConfig(), rank, broadcast=True)
+    if rank == 1:
+        service.search_pinned(np.zeros((1, 4), np.float32), 1)  # its own search would now read version 1
+    queries = np.full((2, 4), 1 + rank, dtype=np.float32)  # rank r's queries: 1 + r in every dimension
+    rows = client.search_step(queries, 3)
+    torch.save([rows.tolist(), client.live.version, client.switched], f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_every_rank_of_a_joint_step_reads_one_search_of_one_version(tmp_path) -> None:
+    """Joint training searches the live index each step: rank 0 searches every rank's queries at once and
+    broadcasts the rows with the version they came from, so a refresh between two ranks' searches cannot give one
+    step two versions (each rank gets the rows of its own queries)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "pinned")
+    spawn(_pinned, (2, port, out), 2)
+    got = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert got[0] == [[[10, 11, 12]] * 2, 0, False]  # version 0, rank 0's queries (1)
+    assert got[1] == [[[20, 21, 22]] * 2, 0, False]  # version 0 too, rank 1's queries (2)
+
+
+def test_a_round_holds_pinned_searches_from_what_it_makes_searchable_until_it_publishes() -> None:
+    """`search_pinned` reads a state and its version number under the service's `_state`: a round holds it from
+    its commit (global) or each advance (eager, aligned) until that state is published, or until it ends."""
+    import threading
+    from types import SimpleNamespace
+
+    from ragtrain.index.refresh_service import _Round
+
+    service = SimpleNamespace(
+        _state=threading.Lock(), _barrier=threading.RLock(), tag="live", actors=[None, None], encoder_version=0,
+        spec=SimpleNamespace(fault=SimpleNamespace(kill_shard_before_apply=-1)),
+        _save_point=lambda **_: None, publish_state=lambda *_: {"ok": True},
+    )  # fmt: skip
+    round_ = _Round(service, 1, 5, np.zeros((1, 4)), np.zeros((1, 4)), {})
+    round_.commit("live1")
+    assert service._state.locked() and service.tag == "live1"
+    round_.advance()  # a second change before the publish: still one hold
+    round_.publish()
+    assert not service._state.locked() and round_.states == [{"ok": True}]
+    round_.advance()
+    assert service._state.locked()
+    round_.release_state()  # the round ended (failed) before publishing
+    assert not service._state.locked()
+
+
 def test_staleness_metrics() -> None:
     rng = np.random.default_rng(1)
     p = _unit(rng.normal(size=(30, 16)))
@@ -276,6 +357,9 @@ def test_service_swaps_versions_and_keeps_the_old_one_on_failure(ray_session, tm
         assert second == {"ok": False, "skipped": "a refresh is already running", "step": 12}
         ray.get(gate.open.remote())
         assert ray.get(first)["ok"] and ray.get(service.version.remote()) == 2
+        # a training step's pinned search: the rows of a plain search, and the version they were read from
+        _, pinned, version = ray.get(service.search_pinned.remote(v1.probe_vectors[:3], 5))
+        assert version == 2 and (pinned == ray.get(service.search.remote(v1.probe_vectors[:3], 5))[1]).all()
         report = retrieval.stop_service(service)
         assert len(report["failures"]) == 1
     finally:

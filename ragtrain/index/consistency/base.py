@@ -63,7 +63,9 @@ class RefreshRound(Protocol):
         ...
 
     def publish(self) -> None:
-        """Publish the state searches see now (negatives mined, metrics measured); the round keeps its figures."""
+        """Publish the state searches see now (negatives mined, metrics measured); the round keeps its figures.
+        From `commit` or `advance` to here pinned searches wait (they read a state with its version number), so a
+        policy publishes every state it makes searchable."""
         ...
 
 
