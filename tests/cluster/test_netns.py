@@ -80,7 +80,8 @@ def test_the_measured_links_are_written_for_a_script_to_read_without_the_token(t
         {"src": "rtc-x-n0", "dst": "rtc-x-n1", "asked_bits": 10**8, "achieved_bits": 95_912_345},
         {"src": "rtc-x-n1", "dst": "rtc-x-n0", "asked_bits": 10**8, "achieved_bits": 96_187_001},
     ]
-    state = emulated.State(spec=emulated.ClusterSpec(name="x", nodes=2, storage="/s"), token="secret", measured=measured)
+    spec = emulated.ClusterSpec(name="x", nodes=2, storage="/s")
+    state = emulated.State(spec=spec, token="secret", measured=measured)
     out = tmp_path / "sub" / "links.json"
     write_links(state, str(out))
     assert json.loads(out.read_text()) == measured
