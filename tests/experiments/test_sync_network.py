@@ -198,3 +198,31 @@ def test_the_cluster_command_per_bandwidth(tmp_path: Path) -> None:
     assert "resources.trainer.num_workers=2" in cmd and cmd[-1] == "seed=1"
     assert "--bandwidth" not in sn.cluster_argv(args, "unshaped", ["ddp"], tmp_path, 1, "snx")
     assert sn.bandwidth_order(["10mbit", "unshaped", "1gbit", "100mbit"]) == ["unshaped", "1gbit", "100mbit", "10mbit"]
+
+
+def test_a_failed_strategy_keeps_its_run_and_the_ones_after_it_run_on_a_new_cluster(tmp_path, monkeypatch) -> None:
+    """The first cluster's command runs ddp, then topk fails (exit 1) before fp16 starts: fp16 runs on a second
+    cluster; the note names topk's failure and its log. A command that starts nothing is not tried again."""
+    args = argparse.Namespace(nodes=2, cpus_per_node=1, time_cap=600.0, max_steps=0, override=[], timeout=100.0)
+    runs: dict[str, list] = {}
+    plans = [(["ddp", "topk"], 1), (["fp16"], 0)]  # per invocation: the strategies that start, the exit code
+    asked = []
+
+    def fake_run(argv, log, timeout, name, prefix):
+        asked.append((argv[argv.index("--") + 1 :], timeout))
+        started, rc = plans.pop(0)
+        for s in started:
+            runs.setdefault(s, []).append(argparse.Namespace(run_id=f"{s}-{len(asked)}"))
+        return rc, False
+
+    monkeypatch.setattr(sn, "run_logged", fake_run)
+    monkeypatch.setattr(sn, "runs_by_strategy", lambda uri, b: {k: list(v) for k, v in runs.items()})
+    notes = sn.run_bandwidth(args, "100mbit", ["ddp", "topk", "fp16"], tmp_path)
+    assert [a[0][4] for a in asked] == ["compare.strategies=[ddp,topk,fp16]", "compare.strategies=[fp16]"]
+    assert [a[1] for a in asked] == [3 * 100 + sn.CLUSTER_S, 100 + sn.CLUSTER_S]  # the limit grows with the work
+    assert notes == {"topk": "exit 1, 100mbit/cluster-1.log"}
+    plans[:] = [([], 2)]  # the cluster itself fails: every strategy is noted, once
+    asked.clear()
+    notes = sn.run_bandwidth(args, "10mbit", ["ddp", "topk"], tmp_path)
+    assert len(asked) == 1 and set(notes) == {"ddp", "topk"}
+    assert notes["ddp"] == "not started: the cluster command ended (exit 2), 10mbit/cluster-1.log"
