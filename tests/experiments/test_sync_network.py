@@ -167,7 +167,9 @@ def test_strategies_are_the_presets_and_an_unknown_one_is_refused_in_one_line() 
     assert {"ddp", "topk", "hierarchical"} <= set(presets)
     default = sn.default_strategies(presets)
     assert default[:5] == ["ddp", "fp16", "powersgd", "topk", "local_sgd"] and "hierarchical" not in default
-    assert sn.default_strategies([*presets, "diloco"])[-1] == "diloco"  # a preset that exists joins
+    # the network-aware presets join where conf/sync/ has them
+    assert sn.default_strategies(["ddp", "topk", "hierarchical"]) == ["ddp", "topk"]
+    assert sn.default_strategies(["ddp", "diloco", "topk"]) == ["ddp", "topk", "diloco"]
     assert sn.unknown_strategies(["ddp"], presets) is None
     why = sn.unknown_strategies(["ddp", "nope"], presets)
     assert why.startswith("unknown sync strategies nope: the presets in conf/sync/ are ") and "\n" not in why
