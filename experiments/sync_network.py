@@ -1,7 +1,7 @@
 """Every sync strategy on an emulated network, judged by the training seconds it needs to reach a dev nDCG@10 target.
 
     sudo python experiments/sync_network.py [--bandwidths unshaped,1gbit,100mbit,10mbit] [--strategies ddp,topk,...]
-        [--target 0.97] [--out DIR] [--max-steps N] [--time-cap SECONDS] [--nodes 2 --cpus-per-node 1]
+        [--target 0.97] [--out DIR] [--max-steps N] [--time-cap SECONDS] [--nodes 2 --workers-per-node 1]
 
 For each bandwidth it runs, on a fresh emulated cluster (ragtrain/cluster/, docs/cluster.md),
 
@@ -50,7 +50,7 @@ from ragtrain.cluster.netns import parse_rate  # noqa: I001 - after the path set
 UNSHAPED = "unshaped"
 DEFAULT_BANDWIDTHS = "unshaped,1gbit,100mbit,10mbit"
 # the default set: the plain baseline, the compressing reducers and local SGD; the two network-aware presets join
-# where conf/sync/ has them; hierarchical is left out (it needs 2 workers per node: --cpus-per-node 2)
+# where conf/sync/ has them; hierarchical is left out (it needs 2 workers per node: --workers-per-node 2)
 DEFAULT_STRATEGIES = ("ddp", "fp16", "powersgd", "topk", "local_sgd", "diloco", "local_sgd_network")
 BASELINE = "ddp"
 # on this KB ddp at lr 2e-4 passed 0.97 by step 10 and ended near 0.985 (experiments/README.md, 2026-12-01 sync_sweep):
@@ -542,8 +542,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, help="wall seconds per strategy (validation, indexing and start-up "
                     "included) before its cluster is stopped (default 3 x the time cap + 900)")  # fmt: skip
     ap.add_argument("--nodes", type=int, default=2, help="Ray nodes (default 2)")
-    ap.add_argument("--cpus-per-node", type=int, default=1, help="CPUs and trainer workers per node (default 1; "
-                    "hierarchical needs 2)")  # fmt: skip
+    ap.add_argument(
+        "--workers-per-node",
+        "--cpus-per-node",
+        dest="cpus_per_node",
+        type=int,
+        default=1,
+        help="trainer workers per Ray node, one CPU each (default 1); hierarchical groups by node: --nodes 2 "
+        "--workers-per-node 2",
+    )
     ap.add_argument("--override", action="append", default=[], help="a ragtrain override KEY=VALUE (repeatable)")
     ap.add_argument("--png", default=str(PNG), help=f"the plot (default {PNG.relative_to(REPO)})")
     ap.add_argument("--readme", default=str(README), help="the README to write the block into ('' for none)")

@@ -228,3 +228,10 @@ def test_a_failed_strategy_keeps_its_run_and_the_ones_after_it_run_on_a_new_clus
     notes = sn.run_bandwidth(args, "10mbit", ["ddp", "topk"], tmp_path)
     assert len(asked) == 1 and set(notes) == {"ddp", "topk"}
     assert notes["ddp"] == "not started: the cluster command ended (exit 2), 10mbit/cluster-1.log"
+
+
+def test_workers_per_node_size_the_cluster_and_the_trainer_for_hierarchical(tmp_path: Path) -> None:
+    args = sn.parse_args(["--nodes", "2", "--workers-per-node", "2", "--strategies", "hierarchical,ddp"])
+    assert args.cpus_per_node == 2 and sn.unknown_strategies(args.strategies, args.presets) is None
+    argv = sn.cluster_argv(args, "100mbit", args.strategies, tmp_path, 1, "snx")
+    assert argv[argv.index("--cpus-per-node") + 1] == "2" and "resources.trainer.num_workers=4" in argv
