@@ -11,9 +11,12 @@ from mlflow.tracking import MlflowClient
 
 from ragtrain.config import to_typed
 from ragtrain.data import make_synthetic
+from ragtrain.embed.model import build_encoder
 from ragtrain.errors import ConfigError
 from ragtrain.index.sharded import open_saved
 from ragtrain.pipeline import run
+from ragtrain.retriever.lora import trainable
+from ragtrain.sync.comm import all_reduce_bytes
 from tests.conftest import compose, tiny_overrides
 
 METRICS = ["ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100"]
@@ -123,6 +126,22 @@ def test_mlflow_run_read_back(quickstart_run) -> None:
     assert client.get_metric_history(r.info.run_id, "train/samples_per_s")[0].value > 0
     artifacts = {a.path for a in client.list_artifacts(r.info.run_id)}
     assert {"config.yaml", "metrics.json", "index_meta.json"} <= artifacts
+
+
+@pytest.mark.integration
+def test_ddp_sends_every_trainable_parameter_once_a_step_and_logs_its_training_clock(quickstart_run) -> None:
+    """The gradient bytes are the ring all-reduce of every trainable fp32 parameter, 2(W-1)/W x 4 x P per worker (the
+    tiny encoder's P, not MiniLM's: what a link's rate is to be compared with), and every window logs the cumulative
+    training seconds (train/seconds) that the run's summary ends at."""
+    cfg, results, tmp = quickstart_run
+    n = sum(p.numel() for p in trainable(build_encoder(cfg.retriever)))
+    world = cfg.resources.trainer.num_workers
+    assert results["train"]["comm/bytes_per_step/grad"] == all_reduce_bytes(4 * n, world)
+    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    run_id = client.search_runs([client.get_experiment_by_name("qs-test").experiment_id])[0].info.run_id
+    seconds = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/seconds"))
+    assert [s for s, _ in seconds] == [2, 4] and 0 < seconds[0][1] < seconds[1][1]
+    assert seconds[1][1] <= results["train"]["train/seconds"]
 
 
 def test_unwritable_output_dir_fails_before_work(tmp_path: Path) -> None:

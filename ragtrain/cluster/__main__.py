@@ -61,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
             help="Ray nodes per emulated machine: nodes K*i .. K*i+K-1 form machine i (default 1)",
         )
         s.add_argument("--storage", default=None, help="a folder every node sees (default outputs/cluster/NAME)")
+        s.add_argument(
+            "--links-json",
+            default=None,
+            help="also write the measured links (src, dst, asked_bits, achieved_bits per direction) to this JSON file",
+        )
         if verb == "run":
             s.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
     for verb in ("status", "down", "exec"):
@@ -100,6 +105,14 @@ def _report(state: emulated.State) -> None:
         print(f"  {m['src']} -> {m['dst']}: {mbit(got)} (asked {mbit(asked)})", file=sys.stderr)
 
 
+def write_links(state: emulated.State, path: str | None) -> None:
+    """The measured links as JSON (what a script reads back: the printed report rounds them; state.json holds the
+    auth token and goes at teardown)."""
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(state.measured, indent=1) + "\n")
+
+
 def _command(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -116,12 +129,13 @@ def _interrupted(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through run's finally: the teardown
 
 
-def _run(spec: emulated.ClusterSpec, command: list[str]) -> int:
+def _run(spec: emulated.ClusterSpec, command: list[str], links_json: str | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupted)
     try:
         state = emulated.up(spec)
         _report(state)
+        write_links(state, links_json)
         return _on_head(state, command)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the teardown
@@ -141,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m ragtrain.cluster: {why}", file=sys.stderr)
         return 2
     if args.verb == "run":
-        return _run(spec, command)
+        return _run(spec, command, args.links_json)
     if args.verb == "down":
         emulated.down(args.name)
         return 0
@@ -151,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if state is None:
         print(f"python -m ragtrain.cluster: no cluster named {args.name!r} is up", file=sys.stderr)
         return 1
+    if args.verb == "up":
+        write_links(state, args.links_json)
     if args.verb == "exec":
         return _on_head(state, _command(args, p))
     _report(state)

@@ -76,6 +76,10 @@ class RetrieverTrainConfig:
     val_every: int = 0
     val_queries: int = 100
     val_passages: int = 2000
+    # > 0: training stops at the first log window whose cumulative training seconds (train/seconds, measurement
+    # excluded) reach this on any rank; the schedule still spans every step, so a stopped run follows the full run's
+    # trajectory up to where it stops (a time budget per run, e.g. experiments/sync_network.py on a slow link)
+    max_train_seconds: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -101,6 +105,7 @@ class RetrieverTrainConfig:
         )
         _check(self.val_queries > 0, k + "val_queries", "must be > 0", self.val_queries)
         _check(self.val_passages > 0, k + "val_passages", "must be > 0", self.val_passages)
+        _check(self.max_train_seconds >= 0, k + "max_train_seconds", "must be >= 0 (0: off)", self.max_train_seconds)
         _check(
             self.hard_negative_margin is None or 0 <= self.hard_negative_margin < 1,
             k + "hard_negative_margin",

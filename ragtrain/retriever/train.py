@@ -20,6 +20,7 @@ from torch import nn
 
 from ragtrain.checkpoint import CheckpointError
 from ragtrain.config import Config
+from ragtrain.console import get_logger
 from ragtrain.embed.model import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
 from ragtrain.embed.weights import load_state, load_weights, save_weights
 from ragtrain.index.live_client import LiveIndexClient, Probe, staleness
@@ -38,6 +39,8 @@ from ragtrain.sync.composed import build_sync
 from ragtrain.sync.drift import drift_metrics
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
+
+log = get_logger(__name__)
 
 
 class QPEncoder(nn.Module):
@@ -289,37 +292,51 @@ def train_step(r: Replica, step: int) -> torch.Tensor:
 
 
 class LogWindow:
-    """The metrics of every `retriever.train.log_every` steps: mean loss, samples/s, bytes sent, comm time share,
-    the sync strategy's state, the teacher term and (rank 0) the validation sample's figures."""
+    """The metrics of every `retriever.train.log_every` steps: mean loss, samples/s, the cumulative training seconds,
+    bytes sent, comm time share, the sync strategy's state, the teacher term and (rank 0) the validation sample's
+    figures. With `retriever.train.max_train_seconds` it also decides, on every rank alike, when training stops."""
 
     def __init__(self, r: Replica) -> None:
         self.r, self.n, self.loss = r, 0, 0.0
         self.last_bytes, self.last_comm_s = 0, 0.0
+        # training seconds of this fit so far (measurement excluded): the clock a time-to-accuracy is read from
+        self.seconds = 0.0
+        self.stop = False  # the time budget is spent: every rank ends training after this window
 
     def add(self, loss: float) -> None:
         self.n += self.r.global_batch
         self.loss += loss
 
+    def agree(self, loss: float) -> tuple[float, bool]:
+        """The global mean loss and whether any rank has spent the time budget, in the one collective the loss
+        needs anyway (each rank's loss is the mean over its own queries): every rank stops at the same window."""
+        r, cap = self.r, self.r.cfg.retriever.train.max_train_seconds
+        spent = float(cap > 0 and self.seconds >= cap)
+        if r.w.world == 1:
+            return loss, spent > 0
+        both = torch.tensor([loss, spent], device=r.w.device)
+        torch.distributed.all_reduce(both)
+        return both[0].item() / r.w.world, both[1].item() > 0
+
     def log(self, done: int) -> None:
         r, t = self.r, self.r.cfg.retriever.train
         elapsed = r.w.window_seconds()
+        self.seconds += elapsed
         n_steps = self.n // r.global_batch
-        loss = self.loss
-        if r.w.world > 1:  # the global mean loss: each rank's loss is the mean over its own queries
-            lt = torch.tensor([loss], device=r.w.device)
-            torch.distributed.all_reduce(lt)
-            loss = lt.item() / r.w.world
+        loss, self.stop = self.agree(self.loss)
         comm_bytes, comm_s = STATS.total_bytes(), STATS.total_seconds()
         metrics = {
             "train/loss": loss / n_steps,
             "train/samples_per_s": self.n / elapsed,
+            "train/seconds": self.seconds,
             "train/lr": r.sched.get_last_lr()[0],
             "comm/bytes_per_step": (comm_bytes - self.last_bytes) / n_steps,
             "comm/time_share": (comm_s - self.last_comm_s) / elapsed,
             **r.strategy.state(),
             **r.distill.window_metrics(n_steps),
         }
-        if r.val is not None and r.w.rank == 0 and (done % t.val_every == 0 or done == r.steps):
+        last = done == r.steps or self.stop
+        if r.val is not None and r.w.rank == 0 and (done % t.val_every == 0 or last):
             with r.w.not_training():  # rank 0 encodes the validation sample: not training time
                 rc = r.cfg.retriever
                 metrics.update(
@@ -329,6 +346,17 @@ class LogWindow:
         self.last_bytes, self.last_comm_s = comm_bytes, comm_s
         r.w.log(metrics, done, r.steps, report=True)  # Tune trials see every window
         self.n, self.loss = 0, 0.0
+
+
+def log_stop(r: Replica, done: int, seconds: float) -> None:
+    """End the fit at step `done`: from here the replica counts it as its last (the drift probe, the summary, the
+    final checkpoint and the step the trained model is logged at all read `r.steps`)."""
+    if r.w.rank == 0:
+        cap = r.cfg.retriever.train.max_train_seconds
+        log.info(
+            f"[retriever] max_train_seconds={cap:g} spent ({seconds:.1f} s of training): stop at step {done}/{r.steps}"
+        )
+    r.steps = done
 
 
 def measure_drift(r: Replica, done: int) -> dict[str, float]:
@@ -362,11 +390,16 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         window.add(loss.item())  # a sync point, but we need the number for logging anyway
         if done % t.log_every == 0 or done == r.steps:
             window.log(done)
-        if (cfg.sync.eval_every and done % cfg.sync.eval_every == 0) or done == r.steps:
+        if window.stop and done < r.steps:  # the time budget is spent (max_train_seconds): this is the last step
+            log_stop(r, done, window.seconds)
+        last = done == r.steps
+        if (cfg.sync.eval_every and done % cfg.sync.eval_every == 0) or last:
             drift_history.append(measure_drift(r, done))
-        if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < r.steps:
+        if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and not last:
             w.checkpoint(done, r.encoder, r.optim, r.sched, r.strategy.state_dict(), info=r.live.checkpoint_info())
         w.end_step(done, r.steps)
+        if last:
+            break
     finish(r, time.perf_counter() - loop_start - w.measure_s, drift_history)
 
 
@@ -381,6 +414,7 @@ def finish(r: Replica, loop_s: float, drift_history: list[dict[str, float]]) -> 
     summary = {
         "step": r.steps,
         "train/samples_per_s": ran * gb / loop_s,
+        "train/seconds": loop_s,  # this attempt's training seconds (measurement excluded)
         "comm/bytes_per_step": STATS.total_bytes() / ran,
         "comm/time_share": STATS.total_seconds() / loop_s,
         **{f"comm/bytes_per_step/{k}": v / ran for k, v in STATS.bytes.items()},  # grad, params, embeddings, ...
@@ -452,7 +486,9 @@ def fit_retriever(
     weights = load_weights(done.folder)
     replicas = [load_weights(done.folder, p.stem) for p in sorted(done.folder.glob("replica_*.safetensors"))]
     metrics = {k: float(v) for k, v in done.summary.items() if k != "step"}
-    return FitResult(weights, metrics, done.checkpoint_path, steps, done.seconds, replicas)
+    # the step training ended at: fewer than planned where max_train_seconds stopped it
+    ran_to = int(done.summary.get("step", steps))
+    return FitResult(weights, metrics, done.checkpoint_path, ran_to, done.seconds, replicas)
 
 
 if __name__ == "__main__":  # pragma: no cover - the recipe runs through `python -m ragtrain`

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 from ragtrain.cluster import emulated, netns
+from ragtrain.cluster.__main__ import write_links
 from tests.conftest import REPO
 
 ALL_CAPS = (1 << netns.CAP_NET_ADMIN) | (1 << netns.CAP_SYS_ADMIN)
@@ -69,3 +71,19 @@ def test_a_path_between_machines_is_paced_by_the_slower_of_its_links() -> None:
     assert emulated._path_bits(state, state.nodes[1], state.nodes[2]) == 10**8
     flat = emulated.State(spec=emulated.ClusterSpec(name="x", nodes=2, storage="/s", bandwidth=5 * 10**7), token="t")
     assert emulated._path_bits(flat, {"machine": 0}, {"machine": 1}) == 5 * 10**7
+
+
+def test_the_measured_links_are_written_for_a_script_to_read_without_the_token(tmp_path) -> None:
+    """`run --links-json FILE`: every measured direction, unrounded (the printed report shows 0.1 Mb/s), and
+    nothing else of the state (its auth token stays in state.json)."""
+    measured = [
+        {"src": "rtc-x-n0", "dst": "rtc-x-n1", "asked_bits": 10**8, "achieved_bits": 95_912_345},
+        {"src": "rtc-x-n1", "dst": "rtc-x-n0", "asked_bits": 10**8, "achieved_bits": 96_187_001},
+    ]
+    spec = emulated.ClusterSpec(name="x", nodes=2, storage="/s")
+    state = emulated.State(spec=spec, token="secret", measured=measured)
+    out = tmp_path / "sub" / "links.json"
+    write_links(state, str(out))
+    assert json.loads(out.read_text()) == measured
+    assert "secret" not in out.read_text()
+    write_links(state, None)  # not asked: nothing written, nothing raised
