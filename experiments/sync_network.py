@@ -503,9 +503,10 @@ def read_back(out: Path, bandwidths: Sequence[str], strategies: Sequence[str], n
             if cap and w and w[-1]["seconds"] >= cap:
                 note = "; ".join(x for x in (f"stopped at the {cap:g} s cap", note) if x)
             status = r.status.lower()
-            runs.append(
-                dict(zip(RUN_COLUMNS, [b, s, status, r.metrics.get("trained/ndcg_at_10", math.nan), bits, note]))
-            )
+            # the trained index's dev nDCG@10; a run without the index stage (stages=[retriever]): its last
+            # validation, which is that figure when the validation sample holds every dev query and passage
+            final = r.metrics.get("trained/ndcg_at_10", w[-1]["ndcg"] if w else math.nan)
+            runs.append(dict(zip(RUN_COLUMNS, [b, s, status, final, bits, note])))
             windows += w
     return pd.DataFrame(runs, columns=RUN_COLUMNS), pd.DataFrame(windows, columns=WINDOW_COLUMNS)
 
