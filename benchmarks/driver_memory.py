@@ -65,7 +65,7 @@ def write_folder(root: Path, n: int) -> None:
 
 def child(root: str, mode: str, out: str, overrides: list[str]) -> None:
     """One run in this process; prints one JSON line."""
-    from ragtrain.rss import peak_rss_mb
+    from ragtrain.runtime.rss import peak_rss_mb
 
     rss_imports = peak_rss_mb()
     import ragtrain.retrieval  # noqa: F401  (torch, transformers, faiss: counted before any data)

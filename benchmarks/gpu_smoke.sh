@@ -107,7 +107,7 @@ def faiss_gpus() -> tuple[int, str]:
     try:
         import faiss
 
-        from ragtrain.errors import ConfigError
+        from ragtrain.runtime.errors import ConfigError
         from ragtrain.index.faiss_index import check_index_device
     except ImportError as e:
         return 0, f"faiss does not import ({e})"

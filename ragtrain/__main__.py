@@ -26,8 +26,8 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from ragtrain.cluster.resources import InfeasibleResourcesError  # noqa: E402
 from ragtrain.config import check_ascii_numbers, has_non_ascii_digits, non_ascii_digits, register_configs, to_typed  # noqa: E402
 from ragtrain.config.variants import override_variants, sync_variants  # noqa: E402
-from ragtrain.console import configure  # noqa: E402
-from ragtrain.errors import ConfigError  # noqa: E402
+from ragtrain.runtime.console import configure  # noqa: E402
+from ragtrain.runtime.errors import ConfigError  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()

@@ -23,8 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub when ask
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from ragtrain.config import Config  # noqa: E402
-from ragtrain.console import quiet_cli  # noqa: E402
 from ragtrain.generator.prompt import PromptTooLongError, passage_text  # noqa: E402
+from ragtrain.runtime.console import quiet_cli  # noqa: E402
 from ragtrain.search import SearchError, hit_line, load_run_config, search  # noqa: E402
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from ragtrain.config.logger import LoggerConfig
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.mlflow import RunRecord, check_tracking_uri, find_runs, metric_history, sqlite_file, tracking_uri
 from ragtrain.track.report import curves_plot, scatter_plot
 

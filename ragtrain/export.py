@@ -26,10 +26,10 @@ from ragtrain.config import Config
 from ragtrain.config.generator import GENERATOR_ARCHS, PACKAGED
 from ragtrain.config.joint import PassageEncoder
 from ragtrain.config.retriever import Pooling
-from ragtrain.console import get_logger
 from ragtrain.embed.model import build_encoder, load_tokenizer, resolve_model_path
 from ragtrain.embed.weights import load_weights
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 

@@ -31,9 +31,9 @@ from omegaconf import OmegaConf
 from tabulate import tabulate
 
 from ragtrain.config import changed_keys, flatten
-from ragtrain.console import quiet_cli
 from ragtrain.corpus.load import load_data
 from ragtrain.eval.metrics import per_query
+from ragtrain.runtime.console import quiet_cli
 from ragtrain.search import SearchError, load_run_config, query_snapshots
 
 RETRIEVAL_METRICS = ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100")

@@ -25,11 +25,11 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from ragtrain.config import Config, to_typed  # noqa: E402
 from ragtrain.config.joint import PassageEncoder  # noqa: E402
-from ragtrain.console import quiet_cli  # noqa: E402
 from ragtrain.corpus.load import load_data  # noqa: E402
 from ragtrain.data.store import PassageStore  # noqa: E402
 from ragtrain.embed.encoders import QueryEncoder  # noqa: E402
-from ragtrain.errors import ConfigError  # noqa: E402
+from ragtrain.runtime.console import quiet_cli  # noqa: E402
+from ragtrain.runtime.errors import ConfigError  # noqa: E402
 
 VERIFIED_FILE = "index_verified.json"  # the index files whose checksums matched, with their size / mtime / inode
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ragtrain.config import to_typed
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import REPO, compose, tiny_overrides
 
 
@@ -565,7 +565,7 @@ def test_a_store_that_fails_once_the_run_folder_exists_marks_it_failed(ray_sessi
     import sqlite3
 
     from ragtrain.pipeline import check_fresh_output, run
-    from ragtrain.run_lock import LOCK_FILE
+    from ragtrain.runtime.run_lock import LOCK_FILE
 
     cfg = _cfg(tmp_path, "stages=[index]")
     db = Path(cfg.logger.tracking_uri.removeprefix("sqlite:///"))

@@ -11,9 +11,9 @@ from mlflow.tracking import MlflowClient
 
 from ragtrain.config import to_typed
 from ragtrain.data import make_synthetic
-from ragtrain.errors import ConfigError
 from ragtrain.index.sharded import open_saved
 from ragtrain.pipeline import run
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
 METRICS = ["ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100"]

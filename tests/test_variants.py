@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from ragtrain.config import to_typed
 from ragtrain.config.variants import override_variants, sync_variants
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.report import write_comparison
 from ragtrain.variants import paired_answers, run_variants
 from tests.conftest import CONF_DIR, compose, tiny_overrides

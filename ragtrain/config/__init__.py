@@ -30,8 +30,8 @@ from ragtrain.config.resources import ResourcesConfig
 from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.config.sync import SyncConfig
 from ragtrain.config.tune import TuneConfig
-from ragtrain.errors import ConfigError, driver_path, local_model
-from ragtrain.errors import check as _check
+from ragtrain.runtime.errors import ConfigError, driver_path, local_model
+from ragtrain.runtime.errors import check as _check
 
 
 @dataclass

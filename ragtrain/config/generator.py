@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any
 
 from ragtrain.config.registry import Variant
-from ragtrain.errors import check, driver_path, local_model
+from ragtrain.runtime.errors import check, driver_path, local_model
 
 
 def _check(ok: bool, key: str, msg: str, value: Any) -> None:

@@ -8,8 +8,8 @@ from enum import Enum
 from pathlib import Path
 
 from ragtrain.config.registry import Variant
-from ragtrain.errors import check as _check
-from ragtrain.errors import driver_path, local_model
+from ragtrain.runtime.errors import check as _check
+from ragtrain.runtime.errors import driver_path, local_model
 
 
 class Precision(str, Enum):

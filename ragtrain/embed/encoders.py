@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from ragtrain.config.retriever import Precision, RetrieverConfig
-from ragtrain.console import worker_setup
-from ragtrain.rss import peak_rss_mb, rss_breakdown_mb
+from ragtrain.runtime.console import worker_setup
+from ragtrain.runtime.rss import peak_rss_mb, rss_breakdown_mb
 
 VECTOR_DTYPES = ("float32", "float16")
 

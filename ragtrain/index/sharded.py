@@ -38,11 +38,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ragtrain.config.index import GPU_MAX_K
-from ragtrain.console import get_logger, worker_setup
 from ragtrain.corpus.encode import VectorSet, write_vectors
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.encoders import EncodeBatch, LocalEncoder
-from ragtrain.errors import ConfigError
 from ragtrain.index import integrity
 from ragtrain.index.checks import check_refresh
 from ragtrain.index.faiss_index import (
@@ -59,7 +57,9 @@ from ragtrain.index.faiss_index import (
 from ragtrain.index.live_rows import LiveRows
 from ragtrain.index.priority import PRIORITIES
 from ragtrain.index.vector_files import build_from_vectors, iter_rows, save_atomic, trained_empty
-from ragtrain.rss import peak_rss_mb
+from ragtrain.runtime.console import get_logger, worker_setup
+from ragtrain.runtime.errors import ConfigError
+from ragtrain.runtime.rss import peak_rss_mb
 
 if TYPE_CHECKING:
     from ragtrain.config.index import IndexConfig, RefreshConfig

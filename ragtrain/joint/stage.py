@@ -21,13 +21,13 @@ from tabulate import tabulate
 from ragtrain.cluster.resources import check_config
 from ragtrain.config import Config
 from ragtrain.config.joint import PassageEncoder
-from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
 from ragtrain.generator.stage import PHASES, build_gen_data, resolve_index
 from ragtrain.index.sharded import shard_gpu_claim
 from ragtrain.index.vector_files import save_atomic
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
 from ragtrain.joint.train import HISTORY_FILE, PREDICTIONS_FILE, JointData, fit_joint
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 

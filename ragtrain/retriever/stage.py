@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from ragtrain.config import Config, ConfigError
-from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import passage_qrels
 from ragtrain.data import RetrievalData
 from ragtrain.embed.weights import save_weights
 from ragtrain.retriever.batching import TrainData, TrainExample, build_examples, steps_per_epoch
 from ragtrain.retriever.validation import make_val_set
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 

@@ -30,7 +30,7 @@ from ragtrain.retriever.lora import apply_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.teacher.base import build_teacher_loss, teacher_matrix
 from ragtrain.retriever.validation import ValSet, validate
-from ragtrain.rss import peak_rss_mb
+from ragtrain.runtime.rss import peak_rss_mb
 from ragtrain.schedule import warmup_linear_decay
 from ragtrain.sync.base import SyncStrategy
 from ragtrain.sync.comm import STATS

@@ -35,7 +35,7 @@ from ragtrain.checkpoint import (
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config
 from ragtrain.config.logger import auth_env
-from ragtrain.console import (
+from ragtrain.runtime.console import (
     FILE_ONLY,
     attach_run_log,
     detach_run_log,

@@ -34,9 +34,9 @@ from ragtrain.cluster.resources import (
 )
 from ragtrain.config import Config, absolute_paths, changed_keys, to_flat_dict
 from ragtrain.config.tune import TUNE_SCHEDULERS
-from ragtrain.console import get_logger
-from ragtrain.errors import ConfigError
 from ragtrain.index.sharded import shard_gpu_claim
+from ragtrain.runtime.console import get_logger
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.mlflow import RunLogger, absolute_tracking_uri, check_tracking_uri, tracking_uri, update_run
 from ragtrain.tune import space as sp
 from ragtrain.tune.guard import MetricGuard, recorded_error

@@ -80,7 +80,7 @@ def storage_part(out_dir: str) -> dict:
     from pathlib import Path
 
     from ragtrain.cluster.storage import check_shared_paths
-    from ragtrain.errors import ConfigError
+    from ragtrain.runtime.errors import ConfigError
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     checked = check_shared_paths({"output_dir": out_dir}, {"data.root": str(Path(out_dir).parent)})

@@ -18,8 +18,8 @@ from ragtrain.corpus.load import load_data
 from ragtrain.corpus.stream import StreamEncode
 from ragtrain.data.types import DataError
 from ragtrain.embed.encoders import EncodeFault
-from ragtrain.errors import ConfigError
 from ragtrain.pipeline import initial_weights
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose
 
 from .helpers import mixed_folder, write_folder

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ragtrain.config.generator import PACKAGED, GeneratorConfig, PackagedModel, PromptStyle
-from ragtrain.errors import ConfigError
 from ragtrain.generator.model import AnswerDecoder, build_generator, load_tokenizer
 from ragtrain.generator.prompt import ChatTemplateError, PromptBuilder, Template
 from ragtrain.generator.steps import prompt_builder
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose
 from tests.generator.tiny_llama import save_tiny_llama
 

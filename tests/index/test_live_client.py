@@ -11,7 +11,6 @@ import ray
 import torch
 
 from ragtrain.config import to_typed
-from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import build_index
 from ragtrain.index.live_client import (
     LiveIndexClient,
@@ -22,6 +21,7 @@ from ragtrain.index.live_client import (
 )
 from ragtrain.index.mining import MiningSpec, mine_rows
 from ragtrain.retriever.batching import TrainData, build_examples, local_batch
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, spawn, tiny_overrides
 
 

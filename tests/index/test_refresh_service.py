@@ -12,7 +12,6 @@ import pytest
 from ragtrain.config import to_typed
 from ragtrain.config.index import RefreshConfig
 from ragtrain.embed.align import fit_alignment
-from ragtrain.errors import ConfigError
 from ragtrain.index.checks import check_refresh
 from ragtrain.index.consistency import POLICIES
 from ragtrain.index.consistency.aligned import Aligned
@@ -24,6 +23,7 @@ from ragtrain.index.priority.base import RoundRows, by_score
 from ragtrain.index.priority.drift import predict_drift
 from ragtrain.index.refresh_service import mined_agreement, mixed_recall
 from ragtrain.index.sharded import ShardUnavailableError
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
 

@@ -19,7 +19,6 @@ import pytest
 
 from ragtrain.config.index import IndexConfig
 from ragtrain.config.resources import PoolResources
-from ragtrain.errors import ConfigError
 from ragtrain.index.commit_point import COMMIT_POINT
 from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.index.live_rows import JOURNAL
@@ -38,6 +37,7 @@ from ragtrain.index.sharded import (
     shard_ranges,
 )
 from ragtrain.index.vector_files import build_from_vectors
+from ragtrain.runtime.errors import ConfigError
 from tests.index.test_vector_files import _vectors, _write_vectors
 
 ROWS = 400

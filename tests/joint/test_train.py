@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ragtrain.config import to_typed
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 from tests.generator.tiny_llama import save_tiny_llama
 

@@ -12,10 +12,10 @@ import torch
 
 from ragtrain.config import to_typed
 from ragtrain.config.retriever import RetrieverConfig
-from ragtrain.errors import ConfigError
 from ragtrain.retriever.teacher.base import build_teacher_loss, teacher_matrix
 from ragtrain.retriever.teacher.kl import KL
 from ragtrain.retriever.teacher.margin_mse import MarginMSE
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
 

@@ -21,7 +21,7 @@ from ray.tune import Callback
 
 from ragtrain.cluster.resources import InfeasibleResourcesError
 from ragtrain.config import Config, to_typed
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.tune.sweep import run_sweep
 from tests.conftest import CONF_DIR, REPO, compose, tiny_overrides
 

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from ragtrain.config.sync import MixerConfig
-from ragtrain.errors import filled
+from ragtrain.runtime.errors import filled
 from ragtrain.sync.base import average_params
 from ragtrain.sync.scopes.base import MixerScope
 

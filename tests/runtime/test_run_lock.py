@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ragtrain import run_lock
 from ragtrain.config import to_typed
-from ragtrain.errors import ConfigError
+from ragtrain.runtime import run_lock
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
 
