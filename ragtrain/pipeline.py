@@ -27,6 +27,7 @@ from ragtrain.data import RetrievalData
 from ragtrain.data.types import DataError
 from ragtrain.embed.encoders import EncodeFault, encoder_dim
 from ragtrain.embed.model import build_encoder, check_model_offline
+from ragtrain.embed.precision import resolved_index, resolved_params
 from ragtrain.export import answer_block, export_run
 from ragtrain.index import vector_cache
 from ragtrain.index.base import Index
@@ -34,7 +35,6 @@ from ragtrain.index.checks import check_refresh, refresh_warnings
 from ragtrain.index.faiss_index import check_index_config, check_index_device
 from ragtrain.index.vector_files import save_atomic
 from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, sample_ids
-from ragtrain.precision import resolved_index, resolved_params
 from ragtrain.repair.distill import distill_consensus
 from ragtrain.reranker.model import check_teacher
 from ragtrain.reranker.stage import prepare_teacher

@@ -29,6 +29,7 @@ from ragtrain.data import RetrievalData
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.align import fit_alignment
 from ragtrain.embed.encoders import EncodeFault, QueryEncoder, encoder_dim
+from ragtrain.embed.precision import resolved_index
 from ragtrain.eval.answers import answer_recall
 from ragtrain.eval.metrics import DEFAULT_KS, evaluate, maxp_run, run_from_scores
 from ragtrain.index import vector_cache
@@ -36,7 +37,6 @@ from ragtrain.index.base import Index, ReadOnlyIndex
 from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores
 from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, map_vectors, mean_vectors, sample_ids
-from ragtrain.precision import resolved_index
 from ragtrain.runtime.console import get_logger
 
 if TYPE_CHECKING:  # lazy at run time: these modules import Ray

@@ -210,7 +210,7 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
         f"output_dir={tmp_path / 'out'}",
         f"logger.tracking_uri={mlflow_db(tmp_path / 'mlflow.db')}",
         # fp32 whatever the CPU: the same numbers on every test machine, and the tiny encoder's matrices are too
-        # small for bf16 to pay (auto is tested in tests/test_precision.py)
+        # small for bf16 to pay (auto is tested in tests/embed/test_precision.py)
         "retriever.train.precision=fp32",
         "index.precision=fp32",
         "generator.train.precision=fp32",

@@ -112,7 +112,7 @@ def test_mlflow_run_read_back(quickstart_run) -> None:
     assert r.data.params["retriever.train.batch_size"] == "4"
     assert r.data.params["retriever.model"] == "tiny"
     assert r.data.params["data.source"] == "synthetic"
-    # the precision each phase ran in is logged next to the setting (auto's resolution: tests/test_precision.py)
+    # the precision each phase ran in is logged next to the setting (auto's resolution: tests/embed/test_precision.py)
     assert r.data.params["index.precision"] == "fp32"
     assert (r.data.params["precision/index"], r.data.params["precision/retriever_train"]) == ("fp32", "fp32")
     for phase in ("zeroshot", "trained"):

@@ -36,7 +36,7 @@ from ragtrain.runtime.errors import check as _check
 
 @dataclass
 class CheckpointConfig:
-    """Retriever training checkpoints (ragtrain/checkpoint.py): everything needed to continue exactly."""
+    """Retriever training checkpoints (ragtrain/train/checkpoint.py): everything needed to continue exactly."""
 
     every_steps: int = 0  # 0 = only the final checkpoint
     keep: int = 2  # checkpoints kept in the run's storage path

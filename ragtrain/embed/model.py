@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragtrain.config.retriever import Pooling, Precision, RetrieverConfig
-from ragtrain.precision import resolve
+from ragtrain.embed.precision import resolve
 from ragtrain.runtime.errors import ConfigError
 
 if TYPE_CHECKING:

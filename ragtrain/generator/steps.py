@@ -23,11 +23,11 @@ from ragtrain.config.generator import (
     GenPrecision,
     PromptStyle,
 )
+from ragtrain.embed.precision import resolve
 from ragtrain.eval.qa_metrics import score
 from ragtrain.generator.model import AnswerDecoder, GenModel
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.retriever_client import RetrievalClient
-from ragtrain.precision import resolve
 
 
 @dataclass

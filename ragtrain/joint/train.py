@@ -46,9 +46,9 @@ from ragtrain.index.live_client import LiveIndexClient, Probe, staleness
 from ragtrain.joint import GENERATOR_FOLDER
 from ragtrain.joint.likelihood import answer_loglik
 from ragtrain.joint.losses.base import build_loss
-from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit
+from ragtrain.train.schedule import warmup_linear_decay
 
 HISTORY_FILE = "loss_history.json"
 PREDICTIONS_FILE = "predictions.json"

@@ -212,7 +212,7 @@ def _assert_same_run(results, losses, clean_results, clean_cfg) -> None:
     reason="restarts go through the one harness (ragtrain/train), tested with the retriever (make test-slow)"
 )
 def test_killed_worker_restarts_from_its_checkpoint_and_matches_a_clean_run(built, stage_run) -> None:
-    from ragtrain.checkpoint import fault_marker
+    from ragtrain.train.checkpoint import fault_marker
 
     tmp, clean_cfg, *_ = built
     # rank 1 dies after step 4; the group restarts from the step-3 checkpoint (optimizer, schedule, RNG, history)

@@ -493,7 +493,7 @@ def test_an_apply_that_times_out_after_the_barrier_is_committed_late_not_failed(
     r = cfg.refresh
     r.consistency, r.fraction, r.priority = "global", 1.0, "oldest"
     root, group = sharded.shard_group.root, sharded.shard_group
-    from ragtrain.precision import resolved_index
+    from ragtrain.embed.precision import resolved_index
 
     real, timeout = group.actors[1], r.timeout_s
     late = ray.remote(num_cpus=0, max_concurrency=4)(_LateApplyShard).remote(1, str(root))
