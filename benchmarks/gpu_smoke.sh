@@ -72,7 +72,7 @@ import torch
 from hydra import compose as hydra_compose, initialize_config_dir
 
 from ragtrain.config import register_configs, to_typed
-from ragtrain.pipeline import run
+from ragtrain.pipeline.stages import run
 
 dry = sys.argv[1] == "1"
 ngpu, workers, steps, joint_steps, n, batch = map(int, sys.argv[2:8])

@@ -400,7 +400,7 @@ def live_refresh(args: argparse.Namespace, t0: float) -> dict[str, Any] | None:
     from ragtrain.index.mining import MiningSpec
     from ragtrain.index.refresh_service import RefreshService, RefreshSpec
     from ragtrain.index.sharded import ShardGroup, shard_ranges
-    from ragtrain.pipeline import initial_weights
+    from ragtrain.pipeline.stages import initial_weights
 
     if not (args.scifact / "corpus.jsonl.gz").is_file():
         print(f"SKIP: live refresh: no SciFact at {args.scifact} (see ../shared/data/README.md)", flush=True)

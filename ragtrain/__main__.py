@@ -221,7 +221,7 @@ def dispatch(cfg: DictConfig) -> None:
 
         run_variants(variants, typed.output_dir)
         return
-    from ragtrain.pipeline import run  # lazy: ragtrain.pipeline imports torch; the CLI starts without it
+    from ragtrain.pipeline.stages import run  # lazy: ragtrain.pipeline.stages imports torch; the CLI starts without it
 
     run(typed)
 

@@ -39,8 +39,8 @@ class AskError(ValueError):
 
 def generator_folder(cfg: Config, out: Path) -> Path:
     """The HF folder of the generator the run serves: the joint stage's, else the generator stage's."""
-    # lazy: ragtrain.export imports torch; this module's argument checks run without it
-    from ragtrain.export import served_generator
+    # lazy: ragtrain.pipeline.export imports torch; this module's argument checks run without it
+    from ragtrain.pipeline.export import served_generator
 
     folder = served_generator(cfg, out)
     if folder is None:

@@ -54,13 +54,13 @@ class Scored:
 
 def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     """Per-query `metric` of the run in `out` on its evaluated split (its saved index, its trained encoder)."""
-    # lazy: ragtrain.retrieval imports torch; this module imports without it
+    # lazy: ragtrain.pipeline.retrieval imports torch; this module imports without it
     # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
     from ragtrain.index.faiss_index import IndexMismatchError
 
     # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
     from ragtrain.index.sharded import open_saved
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
 
     out = Path(out)
     if not (out / "index" / "index_meta.json").exists():

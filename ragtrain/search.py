@@ -74,9 +74,9 @@ def query_snapshots(cfg: Config, encoder: str, out: Path) -> list:
     """The query encoder's weights: the index's own encoder (`encoder`, from its metadata), or for a run with a joint
     stage the jointly trained one, whose queries the index served during joint training (frozen passages: the
     index of the encoder it started from; trained passages: the index the joint stage re-encoded with it)."""
-    # lazy: ragtrain.embed.weights and ragtrain.export import torch; this module imports without it
+    # lazy: ragtrain.embed.weights and ragtrain.pipeline.export import torch; this module imports without it
     from ragtrain.embed.weights import load_weights
-    from ragtrain.export import served_encoder
+    from ragtrain.pipeline.export import served_encoder
 
     joint = served_encoder(cfg, out)
     if joint is None:
@@ -120,8 +120,8 @@ def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
 def warn_unfinished(out: Path) -> None:
     """One line on stderr when the run did not finish (status.json says running or failed): its index may be a
     zero-shot one, or the run may still be writing."""
-    # lazy: ragtrain.pipeline imports torch and the stages; this module's argument checks run without them
-    from ragtrain.pipeline import STATUS_FILE, read_status
+    # lazy: ragtrain.pipeline.stages imports torch and the stages; this module's argument checks run without them
+    from ragtrain.pipeline.stages import STATUS_FILE, read_status
 
     path, status = out / STATUS_FILE, read_status(out)
     if status in (None, "unknown"):

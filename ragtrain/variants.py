@@ -14,7 +14,7 @@ import pandas as pd
 from ragtrain.config import Config
 from ragtrain.config.variants import SEED_MARK
 from ragtrain.paired import format_table, paired_over_seeds, predictions_file, saved_answers
-from ragtrain.pipeline import completed, run
+from ragtrain.pipeline.stages import completed, run
 from ragtrain.runtime.console import get_logger
 from ragtrain.search import SearchError
 from ragtrain.track.mlflow import RunLogger

@@ -187,7 +187,7 @@ def in_process_index(cfg, data, folder: Path):
 
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
     from tests.index.test_vector_files import _write_vectors
 
     torch.manual_seed(cfg.seed)
@@ -241,7 +241,7 @@ def quickstart_run(ray_session, tmp_path_factory):
     <tmp>/vector_cache), shared by every module that only reads a finished run: each Train worker-group and encode
     start costs seconds, and the suite must stay short. Returns (typed cfg, results, tmp folder)."""
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     tmp = tmp_path_factory.mktemp("quickstart")
     cfg = to_typed(

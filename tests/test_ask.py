@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
 from tests.conftest import REPO
-from tests.test_export import ENV
+from tests.pipeline.test_export import ENV
 
 
 def _copy_run(src: str, dst: Path, **changes) -> Path:
@@ -189,7 +189,7 @@ def test_export_of_a_joint_run_holds_the_jointly_trained_models(runs, tmp_path: 
     from ragtrain.config.logger import LoggerConfig
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.weights import load_weights
-    from ragtrain.export import export_run
+    from ragtrain.pipeline.export import export_run
     from ragtrain.search import load_run_config
     from ragtrain.track.mlflow import RunLogger
     from tests.conftest import mlflow_db

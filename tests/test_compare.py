@@ -184,7 +184,7 @@ def test_cli_on_plain_experiment_runs(ray_session, tmp_path: Path) -> None:
     import sys
 
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import REPO, compose, tiny_overrides
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

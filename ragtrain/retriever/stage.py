@@ -9,7 +9,7 @@ Ray Train, then its weights saved.
    reranker sits above this layer), resumed from its checkpoint (resume=true);
 3. the trained weights into <output_dir>/encoder (sync=vector_avg: the parameter mean, every replica beside it).
 
-Takes the run's retrieval facade (ragtrain/retrieval.py, a layer above) as `retrieval`, as the other stages do.
+Takes the run's retrieval facade (ragtrain/pipeline/retrieval.py, a layer above) as `retrieval`, as the other stages do.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class RetrieverRun:
     data: RetrievalData
     out: Path
     logger: Any
-    retrieval: Any  # ragtrain.retrieval.Retrieval
+    retrieval: Any  # ragtrain.pipeline.retrieval.Retrieval
     weights: dict[str, torch.Tensor]
     encoder_name: str
     step: int = 0
@@ -99,7 +99,7 @@ def run_retriever_stage(
 ) -> RetrieverRun:
     """Zero-shot index (when needed), training, saved weights; returns `r` with what the later stages start from.
     `teach` runs when retriever.teacher.weight > 0; a Tune trial passes `callbacks` and `report_intermediate`
-    (ragtrain/pipeline.py's `run`)."""
+    (ragtrain/pipeline/stages.py's `run`)."""
     zeroshot_phase(r)
     train_phase(r, teach, callbacks, report_intermediate)
     return r

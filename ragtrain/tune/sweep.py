@@ -197,7 +197,9 @@ def final_metrics(results: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def run_trial(config: dict[str, Any], ctx: TrialContext) -> None:
     """Tune trial (driver function): build the trial's config, run the pipeline, report its final metrics."""
-    from ragtrain.pipeline import run  # lazy: ragtrain.pipeline imports torch; this module imports without it
+    from ragtrain.pipeline.stages import (
+        run,  # lazy: ragtrain.pipeline.stages imports torch; this module imports without it
+    )
 
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(ctx, {k: config[k] for k in ctx.keys}, trial_id)
@@ -288,8 +290,8 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: list | None = Non
 
     `callbacks`: extra Tune callbacks for a new sweep (a resumed sweep keeps the ones it was started with).
     """
-    # lazy: ragtrain.pipeline imports torch; this module imports without it
-    from ragtrain.pipeline import prepare_output_dir
+    # lazy: ragtrain.pipeline.stages imports torch; this module imports without it
+    from ragtrain.pipeline.stages import prepare_output_dir
 
     plan = plan_sweep(cfg, conf_dir)  # ConfigError before anything starts
     prepare_output_dir(str(plan.out_dir))

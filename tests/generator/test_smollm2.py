@@ -268,8 +268,8 @@ def test_the_dequantised_folder_gets_a_card_with_the_license_its_gguf_declares(t
     """The card an export of a model fine-tuned from the packaged one takes its license from."""
     import gguf
 
-    from ragtrain.export import base_license
     from ragtrain.generator.packaged import write_card
+    from ragtrain.pipeline.export import base_license
 
     path = tmp_path / "Tiny-Instruct.Q4_1.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

@@ -14,9 +14,9 @@ import torch
 from ray.train import TrainingFailedError
 
 from ragtrain.config import to_typed
-from ragtrain.export import answer_block
 from ragtrain.generator.stage import PHASES
 from ragtrain.index.faiss_index import IndexMismatchError
+from ragtrain.pipeline.export import answer_block
 from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 

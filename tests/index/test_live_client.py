@@ -157,7 +157,7 @@ def _service(cfg, data, tmp_path):
     writes them in a run is tested in tests/corpus/test_encode.py), on the run's one index shard."""
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
     from tests.index.test_vector_files import _write_vectors
 
     torch.manual_seed(0)
@@ -290,7 +290,7 @@ def test_a_small_run_refreshes_its_sharded_index_while_training(ray_session, tmp
     whose refresh spans several steps: the slow test below.)"""
     from mlflow.tracking import MlflowClient
 
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     overrides = [
         "experiment=quickstart",
@@ -337,7 +337,7 @@ def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None
     """A real run: versions increase during training, steps go on while a refresh runs, no stall."""
     from mlflow.tracking import MlflowClient
 
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     overrides = [
         "experiment=quickstart",
@@ -379,7 +379,7 @@ def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None
 @pytest.mark.parametrize("threshold", [1e-7, 0.9])
 def test_adaptive_refresh_follows_measured_drift(ray_session, tmp_path, threshold) -> None:
     """refresh.drift_threshold: a refresh starts only at a staleness check whose drift exceeds the threshold."""
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     overrides = [
         "experiment=quickstart",
@@ -520,7 +520,7 @@ def test_a_stopped_shard_abandons_the_round_within_the_refresh_timeout_and_train
     from mlflow.tracking import MlflowClient
 
     from ragtrain.index.sharded import FAULTS
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     overrides = [
         "experiment=quickstart",

@@ -89,7 +89,7 @@ def test_positive_score_comes_from_the_vectors_even_when_gold_is_not_retrieved()
 
 
 def test_static_mining_in_the_pipeline_applies_the_filters_in_corpus_positions(tmp_path) -> None:
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
 
     q, vecs, s = _vectors()
     r = object.__new__(Retrieval)

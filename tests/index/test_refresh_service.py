@@ -244,7 +244,7 @@ def test_a_registered_variant_is_a_valid_choice(monkeypatch) -> None:
 
 
 def test_aligned_with_fewer_anchors_than_the_dimension_fails_before_any_work(ray_session, tmp_path) -> None:
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     over = ["refresh.enabled=true", "refresh.every_steps=2", "refresh.consistency=aligned", "refresh.anchors=16"]
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *over]))

@@ -192,8 +192,8 @@ def on_shards(ray_session, tmp_path_factory):
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
     from ragtrain.data.store import PassageStore
-    from ragtrain.pipeline import initial_weights
-    from ragtrain.retrieval import Retrieval
+    from ragtrain.pipeline.retrieval import Retrieval
+    from ragtrain.pipeline.stages import initial_weights
     from tests.conftest import compose, tiny_overrides
 
     tmp = tmp_path_factory.mktemp("on_shards")
@@ -221,7 +221,7 @@ def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards
     from omegaconf import OmegaConf
 
     from ragtrain.generator.retriever_client import IndexPayload, Searcher
-    from ragtrain.retrieval import BuiltIndex
+    from ragtrain.pipeline.retrieval import BuiltIndex
     from ragtrain.search import main as search_main
     from ragtrain.search import search
 
@@ -346,7 +346,7 @@ def _live(sharded, built, weights, cfg, **fault):
     version 0 is a build of the zero-shot vectors of its own (a test above drops the zero-shot build, as runs do)."""
     import ray
 
-    from ragtrain.retrieval import BuiltIndex
+    from ragtrain.pipeline.retrieval import BuiltIndex
 
     shutil.rmtree(sharded.shard_group.root / FAULTS, ignore_errors=True)
     saved = replace(cfg.fault)
@@ -541,7 +541,7 @@ def test_an_apply_that_times_out_after_the_barrier_is_committed_late_not_failed(
 )
 def test_shard_settings_the_run_cannot_serve_fail_before_any_work(ray_session, tmp_path, overrides, match) -> None:
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import compose, tiny_overrides
 
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *overrides]))
@@ -562,7 +562,7 @@ def test_a_sharded_quickstart_gives_the_figures_of_one_index(quickstart_run, tmp
     (each shard encodes its own range) give the same figures before and after training; the saved 3-shard folder
     serves the generator's searcher as it ranks in-process."""
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import compose, quickstart_overrides
 
     one = quickstart_run[1]

@@ -127,7 +127,7 @@ def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
     from ragtrain.corpus.load import load_data
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
-    from ragtrain.retrieval import Retrieval
+    from ragtrain.pipeline.retrieval import Retrieval
     from tests.conftest import compose, tiny_overrides
     from tests.index.test_vector_files import _write_vectors
 

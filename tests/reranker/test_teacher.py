@@ -179,7 +179,7 @@ def test_run_trains_the_teacher_scores_candidates_and_distils(ray_session, tmp_p
     from ragtrain.corpus.load import load_data
     from ragtrain.data.store import PassageStore
     from ragtrain.embed.model import load_tokenizer
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from ragtrain.reranker.model import build_cross_encoder, check_teacher, score_pairs
     from ragtrain.reranker.score import SCORES_FILE
     from tests.conftest import TEACHER

@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from ray.train import TrainingFailedError
 
 from ragtrain.config import to_typed
-from ragtrain.pipeline import run
+from ragtrain.pipeline.stages import run
 from ragtrain.track.mlflow import find_runs
 from ragtrain.train.checkpoint import CheckpointError, latest_checkpoint, load_train_state, read_meta
 from tests.conftest import compose, tiny_overrides

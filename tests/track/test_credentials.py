@@ -100,7 +100,7 @@ def test_credentials_in_the_uri_work_and_appear_nowhere(ray_session, auth_proxy,
     from mlflow.tracking import MlflowClient
 
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     proxy, uri = auth_proxy
     over = [o for o in tiny_overrides(tmp_path) if not o.startswith("logger.tracking_uri")]

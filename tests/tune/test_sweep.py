@@ -48,7 +48,7 @@ def sweep_cfg(tmp: Path, uri: str, *extra: str, lrs: tuple = (GOOD_LR, BAD_LR), 
                 "resources.trainer.num_workers=1",
                 "resources.pool.num_actors=1",  # fewer processes: 2 cores
                 "export=false",
-                *extra,  # a trial's export is tested with the shared quickstart run (tests/test_export.py)
+                *extra,  # a trial's export is tested with the shared quickstart run (tests/pipeline/test_export.py)
             ]
         )
     )

@@ -28,17 +28,17 @@ from ragtrain.data.types import DataError
 from ragtrain.embed.encoders import EncodeFault, encoder_dim
 from ragtrain.embed.model import build_encoder, check_model_offline
 from ragtrain.embed.precision import resolved_index, resolved_params
-from ragtrain.export import answer_block, export_run
 from ragtrain.index import vector_cache
 from ragtrain.index.base import Index
 from ragtrain.index.checks import check_refresh, refresh_warnings
 from ragtrain.index.faiss_index import check_index_config, check_index_device
 from ragtrain.index.vector_files import save_atomic
 from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, sample_ids
+from ragtrain.pipeline.export import answer_block, export_run
+from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
 from ragtrain.repair.distill import distill_consensus
 from ragtrain.reranker.model import check_teacher
 from ragtrain.reranker.stage import prepare_teacher
-from ragtrain.retrieval import BuiltIndex, Retrieval
 from ragtrain.retriever.lora import check_lora_targets
 from ragtrain.retriever.stage import RetrieverRun, check_train_batch, first_index_is_zeroshot, run_retriever_stage
 from ragtrain.runtime import run_lock

@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from ragtrain.config import to_typed
 from ragtrain.data import make_synthetic
 from ragtrain.index.sharded import open_saved
-from ragtrain.pipeline import run
+from ragtrain.pipeline.stages import run
 from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
@@ -134,7 +134,7 @@ def test_unwritable_output_dir_fails_before_work(tmp_path: Path) -> None:
 
 
 def test_a_failed_check_removes_the_folders_it_made_with_their_new_parents(tmp_path: Path) -> None:
-    from ragtrain.pipeline import prepare_output_dir, undo_on_failure
+    from ragtrain.pipeline.stages import prepare_output_dir, undo_on_failure
 
     (tmp_path / "kept").mkdir()
     (tmp_path / "kept" / "mine.txt").write_text("x")
@@ -238,10 +238,10 @@ def test_same_seed_same_weights_with_dropout(ray_session, tmp_path) -> None:
 
 def test_the_stage_table_runs_the_configured_stages_in_its_order(tmp_path, monkeypatch) -> None:
     """Every stage a config may name has one entry, in config.STAGES's order; `run_stages` runs those named."""
-    from ragtrain import pipeline
     from ragtrain.config import STAGES
+    from ragtrain.pipeline import stages
 
-    assert tuple(pipeline.STAGES) == STAGES
+    assert tuple(stages.STAGES) == STAGES
     ran: list[str] = []
 
     class Record:
@@ -251,9 +251,9 @@ def test_the_stage_table_runs_the_configured_stages_in_its_order(tmp_path, monke
         def run(self, s) -> None:
             ran.append(self.name)
 
-    monkeypatch.setattr(pipeline, "STAGES", {name: Record(name) for name in STAGES})
+    monkeypatch.setattr(stages, "STAGES", {name: Record(name) for name in STAGES})
     cfg = to_typed(compose(tiny_overrides(tmp_path) + ["stages=[index,generator]"]))
-    pipeline.run_stages(pipeline.RunState(cfg, None, tmp_path, None, None, {}, "init"))
+    stages.run_stages(stages.RunState(cfg, None, tmp_path, None, None, {}, "init"))
     assert ran == ["index", "generator"]
 
 

@@ -16,7 +16,7 @@ import torch
 from ragtrain.config import Config, to_typed
 from ragtrain.config.retriever import Pooling, RetrieverConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
-from ragtrain.export import export_retriever
+from ragtrain.pipeline.export import export_retriever
 from tests.conftest import REGISTERED_MODEL, REPO, compose
 
 TEXTS = [
@@ -221,10 +221,10 @@ def test_generator_export_is_a_plain_transformers_folder(tmp_path: Path, generat
     encoder/decoder embedding tie (generator.tie_embeddings) is exported as two equal matrices."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
 
-    from ragtrain.export import export_generator
     from ragtrain.generator.model import build_generator
     from ragtrain.generator.model import load_tokenizer as gen_tokenizer
     from ragtrain.generator.saved import save_generator
+    from ragtrain.pipeline.export import export_generator
 
     extra = ["generator.encoder_layers=1", "generator.decoder_layers=1"] if generator == "bert2bert_minilm" else []
     cfg = to_typed(compose([f"generator={generator}", f"output_dir={tmp_path}", *extra]))
@@ -386,7 +386,7 @@ def test_search_of_a_run_that_did_not_finish_says_so(finished_run, tmp_path: Pat
 )
 def test_the_base_license_is_read_from_any_card_or_none(tmp_path: Path, readme: str | None, want: str | None) -> None:
     """A base model's card may lack front matter or a license, or hold a list: the export never fails on it."""
-    from ragtrain.export import base_license
+    from ragtrain.pipeline.export import base_license
 
     if readme is not None:
         (tmp_path / "README.md").write_text(readme)
@@ -399,7 +399,7 @@ def test_a_license_of_free_text_stays_one_yaml_value_in_the_generator_card(tmp_p
     (mlflow reads the card back) nor be cut."""
     import yaml
 
-    from ragtrain.export import generator_card
+    from ragtrain.pipeline.export import generator_card
 
     base = tmp_path / "base"
     base.mkdir()
