@@ -94,7 +94,7 @@ def _mlflow_template() -> Path:
 def mlflow_db(path: Path) -> str:
     """`sqlite:///<path>`, a SQLite tracking store with MLflow's schema already in it: building the schema of a new
     store (MLflow's migrations) takes ~2 s, and most tests open a new store; a copy of one built once takes ms.
-    (A store created from nothing is still tested: tests/track/test_mlflow.py, tests/test_compare.py.)"""
+    (A store created from nothing is still tested: tests/track/test_mlflow.py, tests/commands/test_compare.py.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(_mlflow_template(), path)
     return f"sqlite:///{path}"

@@ -481,7 +481,7 @@ def test_experiment_name_is_one_folder_name(tmp_path) -> None:
         with pytest.raises(ConfigError, match=r"experiment_name must name a folder below outputs/ .* got "):
             _cfg(tmp_path, f"experiment_name={bad}")
     assert _cfg(tmp_path, "experiment_name=sweeps/lr 1e-4").experiment_name == "sweeps/lr 1e-4"  # nested: inside
-    from ragtrain.compare import folder_name
+    from ragtrain.commands.compare import folder_name
 
     assert folder_name("../../../../tmp/escaped") == "tmp_escaped"
     assert folder_name("..") == "experiment" and folder_name("sweep-test") == "sweep-test"

@@ -107,7 +107,7 @@ def test_relative_imports_are_followed() -> None:
 # itself), at the top of a file or inside a function. A new folder or module must take its place here.
 LAYERS = (
     "runtime config track cluster data embed corpus eval index sync train retriever repair reranker generator joint "
-    "pipeline search ask paired compare tune variants __main__"
+    "pipeline commands tune __main__"
 ).split()
 
 

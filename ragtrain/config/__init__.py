@@ -504,5 +504,8 @@ def changed_keys(before: dict[str, str], after: dict[str, str], allowed: Sequenc
 def to_flat_dict(cfg: Config) -> dict[str, str]:
     """Flatten the typed config to dotted keys (for MLflow params)."""
     out = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
-    out["sync.strategy"], out["sync.label"] = cfg.sync.strategy, cfg.sync.label  # derived, for tables (compare.py)
+    out["sync.strategy"], out["sync.label"] = (
+        cfg.sync.strategy,
+        cfg.sync.label,
+    )  # derived, for tables (commands/compare.py)
     return out

@@ -204,7 +204,7 @@ class QueryEncoder:
 
     One snapshot: its vectors. Several (sync=vector_avg: one per replica): the re-normalised mean of the
     replicas' unit vectors, as the consensus index holds. Every search in ragtrain encodes through this class
-    (pipeline evaluation and mining, the generator's retrieval, `python -m ragtrain.search`).
+    (pipeline evaluation and mining, the generator's retrieval, `python -m ragtrain search`).
     """
 
     def __init__(

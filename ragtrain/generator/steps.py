@@ -1,5 +1,5 @@
 """The generator's pieces both training recipes share (the generator stage's ragtrain/generator/train.py and the joint
-stage's ragtrain/joint/train.py), and that `ragtrain.ask` and the benchmarks use: the question data, the step
+stage's ragtrain/joint/train.py), and that `ragtrain.commands.ask` and the benchmarks use: the question data, the step
 sampler and each step's passages (the gold-only curriculum, then the retrieved ones), the prompt builder, autocast,
 and EM / F1 evaluation in every retrieval mode.
 """

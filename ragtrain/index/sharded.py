@@ -12,7 +12,7 @@ A search encodes its queries once (the caller), sends them to every shard in bat
 by score, ties broken by global row: with Flat, N shards return exactly the ids and scores of one index.
 `ShardedIndex` (the actors' handle) is the one implementation of the `Index` protocol (index/base.py): evaluation,
 mining, the live refresh and the generator's retrieval search through it. `ReadOnlyShards` reads a saved folder in
-this process (`python -m ragtrain.search`, `ask`, `paired`, the checks of a saved index before Ray starts): a
+this process (`python -m ragtrain search`, `ask`, `paired`, the checks of a saved index before Ray starts): a
 `ReadOnlyIndex`, searched through the same code (`_Merged`: checks, query batches, merge) with the shards' own
 `DenseIndex.search` called here instead of in the actors. The driver holds the passage ids and the metadata, never
 vectors.
@@ -1011,7 +1011,7 @@ def read_sharded(folder: Path) -> list[dict]:
 
 
 class ReadOnlyShards(_Merged):
-    """A saved sharded index loaded in this process (`python -m ragtrain.search`, the generator's checks): a
+    """A saved sharded index loaded in this process (`python -m ragtrain search`, the generator's checks): a
     `ReadOnlyIndex` (index/base.py), searched through the actors' merge over in-process shards; never saved (it is
     a saved folder) nor dropped (nothing is held elsewhere)."""
 

@@ -50,8 +50,8 @@ def save_final_index(
 ) -> dict[str, float]:
     """The corpus encoded by the final encoder, evaluated and saved as the run's index (<out_dir>/index, replacing
     the pre-joint one): the live index's rows were refreshed by snapshots older than the last step (and may mix
-    versions), and the folder's index must be the one the saved query encoder searches (`ragtrain.search`,
-    `ragtrain.ask`). Its metadata names <out_dir>/joint/encoder.safetensors as its encoder."""
+    versions), and the folder's index must be the one the saved query encoder searches (`python -m ragtrain
+    search`, `ask`). Its metadata names <out_dir>/joint/encoder.safetensors as its encoder."""
     name = f"{cfg.retriever.model}@{out_dir / JOINT_DIR / ENCODER_FILE}"
     built, metrics = retrieval.build_and_evaluate("trained", [weights], name, cfg.joint.max_steps)
     save_atomic(built.index, out_dir / "index")  # a temporary folder, renamed when complete

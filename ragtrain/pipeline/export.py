@@ -2,7 +2,7 @@
 model card) and `<output_dir>/export/generator` (a transformers `save_pretrained` folder), then MLflow models.
 
 A run with a joint stage serves the jointly trained models (`<output_dir>/joint`): its encoder and its generator are
-the ones exported (and the ones `python -m ragtrain.ask` answers with: `served_encoder`, `served_generator`).
+the ones exported (and the ones `python -m ragtrain ask` answers with: `served_encoder`, `served_generator`).
 
 The retriever is written with sentence-transformers' own classes (Transformer -> Pooling -> Normalize), so
 `SentenceTransformer(folder)` loads it offline and gives ragtrain's vectors; query/passage prefixes become its
@@ -303,7 +303,7 @@ from transformers import {loader}, AutoTokenizer
 model = {loader}.from_pretrained("path/to/export/generator")
 tokenizer = AutoTokenizer.from_pretrained("path/to/export/generator")
 ```
-or, with the run's index and retriever: `python -m ragtrain.ask <run folder> "a question"`.
+or, with the run's index and retriever: `python -m ragtrain ask <run folder> "a question"`.
 
 ## Answers ({cfg.data.split} split, SQuAD v1.1 normalisation)
 

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 from omegaconf import OmegaConf
 
-from ragtrain.compare import compare_runs
+from ragtrain.commands.compare import compare_runs
 from ragtrain.config.logger import LoggerConfig
 from ragtrain.runtime.console import get_logger
 from ragtrain.runtime.errors import ConfigError

@@ -4,7 +4,7 @@
 (an unknown key or out-of-range value in `tune.space`, an unknown scheduler/searcher, a trial bigger than the
 cluster) fails before the first trial starts. MLflow: one parent run per sweep, one child run per trial (the
 pipeline's own run, with the trial's full config as params and its training curves); the best trial's config is
-written as a ready-to-run experiment; the comparison report (ragtrain.compare) closes the sweep.
+written as a ready-to-run experiment; the comparison report (ragtrain.commands.compare) closes the sweep.
 """
 
 from __future__ import annotations

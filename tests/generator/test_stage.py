@@ -104,8 +104,8 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     assert all(r["passages"] == [] for r in preds["closed_book"])
     assert all(len(r["passages"]) == 1 and r["passages"][0] in gold[r["qid"]] for r in preds["oracle"])
     assert all(len(r["passages"]) == cfg.generator.retrieval.top_k for r in preds["rag"])
-    # python -m ragtrain.paired --metric <mode>/<em|f1> re-scores these answers: the run's own figures
-    from ragtrain.paired import answer_scores
+    # python -m ragtrain paired --metric <mode>/<em|f1> re-scores these answers: the run's own figures
+    from ragtrain.commands.paired import answer_scores
 
     for phase, mode in (("gen_rag", "rag"), ("gen_closed_book", "closed_book"), ("gen_oracle", "oracle")):
         for kind in ("em", "f1"):

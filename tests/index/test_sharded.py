@@ -216,14 +216,14 @@ def on_shards(ray_session, tmp_path_factory):
 def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards, capsys) -> None:
     """Each shard read its rows from the passage store and encoded them; the evaluation, the mined negatives and
     the generator's searcher equal those of one index of the same vectors; the saved folder serves `python -m
-    ragtrain.search`, and a missing shard there is one line naming it (exit 2). (The Ray Data encode of one
+    ragtrain search`, and a missing shard there is one line naming it (exit 2). (The Ray Data encode of one
     shard against three shards' own encodes: the pipeline test below.)"""
     from omegaconf import OmegaConf
 
+    from ragtrain.commands.search import main as search_main
+    from ragtrain.commands.search import search
     from ragtrain.generator.retriever_client import IndexPayload, Searcher
     from ragtrain.pipeline.retrieval import BuiltIndex
-    from ragtrain.search import main as search_main
-    from ragtrain.search import search
 
     cfg, data, sharded, a, metrics, weights, _ = on_shards
     out = Path(cfg.output_dir)
@@ -698,11 +698,11 @@ def _sha256(path: Path) -> str:
 
 @pytest.mark.parametrize("damage", ["top meta truncated", "shard ids"])
 def test_search_of_a_damaged_saved_index_is_one_line_and_exit_2(groups, vectors, tmp_path, capsys, damage) -> None:
-    """`python -m ragtrain.search <run> "q"` on a run whose saved index was damaged: one line naming the file."""
+    """`python -m ragtrain search <run> "q"` on a run whose saved index was damaged: one line naming the file."""
     from omegaconf import OmegaConf
 
+    from ragtrain.commands.search import main as search_main
     from ragtrain.config import to_typed
-    from ragtrain.search import main as search_main
     from tests.conftest import compose, tiny_overrides
 
     _, shards, _ = vectors

@@ -143,18 +143,18 @@ def test_trained_passages_refresh_two_shards_and_end_on_one_version(built) -> No
                 "index/mixed_recall_at_10", "run/joint_rag/em"):  # fmt: skip
         assert key in run.data.metrics, key
     assert (out / "generator" / "config.json").exists() and (out / "encoder.safetensors").exists()
-    from ragtrain.paired import answer_scores  # the joint stage's saved answers re-score to its figures
+    from ragtrain.commands.paired import answer_scores  # the joint stage's saved answers re-score to its figures
 
     em = answer_scores(cfg.output_dir, "rag/em").values()
     assert sum(em) / len(em) == pytest.approx(results["joint_rag"]["em"], abs=1e-12)
     # the run's saved index is the final encoder's (the live rows were refreshed by older snapshots): its metadata
-    # names the joint encoder, its vectors are that encoder's, and `ragtrain.search` serves it with the joint queries
+    # names the joint encoder, its vectors are that encoder's, and `ragtrain search` serves it with the joint queries
     from omegaconf import OmegaConf
 
+    from ragtrain.commands.search import search
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.weights import load_weights
     from ragtrain.index.sharded import open_saved
-    from ragtrain.search import search
 
     saved = open_saved(Path(cfg.output_dir) / "index")
     assert saved.meta.encoder == f"{cfg.retriever.model}@{out / 'encoder.safetensors'}"

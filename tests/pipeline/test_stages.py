@@ -280,7 +280,7 @@ def test_a_comparison_whose_variants_all_finished_logs_no_second_comparison_run(
     figures), and no new run in the MLflow store."""
     from dataclasses import replace
 
-    from ragtrain.variants import run_variants
+    from ragtrain.commands.variants import run_variants
 
     cfg, results, _ = quickstart_run
     client = MlflowClient(cfg.logger.tracking_uri)

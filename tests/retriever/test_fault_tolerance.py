@@ -151,7 +151,7 @@ def test_a_resumed_run_continues_its_live_index_from_the_checkpoint(ray_session,
     assert meta["step"] == 4 and meta["live_version"] >= 0
     stopped = (Path(cfg.output_dir) / "mlflow_run_id").read_text().strip()
     logged_before = _history(cfg, "index/version")
-    resumed = replace(cfg, resume=True)  # the kill does not repeat: its marker is there (checkpoint.py)
+    resumed = replace(cfg, resume=True)  # the kill does not repeat: its marker is there (train/checkpoint.py)
     run(resumed)
     history = json.loads((Path(resumed.output_dir) / "refresh_history.json").read_text())["history"]
     # The resumed live index starts as version live_version + 1 (the checkpoint's weights, at its step 4);

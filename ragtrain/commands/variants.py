@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from ragtrain.commands.paired import format_table, paired_over_seeds, predictions_file, saved_answers
+from ragtrain.commands.search import SearchError
 from ragtrain.config import Config
 from ragtrain.config.variants import SEED_MARK
-from ragtrain.paired import format_table, paired_over_seeds, predictions_file, saved_answers
 from ragtrain.pipeline.stages import completed, run
 from ragtrain.runtime.console import get_logger
-from ragtrain.search import SearchError
 from ragtrain.track.mlflow import RunLogger
 from ragtrain.track.report import comparison_frame, write_comparison
 

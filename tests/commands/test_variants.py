@@ -1,5 +1,5 @@
-"""ragtrain.variants with experiment=sync_compare end to end (tiny encoder): one MLflow run per strategy, table + plot
-that match them."""
+"""ragtrain/commands/variants.py with experiment=sync_compare end to end (tiny encoder): one MLflow run per strategy,
+table + plot that match them."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ragtrain.commands.variants import paired_answers, run_variants
 from ragtrain.config import to_typed
 from ragtrain.config.variants import override_variants, sync_variants
 from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.report import write_comparison
-from ragtrain.variants import paired_answers, run_variants
 from tests.conftest import CONF_DIR, compose, tiny_overrides
 
 

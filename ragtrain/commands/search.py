@@ -1,9 +1,9 @@
-"""`python -m ragtrain.search <output_dir> "a question" [-k 5] [--json]`: query a finished run.
+"""`python -m ragtrain search <output_dir> "a question" [-k 5] [--json]`: query a finished run.
 
 Top-k passages (rank, score, id, text) from the run's saved index (`<output_dir>/index`; a sharded one is searched
 shard by shard and merged), with the query encoded by the encoder that built it (named in `index_meta.json`,
 rebuilt from the run's `config.yaml`), or for a run with a joint stage by the jointly trained encoder
-(`<output_dir>/joint`). `python -m ragtrain.ask` answers with the run's generator on top of this search. Bad input:
+(`<output_dir>/joint`). `python -m ragtrain ask` answers with the run's generator on top of this search. Bad input:
 one line on stderr, exit code 2.
 """
 
@@ -199,7 +199,7 @@ def hit_line(h: dict[str, Any], width: int = 160) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry; returns the exit code (2 on bad input)."""
     quiet_cli()  # no Hugging Face loading bars around the answer
-    ap = argparse.ArgumentParser(prog="python -m ragtrain.search", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m ragtrain search", description=__doc__.splitlines()[0])
     ap.add_argument("output_dir", help="a finished run's folder (holds config.yaml and index/)")
     ap.add_argument("question")
     ap.add_argument("-k", type=int, default=5, help="passages to return (default 5)")
@@ -221,7 +221,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     for h in hits:
         print(hit_line(h))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
