@@ -76,7 +76,7 @@ def test_outputs_written(quickstart_run) -> None:
     log = (out / "ragtrain.log").read_text()
     assert "[zeroshot] encoding" in log and "ndcg@10" in log and "outputs:" in log
     # the checks' lines too (logged before the file may be written, kept and written after), with their own times
-    assert re.match(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO \[driver\] ragtrain\.pipeline: \[data\] ", log), log[:300]
+    assert re.match(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO \[driver\] ragtrain\.pipeline\.stages: \[data\] ", log), log[:300]
     # rank 0's step lines (a Train worker's process) land in the same file, marked as such
     assert any("[retriever rank 0]" in line and "[retriever] step 4/4" in line for line in log.splitlines()), log
     assert json.loads((out / "status.json").read_text())["status"] == "complete"
