@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from ragtrain.config.retriever import RetrieverConfig
     from ragtrain.corpus.encode import build_threads, encode_to_vectors
     from ragtrain.embed.model import build_encoder
-    from ragtrain.precision import resolve
+    from ragtrain.embed.precision import resolve
 
     ids, texts = passages(args.docs, args.max_tokens)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

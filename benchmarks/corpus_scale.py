@@ -79,7 +79,7 @@ class RssSampler:
     def __init__(self, every_s: float = 0.05):
         import threading
 
-        from ragtrain.rss import rss_breakdown_mb
+        from ragtrain.runtime.rss import rss_breakdown_mb
 
         self.first = rss_breakdown_mb()
         self.peak = dict(self.first)
@@ -169,7 +169,7 @@ def scale(args) -> None:
     from ragtrain.corpus.encode import VectorSet, encode_to_vectors
     from ragtrain.embed.model import load_tokenizer
     from ragtrain.index.vector_files import build_from_vectors, save_atomic
-    from ragtrain.rss import peak_rss_mb
+    from ragtrain.runtime.rss import peak_rss_mb
 
     actor_env = dict(kv.split("=", 1) for kv in args.actor_env)
     encode_mod.ACTOR_ENV.update(actor_env)  # encode_to_vectors reads it when it starts the actor pool

@@ -4,9 +4,9 @@
 
 For each N a BEIR folder of N short passages (the generator of corpus_scale.py, 12-30 words each) with 100 dev
 queries is written once; then each (N, mode) runs in a fresh process (VmHWM is per process):
-`ragtrain.pipeline.run` with `data=beir retriever=tiny stages=[index] logger=none` — read the corpus, encode it on
-Ray Data (2 actors), build the Flat index from the vector files in the run's index shard actor, evaluate nDCG@10. Mode
-`store` is what every run does
+`ragtrain.pipeline.stages.run` with `data=beir retriever=tiny stages=[index] logger=none` — read the corpus, encode it
+on Ray Data (2 actors), build the Flat index from the vector files in the run's index shard actor, evaluate nDCG@10.
+Mode `store` is what every run does
 (the corpus streams into `<output_dir>/corpus/passages.arrow` and Ray Data's read tasks read it); mode `memory`
 loads the same corpus as a dict in the driver and sends its texts through the object store (the path before the
 passage store, kept for small corpora and tests). Recorded per run: driver peak RSS (VmHWM), RSS after imports,
@@ -65,13 +65,13 @@ def write_folder(root: Path, n: int) -> None:
 
 def child(root: str, mode: str, out: str, overrides: list[str]) -> None:
     """One run in this process; prints one JSON line."""
-    from ragtrain.rss import peak_rss_mb
+    from ragtrain.runtime.rss import peak_rss_mb
 
     rss_imports = peak_rss_mb()
-    import ragtrain.retrieval  # noqa: F401  (torch, transformers, faiss: counted before any data)
+    import ragtrain.pipeline.retrieval  # noqa: F401  (torch, transformers, faiss: counted before any data)
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import compose
 
     rss_imports = peak_rss_mb()
@@ -90,7 +90,7 @@ def child(root: str, mode: str, out: str, overrides: list[str]) -> None:
         )
     )
     if mode == "memory":  # the same run, with the corpus loaded as a dict (no store)
-        import ragtrain.pipeline as pipeline
+        import ragtrain.pipeline.stages as pipeline
 
         pipeline.load_data = lambda data_cfg, retriever=None, out_dir=None, **kw: load_data(
             data_cfg, retriever, out_dir, store=False, **kw

@@ -72,7 +72,7 @@ import torch
 from hydra import compose as hydra_compose, initialize_config_dir
 
 from ragtrain.config import register_configs, to_typed
-from ragtrain.pipeline import run
+from ragtrain.pipeline.stages import run
 
 dry = sys.argv[1] == "1"
 ngpu, workers, steps, joint_steps, n, batch = map(int, sys.argv[2:8])
@@ -107,7 +107,7 @@ def faiss_gpus() -> tuple[int, str]:
     try:
         import faiss
 
-        from ragtrain.errors import ConfigError
+        from ragtrain.runtime.errors import ConfigError
         from ragtrain.index.faiss_index import check_index_device
     except ImportError as e:
         return 0, f"faiss does not import ({e})"

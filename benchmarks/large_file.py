@@ -64,7 +64,7 @@ def one_run(root: str, prepare: str, out: str) -> None:
 
     from ragtrain.config.data import DataConfig, Prepare
     from ragtrain.corpus.load import load_data
-    from ragtrain.rss import peak_rss_mb
+    from ragtrain.runtime.rss import peak_rss_mb
 
     def start_ray() -> None:
         import ray

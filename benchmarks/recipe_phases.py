@@ -38,7 +38,7 @@ PHASES = ("zero-shot encode", "mining", "training steps", "trained encode")
 
 
 def machine() -> dict[str, str]:
-    from ragtrain.precision import cpu_bf16_native, cpu_capability
+    from ragtrain.embed.precision import cpu_bf16_native, cpu_capability
 
     model = platform.processor() or ""
     try:

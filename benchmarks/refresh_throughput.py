@@ -52,7 +52,7 @@ def run_side(name: str, extra: list[str], args: argparse.Namespace, tmp: Path) -
     from hydra import compose, initialize_config_dir
 
     from ragtrain.config import register_configs, to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     register_configs()
     overrides = [

@@ -1,4 +1,4 @@
-"""The cost of `python -m ragtrain.search` on a large saved index: the checksum check of every index file on each
+"""The cost of `python -m ragtrain search` on a large saved index: the checksum check of every index file on each
 call (before) against the verified stamps (`ragtrain.index.integrity.verified_stamps`: a file hashed once, then
 re-hashed only when its size / mtime / ctime / inode change).
 
@@ -8,10 +8,10 @@ saved sharded index (each shard persisted with its manifest, then index_meta.jso
 units (seeded init: the query encoder of an index built by `tiny@init`); no passage store, so the texts are
 reloaded from the synthetic data.
 
-Measured, in this process, for each of `--calls` calls of `ragtrain.search.search(run, question)`: its wall clock,
-the sha256 calls it made (`integrity.sha256_file`) and the seconds spent in them, with the stamps file removed
-before every call (each call verifies in full: the cost before) and kept (the first call verifies and records, the
-others re-hash nothing).
+Measured, in this process, for each of `--calls` calls of `ragtrain.commands.search.search(run, question)`: its
+wall clock, the sha256 calls it made (`integrity.sha256_file`) and the seconds spent in them, with the stamps file
+removed before every call (each call verifies in full: the cost before) and kept (the first call verifies and
+records, the others re-hash nothing).
 The page cache is warm after the first call in both, so the difference is the hashing's CPU, not the disk.
 
 Run:
@@ -81,7 +81,7 @@ def write_run(out: Path, dim: int) -> None:
 
 def timed_calls(out: Path, calls: int, keep_stamps: bool) -> list[tuple[float, int, float]]:
     """(seconds, sha256 calls, seconds inside sha256) of each search call."""
-    from ragtrain.search import VERIFIED_FILE, search
+    from ragtrain.commands.search import VERIFIED_FILE, search
 
     hashed, hash_s, real = [0], [0.0], integrity.sha256_file
 

@@ -395,12 +395,12 @@ def live_refresh(args: argparse.Namespace, t0: float) -> dict[str, Any] | None:
     from hydra import compose, initialize_config_dir
 
     from ragtrain.config import register_configs, to_typed
+    from ragtrain.embed.precision import resolved_index
     from ragtrain.index.live_client import make_probe
     from ragtrain.index.mining import MiningSpec
     from ragtrain.index.refresh_service import RefreshService, RefreshSpec
     from ragtrain.index.sharded import ShardGroup, shard_ranges
-    from ragtrain.pipeline import initial_weights
-    from ragtrain.precision import resolved_index
+    from ragtrain.pipeline.stages import initial_weights
 
     if not (args.scifact / "corpus.jsonl.gz").is_file():
         print(f"SKIP: live refresh: no SciFact at {args.scifact} (see ../shared/data/README.md)", flush=True)

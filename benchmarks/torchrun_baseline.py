@@ -41,7 +41,7 @@ def scifact_available(root: str | Path) -> bool:
 
 
 def load_train_data(data: str, scifact_root: str | Path = DEFAULT_SCIFACT, num_entities: int = 200):
-    """The retriever TrainData exactly as ragtrain.pipeline builds it (no hard negatives)."""
+    """The retriever TrainData exactly as ragtrain.pipeline.stages builds it (no hard negatives)."""
     from ragtrain.retriever.batching import TrainData, build_examples
 
     if data == "scifact":

@@ -424,7 +424,7 @@ def run_logged(argv: list[str], log: Path, timeout: float, name: str, prefix: st
 def runs_by_strategy(uri: str, bandwidth: str) -> dict[str, list]:
     """The bandwidth's MLflow runs per sync preset, oldest first ({} before any run)."""
     # lazy: mlflow is heavy (~1 s); argument checks and the figures need none of it
-    from ragtrain.compare import sync_label
+    from ragtrain.commands.compare import sync_label
     from ragtrain.track.mlflow import find_runs
 
     try:

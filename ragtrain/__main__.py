@@ -1,7 +1,12 @@
-"""`python -m ragtrain experiment=NAME [key=value ...]`: compose, validate and resolve on the driver, then run."""
+"""`python -m ragtrain experiment=NAME [key=value ...]`: compose, validate and resolve on the driver, then run.
+
+`python -m ragtrain COMMAND ARGS...` (COMMAND one of `COMMANDS`) runs that command of ragtrain/commands/ instead:
+`main(ARGS)` of its module, whose exit status is the process's.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
@@ -15,6 +20,21 @@ if not os.environ.get("RAY_ADDRESS"):
     # A cluster (RAY_ADDRESS set) keeps its own networking.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+# The commands on finished runs and MLflow's runs (ragtrain/commands/<name>.py); conf/config.yaml's help header names
+# them too. Any other first argument is an override of one run's config (Hydra's command line).
+COMMANDS = ("search", "ask", "paired", "compare")
+
+
+def run_command(argv: list[str]) -> int | None:
+    """The exit status of `python -m ragtrain COMMAND ARGS...`, or None when argv names no command."""
+    if not argv or argv[0] not in COMMANDS:
+        return None
+    return importlib.import_module(f"ragtrain.commands.{argv[0]}").main(argv[1:])
+
+
+if __name__ == "__main__" and (_status := run_command(sys.argv[1:])) is not None:
+    raise SystemExit(_status)  # before Hydra and the config schema load: a command imports what it needs only
+
 import hydra  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -26,8 +46,8 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from ragtrain.cluster.resources import InfeasibleResourcesError  # noqa: E402
 from ragtrain.config import check_ascii_numbers, has_non_ascii_digits, non_ascii_digits, register_configs, to_typed  # noqa: E402
 from ragtrain.config.variants import override_variants, sync_variants  # noqa: E402
-from ragtrain.console import configure  # noqa: E402
-from ragtrain.errors import ConfigError  # noqa: E402
+from ragtrain.runtime.console import configure  # noqa: E402
+from ragtrain.runtime.errors import ConfigError  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
@@ -216,12 +236,12 @@ def dispatch(cfg: DictConfig) -> None:
     for each in [typed, *variants.values()]:  # every variant's live-refresh choices, before the first one runs
         check_refresh(each.refresh, fault=each.fault)
     if variants:
-        # lazy: ragtrain.variants imports pandas/pyarrow/torch; the CLI starts without them
-        from ragtrain.variants import run_variants
+        # lazy: ragtrain.commands.variants imports pandas/pyarrow/torch; the CLI starts without them
+        from ragtrain.commands.variants import run_variants
 
         run_variants(variants, typed.output_dir)
         return
-    from ragtrain.pipeline import run  # lazy: ragtrain.pipeline imports torch; the CLI starts without it
+    from ragtrain.pipeline.stages import run  # lazy: ragtrain.pipeline.stages imports torch; the CLI starts without it
 
     run(typed)
 

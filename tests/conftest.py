@@ -94,7 +94,7 @@ def _mlflow_template() -> Path:
 def mlflow_db(path: Path) -> str:
     """`sqlite:///<path>`, a SQLite tracking store with MLflow's schema already in it: building the schema of a new
     store (MLflow's migrations) takes ~2 s, and most tests open a new store; a copy of one built once takes ms.
-    (A store created from nothing is still tested: tests/track/test_mlflow.py, tests/test_compare.py.)"""
+    (A store created from nothing is still tested: tests/track/test_mlflow.py, tests/commands/test_compare.py.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(_mlflow_template(), path)
     return f"sqlite:///{path}"
@@ -189,7 +189,7 @@ def in_process_index(cfg, data, folder: Path):
 
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
     from tests.index.test_vector_files import _write_vectors
 
     torch.manual_seed(cfg.seed)
@@ -212,7 +212,7 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
         f"output_dir={tmp_path / 'out'}",
         f"logger.tracking_uri={mlflow_db(tmp_path / 'mlflow.db')}",
         # fp32 whatever the CPU: the same numbers on every test machine, and the tiny encoder's matrices are too
-        # small for bf16 to pay (auto is tested in tests/test_precision.py)
+        # small for bf16 to pay (auto is tested in tests/embed/test_precision.py)
         "retriever.train.precision=fp32",
         "index.precision=fp32",
         "generator.train.precision=fp32",
@@ -243,7 +243,7 @@ def quickstart_run(ray_session, tmp_path_factory):
     <tmp>/vector_cache), shared by every module that only reads a finished run: each Train worker-group and encode
     start costs seconds, and the suite must stay short. Returns (typed cfg, results, tmp folder)."""
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     tmp = tmp_path_factory.mktemp("quickstart")
     cfg = to_typed(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ragtrain.config import to_typed
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import REPO, compose, tiny_overrides
 
 
@@ -94,7 +94,7 @@ def test_credentials_in_a_tracking_uri_are_redacted() -> None:
 
 
 def test_a_model_that_is_not_offline_fails_before_data_or_ray(tmp_path) -> None:
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     cfg = _cfg(tmp_path, "retriever.model=some-org/not-cached-model")
     with pytest.raises(ConfigError, match=r"retriever.model='some-org/not-cached-model' is not available offline"):
@@ -117,7 +117,7 @@ def test_a_model_folder_that_does_not_exist_is_named_as_missing(tmp_path, folder
 @pytest.mark.parametrize(("factory", "match"), [("IVF4096,Flat", "4096 IVF lists"), ("IVF8,Nope", "not a valid faiss")])
 def test_a_bad_index_factory_fails_before_training_without_a_zeroshot_index(tmp_path, factory, match) -> None:
     """zeroshot_eval=false and no mining: the first index would be built after training; the check runs first."""
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     cfg = _cfg(tmp_path, "zeroshot_eval=false", "retriever.train.hard_negatives=0", f"index.factory='{factory}'")
     with pytest.raises(ConfigError, match=match):
@@ -128,7 +128,7 @@ def test_a_bad_index_factory_fails_before_training_without_a_zeroshot_index(tmp_
 
 def test_failed_checks_remove_only_what_they_wrote(tmp_path) -> None:
     """A folder that held files before keeps them; the store this run wrote into it goes."""
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     cfg = _cfg(tmp_path, "zeroshot_eval=false", "retriever.train.hard_negatives=0", "index.factory='IVF4096,Flat'")
     out = Path(cfg.output_dir)
@@ -143,7 +143,7 @@ def test_failed_checks_remove_only_what_they_wrote(tmp_path) -> None:
 def test_resume_refuses_another_config_naming_the_keys(tmp_path) -> None:
     from omegaconf import OmegaConf
 
-    from ragtrain.pipeline import check_resume
+    from ragtrain.pipeline.stages import check_resume
 
     first = _cfg(tmp_path)
     out = Path(first.output_dir)
@@ -160,7 +160,7 @@ def test_resume_refuses_another_config_naming_the_keys(tmp_path) -> None:
 def test_all_grade_zero_qrels_fail_before_encoding() -> None:
     from ragtrain.data import make_synthetic
     from ragtrain.data.types import DataError
-    from ragtrain.pipeline import check_qrels
+    from ragtrain.pipeline.stages import check_qrels
 
     data = make_synthetic(num_entities=12)
     check_qrels(data)
@@ -292,7 +292,7 @@ def test_a_run_folder_with_the_runs_own_files_is_kept(tmp_path, monkeypatch) -> 
 def test_unwritable_cache_dir_fails_before_any_work(tmp_path) -> None:
     """index.cache_dir is written after the first encode: a folder that cannot be created is refused up front."""
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import compose, tiny_overrides
 
     blocker = tmp_path / "file"
@@ -423,7 +423,7 @@ def test_lora_target_modules_the_model_lacks_fail_before_any_work(tmp_path) -> N
     ):
         check_lora_targets(cfg.retriever)
     check_lora_targets(_cfg(tmp_path, "retriever.lora.rank=4", "retriever.lora.target_modules=[query,value]").retriever)
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     with pytest.raises(ConfigError, match=r"retriever.lora.target_modules names \['no_such_module'\]"):
         run(_cfg(tmp_path, "retriever.lora.rank=4", "retriever.lora.target_modules=[no_such_module]"))
@@ -481,7 +481,7 @@ def test_experiment_name_is_one_folder_name(tmp_path) -> None:
         with pytest.raises(ConfigError, match=r"experiment_name must name a folder below outputs/ .* got "):
             _cfg(tmp_path, f"experiment_name={bad}")
     assert _cfg(tmp_path, "experiment_name=sweeps/lr 1e-4").experiment_name == "sweeps/lr 1e-4"  # nested: inside
-    from ragtrain.compare import folder_name
+    from ragtrain.commands.compare import folder_name
 
     assert folder_name("../../../../tmp/escaped") == "tmp_escaped"
     assert folder_name("..") == "experiment" and folder_name("sweep-test") == "sweep-test"
@@ -505,7 +505,7 @@ def test_a_new_run_into_a_finished_runs_folder_is_refused(quickstart_run, tmp_pa
     """It silently replaced the finished run's metrics.json, index and exports."""
     from dataclasses import replace
 
-    from ragtrain.pipeline import check_fresh_output, run
+    from ragtrain.pipeline.stages import check_fresh_output, run
 
     cfg, copy, before = _copy_of_finished_run(quickstart_run, tmp_path)
     with pytest.raises(
@@ -524,7 +524,7 @@ def test_a_resume_checks_everything_before_touching_the_folder(quickstart_run, t
     and leaving status.json 'running'; a misspelled resume_allow_changes key was accepted."""
     from dataclasses import replace
 
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     cfg, copy, before = _copy_of_finished_run(quickstart_run, tmp_path)
     allow = ["output_dir", "logger.tracking_uri"] if case == "another_store" else ["output_dir", "retriever.trian"]
@@ -564,8 +564,8 @@ def test_a_store_that_fails_once_the_run_folder_exists_marks_it_failed(ray_sessi
     import json
     import sqlite3
 
-    from ragtrain.pipeline import check_fresh_output, run
-    from ragtrain.run_lock import LOCK_FILE
+    from ragtrain.pipeline.stages import check_fresh_output, run
+    from ragtrain.runtime.run_lock import LOCK_FILE
 
     cfg = _cfg(tmp_path, "stages=[index]")
     db = Path(cfg.logger.tracking_uri.removeprefix("sqlite:///"))

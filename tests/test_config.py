@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
 from ragtrain.config import Config, to_flat_dict, to_typed
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import CONF_DIR, REPO, compose
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

@@ -106,9 +106,8 @@ def test_relative_imports_are_followed() -> None:
 # Every folder and top-level module of ragtrain, lowest first: each may import only what comes before it (or
 # itself), at the top of a file or inside a function. A new folder or module must take its place here.
 LAYERS = (
-    "errors console run_lock rss schedule config precision track cluster data embed corpus eval index sync checkpoint "
-    "train retriever repair reranker generator joint export retrieval pipeline search ask paired compare tune "
-    "variants __main__"
+    "runtime config track cluster data embed corpus eval index sync train retriever repair reranker generator joint "
+    "pipeline commands tune __main__"
 ).split()
 
 

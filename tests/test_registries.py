@@ -27,10 +27,10 @@ from ragtrain.config.sync import (
 )
 from ragtrain.config.tune import TUNE_SCHEDULERS, TUNE_SEARCHERS
 from ragtrain.corpus.sources.base import DataSource
-from ragtrain.errors import ConfigError
 from ragtrain.generator.archs.base import Architecture
 from ragtrain.joint.losses.base import JointLoss
 from ragtrain.retriever.teacher.base import TeacherLoss
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.sync.composed import build_sync
 from ragtrain.sync.consensus.base import Consensus
 from ragtrain.sync.mixers.base import Mixer

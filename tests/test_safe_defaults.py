@@ -149,7 +149,7 @@ def test_prefixes_compose_with_live_refresh_and_distillation() -> None:
 @pytest.mark.parametrize("extra", [["logger=none"], ["export=false"]])
 def test_register_as_without_mlflow_or_export_is_a_config_error(extra: list[str]) -> None:
     from ragtrain.config import to_typed
-    from ragtrain.errors import ConfigError
+    from ragtrain.runtime.errors import ConfigError
 
     with pytest.raises(ConfigError, match="logger.register_as"):
         to_typed(compose(["retriever=tiny", "logger.register_as=my-retriever", "output_dir=x", *extra]))

@@ -42,8 +42,8 @@ def test_the_squad_rag_command_evaluates_the_named_articles_with_every_paragraph
     """The command's overrides, composed as `python -m ragtrain` composes them and run on the test session's Ray
     (a subprocess would start a Ray cluster and import everything again; the CLI's own path is tested in
     tests/test_checks.py and by the experiments' slow tests)."""
+    from ragtrain.commands.variants import run_variants
     from ragtrain.config.variants import override_variants
-    from ragtrain.variants import run_variants
     from tests.conftest import compose
 
     (tmp_path / "squad").mkdir()

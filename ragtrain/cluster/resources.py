@@ -10,8 +10,8 @@ from typing import Any
 import ragtrain
 from ragtrain.config.logger import auth_env
 from ragtrain.config.resources import ResourcesConfig
-from ragtrain.console import get_logger, is_quiet, quiet_env
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.console import get_logger, is_quiet, quiet_env
+from ragtrain.runtime.errors import ConfigError
 
 log = get_logger(__name__)
 
@@ -66,7 +66,7 @@ def worker_env(worker_start_timeout_s: int = WORKER_START_TIMEOUT_S) -> dict[str
         # every worker can take longer, and the run would fail with WorkerGroupStartupTimeoutError.
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(worker_start_timeout_s),
     }
-    env.update(quiet_env())  # the console settings (ragtrain.console)
+    env.update(quiet_env())  # the console settings (ragtrain.runtime.console)
     return env
 
 
@@ -94,7 +94,7 @@ def init_ray(res: ResourcesConfig, worker_start_timeout_s: int = WORKER_START_TI
     env.update(auth_env())
     # Every worker process of the job, Ray Train's own actors included (its placement-group cleaner), starts with
     # ragtrain's console settings
-    hook = "ragtrain.console.worker_setup"
+    hook = "ragtrain.runtime.console.worker_setup"
     if os.environ.get("RAY_ADDRESS"):
         # Ship this checkout's ragtrain to the cluster's workers (third-party packages come from the image).
         pkg = str(Path(ragtrain.__file__).resolve().parent)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ragtrain.config.logger import LoggerBackend
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.mlflow import store_folder, tracking_uri
 
 __all__ = ["PROBE_TIMEOUT_S", "check_shared_paths", "shared_paths"]

@@ -30,13 +30,13 @@ from ragtrain.config.resources import ResourcesConfig
 from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.config.sync import SyncConfig
 from ragtrain.config.tune import TuneConfig
-from ragtrain.errors import ConfigError, driver_path, local_model
-from ragtrain.errors import check as _check
+from ragtrain.runtime.errors import ConfigError, driver_path, local_model
+from ragtrain.runtime.errors import check as _check
 
 
 @dataclass
 class CheckpointConfig:
-    """Retriever and joint training checkpoints (ragtrain/checkpoint.py): everything needed to continue exactly."""
+    """Retriever and joint training checkpoints (ragtrain/train/checkpoint.py): all it takes to continue exactly."""
 
     every_steps: int = 0  # 0 = only the final checkpoint
     keep: int = 2  # checkpoints kept in the run's storage path
@@ -509,5 +509,8 @@ def changed_keys(before: dict[str, str], after: dict[str, str], allowed: Sequenc
 def to_flat_dict(cfg: Config) -> dict[str, str]:
     """Flatten the typed config to dotted keys (for MLflow params)."""
     out = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
-    out["sync.strategy"], out["sync.label"] = cfg.sync.strategy, cfg.sync.label  # derived, for tables (compare.py)
+    out["sync.strategy"], out["sync.label"] = (
+        cfg.sync.strategy,
+        cfg.sync.label,
+    )  # derived, for tables (commands/compare.py)
     return out

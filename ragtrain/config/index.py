@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragtrain.config.retriever import Precision
-from ragtrain.errors import check as _check
+from ragtrain.runtime.errors import check as _check
 
 RECALL_DEPTH = 100  # the deepest recall cut-off reported (ragtrain.eval.metrics.DEFAULT_KS)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ragtrain.config.registry import Variant
-from ragtrain.errors import check as _check
+from ragtrain.runtime.errors import check as _check
 
 
 @dataclass(frozen=True)

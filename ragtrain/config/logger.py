@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from ragtrain.errors import check as _check
+from ragtrain.runtime.errors import check as _check
 
 
 class LoggerBackend(str, Enum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
-from ragtrain.errors import check as _check
+from ragtrain.runtime.errors import check as _check
 
 
 @dataclass

@@ -8,8 +8,8 @@ from enum import Enum
 from pathlib import Path
 
 from ragtrain.config.registry import Variant
-from ragtrain.errors import check as _check
-from ragtrain.errors import driver_path, local_model
+from ragtrain.runtime.errors import check as _check
+from ragtrain.runtime.errors import driver_path, local_model
 
 
 class Precision(str, Enum):
@@ -67,7 +67,7 @@ class RetrieverTrainConfig:
     # > 0: GradCache (ragtrain/retriever/gradcache.py): embed the batch in chunks of this many texts without
     # gradients, then re-run each chunk with the loss's embedding gradients; same gradients, less memory
     cache_chunk_size: int = 0
-    precision: Precision = Precision.auto  # bf16 = autocast on CPU / GPU; auto: ragtrain/precision.py
+    precision: Precision = Precision.auto  # bf16 = autocast on CPU / GPU; auto: ragtrain/embed/precision.py
     grad_clip: float = 1.0
     log_every: int = 5
     # validation during training (rank 0, every val_every steps, a multiple of log_every; 0 = off): dev nDCG@10 of the

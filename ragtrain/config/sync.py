@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ragtrain.config.registry import Variant
-from ragtrain.errors import ConfigError
-from ragtrain.errors import check as _check
+from ragtrain.runtime.errors import ConfigError
+from ragtrain.runtime.errors import check as _check
 
 # --- sync: a strategy is a gradient REDUCER + a parameter MIXER + a SCOPE (ragtrain/sync/composed.py) ---
 # One registry per family: name -> the class (ragtrain/sync/...) and the facts the checks below read. Adding a

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragtrain.config.registry import Variant
-from ragtrain.errors import check as _check
+from ragtrain.runtime.errors import check as _check
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ragtrain.config import Config, check_ascii_numbers, to_typed
 from ragtrain.config.sync import SyncConfig
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 
 
 def with_sync_preset(sync: Any, preset: Any) -> DictConfig:

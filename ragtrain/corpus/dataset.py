@@ -10,7 +10,7 @@ from ragtrain.data.beir import load_beir
 from ragtrain.data.clean import check_id, clean, dedupe_stream
 from ragtrain.data.store import PassageStore, write_store
 from ragtrain.data.types import DataError, Passage, RetrievalData
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 
 from .chunk import chunk_document
 from .prepare import chunk_on_ray, read_on_ray

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from ragtrain.config.retriever import Precision, RetrieverConfig
-from ragtrain.console import worker_setup
-from ragtrain.rss import peak_rss_mb, rss_breakdown_mb
+from ragtrain.runtime.console import worker_setup
+from ragtrain.runtime.rss import peak_rss_mb, rss_breakdown_mb
 
 VECTOR_DTYPES = ("float32", "float16")
 
@@ -204,7 +204,7 @@ class QueryEncoder:
 
     One snapshot: its vectors. Several (sync=vector_avg: one per replica): the re-normalised mean of the
     replicas' unit vectors, as the consensus index holds. Every search in ragtrain encodes through this class
-    (pipeline evaluation and mining, the generator's retrieval, `python -m ragtrain.search`).
+    (pipeline evaluation and mining, the generator's retrieval, `python -m ragtrain search`).
     """
 
     def __init__(

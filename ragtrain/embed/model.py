@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragtrain.config.retriever import Pooling, Precision, RetrieverConfig
-from ragtrain.errors import ConfigError
-from ragtrain.precision import resolve
+from ragtrain.embed.precision import resolve
+from ragtrain.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

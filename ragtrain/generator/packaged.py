@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 from ragtrain.config.generator import PACKAGED, PackagedModel
-from ragtrain.console import get_logger
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.console import get_logger
+from ragtrain.runtime.errors import ConfigError
 
 log = get_logger(__name__)
 

@@ -19,12 +19,12 @@ import ray
 import torch
 
 from ragtrain.config.retriever import Precision, RetrieverConfig
-from ragtrain.console import get_logger
 from ragtrain.embed.encoders import QueryEncoder
 from ragtrain.embed.model import build_encoder
 from ragtrain.embed.weights import load_weights
 from ragtrain.index.base import ReadOnlyIndex
 from ragtrain.index.faiss_index import IndexMismatchError
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 

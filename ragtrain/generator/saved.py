@@ -1,5 +1,5 @@
 """The trained generator as a Hugging Face model folder: `save_generator` writes it (the generator and joint
-recipes' final checkpoints), `load_generator` reads it back (`ragtrain.ask`, export's checks, the tests)."""
+recipes' final checkpoints), `load_generator` reads it back (`ragtrain.commands.ask`, export's checks, the tests)."""
 
 from __future__ import annotations
 

@@ -19,10 +19,8 @@ from ragtrain.cluster.resources import check_config
 from ragtrain.config import Config
 from ragtrain.config.generator import GENERATOR_ARCHS, GenPrecision
 from ragtrain.config.resources import TrainerResources
-from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
 from ragtrain.embed.model import missing_folder
-from ragtrain.errors import ConfigError
 from ragtrain.eval.likelihood import LIKELIHOOD_METRICS
 from ragtrain.eval.per_question import PER_QUESTION_FILE, write_per_question
 from ragtrain.generator.archs.base import build_arch, resolve_path
@@ -34,6 +32,8 @@ from ragtrain.generator.train import fit_generator
 from ragtrain.index.base import ReadOnlyIndex
 from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.index.sharded import ShardGroup, open_saved, read_sharded, shard_gpu_claim, shard_gpus
+from ragtrain.runtime.console import get_logger
+from ragtrain.runtime.errors import ConfigError
 
 log = get_logger(__name__)
 

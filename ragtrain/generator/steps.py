@@ -1,5 +1,5 @@
 """The generator's pieces both training recipes share (the generator stage's ragtrain/generator/train.py and the joint
-stage's ragtrain/joint/train.py), and that `ragtrain.ask` and the benchmarks use: the question data, the step
+stage's ragtrain/joint/train.py), and that `ragtrain.commands.ask` and the benchmarks use: the question data, the step
 sampler and each step's passages (the gold-only curriculum, then the retrieved ones), the prompt builder, autocast,
 and EM / F1 evaluation in every retrieval mode.
 """
@@ -23,12 +23,12 @@ from ragtrain.config.generator import (
     GenPrecision,
     PromptStyle,
 )
+from ragtrain.embed.precision import resolve
 from ragtrain.eval.qa_metrics import score
 from ragtrain.generator.likelihood import evaluate_likelihood
 from ragtrain.generator.model import AnswerDecoder, GenModel
 from ragtrain.generator.prompt import PromptBuilder, Template
 from ragtrain.generator.retriever_client import RetrievalClient
-from ragtrain.precision import resolve
 
 
 @dataclass

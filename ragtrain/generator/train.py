@@ -25,15 +25,15 @@ import torch
 
 from ragtrain.config import Config
 from ragtrain.config.generator import GenPrecision
+from ragtrain.embed.precision import resolve
 from ragtrain.eval.per_question import PER_QUESTION_FILE
 from ragtrain.generator.model import build_generator, load_tokenizer
 from ragtrain.generator.retriever_client import RetrievalClient
 from ragtrain.generator.saved import save_generator
 from ragtrain.generator.steps import GenData, Sampler, autocast, evaluate, prompt_builder, step_passages
-from ragtrain.precision import resolve
-from ragtrain.schedule import warmup_linear_decay
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
+from ragtrain.train.schedule import warmup_linear_decay
 
 PREDICTIONS_FILE = "predictions.json"
 HISTORY_FILE = "loss_history.json"

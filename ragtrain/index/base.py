@@ -1,7 +1,7 @@
 """What users of an index call. `Index` is the run's index, held by the shard group's actors (`ShardedIndex`,
 index/sharded.py, at any shard count): evaluation, mining, the live refresh and the generator's retrieval search
 it, save it and drop it. `ReadOnlyIndex` is the part that only reads: a saved index opened in this process
-(`ReadOnlyShards`, by `open_saved`: `python -m ragtrain.search`, `ask`, `paired`, the generator's checks) is one,
+(`ReadOnlyShards`, by `open_saved`: `python -m ragtrain search`, `ask`, `paired`, the generator's checks) is one,
 searched through the same scatter-and-merge as the actors' index, and it can be neither saved nor dropped."""
 
 from __future__ import annotations

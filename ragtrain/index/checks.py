@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from ragtrain.config import FaultConfig
 from ragtrain.config.index import RefreshConfig
-from ragtrain.errors import ConfigError, check
 from ragtrain.index.consistency import POLICIES
 from ragtrain.index.priority import PRIORITIES
+from ragtrain.runtime.errors import ConfigError, check
 
 
 def check_refresh(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import faiss
 import numpy as np
 
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     pass

@@ -17,8 +17,8 @@ import faiss
 import numpy as np
 import torch
 
-from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import GPU_PROBE_FACTORY_EXIT, index_to_gpu, make_index
+from ragtrain.runtime.errors import ConfigError
 
 WRONG_EXIT = 4  # the kernels ran and returned wrong neighbours
 

@@ -7,7 +7,7 @@ caught before a search answers with another passage's id. Beyond checksums, the 
 contiguous row ranges from 0 that add up to the metadata's rows, every shard of its dim, factory, encoder and corpus.
 
 Hashing every file costs a read of the whole index: fine once, too much for every query of a large one. Inside
-`verified_stamps(path)` (`python -m ragtrain.search` / `ragtrain.ask`), a file whose checksum matched is recorded with
+`verified_stamps(path)` (`python -m ragtrain search` / `ask`), a file whose checksum matched is recorded with
 its stamp (size, mtime_ns, ctime_ns, inode) in `path`; a later check re-hashes only a file whose stamp changed. Any
 write to a file changes its ctime (which no user call can set back) and mtime, so a damaged file is hashed again
 and still fails; a file written in the last RACY_SECONDS is never stamped (a write in the same timestamp tick

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ragtrain.config.index import RefreshConfig
-from ragtrain.console import get_logger
 from ragtrain.index.faiss_index import exact_search
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 

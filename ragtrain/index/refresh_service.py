@@ -40,7 +40,6 @@ from ragtrain.config import FaultConfig
 from ragtrain.config.index import IndexConfig, RefreshConfig
 from ragtrain.config.resources import PoolResources
 from ragtrain.config.retriever import RetrieverConfig
-from ragtrain.console import get_logger
 from ragtrain.embed.align import fit_alignment
 from ragtrain.index.commit_point import CommitPoint
 from ragtrain.index.consistency import POLICIES
@@ -56,6 +55,7 @@ from ragtrain.index.sharded import (
     _gather,
     shard_ranges,
 )
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 

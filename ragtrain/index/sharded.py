@@ -12,7 +12,7 @@ A search encodes its queries once (the caller), sends them to every shard in bat
 by score, ties broken by global row: with Flat, N shards return exactly the ids and scores of one index.
 `ShardedIndex` (the actors' handle) is the one implementation of the `Index` protocol (index/base.py): evaluation,
 mining, the live refresh and the generator's retrieval search through it. `ReadOnlyShards` reads a saved folder in
-this process (`python -m ragtrain.search`, `ask`, `paired`, the checks of a saved index before Ray starts): a
+this process (`python -m ragtrain search`, `ask`, `paired`, the checks of a saved index before Ray starts): a
 `ReadOnlyIndex`, searched through the same code (`_Merged`: checks, query batches, merge) with the shards' own
 `DenseIndex.search` called here instead of in the actors. The driver holds the passage ids and the metadata, never
 vectors.
@@ -38,11 +38,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ragtrain.config.index import GPU_MAX_K
-from ragtrain.console import get_logger, worker_setup
 from ragtrain.corpus.encode import VectorSet, write_vectors
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.encoders import EncodeBatch, LocalEncoder
-from ragtrain.errors import ConfigError
 from ragtrain.index import integrity
 from ragtrain.index.checks import check_refresh
 from ragtrain.index.faiss_index import (
@@ -59,7 +57,9 @@ from ragtrain.index.faiss_index import (
 from ragtrain.index.live_rows import LiveRows
 from ragtrain.index.priority import PRIORITIES
 from ragtrain.index.vector_files import build_from_vectors, iter_rows, save_atomic, trained_empty
-from ragtrain.rss import peak_rss_mb
+from ragtrain.runtime.console import get_logger, worker_setup
+from ragtrain.runtime.errors import ConfigError
+from ragtrain.runtime.rss import peak_rss_mb
 
 if TYPE_CHECKING:
     from ragtrain.config.index import IndexConfig, RefreshConfig
@@ -1011,7 +1011,7 @@ def read_sharded(folder: Path) -> list[dict]:
 
 
 class ReadOnlyShards(_Merged):
-    """A saved sharded index loaded in this process (`python -m ragtrain.search`, the generator's checks): a
+    """A saved sharded index loaded in this process (`python -m ragtrain search`, the generator's checks): a
     `ReadOnlyIndex` (index/base.py), searched through the actors' merge over in-process shards; never saved (it is
     a saved folder) nor dropped (nothing is held elsewhere)."""
 

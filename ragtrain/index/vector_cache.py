@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ragtrain.console import get_logger
 from ragtrain.corpus.encode import VECTORS_META, VectorSet
-from ragtrain.precision import resolve_with_reason
+from ragtrain.embed.precision import resolve_with_reason
+from ragtrain.runtime.console import get_logger
 
 if TYPE_CHECKING:
     from ragtrain.config.index import IndexConfig

@@ -2,7 +2,7 @@
 
 The joint fit with a trained passage encoder searches the live index, whose rows the refresh re-encoded with
 snapshots older than the last step (and may mix encoder versions). The stage then re-encodes the corpus with the
-final encoder and ships that index (<output_dir>/index): `ragtrain.search`, `ragtrain.ask` and the `trained`
+final encoder and ships that index (<output_dir>/index): `python -m ragtrain search`, `ask` and the `trained`
 phase's nDCG read it. This fit scores RAG on it, so every figure of the run comes from the index it ships: each
 worker loads the final encoder and the generator from the joint fit's final checkpoint and answers its share of
 the evaluation questions (generator/steps.py's `evaluate`, as the joint fit does).

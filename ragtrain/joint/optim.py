@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ragtrain.config import Config
-from ragtrain.schedule import warmup_linear_decay
+from ragtrain.train.schedule import warmup_linear_decay
 
 GROUPS = ("retriever", "generator")  # the parameter groups' order
 

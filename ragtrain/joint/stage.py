@@ -22,7 +22,6 @@ from tabulate import tabulate
 from ragtrain.cluster.resources import check_config
 from ragtrain.config import Config
 from ragtrain.config.joint import PassageEncoder
-from ragtrain.console import get_logger
 from ragtrain.data import RetrievalData
 from ragtrain.eval.per_question import PER_QUESTION_FILE, write_per_question
 from ragtrain.generator.stage import PHASES, build_gen_data, likelihood_line, likelihood_results, resolve_index
@@ -31,6 +30,7 @@ from ragtrain.index.vector_files import save_atomic
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
 from ragtrain.joint.evaluate import fit_shipped_rag
 from ragtrain.joint.train import HISTORY_FILE, LIVE, PREDICTIONS_FILE, JointData, checkpoint_encoder, fit_joint
+from ragtrain.runtime.console import get_logger
 from ragtrain.train.harness import resume_or_none
 
 log = get_logger(__name__)
@@ -54,8 +54,8 @@ def save_final_index(
 ) -> tuple[Any, dict[str, float]]:
     """The corpus encoded by the final encoder, evaluated and saved as the run's index (<out_dir>/index, replacing
     the pre-joint one): the live index's rows were refreshed by snapshots older than the last step (and may mix
-    versions), and the folder's index must be the one the saved query encoder searches (`ragtrain.search`,
-    `ragtrain.ask`). Its metadata names <out_dir>/joint/encoder.safetensors as its encoder. Returns (the build,
+    versions), and the folder's index must be the one the saved query encoder searches (`ragtrain.commands.search`,
+    `ragtrain.commands.ask`). Its metadata names <out_dir>/joint/encoder.safetensors as its encoder. Returns (the build,
     still held by the index shards for the RAG evaluation on it; its retrieval metrics)."""
     name = f"{cfg.retriever.model}@{out_dir / JOINT_DIR / ENCODER_FILE}"
     built, metrics = retrieval.build_and_evaluate("trained", [weights], name, cfg.joint.max_steps)

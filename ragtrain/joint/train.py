@@ -42,7 +42,6 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ragtrain.checkpoint import CheckpointError
 from ragtrain.config import Config
 from ragtrain.config.joint import PassageEncoder
 from ragtrain.embed.model import BiEncoder, build_encoder, encode_texts, tokenize
@@ -57,6 +56,7 @@ from ragtrain.joint.likelihood import answer_loglik
 from ragtrain.joint.losses.base import build_loss
 from ragtrain.joint.optim import build_optimizer, clip_and_step
 from ragtrain.track.mlflow import MetricSink
+from ragtrain.train.checkpoint import CheckpointError
 from ragtrain.train.harness import Worker, WorkerArgs, fit
 
 HISTORY_FILE = "loss_history.json"

@@ -19,7 +19,7 @@ from torch import nn
 
 from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.embed.model import load_tokenizer, resolve_model_path
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -17,8 +17,8 @@ import numpy as np
 
 from ragtrain.config.resources import PoolResources
 from ragtrain.config.retriever import RetrieverConfig
-from ragtrain.console import get_logger, worker_setup
 from ragtrain.corpus.encode import ACTOR_ENV, actor_cpus
+from ragtrain.runtime.console import get_logger, worker_setup
 
 log = get_logger(__name__)
 SCORES_FILE = "scores.json"

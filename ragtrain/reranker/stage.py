@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from ragtrain.config import Config
-from ragtrain.console import get_logger
 from ragtrain.eval.metrics import evaluate, maxp_run
 from ragtrain.reranker.score import teacher_targets
 from ragtrain.retriever.batching import TrainData, TrainExample
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 

@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from ragtrain.config import Config
-from ragtrain.console import get_logger
 from ragtrain.embed.model import load_tokenizer
 from ragtrain.reranker.model import build_cross_encoder, pair_inputs, save_teacher
 from ragtrain.retriever.batching import TrainData, local_batch, query_candidates
-from ragtrain.schedule import warmup_linear_decay
+from ragtrain.runtime.console import get_logger
 from ragtrain.track.mlflow import MetricSink
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
+from ragtrain.train.schedule import warmup_linear_decay
 
 log = get_logger(__name__)
 TEACHER_DIR = "teacher"

@@ -18,7 +18,7 @@ from torch import nn
 
 from ragtrain.config.retriever import LoraConfig, RetrieverConfig
 from ragtrain.embed.model import BiEncoder, build_backbone
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 
 
 def apply_lora(encoder: BiEncoder, cfg: LoraConfig) -> BiEncoder:

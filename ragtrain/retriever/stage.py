@@ -9,7 +9,7 @@ Ray Train, then its weights saved.
    reranker sits above this layer), resumed from its checkpoint (resume=true);
 3. the trained weights into <output_dir>/encoder (sync=vector_avg: the parameter mean, every replica beside it).
 
-Takes the run's retrieval facade (ragtrain/retrieval.py, a layer above) as `retrieval`, as the other stages do.
+Takes the run's retrieval facade (ragtrain/pipeline/retrieval.py, a layer above) as `retrieval`, as the other stages do.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from ragtrain.config import Config, ConfigError
-from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import passage_qrels
 from ragtrain.data import RetrievalData
 from ragtrain.embed.weights import save_weights
 from ragtrain.retriever.batching import TrainData, TrainExample, build_examples, steps_per_epoch
 from ragtrain.retriever.validation import make_val_set
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 
@@ -83,7 +83,7 @@ class RetrieverRun:
     data: RetrievalData
     out: Path
     logger: Any
-    retrieval: Any  # ragtrain.retrieval.Retrieval
+    retrieval: Any  # ragtrain.pipeline.retrieval.Retrieval
     weights: dict[str, torch.Tensor]
     encoder_name: str
     step: int = 0
@@ -99,7 +99,7 @@ def run_retriever_stage(
 ) -> RetrieverRun:
     """Zero-shot index (when needed), training, saved weights; returns `r` with what the later stages start from.
     `teach` runs when retriever.teacher.weight > 0; a Tune trial passes `callbacks` and `report_intermediate`
-    (ragtrain/pipeline.py's `run`)."""
+    (ragtrain/pipeline/stages.py's `run`)."""
     zeroshot_phase(r)
     train_phase(r, teach, callbacks, report_intermediate)
     return r

@@ -18,27 +18,27 @@ import ray
 import torch
 from torch import nn
 
-from ragtrain.checkpoint import CheckpointError
 from ragtrain.config import Config
-from ragtrain.console import get_logger
 from ragtrain.embed.model import BiEncoder, autocast, build_encoder, encode_texts, load_tokenizer, tokenize
+from ragtrain.embed.precision import resolve
 from ragtrain.embed.weights import load_state, load_weights, save_weights
 from ragtrain.index.live_client import LiveIndexClient, Probe, staleness
-from ragtrain.precision import resolve
 from ragtrain.retriever.batching import TrainData, local_batch, local_indices
 from ragtrain.retriever.gradcache import cached_step
 from ragtrain.retriever.lora import apply_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.teacher.base import build_teacher_loss, teacher_matrix
 from ragtrain.retriever.validation import ValSet, validate
-from ragtrain.rss import peak_rss_mb
-from ragtrain.schedule import warmup_linear_decay
+from ragtrain.runtime.console import get_logger
+from ragtrain.runtime.rss import peak_rss_mb
 from ragtrain.sync.base import SyncStrategy
 from ragtrain.sync.comm import STATS
 from ragtrain.sync.composed import build_sync
 from ragtrain.sync.drift import drift_metrics
 from ragtrain.track.mlflow import MetricSink
+from ragtrain.train.checkpoint import CheckpointError
 from ragtrain.train.harness import Worker, WorkerArgs, fit, total_steps
+from ragtrain.train.schedule import warmup_linear_decay
 
 log = get_logger(__name__)
 

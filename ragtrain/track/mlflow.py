@@ -19,8 +19,8 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from ragtrain.config.logger import AUTH_ENV, LoggerBackend, LoggerConfig
-from ragtrain.console import get_logger
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.console import get_logger
+from ragtrain.runtime.errors import ConfigError
 
 log = get_logger(__name__)
 

@@ -26,16 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ragtrain.checkpoint import (
-    maybe_inject_fault,
-    restore_in_worker,
-    resume_point,
-    save_train_state,
-)
 from ragtrain.cluster.resources import WORKER_ENV, record_placement_group
 from ragtrain.config import Config
 from ragtrain.config.logger import auth_env
-from ragtrain.console import (
+from ragtrain.runtime.console import (
     FILE_ONLY,
     attach_run_log,
     detach_run_log,
@@ -46,6 +40,12 @@ from ragtrain.console import (
     worker_setup,
 )
 from ragtrain.track.mlflow import MetricSink
+from ragtrain.train.checkpoint import (
+    maybe_inject_fault,
+    restore_in_worker,
+    resume_point,
+    save_train_state,
+)
 
 log = get_logger(__name__)
 

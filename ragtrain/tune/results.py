@@ -9,10 +9,10 @@ from typing import Any
 import pandas as pd
 from omegaconf import OmegaConf
 
-from ragtrain.compare import compare_runs
+from ragtrain.commands.compare import compare_runs
 from ragtrain.config.logger import LoggerConfig
-from ragtrain.console import get_logger
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.console import get_logger
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.mlflow import RunLogger, find_runs, update_run
 from ragtrain.tune import space as sp
 from ragtrain.tune.trial import (

@@ -29,7 +29,7 @@ from ragtrain.config import Config, to_typed
 from ragtrain.config.sync import MIXERS, REDUCERS
 from ragtrain.config.tune import TUNE_SEARCHERS
 from ragtrain.config.variants import with_sync_preset
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
 SYNC_KEY = "sync"  # the whole sync group: values are conf/sync option names

@@ -4,7 +4,7 @@
 (an unknown key or out-of-range value in `tune.space`, an unknown scheduler/searcher, a trial bigger than the
 cluster) fails before the first trial starts. MLflow: one parent run per sweep, one child run per trial (the
 pipeline's own run, with the trial's full config as params and its training curves); the best trial's config is
-written as a ready-to-run experiment; the comparison report (ragtrain.compare) closes the sweep.
+written as a ready-to-run experiment; the comparison report (ragtrain.commands.compare) closes the sweep.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from ragtrain.cluster.resources import (
 )
 from ragtrain.config import Config, absolute_paths, changed_keys, to_flat_dict
 from ragtrain.config.tune import TUNE_SCHEDULERS
-from ragtrain.console import get_logger
-from ragtrain.errors import ConfigError
 from ragtrain.index.sharded import shard_gpu_claim
+from ragtrain.runtime.console import get_logger
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.mlflow import RunLogger, absolute_tracking_uri, check_tracking_uri, tracking_uri, update_run
 from ragtrain.tune import space as sp
 from ragtrain.tune.guard import MetricGuard, recorded_error
@@ -197,7 +197,9 @@ def final_metrics(results: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def run_trial(config: dict[str, Any], ctx: TrialContext) -> None:
     """Tune trial (driver function): build the trial's config, run the pipeline, report its final metrics."""
-    from ragtrain.pipeline import run  # lazy: ragtrain.pipeline imports torch; this module imports without it
+    from ragtrain.pipeline.stages import (
+        run,  # lazy: ragtrain.pipeline.stages imports torch; this module imports without it
+    )
 
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(ctx, {k: config[k] for k in ctx.keys}, trial_id)
@@ -288,8 +290,8 @@ def run_sweep(cfg: Config, conf_dir: str | Path, *, callbacks: list | None = Non
 
     `callbacks`: extra Tune callbacks for a new sweep (a resumed sweep keeps the ones it was started with).
     """
-    # lazy: ragtrain.pipeline imports torch; this module imports without it
-    from ragtrain.pipeline import prepare_output_dir
+    # lazy: ragtrain.pipeline.stages imports torch; this module imports without it
+    from ragtrain.pipeline.stages import prepare_output_dir
 
     plan = plan_sweep(cfg, conf_dir)  # ConfigError before anything starts
     prepare_output_dir(str(plan.out_dir))

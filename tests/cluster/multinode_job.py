@@ -80,7 +80,7 @@ def storage_part(out_dir: str) -> dict:
     from pathlib import Path
 
     from ragtrain.cluster.storage import check_shared_paths
-    from ragtrain.errors import ConfigError
+    from ragtrain.runtime.errors import ConfigError
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     checked = check_shared_paths({"output_dir": out_dir}, {"data.root": str(Path(out_dir).parent)})
@@ -159,7 +159,7 @@ def refresh_part(cfg, out_dir: str) -> dict:
     from ragtrain.config.index import RefreshConfig
     from ragtrain.config.resources import TrainerResources
     from ragtrain.config.sync import SyncConfig
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     live = replace(
         cfg,
@@ -181,7 +181,7 @@ def distributed_part(out_dir: str) -> dict:
     refresh on the labelled node while 2 trainer workers train, and trainer rank 1 killed at step 3: Ray Train
     restarts the worker group from the step-2 checkpoint and training finishes its 4 steps."""
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import compose
 
     out = os.path.join(out_dir, "docs")

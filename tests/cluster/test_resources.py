@@ -161,7 +161,7 @@ def test_refresh_needs_trainer_and_pool_to_fit_together() -> None:
 def test_a_ray_client_address_is_refused(monkeypatch) -> None:
     """ray://: the driver, its stores and outputs would stay on this machine, out of the workers' reach."""
     from ragtrain.cluster.resources import init_ray
-    from ragtrain.errors import ConfigError
+    from ragtrain.runtime.errors import ConfigError
 
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     with pytest.raises(ConfigError, match=r"^RAY_ADDRESS='ray://head:10001' is a Ray Client address"):
@@ -178,7 +178,7 @@ def test_the_dashboard_extra_pins_the_installed_ray() -> None:
 def test_the_dashboard_without_its_extra_is_one_line(tmp_path) -> None:
     from ragtrain.config import to_typed
     from ragtrain.config.resources import dashboard_installed
-    from ragtrain.errors import ConfigError
+    from ragtrain.runtime.errors import ConfigError
 
     if dashboard_installed():
         pytest.skip("Ray's dashboard packages are installed here")

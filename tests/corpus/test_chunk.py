@@ -9,7 +9,7 @@ import pytest
 from ragtrain.corpus.chunk import chunk_document
 from ragtrain.corpus.dataset import check_chunk_budget, chunk_data, passage_qrels
 from ragtrain.data.types import DataError, Passage, RetrievalData
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 
 from .helpers import WhitespaceTokenizer
 

@@ -8,7 +8,7 @@ import pytest
 
 from ragtrain.config import to_typed
 from ragtrain.index.sharded import open_saved
-from ragtrain.pipeline import run
+from ragtrain.pipeline.stages import run
 from tests.conftest import compose, tiny_overrides
 
 

@@ -97,7 +97,7 @@ def test_pipeline_refuses_a_bad_index_before_encoding(tmp_path, factory, match) 
     """Retrieval.build checks the factory against the encoder's dim and the corpus size before any encode."""
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
-    from ragtrain.retrieval import Retrieval
+    from ragtrain.pipeline.retrieval import Retrieval
     from tests.conftest import compose, tiny_overrides
 
     cfg = to_typed(compose(tiny_overrides(tmp_path) + [f"index.factory='{factory}'"]))
@@ -114,7 +114,7 @@ def test_pipeline_index_stage_survives_an_encode_actor_death(ray_session, tmp_pa
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
     from ragtrain.index.sharded import open_saved
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import compose, tiny_overrides
 
     over = tiny_overrides(tmp_path) + [

@@ -13,7 +13,7 @@ import pytest
 from ragtrain.config import to_typed
 from ragtrain.corpus.load import load_data
 from ragtrain.data.types import DataError
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import REPO, compose
 
 from .helpers import small_folder

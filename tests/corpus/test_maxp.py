@@ -57,7 +57,7 @@ def _one_hot_index(r, chunks: list[str], scores: list[list[float]], tmp_path):
     """A real Flat index whose inner products are exactly `scores` (one-hot passage vectors, query vectors = the
     scores), and `r`'s query encoder answering with them."""
     from ragtrain.index.faiss_index import build_index
-    from ragtrain.retrieval import BuiltIndex
+    from ragtrain.pipeline.retrieval import BuiltIndex
 
     index = build_index(np.eye(len(chunks), dtype=np.float32), chunks, r.cfg.index.factory, "fp", "one-hot")
     queries = np.array(scores, dtype=np.float32)
@@ -67,7 +67,7 @@ def _one_hot_index(r, chunks: list[str], scores: list[list[float]], tmp_path):
 
 def test_pipeline_evaluate_uses_maxp_and_retrieves_deeper(tmp_path) -> None:
     from ragtrain.config import Config
-    from ragtrain.retrieval import Retrieval
+    from ragtrain.pipeline.retrieval import Retrieval
 
     cfg = Config(output_dir=str(tmp_path))
     cfg.index.top_k = 3  # 3 documents: all of them
@@ -82,7 +82,7 @@ def test_a_document_with_more_chunks_than_the_first_search_depth_does_not_hide_t
     """One long document whose 50 chunks all outrank 5 short documents: a fixed passage depth of top_k x 10 = 30
     holds only the long one, so MaxP must search deeper to give every query its true top k documents."""
     from ragtrain.config import Config
-    from ragtrain.retrieval import MAXP_DEPTH_FACTOR, Retrieval
+    from ragtrain.pipeline.retrieval import MAXP_DEPTH_FACTOR, Retrieval
 
     long_doc = [f"big#{k}" for k in range(50)]
     short = [f"s{i}" for i in range(5)]
@@ -108,7 +108,7 @@ def test_a_document_with_more_chunks_than_the_first_search_depth_does_not_hide_t
 def test_hard_negatives_never_pick_a_chunk_of_a_gold_document(tmp_path) -> None:
     from ragtrain.config import Config
     from ragtrain.index.faiss_index import build_index
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
 
     cfg = Config(output_dir=str(tmp_path))
     cfg.retriever.train.hard_negatives, cfg.retriever.train.hard_negative_depth = 1, 5

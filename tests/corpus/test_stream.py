@@ -18,8 +18,8 @@ from ragtrain.corpus.load import load_data
 from ragtrain.corpus.stream import StreamEncode
 from ragtrain.data.types import DataError
 from ragtrain.embed.encoders import EncodeFault
-from ragtrain.errors import ConfigError
-from ragtrain.pipeline import initial_weights
+from ragtrain.pipeline.stages import initial_weights
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose
 
 from .helpers import mixed_folder, write_folder
@@ -138,7 +138,7 @@ def test_whole_corpus_checks_fail_the_stream_before_encoding_and_leave_nothing(
 ) -> None:
     """A repeated id in the last file, or more IVF lists than the corpus has passages, fails in the stream's first
     pass (ids and digests only), before the encoder's weights are even built; nothing is left."""
-    from ragtrain.pipeline import stream_encode
+    from ragtrain.pipeline.stages import stream_encode
 
     root = _folder(tmp_path / "docs")
     extra: tuple[str, ...] = ()
@@ -181,7 +181,7 @@ def test_a_run_indexes_what_the_stream_encoded_without_encoding_again(ray_sessio
     import logging
 
     from ragtrain.index.sharded import open_saved
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import tiny_overrides
 
     root = _folder(tmp_path / "docs")

@@ -16,7 +16,7 @@ from ragtrain.corpus.chunk import chunk_passage
 from ragtrain.corpus.load import load_data
 from ragtrain.data.squad import gold_passage, load_squad, read_squad, split_articles
 from ragtrain.data.types import DataError, Passage
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import REPO, SQUAD, compose
 from tests.corpus.helpers import WhitespaceTokenizer
 

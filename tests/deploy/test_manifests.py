@@ -131,7 +131,7 @@ def test_every_path_is_on_shared_storage_and_mlflow_is_a_server(read, shared) ->
 def test_the_rayjob_repeats_none_of_ragtrains_worker_variables() -> None:
     """Ray refuses a job whose runtime env sets a variable that ray.init's runtime env sets too (init_ray's)."""
     from ragtrain.cluster.resources import worker_env
-    from ragtrain.console import PROGRESS_ENV, QUIET_ENV
+    from ragtrain.runtime.console import PROGRESS_ENV, QUIET_ENV
 
     spec = yaml.safe_load(RAYJOB.read_text())["spec"]
     job_vars = set((yaml.safe_load(spec.get("runtimeEnvYAML", "")) or {}).get("env_vars", {}))

@@ -71,7 +71,7 @@ def test_bad_method_and_shapes() -> None:
 def test_align_anchors_work_without_the_zeroshot_evaluation(ray_session, tmp_path) -> None:
     """zeroshot_eval=false (sync_compare's later variants): the stale index is still built, aligned and evaluated."""
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import compose, tiny_overrides
 
     cfg = to_typed(

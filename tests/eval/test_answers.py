@@ -75,7 +75,7 @@ def test_the_evaluation_output_carries_answer_recall_when_the_data_has_answers(t
     from ragtrain.config import Config
     from ragtrain.data.types import Passage, RetrievalData
     from ragtrain.index.faiss_index import build_index
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
 
     texts = ["Paris is in France.", "The Seine flows north.", "Lyon is a city.", "Bread and cheese."]
     ids = [f"p{i}" for i in range(4)]
@@ -103,7 +103,7 @@ def test_a_chunked_documents_corpus_counts_answers_on_its_passages(tmp_path) -> 
     from ragtrain.config import Config
     from ragtrain.data.types import Passage, RetrievalData
     from ragtrain.index.faiss_index import build_index
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
 
     chunks = {"d1#0": "Nothing here.", "d1#1": "The answer is Vistula.", "d2#0": "Warsaw lies on a river."}
     corpus = {p: Passage(p, "", t, doc_id=p.split("#")[0]) for p, t in chunks.items()}

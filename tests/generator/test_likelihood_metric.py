@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragtrain.errors import ConfigError
 from ragtrain.generator.likelihood import evaluate_likelihood
 from ragtrain.generator.model import build_generator, load_tokenizer
 from ragtrain.generator.steps import GenExample, prompt_builder
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import typed
 from tests.generator.tiny_llama import save_tiny_llama
 

@@ -24,7 +24,7 @@ def test_rag_quickstart_composes(tmp_path) -> None:
 )
 def test_rag_quickstart_end_to_end(ray_session, tmp_path) -> None:
     """Retriever -> index -> generator on 2 CPUs; RAG EM >= 0.5 and >= closed-book + 0.3 on unseen entities."""
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     cfg = to_typed(
         compose(

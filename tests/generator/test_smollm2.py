@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ragtrain.config.generator import PACKAGED, GeneratorConfig, PackagedModel, PromptStyle
-from ragtrain.errors import ConfigError
 from ragtrain.generator.model import AnswerDecoder, build_generator, load_tokenizer
 from ragtrain.generator.prompt import ChatTemplateError, PromptBuilder, Template
 from ragtrain.generator.steps import prompt_builder
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose
 from tests.generator.tiny_llama import save_tiny_llama
 
@@ -268,8 +268,8 @@ def test_the_dequantised_folder_gets_a_card_with_the_license_its_gguf_declares(t
     """The card an export of a model fine-tuned from the packaged one takes its license from."""
     import gguf
 
-    from ragtrain.export import base_license
     from ragtrain.generator.packaged import write_card
+    from ragtrain.pipeline.export import base_license
 
     path = tmp_path / "Tiny-Instruct.Q4_1.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

@@ -14,10 +14,10 @@ import torch
 from ray.train import TrainingFailedError
 
 from ragtrain.config import to_typed
-from ragtrain.errors import ConfigError
-from ragtrain.export import answer_block
 from ragtrain.generator.stage import PHASES
 from ragtrain.index.faiss_index import IndexMismatchError
+from ragtrain.pipeline.export import answer_block
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
 
@@ -107,8 +107,8 @@ def test_three_modes_run_and_are_logged(built, stage_run) -> None:
     assert all(r["passages"] == [] for r in preds["closed_book"])
     assert all(len(r["passages"]) == 1 and r["passages"][0] in gold[r["qid"]] for r in preds["oracle"])
     assert all(len(r["passages"]) == cfg.generator.retrieval.top_k for r in preds["rag"])
-    # python -m ragtrain.paired --metric <mode>/<em|f1> re-scores these answers: the run's own figures
-    from ragtrain.paired import answer_scores
+    # python -m ragtrain paired --metric <mode>/<em|f1> re-scores these answers: the run's own figures
+    from ragtrain.commands.paired import answer_scores
 
     for phase, mode in (("gen_rag", "rag"), ("gen_closed_book", "closed_book"), ("gen_oracle", "oracle")):
         for kind in ("em", "f1"):
@@ -236,7 +236,7 @@ def _assert_same_run(results, losses, clean_results, clean_cfg) -> None:
     reason="restarts go through the one harness (ragtrain/train), tested with the retriever (make test-slow)"
 )
 def test_killed_worker_restarts_from_its_checkpoint_and_matches_a_clean_run(built, stage_run) -> None:
-    from ragtrain.checkpoint import fault_marker
+    from ragtrain.train.checkpoint import fault_marker
 
     tmp, clean_cfg, *_ = built
     # rank 1 dies after step 4; the group restarts from the step-3 checkpoint (optimizer, schedule, RNG, history)

@@ -9,9 +9,9 @@ import torch
 
 from ragtrain.config import to_typed
 from ragtrain.config.logger import LoggerConfig
-from ragtrain.export import export_generator, generator_card
 from ragtrain.generator.model import build_generator, load_tokenizer
 from ragtrain.generator.saved import save_generator
+from ragtrain.pipeline.export import export_generator, generator_card
 from ragtrain.track.mlflow import RunLogger, open_client
 from tests.conftest import compose, mlflow_db
 from tests.generator.tiny_llama import save_tiny_llama

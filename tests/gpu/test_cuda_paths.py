@@ -101,7 +101,7 @@ def test_async_ps_pushes_and_pulls_a_gpu_replica(ray_session) -> None:
 
 def test_a_gpu_checkpoint_restores_on_the_cpu(tmp_path) -> None:
     """Checkpoints load with map_location=cpu: a GPU run resumes where the GPU index changed, or on a CPU."""
-    from ragtrain.checkpoint import load_train_state, save_train_state
+    from ragtrain.train.checkpoint import load_train_state, save_train_state
 
     model = nn.Linear(8, 2).cuda()
     optim = torch.optim.AdamW(model.parameters())
@@ -121,7 +121,7 @@ def test_a_gpu_checkpoint_restores_on_the_cpu(tmp_path) -> None:
 def test_auto_precision_is_bf16_on_a_bf16_gpu() -> None:
     """precision=auto on a GPU with bf16 (as a Ray worker given one resolves it): bf16, and autocast is on."""
     from ragtrain.embed.model import autocast
-    from ragtrain.precision import resolve
+    from ragtrain.embed.precision import resolve
 
     assert resolve("auto", "cuda", "retriever.train.precision") == "bf16"
     with autocast("auto", torch.device("cuda", 0)):

@@ -11,9 +11,9 @@ import torch
 
 from ragtrain.config.index import IndexConfig
 from ragtrain.config.resources import PoolResources
-from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import check_index_device, faiss_gpu_support
 from ragtrain.index.sharded import ShardGroup, read_sharded
+from ragtrain.runtime.errors import ConfigError
 from tests.index.test_vector_files import _vectors, _write_vectors
 
 pytestmark = [

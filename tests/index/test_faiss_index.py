@@ -459,8 +459,8 @@ NO_KERNEL = (
     ],
 )  # fmt: skip
 def test_index_device_cuda_names_what_is_missing(lib, visible: int, probe, match: str) -> None:
-    from ragtrain.errors import ConfigError
     from ragtrain.index.faiss_index import check_index_device, gpu_resources
+    from ragtrain.runtime.errors import ConfigError
 
     gpu_resources.cache_clear()
     with pytest.raises(ConfigError, match=match) as e:
@@ -477,8 +477,8 @@ def test_the_gpu_probe_child_runs_the_real_module_and_its_failure_is_one_line() 
     its first CUDA call, and the run gets that reason in one line."""
     import torch
 
-    from ragtrain.errors import ConfigError
     from ragtrain.index.faiss_index import _run_gpu_probe, gpu_probe_command
+    from ragtrain.runtime.errors import ConfigError
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is here: tests/gpu/test_faiss_gpu.py runs the probe for real")
@@ -489,8 +489,8 @@ def test_the_gpu_probe_child_runs_the_real_module_and_its_failure_is_one_line() 
 
 def test_a_factory_without_a_gpu_version_is_named() -> None:
     """index_to_gpu, which the probe child and the shard actors use: FAISS's refusal becomes index.factory's line."""
-    from ragtrain.errors import ConfigError
     from ragtrain.index.faiss_index import index_to_gpu, make_index
+    from ragtrain.runtime.errors import ConfigError
 
     lib = _FaissBuild(gpus=1, convert_error="Error: 'Could not find a GPU equivalent'\nGPU: HNSW unsupported")
     with pytest.raises(ConfigError, match=r"^index.factory='HNSW32' cannot run on a GPU \(index.device=cuda\): "

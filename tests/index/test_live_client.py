@@ -11,7 +11,6 @@ import ray
 import torch
 
 from ragtrain.config import to_typed
-from ragtrain.errors import ConfigError
 from ragtrain.index.faiss_index import build_index
 from ragtrain.index.live_client import (
     LiveIndexClient,
@@ -22,6 +21,7 @@ from ragtrain.index.live_client import (
 )
 from ragtrain.index.mining import MiningSpec, mine_rows
 from ragtrain.retriever.batching import TrainData, build_examples, local_batch
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, spawn, tiny_overrides
 
 
@@ -238,7 +238,7 @@ def _service(cfg, data, tmp_path):
     writes them in a run is tested in tests/corpus/test_encode.py), on the run's one index shard."""
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
     from tests.index.test_vector_files import _write_vectors
 
     torch.manual_seed(0)
@@ -385,7 +385,7 @@ def test_a_small_run_refreshes_its_sharded_index_while_a_stopped_shard_fails_one
     from mlflow.tracking import MlflowClient
 
     from ragtrain.index.sharded import FAULTS
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     timeout_s = 20  # a healthy round of this corpus takes well under a second; a held one is cut off at this
     overrides = [
@@ -478,7 +478,7 @@ def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None
     """A real run: versions increase during training, steps go on while a refresh runs, no stall."""
     from mlflow.tracking import MlflowClient
 
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     overrides = [
         "experiment=quickstart",
@@ -520,7 +520,7 @@ def test_training_steps_while_the_index_refreshes(ray_session, tmp_path) -> None
 @pytest.mark.parametrize("threshold", [1e-7, 0.9])
 def test_adaptive_refresh_follows_measured_drift(ray_session, tmp_path, threshold) -> None:
     """refresh.drift_threshold: a refresh starts only at a staleness check whose drift exceeds the threshold."""
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     overrides = [
         "experiment=quickstart",

@@ -26,9 +26,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from ragtrain.config.retriever import RetrieverTrainConfig  # noqa: E402
-from ragtrain.errors import ConfigError  # noqa: E402
 from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores  # noqa: E402
 from ragtrain.retriever.batching import TrainData, TrainExample, local_batch  # noqa: E402
+from ragtrain.runtime.errors import ConfigError  # noqa: E402
 
 RANKED = ["gold", "a", "b", "c", "d"]
 SCORES = [0.90, 0.88, 0.80, 0.70, 0.50]
@@ -89,7 +89,7 @@ def test_positive_score_comes_from_the_vectors_even_when_gold_is_not_retrieved()
 
 
 def test_static_mining_in_the_pipeline_applies_the_filters_in_corpus_positions(tmp_path) -> None:
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
 
     q, vecs, s = _vectors()
     r = object.__new__(Retrieval)

@@ -12,7 +12,6 @@ import pytest
 from ragtrain.config import to_typed
 from ragtrain.config.index import RefreshConfig
 from ragtrain.embed.align import fit_alignment
-from ragtrain.errors import ConfigError
 from ragtrain.index.checks import check_refresh
 from ragtrain.index.consistency import POLICIES
 from ragtrain.index.consistency.aligned import Aligned
@@ -24,6 +23,7 @@ from ragtrain.index.priority.base import RoundRows, by_score
 from ragtrain.index.priority.drift import predict_drift
 from ragtrain.index.refresh_service import mined_agreement, mixed_recall
 from ragtrain.index.sharded import ShardUnavailableError
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
 
@@ -244,7 +244,7 @@ def test_a_registered_variant_is_a_valid_choice(monkeypatch) -> None:
 
 
 def test_aligned_with_fewer_anchors_than_the_dimension_fails_before_any_work(ray_session, tmp_path) -> None:
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     over = ["refresh.enabled=true", "refresh.every_steps=2", "refresh.consistency=aligned", "refresh.anchors=16"]
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *over]))

@@ -19,7 +19,6 @@ import pytest
 
 from ragtrain.config.index import IndexConfig
 from ragtrain.config.resources import PoolResources
-from ragtrain.errors import ConfigError
 from ragtrain.index.commit_point import COMMIT_POINT
 from ragtrain.index.faiss_index import IndexMismatchError
 from ragtrain.index.live_rows import JOURNAL
@@ -38,6 +37,7 @@ from ragtrain.index.sharded import (
     shard_ranges,
 )
 from ragtrain.index.vector_files import build_from_vectors
+from ragtrain.runtime.errors import ConfigError
 from tests.index.test_vector_files import _vectors, _write_vectors
 
 ROWS = 400
@@ -192,8 +192,8 @@ def on_shards(ray_session, tmp_path_factory):
     from ragtrain.config import to_typed
     from ragtrain.corpus.load import load_data
     from ragtrain.data.store import PassageStore
-    from ragtrain.pipeline import initial_weights
-    from ragtrain.retrieval import Retrieval
+    from ragtrain.pipeline.retrieval import Retrieval
+    from ragtrain.pipeline.stages import initial_weights
     from tests.conftest import compose, tiny_overrides
 
     tmp = tmp_path_factory.mktemp("on_shards")
@@ -216,14 +216,14 @@ def on_shards(ray_session, tmp_path_factory):
 def test_a_run_on_shards_encodes_each_range_and_evaluates_as_one_index(on_shards, capsys) -> None:
     """Each shard read its rows from the passage store and encoded them; the evaluation, the mined negatives and
     the generator's searcher equal those of one index of the same vectors; the saved folder serves `python -m
-    ragtrain.search`, and a missing shard there is one line naming it (exit 2). (The Ray Data encode of one
+    ragtrain search`, and a missing shard there is one line naming it (exit 2). (The Ray Data encode of one
     shard against three shards' own encodes: the pipeline test below.)"""
     from omegaconf import OmegaConf
 
+    from ragtrain.commands.search import main as search_main
+    from ragtrain.commands.search import search
     from ragtrain.generator.retriever_client import IndexPayload, Searcher
-    from ragtrain.retrieval import BuiltIndex
-    from ragtrain.search import main as search_main
-    from ragtrain.search import search
+    from ragtrain.pipeline.retrieval import BuiltIndex
 
     cfg, data, sharded, a, metrics, weights, _ = on_shards
     out = Path(cfg.output_dir)
@@ -346,7 +346,7 @@ def _live(sharded, built, weights, cfg, **fault):
     version 0 is a build of the zero-shot vectors of its own (a test above drops the zero-shot build, as runs do)."""
     import ray
 
-    from ragtrain.retrieval import BuiltIndex
+    from ragtrain.pipeline.retrieval import BuiltIndex
 
     shutil.rmtree(sharded.shard_group.root / FAULTS, ignore_errors=True)
     saved = replace(cfg.fault)
@@ -496,7 +496,7 @@ def test_an_apply_that_times_out_after_the_barrier_is_committed_late_not_failed(
     r = cfg.refresh
     r.consistency, r.fraction, r.priority = "global", 1.0, "oldest"
     root, group = sharded.shard_group.root, sharded.shard_group
-    from ragtrain.precision import resolved_index
+    from ragtrain.embed.precision import resolved_index
 
     real, timeout = group.actors[1], r.timeout_s
     late = ray.remote(num_cpus=0, max_concurrency=4)(_LateApplyShard).remote(1, str(root))
@@ -544,7 +544,7 @@ def test_an_apply_that_times_out_after_the_barrier_is_committed_late_not_failed(
 )
 def test_shard_settings_the_run_cannot_serve_fail_before_any_work(ray_session, tmp_path, overrides, match) -> None:
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import compose, tiny_overrides
 
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path), *overrides]))
@@ -566,7 +566,7 @@ def test_a_sharded_quickstart_gives_the_figures_of_one_index(quickstart_run, tmp
     searcher as it ranks in-process. (The trained index is the same build with other weights: an index-only run of
     the initial encoder checks the sharding without a second training.)"""
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import compose, quickstart_overrides
 
     one = quickstart_run[1]
@@ -714,11 +714,11 @@ def _sha256(path: Path) -> str:
 
 @pytest.mark.parametrize("damage", ["top meta truncated", "shard ids"])
 def test_search_of_a_damaged_saved_index_is_one_line_and_exit_2(groups, vectors, tmp_path, capsys, damage) -> None:
-    """`python -m ragtrain.search <run> "q"` on a run whose saved index was damaged: one line naming the file."""
+    """`python -m ragtrain search <run> "q"` on a run whose saved index was damaged: one line naming the file."""
     from omegaconf import OmegaConf
 
+    from ragtrain.commands.search import main as search_main
     from ragtrain.config import to_typed
-    from ragtrain.search import main as search_main
     from tests.conftest import compose, tiny_overrides
 
     _, shards, _ = vectors

@@ -52,7 +52,7 @@ def test_key_covers_weights_settings_and_corpus():
 def test_key_holds_the_resolved_precision_not_auto():
     """index.precision=auto is keyed as what it runs in on this CPU: an auto run and an explicit run of the same
     precision share the entry; a machine where auto means the other precision misses it (other vectors)."""
-    from ragtrain.precision import cpu_bf16_native
+    from ragtrain.embed.precision import cpu_bf16_native
 
     r = RetrieverConfig(model="tiny")
     here, other = ("bf16", "fp32") if cpu_bf16_native() else ("fp32", "bf16")
@@ -127,7 +127,7 @@ def test_build_reads_a_cached_corpus_instead_of_encoding(ray_session, tmp_path):
     from ragtrain.corpus.load import load_data
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.model import build_encoder
-    from ragtrain.retrieval import Retrieval
+    from ragtrain.pipeline.retrieval import Retrieval
     from tests.conftest import compose, tiny_overrides
     from tests.index.test_vector_files import _write_vectors
 

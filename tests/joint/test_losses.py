@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ragtrain.config.joint import JOINT_LOSSES, JointConfig
-from ragtrain.errors import ConfigError
 from ragtrain.joint.losses.base import JointLoss, build_loss
 from ragtrain.joint.losses.emdr2 import EMDR2
 from ragtrain.joint.losses.lsr import ReplugLSR
 from ragtrain.joint.losses.pdist import PerplexityDistillation
+from ragtrain.runtime.errors import ConfigError
 
 # One question, two passages, equal retriever scores (p_R = [1/2, 1/2]); the generator's answer probability is 0.6
 # with passage 1 and 0.2 with passage 2, so its posterior over the passages is [3/4, 1/4].

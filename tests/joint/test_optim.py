@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from ragtrain.errors import ConfigError
 from ragtrain.joint.optim import build_optimizer, clip_and_step
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import typed
 
 SETTINGS = [

@@ -13,7 +13,7 @@ import torch
 
 from ragtrain.config import to_typed
 from ragtrain.embed.weights import load_weights
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 from tests.generator.tiny_llama import save_tiny_llama
 
@@ -167,7 +167,7 @@ def test_a_killed_worker_restarts_from_its_checkpoint_and_ends_as_an_uninterrupt
 
 
 def _checkpoint_meta(cfg) -> dict:
-    from ragtrain.checkpoint import latest_checkpoint, read_meta
+    from ragtrain.train.checkpoint import latest_checkpoint, read_meta
 
     path = latest_checkpoint(Path(cfg.output_dir) / "ray" / "joint")
     assert path is not None
@@ -250,13 +250,13 @@ def test_trained_passages_resume_mid_joint_refresh_two_shards_and_score_the_inde
 def _assert_ships_what_it_scored(cfg, data, retrieval, results, weights) -> None:
     """The run's saved index is the final encoder's (the live rows were refreshed by older snapshots): its metadata
     names the joint encoder, its vectors are that encoder's (not the initial one's), RAG's answers and EM come from
-    it, and `ragtrain.search` serves it with the joint queries."""
+    it, and `ragtrain.commands.search` serves it with the joint queries."""
     from omegaconf import OmegaConf
 
+    from ragtrain.commands.paired import answer_scores
+    from ragtrain.commands.search import search
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.index.sharded import open_saved
-    from ragtrain.paired import answer_scores
-    from ragtrain.search import search
 
     out = Path(cfg.output_dir) / "joint"
     saved = open_saved(Path(cfg.output_dir) / "index")
@@ -283,7 +283,7 @@ def _assert_ships_what_it_scored(cfg, data, retrieval, results, weights) -> None
 def test_a_resumed_runs_mlflow_history_keeps_the_joint_stages_metrics_up_to_its_checkpoint(tmp_path) -> None:
     """resume=true: the joint stage's metrics (joint/*, and index/* of its live refresh without a retriever stage)
     past its latest checkpoint were logged by the stopped run, and are logged again by the resumed one."""
-    from ragtrain.pipeline import checkpointed_steps
+    from ragtrain.pipeline.stages import checkpointed_steps
 
     cfg = to_typed(compose(tiny_overrides(tmp_path) + ["stages=[index,joint]", "resume=true"]))
     ckpt = Path(cfg.output_dir) / "ray" / "joint" / "checkpoint_000000"

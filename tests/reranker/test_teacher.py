@@ -12,10 +12,10 @@ import torch
 
 from ragtrain.config import to_typed
 from ragtrain.config.retriever import RetrieverConfig
-from ragtrain.errors import ConfigError
 from ragtrain.retriever.teacher.base import build_teacher_loss, teacher_matrix
 from ragtrain.retriever.teacher.kl import KL
 from ragtrain.retriever.teacher.margin_mse import MarginMSE
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
 
@@ -179,7 +179,7 @@ def test_run_trains_the_teacher_scores_candidates_and_distils(ray_session, tmp_p
     from ragtrain.corpus.load import load_data
     from ragtrain.data.store import PassageStore
     from ragtrain.embed.model import load_tokenizer
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from ragtrain.reranker.model import build_cross_encoder, check_teacher, score_pairs
     from ragtrain.reranker.score import SCORES_FILE
     from tests.conftest import TEACHER

@@ -12,10 +12,10 @@ import torch
 from mlflow.tracking import MlflowClient
 from ray.train import TrainingFailedError
 
-from ragtrain.checkpoint import CheckpointError, latest_checkpoint, load_train_state, read_meta
 from ragtrain.config import to_typed
-from ragtrain.pipeline import run
+from ragtrain.pipeline.stages import run
 from ragtrain.track.mlflow import find_runs
+from ragtrain.train.checkpoint import CheckpointError, latest_checkpoint, load_train_state, read_meta
 from tests.conftest import compose, tiny_overrides
 
 STEPS, EVERY, KILL_AT = 12, 4, 6
@@ -102,8 +102,8 @@ def test_interrupted_run_resumes_to_the_same_result(clean, tmp_path) -> None:
 
 def test_corrupt_checkpoint_is_named(tmp_path) -> None:
     """A checkpoint written by the workers' own save_train_state, then truncated: the load names the folder."""
-    from ragtrain.checkpoint import save_train_state
     from ragtrain.embed.model import build_encoder
+    from ragtrain.train.checkpoint import save_train_state
 
     cfg = _cfg(tmp_path, "unit")
     enc = build_encoder(cfg.retriever)
@@ -151,7 +151,7 @@ def test_a_resumed_run_continues_its_live_index_from_the_checkpoint(ray_session,
     assert meta["step"] == 4 and meta["live_version"] >= 0
     stopped = (Path(cfg.output_dir) / "mlflow_run_id").read_text().strip()
     logged_before = _history(cfg, "index/version")
-    resumed = replace(cfg, resume=True)  # the kill does not repeat: its marker is there (checkpoint.py)
+    resumed = replace(cfg, resume=True)  # the kill does not repeat: its marker is there (train/checkpoint.py)
     run(resumed)
     history = json.loads((Path(resumed.output_dir) / "refresh_history.json").read_text())["history"]
     # The resumed live index starts as version live_version + 1 (the checkpoint's weights, at its step 4);

@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from ragtrain.config.retriever import RetrieverConfig, RetrieverTrainConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder
-from ragtrain.errors import ConfigError
 from ragtrain.retriever.gradcache import cached_step, split
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import spawn
 from tests.retriever.test_loss import H, _free_port, _pad, global_batch
 

@@ -14,7 +14,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from ragtrain.config import to_typed
-from ragtrain.pipeline import run
+from ragtrain.pipeline.stages import run
 from ragtrain.retriever.train import LogWindow
 from ragtrain.sync.comm import STATS
 from tests.conftest import compose, tiny_overrides

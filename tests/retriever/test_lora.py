@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from ragtrain.config.retriever import LoraConfig, RetrieverConfig, TinyEncoderConfig
 from ragtrain.embed.model import build_encoder
-from ragtrain.errors import ConfigError
 from ragtrain.retriever.lora import apply_lora, has_lora, plain_state_dict, trainable
 from ragtrain.retriever.loss import contrastive_loss
 from ragtrain.retriever.train import QPEncoder
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.sync.comm import all_reduce_bytes
 from tests.conftest import spawn
 from tests.retriever.test_gradcache import _inputs, counting_ddp

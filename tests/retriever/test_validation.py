@@ -8,8 +8,8 @@ import torch
 from ragtrain.config import to_typed
 from ragtrain.config.retriever import RetrieverConfig
 from ragtrain.data import make_synthetic
-from ragtrain.errors import ConfigError
 from ragtrain.retriever.validation import make_val_set, validate
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
 

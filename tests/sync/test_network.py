@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.sync.comm import STATS, all_reduce_bytes
 from ragtrain.sync.composed import build_sync
 from ragtrain.sync.network import NetworkPeriod, comm_period

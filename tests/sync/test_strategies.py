@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ragtrain.config.sync import MIXERS, REDUCERS, MixerConfig, SyncConfig
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.sync.base import flat_params
 from ragtrain.sync.comm import STATS, all_gather_bytes, all_reduce_bytes
 from ragtrain.sync.composed import build_sync

@@ -11,7 +11,7 @@ from ragtrain.config import to_typed
 from ragtrain.data import make_synthetic
 from ragtrain.embed.model import build_encoder, encode_texts, load_tokenizer
 from ragtrain.index.sharded import open_saved
-from ragtrain.pipeline import run
+from ragtrain.pipeline.stages import run
 from tests.conftest import compose, tiny_overrides
 
 

@@ -74,7 +74,7 @@ def auth_proxy(mlflow_server, monkeypatch):
 
 def test_a_wrong_password_is_one_line_before_any_work(auth_proxy, tmp_path) -> None:
     from ragtrain.config import to_typed
-    from ragtrain.errors import ConfigError
+    from ragtrain.runtime.errors import ConfigError
     from ragtrain.track.mlflow import check_tracking_uri, tracking_uri
 
     proxy, uri = auth_proxy
@@ -100,7 +100,7 @@ def test_credentials_in_the_uri_work_and_appear_nowhere(ray_session, auth_proxy,
     from mlflow.tracking import MlflowClient
 
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     proxy, uri = auth_proxy
     over = [o for o in tiny_overrides(tmp_path) if not o.startswith("logger.tracking_uri")]

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ragtrain.config.logger import LoggerConfig
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.mlflow import MetricSink, RunLogger, check_tracking_uri, tracking_uri
 
 

@@ -79,9 +79,9 @@ def test_the_kept_steps_are_each_stages_checkpoint_step(tmp_path: Path) -> None:
 
     import torch
 
-    from ragtrain.checkpoint import save_train_state
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import checkpointed_steps
+    from ragtrain.pipeline.stages import checkpointed_steps
+    from ragtrain.train.checkpoint import save_train_state
     from tests.conftest import compose, tiny_overrides
 
     cfg = to_typed(

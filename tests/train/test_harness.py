@@ -53,7 +53,7 @@ def test_rank0_bar_follows_the_steps_and_step_lines_go_to_the_run_log_only(tmp_p
     """Quiet console on a terminal: rank 0's bar (Ray's tqdm_ray; in a driver process it draws itself) starts at a
     restarted
     attempt's first step and closes at the last; the step line is in ragtrain.log, not on stdout."""
-    from ragtrain.console import attach_run_log, detach_run_log
+    from ragtrain.runtime.console import attach_run_log, detach_run_log
     from ragtrain.train.harness import Worker
 
     monkeypatch.setenv("RAGTRAIN_QUIET", "1")

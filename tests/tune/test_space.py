@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from ragtrain.config import Config, to_typed
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.tune import space as sp
 from ragtrain.tune.sweep import max_concurrency, plan_sweep, trial_need, trial_request
 from tests.conftest import CONF_DIR, REPO, compose, tiny_overrides

@@ -21,7 +21,7 @@ from ray.tune import Callback
 
 from ragtrain.cluster.resources import InfeasibleResourcesError
 from ragtrain.config import Config, to_typed
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.tune.sweep import run_sweep
 from tests.conftest import CONF_DIR, REPO, compose, tiny_overrides
 
@@ -48,7 +48,7 @@ def sweep_cfg(tmp: Path, uri: str, *extra: str, lrs: tuple = (GOOD_LR, BAD_LR), 
                 "resources.trainer.num_workers=1",
                 "resources.pool.num_actors=1",  # fewer processes: 2 cores
                 "export=false",
-                *extra,  # a trial's export is tested with the shared quickstart run (tests/test_export.py)
+                *extra,  # a trial's export is tested with the shared quickstart run (tests/pipeline/test_export.py)
             ]
         )
     )

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ragtrain.config.data import DataConfig
 from ragtrain.config.retriever import RetrieverConfig
-from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import chunk_data
 from ragtrain.corpus.prepare import use_ray
 from ragtrain.data import RetrievalData
+from ragtrain.runtime.console import get_logger
 
 if TYPE_CHECKING:
     from ragtrain.corpus.stream import StreamEncode

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ragtrain.errors import ConfigError
 from ragtrain.index.consistency.base import RefreshRound
 from ragtrain.index.consistency.eager import Eager
+from ragtrain.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from ragtrain.config.index import RefreshConfig

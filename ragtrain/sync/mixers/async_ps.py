@@ -25,7 +25,7 @@ from ray.actor import ActorHandle
 from torch import nn
 
 from ragtrain.config.sync import MixerConfig
-from ragtrain.errors import filled
+from ragtrain.runtime.errors import filled
 from ragtrain.sync.base import flat_params, set_flat_params, world_size
 from ragtrain.sync.comm import STATS
 from ragtrain.sync.scopes.base import MixerScope

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from ragtrain.config.sync import MixerConfig
-from ragtrain.errors import filled
+from ragtrain.runtime.errors import filled
 from ragtrain.sync.base import average_params, world_size
 from ragtrain.sync.comm import all_reduce_bytes
 from ragtrain.sync.network import NetworkPeriod

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ragtrain.config.sync import MixerConfig
-from ragtrain.errors import filled
+from ragtrain.runtime.errors import filled
 from ragtrain.sync.base import average_params, flat_params, set_flat_params, world_size
 from ragtrain.sync.comm import STATS, all_reduce_bytes
 from ragtrain.sync.network import NetworkPeriod

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ragtrain.config.sync import MixerConfig
-from ragtrain.errors import filled
+from ragtrain.runtime.errors import filled
 from ragtrain.sync.base import average_params, flat_params, set_flat_params
 from ragtrain.sync.comm import STATS
 from ragtrain.sync.scopes.base import MixerScope

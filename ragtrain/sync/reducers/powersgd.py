@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ragtrain.config.sync import ReducerConfig
-from ragtrain.errors import filled
+from ragtrain.runtime.errors import filled
 from ragtrain.sync.comm import STATS, all_reduce_bytes, counted_future
 from ragtrain.sync.reducers.base import group_size
 

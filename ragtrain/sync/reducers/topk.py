@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ragtrain.config.sync import ReducerConfig
-from ragtrain.errors import filled
+from ragtrain.runtime.errors import filled
 from ragtrain.sync.comm import STATS, all_gather_bytes
 from ragtrain.sync.reducers.base import done, group_size
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ragtrain.console import get_logger
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.console import get_logger
+from ragtrain.runtime.errors import ConfigError
 
 log = get_logger(__name__)
 

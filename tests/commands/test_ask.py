@@ -1,6 +1,6 @@
-"""`python -m ragtrain.ask <run> "question"`: the run's generator answers from the passages `ragtrain.search` returns,
-with the jointly trained encoder and generator for a run with a joint stage; bad input is one line, exit 2; and the
-export of a joint run holds the jointly trained models.
+"""`python -m ragtrain ask <run> "question"`: the run's generator answers from the passages `python -m ragtrain
+search` returns, with the jointly trained encoder and generator for a run with a joint stage; bad input is one line,
+exit 2; and the export of a joint run holds the jointly trained models.
 
 The run folders are the session's finished tiny quickstart (tests/conftest.py) copied, with a generator folder and,
 for the joint run, a joint folder laid out as the stages leave them (an untrained tiny T5 stands in for a trained
@@ -23,8 +23,8 @@ import torch
 from omegaconf import OmegaConf
 
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
+from tests.commands.test_search import ENV
 from tests.conftest import REPO
-from tests.test_export import ENV
 
 
 def _copy_run(src: str, dst: Path, **changes) -> Path:
@@ -75,20 +75,20 @@ def _question(cfg) -> str:
 
 
 def _ask_cli(*args: str) -> subprocess.CompletedProcess:
-    """`python -m ragtrain.ask`, as a user runs it."""
+    """`python -m ragtrain ask`, as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "ragtrain.ask", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "ragtrain", "ask", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
     )
 
 
 def _ask(*args: str) -> subprocess.CompletedProcess:
     """The same entry point in this process: a new interpreter costs seconds of imports."""
-    from ragtrain.ask import main
+    from ragtrain.commands.ask import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(list(args))
-    return subprocess.CompletedProcess(["ragtrain.ask", *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(["ragtrain", "ask", *args], code, out.getvalue(), err.getvalue())
 
 
 def _direct_scores(run: Path, weights: dict, question: str, cfg, k: int) -> tuple[list[str], list[float]]:
@@ -104,7 +104,7 @@ def _direct_scores(run: Path, weights: dict, question: str, cfg, k: int) -> tupl
 
 @pytest.mark.integration
 def test_ask_prints_the_answer_and_the_sources_search_returns(runs) -> None:
-    from ragtrain.search import search
+    from ragtrain.commands.search import search
 
     cfg, gen, _, _ = runs
     question = _question(cfg)
@@ -133,7 +133,7 @@ def test_the_answer_is_the_generators_on_the_prompt_it_was_trained_with(runs) ->
     cut at its first line: built here from the model folder with plain transformers."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from ragtrain.ask import ask
+    from ragtrain.commands.ask import ask
     from ragtrain.generator.prompt import PromptBuilder, Template
 
     cfg, gen, _, _ = runs
@@ -154,8 +154,8 @@ def test_the_answer_is_the_generators_on_the_prompt_it_was_trained_with(runs) ->
 
 
 def test_a_joint_run_asks_with_the_jointly_trained_encoder_and_generator(runs) -> None:
+    from ragtrain.commands.search import search
     from ragtrain.embed.weights import load_weights
-    from ragtrain.search import search
 
     cfg, _, joint, weights = runs
     question = _question(cfg)
@@ -186,11 +186,11 @@ def test_a_joint_run_with_trained_passages_and_the_pre_joint_index_is_refused(ru
 def test_export_of_a_joint_run_holds_the_jointly_trained_models(runs, tmp_path: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
+    from ragtrain.commands.search import load_run_config
     from ragtrain.config.logger import LoggerConfig
     from ragtrain.embed.encoders import QueryEncoder
     from ragtrain.embed.weights import load_weights
-    from ragtrain.export import export_run
-    from ragtrain.search import load_run_config
+    from ragtrain.pipeline.export import export_run
     from ragtrain.track.mlflow import RunLogger
     from tests.conftest import mlflow_db
 
@@ -281,7 +281,7 @@ def test_asking_a_bert2bert_generator_prints_no_load_report(tmp_path: Path, capf
     report the pooler's weights as missing and newly initialised (transformers' "LOAD REPORT" table)."""
     import transformers
 
-    from ragtrain.ask import Answerer
+    from ragtrain.commands.ask import Answerer
     from ragtrain.config import to_typed
     from ragtrain.generator.model import build_generator, load_tokenizer
     from ragtrain.generator.saved import save_generator
@@ -292,7 +292,7 @@ def test_asking_a_bert2bert_generator_prints_no_load_report(tmp_path: Path, capf
     tok = load_tokenizer(cfg.generator)
     save_generator(build_generator(cfg.generator, tok), tok, tmp_path / "generator")
     before = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_warning()  # as a fresh `python -m ragtrain.ask` (building silenced it)
+    transformers.logging.set_verbosity_warning()  # as a fresh `python -m ragtrain ask` (building silenced it)
     try:
         capfd.readouterr()
         hits = [{"title": "Acme", "text": "Acme was founded by Ada Lovelace in 1843."}]
@@ -308,7 +308,7 @@ def test_asking_a_causal_chat_generator_answers_from_the_chat_prompt(tmp_path: P
     """The causal chat path that squad_rag produces (generator=smollm2's layout, the tiny Llama in its place): the
     saved model and its tokenizer load, the prompt is the chat template's, and the answer is what greedy generation
     says from it, cut at its first line."""
-    from ragtrain.ask import Answerer
+    from ragtrain.commands.ask import Answerer
     from ragtrain.config import to_typed
     from ragtrain.generator.model import AnswerDecoder, build_generator, load_tokenizer
     from ragtrain.generator.prompt import passage_text

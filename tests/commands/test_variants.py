@@ -1,5 +1,5 @@
-"""ragtrain.variants with experiment=sync_compare end to end (tiny encoder): one MLflow run per strategy, table + plot
-that match them."""
+"""ragtrain/commands/variants.py with experiment=sync_compare end to end (tiny encoder): one MLflow run per strategy,
+table + plot that match them."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ragtrain.commands.variants import PAIRED_METRICS, paired_answers, run_variants, write_paired
 from ragtrain.config import to_typed
 from ragtrain.config.variants import override_variants, sync_variants
-from ragtrain.errors import ConfigError
 from ragtrain.eval.per_question import write_per_question
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.report import write_comparison
-from ragtrain.variants import PAIRED_METRICS, paired_answers, run_variants, write_paired
 from tests.conftest import CONF_DIR, compose, tiny_overrides
 
 

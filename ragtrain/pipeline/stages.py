@@ -17,33 +17,33 @@ import torch
 from omegaconf import OmegaConf
 from tabulate import tabulate
 
-from ragtrain import run_lock
 from ragtrain.cluster.resources import check_config, init_ray, trains_with_live_refresh
 from ragtrain.cluster.storage import check_shared_paths, shared_paths
 from ragtrain.config import Config, absolute_paths, changed_keys, flatten, ineffective_settings, to_flat_dict
 from ragtrain.config.logger import LoggerBackend
-from ragtrain.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
 from ragtrain.corpus.load import load_data, truncation_report
 from ragtrain.corpus.stream import StreamEncode
 from ragtrain.data import RetrievalData
 from ragtrain.data.types import DataError
 from ragtrain.embed.encoders import EncodeFault, encoder_dim
 from ragtrain.embed.model import build_encoder, check_model_offline
-from ragtrain.errors import ConfigError
-from ragtrain.export import answer_block, export_run
+from ragtrain.embed.precision import resolved_index, resolved_params
 from ragtrain.index import vector_cache
 from ragtrain.index.base import Index
 from ragtrain.index.checks import check_refresh, refresh_warnings
 from ragtrain.index.faiss_index import check_index_config, check_index_device
 from ragtrain.index.vector_files import save_atomic
 from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, sample_ids
-from ragtrain.precision import resolved_index, resolved_params
+from ragtrain.pipeline.export import answer_block, export_run
+from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
 from ragtrain.repair.distill import distill_consensus
 from ragtrain.reranker.model import check_teacher
 from ragtrain.reranker.stage import prepare_teacher
-from ragtrain.retrieval import BuiltIndex, Retrieval
 from ragtrain.retriever.lora import check_lora_targets
 from ragtrain.retriever.stage import RetrieverRun, check_train_batch, first_index_is_zeroshot, run_retriever_stage
+from ragtrain.runtime import run_lock
+from ragtrain.runtime.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.mlflow import RunLogger, check_tracking_uri, open_client, redact_uri, tracking_uri
 
 log = get_logger(__name__)

@@ -23,13 +23,13 @@ from ragtrain.cluster.resources import record_placement_group
 from ragtrain.config import Config
 from ragtrain.config.index import IndexConfig
 from ragtrain.config.retriever import RetrieverConfig
-from ragtrain.console import get_logger
 from ragtrain.corpus.dataset import passage_qrels
 from ragtrain.corpus.encode import VECTORS_META, VectorSet, build_threads, encode_to_vectors
 from ragtrain.data import RetrievalData
 from ragtrain.data.store import PassageStore
 from ragtrain.embed.align import fit_alignment
 from ragtrain.embed.encoders import EncodeFault, QueryEncoder, encoder_dim
+from ragtrain.embed.precision import resolved_index
 from ragtrain.eval.answers import answer_recall
 from ragtrain.eval.metrics import DEFAULT_KS, evaluate, maxp_run, run_from_scores
 from ragtrain.index import vector_cache
@@ -37,7 +37,7 @@ from ragtrain.index.base import Index, ReadOnlyIndex
 from ragtrain.index.faiss_index import check_index_config
 from ragtrain.index.mining import MiningSpec, mine_rows, positive_scores
 from ragtrain.index.vector_ops import DRIFT_SAMPLE, drift, map_vectors, mean_vectors, sample_ids
-from ragtrain.precision import resolved_index
+from ragtrain.runtime.console import get_logger
 
 if TYPE_CHECKING:  # lazy at run time: these modules import Ray
     from ray.util.placement_group import PlacementGroup

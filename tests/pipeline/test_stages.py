@@ -12,10 +12,10 @@ from mlflow.tracking import MlflowClient
 from ragtrain.config import to_typed
 from ragtrain.data import make_synthetic
 from ragtrain.embed.model import build_encoder
-from ragtrain.errors import ConfigError
 from ragtrain.index.sharded import open_saved
-from ragtrain.pipeline import run
+from ragtrain.pipeline.stages import run
 from ragtrain.retriever.lora import trainable
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.sync.comm import all_reduce_bytes
 from tests.conftest import compose, tiny_overrides
 
@@ -79,7 +79,7 @@ def test_outputs_written(quickstart_run) -> None:
     log = (out / "ragtrain.log").read_text()
     assert "[zeroshot] encoding" in log and "ndcg@10" in log and "outputs:" in log
     # the checks' lines too (logged before the file may be written, kept and written after), with their own times
-    assert re.match(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO \[driver\] ragtrain\.pipeline: \[data\] ", log), log[:300]
+    assert re.match(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO \[driver\] ragtrain\.pipeline\.stages: \[data\] ", log), log[:300]
     # rank 0's step lines (a Train worker's process) land in the same file, marked as such
     assert any("[retriever rank 0]" in line and "[retriever] step 4/4" in line for line in log.splitlines()), log
     assert json.loads((out / "status.json").read_text())["status"] == "complete"
@@ -115,7 +115,7 @@ def test_mlflow_run_read_back(quickstart_run) -> None:
     assert r.data.params["retriever.train.batch_size"] == "4"
     assert r.data.params["retriever.model"] == "tiny"
     assert r.data.params["data.source"] == "synthetic"
-    # the precision each phase ran in is logged next to the setting (auto's resolution: tests/test_precision.py)
+    # the precision each phase ran in is logged next to the setting (auto's resolution: tests/embed/test_precision.py)
     assert r.data.params["index.precision"] == "fp32"
     assert (r.data.params["precision/index"], r.data.params["precision/retriever_train"]) == ("fp32", "fp32")
     for phase in ("zeroshot", "trained"):
@@ -153,7 +153,7 @@ def test_unwritable_output_dir_fails_before_work(tmp_path: Path) -> None:
 
 
 def test_a_failed_check_removes_the_folders_it_made_with_their_new_parents(tmp_path: Path) -> None:
-    from ragtrain.pipeline import prepare_output_dir, undo_on_failure
+    from ragtrain.pipeline.stages import prepare_output_dir, undo_on_failure
 
     (tmp_path / "kept").mkdir()
     (tmp_path / "kept" / "mine.txt").write_text("x")
@@ -257,10 +257,10 @@ def test_same_seed_same_weights_with_dropout(ray_session, tmp_path) -> None:
 
 def test_the_stage_table_runs_the_configured_stages_in_its_order(tmp_path, monkeypatch) -> None:
     """Every stage a config may name has one entry, in config.STAGES's order; `run_stages` runs those named."""
-    from ragtrain import pipeline
     from ragtrain.config import STAGES
+    from ragtrain.pipeline import stages
 
-    assert tuple(pipeline.STAGES) == STAGES
+    assert tuple(stages.STAGES) == STAGES
     ran: list[str] = []
 
     class Record:
@@ -270,9 +270,9 @@ def test_the_stage_table_runs_the_configured_stages_in_its_order(tmp_path, monke
         def run(self, s) -> None:
             ran.append(self.name)
 
-    monkeypatch.setattr(pipeline, "STAGES", {name: Record(name) for name in STAGES})
+    monkeypatch.setattr(stages, "STAGES", {name: Record(name) for name in STAGES})
     cfg = to_typed(compose(tiny_overrides(tmp_path) + ["stages=[index,generator]"]))
-    pipeline.run_stages(pipeline.RunState(cfg, None, tmp_path, None, None, {}, "init"))
+    stages.run_stages(stages.RunState(cfg, None, tmp_path, None, None, {}, "init"))
     assert ran == ["index", "generator"]
 
 
@@ -299,7 +299,7 @@ def test_a_comparison_whose_variants_all_finished_logs_no_second_comparison_run(
     figures), and no new run in the MLflow store."""
     from dataclasses import replace
 
-    from ragtrain.variants import run_variants
+    from ragtrain.commands.variants import run_variants
 
     cfg, results, _ = quickstart_run
     client = MlflowClient(cfg.logger.tracking_uri)

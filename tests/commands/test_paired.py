@@ -1,4 +1,4 @@
-"""Paired bootstrap comparison of finished runs (python -m ragtrain.paired)."""
+"""Paired bootstrap comparison of finished runs (python -m ragtrain paired)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ragtrain.paired import Scored, answer_scores, bootstrap, main, paired_over_seeds, run_per_query
-from ragtrain.search import SearchError
+from ragtrain.commands.paired import Scored, answer_scores, bootstrap, main, paired_over_seeds, run_per_query
+from ragtrain.commands.search import SearchError
 
 
 def test_a_constant_gain_has_a_zero_width_interval_and_no_doubt():

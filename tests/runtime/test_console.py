@@ -6,7 +6,7 @@ import logging
 
 
 def test_only_rays_token_auth_enabled_note_is_dropped(caplog) -> None:
-    from ragtrain.console import AUTH_LOGGER, quiet_loggers
+    from ragtrain.runtime.console import AUTH_LOGGER, quiet_loggers
 
     quiet_loggers()
     quiet_loggers()  # idempotent: one filter however often the workers' setup hook runs
@@ -29,7 +29,7 @@ def test_a_worker_names_its_own_cluster_to_rays_state_api(ray_session) -> None:
         import os
 
         os.environ.pop("RAY_API_SERVER_ADDRESS", None)
-        from ragtrain.console import worker_setup
+        from ragtrain.runtime.console import worker_setup
 
         worker_setup()
         return os.environ.get("RAY_API_SERVER_ADDRESS", ""), ray.get_runtime_context().gcs_address
@@ -41,7 +41,7 @@ def test_a_worker_names_its_own_cluster_to_rays_state_api(ray_session) -> None:
 def test_the_driver_does_not_pin_the_state_api_to_its_cluster(ray_session, monkeypatch) -> None:
     import os
 
-    from ragtrain.console import worker_setup
+    from ragtrain.runtime.console import worker_setup
 
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
     worker_setup()  # the driver runs it too (an encoder in-process) and may start another Ray later
@@ -55,7 +55,7 @@ def test_worker_lines_carry_no_colour_codes_outside_a_terminal(monkeypatch, caps
 
     from ray._private.worker import print_worker_logs
 
-    from ragtrain import console
+    from ragtrain.runtime import console
 
     for key in ("RAY_COLOR_PREFIX", console.PROGRESS_ENV, *console.QUIET_ENV):  # restored after the test
         monkeypatch.delenv(key, raising=False)

@@ -1,11 +1,11 @@
-"""ragtrain/errors.py: the narrowing helper the variants read their filled config keys through."""
+"""ragtrain/runtime/errors.py: the narrowing helper the variants read their filled config keys through."""
 
 from __future__ import annotations
 
 import pytest
 
 from ragtrain.config.sync import MixerConfig
-from ragtrain.errors import filled
+from ragtrain.runtime.errors import filled
 
 
 def test_filled_keeps_a_falsy_value_and_names_a_key_left_unset() -> None:

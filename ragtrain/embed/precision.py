@@ -18,7 +18,7 @@ import torch
 from ragtrain.config import Config
 from ragtrain.config.index import IndexConfig
 from ragtrain.config.retriever import Precision
-from ragtrain.console import get_logger
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from ragtrain.console import get_logger
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 

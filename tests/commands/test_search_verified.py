@@ -1,4 +1,4 @@
-"""`python -m ragtrain.search` checks every index file's checksum, hashing each file once: a file verified before and
+"""`python -m ragtrain search` checks every index file's checksum, hashing each file once: a file verified before and
 unchanged since (size, mtime, ctime, inode) is not read again; a damaged one is hashed again and fails in one line."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ragtrain.commands.search import VERIFIED_FILE
+from ragtrain.commands.search import main as search_main
 from ragtrain.index import integrity
-from ragtrain.search import VERIFIED_FILE
-from ragtrain.search import main as search_main
 from tests.conftest import REPO
 
 

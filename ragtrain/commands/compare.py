@@ -1,12 +1,12 @@
-"""`python -m ragtrain.compare`: compare MLflow runs of an experiment, or the trials of a sweep (its parent run).
+"""`python -m ragtrain compare`: compare MLflow runs of an experiment, or the trials of a sweep (its parent run).
 
 Prints a table and writes comparison.csv / comparison.md, comparison.png (a metric vs a cost, coloured by sync
 option, drift as marker size) and learning_curves.png (a training metric vs step). Works on the runs of plain
 experiments (`python -m ragtrain experiment=...`, `experiment=sync_compare`) and of sweeps alike: everything is
 read back from MLflow, nothing from the run folders.
 
-    python -m ragtrain.compare --experiment ragtrain
-    python -m ragtrain.compare --parent-run-id <sweep parent run id> --out outputs/report
+    python -m ragtrain compare --experiment ragtrain
+    python -m ragtrain compare --parent-run-id <sweep parent run id> --out outputs/report
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from ragtrain.config.logger import LoggerConfig
-from ragtrain.errors import ConfigError
+from ragtrain.runtime.errors import ConfigError
 from ragtrain.track.mlflow import RunRecord, check_tracking_uri, find_runs, metric_history, sqlite_file, tracking_uri
 from ragtrain.track.report import curves_plot, scatter_plot
 
@@ -154,7 +154,7 @@ def folder_name(name: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 for bad input)."""
-    ap = argparse.ArgumentParser(prog="python -m ragtrain.compare", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ragtrain compare", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--experiment", help="MLflow experiment name (logger.experiment_name; default of runs: ragtrain)")
     src.add_argument("--parent-run-id", help="a sweep's parent run id: compare its trials")
@@ -201,7 +201,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"report: {', '.join(str(f) for f in files)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,9 +1,9 @@
-"""`python -m ragtrain.search <output_dir> "a question" [-k 5] [--json]`: query a finished run.
+"""`python -m ragtrain search <output_dir> "a question" [-k 5] [--json]`: query a finished run.
 
 Top-k passages (rank, score, id, text) from the run's saved index (`<output_dir>/index`; a sharded one is searched
 shard by shard and merged), with the query encoded by the encoder that built it (named in `index_meta.json`,
 rebuilt from the run's `config.yaml`), or for a run with a joint stage by the jointly trained encoder
-(`<output_dir>/joint`). `python -m ragtrain.ask` answers with the run's generator on top of this search. Bad input:
+(`<output_dir>/joint`). `python -m ragtrain ask` answers with the run's generator on top of this search. Bad input:
 one line on stderr, exit code 2.
 """
 
@@ -25,11 +25,11 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from ragtrain.config import Config, to_typed  # noqa: E402
 from ragtrain.config.joint import PassageEncoder  # noqa: E402
-from ragtrain.console import quiet_cli  # noqa: E402
 from ragtrain.corpus.load import load_data  # noqa: E402
 from ragtrain.data.store import PassageStore  # noqa: E402
 from ragtrain.embed.encoders import QueryEncoder  # noqa: E402
-from ragtrain.errors import ConfigError  # noqa: E402
+from ragtrain.runtime.console import quiet_cli  # noqa: E402
+from ragtrain.runtime.errors import ConfigError  # noqa: E402
 
 VERIFIED_FILE = "index_verified.json"  # the index files whose checksums matched, with their size / mtime / inode
 
@@ -74,9 +74,9 @@ def query_snapshots(cfg: Config, encoder: str, out: Path) -> list:
     """The query encoder's weights: the index's own encoder (`encoder`, from its metadata), or for a run with a joint
     stage the jointly trained one, whose queries the index served during joint training (frozen passages: the
     index of the encoder it started from; trained passages: the index the joint stage re-encoded with it)."""
-    # lazy: ragtrain.embed.weights and ragtrain.export import torch; this module imports without it
+    # lazy: ragtrain.embed.weights and ragtrain.pipeline.export import torch; this module imports without it
     from ragtrain.embed.weights import load_weights
-    from ragtrain.export import served_encoder
+    from ragtrain.pipeline.export import served_encoder
 
     joint = served_encoder(cfg, out)
     if joint is None:
@@ -120,8 +120,8 @@ def passage_texts(cfg: Config, out: Path) -> Mapping[str, Any]:
 def warn_unfinished(out: Path) -> None:
     """One line on stderr when the run did not finish (status.json says running or failed): its index may be a
     zero-shot one, or the run may still be writing."""
-    # lazy: ragtrain.pipeline imports torch and the stages; this module's argument checks run without them
-    from ragtrain.pipeline import STATUS_FILE, read_status
+    # lazy: ragtrain.pipeline.stages imports torch and the stages; this module's argument checks run without them
+    from ragtrain.pipeline.stages import STATUS_FILE, read_status
 
     path, status = out / STATUS_FILE, read_status(out)
     if status in (None, "unknown"):
@@ -199,7 +199,7 @@ def hit_line(h: dict[str, Any], width: int = 160) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry; returns the exit code (2 on bad input)."""
     quiet_cli()  # no Hugging Face loading bars around the answer
-    ap = argparse.ArgumentParser(prog="python -m ragtrain.search", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m ragtrain search", description=__doc__.splitlines()[0])
     ap.add_argument("output_dir", help="a finished run's folder (holds config.yaml and index/)")
     ap.add_argument("question")
     ap.add_argument("-k", type=int, default=5, help="passages to return (default 5)")
@@ -221,7 +221,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     for h in hits:
         print(hit_line(h))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pandas as pd
 
+from ragtrain.commands.paired import saved_answers
+from ragtrain.commands.search import SearchError
 from ragtrain.config import Config
 from ragtrain.config.variants import SEED_MARK
-from ragtrain.console import get_logger
 from ragtrain.eval.bootstrap import RESAMPLES, paired_markdown, paired_table
 from ragtrain.eval.likelihood import LIKELIHOOD_METRICS
 from ragtrain.eval.per_question import NLL_METRICS, run_per_question
-from ragtrain.paired import saved_answers
-from ragtrain.pipeline import completed, run
-from ragtrain.search import SearchError
+from ragtrain.pipeline.stages import completed, run
+from ragtrain.runtime.console import get_logger
 from ragtrain.track.mlflow import RunLogger
 from ragtrain.track.report import comparison_frame, write_comparison
 

@@ -2,7 +2,7 @@
 model card) and `<output_dir>/export/generator` (a transformers `save_pretrained` folder), then MLflow models.
 
 A run with a joint stage serves the jointly trained models (`<output_dir>/joint`): its encoder and its generator are
-the ones exported (and the ones `python -m ragtrain.ask` answers with: `served_encoder`, `served_generator`).
+the ones exported (and the ones `python -m ragtrain ask` answers with: `served_encoder`, `served_generator`).
 
 The retriever is written with sentence-transformers' own classes (Transformer -> Pooling -> Normalize), so
 `SentenceTransformer(folder)` loads it offline and gives ragtrain's vectors; query/passage prefixes become its
@@ -26,10 +26,10 @@ from ragtrain.config import Config
 from ragtrain.config.generator import GENERATOR_ARCHS, PACKAGED
 from ragtrain.config.joint import PassageEncoder
 from ragtrain.config.retriever import Pooling
-from ragtrain.console import get_logger
 from ragtrain.embed.model import build_encoder, load_tokenizer, resolve_model_path
 from ragtrain.embed.weights import load_weights
 from ragtrain.joint import ENCODER_FILE, GENERATOR_FOLDER, JOINT_DIR
+from ragtrain.runtime.console import get_logger
 
 log = get_logger(__name__)
 
@@ -303,7 +303,7 @@ from transformers import {loader}, AutoTokenizer
 model = {loader}.from_pretrained("path/to/export/generator")
 tokenizer = AutoTokenizer.from_pretrained("path/to/export/generator")
 ```
-or, with the run's index and retriever: `python -m ragtrain.ask <run folder> "a question"`.
+or, with the run's index and retriever: `python -m ragtrain ask <run folder> "a question"`.
 
 ## Answers ({cfg.data.split} split, SQuAD v1.1 normalisation)
 

@@ -1,4 +1,4 @@
-"""ragtrain.compare against a real MLflow SQLite store: runs logged the way the pipeline logs them, read back.
+"""ragtrain.commands.compare against a real MLflow SQLite store: runs logged the way the pipeline logs them, read back.
 
 The end-to-end version (runs made by a real sweep) is in tests/tune/test_sweep.py.
 """
@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ragtrain.compare import compare_runs, main, sync_label
+from ragtrain.commands.compare import compare_runs, main, sync_label
 from ragtrain.config import Config, to_flat_dict
 from ragtrain.config.logger import LoggerConfig
 from ragtrain.config.sync import SyncConfig
@@ -179,12 +179,12 @@ def test_sync_label_inference() -> None:
     "(test_experiment_table_matches_logged_values)"
 )
 def test_cli_on_plain_experiment_runs(ray_session, tmp_path: Path) -> None:
-    """Two real pipeline runs (tiny encoder), then `python -m ragtrain.compare`: the table is what they logged."""
+    """Two real pipeline runs (tiny encoder), then `python -m ragtrain compare`: the table is what they logged."""
     import subprocess
     import sys
 
     from ragtrain.config import to_typed
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
     from tests.conftest import REPO, compose, tiny_overrides
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -204,7 +204,18 @@ def test_cli_on_plain_experiment_runs(ray_session, tmp_path: Path) -> None:
         run(cfg)
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "ragtrain.compare", "--experiment", "plain", "--tracking-uri", uri, "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "ragtrain",
+            "compare",
+            "--experiment",
+            "plain",
+            "--tracking-uri",
+            uri,
+            "--out",
+            str(out),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,7 +1,7 @@
-"""`python -m ragtrain.ask <output_dir> "a question" [-k K] [--json]`: answer a question with a finished run.
+"""`python -m ragtrain ask <output_dir> "a question" [-k K] [--json]`: answer a question with a finished run.
 
 The run's generator answers from the top-k passages of the run's saved index, retrieved as `python -m
-ragtrain.search` retrieves them (in this process, no Ray; the index's checksums checked). A run with a joint stage
+ragtrain search` retrieves them (in this process, no Ray; the index's checksums checked). A run with a joint stage
 answers with the jointly trained query encoder and generator (`<output_dir>/joint`), a run with a generator stage
 with `<output_dir>/generator`. The prompt is built by the code the generator was trained with
 (ragtrain/generator/prompt.py) and the answer decoded as evaluation decodes it (greedy or `generator.eval.num_beams`,
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub when asking a run
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from ragtrain.commands.search import SearchError, hit_line, load_run_config, search  # noqa: E402
 from ragtrain.config import Config  # noqa: E402
-from ragtrain.console import quiet_cli  # noqa: E402
 from ragtrain.generator.prompt import PromptTooLongError, passage_text  # noqa: E402
-from ragtrain.search import SearchError, hit_line, load_run_config, search  # noqa: E402
+from ragtrain.runtime.console import quiet_cli  # noqa: E402
 
 if TYPE_CHECKING:
     from ragtrain.generator.model import GenModel
@@ -39,8 +39,8 @@ class AskError(ValueError):
 
 def generator_folder(cfg: Config, out: Path) -> Path:
     """The HF folder of the generator the run serves: the joint stage's, else the generator stage's."""
-    # lazy: ragtrain.export imports torch; this module's argument checks run without it
-    from ragtrain.export import served_generator
+    # lazy: ragtrain.pipeline.export imports torch; this module's argument checks run without it
+    from ragtrain.pipeline.export import served_generator
 
     folder = served_generator(cfg, out)
     if folder is None:
@@ -129,7 +129,7 @@ def ask(out: str | Path, question: str, k: int | None = None) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry; returns the exit code (2 on bad input)."""
     quiet_cli()  # no Hugging Face loading bars around the answer
-    ap = argparse.ArgumentParser(prog="python -m ragtrain.ask", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m ragtrain ask", description=__doc__.splitlines()[0])
     ap.add_argument("output_dir", help="a finished run's folder (holds config.yaml, index/ and a generator)")
     ap.add_argument("question")
     ap.add_argument("-k", type=int, default=None, help="passages to retrieve (default: generator.retrieval.top_k)")
@@ -147,7 +147,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     for h in result["sources"]:
         print(hit_line(h, SNIPPET))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ragtrain import run_lock
 from ragtrain.config import to_typed
-from ragtrain.errors import ConfigError
+from ragtrain.runtime import run_lock
+from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
 
 
@@ -72,7 +72,7 @@ def _unchanged(out: Path, before: dict) -> None:
 def test_a_run_into_the_folder_of_a_live_run_is_refused(tmp_path, live_pid, how: str) -> None:
     """resume=true into a running run's folder went on and destroyed that run; the refusal of a new run there
     suggested exactly that command (and overwrite=true, which destroys it too)."""
-    from ragtrain.pipeline import run
+    from ragtrain.pipeline.stages import run
 
     cfg = _cfg(tmp_path)
     out, before = _running_run(cfg, live_pid)
@@ -86,7 +86,7 @@ def test_a_run_into_the_folder_of_a_live_run_is_refused(tmp_path, live_pid, how:
 
 def test_a_dead_owners_lock_is_taken_over(tmp_path) -> None:
     """The run was killed (SIGKILL, a crash): its lock names a pid that is gone; resume=true goes on."""
-    from ragtrain.pipeline import check_fresh_output, run
+    from ragtrain.pipeline.stages import check_fresh_output, run
 
     cfg = _cfg(tmp_path)
     out, _ = _running_run(cfg, _dead_pid())

@@ -1,17 +1,17 @@
-"""precision=auto (ragtrain/precision.py): bf16 only where the device runs it natively, fp32 elsewhere; said once."""
+"""precision=auto (ragtrain/embed/precision.py): bf16 only where the device runs it natively, fp32 elsewhere; said
+once."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
 
-from ragtrain import precision
-from tests.conftest import compose, tiny_overrides
+from ragtrain.embed import precision
+from tests.conftest import REPO, compose, tiny_overrides
 
-EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 # Kept at fp32 on purpose: it reproduces the published fp32 MTEB figures
 EXPLICIT_FP32 = {("scifact_zeroshot", "index.precision"), ("squad_rag", "index.precision")}
 

@@ -1,9 +1,9 @@
-"""`python -m ragtrain.paired RUN_DIR RUN_DIR [...]`: are finished runs' scores different beyond the dev set's
+"""`python -m ragtrain paired RUN_DIR RUN_DIR [...]`: are finished runs' scores different beyond the dev set's
 noise?
 
 A 100-query dev set moves nDCG@10 by 0.01 per query, so two recipes 0.01 apart may be one query apart. This
 re-scores every run folder per query, on the same evaluated split, from its saved index and its query encoder (the
-one that built the index, or a joint run's jointly trained one, as `python -m ragtrain.search` does), and prints
+one that built the index, or a joint run's jointly trained one, as `python -m ragtrain search` does), and prints
 each run's mean with a bootstrap 95 % interval and its paired difference to the first run: the same resampled
 queries for both runs, so what the queries have in common cancels.
 `p(≤0)` is the share of resamples where the run does not beat the first one (small: a real gain); `better / worse`
@@ -30,11 +30,11 @@ import numpy as np
 from omegaconf import OmegaConf
 from tabulate import tabulate
 
+from ragtrain.commands.search import SearchError, load_run_config, query_snapshots
 from ragtrain.config import changed_keys, flatten
-from ragtrain.console import quiet_cli
 from ragtrain.corpus.load import load_data
 from ragtrain.eval.metrics import per_query
-from ragtrain.search import SearchError, load_run_config, query_snapshots
+from ragtrain.runtime.console import quiet_cli
 
 RETRIEVAL_METRICS = ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10", "recall@100")
 # the generator's answers per mode: each question's EM / F1 from the run's predictions.json
@@ -54,13 +54,13 @@ class Scored:
 
 def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     """Per-query `metric` of the run in `out` on its evaluated split (its saved index, its trained encoder)."""
-    # lazy: ragtrain.retrieval imports torch; this module imports without it
+    # lazy: ragtrain.pipeline.retrieval imports torch; this module imports without it
     # lazy: ragtrain.index.faiss_index imports faiss; this module imports without it
     from ragtrain.index.faiss_index import IndexMismatchError
 
     # lazy: ragtrain.index.sharded imports faiss/ray; this module imports without them
     from ragtrain.index.sharded import open_saved
-    from ragtrain.retrieval import BuiltIndex, Retrieval
+    from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
 
     out = Path(out)
     if not (out / "index" / "index_meta.json").exists():
@@ -216,7 +216,7 @@ def format_table(rows: Sequence[dict[str, Any]], metric: str, tablefmt: str = "s
 
 def main(argv: Sequence[str] | None = None) -> int:
     quiet_cli()
-    p = argparse.ArgumentParser(prog="python -m ragtrain.paired", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ragtrain paired", description=__doc__.splitlines()[0])
     p.add_argument(
         "runs",
         nargs="+",
@@ -256,7 +256,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(json.dumps(rows, indent=2) if args.json else format_table(rows, args.metric))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
