@@ -68,6 +68,9 @@ def write_comparison(df: pd.DataFrame, out_dir: str | Path, title: str, sections
         x = "rag/gold_in_top_k"
         scatter_plot(df, x, "rag/em", png, label="strategy", title=title, log_x=False, ylabel="RAG EM")
         return [csv, md, png]
+    if "ndcg@10" not in df.columns:  # no index was evaluated (stages=[retriever]): the table says all there is
+        png.unlink(missing_ok=True)  # a plot from an earlier run of the folder would show other figures
+        return [csv, md]
     scatter_plot(
         df,
         "comm/bytes_per_step",

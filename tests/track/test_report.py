@@ -31,3 +31,17 @@ def test_write_comparison_over_seeds_writes_the_rows_the_summary_and_a_plot(tmp_
     md = (tmp_path / "comparison.md").read_text()
     assert "## Mean over seeds [min, max]" in md and "0.3125 [0.25, 0.375]" in md
     assert (tmp_path / "comparison.png").stat().st_size > 5000
+
+
+def test_strategies_trained_without_an_index_get_their_table_and_no_plot(tmp_path) -> None:
+    """compare.strategies with stages=[retriever]: no nDCG@10 to plot against the bytes, so the table only (and a
+    plot left by an earlier run of the folder is removed: it would show other figures)."""
+    rows = [
+        {"strategy": "ddp", "comm/bytes_per_step": 9.0e7, "train/samples_per_s": 20.0},
+        {"strategy": "topk", "comm/bytes_per_step": 1.8e6, "train/samples_per_s": 18.0},
+    ]
+    (tmp_path / "comparison.png").write_bytes(b"stale")
+    files = write_comparison(comparison_frame(rows), tmp_path, "sync_network")
+    assert [f.name for f in files] == ["comparison.csv", "comparison.md"]
+    assert not (tmp_path / "comparison.png").exists()
+    assert "topk" in (tmp_path / "comparison.md").read_text()
