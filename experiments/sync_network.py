@@ -180,7 +180,7 @@ def _fmt(x: object, spec: str) -> str:
 def target_cell(row: pd.Series) -> str:
     """Seconds to the target; "> S" when the run trained S seconds without reaching it; the status otherwise."""
     if row["reached"]:
-        return _fmt(row["seconds_to_target"], ".0f")
+        return _fmt(row["seconds_to_target"], ".1f")
     if isinstance(row["trained_s"], float) and not math.isnan(row["trained_s"]):
         return f"> {row['trained_s']:.0f}"
     return str(row["status"])
@@ -216,7 +216,7 @@ def _sooner(row: pd.Series, ddp: pd.Series | None) -> bool:
 
 def _versus(row: pd.Series | None, ddp: pd.Series | None) -> str:
     def t(r: pd.Series | None) -> str:
-        return "no run" if r is None else (f"{r['seconds_to_target']:.0f} s" if r["reached"] else target_cell(r))
+        return "no run" if r is None else (f"{r['seconds_to_target']:.1f} s" if r["reached"] else target_cell(r))
 
     return f"{t(row)} against ddp's {t(ddp)}"
 

@@ -117,7 +117,7 @@ def test_the_markdown_table_shows_not_reached_as_more_than_the_seconds_trained()
     assert len(lines) == 2 + 6
     row = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in lines[2:]}
     assert "| > 36 |" in row[("topk", "100mbit")]
-    assert "| 150 |" in row[("ddp", "100mbit")]
+    assert "| 150.0 |" in row[("ddp", "100mbit")]
     assert "failed (exit 1, 100mbit/cluster-1.log)" in row[("fp16", "100mbit")]
     assert "| not run |" in row[("fp16", "unshaped")]
     # fastest link first within a strategy, strategies in their order
@@ -129,13 +129,13 @@ def test_a_crossover_is_the_highest_bandwidth_at_which_a_strategy_is_sooner_than
     # at 0.93: topk at 24 s against ddp's 100 s at 100 Mb/s, 22 s against 20 s unshaped
     sentences = sn.crossover_sentences(sn.table_rows(runs, w, 0.93), 0.93)
     topk = next(s for s in sentences if s.startswith("topk"))
-    assert "overtakes ddp at 100mbit" in topk and "24 s against ddp's 100 s" in topk
-    assert "at unshaped: 22 s against ddp's 20 s" in topk
+    assert "overtakes ddp at 100mbit" in topk and "24.0 s against ddp's 100.0 s" in topk
+    assert "at unshaped: 22.0 s against ddp's 20.0 s" in topk
     fp16 = next(s for s in sentences if s.startswith("fp16"))
     assert "at none of the links measured (unshaped, 100mbit)" in fp16
     # at 0.96 topk reaches it (36 s) where ddp needs 150 s, and unshaped (33 s vs 30 s) it does not
     at96 = sn.crossover_sentences(sn.table_rows(runs, w, 0.96), 0.96)
-    assert any("overtakes ddp at 100mbit" in s and "36 s against ddp's 150 s" in s for s in at96)
+    assert any("overtakes ddp at 100mbit" in s and "36.0 s against ddp's 150.0 s" in s for s in at96)
     # a strategy sooner on the fastest link: said so
     faster = w.assign(seconds=w["seconds"].where(w["strategy"] != "topk", w["seconds"] / 10))
     first = sn.crossover_sentences(sn.table_rows(runs, faster, 0.93), 0.93)
