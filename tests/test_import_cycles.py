@@ -167,3 +167,25 @@ def test_function_level_imports_say_why() -> None:
             if above < 1 or "#" not in lines[above - 1]:
                 silent.append(f"{path.relative_to(PKG.parent)}:{node.lineno}")
     assert silent == [], "function-level imports without a comment saying why: " + ", ".join(sorted(silent))
+
+
+def _missing(path: Path) -> list[str]:
+    """The `ragtrain.*` modules `path` imports (anywhere in the file) that are not in this tree."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+        names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        for name in (n for n in names if n == "ragtrain" or n.startswith("ragtrain.")):
+            file = PKG.parent / name.replace(".", "/")
+            if not (file.with_suffix(".py").exists() or (file / "__init__.py").exists()):
+                out.append(f"{path.relative_to(PKG.parent)}: {name}")
+    return out
+
+
+def test_every_ragtrain_import_names_a_module_of_this_tree() -> None:
+    """An editable install resolves a module this tree lacks (a moved one's old path) to another checkout's copy,
+    so a stale import could pass every other test: each import must name a module that is here."""
+    files = [
+        p for folder in ("ragtrain", "tests", "benchmarks", "experiments") for p in (PKG.parent / folder).rglob("*.py")
+    ]
+    assert [m for f in sorted(files) for m in _missing(f)] == []
