@@ -14,6 +14,7 @@ Usage: multinode_job.py OUT PART, with RAY_ADDRESS set (and OUT in a folder ever
 import json
 import os
 import sys
+import tempfile
 
 import ray
 import torch
@@ -78,7 +79,6 @@ def storage_part(out_dir: str, apart: bool) -> dict:
     """check_shared_paths on both nodes: what the driver wrote and reads under OUT is seen; a folder only the
     driver's node has is named. On nodes apart that is a folder in the driver's own /tmp (it exists here, and no
     other node sees it); on one machine's raylets, which share every path, a path that no node has stands in."""
-    import tempfile
     from pathlib import Path
 
     from ragtrain.cluster.storage import check_shared_paths
@@ -185,7 +185,7 @@ def distributed_part(out_dir: str) -> dict:
     and trainer rank 1 killed at step 3: Ray Train restarts the worker group from the step-2 checkpoint and training
     finishes its 4 steps. MLflow logs to a SQLite store given relative to the driver's working folder, which is not
     the raylets' (rank 0 logs from its node)."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # lazy: mlflow's import takes ~1 s, and only this part reads a store
 
     from ragtrain.config import to_typed
     from ragtrain.pipeline import run
