@@ -21,6 +21,7 @@ from pathlib import Path
 from ragtrain.cluster import emulated, netns
 
 NAME = re.compile(r"^[a-z0-9]{1,12}$")
+BUILT_IN = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
 def _rate(text: str) -> int:
@@ -34,6 +35,20 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
+
+
+def _node_resources(text: str) -> tuple[int, dict[str, float]]:
+    """'1:index_node=1,pool_node=0.5' -> (1, {"index_node": 1.0, "pool_node": 0.5})."""
+    node, _, pairs = text.partition(":")
+    try:
+        resources = {k.strip(): float(v) for k, v in (pair.split("=") for pair in pairs.split(","))}
+    except ValueError:
+        resources = {}
+    if not node.isdigit() or not resources or not all(resources) or min(resources.values()) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NODE:NAME=AMOUNT[,NAME=AMOUNT...] (e.g. 1:index_node=1)")
+    if set(resources) & BUILT_IN:  # `ray start --resources` refuses them: they have options of their own
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(sorted(BUILT_IN))} are not custom resources")
+    return int(node), resources
 
 
 def _name(text: str) -> str:
@@ -66,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="also write the measured links (src, dst, asked_bits, achieved_bits per direction) to this JSON file",
         )
+        s.add_argument(
+            "--node-resources",
+            type=_node_resources,
+            action="append",
+            default=[],
+            metavar="NODE:NAME=AMOUNT[,...]",
+            help="custom resources of node NODE (0 is the head), e.g. 1:index_node=1; repeatable",
+        )
         if verb == "run":
             s.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
     for verb in ("status", "down", "exec"):
@@ -82,6 +105,11 @@ def _spec(args: argparse.Namespace, p: argparse.ArgumentParser) -> emulated.Clus
         p.error("--storage /tmp: each node has its own /tmp; give a folder (under /tmp is fine)")
     if args.intra is not None and args.nodes_per_machine == 1:
         p.error("--intra needs --workers-per-node > 1 (nodes grouped into machines)")
+    node_resources: dict[int, dict[str, float]] = {}
+    for node, resources in args.node_resources:
+        if node >= args.nodes:
+            p.error(f"--node-resources {node}:...: there are nodes 0..{args.nodes - 1}")
+        node_resources.setdefault(node, {}).update(resources)
     return emulated.ClusterSpec(
         name=args.name,
         nodes=args.nodes,
@@ -90,6 +118,7 @@ def _spec(args: argparse.Namespace, p: argparse.ArgumentParser) -> emulated.Clus
         bandwidth=args.bandwidth,
         intra=args.intra,
         nodes_per_machine=args.nodes_per_machine,
+        node_resources=node_resources,
     )
 
 
@@ -98,8 +127,9 @@ def _report(state: emulated.State) -> None:
         return "unshaped" if bits is None else f"{bits / 1e6:.1f} Mb/s"
 
     print(f"cluster {state.spec.name}: head {state.head_address}, storage {state.spec.storage}", file=sys.stderr)
-    for n in state.nodes:
-        print(f"  {n['ns']}  {n['address']}  machine {n['machine']}  pid {n['pid']}", file=sys.stderr)
+    for i, n in enumerate(state.nodes):
+        extra = "".join(f"  {k}={v:g}" for k, v in state.spec.node_resources.get(i, {}).items())
+        print(f"  {n['ns']}  {n['address']}  machine {n['machine']}  pid {n['pid']}{extra}", file=sys.stderr)
     for m in state.measured:
         got, asked = m["achieved_bits"], m["asked_bits"]
         print(f"  {m['src']} -> {m['dst']}: {mbit(got)} (asked {mbit(asked)})", file=sys.stderr)

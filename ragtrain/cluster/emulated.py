@@ -45,6 +45,9 @@ class ClusterSpec:
     nodes_per_machine: int = 1
     object_store_bytes: int = 200_000_000
     tmp_size: str = "2g"  # the tmpfs over each node's /tmp (Ray's session folder, spilled objects)
+    # custom resources of node i (`ray start --resources`), e.g. {1: {"index_node": 1}}: where a job's placement
+    # rules (resources=multi_node's index pool) can land
+    node_resources: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,7 +94,9 @@ def load_state(name: str) -> State | None:
     if not path.exists():
         return None
     raw = json.loads(path.read_text())
-    return State(**{**raw, "spec": ClusterSpec(**raw["spec"])})
+    spec = raw["spec"]
+    spec["node_resources"] = {int(i): r for i, r in spec.get("node_resources", {}).items()}  # JSON keys are strings
+    return State(**{**raw, "spec": ClusterSpec(**spec)})
 
 
 def command_env(state: State) -> dict[str, str]:
@@ -119,6 +124,8 @@ def _node_argv(state: State, i: int) -> list[str]:
     ray = [_ray(), "start", "--block", f"--node-ip-address={node['address']}", f"--num-cpus={spec.cpus_per_node}"]
     ray += [f"--object-store-memory={spec.object_store_bytes}", f"--temp-dir=/tmp/ray-{node['ns']}"]
     ray += ["--disable-usage-stats"]
+    if spec.node_resources.get(i):
+        ray += [f"--resources={json.dumps(spec.node_resources[i])}"]
     if i == 0:
         ray += ["--head", f"--port={GCS_PORT}", "--include-dashboard=false"]
     else:

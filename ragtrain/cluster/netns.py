@@ -221,10 +221,10 @@ def _reaped(pids: set[int], timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def stop_processes(namespaces: list[str], term_wait_s: float = 8.0) -> None:
+def stop_processes(namespaces: list[str], term_wait_s: float = 2.0) -> None:
     """SIGTERM every process in these namespaces, wait, SIGKILL what is left, wait until none is. Ray's GCS and
     `ray start --block` outlast a SIGTERM by 10 s and more while the rest has gone; their state dies with the
-    node's tmpfs anyway, so the wait is short."""
+    node's tmpfs anyway, so the wait is short (each test module that makes a cluster pays it)."""
     seen = {p for ns in namespaces for p in namespace_pids(ns)}
     _signal_all(sorted(seen), signal.SIGTERM)
     left = _wait_gone(namespaces, term_wait_s)

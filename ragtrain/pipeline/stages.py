@@ -44,7 +44,7 @@ from ragtrain.retriever.stage import RetrieverRun, check_train_batch, first_inde
 from ragtrain.runtime import run_lock
 from ragtrain.runtime.console import attach_run_log, collect_log_lines, detach_run_log, get_logger, replay
 from ragtrain.runtime.errors import ConfigError
-from ragtrain.track.mlflow import RunLogger, check_tracking_uri, open_client, redact_uri, tracking_uri
+from ragtrain.track.mlflow import RunLogger, check_tracking_uri, open_client, redact_uri, store_folder, tracking_uri
 
 log = get_logger(__name__)
 
@@ -531,7 +531,7 @@ def open_logger(cfg: Config, out: Path, run_log: Any, parent_run_id: str | None)
         raise
     if logger.enabled:
         run_file.write_text(logger.run_id or "")
-    if logger.enabled and os.environ.get("RAY_ADDRESS") and logger.uri.startswith(("sqlite:", "file:")):
+    if logger.enabled and os.environ.get("RAY_ADDRESS") and store_folder(logger.uri) is not None:
         # every node sees it (checked above), but SQLite's locks over a network filesystem are not to be trusted
         log.warning(
             f"RAY_ADDRESS is set and MLflow logs to a file store ({logger.uri}) that rank 0 writes from "

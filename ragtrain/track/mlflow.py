@@ -65,8 +65,12 @@ def open_client(uri: str, **kwargs: Any):  # -> MlflowClient
 
 
 def tracking_uri(cfg: LoggerConfig) -> str:
-    """The tracking URI this run uses: logger.tracking_uri > $MLFLOW_TRACKING_URI > local SQLite."""
-    return cfg.tracking_uri or default_tracking_uri()
+    """The tracking URI this run uses: logger.tracking_uri > $MLFLOW_TRACKING_URI > local SQLite; a file store's
+    relative path made absolute here, on the driver. Rank 0 logs through the URI it is handed (MetricSink), from a
+    process whose working folder is its raylet's: on a cluster not the driver's, so `sqlite:///mlruns/x.db` would
+    name another file there (seen on the emulated cluster: the shared-path check could not find the store's folder
+    from the other node, though it was on the shared disk)."""
+    return absolute_tracking_uri(cfg.tracking_uri or default_tracking_uri())
 
 
 # Schemes MLflow's tracking store understands (a local path without a scheme is a file store)
@@ -470,13 +474,16 @@ def _version(dist: str) -> str:
 
 
 def absolute_tracking_uri(uri: str) -> str:
-    """The same store with relative file paths made absolute (Tune trials run in other working directories)."""
+    """The same store with relative file paths made absolute (Tune trials and Ray workers run in other working
+    directories)."""
     for scheme in ("sqlite:///", "file://"):
         if uri.startswith(scheme):
             path = uri[len(scheme) :]
             if path and not path.startswith("/"):
                 return scheme + str(Path(path).resolve())
             return uri
+    if uri and "://" not in uri and not uri.startswith("sqlite:") and store_folder(uri) is not None:
+        return str(Path(uri).resolve())  # a bare path: MLflow's file store
     return uri  # servers (http, databricks, ...) need nothing
 
 

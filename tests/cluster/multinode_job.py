@@ -1,42 +1,41 @@
-"""Run by test_multinode.py in its own process: a real 2-node Ray cluster on 127.0.0.1 (separate raylets).
+"""Run by the multi-node tests on the head of a 2-node Ray cluster (RAY_ADDRESS): prints one JSON line with what
+it observed. The cluster (tests/cluster/conftest.py) is the emulated one, or two raylets on 127.0.0.1; either way
+each node has 2 CPUs, `index_node` and a `trainer_slot`, and node 1 `pool_node` too (the labelled node).
 
 Part "sync" trains the tiny retriever with sync=hierarchical, sync=hybrid_powersgd and sync=layerwise (top layer
-every step, the
-rest every 2nd) on 4 workers spread over both nodes, and places an encoder
-pool on the node labelled `index_node`; part "refresh" runs the pipeline with live index refresh (2 trainer workers,
-the pool
-and its index service on the labelled node); prints one JSON line with what it observed.
+every step, the rest every 2nd) on 4 workers spread over both nodes, and places an encoder pool on the node labelled
+`pool_node`; part "refresh" runs the pipeline with live index refresh (2 trainer workers, the pool and its index
+service on the labelled node); "distributed" the documents pipeline with a killed worker and then killed index
+shards; "storage" the shared-path check.
+
+Usage: multinode_job.py OUT PART, with RAY_ADDRESS set (and OUT in a folder every node sees).
 """
 
 import json
 import os
 import sys
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import tempfile
 
 import ray
 import torch
-from ray.cluster_utils import Cluster
+
+from ragtrain.cluster.resources import init_ray
+from ragtrain.config import Config
+from ragtrain.config.data import DataConfig
+from ragtrain.config.logger import LoggerConfig
+from ragtrain.config.resources import PoolResources, ResourcesConfig, TrainerResources
+from ragtrain.config.retriever import RetrieverConfig, RetrieverTrainConfig
+from ragtrain.data import make_synthetic
+from ragtrain.retriever.batching import TrainData, build_examples
+from tests.conftest import sync_config
 
 
 def main(out_dir: str, part: str) -> None:
-    """part "sync": the three sync trainings and the pool's placement; "refresh": the live-refresh pipeline."""
-    # "distributed": both nodes hold index shards (index.shards=auto), and a second label keeps the refresh's
-    # pool on the labelled node
-    head = {"num_cpus": 2, **({"resources": {"index_node": 1}} if part == "distributed" else {})}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    labelled = cluster.add_node(num_cpus=2, resources={"index_node": 1, "pool_node": 1})
-    ray.init(address=cluster.address)
+    """Join the cluster as `python -m ragtrain` does with RAY_ADDRESS (this checkout's ragtrain shipped to the
+    workers), then run `part`."""
+    assert os.environ.get("RAY_ADDRESS"), "run on a cluster: RAY_ADDRESS is its head"
+    init_ray(ResourcesConfig())
     try:
-        from ragtrain.config import Config
-        from ragtrain.config.data import DataConfig
-        from ragtrain.config.logger import LoggerConfig
-        from ragtrain.config.resources import PoolResources, ResourcesConfig, TrainerResources
-        from ragtrain.config.retriever import RetrieverConfig, RetrieverTrainConfig
-        from ragtrain.data import make_synthetic
-        from ragtrain.retriever.batching import TrainData, build_examples
-        from tests.conftest import sync_config
-
         cfg = Config(
             data=DataConfig(num_entities=20),
             retriever=RetrieverConfig(
@@ -47,36 +46,39 @@ def main(out_dir: str, part: str) -> None:
             ),
             resources=ResourcesConfig(
                 trainer=TrainerResources(num_workers=4, cpus_per_worker=1),
-                pool=PoolResources(num_actors=1, cpus_per_actor=1, resources={"index_node": 1}),
+                pool=PoolResources(num_actors=1, cpus_per_actor=1, resources={"pool_node": 1}),
             ),
             logger=LoggerConfig(backend="none"),
             sync=sync_config("hierarchical", mixer={"period": 2}),
             output_dir=out_dir,
         )
-        data = make_synthetic(num_entities=20)
-        pos = {d: i for i, d in enumerate(data.corpus)}
-        train = TrainData(
-            [p.full_text() for p in data.corpus.values()], build_examples(data.queries, data.train_qrels, pos)
-        )
-        observed = {"labelled_node": labelled.node_id, "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        observed = {
+            "labelled_node": next(n["NodeID"] for n in alive if "pool_node" in n["Resources"]),
+            "nodes": sorted(n["NodeID"] for n in alive),
+            "addresses": sorted(n["NodeManagerAddress"] for n in alive),
+        }
         if part == "storage":
-            observed.update(storage_part(out_dir))
+            observed.update(storage_part(out_dir, apart=len(set(observed["addresses"])) > 1))
         elif part == "distributed":
             observed.update(distributed_part(out_dir))
             observed.update(shard_kill_part(out_dir))
         elif part == "sync":
-            observed.update(sync_part(cfg, train))
+            data = make_synthetic(num_entities=20)
+            pos = {d: i for i, d in enumerate(data.corpus)}
+            texts = [p.full_text() for p in data.corpus.values()]
+            observed.update(sync_part(cfg, TrainData(texts, build_examples(data.queries, data.train_qrels, pos))))
         else:
             observed.update(refresh_part(cfg, out_dir))
         print(json.dumps(observed))
     finally:
         ray.shutdown()
-        cluster.shutdown()
 
 
-def storage_part(out_dir: str) -> dict:
-    """check_shared_paths on both nodes: what the driver wrote and reads is seen (one filesystem here); a path
-    that no node has stands in for a folder only the driver's node mounts."""
+def storage_part(out_dir: str, apart: bool) -> dict:
+    """check_shared_paths on both nodes: what the driver wrote and reads under OUT is seen; a folder only the
+    driver's node has is named. On nodes apart that is a folder in the driver's own /tmp (it exists here, and no
+    other node sees it); on one machine's raylets, which share every path, a path that no node has stands in."""
     from pathlib import Path
 
     from ragtrain.cluster.storage import check_shared_paths
@@ -84,12 +86,14 @@ def storage_part(out_dir: str) -> dict:
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     checked = check_shared_paths({"output_dir": out_dir}, {"data.root": str(Path(out_dir).parent)})
+    only_here = tempfile.mkdtemp(prefix="ragtrain-driver-") if apart else str(Path(out_dir) / "only-on-the-driver")
     try:
-        check_shared_paths({"output_dir": out_dir}, {"data.root": str(Path(out_dir) / "only-on-the-driver")})
+        check_shared_paths({"output_dir": out_dir}, {"data.root": only_here})
         error = ""
     except ConfigError as e:
         error = str(e)
-    return {"looked_from": sorted(checked), "error": error, "left": sorted(p.name for p in Path(out_dir).iterdir())}
+    left = sorted(p.name for p in Path(out_dir).iterdir())
+    return {"looked_from": sorted(checked), "only_here": only_here, "error": error, "left": left}
 
 
 def sync_part(cfg, train) -> dict:
@@ -103,7 +107,6 @@ def sync_part(cfg, train) -> dict:
     from ragtrain.embed.model import build_encoder
     from ragtrain.index.refresh_service import reserve
     from ragtrain.retriever.train import fit_retriever
-    from tests.conftest import sync_config
 
     out_dir = cfg.output_dir
     torch.manual_seed(0)
@@ -178,13 +181,19 @@ def refresh_part(cfg, out_dir: str) -> dict:
 
 def distributed_part(out_dir: str) -> dict:
     """docs_quickstart made small (12 generated documents, chunked; the tiny encoder) on the 2 nodes, with a live index
-    refresh on the labelled node while 2 trainer workers train, and trainer rank 1 killed at step 3: Ray Train
-    restarts the worker group from the step-2 checkpoint and training finishes its 4 steps."""
+    refresh on the labelled node while 2 trainer workers train (one per node: each takes its node's `trainer_slot`),
+    and trainer rank 1 killed at step 3: Ray Train restarts the worker group from the step-2 checkpoint and training
+    finishes its 4 steps. MLflow logs to a SQLite store given relative to the driver's working folder, which is not
+    the raylets' (rank 0 logs from its node)."""
+    from mlflow.tracking import MlflowClient  # lazy: mlflow's import takes ~1 s, and only this part reads a store
+
     from ragtrain.config import to_typed
     from ragtrain.pipeline.stages import run
     from tests.conftest import compose
 
     out = os.path.join(out_dir, "docs")
+    os.makedirs(out_dir, exist_ok=True)
+    os.chdir(out_dir)  # as a user's driver runs from a folder of theirs; the raylets started elsewhere
     cfg = to_typed(
         compose(
             [
@@ -205,6 +214,7 @@ def distributed_part(out_dir: str) -> dict:
                 "resources.pool.num_actors=1",
                 "resources.pool.cpus_per_actor=1",
                 "+resources.pool.resources.pool_node=0.5",
+                "+resources.trainer.resources.trainer_slot=1",  # one per node: the gradients cross the link
                 "refresh.enabled=true",
                 "refresh.every_steps=2",
                 "refresh.check_every=2",
@@ -217,7 +227,8 @@ def distributed_part(out_dir: str) -> dict:
                 "fault.max_failures=1",
                 "fault.kill_worker_at_step=3",
                 "fault.kill_rank=1",
-                "logger=none",
+                "logger=mlflow",
+                "logger.tracking_uri=sqlite:///mlflow/mlflow.db",
                 "export=false",
                 f"output_dir={out}",
             ]
@@ -225,14 +236,23 @@ def distributed_part(out_dir: str) -> dict:
     )
     results = run(cfg)
     history = json.load(open(os.path.join(out, "refresh_history.json")))["history"]
+    store = os.path.join(out_dir, "mlflow", "mlflow.db")
+    run_id = open(os.path.join(out, "mlflow_run_id")).read().strip()
+    losses = MlflowClient(f"sqlite:///{store}").get_metric_history(run_id, "train/loss") if run_id else []
+    train = results["train"]
+    global_batch = cfg.retriever.train.batch_size * cfg.resources.trainer.num_workers
     return {
         "refresh_nodes": sorted({h["node"] for h in history}),
         "refresh_metrics": [h["metrics"] for h in history],
-        "refreshes": results["train"]["index/refreshes"],
+        "refreshes": train["index/refreshes"],
         "killed": os.path.exists(os.path.join(out, "ray", ".fault_injected_retriever_rank1_step3")),
-        "steps": results["train"]["steps"],
+        "steps": train["steps"],
         "chunks": len(run_doc_of(out)),
         "ndcg": {k: results[k]["ndcg@10"] for k in ("zeroshot", "trained")},
+        "loss_steps": sorted({m.step for m in losses}),  # what rank 0 logged into the store
+        "grad_bytes_per_step": train["comm/bytes_per_step/grad"],
+        # gradients in flight per step: time share x step seconds (global batch / samples per second)
+        "comm_s_per_step": train["comm/time_share"] * global_batch / train["train/samples_per_s"],
     }
 
 
@@ -265,7 +285,9 @@ def shard_kill_part(out_dir: str) -> dict:
     with ThreadPoolExecutor(1) as pool:
         searching = pool.submit(index.search, q, 10)
         time.sleep(0.05)
-        os.kill(before[1]["pid"], signal.SIGKILL)  # shard 1's process, on the other raylet
+        # shard 1's process, on the other node: the emulated nodes share the host's process ids (their own network,
+        # mount and host-name namespaces only), as one machine's raylets do
+        os.kill(before[1]["pid"], signal.SIGKILL)
         got = searching.result()
     after = group.info()
     group.close()

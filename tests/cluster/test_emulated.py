@@ -1,7 +1,9 @@
-"""The emulated cluster (`python -m ragtrain.cluster`): nodes with their own namespace, address, /tmp and link.
+"""The emulated cluster (`python -m ragtrain.cluster`): nodes with their own namespace, address, /tmp and link; and
+the multi-node pipeline job on it.
 
-Needs root, ip and tc with tbf (else skipped, with why). One 2-node cluster at 50 Mb/s serves the file; the last
-test tears it down and checks that nothing is left.
+Needs root, ip and tc with tbf (else skipped, with why; the pipeline job then runs on two raylets on 127.0.0.1).
+One 2-node cluster at 100 Mb/s (tests/cluster/conftest.py) serves the file, the job included; the last test that
+uses it tears it down and checks that nothing is left.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -21,38 +22,10 @@ from pathlib import Path
 import pytest
 
 from ragtrain.cluster import emulated, linkprobe, netns
+from tests.cluster.conftest import RATE, TwoNodes, host_links, missing_requirement, namespaces, stdout_of
 from tests.conftest import REPO
 
-RATE = 50_000_000
-NUMEL = 1 << 20  # a 4 MB fp32 tensor
-
-
-def _host_links() -> set[str]:
-    return {line.split(":")[1].strip().split("@")[0] for line in _out(["ip", "-o", "link"]).splitlines()}
-
-
-def _out(argv: list[str]) -> str:
-    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    why = netns.missing_requirement()
-    if why is not None:
-        pytest.skip(why)
-    before = {"netns": _out(["ip", "netns", "list"]), "links": _host_links()}
-    name = f"t{uuid.uuid4().hex[:6]}"
-    # the checkout may sit under /tmp (a CI clone): every node sees the storage through its own /tmp overlay
-    storage = REPO / "outputs" / "test-cluster" / name
-    host_file = Path(tempfile.mkdtemp(prefix="ragtrain-host-")) / "kept"  # under the host's /tmp, before `up`
-    host_file.write_text("host")
-    before["host_file"] = host_file
-    spec = emulated.ClusterSpec(name=name, nodes=2, storage=str(storage), bandwidth=RATE)
-    state = emulated.up(spec)
-    yield state, before
-    emulated.down(name)  # idempotent: the last test has torn it down already
-    shutil.rmtree(storage, ignore_errors=True)
-    shutil.rmtree(host_file.parent, ignore_errors=True)
+UPLINK = 50_000_000  # the 4-node network's rate between machines (4x that inside one)
 
 
 def _on_node(state: emulated.State, i: int, script: str) -> subprocess.CompletedProcess:
@@ -61,8 +34,8 @@ def _on_node(state: emulated.State, i: int, script: str) -> subprocess.Completed
     return subprocess.run(argv, capture_output=True, text=True)
 
 
-def test_each_node_has_its_own_address_and_a_shaped_link_both_ways(cluster) -> None:
-    state, _ = cluster
+def test_each_node_has_its_own_address_and_a_shaped_link_both_ways(emulated_cluster) -> None:
+    state, _ = emulated_cluster
     assert [n["address"] for n in state.nodes] == ["10.237.0.10", "10.237.0.11"]
     assert _on_node(state, 1, "ip -o -4 addr show dev eth0").stdout.split()[3] == "10.237.0.11/24"
     assert "default" not in _on_node(state, 1, "ip route").stdout  # nothing leaves the private subnet
@@ -80,10 +53,10 @@ def test_each_node_has_its_own_address_and_a_shaped_link_both_ways(cluster) -> N
     assert saved["measured"] == state.measured  # the state file carries the measured rates
 
 
-def test_tmp_is_private_to_each_node(cluster) -> None:
+def test_tmp_is_private_to_each_node(emulated_cluster) -> None:
     """What a node writes under /tmp no other node (nor the host) sees; what the host kept there (a checkout, a
     venv) every node reads; the storage is one folder for all, wherever it sits."""
-    state, before = cluster
+    state, before = emulated_cluster
     mark = f"ragtrain-emulated-{uuid.uuid4().hex}"
     assert _on_node(state, 0, f"touch /tmp/{mark} && ls /tmp").returncode == 0
     assert _on_node(state, 0, f"test -e /tmp/{mark}").returncode == 0
@@ -98,31 +71,12 @@ def test_tmp_is_private_to_each_node(cluster) -> None:
     shared.unlink()
 
 
-def test_a_gloo_all_reduce_across_the_two_nodes_is_paced_by_the_link(cluster) -> None:
-    """A 2-worker TorchTrainer, one worker per node: one 4 MB all-reduce takes at least half the ring bound
-    2(W-1)/W * P/B, which loopback (where gloo lands without GLOO_SOCKET_IFNAME) would beat by far."""
-    state, _ = cluster
-    storage = Path(state.spec.storage)
-    env = {**emulated.command_env(state), "RAY_ADDRESS": state.head_address, "PYTHONPATH": str(REPO)}
-    script = str(REPO / "tests" / "cluster" / "emulated_allreduce.py")
-    argv = emulated.exec_argv(state, [sys.executable, script, str(storage), str(NUMEL)], cwd=str(REPO))
-    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    # c10d looks up each peer's host name: the hosts file names every node (without it, a warning per connection)
-    assert "hostname of the client socket cannot be retrieved" not in r.stdout + r.stderr
-    ranks = [json.loads((storage / f"allreduce-{i}.json").read_text()) for i in range(2)]
-    assert {x["ip"] for x in ranks} == {"10.237.0.10", "10.237.0.11"}  # one worker on each node
-    assert all(x["sum"] == 2.0 for x in ranks)
-    bound = 2 * (2 - 1) / 2 * (4 * NUMEL * 8) / RATE  # 0.67 s
-    assert max(x["seconds"] for x in ranks) >= 0.5 * bound, ranks
-
-
 def test_without_privileges_one_line_and_exit_2() -> None:
     """Root without CAP_NET_ADMIN and CAP_SYS_ADMIN (what a container or a plain user lacks): one line on stderr,
     exit 2, nothing created. Still the owner of the checkout and the venv, wherever they sit (a 0700 folder too)."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to drop the capabilities")
-    before = _out(["ip", "netns", "list"])
+    before = stdout_of(["ip", "netns", "list"])
     argv = ["setpriv", "--bounding-set=-net_admin,-sys_admin", "--inh-caps=-all"]
     argv += [sys.executable, "-m", "ragtrain.cluster", "run", "--nodes", "2", "--", "true"]
     r = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -131,18 +85,51 @@ def test_without_privileges_one_line_and_exit_2() -> None:
         "python -m ragtrain.cluster: needs root (CAP_NET_ADMIN is missing): network namespaces, veth links and tbf "
         "need it"
     ]
-    assert _out(["ip", "netns", "list"]) == before
+    assert stdout_of(["ip", "netns", "list"]) == before
 
 
-def test_teardown_leaves_no_namespace_link_or_process(cluster) -> None:
-    state, before = cluster
+def test_docs_pipeline_with_live_refresh_and_a_killed_worker_on_two_nodes(two_nodes: TwoNodes) -> None:
+    """The distributed paths in one small run on 2 nodes (the emulated cluster above, else 2 raylets on 127.0.0.1),
+    started on the head with RAY_ADDRESS: a documents folder generated, chunked and streamed; training on 2 workers
+    while the live refresh runs on the pool_node-labelled node, over 2 index shards (one per index node) that each
+    re-encode half their rows per round (eager); trainer rank 1 killed at step 3 and the group restarted from its
+    checkpoint; both indexes evaluated. Then index shards on the same cluster: one per index node, and one killed
+    mid-search restarts on its node while the search returns the same answer."""
+    res = two_nodes.job(two_nodes.storage / f"docs-{uuid.uuid4().hex[:6]}", "distributed")
+    assert res["killed"] and res["steps"] == 4  # it really died, and training still ran every step
+    assert res["refresh_nodes"] == [res["labelled_node"]] and res["refreshes"] >= 1
+    for m in res["refresh_metrics"]:  # the 2 index shards each re-encoded half their rows, searched as they landed
+        assert m["index/encoded_fraction"] == pytest.approx(0.5, abs=0.05) and m["index/version_skew"] >= 1
+        assert 0.0 <= m["index/mixed_recall_at_10"] <= 1.0 and "index/shard1_encode_seconds" in m
+    # index shards: auto put one on each index node; shard 1 killed mid-search restarted there, from disk, and the
+    # search returned what it returns unharmed (and what exact search returns)
+    assert res["shards"] == 2 and sorted(res["shard_nodes"]) == sorted(res["nodes"])
+    assert res["pids_changed"] == [False, True] and res["restored"] == ["t"]
+    assert res["restarted_node"] == res["shard_nodes"][1] and res["same_after_kill"] and res["exact"]
+    assert res["chunks"] > 12  # 12 documents, chunked
+    assert all(0.0 < v <= 1.0 for v in res["ndcg"].values())
+    # rank 0 logged from its node into the SQLite store given relative to the driver's folder: the driver made the
+    # path absolute (a worker's working folder is its raylet's); steps 2 and 4 (logged every 2nd; the restarted
+    # group went on from the step-2 checkpoint)
+    assert res["loss_steps"] == [2, 4]
+    if two_nodes.apart:
+        # one trainer worker per node (each takes its node's trainer_slot), so every step's gradient all-reduce
+        # crossed the shaped link: in flight at least half the ring bound 2(W-1)/W * P/B per step, which loopback
+        # (where gloo lands without GLOO_SOCKET_IFNAME) would beat by far
+        assert res["comm_s_per_step"] >= 0.5 * res["grad_bytes_per_step"] * 8 / RATE, res
+
+
+def test_teardown_leaves_no_namespace_link_or_process(emulated_cluster) -> None:
+    state, before = emulated_cluster
     pids = [p for n in state.nodes for p in netns.namespace_pids(n["ns"])]
     assert len(pids) > 4  # Ray's processes ran in the node namespaces
     emulated.down(state.spec.name)
     emulated.down(state.spec.name)  # twice: idempotent
-    assert _out(["ip", "netns", "list"]) == before["netns"]
+    # every namespace made since is another cluster's (other test runs on this machine make and delete theirs)
+    made = namespaces() - before["netns"]
+    assert [ns for ns in made if not ns.startswith("rtc-") or ns.startswith(f"rtc-{state.spec.name}-")] == []
     assert netns.cluster_namespaces(state.spec.name) == []
-    assert _host_links() == before["links"]
+    assert host_links() == before["links"]
     assert [p for p in pids if Path(f"/proc/{p}").exists()] == []
     assert not emulated.state_file(state.spec.name).exists()
 
@@ -156,15 +143,15 @@ def _run(*args: str, **kw) -> subprocess.Popen:
 @pytest.mark.slow(reason="two more 1-node clusters (~30 s each on 2 cores); the 2-node cluster above runs by default")
 def test_run_exits_with_the_command_and_tears_down_on_sigterm(tmp_path_factory) -> None:
     """`run` returns COMMAND's exit code; a SIGTERM while COMMAND runs still tears everything down."""
-    why = netns.missing_requirement()
+    why = missing_requirement()
     if why is not None:
         pytest.skip(why)
-    before = _out(["ip", "netns", "list"])
+    before = stdout_of(["ip", "netns", "list"])
     storage = REPO / "outputs" / "test-cluster" / f"r{uuid.uuid4().hex[:6]}"
     try:
         p = _run("--name", "rexit", "--nodes", "1", "--storage", str(storage), "--", "sh", "-c", "exit 3")
         assert p.wait(timeout=300) == 3, p.stderr.read()[-3000:]
-        assert _out(["ip", "netns", "list"]) == before
+        assert stdout_of(["ip", "netns", "list"]) == before
         p = _run("--name", "rterm", "--nodes", "1", "--storage", str(storage), "--", "sleep", "600")
         deadline = time.monotonic() + 300
         while "sleep 600" not in _cmdlines("rtc-rterm-n0"):  # the cluster is up and runs the command
@@ -173,7 +160,7 @@ def test_run_exits_with_the_command_and_tears_down_on_sigterm(tmp_path_factory) 
         pids = netns.namespace_pids("rtc-rterm-n0")
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=120) == 128 + signal.SIGTERM
-        assert _out(["ip", "netns", "list"]) == before
+        assert stdout_of(["ip", "netns", "list"]) == before
         assert [q for q in pids if Path(f"/proc/{q}").exists()] == []
     finally:
         for name in ("rexit", "rterm"):
@@ -193,18 +180,18 @@ def _cmdlines(ns: str) -> str:
 
 def test_nodes_of_one_machine_talk_at_the_intra_rate_and_across_machines_at_the_bandwidth() -> None:
     """Network only (no Ray): 4 nodes, 2 per machine; 200 Mb/s inside a machine, 50 Mb/s between machines."""
-    why = netns.missing_requirement()
+    why = missing_requirement()
     if why is not None:
         pytest.skip(why)
     name = f"g{uuid.uuid4().hex[:6]}"
     try:
-        nodes, links = netns.make_network(name, 4, 2, RATE, 4 * RATE)
+        nodes, links = netns.make_network(name, 4, 2, UPLINK, 4 * UPLINK)
         assert [n.machine for n in nodes] == [0, 0, 1, 1]
-        assert sorted(link.bits for link in links) == [RATE] * 2 + [4 * RATE] * 4  # 2 uplinks, 4 node links
-        within = linkprobe.measure(nodes[1].ns, nodes[0].ns, nodes[0].address, 4 * RATE)
-        across = linkprobe.measure(nodes[2].ns, nodes[0].ns, nodes[0].address, RATE)
-        assert across == pytest.approx(RATE, rel=0.2)
-        assert within > 2 * RATE  # not held to the uplinks' rate (a starved sender may fall short of 200 Mb/s)
+        assert sorted(link.bits for link in links) == [UPLINK] * 2 + [4 * UPLINK] * 4  # 2 uplinks, 4 node links
+        within = linkprobe.measure(nodes[1].ns, nodes[0].ns, nodes[0].address, 4 * UPLINK)
+        across = linkprobe.measure(nodes[2].ns, nodes[0].ns, nodes[0].address, UPLINK)
+        assert across == pytest.approx(UPLINK, rel=0.2)
+        assert within > 2 * UPLINK  # not held to the uplinks' rate (a starved sender may fall short of 200 Mb/s)
     finally:
         netns.delete_network(name)
     assert netns.cluster_namespaces(name) == []

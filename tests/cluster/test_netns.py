@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from ragtrain.cluster import __main__ as emulated_main
 from ragtrain.cluster import emulated, netns
 from ragtrain.cluster.__main__ import write_links
 from tests.conftest import REPO
@@ -55,6 +56,10 @@ def test_what_is_missing_is_one_line_found_before_anything_is_made() -> None:
         (["run", "--nodes", "2", "--storage", "/tmp", "--", "true"], "each node has its own /tmp"),
         (["run", "--nodes", "2"], "give the command after --"),
         (["up", "--nodes", "2", "--name", "Bad-Name"], "1-12 characters"),
+        (["run", "--nodes", "2", "--node-resources", "index_node=1", "--", "true"], "is not NODE:NAME=AMOUNT"),
+        (["run", "--nodes", "2", "--node-resources", "1:index_node=0", "--", "true"], "is not NODE:NAME=AMOUNT"),
+        (["run", "--nodes", "2", "--node-resources", "2:index_node=1", "--", "true"], "there are nodes 0..1"),
+        (["run", "--nodes", "2", "--node-resources", "1:CPU=2", "--", "true"], "are not custom resources"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args: list[str], why: str) -> None:
@@ -87,3 +92,22 @@ def test_the_measured_links_are_written_for_a_script_to_read_without_the_token(t
     assert json.loads(out.read_text()) == measured
     assert "secret" not in out.read_text()
     write_links(state, None)  # not asked: nothing written, nothing raised
+
+
+def test_a_node_starts_with_its_custom_resources_and_the_state_keeps_them(tmp_path, monkeypatch) -> None:
+    """`--node-resources 1:index_node=1,pool_node=0.5`: node 1's `ray start --resources`, none for the head; the
+    state file (JSON: string keys) gives the node numbers back as numbers."""
+    monkeypatch.setattr(emulated, "STATE_ROOT", tmp_path)
+    args = emulated_main._parser().parse_args(
+        ["up", "--nodes", "2", "--node-resources", "1:index_node=1,pool_node=0.5", "--storage", str(tmp_path)]
+    )
+    args.name = "x"
+    spec = emulated_main._spec(args, emulated_main._parser())
+    assert spec.node_resources == {1: {"index_node": 1.0, "pool_node": 0.5}}
+    nodes = [{"ns": f"rtc-x-n{i}", "address": f"10.237.0.{10 + i}", "machine": i} for i in range(2)]
+    state = emulated.State(spec=spec, token="t", nodes=nodes)
+    assert '--resources={"index_node": 1.0, "pool_node": 0.5}' in emulated._node_argv(state, 1)
+    assert not [a for a in emulated._node_argv(state, 0) if a.startswith("--resources")]
+    emulated._save(state)
+    loaded = emulated.load_state("x")
+    assert loaded is not None and loaded.spec == spec

@@ -18,8 +18,19 @@ def test_uri_precedence(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert tracking_uri(LoggerConfig()) == f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"  # embedded default
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///env.db")
-    assert tracking_uri(LoggerConfig()) == "sqlite:///env.db"
-    assert tracking_uri(LoggerConfig(tracking_uri="sqlite:///cfg.db")) == "sqlite:///cfg.db"  # config wins
+    assert tracking_uri(LoggerConfig()) == f"sqlite:///{tmp_path / 'env.db'}"
+    assert tracking_uri(LoggerConfig(tracking_uri="sqlite:////abs/cfg.db")) == "sqlite:////abs/cfg.db"  # config wins
+
+
+def test_a_relative_file_store_is_made_absolute_where_the_run_starts(tmp_path: Path, monkeypatch) -> None:
+    """Rank 0 logs through the URI the driver hands it, from a working folder of its own (its raylet's, on a
+    cluster): a relative path must mean the driver's folder before it leaves the driver."""
+    monkeypatch.chdir(tmp_path)
+    assert tracking_uri(LoggerConfig(tracking_uri="sqlite:///mlflow/m.db")) == f"sqlite:///{tmp_path}/mlflow/m.db"
+    assert tracking_uri(LoggerConfig(tracking_uri="file://runs")) == f"file://{tmp_path}/runs"
+    assert tracking_uri(LoggerConfig(tracking_uri="runs")) == str(tmp_path / "runs")  # a bare path: a file store
+    for kept in ("http://mlflow:5000", "databricks", "postgresql://db/mlflow", "sqlite:////abs/m.db"):
+        assert tracking_uri(LoggerConfig(tracking_uri=kept)) == kept
 
 
 def test_sink_logs_steps_and_sanitises_names(tmp_path: Path) -> None:
