@@ -23,7 +23,7 @@ import pytest
 
 from ragtrain.cluster import emulated, linkprobe, netns
 from tests.cluster.conftest import RATE, TwoNodes, host_links, missing_requirement, namespaces, stdout_of
-from tests.conftest import REPO
+from tests.conftest import REPO, mlflow_db
 
 UPLINK = 50_000_000  # the 4-node network's rate between machines (4x that inside one)
 
@@ -95,7 +95,9 @@ def test_docs_pipeline_with_live_refresh_and_a_killed_worker_on_two_nodes(two_no
     re-encode half their rows per round (eager); trainer rank 1 killed at step 3 and the group restarted from its
     checkpoint; both indexes evaluated. Then index shards on the same cluster: one per index node, and one killed
     mid-search restarts on its node while the search returns the same answer."""
-    res = two_nodes.job(two_nodes.storage / f"docs-{uuid.uuid4().hex[:6]}", "distributed")
+    out = two_nodes.storage / f"docs-{uuid.uuid4().hex[:6]}"
+    mlflow_db(out / "mlflow" / "mlflow.db")  # the job's store, relative to its folder: the schema copied, not migrated
+    res = two_nodes.job(out, "distributed")
     assert res["killed"] and res["steps"] == 4  # it really died, and training still ran every step
     assert res["refresh_nodes"] == [res["labelled_node"]] and res["refreshes"] >= 1
     for m in res["refresh_metrics"]:  # the 2 index shards each re-encoded half their rows, searched as they landed
