@@ -30,7 +30,7 @@ import numpy as np
 from omegaconf import OmegaConf
 from tabulate import tabulate
 
-from ragtrain.commands.search import SearchError, load_run_config, query_snapshots
+from ragtrain.commands.search import SearchError, load_run_config, query_snapshots, require_index
 from ragtrain.config import changed_keys, flatten
 from ragtrain.corpus.load import load_data
 from ragtrain.eval.metrics import per_query
@@ -62,12 +62,7 @@ def run_per_query(out: str | Path, metric: str = "ndcg@10") -> dict[str, float]:
     from ragtrain.index.sharded import open_saved
     from ragtrain.pipeline.retrieval import BuiltIndex, Retrieval
 
-    out = Path(out)
-    if not (out / "index" / "index_meta.json").exists():
-        raise SearchError(
-            f"{out} holds no index ({out / 'index' / 'index_meta.json'} is missing): compare run "
-            "folders whose stages included 'index'"
-        )
+    out = require_index(Path(out), "compare run folders")
     cfg = load_run_config(out)
     with tempfile.TemporaryDirectory(prefix="ragtrain-paired-") as tmp:  # the corpus as a store, not in memory
         data = load_data(cfg.data, cfg.retriever, Path(tmp))

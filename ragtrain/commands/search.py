@@ -38,6 +38,14 @@ class SearchError(ValueError):
     """The folder or the request cannot be served; the message names the file or the option."""
 
 
+def require_index(out: Path, use: str) -> Path:
+    """`out`, a run folder holding a saved index; else a SearchError saying what to `use` instead."""
+    meta = out / "index" / "index_meta.json"
+    if not meta.exists():
+        raise SearchError(f"{out} holds no index ({meta} is missing): {use} whose stages included 'index'")
+    return out
+
+
 def load_run_config(out: Path) -> Config:
     """The run's resolved, typed config (`<out>/config.yaml`, written by the pipeline before any work)."""
     path = out / "config.yaml"
@@ -143,12 +151,7 @@ def search(out: str | Path, question: str, k: int = 5) -> tuple[Config, list[dic
     from ragtrain.index.integrity import verified_stamps
     from ragtrain.index.sharded import open_saved
 
-    out = Path(out)
-    if not (out / "index" / "index_meta.json").exists():
-        raise SearchError(
-            f"{out} holds no index ({out / 'index' / 'index_meta.json'} is missing): search a run "
-            "folder whose stages included 'index'"
-        )
+    out = require_index(Path(out), "search a run folder")
     cfg = load_run_config(out)
     warn_unfinished(out)
     try:
