@@ -130,6 +130,9 @@ class RefreshConfig:
     # How long a round waits for a shard's encode or build: past it the round is abandoned (one log line naming the
     # shard), the live version stays and training goes on. Long enough for a full re-encode of a large shard
     timeout_s: float = 1800.0
+    # Single-query searches timed after each round (index/search_ms_p50, _p95: a scatter to every shard and the
+    # merge, from the refresh service's node); 0 = none
+    search_probe: int = 0
 
     def __post_init__(self) -> None:
         k = "refresh."
@@ -147,6 +150,7 @@ class RefreshConfig:
         _check(self.probe_passages > 1, k + "probe_passages", "must be > 1", self.probe_passages)
         _check(0.0 < self.fraction <= 1.0, k + "fraction", "must be in (0, 1]", self.fraction)
         _check(self.anchors > 0, k + "anchors", "must be > 0", self.anchors)
+        _check(self.search_probe >= 0, k + "search_probe", "must be >= 0 (0 = none)", self.search_probe)
         # below a second a working shard counts as stopped; above a day (inf, and nan, which compares false) a
         # stopped one holds the refresh for good
         _check(

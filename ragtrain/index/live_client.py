@@ -181,6 +181,7 @@ class LiveIndexClient:
         self.steps: list[tuple[float, int, bool]] = []  # (seconds, samples, a refresh was running) per step
         self.mixed_steps = 0  # steps whose negatives came from a version that mixed encoder versions
         self.lag_wait_s = 0.0  # rank 0's time waiting for rounds held back by refresh.max_lag_steps
+        self.snapshot_mb = 0.0  # the size of the last snapshot sent to the shards
 
     def begin_step(self, step: int) -> int:
         """Switch to the version `step` mines from: rank 0 asks the service (a ~1 ms actor call) and broadcasts
@@ -347,6 +348,7 @@ class LiveIndexClient:
             "index/steps_on_mixed_versions": float(self.mixed_steps),
             "index/refresh_seconds_total": float(sum(self.seconds)),
             "index/lag_wait_seconds": self.lag_wait_s,
+            "index/snapshot_mb": self.snapshot_mb,  # what each index node fetches per round (the weights as trained)
         }
         rounds = self.round_metrics
         for key, how in (
@@ -354,6 +356,10 @@ class LiveIndexClient:
             ("index/mixed_recall_at_10", np.mean),
             ("index/mined_agreement", np.mean),
             ("index/version_skew", np.max),
+            ("index/round_rx_mb", np.mean),
+            ("index/round_tx_mb", np.mean),
+            ("index/search_ms_p50", np.mean),
+            ("index/search_ms_p95", np.max),
         ):  # the refresh rounds' own figures (index/refresh_service.py)
             got = [m[key] for m in rounds if key in m]
             if got:
@@ -375,5 +381,6 @@ class LiveIndexClient:
     def start(self, step: int, state_dict: dict) -> None:
         """Start a refresh with this snapshot (put in the object store once; the index shards fetch it)."""
         weights = {k: v.detach().cpu().clone() for k, v in state_dict.items()}
+        self.snapshot_mb = sum(v.numel() * v.element_size() for v in weights.values()) / 1e6
         self.pending = self.service.refresh.remote(step, [ray.put(weights)])
         self.pending_since = time.perf_counter()

@@ -108,6 +108,24 @@ PLACEMENT_TIMEOUT_S = 30.0
 SERVICE_RESTARTS = 3  # a crashed service is restarted this many times (from its commit point); calls are retried
 
 
+def node_traffic(encoded: list[dict]) -> dict[str, float]:
+    """The MB the index nodes received and sent while their shards fetched a round's snapshot and encoded: per node
+    the largest of its shards' readings (shards of one node read the same counters over overlapping spans), summed
+    over the nodes; {} when a shard had no counters (no /proc/net/dev)."""
+    per_node: dict[str, tuple[int, int]] = {}
+    for e in encoded:
+        if "node" not in e:
+            return {}
+        rx, tx = per_node.get(e["node"], (0, 0))
+        per_node[e["node"]] = (max(rx, e["rx_bytes"]), max(tx, e["tx_bytes"]))
+    if not per_node:
+        return {}
+    return {
+        "index/round_rx_mb": sum(rx for rx, _ in per_node.values()) / 1e6,
+        "index/round_tx_mb": sum(tx for _, tx in per_node.values()) / 1e6,
+    }
+
+
 def reserve(pool: PoolResources) -> PlacementGroup:
     """The live refresh's CPUs: `resources.pool` as a placement group (one bundle per actor, custom resources
     included), so they are never handed to the trainer; the service lives in it and the shards encode on its share."""
@@ -384,6 +402,7 @@ class RefreshService:
             "metrics": self._round_metrics(round_.encoded, round_.states, extra),
             "node": ray.get_runtime_context().get_node_id(),
         }
+        stats["metrics"].update(self._search_latency(qvecs))  # after the round's seconds: not part of them
         self.history.append({**stats, "state_metrics": [s["metrics"] for s in round_.states]})
         return stats
 
@@ -460,7 +479,22 @@ class RefreshService:
             "index/newest_version_share": last["index/newest_version_share"],
             "index/staleness_steps": last["index/staleness_steps"],
             **{f"index/shard{i}_encode_seconds": e["seconds"] for i, e in sorted(encoded.items())},
+            **node_traffic(list(encoded.values())),
         }
+
+    def _search_latency(self, qvecs: np.ndarray) -> dict[str, float]:
+        """refresh.search_probe single-query top-10 searches of the new state, timed one by one from the service's
+        node (a scatter to every shard and the merge): their median and 95th percentile in ms; {} when 0."""
+        n = self.spec.refresh.search_probe
+        if not n:
+            return {}
+        ms = []
+        for i in range(n):
+            q = qvecs[i % len(qvecs)][None, :]
+            t0 = time.perf_counter()
+            self._search(q, 10)
+            ms.append((time.perf_counter() - t0) * 1e3)
+        return {"index/search_ms_p50": float(np.median(ms)), "index/search_ms_p95": float(np.percentile(ms, 95))}
 
     def _encode(self, v: int, step: int, weights_ref, texts: list[str], role: str) -> np.ndarray:
         """A few texts (queries, probe and anchor passages) with the snapshot of encoder version v, on shard 0: the

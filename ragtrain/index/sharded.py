@@ -59,6 +59,7 @@ from ragtrain.index.priority import PRIORITIES
 from ragtrain.index.vector_files import build_from_vectors, iter_rows, save_atomic, trained_empty
 from ragtrain.runtime.console import get_logger, worker_setup
 from ragtrain.runtime.errors import ConfigError
+from ragtrain.runtime.netdev import interface_bytes
 from ragtrain.runtime.rss import peak_rss_mb
 
 if TYPE_CHECKING:
@@ -299,6 +300,7 @@ class _Shard:
         self.restored: list[str] = []
         self.live: Any = None  # LiveRows while a live refresh holds this shard's rows (live_start)
         self.live_encoders: dict[int, Any] = {}
+        self.net_start: tuple[int | None, tuple[int, int] | None] = (None, None)
         for m in sorted(self.root.glob(f"*/shard-{shard}/{MANIFEST}")):  # a restart continues from disk
             tag = m.parent.parent.name
             try:
@@ -558,8 +560,20 @@ class _Shard:
 
     def _encoder(self, version: int, weights: list, retriever: RetrieverConfig, idx: IndexConfig) -> Any:
         if version not in self.live_encoders:  # one encoder per snapshot, dropped when a newer one comes
+            # the node's interface counters before the snapshot is fetched: a round's bytes are measured from here
+            self.net_start = (version, interface_bytes())
             self.live_encoders = {version: LocalEncoder(retriever, weights, idx.batch_size, idx.precision.value)}
         return self.live_encoders[version]
+
+    def _net_since(self, version: int) -> dict:
+        """The bytes this shard's node received and sent since it began fetching the snapshot of `version` (all of
+        the node's traffic: the snapshot, the texts, and anything else on its link meanwhile); {} without counters."""
+        since, before = self.net_start
+        now = interface_bytes()
+        if since != version or before is None or now is None:
+            return {}
+        node = ray.get_runtime_context().get_node_id()
+        return {"node": node, "rx_bytes": now[0] - before[0], "tx_bytes": now[1] - before[1]}
 
     def encode_few(
         self, version: int, weights: list, retriever: RetrieverConfig, idx: IndexConfig, texts: list[str], role: str
@@ -600,7 +614,7 @@ class _Shard:
             hot,
             seed,
         )
-        return {**stats, "shard": self.shard}
+        return {**stats, "shard": self.shard, **self._net_since(version)}
 
     def live_apply(self, version: int, kill_shard: int = -1) -> dict:
         """Make the pending round searchable-to-be (stored and persisted); returns {version: rows}. `kill_shard`:

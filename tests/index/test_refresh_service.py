@@ -21,7 +21,7 @@ from ragtrain.index.live_rows import JOURNAL, LiveRows, version_summary
 from ragtrain.index.priority import PRIORITIES
 from ragtrain.index.priority.base import RoundRows, by_score
 from ragtrain.index.priority.drift import predict_drift
-from ragtrain.index.refresh_service import mined_agreement, mixed_recall
+from ragtrain.index.refresh_service import mined_agreement, mixed_recall, node_traffic
 from ragtrain.index.sharded import ShardUnavailableError
 from ragtrain.runtime.errors import ConfigError
 from tests.conftest import compose, tiny_overrides
@@ -190,6 +190,7 @@ def test_eager_mixes_versions_and_aligned_maps_the_old_rows_into_the_new_space()
     [
         ("fraction", 0.0, r"^refresh.fraction must be in \(0, 1\]"),
         ("fraction", 1.5, r"^refresh.fraction must be in \(0, 1\]"),
+        ("search_probe", -1, r"^refresh.search_probe must be >= 0"),
     ],
 )
 def test_bad_refresh_settings_name_the_key_and_the_choices(key, value, match) -> None:
@@ -371,3 +372,17 @@ def test_a_fault_hook_the_policy_has_no_place_for_is_one_line_and_exit_2_before_
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("config error: fault.kill_shard_before_apply kills a shard between the barrier and")
     assert "Traceback" not in r.stderr and not (tmp_path / "out" / "config.yaml").exists()
+
+
+def test_a_rounds_bytes_count_each_node_once_and_need_every_shards_counters() -> None:
+    """Two shards of one node read the same counters over overlapping spans: the node counts once, at the larger
+    reading; the nodes add up. A shard without counters leaves the figure out rather than undercount it."""
+    mb = 1_000_000
+    encoded = [
+        {"node": "a", "rx_bytes": 90 * mb, "tx_bytes": 1 * mb},
+        {"node": "a", "rx_bytes": 91 * mb, "tx_bytes": 2 * mb},
+        {"node": "b", "rx_bytes": 45 * mb, "tx_bytes": 3 * mb},
+    ]
+    assert node_traffic(encoded) == {"index/round_rx_mb": 136.0, "index/round_tx_mb": 5.0}
+    assert node_traffic([*encoded, {"shard": 3}]) == {}
+    assert node_traffic([]) == {}
