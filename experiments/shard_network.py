@@ -214,19 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta_path = out / "run.json"
     if args.report_only:
         meta = json.loads(meta_path.read_text())
-        args.bandwidths = meta["bandwidths"]
     else:
         out.mkdir(parents=True, exist_ok=True)
         command = "python experiments/shard_network.py " + " ".join(sys.argv[1:] if argv is None else argv)
         about = {"date": stamp[:10], "machine": sn.machine(), "commit": sn.commit(), "command": command.strip()}
-        meta = {"about": about, "bandwidths": args.bandwidths, "exit": {}}
+        meta = {"about": about, "bandwidths": [], "exit": {}}
+        if meta_path.exists():  # more bandwidths into an earlier run's folder: its runs stay in the table
+            meta = {**json.loads(meta_path.read_text()), "about": about}
+        meta["bandwidths"] = list(dict.fromkeys([*meta["bandwidths"], *args.bandwidths]))
         for b in args.bandwidths:
             name = "sh" + secrets.token_hex(4)
             log = out / b / "cluster.log"
             rc, timed_out = sn.run_logged(cluster_argv(args, b, out, name), log, RUN_TIMEOUT_S, name, b)
             meta["exit"][b] = "timed out" if timed_out else rc
             meta_path.write_text(json.dumps(meta, indent=1))
-    rows = read_back(out, args.bandwidths)
+    rows = read_back(out, meta["bandwidths"])
     table = markdown_table(rows)
     (out / "table.md").write_text(table + "\n")
     rows.to_csv(out / "table.csv", index=False)
