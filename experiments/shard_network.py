@@ -53,7 +53,7 @@ def _sibling(name: str):
 sn = _sibling("sync_network")
 
 DEFAULT_BANDWIDTHS = "1gbit,100mbit"
-BEGIN, END = "<!-- shard_network:begin -->", "<!-- shard_network:end -->"
+BEGIN, END = sn.markers("shard_network")
 README = REPO / "experiments" / "README.md"
 NODE_RESOURCES = ("0:trainer_slot=1,pool_node=1", "1:index_node=1", "2:index_node=1")
 RUN_TIMEOUT_S = 3600  # wall seconds a bandwidth's cluster may run both policies (a slow link's rounds included)
@@ -171,12 +171,6 @@ def readme_block(table: str, about: dict[str, str]) -> str:
     )
 
 
-def replace_block(text: str, block: str) -> str:
-    if BEGIN in text and END in text:
-        return text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
-    return text.rstrip("\n") + "\n\n" + block + "\n"
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="experiments/shard_network.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bandwidths", default=DEFAULT_BANDWIDTHS, help=f"comma-separated (default {DEFAULT_BANDWIDTHS})")
@@ -234,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows.to_csv(out / "table.csv", index=False)
     if args.readme:
         readme = Path(args.readme)
-        readme.write_text(replace_block(readme.read_text(), readme_block(table, meta["about"])))
+        readme.write_text(sn.replace_block(readme.read_text(), readme_block(table, meta["about"])))
     print(table)
     return 0
 

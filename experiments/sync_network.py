@@ -56,7 +56,15 @@ BASELINE = "ddp"
 # on this KB ddp at lr 2e-4 passed 0.97 by step 10 and ended near 0.985 (experiments/README.md, 2026-12-01 sync_sweep):
 # a figure every strategy can reach, late enough to separate them
 DEFAULT_TARGET = 0.97
-BEGIN, END = "<!-- sync_network:begin -->", "<!-- sync_network:end -->"
+LABEL = "sync_network"  # the README block's name (--label): a second grid (e.g. 2 machines x 2 workers) gets its own
+
+
+def markers(label: str = LABEL) -> tuple[str, str]:
+    """The comments around the README block of `label`."""
+    return f"<!-- {label}:begin -->", f"<!-- {label}:end -->"
+
+
+BEGIN, END = markers()
 README = REPO / "experiments" / "README.md"
 CLUSTER_S = 600  # wall seconds a cluster's bring-up and teardown may take on a loaded machine, beside its command
 PNG = REPO / "experiments" / "sync_network.png"
@@ -317,12 +325,15 @@ def commit() -> str:
 def readme_block(table: str, sentences: Sequence[str], png: Path, about: dict[str, str]) -> str:
     """The README's section: when, where, the command, the table, the crossovers and the plot."""
     rel = os.path.relpath(png, README.parent)
+    begin, end = markers(about.get("label", LABEL))
+    nodes, per_node = about.get("nodes", "2"), about.get("workers_per_node", "1")
     lines = [
-        BEGIN,
-        f"## {about['date']}: `sync_network` — time to a dev nDCG@10 target per sync strategy and link",
+        begin,
+        f"## {about['date']}: `{about.get('label', LABEL)}` — time to a dev nDCG@10 target per sync strategy and link",
         "",
         f"Machine: {about['machine']}. Commit: `{about['commit']}`. Command: `{about['command']}`.",
-        "Each bandwidth ran on its own emulated 2-node cluster (one trainer worker per node); the link rate is the",
+        f"Each bandwidth ran on its own emulated {nodes}-node cluster ({per_node} trainer worker(s) per node: inside a",
+        "node they talk over its loopback, at full speed; between nodes over the shaped link); the link rate is the",
         "slower direction the cluster measured. Seconds are training seconds (`train/seconds`: validation, drift",
         "probes and logging excluded); exposed comm = `comm/time_share` × step seconds; ring bound = compute s/step of",
         "the strategy's unshaped run + bytes per step / link rate; the last column is the measured comm seconds over",
@@ -335,16 +346,18 @@ def readme_block(table: str, sentences: Sequence[str], png: Path, about: dict[st
         *[f"- {s}" for s in sentences],
         "",
         f"![time to target vs bandwidth]({rel})",
-        END,
+        end,
     ]
     return "\n".join(lines)
 
 
 def replace_block(text: str, block: str) -> str:
-    """`text` with the marked block replaced by `block`, or `block` appended when there is none."""
-    if BEGIN in text and END in text:
-        start, end = text.index(BEGIN), text.index(END) + len(END)
-        return text[:start] + block + text[end:]
+    """`text` with the block of the same label as `block` replaced by it, or `block` appended when there is none."""
+    begin = block.splitlines()[0]
+    end = begin.replace(":begin -->", ":end -->")
+    if begin in text and end in text:
+        start, stop = text.index(begin), text.index(end) + len(end)
+        return text[:start] + block + text[stop:]
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
@@ -556,6 +569,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--png", default=str(PNG), help=f"the plot (default {PNG.relative_to(REPO)})")
     ap.add_argument("--readme", default=str(README), help="the README to write the block into ('' for none)")
     ap.add_argument("--report-only", action="store_true", help="read --out's runs again, run nothing")
+    ap.add_argument("--label", default=LABEL, help=f"the README block's name (default {LABEL}; another grid: another)")
     args = ap.parse_args(argv)
     args.strategies = args.strategies.split(",") if args.strategies else default_strategies(presets)
     args.bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
@@ -598,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         command = "python experiments/sync_network.py " + " ".join(sys.argv[1:] if argv is None else argv)
         about = {"date": stamp[:10], "machine": machine(), "commit": commit(), "command": command.strip()}
+        about.update(label=args.label, nodes=str(args.nodes), workers_per_node=str(args.cpus_per_node))
         args.target = DEFAULT_TARGET if args.target is None else args.target
         meta = {"about": about, "bandwidths": args.bandwidths, "strategies": args.strategies, "target": args.target}
         meta["notes"] = {}

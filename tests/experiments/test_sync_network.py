@@ -153,6 +153,11 @@ def test_the_readme_block_is_replaced_on_a_rerun_and_appended_the_first_time(tmp
     assert "![time to target vs bandwidth](sync_network.png)" in text and "`abc1234`" in text
     second = sn.replace_block(text + "\nlater\n", sn.readme_block("| table 2 |", ["two."], sn.PNG, about))
     assert "| table 1 |" not in second and "| table 2 |" in second and second.count(sn.BEGIN) == 1
+    # another grid's block (--label) sits beside this one: neither replaces the other
+    other = sn.replace_block(second, sn.readme_block("| hybrid |", ["h."], sn.PNG, {**about, "label": "sync_hybrid"}))
+    assert "| table 2 |" in other and "| hybrid |" in other and other.count("<!-- sync_hybrid:begin -->") == 1
+    again = sn.replace_block(other, sn.readme_block("| hybrid 2 |", [], sn.PNG, {**about, "label": "sync_hybrid"}))
+    assert "| table 2 |" in again and "| hybrid |" not in again and "| hybrid 2 |" in again
     assert second.endswith("\nlater\n")
 
 
