@@ -53,9 +53,11 @@ def vectors(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def groups(ray_session, vectors):
-    """Shard groups of 1, 2 and 3 actors (started once for the module)."""
+    """Shard groups of 1 and 2 actors (started once for the module). Each actor costs seconds of CPU to start
+    (imports); 2 shards already split rows, ties and ranges between actors, so a third group would prove nothing
+    more."""
     _, _, tmp = vectors
-    made = {n: ShardGroup(n, tmp / f"root{n}", PoolResources(num_actors=1), timeout_s=60.0) for n in (1, 2, 3)}
+    made = {n: ShardGroup(n, tmp / f"root{n}", PoolResources(num_actors=1), timeout_s=60.0) for n in (1, 2)}
     yield made
     for g in made.values():
         g.close()
@@ -101,10 +103,10 @@ def test_n_shards_return_exactly_what_one_index_returns(groups, vectors, factory
 
 def test_each_shard_persists_its_build_with_a_manifest_and_saves_a_loadable_folder(groups, vectors, tmp_path) -> None:
     x, shards, tmp = vectors
-    group = groups[3]
+    group = groups[2]
     index = group.build("saved", shards, IndexConfig(), "fp", "enc", 1, seed=0)
-    for i, (lo, hi) in enumerate(shard_ranges(ROWS, 3)):
-        m = json.loads((tmp / "root3" / "saved" / f"shard-{i}" / MANIFEST).read_text())
+    for i, (lo, hi) in enumerate(shard_ranges(ROWS, 2)):
+        m = json.loads((tmp / "root2" / "saved" / f"shard-{i}" / MANIFEST).read_text())
         assert (m["shard"], m["start"], m["stop"], m["rows"], m["factory"], m["dim"]) == (
             i,
             lo,
@@ -152,14 +154,14 @@ def test_a_killed_shard_restarts_from_its_persisted_build_mid_search(groups, vec
 
 def test_a_stalled_shard_fails_the_search_in_bounded_time_naming_it(groups, vectors) -> None:
     _, shards, _ = vectors
-    group = groups[3]
+    group = groups[2]
     index = group.build("s", shards, IndexConfig(), "fp", "enc", 1, seed=0)
     index.timeout_s = 1.0
-    pid = group.info()[2]["pid"]
+    pid = group.info()[1]["pid"]
     os.kill(pid, signal.SIGSTOP)  # a node that stops answering (not dead: no restart comes)
     try:
         t0 = time.monotonic()
-        with pytest.raises(ShardUnavailableError, match=r"^index shard 2 did not answer a search of 's' within 1 s"):
+        with pytest.raises(ShardUnavailableError, match=r"^index shard 1 did not answer a search of 's' within 1 s"):
             index.search(_vectors(4, seed=1), 5)
         assert time.monotonic() - t0 < 10
     finally:
@@ -302,22 +304,16 @@ def test_a_live_round_publishes_what_its_consistency_lets_searches_see(
 
 def _the_live_rows_survive_a_restart_and_a_failed_round(sharded, service, changed) -> None:
     """After a global round: every shard's applied rows are on disk (where no build's tag points: dropping the old
-    tag at the barrier keeps them); a shard killed under a search comes back with them and the search is answered
-    the same; a round that fails does not lend its version number to the next."""
+    tag at the barrier keeps them); a round that fails does not lend its version number to the next. (That a shard
+    killed under a search comes back with these rows and the search is answered the same: the global case of
+    test_a_shard_killed_during_a_round_is_restarted_and_the_round_lands_on_one_new_version, whose kill lands with
+    the search in flight; a second kill here cost a shard restart, seconds of CPU, for the same check.)"""
     import ray
 
     root = sharded.shard_group.root
     for i in range(3):
         with np.load(root / LIVE_STATE / f"shard-{i}" / "live_state.npz") as z:
             assert z["versions"].tolist() == [1] * 40
-    shard = sharded.shard_group.actors[1]
-    queries = ray.get(shard.live_rows.remote([0, 1, 2]))
-    before = ray.get(service.search.remote(queries, 5))
-    os.kill(ray.get(shard.info.remote())["pid"], signal.SIGKILL)
-    after = ray.get(service.search.remote(queries, 5))  # retried on the restarted shard, which lost its build
-    np.testing.assert_array_equal(after[1], before[1])
-    np.testing.assert_allclose(after[0], before[0], atol=1e-6)
-    assert ray.get(shard.live_mix.remote()) == {1: 40}
     failed = ray.get(service.refresh.remote(7, [ray.put(None)]))  # no weights: the round fails at its first encode
     assert not failed["ok"] and "error" in failed
     again = ray.get(service.refresh.remote(9, [ray.put(changed)]))
@@ -373,8 +369,9 @@ def test_a_shard_killed_during_a_round_is_restarted_and_the_round_lands_on_one_n
     """A shard announces that it is encoding version 1 (fault.hold_shard_encode) and is SIGKILLed there, the round
     still unanswered: Ray retries the encode on the restarted actor, which takes its rows back from disk, so the round
     completes, every shard's rows are at version 1 (under global the one state published never mixed versions), and
-    the next round is version 2. Then a search held up by the stopped shard when it is killed is answered, after the
-    restore, exactly as before."""
+    the next round is version 2. Then (under global: a search is retried by the service whatever the consistency,
+    and each shard restart costs seconds of CPU) a search held up by the stopped shard when it is killed is
+    answered, after the restore, exactly as before."""
     cfg, _, sharded, built, _, weights, changed = on_shards
     r = cfg.refresh
     r.consistency, r.fraction, r.priority = consistency, 1.0, "oldest"
@@ -396,7 +393,8 @@ def test_a_shard_killed_during_a_round_is_restarted_and_the_round_lands_on_one_n
             assert [s["index/version_skew"] for s in states] == [0.0]
         again = ray.get(service.refresh.remote(7, [ray.put(changed)]))
         assert again["ok"] and again["encoder_version"] == 2, again  # no version number repeats
-
+        if consistency != "global":
+            return  # a search's retry is the service's, whatever the consistency: one kill under global shows it
         queries = ray.get(shard.live_rows.remote([0, 1, 2]))
         before = ray.get(service.search.remote(queries, 5))
         pid = ray.get(shard.info.remote())["pid"]
@@ -561,36 +559,37 @@ def test_a_shard_count_that_is_not_one_is_refused_by_the_config(value) -> None:
 
 
 def test_a_sharded_quickstart_gives_the_figures_of_one_index(quickstart_run, tmp_path) -> None:
-    """The shared quickstart (index.shards=1: one Ray Data encode, one shard) and its index stage at index.shards=3
-    (each shard encodes its own range) give the same figures; the saved 3-shard folder serves the generator's
+    """The shared quickstart (index.shards=1: one Ray Data encode, one shard) and its index stage at index.shards=2
+    (each shard encodes its own range) give the same figures; the saved 2-shard folder serves the generator's
     searcher as it ranks in-process. (The trained index is the same build with other weights: an index-only run of
-    the initial encoder checks the sharding without a second training.)"""
+    the initial encoder checks the sharding without a second training. Two shards, not three: the run starts its
+    shard actors twice, once to encode and once in the generator's load, each costing seconds of CPU to start, and
+    two already split the corpus into ranges encoded apart.)"""
     from ragtrain.config import to_typed
     from ragtrain.pipeline.stages import run
     from tests.conftest import compose, quickstart_overrides
 
     one = quickstart_run[1]
-    three = run(
+    two = run(
         to_typed(
             compose(
                 [
-                    *quickstart_overrides(tmp_path / "3"),
+                    *quickstart_overrides(tmp_path / "2"),
                     "logger=none",
-                    "index.shards=3",
+                    "index.shards=2",
                     "stages=[index]",
                     "index.align_anchors=0",
                 ]
             )
         )
     )
-    assert "trained" not in three
+    assert "trained" not in two
     for key in ("ndcg@10", "mrr@10", "recall@100"):
-        assert three["zeroshot"][key] == pytest.approx(one["zeroshot"][key], abs=1e-9), key
-    saved = tmp_path / "3" / "out" / "index"
-    assert open_saved(saved).meta.extra["shards"] == 3 and sorted(p.name for p in saved.glob("shard-*")) == [
+        assert two["zeroshot"][key] == pytest.approx(one["zeroshot"][key], abs=1e-9), key
+    saved = tmp_path / "2" / "out" / "index"
+    assert open_saved(saved).meta.extra["shards"] == 2 and sorted(p.name for p in saved.glob("shard-*")) == [
         "shard-0",
         "shard-1",
-        "shard-2",
     ]
     # stages=[generator]: the saved sharded folder is checked in-process, then loaded into shard actors
     from ragtrain.corpus.load import load_data
@@ -598,7 +597,7 @@ def test_a_sharded_quickstart_gives_the_figures_of_one_index(quickstart_run, tmp
     from ragtrain.generator.stage import resolve_index
     from ragtrain.index.sharded import ShardedIndex
 
-    cfg = to_typed(compose([*quickstart_overrides(tmp_path / "3"), "index.shards=3"]))
+    cfg = to_typed(compose([*quickstart_overrides(tmp_path / "2"), "index.shards=2"]))
     data = load_data(cfg.data, cfg.retriever)
     payload = resolve_index(cfg, data, None, Path(cfg.output_dir))
     assert isinstance(payload.index, ShardedIndex)
@@ -636,9 +635,9 @@ DAMAGES = {
         r"shard-0 is corrupt: index_meta.json does not match",
     ),
     "shard manifest": (
-        "shard-2/manifest.json",
+        "shard-1/manifest.json",
         lambda p: _edit_json(p, lambda d: d.update(start=d["start"] + 1)),
-        r"shard-2/manifest.json does not match the checksum in .*sharded.json",
+        r"shard-1/manifest.json does not match the checksum in .*sharded.json",
     ),
     "shard list": (
         "sharded.json",
@@ -662,7 +661,7 @@ DAMAGES = {
 def test_every_file_a_saved_sharded_index_is_searched_with_is_checked(groups, vectors, tmp_path, damage) -> None:
     """Edits to a saved index's files other than index.faiss gave other passages' ids with exit 0."""
     _, shards, _ = vectors
-    index = groups[3].build("checked", shards, IndexConfig(), "fp", "enc", 1, seed=0)
+    index = groups[2].build("checked", shards, IndexConfig(), "fp", "enc", 1, seed=0)
     out = index.save(tmp_path / "index")
     index.drop()
     open_saved(out)  # as saved: it loads
@@ -679,7 +678,7 @@ def test_the_list_of_shards_is_checked_for_consistency(groups, vectors, tmp_path
     from ragtrain.index.sharded import SHARDED
 
     _, shards, _ = vectors
-    index = groups[3].build("listed", shards, IndexConfig(), "fp", "enc", 1, seed=0)
+    index = groups[2].build("listed", shards, IndexConfig(), "fp", "enc", 1, seed=0)
     out = index.save(tmp_path / "index")
     index.drop()
     saved = json.loads((out / SHARDED).read_text())
@@ -691,11 +690,11 @@ def test_the_list_of_shards_is_checked_for_consistency(groups, vectors, tmp_path
 
     resealed(_swap_ranges)
     with pytest.raises(
-        IndexMismatchError, match=r"shard-0 holds rows \[133, 266\) but .*manifest.json says \[0, 133\)"
+        IndexMismatchError, match=r"shard-0 holds rows \[200, 400\) but .*manifest.json says \[0, 200\)"
     ):
         open_saved(out)
     resealed(lambda d: d["shards"].pop())
-    with pytest.raises(IndexMismatchError, match=r"the shards hold rows \[0, 266\), its index_meta.json 400"):
+    with pytest.raises(IndexMismatchError, match=r"the shards hold rows \[0, 200\), its index_meta.json 400"):
         open_saved(out)
     resealed(lambda d: None)
     open_saved(out)
@@ -723,7 +722,7 @@ def test_search_of_a_damaged_saved_index_is_one_line_and_exit_2(groups, vectors,
 
     _, shards, _ = vectors
     out = tmp_path / "run"
-    index = groups[3].build("searched", shards, IndexConfig(), "fp", "enc", 1, seed=0)
+    index = groups[2].build("searched", shards, IndexConfig(), "fp", "enc", 1, seed=0)
     index.save(out / "index")
     index.drop()
     cfg = to_typed(compose(["experiment=quickstart", *tiny_overrides(tmp_path)]))
