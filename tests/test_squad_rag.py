@@ -60,6 +60,10 @@ def test_the_squad_rag_command_evaluates_the_named_articles_with_every_paragraph
         f"output_dir={out}",
         f"logger.tracking_uri={mlflow_db(tmp_path / 'mlflow.db')}",
         "resources.num_cpus=4",  # the test session's Ray cluster (tests/conftest.py: RAY_CPUS)
+        # the experiment's vector cache is relative to the working folder: one left there by an earlier run would
+        # skip the encode this test covers (and the test would write into the checkout)
+        f"index.cache_dir={tmp_path / 'cache'}",
+        "resources.pool.num_actors=1",  # one encode actor for 6 passages: each loads torch and MiniLM (~4 CPU-s)
     ]
     variants = override_variants(compose(args))  # as the CLI dispatches an experiment with variants
     assert list(variants) == ["retrieval"]
