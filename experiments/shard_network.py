@@ -109,13 +109,13 @@ def row(bandwidth: str, policy: str, run, rounds: dict[str, list[float]], link_b
         "rounds": len(rounds.get("seconds", [])),
         "round_s": mean("seconds"),
         "rx_mb": rx,
-        "snapshot_mb": m.get("index/snapshot_mb", math.nan),
+        "snapshot_mb": m.get("run/index/snapshot_mb", math.nan),
         "wire_s": rx * 8e6 / link_bits if link_bits and not math.isnan(link_bits) else math.nan,
         "search_p50": mean("search_p50"),
         "search_p95": max(rounds["search_p95"]) if rounds.get("search_p95") else math.nan,
         "mixed_recall": mean("mixed_recall"),
-        "throughput_ratio": m.get("index/refresh_throughput_ratio", math.nan),
-        "lag_wait_s": m.get("index/lag_wait_seconds", math.nan),
+        "throughput_ratio": m.get("run/index/refresh_throughput_ratio", math.nan),
+        "lag_wait_s": m.get("run/index/lag_wait_seconds", math.nan),
         "final_ndcg": m.get("trained/ndcg_at_10", math.nan),
     }
 

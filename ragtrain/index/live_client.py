@@ -182,6 +182,8 @@ class LiveIndexClient:
         self.mixed_steps = 0  # steps whose negatives came from a version that mixed encoder versions
         self.lag_wait_s = 0.0  # rank 0's time waiting for rounds held back by refresh.max_lag_steps
         self.snapshot_mb = 0.0  # the size of the last snapshot sent to the shards
+        # shards that encode in bf16 cast the snapshot on load: sent as bf16 it is half the bytes and the same vectors
+        self.snapshot_bf16 = rank == 0 and _call(service, "snapshot_precision") == "bf16"
 
     def begin_step(self, step: int) -> int:
         """Switch to the version `step` mines from: rank 0 asks the service (a ~1 ms actor call) and broadcasts
@@ -380,7 +382,11 @@ class LiveIndexClient:
 
     def start(self, step: int, state_dict: dict) -> None:
         """Start a refresh with this snapshot (put in the object store once; the index shards fetch it)."""
-        weights = {k: v.detach().cpu().clone() for k, v in state_dict.items()}
+        cast = torch.bfloat16 if self.snapshot_bf16 else None
+        weights = {
+            k: v.detach().cpu().to(cast) if cast is not None and v.is_floating_point() else v.detach().cpu().clone()
+            for k, v in state_dict.items()
+        }
         self.snapshot_mb = sum(v.numel() * v.element_size() for v in weights.values()) / 1e6
         self.pending = self.service.refresh.remote(step, [ray.put(weights)])
         self.pending_since = time.perf_counter()

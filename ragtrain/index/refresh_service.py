@@ -200,6 +200,12 @@ class RefreshService:
 
     # ------------------------------------------------------------------------------------- what trainers ask
 
+    def snapshot_precision(self) -> str:
+        """The precision the shards encode in (index.precision, resolved on the driver): under bf16 they cast every
+        snapshot to bf16 on load, so the trainer may send it as bf16, half the bytes on every index node's link."""
+        precision = self.spec.index.precision
+        return str(getattr(precision, "value", precision))
+
     def version(self) -> int:
         """The live version number (-1 before the first publish): a cheap poll."""
         with self._swap:

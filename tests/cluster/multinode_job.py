@@ -220,6 +220,7 @@ def distributed_part(out_dir: str) -> dict:
                 "refresh.check_every=2",
                 "refresh.probe_passages=16",
                 "refresh.probe_queries=4",
+                "refresh.search_probe=3",
                 "index.shards=auto",  # one shard per index node: each refreshes half its rows, searched as they land
                 "refresh.consistency=eager",
                 "refresh.fraction=0.5",
@@ -245,6 +246,7 @@ def distributed_part(out_dir: str) -> dict:
         "refresh_nodes": sorted({h["node"] for h in history}),
         "refresh_metrics": [h["metrics"] for h in history],
         "refreshes": train["index/refreshes"],
+        "snapshot_mb": train["index/snapshot_mb"],
         "killed": os.path.exists(os.path.join(out, "ray", ".fault_injected_retriever_rank1_step3")),
         "steps": train["steps"],
         "chunks": len(run_doc_of(out)),

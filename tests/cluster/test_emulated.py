@@ -103,6 +103,10 @@ def test_docs_pipeline_with_live_refresh_and_a_killed_worker_on_two_nodes(two_no
     for m in res["refresh_metrics"]:  # the 2 index shards each re-encoded half their rows, searched as they landed
         assert m["index/encoded_fraction"] == pytest.approx(0.5, abs=0.05) and m["index/version_skew"] >= 1
         assert 0.0 <= m["index/mixed_recall_at_10"] <= 1.0 and "index/shard1_encode_seconds" in m
+        # 3 single-query searches timed from the service's node after each round
+        assert 0.0 < m["index/search_ms_p50"] <= m["index/search_ms_p95"]
+        if two_nodes.apart:  # a shard on another node than rank 0 fetched the whole snapshot over its link
+            assert m["index/round_rx_mb"] >= 0.9 * res["snapshot_mb"] > 0, (m, res["snapshot_mb"])
     # index shards: auto put one on each index node; shard 1 killed mid-search restarted there, from disk, and the
     # search returned what it returns unharmed (and what exact search returns)
     assert res["shards"] == 2 and sorted(res["shard_nodes"]) == sorted(res["nodes"])

@@ -99,3 +99,16 @@ def test_one_function_fills_every_faiss_index() -> None:
         if "index.add(" in line
     }
     assert [f for f, _ in adds] == ["index/faiss_index.py"]
+
+
+def test_a_bf16_encoder_gives_the_same_vectors_from_a_snapshot_sent_as_bf16(tiny) -> None:
+    """The live refresh sends shards that encode in bf16 their snapshot as bf16 (half the bytes per round): they cast
+    it on load anyway, so the vectors are the same bits as from the fp32 snapshot."""
+    cfg, weights = tiny
+    texts = ["a short passage", "another, somewhat longer passage about a thing"]
+    half = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
+    sent = LocalEncoder(cfg, half, batch_size=2, precision="bf16").encode(texts, 24, "passage")
+    kept = LocalEncoder(cfg, dict(weights), batch_size=2, precision="bf16").encode(texts, 24, "passage")
+    assert sent.dtype == kept.dtype and np.array_equal(sent, kept)
+    fp32 = LocalEncoder(cfg, dict(weights), batch_size=2, precision="fp32").encode(texts, 24, "passage")
+    assert not np.array_equal(sent, fp32)  # bf16 weights do change the vectors: the check above can fail

@@ -30,7 +30,7 @@ def _run(**metrics) -> SimpleNamespace:
 def test_a_row_averages_the_rounds_and_prices_their_bytes_at_the_measured_rate() -> None:
     rounds = {"seconds": [10.0, 14.0], "rx_mb": [180.0, 182.0], "search_p50": [4.0, 6.0], "search_p95": [9.0, 30.0]}
     rounds["mixed_recall"] = [1.0, 0.9]
-    run = _run(**{"index/snapshot_mb": 90.9, "index/refresh_throughput_ratio": 0.8, "trained/ndcg_at_10": 0.9})
+    run = _run(**{"run/index/snapshot_mb": 90.9, "run/index/refresh_throughput_ratio": 0.8, "trained/ndcg_at_10": 0.9})
     r = sh.row("100mbit", "global", run, rounds, 96e6)
     assert r["rounds"] == 2 and r["round_s"] == 12.0 and r["rx_mb"] == 181.0
     assert r["wire_s"] == 181.0 * 8e6 / 96e6  # the bytes at the link's measured rate

@@ -400,6 +400,7 @@ def test_a_small_run_refreshes_its_sharded_index_while_a_stopped_shard_fails_one
         "refresh.every_steps=2",
         "refresh.max_lag_steps=4",
         "refresh.check_every=2",
+        "refresh.search_probe=3",
         f"refresh.timeout_s={timeout_s}",
         "fault.hold_shard_encode=0",
         "zeroshot_eval=false",
@@ -468,6 +469,15 @@ def test_a_small_run_refreshes_its_sharded_index_while_a_stopped_shard_fails_one
     assert [(step, lag) for step, lag in lags if lag > 4 and step >= landed] == [], (lags, landed)
     assert json.loads((tmp_path / "out" / "status.json").read_text())["status"] == "complete"
     assert 0.0 <= results["trained"]["ndcg@10"] <= 1.0
+    # each round's snapshot went out in the precision the shards encode in: bf16 is half the fp32 weights' bytes
+    from ragtrain.embed.precision import resolved_index
+    from ragtrain.pipeline.stages import initial_weights
+
+    fp32_mb = sum(v.numel() * v.element_size() for v in initial_weights(cfg).values()) / 1e6
+    bf16 = resolved_index(cfg).precision.value == "bf16"
+    assert t["index/snapshot_mb"] == pytest.approx(fp32_mb / 2 if bf16 else fp32_mb, rel=0.01)
+    for h in history:  # 3 timed single-query searches after every round
+        assert 0.0 < h["metrics"]["index/search_ms_p50"] <= h["metrics"]["index/search_ms_p95"]
 
 
 @pytest.mark.slow(

@@ -7,7 +7,7 @@ from pathlib import Path
 from ragtrain.runtime.netdev import interface_bytes, parse_net_dev
 
 TABLE = """Inter-|   Receive                                                |  Transmit
- face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
+ face |bytes packets errs drop fifo frame compressed multicast|bytes packets errs drop fifo colls carrier compressed
     lo: 5000 50    0    0    0     0          0         0 5000 50    0    0    0     0       0          0
   eth0: 1200 10    0    0    0     0          0         0 340 4    0    0    0     0       0          0
   veth1:    30 1    0    0    0     0          0         0 7 1    0    0    0     0       0          0
