@@ -318,8 +318,11 @@ def commit() -> str:
     """The checkout's short commit, marked when the tree had changes not committed."""
     git = ["git", "-C", str(REPO)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if not head:  # a `git archive` copy (experiments run from one): git wrote the commit into ARCHIVED_COMMIT
+        stamped = (REPO / "experiments" / "ARCHIVED_COMMIT").read_text().strip()
+        return "unknown" if stamped.startswith("$Format") else f"{stamped} (a git archive of it)"
     dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    return (head or "unknown") + (" (with changes not committed)" if dirty.stdout.strip() else "")
+    return head + (" (with changes not committed)" if dirty.stdout.strip() else "")
 
 
 def readme_block(table: str, sentences: Sequence[str], png: Path, about: dict[str, str]) -> str:
