@@ -240,3 +240,19 @@ def test_workers_per_node_size_the_cluster_and_the_trainer_for_hierarchical(tmp_
     assert args.cpus_per_node == 2 and sn.unknown_strategies(args.strategies, args.presets) is None
     argv = sn.cluster_argv(args, "100mbit", args.strategies, tmp_path, 1, "snx")
     assert argv[argv.index("--cpus-per-node") + 1] == "2" and "resources.trainer.num_workers=4" in argv
+
+
+def test_a_git_archive_copy_names_the_commit_it_was_made_from(tmp_path: Path) -> None:
+    """Experiments run from a `git archive` copy (no .git): git stamps the commit into experiments/ARCHIVED_COMMIT."""
+    import subprocess
+    import tarfile
+
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    tar = tmp_path / "a.tar"
+    subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(tar), "HEAD", "experiments"], check=True)
+    with tarfile.open(tar) as t:
+        stamped = t.extractfile("experiments/ARCHIVED_COMMIT").read().decode().strip()
+    assert stamped == head.stdout.strip()
+    assert sn.commit().split(" ")[0] == head.stdout.strip()  # in the checkout: git itself
