@@ -183,7 +183,7 @@ class LiveIndexClient:
         self.lag_wait_s = 0.0  # rank 0's time waiting for rounds held back by refresh.max_lag_steps
         self.snapshot_mb = 0.0  # the size of the last snapshot sent to the shards
         # shards that encode in bf16 cast the snapshot on load: sent as bf16 it is half the bytes and the same vectors
-        self.snapshot_bf16 = rank == 0 and _call(service, "snapshot_precision") == "bf16"
+        self.snapshot_bf16: bool | None = None  # asked at the first refresh (only rank 0 starts them)
 
     def begin_step(self, step: int) -> int:
         """Switch to the version `step` mines from: rank 0 asks the service (a ~1 ms actor call) and broadcasts
@@ -382,6 +382,8 @@ class LiveIndexClient:
 
     def start(self, step: int, state_dict: dict) -> None:
         """Start a refresh with this snapshot (put in the object store once; the index shards fetch it)."""
+        if self.snapshot_bf16 is None:
+            self.snapshot_bf16 = _call(self.service, "snapshot_precision") == "bf16"
         cast = torch.bfloat16 if self.snapshot_bf16 else None
         weights = {
             k: v.detach().cpu().to(cast) if cast is not None and v.is_floating_point() else v.detach().cpu().clone()
