@@ -46,7 +46,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from ragtrain.cluster.resources import InfeasibleResourcesError  # noqa: E402
 from ragtrain.config import check_ascii_numbers, has_non_ascii_digits, non_ascii_digits, register_configs, to_typed  # noqa: E402
 from ragtrain.config.variants import override_variants, sync_variants  # noqa: E402
-from ragtrain.runtime.console import configure  # noqa: E402
+from ragtrain.runtime.console import configure, quiet_ray_data  # noqa: E402
 from ragtrain.runtime.errors import ConfigError  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -59,12 +59,19 @@ _EXISTING_BEFORE: set[Path] | None = None
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (config, data, a cluster too small, a mismatched index) or a store that
     cannot serve (an index shard lost beyond its restarts): one line, exit 2."""
-    # lazy: ragtrain.data loads its readers and ragtrain.index.faiss_index loads faiss; the CLI starts without them
+    # lazy: ragtrain.data loads its readers; the CLI starts without them
     from ragtrain.data.types import DataError
-    from ragtrain.index.faiss_index import IndexMismatchError
-    from ragtrain.index.sharded import ShardUnavailableError
 
-    return ConfigError, DataError, InfeasibleResourcesError, IndexMismatchError, ShardUnavailableError
+    kinds: list[type[BaseException]] = [ConfigError, DataError, InfeasibleResourcesError]
+    # The index's errors only where the index modules are loaded: an error of theirs exists only then, and importing
+    # them (faiss, torch, Ray) for a config refused at its checks cost most of that command's second of CPU
+    for module, name in (
+        ("ragtrain.index.faiss_index", "IndexMismatchError"),
+        ("ragtrain.index.sharded", "ShardUnavailableError"),
+    ):
+        if module in sys.modules:
+            kinds.append(getattr(sys.modules[module], name))
+    return tuple(kinds)
 
 
 ERROR_KINDS = {
@@ -223,6 +230,7 @@ def dispatch(cfg: DictConfig) -> None:
         from ragtrain.tune.sweep import plan_sweep, run_sweep
 
         plan_sweep(typed, CONF_DIR)
+        quiet_ray_data()  # checked: the work starts
         result = run_sweep(typed, CONF_DIR)
         if result.interrupted:  # Ctrl+C: state saved, continue with resume=true
             raise SystemExit(130)
@@ -235,6 +243,7 @@ def dispatch(cfg: DictConfig) -> None:
 
     for each in [typed, *variants.values()]:  # every variant's live-refresh choices, before the first one runs
         check_refresh(each.refresh, fault=each.fault)
+    quiet_ray_data()  # checked: the work starts
     if variants:
         # lazy: ragtrain.commands.variants imports pandas/pyarrow/torch; the CLI starts without them
         from ragtrain.commands.variants import run_variants

@@ -44,29 +44,48 @@ multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "transform
 
 
 SHARED_RUN = "quickstart_run"  # the session fixture below: one finished run that many modules read
+# Session fixtures whose start costs seconds of CPU: the files using one of them run in one xdist process, so that it
+# starts once (the quickstart run, ~60 s of CPU; the MLflow tracking server, ~9 s)
+SHARED_FIXTURES = (SHARED_RUN, "mlflow_server")
+
+
+def shared_units(files: dict[str, str]) -> dict[str, str]:
+    """{file: work unit} for the files (path -> text) that use a SHARED_FIXTURES fixture: files using the same one
+    share a unit, and a file using two joins their units."""
+    unit = {name: name for name in SHARED_FIXTURES}
+
+    def root(name: str) -> str:
+        while unit[name] != name:
+            name = unit[name]
+        return name
+
+    uses = {f: [n for n in SHARED_FIXTURES if n in text] for f, text in files.items()}
+    for names in uses.values():
+        for other in names[1:]:
+            unit[root(other)] = root(names[0])
+    return {f: root(names[0]) for f, names in uses.items() if names}
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, nothing to schedule
 def pytest_xdist_make_scheduler(config, log):
     """Under `--dist loadfile` (the Makefile's): each test file is one pytest-xdist work unit (its module fixtures
-    run once), except that the files using the shared finished run are one unit together. A session fixture runs
-    once per xdist process, so with those files on both processes the quickstart would run twice. (xdist's own
-    `--dist loadgroup` cannot do this here: its group suffix never reaches the node ids under this pytest.)"""
+    run once), except that the files using one shared session fixture (SHARED_FIXTURES) are one unit together. A
+    session fixture runs once per xdist process, so with those files on both processes the quickstart would run
+    twice. (xdist's own `--dist loadgroup` cannot do this here: its group suffix never reaches the node ids under
+    this pytest.)"""
     if config.getoption("dist") != "loadfile":
         return None  # xdist's own scheduler for any other mode
     from xdist.scheduler import LoadFileScheduling  # lazy: only a distributed run needs it
 
     tests = Path(config.rootpath) / "tests"
-    sharing = {
-        str(f.relative_to(config.rootpath))
-        for f in tests.rglob("test_*.py")
-        if SHARED_RUN in f.read_text(encoding="utf-8")
-    }
+    sharing = shared_units(
+        {str(f.relative_to(config.rootpath)): f.read_text(encoding="utf-8") for f in tests.rglob("test_*.py")}
+    )
 
     class SharedRunScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return SHARED_RUN if path in sharing else path
+            return sharing.get(path, path)
 
     return SharedRunScheduling(config, log)
 

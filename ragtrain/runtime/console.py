@@ -34,7 +34,9 @@ PROGRESS_ENV = "RAGTRAIN_PROGRESS"
 
 
 def configure(verbose: bool) -> None:
-    """Quiet the libraries unless `verbose`; call before they are imported (the environment is read at import)."""
+    """Quiet the libraries unless `verbose`; call before they are imported (the environment is read at import).
+    Ray Data's own settings wait for `quiet_ray_data`, called once the config has passed its checks: importing
+    Ray Data costs about a second of CPU, which a command refused at its checks need not pay."""
     if not sys.stdout.isatty():  # Ray colours its worker-line prefixes: escape codes in a log file or a pipe
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if verbose:
@@ -43,7 +45,15 @@ def configure(verbose: bool) -> None:
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault(PROGRESS_ENV, "1" if sys.stdout.isatty() else "0")
-    from ray.data import DataContext  # imported first: Ray Data sets its loggers' levels when it is imported
+    quiet_loggers()
+
+
+def quiet_ray_data() -> None:
+    """Under the quiet console (`configure`), before any work: Ray Data's progress output, and the library loggers
+    turned down again, as Ray Data sets its loggers' levels when it is imported."""
+    if not is_quiet():
+        return
+    from ray.data import DataContext
 
     # On a terminal Ray Data draws one live bar per pipeline; in a log file it writes a status block every 10 s,
     # which was most of a run's output

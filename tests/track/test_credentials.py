@@ -110,6 +110,9 @@ def test_credentials_in_the_uri_work_and_appear_nowhere(ray_session, auth_proxy,
                 "experiment=quickstart",
                 *over,
                 "stages=[index]",
+                # one encode actor: an actor is a process that imports torch and builds the encoder, and what is
+                # searched for here does not depend on how many encode (the pool of 2 is tested in tests/corpus)
+                "resources.pool.num_actors=1",
                 f"logger.tracking_uri={uri}",
                 "logger.experiment_name=credentials",
             ]
