@@ -53,7 +53,7 @@ def quiet_ray_data() -> None:
     turned down again, as Ray Data sets its loggers' levels when it is imported."""
     if not is_quiet():
         return
-    from ray.data import DataContext
+    from ray.data import DataContext  # lazy: Ray Data's import is ~1 s, and a refused config never needs it
 
     # On a terminal Ray Data draws one live bar per pipeline; in a log file it writes a status block every 10 s,
     # which was most of a run's output
