@@ -408,7 +408,10 @@ class RefreshService:
             "metrics": self._round_metrics(round_.encoded, round_.states, extra),
             "node": ray.get_runtime_context().get_node_id(),
         }
-        stats["metrics"].update(self._search_latency(qvecs))  # after the round's seconds: not part of them
+        try:  # after the round's seconds: not part of them
+            stats["metrics"].update(self._search_latency(qvecs))
+        except ShardUnavailableError as e:  # the round did land: a lost shard costs this round its latency figures
+            log.warning("refresh round %d landed; its timed searches failed, so it has no search latency: %s", v, e)
         self.history.append({**stats, "state_metrics": [s["metrics"] for s in round_.states]})
         return stats
 
