@@ -29,7 +29,6 @@ import datetime
 import importlib.util
 import json
 import math
-import os
 import secrets
 import sys
 from collections.abc import Sequence
@@ -185,16 +184,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def refusal(args: argparse.Namespace) -> str | None:
     """Why the command cannot run, in one line; None if it can."""
-    for b in args.bandwidths:
-        try:
-            sn.asked_bits(b)
-        except ValueError as e:
-            return f"bandwidth {b!r}: {e} (or {sn.UNSHAPED})"
-    if args.report_only and not args.out:
-        return "--report-only reads an existing run: give its --out"
-    if not args.report_only and os.geteuid() != 0:
-        return "needs root: the emulated cluster makes network namespaces (run it with sudo)"
-    return None
+    return sn.cluster_refusal(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -583,9 +583,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def refusal(args: argparse.Namespace) -> str | None:
     """Why the command cannot run, in one line; None if it can."""
-    why = unknown_strategies(args.strategies, args.presets)
-    if why:
-        return why
+    return unknown_strategies(args.strategies, args.presets) or cluster_refusal(args)
+
+
+def cluster_refusal(args: argparse.Namespace) -> str | None:
+    """Why a grid on emulated clusters cannot run (a bad bandwidth, a report without its folder, no root), in one
+    line; None if it can. Shared by every experiment that brings up one cluster per bandwidth."""
     for b in args.bandwidths:
         try:
             asked_bits(b)
