@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -10,14 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.experiments import script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("refresh_curve", REPO / "experiments" / "refresh_curve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("refresh_curve")
 
 
 def _variant(run: Path, name: str, fraction: float, priority: str, ndcg: float, rounds: list[dict]) -> None:
@@ -68,13 +64,13 @@ def test_the_rounds_view_takes_each_rounds_worst_state(tmp_path: Path) -> None:
     _variant(run, "shards_eager", 1.0, "oldest", 0.7,
              [_round(1.0, [1.0], [0.9, 0.8, 1.0], [0.7, 0.6, 1.0], step=15), {"ok": False, "error": "boom"},
               _round(1.0, [1.0], [1.0], [1.0], step=30)])  # fmt: skip
-    script = _script()
-    assert script.round_rows(run / "shards_eager") == [
+    module = _script()
+    assert module.round_rows(run / "shards_eager") == [
         {"step": 15, "index/mixed_recall_at_10": 0.8, "index/mined_agreement": 0.6},
         {"step": 30, "index/mixed_recall_at_10": 1.0, "index/mined_agreement": 1.0},
     ]
     png = tmp_path / "rounds.png"
-    assert script.main([str(run), "--png", str(tmp_path / "curve.png"), "--rounds-png", str(png)]) == 0
+    assert module.main([str(run), "--png", str(tmp_path / "curve.png"), "--rounds-png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

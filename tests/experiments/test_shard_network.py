@@ -4,20 +4,16 @@ command and its one-line refusals."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 from types import SimpleNamespace
 
 import pandas as pd
 
-from tests.conftest import REPO
+from tests.experiments import script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("shard_network", REPO / "experiments" / "shard_network.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("shard_network")
 
 
 sh = _load()

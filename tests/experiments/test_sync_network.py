@@ -5,7 +5,6 @@ it builds."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 from pathlib import Path
 
@@ -13,13 +12,11 @@ import pandas as pd
 import pytest
 
 from tests.conftest import REPO
+from tests.experiments import script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("sync_network", REPO / "experiments" / "sync_network.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("sync_network")
 
 
 sn = _script()
